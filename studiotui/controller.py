@@ -1,0 +1,437 @@
+"""The one owner of cluster state and of all I/O with the nodes.
+
+Command-line verbs and the TUI drive the same Controller. It keeps a frozen
+`ClusterState`, replaces it on every change and tells its listeners. Commands are
+methods named in the imperative (`place`, `unload`, `generate`); what happened
+is recorded in the state's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from studiotui import keys
+from studiotui.agents import AgentError, AgentUnreachable, Peer
+from studiotui.inventory import Inventory, NodeSpec
+from studiotui.model_facts import ModelInfo, read_model
+from studiotui.placement import NodeBudget, Plan, Refusal, plan
+from studiotui.state import (
+    ClusterState,
+    LogEntry,
+    NodeState,
+    PlacementState,
+    placements_from_shards,
+    shard_from_report,
+)
+from worker.protocol import messages
+
+DOWN_AFTER_S = 3.0
+LOG_KEEP = 500
+Listener = Callable[[ClusterState], None]
+Progress = Callable[[str, int, int], None]
+
+
+class PlacementError(RuntimeError):
+    pass
+
+
+class GenerationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PlaceResult:
+    plan: Plan
+    placement: PlacementState
+
+
+class Controller:
+    def __init__(self, home: Path, inventory: Inventory) -> None:
+        self.home = home
+        self.inventory = inventory
+        self.ctx = zmq.asyncio.Context()
+        self.keys = keys.controller_keys(home)
+        self.peers: dict[str, Peer] = {}
+        self.state = ClusterState(
+            name=inventory.name,
+            nodes=tuple(
+                NodeState(n.name, n.address, n.control_port, n.transport) for n in inventory.nodes
+            ),
+        )
+        self._listeners: list[Listener] = []
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._sub: zmq.asyncio.Socket | None = None
+
+    # ---- state --------------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _set(self, state: ClusterState) -> None:
+        self.state = state
+        for listener in list(self._listeners):
+            listener(state)
+
+    def _update_node(self, name: str, **changes: Any) -> None:
+        nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
+        self._set(replace(self.state, nodes=nodes, placements=placements_from_shards(nodes)))
+
+    def record(self, text: str, level: str = "info") -> None:
+        entry = LogEntry(time=time.time(), level=level, text=text)
+        self._set(replace(self.state, log=(*self.state.log[-(LOG_KEEP - 1) :], entry)))
+
+    # ---- connections ---------------------------------------------------------------------
+
+    def spec(self, name: str) -> NodeSpec:
+        return self.inventory.node(name)
+
+    def peer(self, name: str) -> Peer:
+        if name not in self.peers:
+            node = self.spec(name)
+            self.peers[name] = Peer(
+                self.ctx,
+                node.control_endpoint,
+                self.keys,
+                keys.node_public_key(self.home, name),
+                name,
+            )
+        return self.peers[name]
+
+    async def start(self, telemetry: bool = True) -> None:
+        await self.refresh()
+        if telemetry:
+            self._start_telemetry()
+
+    def _start_telemetry(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"telemetry")
+        for node in self.inventory.nodes:
+            # The server key is read at connect time, so one SUB serves every agent.
+            from worker.protocol.curve import make_client
+
+            make_client(sub, self.keys, keys.node_public_key(self.home, node.name))
+            sub.connect(node.telemetry_endpoint)
+        self._sub = sub
+        self._tasks.append(asyncio.create_task(self._read_telemetry()))
+        self._tasks.append(asyncio.create_task(self._watch_liveness()))
+
+    async def _read_telemetry(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            if len(frames) != 2:
+                continue
+            try:
+                msg = messages.decode(frames[1])
+            except messages.MessageError:
+                continue
+            self._apply_telemetry(msg)
+
+    def _apply_telemetry(self, msg: dict[str, Any]) -> None:
+        name = msg["name"]
+        node = self.state.node(name)
+        if node is None:
+            return
+        was = node.state
+        node = node.with_sample(
+            int(msg.get("memory_used", 0)), int(msg.get("memory_total", 0)), time.time()
+        )
+        facts = msg.get("facts") or {}
+        shards = tuple(shard_from_report(name, s) for s in msg.get("shards", []))
+        self._update_node(
+            name,
+            state="up",
+            version=str(msg.get("version", node.version)),
+            memory_used=node.memory_used,
+            memory_total=node.memory_total,
+            memory_history=node.memory_history,
+            last_seen=node.last_seen,
+            cpu_pct=float(msg.get("cpu_pct", 0.0)),
+            gpu_pct=msg.get("gpu_pct"),
+            power_w=msg.get("power_w"),
+            chip=str(facts.get("chip", node.chip)),
+            os=str(facts.get("os", node.os)),
+            facts=facts,
+            shards=shards,
+            message="",
+        )
+        if was != "up":
+            self.record(f"{name} is up ({msg.get('version', '?')})")
+
+    async def _watch_liveness(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for node in self.state.nodes:
+                if node.state == "up" and now - node.last_seen > DOWN_AFTER_S:
+                    self._update_node(
+                        node.name, state="down", shards=(), message="no telemetry for 3 s"
+                    )
+                    self.record(f"{node.name} is down: no telemetry for 3 s", "error")
+
+    async def refresh(self, timeout: float = 2.0) -> ClusterState:
+        """Ask every agent who it is and what it runs."""
+        results = await asyncio.gather(
+            *(self._hello(n.name, timeout) for n in self.inventory.nodes), return_exceptions=True
+        )
+        for node, result in zip(self.inventory.nodes, results, strict=True):
+            if isinstance(result, BaseException):
+                self._update_node(node.name, state="down", shards=(), message=str(result))
+        return self.state
+
+    async def _hello(self, name: str, timeout: float) -> None:
+        reply = await self.peer(name).request("hello", timeout=timeout)
+        facts = reply.get("facts") or {}
+        shards = tuple(shard_from_report(name, s) for s in reply.get("shards", []))
+        self._update_node(
+            name,
+            state="up",
+            version=reply["version"],
+            memory_total=int(reply.get("memory_total", facts.get("memory_total", 0))),
+            memory_used=int(reply.get("memory_used", 0)),
+            chip=str(facts.get("chip", "")),
+            os=str(facts.get("os", "")),
+            facts=facts,
+            shards=shards,
+            last_seen=time.time(),
+            message="",
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for peer in self.peers.values():
+            await peer.aclose()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self.ctx.term()
+
+    # ---- placement -----------------------------------------------------------------------
+
+    def preview(
+        self, model_dir: Path, nodes: list[str], context_tokens: int = 4096
+    ) -> tuple[ModelInfo, Plan | Refusal]:
+        info = read_model(model_dir)
+        budgets = []
+        for name in nodes:
+            node = self.state.node(name)
+            if node is None:
+                return info, Refusal(f"unknown node {name!r}")
+            if node.state != "up":
+                return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
+            budgets.append(NodeBudget(name, node.memory_free, node.memory_total))
+        return info, plan(info.facts, budgets, context_tokens=context_tokens)
+
+    async def place(
+        self,
+        model_dir: Path,
+        nodes: list[str] | None = None,
+        name: str | None = None,
+        progress: Progress | None = None,
+        prefill_chunk: int = 512,
+        context_tokens: int = 4096,
+    ) -> PlaceResult:
+        model_dir = model_dir.expanduser().resolve()
+        await self.refresh()
+        nodes = nodes or [n.name for n in self.state.nodes if n.state == "up"]
+        name = name or model_dir.name
+        if self.state.placement(name) is not None:
+            raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
+        info, the_plan = self.preview(model_dir, nodes, context_tokens)
+        if isinstance(the_plan, Refusal):
+            raise PlacementError(f"cannot place {info.name}: {the_plan.reason}")
+        self.record(
+            f"placing {info.name} as {name!r} on {', '.join(s.node for s in the_plan.shards)}"
+        )
+        try:
+            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk)
+        except (AgentError, AgentUnreachable, PlacementError) as exc:
+            self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
+            await self._unload_everywhere(name, [s.node for s in the_plan.shards])
+            raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
+        await self.refresh()
+        placed = self.state.placement(name)
+        if placed is None:
+            raise PlacementError(f"placement {name!r} vanished after loading")
+        self.record(f"placement {name!r} is ready")
+        return PlaceResult(plan=the_plan, placement=placed)
+
+    async def _deploy(
+        self,
+        the_plan: Plan,
+        model_dir: Path,
+        name: str,
+        progress: Progress | None,
+        prefill_chunk: int,
+    ) -> None:
+        shards = the_plan.shards
+        prepared = await asyncio.gather(
+            *(self.peer(s.node).request("prepare_shard", placement=name) for s in shards)
+        )
+        count = len(shards)
+
+        async def load(i: int) -> None:
+            shard = shards[i]
+            nxt = shards[(i + 1) % count]
+            endpoint = (
+                f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
+            )
+            async for msg in self.peer(shard.node).stream(
+                "load_shard",
+                timeout=120.0,
+                placement=name,
+                model_dir=str(model_dir),
+                start=shard.start,
+                end=shard.end,
+                index=i,
+                count=count,
+                data_port=prepared[i]["data_port"],
+                client_port=prepared[i]["client_port"],
+                next_endpoint=endpoint,
+                next_key=keys.node_public_key(self.home, nxt.node).decode(),
+                prefill_chunk=prefill_chunk,
+            ):
+                if progress and msg["type"] == "progress":
+                    progress(shard.node, int(msg["done"]), int(msg["total"]))
+                if progress and msg["type"] == "shard_ready":
+                    progress(
+                        shard.node, int(msg.get("param_bytes", 1)), int(msg.get("param_bytes", 1))
+                    )
+
+        results = await asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise PlacementError("; ".join(str(e) for e in errors))
+
+    async def unload(self, name: str) -> None:
+        await self.refresh()
+        placement = self.state.placement(name)
+        if placement is None:
+            raise PlacementError(f"no placement named {name!r}")
+        await self._unload_everywhere(name, list(placement.nodes))
+        await self.refresh()
+        self.record(f"placement {name!r} unloaded")
+
+    async def _unload_everywhere(self, name: str, nodes: list[str]) -> None:
+        await asyncio.gather(
+            *(self.peer(n).request("unload", timeout=10.0, placement=name) for n in nodes),
+            return_exceptions=True,
+        )
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def head_peer(self, placement: PlacementState) -> Peer:
+        head = placement.shards[0]
+        key = f"head:{placement.name}:{head.node}:{head.client_port}"
+        if key not in self.peers:
+            spec = self.spec(head.node)
+            self.peers[key] = Peer(
+                self.ctx,
+                f"tcp://{spec.address}:{head.client_port}",
+                self.keys,
+                keys.node_public_key(self.home, head.node),
+                f"{placement.name} head on {head.node}",
+            )
+        return self.peers[key]
+
+    def pick_placement(self, name: str | None) -> PlacementState:
+        placements = self.state.placements
+        if name is None:
+            ready = [p for p in placements if p.state == "ready"]
+            if len(ready) == 1:
+                return ready[0]
+            if not ready:
+                raise GenerationError(
+                    "no placement is ready: place a model first (studiotui place)"
+                )
+            names = ", ".join(p.name for p in ready)
+            raise GenerationError(
+                f"several placements are ready ({names}): pick one with --placement"
+            )
+        placement = self.state.placement(name)
+        if placement is None:
+            known = ", ".join(p.name for p in placements) or "none"
+            raise GenerationError(f"no placement named {name!r} (known: {known})")
+        if placement.state != "ready":
+            raise GenerationError(f"placement {name!r} is {placement.state}, not ready")
+        return placement
+
+    async def generate(
+        self,
+        placement: str | None,
+        request: dict[str, Any],
+        params: dict[str, Any],
+        first_timeout: float = 60.0,
+        step_timeout: float = 30.0,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield accepted, delta… and done messages; raise GenerationError on failure.
+
+        `request` holds one of messages / prompt / tokens.
+        """
+        chosen = self.pick_placement(placement)
+        peer = self.head_peer(chosen)
+        rid = uuid.uuid4().hex
+        queue = peer.open(rid)
+        finished = False
+        try:
+            await peer.send("generate", rid=rid, params=params, **request)
+            timeout = first_timeout
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    raise GenerationError(self._silence_reason(chosen, timeout)) from None
+                timeout = step_timeout
+                kind = msg["type"]
+                if kind == "failed":
+                    finished = True
+                    raise GenerationError(msg["message"])
+                yield msg
+                if kind == "done":
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await peer.send("cancel", rid=rid)
+            peer.close_queue(rid)
+
+    def _silence_reason(self, placement: PlacementState, timeout: float) -> str:
+        down = [n for n in placement.nodes if (s := self.state.node(n)) and s.state != "up"]
+        if down:
+            return f"node {', '.join(down)} of placement {placement.name!r} is down"
+        return f"placement {placement.name!r} sent nothing for {timeout:g} s"
+
+    async def cancel(self, placement: str, rid: str) -> None:
+        chosen = self.pick_placement(placement)
+        await self.head_peer(chosen).send("cancel", rid=rid)
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    async def shutdown(self, names: list[str]) -> dict[str, str]:
+        results = await asyncio.gather(
+            *(self.peer(n).request("shutdown", timeout=5.0) for n in names),
+            return_exceptions=True,
+        )
+        return {
+            n: ("stopped" if not isinstance(r, BaseException) else f"not answering: {r}")
+            for n, r in zip(names, results, strict=True)
+        }
+
+    async def read_log(self, name: str, lines: int = 200) -> list[str]:
+        reply = await self.peer(name).request("read_log", lines=lines)
+        return [str(line) for line in reply["lines"]]

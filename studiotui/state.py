@@ -1,0 +1,154 @@
+"""The cluster as the controller knows it: frozen values, replaced, never mutated.
+
+Views read these; only the controller makes new ones. Nothing here imports
+from elsewhere in the project.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+HISTORY = 120  # samples of memory history kept per node (2 minutes at 1 Hz)
+
+
+@dataclass(frozen=True)
+class ShardState:
+    placement: str
+    node: str
+    index: int
+    count: int
+    start: int
+    end: int
+    state: str  # prepared, loading, ready, failed, stopped
+    model_dir: str = ""
+    progress: tuple[int, int] = (0, 0)
+    param_bytes: int = 0
+    client_port: int = 0
+    data_port: int = 0
+    tokens: int = 0
+    in_flight: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    address: str
+    control_port: int
+    transport: str
+    state: str = "unknown"  # unknown, up, down, provisioning
+    version: str = ""
+    memory_total: int = 0
+    memory_used: int = 0
+    cpu_pct: float = 0.0
+    gpu_pct: float | None = None
+    power_w: float | None = None
+    chip: str = ""
+    os: str = ""
+    last_seen: float = 0.0
+    memory_history: tuple[float, ...] = ()
+    shards: tuple[ShardState, ...] = ()
+    facts: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_total - self.memory_used)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.control_port}"
+
+    def with_sample(self, used: int, total: int, now: float) -> NodeState:
+        frac = used / total if total else 0.0
+        history = (*self.memory_history[-(HISTORY - 1) :], frac)
+        return replace(
+            self, memory_used=used, memory_total=total, last_seen=now, memory_history=history
+        )
+
+
+@dataclass(frozen=True)
+class PlacementState:
+    name: str
+    model: str
+    model_dir: str
+    shards: tuple[ShardState, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(s.node for s in self.shards)
+
+    @property
+    def state(self) -> str:
+        states = {s.state for s in self.shards}
+        if len(self.shards) != (self.shards[0].count if self.shards else 0):
+            return "broken"
+        for s in ("failed", "loading", "prepared"):
+            if s in states:
+                return s
+        return "ready" if states == {"ready"} else "broken"
+
+    @property
+    def layers(self) -> list[list[int]]:
+        return [[s.start, s.end] for s in self.shards]
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    time: float
+    level: str  # info, warning, error
+    text: str
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    name: str = "cluster"
+    nodes: tuple[NodeState, ...] = ()
+    placements: tuple[PlacementState, ...] = ()
+    log: tuple[LogEntry, ...] = ()
+
+    def node(self, name: str) -> NodeState | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def placement(self, name: str) -> PlacementState | None:
+        return next((p for p in self.placements if p.name == name), None)
+
+
+def placements_from_shards(nodes: tuple[NodeState, ...]) -> tuple[PlacementState, ...]:
+    """Group the shards the agents report into placements, in ring order."""
+    groups: dict[str, list[ShardState]] = {}
+    for node in nodes:
+        for shard in node.shards:
+            groups.setdefault(shard.placement, []).append(shard)
+    out = []
+    for name, shards in sorted(groups.items()):
+        shards.sort(key=lambda s: s.index)
+        model_dir = shards[0].model_dir
+        model = model_dir.rstrip("/").rsplit("/", 1)[-1]
+        out.append(
+            PlacementState(name=name, model=model, model_dir=model_dir, shards=tuple(shards))
+        )
+    return tuple(out)
+
+
+def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
+    stats = raw.get("stats") or {}
+    progress = raw.get("progress") or (0, 0)
+    return ShardState(
+        placement=str(raw.get("placement", "")),
+        node=node,
+        index=int(raw.get("index", 0)),
+        count=int(raw.get("count", 0)),
+        start=int(raw.get("start", 0)),
+        end=int(raw.get("end", 0)),
+        state=str(raw.get("state", "unknown")),
+        model_dir=str(raw.get("model_dir", "")),
+        progress=(int(progress[0]), int(progress[1])),
+        param_bytes=int(raw.get("param_bytes", 0)),
+        client_port=int(raw.get("client_port", 0)),
+        data_port=int(raw.get("data_port", 0)),
+        tokens=int(stats.get("tokens", 0)),
+        in_flight=int(stats.get("in_flight", 0)),
+        message=str(raw.get("message", "")),
+    )

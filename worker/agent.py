@@ -1,0 +1,430 @@
+"""The node daemon: control socket, telemetry, and the shard runners it supervises.
+
+It outlives the operator's session (started detached) and keeps the truth about
+its node: which shards it runs and how they are doing, so a restarted TUI
+re-attaches by asking it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+
+from worker import __version__, telemetry
+from worker.protocol import curve, messages
+
+log = logging.getLogger("studiotui.agent")
+TELEMETRY_EVERY_S = 1.0
+SHARD_PORT_OFFSET = 10
+
+
+@dataclass
+class AgentConfig:
+    name: str
+    address: str
+    control_port: int
+    home: Path
+    memory_gb: float | None = None
+
+    @property
+    def telemetry_port(self) -> int:
+        return self.control_port + 1
+
+
+@dataclass
+class ShardProc:
+    placement: str
+    data_port: int
+    client_port: int
+    spec: dict[str, Any] = field(default_factory=dict)
+    proc: asyncio.subprocess.Process | None = None
+    state: str = "prepared"  # prepared, loading, ready, failed, stopped
+    progress: tuple[int, int] = (0, 0)
+    stats: dict[str, Any] = field(default_factory=dict)
+    param_bytes: int = 0
+    message: str = ""
+    stderr_tail: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "placement": self.placement,
+            "model_dir": self.spec.get("model_dir", ""),
+            "start": self.spec.get("start", 0),
+            "end": self.spec.get("end", 0),
+            "index": self.spec.get("index", 0),
+            "count": self.spec.get("count", 0),
+            "data_port": self.data_port,
+            "client_port": self.client_port,
+            "state": self.state,
+            "progress": list(self.progress),
+            "param_bytes": self.param_bytes,
+            "stats": self.stats,
+            "message": self.message,
+            "pid": self.proc.pid if self.proc else None,
+        }
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.shards: dict[str, ShardProc] = {}
+        self.stopping = asyncio.Event()
+        self.started = time.time()
+        self.facts = telemetry.machine_facts(config.memory_gb)
+        self.control: zmq.asyncio.Socket | None = None
+        self.pub: zmq.asyncio.Socket | None = None
+        self.auth: AsyncioAuthenticator | None = None
+        self.dropped = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        # Keep a reference: the loop holds tasks only weakly.
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def bind(self) -> None:
+        home = self.config.home
+        keys = curve.load_keypair(curve.key_dir(home) / "self.key_secret")
+        self.auth = AsyncioAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(home)))
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        curve.make_server(self.control, keys)
+        self.control.bind(f"tcp://{self.config.address}:{self.config.control_port}")
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        curve.make_server(self.pub, keys)
+        self.pub.bind(f"tcp://{self.config.address}:{self.config.telemetry_port}")
+
+    async def run(self) -> None:
+        self.bind()
+        (self.config.home / "agent.pid").write_text(str(os.getpid()))
+        log.info(
+            "agent %s %s listening on %s:%d",
+            self.config.name,
+            __version__,
+            self.config.address,
+            self.config.control_port,
+        )
+        tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._publish())]
+        await self.stopping.wait()
+        for task in tasks:
+            task.cancel()
+        await self._stop_all_shards()
+        self.close()
+
+    def close(self) -> None:
+        for sock in (self.control, self.pub):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+        with contextlib.suppress(FileNotFoundError):
+            (self.config.home / "agent.pid").unlink()
+
+    # ---- control --------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        assert self.control is not None
+        while True:
+            frames = await self.control.recv_multipart()
+            if len(frames) != 2:
+                self.dropped += 1
+                continue
+            ident, data = frames
+            try:
+                msg = messages.decode(data)
+            except messages.MessageError as exc:
+                self.dropped += 1
+                log.warning("bad control message: %s", exc)
+                await self._reply(ident, None, "error", message=f"bad message: {exc}")
+                continue
+            self._spawn(self._handle(ident, msg))
+
+    async def _reply(self, ident: bytes, re: Any, kind: str, **fields: Any) -> None:
+        assert self.control is not None
+        if re is not None:
+            fields["re"] = re
+        await self.control.send_multipart([ident, messages.encode(kind, **fields)])
+
+    async def _handle(self, ident: bytes, msg: dict[str, Any]) -> None:
+        re = msg.get("id")
+        handler = getattr(self, f"_on_{msg['type']}", None)
+        if handler is None:
+            await self._reply(ident, re, "error", message=f"{msg['type']} is not for an agent")
+            return
+        try:
+            await handler(ident, re, msg)
+        except Exception as exc:  # a handler bug must answer, not kill the agent
+            log.exception("handling %s", msg["type"])
+            await self._reply(ident, re, "error", message=f"{type(exc).__name__}: {exc}")
+
+    def _sample(self) -> dict[str, Any]:
+        pids = [s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None]
+        sample = telemetry.sample(self.config.memory_gb, pids)
+        sample.pop("time", None)
+        return sample
+
+    async def _on_hello(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        await self._reply(
+            ident,
+            re,
+            "hello_reply",
+            name=self.config.name,
+            version=__version__,
+            pid=os.getpid(),
+            address=self.config.address,
+            control_port=self.config.control_port,
+            started=self.started,
+            facts=self.facts,
+            shards=[s.describe() for s in self.shards.values()],
+            **self._sample(),
+        )
+
+    async def _on_prepare_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        name = msg["placement"]
+        if name in self.shards and self.shards[name].state in ("loading", "ready"):
+            await self._reply(
+                ident, re, "error", message=f"placement {name!r} already has a shard here"
+            )
+            return
+        await self._stop_shard(name)
+        data_port, client_port = self._free_ports(2)
+        self.shards[name] = ShardProc(placement=name, data_port=data_port, client_port=client_port)
+        await self._reply(
+            ident, re, "prepared", placement=name, data_port=data_port, client_port=client_port
+        )
+
+    async def _on_load_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        name = msg["placement"]
+        shard = self.shards.get(name)
+        if shard is None or shard.state != "prepared":
+            await self._reply(
+                ident, re, "error", message=f"placement {name!r} was not prepared here"
+            )
+            return
+        spec = {
+            "home": str(self.config.home),
+            "placement": name,
+            "model_dir": msg["model_dir"],
+            "start": msg["start"],
+            "end": msg["end"],
+            "index": msg["index"],
+            "count": msg["count"],
+            "address": self.config.address,
+            "data_port": shard.data_port,
+            "client_port": shard.client_port,
+            "next_endpoint": msg["next_endpoint"],
+            "next_key": msg["next_key"],
+            "prefill_chunk": int(msg.get("prefill_chunk", 512)),
+        }
+        shard.spec = spec
+        shard.state = "loading"
+        run_dir = self.config.home / "shards"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = run_dir / f"{_safe(name)}.json"
+        spec_path.write_text(json.dumps(spec))
+        shard.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "worker.runner",
+            str(spec_path),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log.info(
+            "shard %s [%d,%d) pid %d loading", name, spec["start"], spec["end"], shard.proc.pid
+        )
+        self._spawn(self._read_stderr(shard))
+        await self._follow(ident, re, shard)
+
+    async def _follow(self, ident: bytes, re: Any, shard: ShardProc) -> None:
+        """Relay the runner's progress until it is ready or gone, then keep reading stats."""
+        assert shard.proc is not None and shard.proc.stdout is not None
+        answered = False
+        while True:
+            line = await shard.proc.stdout.readline()
+            if not line:
+                break
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            kind = event.pop("event", "")
+            if kind == "progress":
+                shard.progress = (int(event["done"]), int(event["total"]))
+                if not answered:
+                    await self._reply(
+                        ident,
+                        re,
+                        "progress",
+                        placement=shard.placement,
+                        done=shard.progress[0],
+                        total=shard.progress[1],
+                    )
+            elif kind == "ready":
+                shard.state, shard.param_bytes = "ready", int(event["param_bytes"])
+                log.info("shard %s ready, %d bytes", shard.placement, shard.param_bytes)
+                await self._reply(
+                    ident,
+                    re,
+                    "shard_ready",
+                    placement=shard.placement,
+                    start=event["start"],
+                    end=event["end"],
+                    param_bytes=shard.param_bytes,
+                )
+                answered = True
+            elif kind == "stats":
+                shard.stats = event
+            elif kind == "fatal":
+                shard.message = str(event.get("message", ""))
+        code = await shard.proc.wait()
+        if shard.state != "stopped":
+            tail = "\n".join(shard.stderr_tail[-8:])
+            shard.message = shard.message or f"shard process exited with code {code}"
+            if tail and not shard.message.endswith(tail):
+                shard.message += f"\n{tail}"
+            shard.state = "failed"
+            log.error("shard %s failed: %s", shard.placement, shard.message)
+            if not answered:
+                await self._reply(ident, re, "error", message=shard.message)
+
+    async def _read_stderr(self, shard: ShardProc) -> None:
+        assert shard.proc is not None and shard.proc.stderr is not None
+        while line := await shard.proc.stderr.readline():
+            text = line.decode(errors="replace").rstrip()
+            shard.stderr_tail = [*shard.stderr_tail[-49:], text]
+            log.info("[%s] %s", shard.placement, text)
+
+    async def _on_unload(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        name = msg["placement"]
+        await self._stop_shard(name)
+        self.shards.pop(name, None)
+        await self._reply(ident, re, "unloaded", placement=name)
+
+    async def _on_list_shards(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        await self._reply(ident, re, "shards", shards=[s.describe() for s in self.shards.values()])
+
+    async def _on_read_log(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        path = self.config.home / "agent.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        await self._reply(ident, re, "log", lines=lines[-int(msg.get("lines", 200)) :])
+
+    async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        await self._reply(ident, re, "ok")
+        self.stopping.set()
+
+    # ---- shards ----------------------------------------------------------------------------
+
+    async def _stop_shard(self, name: str) -> None:
+        shard = self.shards.get(name)
+        if shard is None or shard.proc is None or shard.proc.returncode is not None:
+            return
+        shard.state = "stopped"
+        shard.proc.terminate()
+        try:
+            await asyncio.wait_for(shard.proc.wait(), 5)
+        except TimeoutError:
+            shard.proc.kill()
+            await shard.proc.wait()
+
+    async def _stop_all_shards(self) -> None:
+        await asyncio.gather(*(self._stop_shard(n) for n in list(self.shards)))
+
+    def _free_ports(self, count: int) -> list[int]:
+        taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        found: list[int] = []
+        port = self.config.control_port + SHARD_PORT_OFFSET
+        while len(found) < count:
+            if port > 65535:
+                raise RuntimeError("no free port for a shard")
+            if port not in taken and _port_free(self.config.address, port):
+                found.append(port)
+            port += 1
+        return found
+
+    # ---- telemetry ----------------------------------------------------------------------------
+
+    async def _publish(self) -> None:
+        assert self.pub is not None
+        while True:
+            pids = [
+                s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None
+            ]
+            sample = telemetry.sample(self.config.memory_gb, pids)
+            sample.pop("time", None)
+            msg = messages.encode(
+                "telemetry",
+                name=self.config.name,
+                time=time.time(),
+                version=__version__,
+                facts=self.facts,
+                shards=[s.describe() for s in self.shards.values()],
+                dropped=self.dropped,
+                **sample,
+            )
+            await self.pub.send_multipart([b"telemetry", msg])
+            await asyncio.sleep(TELEMETRY_EVERY_S)
+
+
+def _port_free(address: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def run_agent(config: AgentConfig) -> int:
+    config.home.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        handlers=[logging.FileHandler(config.home / "agent.log"), logging.StreamHandler()],
+    )
+    agent = Agent(config)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.stopping.set)
+        await agent.run()
+
+    try:
+        asyncio.run(main())
+    except zmq.ZMQError as exc:
+        log.error("cannot bind %s:%d: %s", config.address, config.control_port, exc)
+        print(
+            f"studiotui-worker: cannot bind {config.address}:{config.control_port}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0

@@ -1,0 +1,223 @@
+"""Deterministic demo models that `mlx_lm.load` loads unchanged.
+
+No model can be downloaded here, so the project writes its own: the real mlx-lm
+model class of the chosen family decides the tensor names and shapes, numpy's
+PCG64 generator (stable across versions and platforms) fills them from the seed,
+and the tokenizer is a real byte-level BPE `tokenizer.json` with a ChatML
+template. The weights are random: the text a demo model writes is noise, but
+every code path (loading, sharding, KV caches, sampling, detokenising) is the
+one a real model takes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    arch: str = "llama"
+    layers: int = 8
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int | None = None
+    seed: int = 0
+    dtype: str = "bfloat16"
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.arch not in FAMILIES:
+            raise ValueError(f"unknown arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
+        if self.layers < 1 or self.hidden < 8 or self.hidden % self.heads:
+            raise ValueError("need layers >= 1 and hidden a multiple of heads")
+        if self.heads % self.kv_heads:
+            raise ValueError("heads must be a multiple of kv_heads")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+
+
+def vocab_size() -> int:
+    return 256 + len(SPECIAL_TOKENS)
+
+
+def make_config(spec: DemoSpec) -> dict:
+    intermediate = spec.intermediate or _round_up(int(spec.hidden * 8 / 3), 32)
+    config: dict = {
+        "architectures": [_ARCH_CLASS[spec.arch]],
+        "model_type": spec.arch,
+        "hidden_size": spec.hidden,
+        "num_hidden_layers": spec.layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.hidden // spec.heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size(),
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "torch_dtype": spec.dtype,
+        "bos_token_id": None,
+        "eos_token_id": 256 + SPECIAL_TOKENS.index("<|im_end|>"),
+        "studiotui_demo": {"seed": spec.seed},
+    }
+    return config
+
+
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes exactly as the family's mlx-lm class declares them."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    # Construction is lazy in MLX: no weight memory is touched here.
+    return {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+
+
+def make_weights(config: dict, seed: int, dtype: str) -> dict[str, mx.array]:
+    rng = np.random.Generator(np.random.PCG64(seed))
+    weights: dict[str, mx.array] = {}
+    out_name = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
+    for name, shape in sorted(parameter_shapes(config).items()):
+        values = _init(name, shape, rng)
+        if name == out_name:
+            values = _readable_rows(values)
+        weights[name] = mx.array(values).astype(getattr(mx, dtype))
+    return weights
+
+
+def _readable_rows(head: np.ndarray) -> np.ndarray:
+    """Zero the output rows of all but letters, space and light punctuation.
+
+    Random logits put the best score on any byte; with the others at exactly 0 the
+    winner is almost always a readable one, so the demo writes pseudo-words
+    instead of broken UTF-8 and control bytes. The weights stay random.
+    """
+    keep = np.zeros(head.shape[0], dtype=bool)
+    for ch in "abcdefghijklmnopqrstuvwxyz      ,.'":
+        keep[ord(ch)] = True
+    keep[256 + SPECIAL_TOKENS.index("<|im_end|>")] = True
+    out = head.copy()
+    out[~keep] = 0.0
+    out[keep] *= 3.0
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if "embed_tokens" in name:
+        return rng.standard_normal(shape).astype(np.float32)
+    fan_in = shape[-1]
+    return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def tokenizer_json() -> str:
+    """A byte-level BPE over the 256 byte symbols, built and serialised by `tokenizers`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet, key=_byte_of))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return json.dumps(json.loads(tok.to_str()), indent=2, sort_keys=True) + "\n"
+
+
+def _byte_of(symbol: str) -> int:
+    """Order ByteLevel's printable stand-ins by the byte each stands for."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table: dict[str, int] = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table[symbol]
+
+
+def tokenizer_config() -> dict:
+    added = {
+        str(256 + i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+    }
+
+
+def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
+    """Write the model; the same spec always gives byte-identical files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = make_config(spec)
+    weights = make_weights(config, spec.seed, spec.dtype)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_json(directory / "config.json", config)
+    (directory / "tokenizer.json").write_text(tokenizer_json())
+    _write_json(directory / "tokenizer_config.json", tokenizer_config())
+    _write_json(
+        directory / "special_tokens_map.json",
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    )
+    (directory / "README.md").write_text(
+        f"# studiotui demo model ({spec.arch})\n\n"
+        "Generated by `studiotui demo-model`: random weights from a fixed seed, "
+        "a byte-level BPE tokenizer and a ChatML template. It writes noise; it exists "
+        "to exercise loading, sharding and sampling without downloading a model.\n\n"
+        f"Spec: `{json.dumps(spec.__dict__, sort_keys=True)}`\n"
+    )
+    return directory
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

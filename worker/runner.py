@@ -1,0 +1,276 @@
+"""A shard's process: loads its layers, binds its sockets, serves the ring.
+
+Started by the agent (`python -m worker.runner SPEC.json`), one per loaded shard,
+so an MLX crash or out-of-memory kills this process and not the agent. It talks
+to the agent through JSON lines on stdout (progress, ready, stats) and is stopped
+with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from worker.protocol import curve, messages
+from worker.protocol.frames import FrameError, RingHeader, decode_ring_header, encode_ring_header
+from worker.shard import ShardLoadError, load_shard
+from worker.stage import Stage
+
+STATS_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    home: str
+    placement: str
+    model_dir: str
+    start: int
+    end: int
+    index: int
+    count: int
+    address: str
+    data_port: int
+    client_port: int
+    next_endpoint: str
+    next_key: str
+    prefill_chunk: int = 512
+
+    @classmethod
+    def from_file(cls, path: Path) -> RunnerSpec:
+        return cls(**json.loads(path.read_text()))
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+class SocketLinks:
+    """The stage's way out: the ring PUSH, the client ROUTER, or itself."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def to_next(self, header: RingHeader, activation: mx.array | None) -> None:
+        self.runner.send_ring(header, activation)
+
+    def to_head(self, header: RingHeader) -> None:
+        self.runner.send_ring(header, None)
+
+    def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
+        self.runner.send_client(client, messages.encode(kind, **fields))
+
+
+class Runner:
+    def __init__(self, spec: RunnerSpec) -> None:
+        self.spec = spec
+        self.home = Path(spec.home)
+        self.ctx = zmq.Context()
+        self.auth: ThreadAuthenticator | None = None
+        self.ring_in: zmq.Socket | None = None
+        self.ring_out: zmq.Socket | None = None
+        self.client: zmq.Socket | None = None
+        self.work: deque[Callable[[], None]] = deque()
+        self.stage: Stage | None = None
+        self.running = True
+        self.single = spec.count == 1
+
+    # ---- setup ----------------------------------------------------------------------
+
+    def bind(self) -> None:
+        keys = curve.load_keypair(curve.key_dir(self.home) / "self.key_secret")
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(self.home)))
+        if not self.single:
+            self.ring_in = self.ctx.socket(zmq.PULL)
+            curve.make_server(self.ring_in, keys)
+            self.ring_in.bind(f"tcp://{self.spec.address}:{self.spec.data_port}")
+            self.ring_out = self.ctx.socket(zmq.PUSH)
+            self.ring_out.setsockopt(zmq.LINGER, 0)
+            curve.make_client(self.ring_out, keys, self.spec.next_key.encode())
+            self.ring_out.connect(self.spec.next_endpoint)
+        if self.spec.index == 0:
+            self.client = self.ctx.socket(zmq.ROUTER)
+            self.client.setsockopt(zmq.LINGER, 0)
+            curve.make_server(self.client, keys)
+            self.client.bind(f"tcp://{self.spec.address}:{self.spec.client_port}")
+
+    def load(self) -> None:
+        from mlx_lm.utils import load_tokenizer
+
+        def progress(done: int, total: int) -> None:
+            emit("progress", done=done, total=total)
+
+        model_dir = Path(self.spec.model_dir)
+        shard = load_shard(model_dir, self.spec.start, self.spec.end, progress)
+        tokenizer = None
+        if shard.is_first or shard.is_last:
+            tokenizer = load_tokenizer(
+                model_dir, eos_token_ids=shard.config.get("eos_token_id", None)
+            )
+        self.stage = Stage(
+            shard,
+            tokenizer,
+            SocketLinks(self),
+            prefill_chunk=self.spec.prefill_chunk,
+            schedule=self.work.append,
+        )
+        emit(
+            "ready",
+            param_bytes=shard.param_bytes,
+            start=shard.start,
+            end=shard.end,
+            active_bytes=mx.get_active_memory(),
+        )
+
+    # ---- sending ----------------------------------------------------------------------
+
+    def send_ring(self, header: RingHeader, activation: mx.array | None) -> None:
+        if self.single:
+            # A one-stage ring: the frame goes straight back to this stage.
+            self.work.append(lambda: self._local_frame(header, activation))
+            return
+        assert self.ring_out is not None
+        frames: list[Any] = [encode_ring_header(header)]
+        frames.append(memoryview(activation) if activation is not None else b"")
+        self.ring_out.send_multipart(frames, copy=activation is None or activation.nbytes < 65536)
+
+    def _local_frame(self, header: RingHeader, activation: mx.array | None) -> None:
+        assert self.stage is not None
+        payload = bytes(memoryview(activation)) if activation is not None else b""
+        self.stage.on_frame(header, payload)
+
+    def send_client(self, client: bytes, data: bytes) -> None:
+        if self.client is not None:
+            self.client.send_multipart([client, data])
+
+    # ---- serving ----------------------------------------------------------------------
+
+    def serve(self) -> None:
+        assert self.stage is not None
+        poller = zmq.Poller()
+        for sock in (self.ring_in, self.client):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        last_stats = time.monotonic()
+        while self.running:
+            ready = dict(poller.poll(0 if self.work else 100))
+            if self.ring_in is not None and self.ring_in in ready:
+                self._drain(self.ring_in, self._on_ring)
+            if self.client is not None and self.client in ready:
+                self._drain(self.client, self._on_client)
+            if self.work:
+                self.work.popleft()()
+            now = time.monotonic()
+            if now - last_stats >= STATS_EVERY_S:
+                self._emit_stats(now - last_stats)
+                last_stats = now
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle([f.buffer for f in frames])
+
+    def _on_ring(self, frames: list[Any]) -> None:
+        assert self.stage is not None
+        if len(frames) != 2:
+            self.stage.stats.dropped += 1
+            return
+        header_bytes, payload = frames
+        try:
+            header = decode_ring_header(bytes(header_bytes), len(payload))
+        except FrameError as exc:
+            self.stage.stats.dropped += 1
+            print(f"dropped ring frame: {exc}", file=sys.stderr)
+            if exc.rid is not None:
+                bad = RingHeader(rid=exc.rid, kind="error", message=f"bad frame: {exc}")
+                self.work.append(lambda: self.stage.on_frame(bad, b""))
+            return
+        self.work.append(lambda: self.stage.on_frame(header, payload))
+
+    def _on_client(self, frames: list[Any]) -> None:
+        assert self.stage is not None
+        if len(frames) != 2:
+            self.stage.stats.dropped += 1
+            return
+        client = bytes(frames[0])
+        try:
+            msg = messages.decode(bytes(frames[1]))
+        except messages.MessageError as exc:
+            self.stage.stats.dropped += 1
+            self.send_client(client, messages.encode("error", message=str(exc)))
+            return
+        kind = msg["type"]
+        if kind == "generate":
+            self.work.append(lambda: self.stage.submit(client, msg))
+        elif kind == "cancel":
+            self.stage.cancel(msg["rid"])
+        elif kind == "stats":
+            self.send_client(client, messages.encode("stats_reply", **self._stats()))
+        else:
+            self.send_client(client, messages.encode("error", message=f"{kind} is not for a shard"))
+
+    def _stats(self) -> dict[str, Any]:
+        assert self.stage is not None
+        s = self.stage.stats
+        return {
+            "placement": self.spec.placement,
+            "in_flight": len(self.stage.caches),
+            "tokens": s.tokens,
+            "finished": s.finished,
+            "dropped": s.dropped,
+            "errors": s.errors,
+            "active_bytes": mx.get_active_memory(),
+        }
+
+    def _emit_stats(self, _interval: float) -> None:
+        emit("stats", **self._stats())
+
+    def close(self) -> None:
+        for sock in (self.ring_in, self.ring_out, self.client):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = RunnerSpec.from_file(Path(argv[0]))
+    runner = Runner(spec)
+
+    def stop(_signum: int, _frame: Any) -> None:
+        runner.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        runner.bind()
+        runner.load()
+        runner.serve()
+    except (ShardLoadError, zmq.ZMQError, OSError) as exc:
+        emit("fatal", message=str(exc))
+        return 1
+    finally:
+        runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

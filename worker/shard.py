@@ -1,0 +1,162 @@
+"""A shard: layers [start, end) of an mlx-lm model, and only those in memory.
+
+`mlx_lm.utils.load_model(lazy=True)` builds the family's own model class and
+maps the safetensors files without reading them; MLX reads a tensor only when it
+is evaluated. The shard keeps references to its own layers (plus the embedding on
+the first shard and the norm and head on the last) and evaluates just those, so
+the bytes a node reads and holds are its share of the model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from worker import families
+
+Progress = Callable[[int, int], None]
+
+
+class ShardLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class Shard:
+    start: int
+    end: int
+    n_layers: int
+    family: str
+    config: dict[str, Any]
+    inner: Any
+    model: Any
+    layers: list[Any]
+    param_bytes: int
+    dtype: Any
+    owned: list[str] = field(default_factory=list)
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.n_layers
+
+    def make_cache(self) -> list[Any]:
+        if hasattr(self.model, "make_cache"):
+            return list(self.model.make_cache())
+        return [KVCache() for _ in self.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def forward(self, h: mx.array, caches: list[Any]) -> mx.array:
+        masks = families.layer_masks(self.inner, self.layers, caches, h)
+        for layer, mask, cache in zip(self.layers, masks, caches, strict=True):
+            h = layer(h, mask, cache=cache)
+        return h
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Logits of the last position, from the last shard's output."""
+        h = self.inner.norm(h[:, -1:, :])
+        if families.tied_embeddings(self.model):
+            out = self.inner.embed_tokens.as_linear(h)
+        else:
+            out = self.model.lm_head(h)
+        return out[0, -1, :]
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise ShardLoadError(f"model directory {model_dir} does not exist")
+    if not path.is_file():
+        raise ShardLoadError(f"{model_dir} has no config.json: it is not an mlx-lm model directory")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardLoadError(f"{path} is not valid JSON: {exc}") from None
+
+
+def load_shard(model_dir: Path, start: int, end: int, progress: Progress | None = None) -> Shard:
+    from mlx_lm.utils import load_model
+
+    config = read_config(model_dir)
+    try:
+        family = families.check_family(config)
+    except families.UnsupportedFamily as exc:
+        raise ShardLoadError(str(exc)) from None
+    n_layers = int(config.get("num_hidden_layers", 0))
+    if not 0 <= start < end <= n_layers:
+        raise ShardLoadError(
+            f"layer range [{start}, {end}) is outside the model's {n_layers} layers"
+        )
+    try:
+        model, config = load_model(model_dir, lazy=True, strict=True)
+    except Exception as exc:  # mlx-lm raises many types for a broken directory
+        raise ShardLoadError(f"cannot load {model_dir}: {type(exc).__name__}: {exc}") from None
+    inner = model.model
+    layers = list(inner.layers[start:end])
+    # Drop the other layers so nothing can evaluate (read) them by accident.
+    inner.layers = layers
+    owned = _owned_modules(model, start, end, n_layers)
+    param_bytes = _evaluate(owned, progress)
+    dtype = inner.embed_tokens.weight.dtype if start == 0 else _first_dtype(layers)
+    return Shard(
+        start=start,
+        end=end,
+        n_layers=n_layers,
+        family=family,
+        config=config,
+        inner=inner,
+        model=model,
+        layers=layers,
+        param_bytes=param_bytes,
+        dtype=dtype,
+        owned=[name for name, _ in owned],
+    )
+
+
+def _owned_modules(model: Any, start: int, end: int, n_layers: int) -> list[tuple[str, Any]]:
+    inner = model.model
+    owned: list[tuple[str, Any]] = []
+    tied = families.tied_embeddings(model)
+    if start == 0 or (end == n_layers and tied):
+        owned.append(("model.embed_tokens", inner.embed_tokens))
+    owned += [(f"model.layers.{start + i}", layer) for i, layer in enumerate(inner.layers)]
+    if end == n_layers:
+        owned.append(("model.norm", inner.norm))
+        if not tied:
+            owned.append(("lm_head", model.lm_head))
+    return owned
+
+
+def _evaluate(owned: list[tuple[str, Any]], progress: Progress | None) -> int:
+    sizes = [sum(p.nbytes for _, p in tree_flatten(m.parameters())) for _, m in owned]
+    total, done = sum(sizes), 0
+    if progress:
+        progress(0, total)
+    for (name, module), size in zip(owned, sizes, strict=True):
+        try:
+            mx.eval(module.parameters())
+        except Exception as exc:
+            raise ShardLoadError(f"cannot read the weights of {name}: {exc}") from None
+        done += size
+        if progress:
+            progress(done, total)
+    return total
+
+
+def _first_dtype(layers: list[Any]) -> Any:
+    for _, p in tree_flatten(layers[0].parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32

@@ -1,0 +1,342 @@
+"""One pipeline stage's request logic, apart from its sockets.
+
+A stage is a shard plus the per-request state it keeps: a KV cache on every
+stage, the client's request on the head, the sampler and text stream on the
+tail. It reacts to three things: a client request (head), a ring frame, and a
+cancel. What it sends goes through the `Links` it is given, so the same code runs
+a one-stage pipeline in a single process and a ring spread over nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from worker.protocol.frames import RingHeader
+from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
+from worker.shard import Shard
+
+_NP_VIEW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_DTYPE_NAME = {v: k for k, v in _MX_DTYPE.items()}
+
+
+class Links(Protocol):
+    def to_next(self, header: RingHeader, activation: mx.array | None) -> None: ...
+    def to_head(self, header: RingHeader) -> None: ...
+    def to_client(self, client: bytes, kind: str, **fields: Any) -> None: ...
+
+
+class RequestError(ValueError):
+    pass
+
+
+@dataclass
+class HeadRequest:
+    client: bytes
+    params: SamplingParams
+    prompt: list[int]
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    generated: int = 0
+
+
+@dataclass
+class TailRequest:
+    sampler: Sampler
+    stream: TextStream
+    eos: frozenset[int]
+    generated: int = 0
+
+
+@dataclass
+class Stats:
+    tokens: int = 0
+    dropped: int = 0
+    errors: int = 0
+    finished: int = 0
+
+
+def to_array(header: RingHeader, payload: bytes | memoryview) -> mx.array:
+    flat = np.frombuffer(payload, dtype=_NP_VIEW[header.dtype])
+    arr = mx.array(flat)
+    if header.dtype == "bfloat16":
+        arr = arr.view(mx.bfloat16)
+    return arr.reshape(header.shape)
+
+
+def dtype_name(arr: mx.array) -> str:
+    if arr.dtype not in _DTYPE_NAME:
+        raise RequestError(f"activation dtype {arr.dtype} cannot travel the ring")
+    return _DTYPE_NAME[arr.dtype]
+
+
+class Stage:
+    def __init__(
+        self,
+        shard: Shard,
+        tokenizer: Any,
+        links: Links,
+        *,
+        prefill_chunk: int = 512,
+        schedule: Callable[[Callable[[], None]], None],
+    ) -> None:
+        self.shard = shard
+        self.tokenizer = tokenizer
+        self.links = links
+        self.prefill_chunk = prefill_chunk
+        self.schedule = schedule
+        self.caches: dict[str, list[Any]] = {}
+        self.head_requests: dict[str, HeadRequest] = {}
+        self.tail_requests: dict[str, TailRequest] = {}
+        self.stats = Stats()
+        self.vocab = int(shard.config.get("vocab_size", 0))
+
+    # ---- head: requests from clients -------------------------------------------------
+
+    def submit(self, client: bytes, msg: dict[str, Any]) -> None:
+        rid = msg["rid"]
+        try:
+            if rid in self.head_requests:
+                raise RequestError(f"request id {rid!r} is already in flight")
+            params = SamplingParams.from_dict(msg["params"])
+            prompt = self._prompt_tokens(msg)
+        except (RequestError, ParamError) as exc:
+            self.links.to_client(client, "failed", rid=rid, message=str(exc))
+            return
+        self.head_requests[rid] = HeadRequest(client=client, params=params, prompt=prompt)
+        self.links.to_client(client, "accepted", rid=rid, prompt_tokens=len(prompt))
+        self.caches[rid] = self.shard.make_cache()
+        self._schedule_prefill(rid, prompt, 0, params)
+
+    def _prompt_tokens(self, msg: dict[str, Any]) -> list[int]:
+        if isinstance(msg.get("messages"), list):
+            try:
+                tokens = self.tokenizer.apply_chat_template(
+                    msg["messages"], add_generation_prompt=True
+                )
+            except Exception as exc:
+                raise RequestError(f"cannot apply the chat template: {exc}") from None
+        elif isinstance(msg.get("prompt"), str):
+            tokens = self.tokenizer.encode(msg["prompt"])
+        elif isinstance(msg.get("tokens"), list):
+            tokens = msg["tokens"]
+        else:
+            raise RequestError("a request needs 'messages', 'prompt' or 'tokens'")
+        tokens = list(tokens)
+        if not tokens:
+            raise RequestError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab for t in tokens):
+            raise RequestError(f"prompt tokens must be integers in [0, {self.vocab})")
+        return tokens
+
+    def _schedule_prefill(
+        self, rid: str, prompt: list[int], done: int, params: SamplingParams
+    ) -> None:
+        """Queue the prompt one chunk at a time, like mlx-lm: all but the last token
+        in chunks, then the last token as the first decode step."""
+
+        def step() -> None:
+            if rid not in self.head_requests:
+                return
+            remaining = len(prompt) - done - 1
+            if remaining > 0:
+                n = min(self.prefill_chunk, remaining)
+                first = params if done == 0 else None
+                self._head_step(rid, prompt[done : done + n], "prefill", done, first)
+                self._schedule_prefill(rid, prompt, done + n, params)
+            else:
+                self._head_step(rid, prompt[-1:], "decode", done, params)
+
+        self.schedule(step)
+
+    def _head_step(
+        self, rid: str, tokens: list[int], kind: str, offset: int, params: SamplingParams | None
+    ) -> None:
+        header = RingHeader(
+            rid=rid,
+            kind=kind,
+            offset=offset,
+            params=params.to_dict() if params else None,
+        )
+        try:
+            self._run_layers(header, self.shard.embed(mx.array([tokens])))
+        except Exception as exc:
+            self._fail(rid, _describe(exc))
+
+    # ---- every stage: ring frames ----------------------------------------------------
+
+    def on_frame(self, header: RingHeader, payload: bytes | memoryview) -> None:
+        kind = header.kind
+        if kind in ("prefill", "decode"):
+            if self.shard.is_first:
+                # The head makes activations from tokens; one arriving here is misrouted.
+                self.stats.dropped += 1
+                return
+            try:
+                self._run_layers(header, to_array(header, payload))
+            except Exception as exc:  # one bad request must not take the stage down
+                self._fail(header.rid, _describe(exc))
+        elif kind == "token":
+            self._on_token(header)
+        elif kind == "free":
+            self._free(header.rid, forward=not self.shard.is_last)
+        elif kind == "error":
+            self._on_error(header)
+
+    def _run_layers(self, header: RingHeader, h: mx.array) -> None:
+        rid = header.rid
+        cache = self._cache_for(header)
+        out = self.shard.forward(h, cache)
+        if not self.shard.is_last:
+            mx.eval(out)
+            self.links.to_next(
+                RingHeader(
+                    rid=rid,
+                    kind=header.kind,
+                    offset=header.offset,
+                    dtype=dtype_name(out),
+                    shape=tuple(out.shape),
+                    params=header.params,
+                ),
+                out,
+            )
+        elif header.kind == "decode":
+            self._sample(header, out)
+        else:
+            mx.eval([c.state for c in cache])
+
+    def _cache_for(self, header: RingHeader) -> list[Any]:
+        rid = header.rid
+        if header.offset == 0 and rid not in self.caches:
+            self.caches[rid] = self.shard.make_cache()
+        cache = self.caches.get(rid)
+        if cache is None:
+            raise RequestError(f"request {rid!r} is unknown on this shard (was it freed?)")
+        have = cache[0].offset if cache else 0
+        if have != header.offset:
+            raise RequestError(
+                f"request {rid!r}: frame is for cache offset {header.offset}, shard is at {have}"
+            )
+        return cache
+
+    # ---- tail: sampling ----------------------------------------------------------------
+
+    def _sample(self, header: RingHeader, h: mx.array) -> None:
+        rid = header.rid
+        req = self.tail_requests.get(rid)
+        if req is None:
+            params = SamplingParams.from_dict(header.params or {})
+            eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            req = TailRequest(
+                sampler=Sampler(params),
+                stream=TextStream(self.tokenizer.detokenizer, params.stop),
+                eos=frozenset() if params.ignore_eos else eos,
+            )
+            self.tail_requests[rid] = req
+        token = int(req.sampler(self.shard.logits(h)).item())
+        req.generated += 1
+        self.stats.tokens += 1
+        finish = ""
+        if token in req.eos:
+            text, finish = req.stream.finish(), "stop"
+        else:
+            text = req.stream.add(token)
+            if req.stream.stopped:
+                finish = "stop"
+            elif req.generated >= req.sampler.params.max_tokens:
+                text, finish = text + req.stream.finish(), "length"
+        if finish:
+            self.tail_requests.pop(rid, None)
+            self.caches.pop(rid, None)
+        self.links.to_head(RingHeader(rid=rid, kind="token", token=token, text=text, finish=finish))
+
+    # ---- head: tokens coming back ------------------------------------------------------
+
+    def _on_token(self, header: RingHeader) -> None:
+        rid = header.rid
+        req = self.head_requests.get(rid)
+        if req is None:
+            return  # cancelled while this token was on its way
+        now = time.perf_counter()
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.generated += 1
+        self.links.to_client(req.client, "delta", rid=rid, text=header.text, tokens=[header.token])
+        if header.finish:
+            self._finish(rid, header.finish)
+            return
+        offset = len(req.prompt) + req.generated - 1
+
+        def step() -> None:
+            if rid in self.head_requests:
+                self._head_step(rid, [header.token], "decode", offset, None)
+
+        self.schedule(step)
+
+    def _finish(self, rid: str, reason: str) -> None:
+        req = self.head_requests.pop(rid)
+        self.stats.finished += 1
+        end = time.perf_counter()
+        first = req.first_token_at or end
+        decode_s = end - first
+        usage = {"prompt_tokens": len(req.prompt), "completion_tokens": req.generated}
+        timings = {
+            "ttft_ms": (first - req.started) * 1000,
+            "total_ms": (end - req.started) * 1000,
+            "decode_tps": (req.generated - 1) / decode_s if decode_s > 0 else 0.0,
+        }
+        self.links.to_client(
+            req.client, "done", rid=rid, finish_reason=reason, usage=usage, timings=timings
+        )
+        self._free(rid, forward=True)
+
+    def cancel(self, rid: str) -> None:
+        if rid in self.head_requests:
+            self._finish(rid, "cancelled")
+
+    def _free(self, rid: str, forward: bool) -> None:
+        self.caches.pop(rid, None)
+        self.tail_requests.pop(rid, None)
+        if forward and not self.shard.is_last:
+            self.links.to_next(RingHeader(rid=rid, kind="free"), None)
+
+    # ---- errors ------------------------------------------------------------------------
+
+    def _fail(self, rid: str, message: str) -> None:
+        """This stage could not run `rid`: free it here and tell the head."""
+        self.stats.errors += 1
+        self.caches.pop(rid, None)
+        self.tail_requests.pop(rid, None)
+        header = RingHeader(rid=rid, kind="error", message=message)
+        if self.shard.is_first:
+            self._on_error(header)
+        elif self.shard.is_last:
+            self.links.to_head(header)
+        else:
+            self.links.to_next(header, None)
+
+    def _on_error(self, header: RingHeader) -> None:
+        rid = header.rid
+        if self.shard.is_first:
+            req = self.head_requests.pop(rid, None)
+            if req is not None:
+                self.links.to_client(req.client, "failed", rid=rid, message=header.message)
+                self._free(rid, forward=True)
+            return
+        self._free(rid, forward=False)
+        if self.shard.is_last:
+            self.links.to_head(header)
+        else:
+            self.links.to_next(header, None)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, RequestError | ValueError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
