@@ -96,15 +96,20 @@ def stop_agent(node: NodeSpec, timeout: float = 5.0) -> bool:
     pid = running_pid(node)
     if pid is None:
         return False
+    kill_pid(pid, timeout)
+    with contextlib.suppress(FileNotFoundError):
+        pid_file(node).unlink()
+    return True
+
+
+def kill_pid(pid: int, timeout: float = 5.0) -> None:
+    """Stop one process we started ourselves, known by its pid."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     if not wait_gone(pid, timeout):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         wait_gone(pid, 2.0)
-    with contextlib.suppress(FileNotFoundError):
-        pid_file(node).unlink()
-    return True
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

@@ -9,6 +9,7 @@ with SIGTERM.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -165,6 +166,7 @@ class Runner:
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
         last_stats = time.monotonic()
+        parent = os.getppid()
         while self.running:
             ready = dict(poller.poll(0 if self.work else 100))
             if self.ring_in is not None and self.ring_in in ready:
@@ -177,6 +179,9 @@ class Runner:
             if now - last_stats >= STATS_EVERY_S:
                 self._emit_stats(now - last_stats)
                 last_stats = now
+                if os.getppid() != parent:
+                    # The agent is gone (killed hard): a shard without it serves no one.
+                    self.running = False
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
         while True:

@@ -1,0 +1,93 @@
+"""Small pure helpers the panes share: bars, sparklines, colour tones, short numbers.
+
+Styles are Textual theme variables (`$success`…) so every pane follows the theme,
+including the 16-colour one, without re-rendering by hand on a theme switch.
+"""
+
+from __future__ import annotations
+
+import time
+
+from textual.content import Content
+
+WARN_AT = 0.80
+CRITICAL_AT = 0.95
+_TICKS = "▁▂▃▄▅▆▇█"
+
+STATE_STYLE = {
+    "up": "$success",
+    "ready": "$success",
+    "down": "$error",
+    "failed": "$error",
+    "broken": "$error",
+    "loading": "$warning",
+    "prepared": "$warning",
+    "provisioning": "$warning",
+    "unknown": "$text-muted",
+    "stopped": "$text-muted",
+}
+
+# Placements are told apart by colour in the topology and placements panes.
+PLACEMENT_STYLES = ("$accent", "$secondary", "$primary", "$warning")
+
+
+def state_style(state: str) -> str:
+    return STATE_STYLE.get(state, "$warning")
+
+
+def usage_style(fraction: float) -> str:
+    """Green below 80 %, yellow from 80 %, red from 95 %: memory full means OOM kills."""
+    if fraction >= CRITICAL_AT:
+        return "$error"
+    if fraction >= WARN_AT:
+        return "$warning"
+    return "$success"
+
+
+def bar(fraction: float, width: int) -> Content:
+    """A horizontal gauge in eighths of a cell, so small changes still move it."""
+    width = max(1, width)
+    fraction = min(1.0, max(0.0, fraction))
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    partial = " ▏▎▍▌▋▊▉"[part] if part and full < width else ""
+    filled = "█" * full + partial.strip()
+    rest = "░" * (width - len(filled))
+    return Content.assemble((filled, usage_style(fraction)), (rest, "$text-muted"))
+
+
+def sparkline(values: tuple[float, ...] | list[float], width: int) -> str:
+    """The last `width` fractions (0–1) as block characters on an absolute scale.
+
+    Absolute, not min–max scaled: a flat line should mean flat memory, not noise
+    blown up to full height.
+    """
+    if width <= 0 or not values:
+        return ""
+    tail = list(values)[-width:]
+    top = len(_TICKS) - 1
+    return "".join(_TICKS[round(min(1.0, max(0.0, v)) * top)] for v in tail)
+
+
+def percent(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%"
+
+
+def short_count(n: int) -> str:
+    """Parameter counts the way model cards write them: 235B, 7.6B, 12.6M."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f}{unit}" if value >= 100 else f"{value:.1f}{unit}"
+    return str(n)
+
+
+def clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def fit(text: str, width: int) -> str:
+    """Cut `text` to `width` cells with an ellipsis; names and chips can be long."""
+    if width <= 0:
+        return ""
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"

@@ -1,0 +1,72 @@
+"""A real local cluster for tests: agents on their own loopback addresses and port.
+
+Every agent is stopped by the pid it was started with, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from studiotui import local_cluster
+from studiotui.controller import Controller
+from studiotui.inventory import Inventory, local_inventory
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    home: Path
+    inventory: Inventory
+    pids: dict[str, int]
+
+    def controller(self) -> Controller:
+        return Controller(self.home, self.inventory)
+
+
+def start_cluster(
+    home: Path, n: int, base_octet: int, control_port: int, memory_gb: float = 8.0
+) -> LocalCluster:
+    inv = local_inventory(
+        n, base_octet=base_octet, control_port=control_port, memory_gb=memory_gb, home=home
+    )
+    pids = {node.name: local_cluster.start_agent(home, node, inv) for node in inv.nodes}
+    cluster = LocalCluster(home=home, inventory=inv, pids=pids)
+    asyncio.run(_wait_up(cluster))
+    return cluster
+
+
+async def _wait_up(cluster: LocalCluster, timeout: float = 30.0) -> None:
+    ctl = cluster.controller()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            await ctl.refresh(timeout=1.0)
+            if all(n.state == "up" for n in ctl.state.nodes):
+                return
+            if time.monotonic() > deadline:
+                down = [n.name for n in ctl.state.nodes if n.state != "up"]
+                raise RuntimeError(f"agents {down} did not come up")
+            await asyncio.sleep(0.2)
+    finally:
+        await ctl.close()
+
+
+def stop_cluster(cluster: LocalCluster) -> None:
+    for node in cluster.inventory.nodes:
+        local_cluster.stop_agent(node)
+        pid = cluster.pids[node.name]
+        # The pid file may be gone (agent crashed or replaced); stop our pid anyway.
+        local_cluster.kill_pid(pid)
+
+
+def cluster_fixture(
+    tmp: Path, n: int, base_octet: int, control_port: int, memory_gb: float = 8.0
+) -> Iterator[LocalCluster]:
+    cluster = start_cluster(tmp, n, base_octet, control_port, memory_gb)
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.sshd import sshd_factory, sshd_server  # noqa: F401 - fixtures
+from worker.demo_model import DemoSpec, write_demo_model
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@pytest.fixture(scope="session")
+def engine_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Four real agents on 127.0.0.61-64:55500."""
+    yield from cluster_fixture(tmp_path_factory.mktemp("engine-home"), 4, 61, 55500)
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One small float32 model per family, 7 layers so splits are uneven."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        arch: write_demo_model(
+            root / arch,
+            DemoSpec(arch=arch, layers=7, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=7),
+        )
+        for arch in FAMILIES
+    }
