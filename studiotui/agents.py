@@ -29,6 +29,7 @@ FINAL = {
     "ok",
     "error",
     "links",
+    "stats_reply",
 }
 
 

@@ -360,9 +360,12 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.bench import run_bench
+    from studiotui.bench import BenchError, run_bench
 
-    return run_bench(quick=args.quick, as_json=args.json)
+    try:
+        return run_bench(quick=args.quick, as_json=args.json)
+    except BenchError as exc:
+        raise UserError(f"bench failed: {exc}") from None
 
 
 def cmd_tui(args: argparse.Namespace, home: Path) -> int:

@@ -21,6 +21,7 @@ import posixpath
 import secrets
 import shlex
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,8 @@ __all__ = [
     "UnknownHostKey",
     "connect",
     "put_file",
+    "put_files",
+    "read_file_since",
     "read_file_tail",
     "run",
 ]
@@ -554,6 +557,80 @@ async def put_file(
         raise _sftp_error(node, f"cannot write {remote}", exc) from None
     finally:
         src.close()
+
+
+async def put_files(
+    conn: asyncssh.SSHClientConnection,
+    files: Mapping[str, bytes],
+    *,
+    mode: int | None = None,
+    dir_mode: int | None = None,
+) -> None:
+    """Write several small files (remote path -> content) over one SFTP session.
+
+    Each file is written like `put_file` does (temporary name with `mode`
+    already set, then renamed), so secrets are never readable with looser
+    permissions. Parent directories are created, and set to `dir_mode` if given.
+    """
+    node = _node(conn)
+    current = ""
+    try:
+        async with conn.start_sftp_client() as sftp:
+            parents = sorted({posixpath.dirname(remote) for remote in files} - {""})
+            for parent in parents:
+                current = parent
+                await sftp.makedirs(parent, exist_ok=True)
+                if dir_mode is not None:
+                    await sftp.chmod(parent, dir_mode)
+            attrs = (
+                asyncssh.SFTPAttrs(permissions=mode) if mode is not None else asyncssh.SFTPAttrs()
+            )
+            for remote, data in files.items():
+                current = remote
+                parent = posixpath.dirname(remote)
+                name = f".{posixpath.basename(remote)}.tmp-{secrets.token_hex(4)}"
+                tmp = posixpath.join(parent, name)
+                try:
+                    async with sftp.open(tmp, "wb", attrs) as dst:
+                        await dst.write(data)
+                    if mode is not None:
+                        await sftp.chmod(tmp, mode)
+                    await sftp.posix_rename(tmp, remote)
+                except BaseException:
+                    with contextlib.suppress(asyncssh.Error, OSError):
+                        await sftp.remove(tmp)
+                    raise
+    except (asyncssh.Error, OSError) as exc:
+        raise _sftp_error(node, f"cannot write {current or 'files'}", exc) from None
+
+
+async def read_file_since(
+    conn: asyncssh.SSHClientConnection, path: str, offset: int, max_bytes: int = 1 << 20
+) -> tuple[bytes, int]:
+    """Bytes appended to a remote file since `offset`, and the offset to ask next.
+
+    For following a log: a negative `offset` counts back from the current end
+    (`-65536`: the last 64 KiB), and a file that shrank below `offset`
+    (truncated or replaced) is read again from its start. At most `max_bytes`
+    are returned per call; the rest comes with the next call.
+    """
+    node = _node(conn)
+    try:
+        async with conn.start_sftp_client() as sftp, sftp.open(path, "rb") as f:
+            size = (await f.stat()).size or 0
+            if offset < 0:
+                offset = max(0, size + offset)
+            elif size < offset:
+                offset = 0
+            if size == offset:
+                return b"", offset
+            await f.seek(offset)
+            data = await f.read(min(size - offset, max_bytes))
+    except asyncssh.SFTPNoSuchFile:
+        raise RemoteFileError(node, f"{path} does not exist", "") from None
+    except (asyncssh.Error, OSError) as exc:
+        raise _sftp_error(node, f"cannot read {path}", exc) from None
+    return data, offset + len(data)
 
 
 async def read_file_tail(conn: asyncssh.SSHClientConnection, path: str, lines: int) -> str:

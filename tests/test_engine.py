@@ -87,8 +87,10 @@ def test_pipelines_match_mlx_lm(
 
 
 def test_bf16_activations_cross_the_wire(engine_cluster: LocalCluster, tmp_path: Path) -> None:
-    model = write_demo_model(tmp_path / "bf16", DemoSpec(arch="qwen3", layers=5, hidden=64,
-                                                          heads=4, kv_heads=2, dtype="bfloat16"))
+    model = write_demo_model(
+        tmp_path / "bf16",
+        DemoSpec(arch="qwen3", layers=5, hidden=64, heads=4, kv_heads=2, dtype="bfloat16"),
+    )
     tokens = prompt_tokens(model)
     expected = reference_tokens(model, tokens, 32)
 
@@ -109,22 +111,29 @@ def test_concurrent_requests_match_alone_and_cancel_frees(
     engine_cluster: LocalCluster, family_models: dict[str, Path]
 ) -> None:
     model = family_models["llama"]
-    prompts = [prompt_tokens(model, f"request number {i}: " + PROMPT[: 20 + 9 * i]) for i in range(4)]
+    prompts = [
+        prompt_tokens(model, f"request number {i}: " + PROMPT[: 20 + 9 * i]) for i in range(4)
+    ]
 
     async def run() -> tuple[list[list[int]], list[list[int]], list[int]]:
         ctl = engine_cluster.controller()
         try:
             await place(ctl, model, list(engine_cluster.inventory.names[:2]), "conc")
-            alone = [(await collect(ctl, "conc", p, 40, temperature=0.7, seed=i))[0]
-                     for i, p in enumerate(prompts)]
+            alone = [
+                (await collect(ctl, "conc", p, 40, temperature=0.7, seed=i))[0]
+                for i, p in enumerate(prompts)
+            ]
             together = await asyncio.gather(
-                *(collect(ctl, "conc", p, 40, temperature=0.7, seed=i)
-                  for i, p in enumerate(prompts))
+                *(
+                    collect(ctl, "conc", p, 40, temperature=0.7, seed=i)
+                    for i, p in enumerate(prompts)
+                )
             )
             # Cancel: stop consuming after a few tokens; the generator sends cancel.
             seen = 0
-            async for msg in ctl.generate("conc", {"tokens": prompts[0]},
-                                          {"max_tokens": 500, "ignore_eos": True}):
+            async for msg in ctl.generate(
+                "conc", {"tokens": prompts[0]}, {"max_tokens": 500, "ignore_eos": True}
+            ):
                 seen += msg["type"] == "delta"
                 if seen == 3:
                     break
@@ -181,8 +190,9 @@ def test_shards_hold_only_their_own_bytes(
 def test_bad_models_and_placements_are_refused_clearly(
     engine_cluster: LocalCluster, tmp_path: Path, family_models: dict[str, Path]
 ) -> None:
-    corrupt = write_demo_model(tmp_path / "corrupt", DemoSpec(layers=4, hidden=32, heads=4,
-                                                              kv_heads=2))
+    corrupt = write_demo_model(
+        tmp_path / "corrupt", DemoSpec(layers=4, hidden=32, heads=4, kv_heads=2)
+    )
     weights = corrupt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:2000])
     broken_config = tmp_path / "badjson"
@@ -195,8 +205,11 @@ def test_bad_models_and_placements_are_refused_clearly(
         out = {}
         try:
             await ctl.refresh()
-            for label, path in (("missing", tmp_path / "nope"), ("corrupt", corrupt),
-                                ("badjson", broken_config)):
+            for label, path in (
+                ("missing", tmp_path / "nope"),
+                ("corrupt", corrupt),
+                ("badjson", broken_config),
+            ):
                 try:
                     await ctl.place(path, names, label)
                     out[label] = "placed?!"

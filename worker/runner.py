@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from collections import deque
@@ -86,6 +87,8 @@ class Runner:
         self.stage: Stage | None = None
         self.running = True
         self.single = spec.count == 1
+        self.busy_s = 0.0
+        self._busy_reported = 0.0
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -126,6 +129,7 @@ class Runner:
             tokenizer,
             SocketLinks(self),
             prefill_chunk=self.spec.prefill_chunk,
+            hops=self.spec.count,
             schedule=self.work.append,
         )
         emit(
@@ -174,7 +178,9 @@ class Runner:
             if self.client is not None and self.client in ready:
                 self._drain(self.client, self._on_client)
             if self.work:
+                began = time.perf_counter()
                 self.work.popleft()()
+                self.busy_s += time.perf_counter() - began
             now = time.monotonic()
             if now - last_stats >= STATS_EVERY_S:
                 self._emit_stats(now - last_stats)
@@ -226,7 +232,8 @@ class Runner:
         elif kind == "cancel":
             self.stage.cancel(msg["rid"])
         elif kind == "stats":
-            self.send_client(client, messages.encode("stats_reply", **self._stats()))
+            reply = messages.encode("stats_reply", re=msg.get("id"), **self._stats())
+            self.send_client(client, reply)
         else:
             self.send_client(client, messages.encode("error", message=f"{kind} is not for a shard"))
 
@@ -241,10 +248,13 @@ class Runner:
             "dropped": s.dropped,
             "errors": s.errors,
             "active_bytes": mx.get_active_memory(),
+            "hop_us_p50": statistics.median(self.stage.hop_us) if self.stage.hop_us else None,
         }
 
-    def _emit_stats(self, _interval: float) -> None:
-        emit("stats", **self._stats())
+    def _emit_stats(self, interval: float) -> None:
+        busy = (self.busy_s - self._busy_reported) / interval if interval > 0 else 0.0
+        self._busy_reported = self.busy_s
+        emit("stats", busy=round(min(1.0, busy), 3), **self._stats())
 
     def close(self) -> None:
         for sock in (self.ring_in, self.ring_out, self.client):

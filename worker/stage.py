@@ -10,6 +10,7 @@ a one-stage pipeline in a single process and a ring spread over nodes.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -84,6 +85,7 @@ class Stage:
         links: Links,
         *,
         prefill_chunk: int = 512,
+        hops: int = 1,
         schedule: Callable[[Callable[[], None]], None],
     ) -> None:
         self.shard = shard
@@ -95,6 +97,9 @@ class Stage:
         self.head_requests: dict[str, HeadRequest] = {}
         self.tail_requests: dict[str, TailRequest] = {}
         self.stats = Stats()
+        self.hops = hops
+        self.sent_at: dict[str, float] = {}
+        self.hop_us: deque[float] = deque(maxlen=512)
         self.vocab = int(shard.config.get("vocab_size", 0))
 
     # ---- head: requests from clients -------------------------------------------------
@@ -190,11 +195,14 @@ class Stage:
             self._on_error(header)
 
     def _run_layers(self, header: RingHeader, h: mx.array) -> None:
+        began = time.perf_counter()
         rid = header.rid
         cache = self._cache_for(header)
         out = self.shard.forward(h, cache)
         if not self.shard.is_last:
             mx.eval(out)
+            if self.shard.is_first and header.kind == "decode":
+                self.sent_at[rid] = time.perf_counter()
             self.links.to_next(
                 RingHeader(
                     rid=rid,
@@ -203,11 +211,12 @@ class Stage:
                     dtype=dtype_name(out),
                     shape=tuple(out.shape),
                     params=header.params,
+                    extra=_add_work(header.extra, began, not self.shard.is_first),
                 ),
                 out,
             )
         elif header.kind == "decode":
-            self._sample(header, out)
+            self._sample(header, out, began)
         else:
             mx.eval([c.state for c in cache])
 
@@ -227,7 +236,7 @@ class Stage:
 
     # ---- tail: sampling ----------------------------------------------------------------
 
-    def _sample(self, header: RingHeader, h: mx.array) -> None:
+    def _sample(self, header: RingHeader, h: mx.array, began: float) -> None:
         rid = header.rid
         req = self.tail_requests.get(rid)
         if req is None:
@@ -254,7 +263,10 @@ class Stage:
         if finish:
             self.tail_requests.pop(rid, None)
             self.caches.pop(rid, None)
-        self.links.to_head(RingHeader(rid=rid, kind="token", token=token, text=text, finish=finish))
+        extra = _add_work(header.extra, began, not self.shard.is_first)
+        self.links.to_head(
+            RingHeader(rid=rid, kind="token", token=token, text=text, finish=finish, extra=extra)
+        )
 
     # ---- head: tokens coming back ------------------------------------------------------
 
@@ -264,6 +276,12 @@ class Stage:
         if req is None:
             return  # cancelled while this token was on its way
         now = time.perf_counter()
+        sent = self.sent_at.pop(rid, None)
+        if sent is not None and self.hops > 1:
+            # Ring time less the work done on the other shards is what the hops cost;
+            # no clocks are compared across nodes.
+            work = float(header.extra.get("work_us", 0.0))
+            self.hop_us.append(max(0.0, ((now - sent) * 1e6 - work) / self.hops))
         if req.first_token_at is None:
             req.first_token_at = now
         req.generated += 1
@@ -302,6 +320,7 @@ class Stage:
 
     def _free(self, rid: str, forward: bool) -> None:
         self.caches.pop(rid, None)
+        self.sent_at.pop(rid, None)
         self.tail_requests.pop(rid, None)
         if forward and not self.shard.is_last:
             self.links.to_next(RingHeader(rid=rid, kind="free"), None)
@@ -340,3 +359,11 @@ def _describe(exc: Exception) -> str:
     if isinstance(exc, RequestError | ValueError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def _add_work(extra: dict[str, Any], began: float, count: bool) -> dict[str, Any]:
+    """Carry the time this shard spent on the step, for the head's hop figure."""
+    if not count:
+        return {}
+    spent = (time.perf_counter() - began) * 1e6
+    return {"work_us": float(extra.get("work_us", 0.0)) + spent}

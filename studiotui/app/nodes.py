@@ -18,6 +18,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from studiotui.app.guard import guard_actions
 from studiotui.app.render import bar, fit, percent, sparkline, state_style, usage_style
 from studiotui.placement import format_bytes
 from studiotui.state import NodeState, ShardState
@@ -39,6 +40,14 @@ def sort_key(key: str) -> Callable[[NodeState], tuple]:
     if key == "state":
         return lambda n: (_STATE_RANK.get(n.state, 1), n.name)
     return lambda n: (n.name,)
+
+
+def memory_figures(node: NodeState, compact: bool) -> str:
+    used, total = format_bytes(node.memory_used), format_bytes(node.memory_total)
+    if compact and used.split()[-1] == total.split()[-1]:
+        # "441.0/512.0 GB" saves the repeated unit where the card is narrow.
+        return f"{used.split()[0]}/{total}"
+    return f"{used} / {total}"
 
 
 def shard_label(shard: ShardState) -> Content:
@@ -68,10 +77,7 @@ def node_lines(node: NodeState, width: int, selected: bool) -> Content:
 
     if node.memory_total:
         frac = memory_fraction(node)
-        figures = (
-            f" {format_bytes(node.memory_used)} / {format_bytes(node.memory_total)} "
-            f"{percent(frac):>4}"
-        )
+        figures = f" {memory_figures(node, compact=width < 60)} {percent(frac):>4}"
         gauge = max(8, min(30, (width - 6 - len(figures)) // 2))
         spark_room = width - 6 - gauge - len(figures) - 2
         spark = sparkline(node.memory_history, spark_room)
@@ -85,15 +91,22 @@ def node_lines(node: NodeState, width: int, selected: bool) -> Content:
     else:
         memory = Content.styled("  mem  not reported yet", "$text-muted")
 
-    load = [("  cpu ", "$text-muted"), f"{node.cpu_pct:.0f}%"]
+    load = Content.assemble(("  cpu ", "$text-muted"), f"{node.cpu_pct:.0f}%")
+    extras: list[Content] = []
     if node.gpu_pct is not None:
-        load += [("   gpu ", "$text-muted"), f"{node.gpu_pct:.0f}%"]
+        extras.append(Content.assemble(("gpu ", "$text-muted"), f"{node.gpu_pct:.0f}%"))
     if node.power_w is not None:
-        load += [("   power ", "$text-muted"), f"{node.power_w:.0f} W"]
-    load += [("   " + node.endpoint, "$text-muted")]
+        extras.append(Content.assemble(("power ", "$text-muted"), f"{node.power_w:.0f} W"))
     if node.message:
-        load += ["   ", (node.message, "$error" if node.state == "down" else "$warning")]
-    load_line = Content.assemble(*load)
+        extras.append(
+            Content.styled(node.message, "$error" if node.state == "down" else "$warning")
+        )
+    extras.append(Content.styled(node.endpoint, "$text-muted"))
+    # Whole items or nothing: a cut-off address is worse than none.
+    for item in extras:
+        if load.cell_length + 3 + item.cell_length <= width:
+            load = Content.assemble(load, "   ", item)
+    load_line = load
 
     if node.shards:
         parts: list[Content | str] = [Content.styled("  shards ", "$text-muted")]
@@ -138,6 +151,7 @@ def _css_id(name: str) -> str:
     return name.replace(".", "_")
 
 
+@guard_actions
 class NodesPane(VerticalScroll, can_focus=True):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("down,j", "move(1)", "Next node", show=False, id="node-next"),

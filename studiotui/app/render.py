@@ -44,8 +44,11 @@ def usage_style(fraction: float) -> str:
     return "$success"
 
 
-def bar(fraction: float, width: int) -> Content:
-    """A horizontal gauge in eighths of a cell, so small changes still move it."""
+def bar(fraction: float, width: int, style: str | None = None) -> Content:
+    """A horizontal gauge in eighths of a cell, so small changes still move it.
+
+    Coloured by `usage_style` unless a style is given (progress is not pressure).
+    """
     width = max(1, width)
     fraction = min(1.0, max(0.0, fraction))
     eighths = round(fraction * width * 8)
@@ -53,7 +56,7 @@ def bar(fraction: float, width: int) -> Content:
     partial = " ▏▎▍▌▋▊▉"[part] if part and full < width else ""
     filled = "█" * full + partial.strip()
     rest = "░" * (width - len(filled))
-    return Content.assemble((filled, usage_style(fraction)), (rest, "$text-muted"))
+    return Content.assemble((filled, style or usage_style(fraction)), (rest, "$text-muted"))
 
 
 def sparkline(values: tuple[float, ...] | list[float], width: int) -> str:
@@ -91,3 +94,12 @@ def fit(text: str, width: int) -> str:
     if width <= 0:
         return ""
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
+def rich_colour(variables: dict[str, str], name: str) -> str:
+    """A theme colour for Rich renderables (tables), which know no `$variables`.
+
+    ANSI themes name colours `ansi_red`; Rich calls the same colour `red`.
+    """
+    value = variables.get(name, "")
+    return value.removeprefix("ansi_") if value.startswith("ansi_") else value

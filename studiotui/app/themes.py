@@ -11,7 +11,6 @@ import json
 import os
 import tomllib
 from dataclasses import fields
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,7 @@ def theme_from_toml(text: str, source: str) -> Theme:
         if key in data and not isinstance(data[key], str):
             raise ThemeFileError(f"{source}: {key} must be a colour string")
     variables = data.get("variables", {})
-    if not isinstance(variables, dict) or not all(
-        isinstance(v, str) for v in variables.values()
-    ):
+    if not isinstance(variables, dict) or not all(isinstance(v, str) for v in variables.values()):
         raise ThemeFileError(f"{source}: [variables] must map names to strings")
     try:
         return Theme(**data)
@@ -70,15 +67,25 @@ def load_themes() -> tuple[list[Theme], list[str]]:
     """Every theme shipped in the `themes` package, and the problems with any that are broken."""
     themes: list[Theme] = []
     problems: list[str] = []
-    folder = resources.files("themes")
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".toml"):
-            continue
+    for entry in sorted(theme_files(), key=lambda p: p.name):
         try:
             themes.append(theme_from_toml(entry.read_text(encoding="utf-8"), entry.name))
         except (ThemeFileError, OSError, UnicodeDecodeError) as exc:
             problems.append(str(exc))
     return themes, problems
+
+
+def theme_files() -> list[Path]:
+    """The TOML files of the `themes` package.
+
+    Read through `__path__` rather than importlib.resources: an editable install made
+    before `themes/__init__.py` existed maps it as a namespace package, whose path
+    also holds a non-directory placeholder that importlib.resources chokes on.
+    """
+    import themes
+
+    folders = [Path(p) for p in getattr(themes, "__path__", []) if Path(p).is_dir()]
+    return [f for folder in folders for f in folder.glob("*.toml")]
 
 
 def load_ui(home: Path) -> dict[str, Any]:

@@ -1,0 +1,497 @@
+"""The dashboard: a view of the controller's ClusterState and a keyboard for its commands.
+
+The app either drives a live Controller (built from an inventory inside the app's
+own event loop) or shows a fixed ClusterState with no I/O at all, which is what the
+snapshot tests use. Every command runs in a worker and every failure becomes a
+notification plus a Log entry; the operator never sees a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal
+from textual.theme import Theme
+from textual.widgets import Footer, Header, TabbedContent, TabPane
+
+from studiotui import local_cluster
+from studiotui.app.guard import guard_actions
+from studiotui.app.log import LogPane
+from studiotui.app.models import ModelRow, ModelsPane, scan_models
+from studiotui.app.nodes import SORT_KEYS, NodesPane
+from studiotui.app.palette import StudioCommands
+from studiotui.app.placements import PlacementsPane
+from studiotui.app.rdma import RdmaPane
+from studiotui.app.screens import ConfirmScreen, HelpScreen, NodeLogScreen
+from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
+from studiotui.app.topology import TopologyPane
+from studiotui.controller import Controller
+from studiotui.inventory import Inventory, NodeSpec
+from studiotui.state import ClusterState, LogEntry
+
+# Telemetry from N nodes arrives as N updates a second, nearly together; drawing
+# once per burst keeps an idle dashboard cheap.
+COALESCE_S = 0.15
+UP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Startup:
+    """What to do before (and while) the dashboard shows: the first-run work."""
+
+    start_agents: list[NodeSpec] = field(default_factory=list)
+    demo_model: Path | None = None  # written if missing
+    place_demo: bool = False
+    note: str = ""  # told first, so the operator knows why things start by themselves
+
+
+@guard_actions
+class StudioApp(App[None]):
+    TITLE = "studiotui"
+    CSS_PATH: ClassVar[list[str | Path]] = [  # type: ignore[misc]
+        "app.tcss",
+        "nodes.tcss",
+        "topology.tcss",
+        "screens.tcss",
+    ]
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (130, "-wide")]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (40, "-tall")]
+    COMMANDS: ClassVar[set[Any]] = App.COMMANDS | {StudioCommands}
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("q", "quit", "Quit", id="quit"),
+        Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        Binding("l", "node_logs", "Logs", id="node-logs"),
+        Binding("r", "restart_node", "Restart node", id="restart-node"),
+        Binding("m", "measure_links", "Measure links", id="measure-links"),
+        Binding("p", "provision", "Provision", id="provision"),
+        Binding("t", "next_theme", "Theme", id="next-theme"),
+        Binding("f5,ctrl+r", "refresh", "Refresh", id="refresh"),
+        Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
+        Binding("2", "show_tab('tab-rdma')", "RDMA", show=False, id="tab-rdma"),
+        Binding("3", "show_tab('tab-placements')", "Placements", show=False, id="tab-placements"),
+        Binding("4", "show_tab('tab-models')", "Models", show=False, id="tab-models"),
+    ]
+
+    def __init__(
+        self,
+        home: Path,
+        inventory: Inventory | None = None,
+        *,
+        state: ClusterState | None = None,
+        models: list[ModelRow] | None = None,
+        startup: Startup | None = None,
+    ) -> None:
+        super().__init__()
+        if inventory is None and state is None:
+            raise ValueError("StudioApp needs an inventory (live) or a state (fixed view)")
+        self.home = home
+        self.inventory = inventory
+        self.startup = startup
+        self.controller: Controller | None = None
+        self.cluster = state or ClusterState(name=inventory.name if inventory else "cluster")
+        self.fixed = state is not None
+        self._fixed_models = models
+        self._pending: ClusterState | None = None
+        self._scheduled = False
+        self._broken_view = False
+        self.ui = load_ui(home)
+        self._studio_themes: list[str] = []
+        themes, problems = load_themes()
+        # The default first, so "next theme" starts from where a new user is.
+        for theme in sorted(themes, key=lambda t: (t.name != DEFAULT_THEME, t.name)):
+            self.register_theme(theme)
+            self._studio_themes.append(theme.name)
+        self._theme_problems = problems
+        wanted = self.ui.get("theme")
+        if not isinstance(wanted, str) or wanted not in self.available_themes:
+            wanted = DEFAULT_THEME if DEFAULT_THEME in self.available_themes else "textual-dark"
+        self.theme = wanted
+        keymap = self.ui.get("keymap")
+        if isinstance(keymap, dict):
+            self.set_keymap({str(k): str(v) for k, v in keymap.items()})
+
+    # ---- layout ---------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        with Horizontal(id="top"):
+            yield NodesPane(id="nodes")
+            with TabbedContent(id="top-tabs", initial="tab-topology"):
+                with TabPane("Topology", id="tab-topology"):
+                    yield TopologyPane(id="topology")
+                with TabPane("RDMA", id="tab-rdma"):
+                    yield RdmaPane(id="rdma")
+        with Horizontal(id="bottom"):
+            with TabbedContent(id="bottom-tabs", initial="tab-placements"):
+                with TabPane("Placements", id="tab-placements"):
+                    yield PlacementsPane(id="placements")
+                with TabPane("Models", id="tab-models"):
+                    yield ModelsPane(id="models")
+            yield LogPane(id="log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.theme_changed_signal.subscribe(self, self._remember_theme)
+        nodes = self.query_one(NodesPane)
+        sort = self.ui.get("sort")
+        if sort in SORT_KEYS:
+            nodes.sort_by = sort
+        nodes.focus()
+        self.watch(nodes, "sort_by", self._remember_sort, init=False)
+        for problem in self._theme_problems:
+            self.report(f"theme file skipped: {problem}", "warning")
+        if self.fixed:
+            self._show(self.cluster)
+            self.query_one(ModelsPane).show(self._fixed_models or [], self.models_dir)
+            return
+        assert self.inventory is not None
+        self.controller = Controller(self.home, self.inventory)
+        self.controller.subscribe(self._on_state)
+        self._show(self.controller.state)
+        self.background(self._start(), "starting")
+        self.background(self._scan_models(), "reading models")
+
+    async def on_unmount(self) -> None:
+        if self.controller is not None:
+            controller, self.controller = self.controller, None
+            # The app is gone: nobody is left to tell about a failed close.
+            with contextlib.suppress(Exception):
+                await controller.close()
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    # ---- state → panes --------------------------------------------------------------------
+
+    def _on_state(self, state: ClusterState) -> None:
+        """Controller listener: runs in the controller's tasks, so only note and schedule."""
+        self._pending = state
+        if not self._scheduled and self.is_running:
+            self._scheduled = True
+            self.set_timer(COALESCE_S, self._apply_pending)
+
+    def _apply_pending(self) -> None:
+        self._scheduled = False
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._show(state)
+
+    def _show(self, state: ClusterState) -> None:
+        self.cluster = state
+        try:
+            nodes = self.query_one(NodesPane)
+            nodes.update_nodes(state.nodes)
+            self.query_one(TopologyPane).show(state, nodes.selected)
+            self.query_one(RdmaPane).show(state.nodes)
+            self.query_one(PlacementsPane).show(state.placements, self.theme, self.theme_variables)
+            self.query_one(LogPane).show(state.log)
+            up = sum(n.state == "up" for n in state.nodes)
+            count = len(state.placements)
+            self.sub_title = (
+                f"{state.name} · {up}/{len(state.nodes)} nodes up · "
+                f"{count} placement{'s' if count != 1 else ''}"
+            )
+        except Exception as exc:
+            # A view bug must not kill the dashboard; say it once, not every second.
+            if not self._broken_view:
+                self._broken_view = True
+                self.report(f"display error: {type(exc).__name__}: {exc}", "error")
+
+    def on_nodes_pane_selected(self, event: NodesPane.Selected) -> None:
+        self.query_one(TopologyPane).show(self.cluster, event.name)
+
+    def _remember_theme(self, theme: Theme) -> None:
+        # Tables hold Rich colours, which do not follow the theme by themselves.
+        self.call_later(self._redraw_for_theme)
+        try:
+            save_ui(self.home, theme=theme.name)
+        except OSError as exc:
+            self.report(f"cannot save the theme choice to {self.home}: {exc}", "warning")
+
+    def _remember_sort(self, key: str) -> None:
+        try:
+            save_ui(self.home, sort=key)
+        except OSError as exc:
+            self.report(f"cannot save the sort order to {self.home}: {exc}", "warning")
+
+    def _redraw_for_theme(self) -> None:
+        self._show(self.cluster)
+
+    # ---- reporting ------------------------------------------------------------------------
+
+    def report(self, text: str, level: str = "info") -> None:
+        """Tell the operator: a notification for warnings and errors, a Log entry always."""
+        if level in ("warning", "error"):
+            self.notify(text, severity=level, timeout=8 if level == "error" else 5)
+        else:
+            self.notify(text, timeout=3)
+        if self.controller is not None:
+            self.controller.record(text, level)
+        else:
+            entry = LogEntry(time=time.time(), level=level, text=text)
+            self.cluster = replace(self.cluster, log=(*self.cluster.log, entry))
+            if self.is_mounted_ready:
+                self.query_one(LogPane).show(self.cluster.log)
+
+    @property
+    def is_mounted_ready(self) -> bool:
+        try:
+            self.query_one(LogPane)
+        except Exception:
+            return False
+        return True
+
+    def background(self, work: Awaitable[Any], what: str) -> None:
+        """Run a command without blocking the keys; its failure is reported, not raised."""
+
+        async def guarded() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.report(f"{what} failed: {exc}", "error")
+
+        self.run_worker(guarded(), group=what, exit_on_error=False)
+
+    def _need_controller(self, what: str) -> Controller | None:
+        if self.controller is None:
+            self.report(f"{what}: no cluster is connected (this is a fixed view)", "warning")
+        return self.controller
+
+    def _selected_node(self, what: str) -> str | None:
+        name = self.query_one(NodesPane).selected
+        if name is None:
+            self.report(f"{what}: no node is selected", "warning")
+        return name
+
+    # ---- startup --------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        ctl = self.controller
+        assert ctl is not None and self.inventory is not None
+        plan = self.startup or Startup()
+        if plan.note:
+            ctl.record(plan.note)
+        if plan.start_agents:
+            await self._start_agents(ctl, plan.start_agents)
+        await ctl.start(telemetry=True)
+        nodes = ctl.state.nodes
+        down = [n.name for n in nodes if n.state != "up"]
+        summary = f"cluster {ctl.state.name}: {len(nodes) - len(down)}/{len(nodes)} nodes up"
+        if down:
+            self.report(f"{summary}; not answering: {', '.join(down)}", "warning")
+        else:
+            ctl.record(summary)
+        if plan.demo_model is not None:
+            await self._demo(ctl, plan.demo_model, plan.place_demo)
+
+    async def _start_agents(self, ctl: Controller, nodes: list[NodeSpec]) -> None:
+        assert self.inventory is not None
+        started = []
+        for node in nodes:
+            pid = await asyncio.to_thread(
+                local_cluster.start_agent, self.home, node, self.inventory
+            )
+            started.append(f"{node.name} (pid {pid})")
+        ctl.record(f"started local agent{'s' if len(started) > 1 else ''} {', '.join(started)}")
+        from studiotui.commands import wait_until_up
+
+        missing = await wait_until_up(ctl, [n.name for n in nodes], timeout=UP_TIMEOUT_S)
+        for name in missing:
+            tail = local_cluster.agent_output_tail(self.inventory.node(name))
+            self.report(
+                f"{name} did not answer within {UP_TIMEOUT_S:.0f} s; its output ends: "
+                f"{tail or '(nothing)'}",
+                "error",
+            )
+
+    async def _demo(self, ctl: Controller, path: Path, place: bool) -> None:
+        if not (path / "config.json").exists():
+            ctl.record(f"writing the demo model to {path}")
+            from worker.demo_model import DemoSpec, write_demo_model
+
+            await asyncio.to_thread(write_demo_model, path, DemoSpec())
+            await self._scan_models()
+        if not place or ctl.state.placement(path.name) is not None:
+            return
+        up = [n.name for n in ctl.state.nodes if n.state == "up"]
+        if not up:
+            self.report("no node is up, so the demo model was not placed", "warning")
+            return
+        pane = self.query_one(PlacementsPane)
+        pane.start_progress(f"placing {path.name} on {', '.join(up)}", up)
+        try:
+            await ctl.place(path, up, progress=pane.progress)
+        finally:
+            pane.end_progress()
+        self.notify(f"placement {path.name} is ready")
+
+    async def _scan_models(self) -> None:
+        rows = await asyncio.to_thread(scan_models, self.models_dir)
+        self.query_one(ModelsPane).show(rows, self.models_dir)
+
+    # ---- actions --------------------------------------------------------------------------
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.key_rows()))
+
+    def key_rows(self) -> list[tuple[str, str]]:
+        keymap = self.ui.get("keymap") if isinstance(self.ui.get("keymap"), dict) else {}
+        rows = []
+        for binding in [*self.BINDINGS, *NodesPane.BINDINGS]:
+            assert isinstance(binding, Binding)
+            key = keymap.get(binding.id, binding.key) if binding.id else binding.key
+            rows.append((binding.key_display or key.replace(",", " / "), binding.description))
+        rows += [
+            ("ctrl+p", "Command palette: every action, theme switching"),
+            ("tab", "Move between panes"),
+            ("esc", "Close a dialog"),
+        ]
+        return rows
+
+    def palette_actions(self) -> list[tuple[str, str, str]]:
+        """(title, help, action) for the command palette."""
+        return [
+            ("Provision selected node", "install and start its agent over SSH", "provision"),
+            ("Restart selected node", "stop and start its agent", "restart_node"),
+            ("Re-measure links", "latency and bandwidth between nodes", "measure_links"),
+            ("Open logs of selected node", "the agent's own log", "node_logs"),
+            ("Refresh", "ask every agent again; re-read models", "refresh"),
+            ("Sort nodes", "cycle: name, memory, cpu, state", "sort_nodes"),
+            ("Next theme", "cycle the studio themes", "next_theme"),
+            ("Help: keys", "every key of the dashboard", "help"),
+            ("Quit", "leave the agents running", "quit"),
+        ]
+
+    def theme_names(self) -> list[str]:
+        others = sorted(n for n in self.available_themes if n not in self._studio_themes)
+        return [*self._studio_themes, *others]
+
+    def use_theme(self, name: str) -> None:
+        if name not in self.available_themes:
+            self.report(f"no theme named {name!r}", "warning")
+            return
+        self.theme = name
+
+    def action_next_theme(self) -> None:
+        names = self._studio_themes or self.theme_names()
+        index = names.index(self.theme) + 1 if self.theme in names else 0
+        self.use_theme(names[index % len(names)])
+        self.notify(f"theme: {self.theme}", timeout=2)
+
+    def action_show_tab(self, tab: str) -> None:
+        for tabs in self.query(TabbedContent):
+            if tabs.query(f"#{tab}"):
+                tabs.active = tab
+
+    def action_sort_nodes(self) -> None:
+        self.query_one(NodesPane).action_cycle_sort()
+
+    def action_node_logs(self) -> None:
+        name = self._selected_node("logs")
+        ctl = self._need_controller("logs") if name else None
+        if name and ctl:
+            self.push_screen(NodeLogScreen(name, self._read_log))
+
+    async def _read_log(self, name: str) -> list[str]:
+        ctl = self.controller
+        if ctl is None:
+            raise RuntimeError("no cluster is connected")
+        try:
+            return await ctl.read_log(name)
+        except Exception as exc:
+            if ctl is self.controller:
+                ctl.record(f"cannot read the log of {name}: {exc}", "error")
+            raise
+
+    def action_restart_node(self) -> None:
+        name = self._selected_node("restart")
+        ctl = self._need_controller("restart") if name else None
+        if not (name and ctl):
+            return
+        node = ctl.state.node(name)
+        held = sorted({s.placement for s in node.shards}) if node else []
+        if not held:
+            self.background(self._restart(ctl, name), f"restarting {name}")
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes and self.controller is ctl:
+                self.background(self._restart(ctl, name), f"restarting {name}")
+
+        question = (
+            f"Restart {name}? It holds shards of {', '.join(held)}; "
+            "they stop with the agent and the placement breaks."
+        )
+        self.push_screen(ConfirmScreen(question), answered)
+
+    async def _restart(self, ctl: Controller, name: str) -> None:
+        assert self.inventory is not None
+        spec = self.inventory.node(name)
+        if not spec.is_local:
+            restart = getattr(ctl, "restart", None)
+            if restart is None:
+                self.report(
+                    f"restarting {name} over SSH is not available yet (use provision)", "warning"
+                )
+                return
+            await _call(restart, [name])
+            return
+        self.report(f"restarting {name}…")
+        await asyncio.to_thread(local_cluster.stop_agent, spec)
+        pid = await asyncio.to_thread(local_cluster.start_agent, self.home, spec, self.inventory)
+        from studiotui.commands import wait_until_up
+
+        missing = await wait_until_up(ctl, [name], timeout=UP_TIMEOUT_S)
+        if missing:
+            tail = local_cluster.agent_output_tail(spec)
+            self.report(f"{name} did not come back (pid {pid}): {tail or 'no output'}", "error")
+        else:
+            self.report(f"{name} restarted (pid {pid})")
+
+    def action_provision(self) -> None:
+        self._optional_command("provision", "provisioning", with_node=True)
+
+    def action_measure_links(self) -> None:
+        self._optional_command("measure_links", "measuring links", with_node=False)
+
+    def _optional_command(self, method: str, what: str, with_node: bool) -> None:
+        """Commands the controller may not have yet: call them if present, else say so."""
+        ctl = self._need_controller(what)
+        if ctl is None:
+            return
+        command: Callable[..., Any] | None = getattr(ctl, method, None)
+        if command is None:
+            self.report(f"{what} is not available yet", "warning")
+            return
+        if with_node:
+            name = self._selected_node(what)
+            if name is None:
+                return
+            self.background(_call(command, [name]), f"{what} {name}")
+        else:
+            self.background(_call(command), what)
+
+    def action_refresh(self) -> None:
+        ctl = self._need_controller("refresh")
+        if ctl is not None:
+            self.background(ctl.refresh(), "refreshing")
+            self.background(self._scan_models(), "reading models")
+
+
+async def _call(command: Callable[..., Any], *args: Any) -> Any:
+    """Call a sync or async controller method inside the guarded worker."""
+    result = command(*args)
+    if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+        return await result
+    return result

@@ -1,0 +1,269 @@
+"""`studiotui bench`: how fast the pipeline runs, next to a single process and mlx-lm's own.
+
+It generates a model, starts its own local cluster (own STUDIOTUI_HOME, own
+loopback addresses), measures, and stops every agent it started by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from studiotui import local_cluster
+from studiotui.controller import Controller
+from studiotui.inventory import Inventory, local_inventory
+
+BENCH_OCTET = 71
+BENCH_PORT = 56500
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    layers: int
+    hidden: int
+    tokens: int
+    ttft_prompt: int = 512
+    prefill_chunk: int = 128
+
+    @classmethod
+    def make(cls, quick: bool) -> BenchConfig:
+        return cls(layers=8, hidden=256, tokens=64 if quick else 256)
+
+
+def prompt_tokens(n: int) -> list[int]:
+    return [(7 * i) % 200 + 32 for i in range(n)]
+
+
+# ---- single process -----------------------------------------------------------------
+
+
+def single_process(model_dir: Path, cfg: BenchConfig) -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    model, _ = mlx_lm.load(str(model_dir))
+    prompt = mx.array(prompt_tokens(16))
+    tokens, stamps = [], []
+    for tok, _ in generate_step(prompt, model, max_tokens=cfg.tokens):
+        tokens.append(int(tok))
+        stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    long_prompt = mx.array(prompt_tokens(cfg.ttft_prompt))
+    ttfts = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _tok, _ in generate_step(long_prompt, model, max_tokens=1):
+            pass
+        ttfts.append((time.perf_counter() - start) * 1000)
+    return {
+        "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0]),
+        "gap_p50": statistics.median(gaps),
+        "tokens": tokens,
+        "ttft_ms": min(ttfts),
+    }
+
+
+# ---- the pipeline -------------------------------------------------------------------
+
+
+async def stream(ctl: Controller, name: str, tokens: list[int], n: int) -> dict[str, Any]:
+    got: list[int] = []
+    stamps: list[float] = []
+    start = time.perf_counter()
+    params = {"max_tokens": n, "ignore_eos": True}
+    async for msg in ctl.generate(name, {"tokens": tokens}, params):
+        if msg["type"] == "delta":
+            got += msg["tokens"]
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return {
+        "tokens": got,
+        "tps": (len(got) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0,
+        "gap_p50": statistics.median(gaps) if gaps else 0.0,
+        "ttft_ms": (stamps[0] - start) * 1000 if stamps else 0.0,
+        "start": start,
+        "end": stamps[-1] if stamps else start,
+    }
+
+
+async def pipeline_figures(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig
+) -> dict[str, Any]:
+    ctl = Controller(home, inv)
+    out: dict[str, Any] = {}
+    names = list(inv.names)
+    try:
+        await ctl.refresh()
+        for n in (2, 4):
+            name = f"pipe{n}"
+            await ctl.place(model_dir, names[:n], name, prefill_chunk=cfg.prefill_chunk)
+            await stream(ctl, name, prompt_tokens(16), 8)  # warm up
+            out[name] = await stream(ctl, name, prompt_tokens(16), cfg.tokens)
+            stats = await ctl.head_peer(ctl.pick_placement(name)).request("stats")
+            out[f"{name}_hop_us"] = stats.get("hop_us_p50")
+            if n == 2:
+                ttfts = [
+                    await stream(ctl, name, prompt_tokens(cfg.ttft_prompt), 1) for _ in range(3)
+                ]
+                out["ttft_pipe2_ms"] = min(t["ttft_ms"] for t in ttfts)
+                out["streams"] = {}
+                for k in (1, 2, 4):
+                    runs = await asyncio.gather(
+                        *(stream(ctl, name, prompt_tokens(16), cfg.tokens) for _ in range(k))
+                    )
+                    wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+                    out["streams"][str(k)] = sum(len(r["tokens"]) for r in runs) / wall
+                    out[f"streams{k}_tokens"] = [r["tokens"] for r in runs]
+            await ctl.unload(name)
+    finally:
+        await ctl.close()
+    return out
+
+
+# ---- mlx-lm's own pipeline ----------------------------------------------------------
+
+
+def mlx_ring(model_dir: Path, cfg: BenchConfig) -> float | None:
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        return None
+    script = Path(__file__).with_name("bench_ring.py")
+    cmd = [
+        str(launcher),
+        "--backend",
+        "ring",
+        "--hosts",
+        "127.0.0.1",
+        "-n",
+        "2",
+        "--starting-port",
+        str(BENCH_PORT + 100),
+        "--",
+        sys.executable,
+        str(script),
+        str(model_dir),
+        "16",
+        str(cfg.tokens),
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return None
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            return float(json.loads(line)["tps"])
+    return None
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    from worker.demo_model import DemoSpec, write_demo_model
+
+    cfg = BenchConfig.make(quick)
+    with tempfile.TemporaryDirectory(prefix="studiotui-bench-") as tmp:
+        home = Path(tmp)
+        # qwen2 is one of the families whose mlx-lm class has pipeline(), so the
+        # same model runs on both pipelines.
+        model_dir = write_demo_model(
+            home / "models" / "bench",
+            DemoSpec(
+                arch="qwen2",
+                layers=cfg.layers,
+                hidden=cfg.hidden,
+                heads=8,
+                kv_heads=4,
+                dtype="float32",
+            ),
+        )
+        single = single_process(model_dir, cfg)
+        inv = local_inventory(
+            4, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
+        )
+        pids = [local_cluster.start_agent(home, node, inv) for node in inv.nodes]
+        try:
+            pipe = asyncio.run(_with_cluster(home, inv, model_dir, cfg))
+        except Exception as exc:  # report it as a figure-less run, not a traceback
+            raise BenchError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            for pid in pids:
+                local_cluster.kill_pid(pid)
+        ring = mlx_ring(model_dir, cfg)
+    return summarize(single, pipe, ring, cfg)
+
+
+async def _with_cluster(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig
+) -> dict[str, Any]:
+    from studiotui.commands import wait_until_up
+
+    ctl = Controller(home, inv)
+    try:
+        missing = await wait_until_up(ctl, list(inv.names), 30.0)
+    finally:
+        await ctl.close()
+    if missing:
+        raise RuntimeError(f"bench agents {missing} did not start")
+    return await pipeline_figures(home, inv, model_dir, cfg)
+
+
+def summarize(
+    single: dict[str, Any], pipe: dict[str, Any], ring: float | None, cfg: BenchConfig
+) -> dict[str, Any]:
+    s = single["tps"]
+    expected = single["tokens"]
+    streams = pipe["streams"]
+    produced = [pipe["pipe2"]["tokens"], pipe["pipe4"]["tokens"]]
+    produced += pipe["streams1_tokens"] + pipe["streams2_tokens"] + pipe["streams4_tokens"]
+    hop_us = pipe["pipe2_hop_us"] or 0.0
+    return {
+        "model": f"qwen2 demo, {cfg.layers} layers, hidden {cfg.hidden}, float32",
+        "tokens": cfg.tokens,
+        "single_tps": round(s, 2),
+        "pipe2_tps": round(pipe["pipe2"]["tps"], 2),
+        "pipe4_tps": round(pipe["pipe4"]["tps"], 2),
+        "pipe2_ratio": round(pipe["pipe2"]["tps"] / s, 3),
+        "pipe4_ratio": round(pipe["pipe4"]["tps"] / s, 3),
+        "streams": {k: round(v, 2) for k, v in streams.items()},
+        "streams4_ratio": round(streams["4"] / s, 3),
+        "mlx_ring2_tps": round(ring, 2) if ring is not None else None,
+        "hop_us_p50": round(hop_us, 1),
+        "ttft_single_ms": round(single["ttft_ms"], 1),
+        "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
+        "tokens_match": all(p == expected for p in produced),
+    }
+
+
+def run_bench(quick: bool, as_json: bool) -> int:
+    started = time.monotonic()
+    figures = measure(quick)
+    figures["bench_seconds"] = round(time.monotonic() - started, 1)
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        table = Table(title="studiotui bench")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in figures.items():
+            table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
+        Console().print(table)
+    return 0 if figures["tokens_match"] else 1
