@@ -36,6 +36,7 @@ from studiotui.state import (
 from worker.protocol import messages
 
 DOWN_AFTER_S = 3.0
+HEALTH_CHECK_S = 2.0
 LOG_KEEP = 500
 Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
@@ -389,13 +390,19 @@ class Controller:
         finished = False
         try:
             await peer.send("generate", rid=rid, params=params, **request)
-            timeout = first_timeout
+            limit, waited = first_timeout, 0.0
             while True:
                 try:
-                    msg = await asyncio.wait_for(queue.get(), timeout)
+                    msg = await asyncio.wait_for(queue.get(), HEALTH_CHECK_S)
                 except TimeoutError:
-                    raise GenerationError(self._silence_reason(chosen, timeout)) from None
-                timeout = step_timeout
+                    waited += HEALTH_CHECK_S
+                    problem = await self.placement_problem(chosen)
+                    if problem:
+                        raise GenerationError(problem) from None
+                    if waited >= limit:
+                        raise GenerationError(self._silence_reason(chosen, limit)) from None
+                    continue
+                limit, waited = step_timeout, 0.0
                 kind = msg["type"]
                 if kind == "failed":
                     finished = True
@@ -409,6 +416,23 @@ class Controller:
                 with contextlib.suppress(Exception):
                     await peer.send("cancel", rid=rid)
             peer.close_queue(rid)
+
+    async def placement_problem(self, placement: PlacementState) -> str | None:
+        """Why a placement cannot answer, in words, or None if every shard is serving."""
+        replies = await asyncio.gather(
+            *(self.peer(n).request("list_shards", timeout=1.5) for n in placement.nodes),
+            return_exceptions=True,
+        )
+        for node, reply in zip(placement.nodes, replies, strict=True):
+            if isinstance(reply, BaseException):
+                return f"node {node} of placement {placement.name!r} stopped answering"
+            mine = [s for s in reply["shards"] if s.get("placement") == placement.name]
+            if not mine:
+                return f"node {node} no longer holds its shard of {placement.name!r}"
+            if mine[0].get("state") != "ready":
+                why = mine[0].get("message") or mine[0].get("state")
+                return f"the shard of {placement.name!r} on {node} is down: {why}"
+        return None
 
     def _silence_reason(self, placement: PlacementState, timeout: float) -> str:
         down = [n for n in placement.nodes if (s := self.state.node(n)) and s.state != "up"]

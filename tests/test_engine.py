@@ -232,3 +232,42 @@ def test_bad_models_and_placements_are_refused_clearly(
     assert "not valid JSON" in out["badjson"]
     assert "no placement named 'no-such-placement'" in out["unknown"]
     assert out["left"] == "[]", "a failed placement must leave nothing loaded"
+
+
+def test_a_shard_dying_mid_answer_fails_the_request_clearly(
+    engine_cluster: LocalCluster, family_models: dict[str, Path]
+) -> None:
+    import os
+    import signal
+
+    model = family_models["mistral"]
+    tokens = prompt_tokens(model)
+
+    async def run() -> tuple[int, str, list[str], str]:
+        ctl = engine_cluster.controller()
+        got = 0
+        try:
+            names = list(engine_cluster.inventory.names[1:4])
+            await place(ctl, model, names, "dies")
+            middle = ctl.state.placement("dies").shards[1]
+            reply = await ctl.peer(middle.node).request("list_shards")
+            pid = next(s["pid"] for s in reply["shards"] if s["placement"] == "dies")
+            try:
+                async for msg in ctl.generate("dies", {"tokens": tokens},
+                                              {"max_tokens": 100000, "ignore_eos": True}):
+                    got += msg["type"] == "delta"
+                    if got == 5:
+                        os.kill(pid, signal.SIGKILL)  # a runner our own agent started
+                error = "no error?!"
+            except GenerationError as exc:
+                error = str(exc)
+            await ctl.unload("dies")
+            await ctl.refresh()
+            return got, error, [p.name for p in ctl.state.placements], middle.node
+        finally:
+            await ctl.close()
+
+    got, error, left, node = asyncio.run(run())
+    assert got >= 5, "the partial answer arrived before the failure"
+    assert "'dies'" in error and node in error and "exited" in error
+    assert "dies" not in left

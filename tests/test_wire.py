@@ -23,7 +23,7 @@ from worker.protocol import (
     encode,
     encode_ring_header,
 )
-from worker.protocol.curve import CurveKeys, make_client, load_keypair
+from worker.protocol.curve import CurveKeys, load_keypair, make_client
 
 
 def test_messages_round_trip_and_refuse_bad_ones() -> None:
