@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ def test_pipelines_match_mlx_lm(
     for n, (got, layers) in asyncio.run(run()).items():
         assert len(layers) == n
         assert layers[0][0] == 0 and layers[-1][1] == 7
-        assert all(a[1] == b[0] for a, b in zip(layers, layers[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(layers))
         assert got == expected, f"{family} over {n} shards {layers} diverged"
 
 
@@ -253,8 +254,9 @@ def test_a_shard_dying_mid_answer_fails_the_request_clearly(
             reply = await ctl.peer(middle.node).request("list_shards")
             pid = next(s["pid"] for s in reply["shards"] if s["placement"] == "dies")
             try:
-                async for msg in ctl.generate("dies", {"tokens": tokens},
-                                              {"max_tokens": 100000, "ignore_eos": True}):
+                async for msg in ctl.generate(
+                    "dies", {"tokens": tokens}, {"max_tokens": 100000, "ignore_eos": True}
+                ):
                     got += msg["type"] == "delta"
                     if got == 5:
                         os.kill(pid, signal.SIGKILL)  # a runner our own agent started

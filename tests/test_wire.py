@@ -96,13 +96,19 @@ def test_agent_answers_bad_messages_and_keeps_serving(engine_cluster: LocalClust
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
-        make_client(sock, keys.controller_keys(engine_cluster.home),
-                    keys.node_public_key(engine_cluster.home, node.name))
+        make_client(
+            sock,
+            keys.controller_keys(engine_cluster.home),
+            keys.node_public_key(engine_cluster.home, node.name),
+        )
         sock.connect(node.control_endpoint)
         replies = []
-        for data in (b"\x00garbage", msgpack.packb({"v": 1, "type": "bogus"}),
-                     msgpack.packb({"v": 1, "type": "unload"}), encode("generate", rid="x",
-                                                                         params={})):
+        for data in (
+            b"\x00garbage",
+            msgpack.packb({"v": 1, "type": "bogus"}),
+            msgpack.packb({"v": 1, "type": "unload"}),
+            encode("generate", rid="x", params={}),
+        ):
             sock.send(data)
             assert sock.poll(5000), f"no answer to {data!r}"
             replies.append(decode(sock.recv()))
@@ -142,7 +148,7 @@ def test_malformed_frames_are_dropped_and_requests_in_flight_finish(
                 await asyncio.sleep(0.3)
                 await ctl.refresh()
                 reply = await ctl.peer(tail.node).request("list_shards")
-                stats = [s["stats"] for s in reply["shards"] if s["placement"] == "wire"][0]
+                stats = next(s["stats"] for s in reply["shards"] if s["placement"] == "wire")
                 dropped = int(stats.get("dropped", 0)) + int(stats.get("errors", 0))
                 if dropped >= 4:
                     break
@@ -162,8 +168,9 @@ def _send_garbage(cluster: LocalCluster, as_node: str, address: str, port: int, 
         push = ctx.socket(zmq.PUSH)
         make_client(push, _node_keys(cluster, as_node), keys.node_public_key(cluster.home, to))
         push.connect(f"tcp://{address}:{port}")
-        lying = RingHeader(rid="intruder", kind="decode", offset=0, dtype="float32",
-                           shape=(1, 1, 64))
+        lying = RingHeader(
+            rid="intruder", kind="decode", offset=0, dtype="float32", shape=(1, 1, 64)
+        )
         for frames in (
             [b"only one frame"],
             [b"\xc1not msgpack", b""],
