@@ -313,10 +313,30 @@ class Controller:
                         shard.node, int(msg.get("param_bytes", 1)), int(msg.get("param_bytes", 1))
                     )
 
-        results = await asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        loads = asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
+        watch = asyncio.create_task(self._watch_nodes([s.node for s in shards]))
+        done, _ = await asyncio.wait({loads, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch in done:
+            loads.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loads
+            raise PlacementError(watch.result())
+        watch.cancel()
+        errors = [r for r in loads.result() if isinstance(r, BaseException)]
         if errors:
             raise PlacementError("; ".join(str(e) for e in errors))
+
+    async def _watch_nodes(self, nodes: list[str]) -> str:
+        """Return (only) when one of `nodes` stops answering, saying which."""
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_S)
+            replies = await asyncio.gather(
+                *(self.peer(n).request("hello", timeout=HEALTH_CHECK_S) for n in nodes),
+                return_exceptions=True,
+            )
+            for node, reply in zip(nodes, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    return f"node {node} stopped answering while loading"
 
     async def unload(self, name: str) -> None:
         await self.refresh()
