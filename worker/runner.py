@@ -275,15 +275,26 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    profile_to = os.environ.get("STUDIOTUI_PROFILE_DIR")
+    profiler = None
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile()
     try:
         runner.bind()
         runner.load()
+        if profiler:
+            profiler.enable()
         runner.serve()
     except (ShardLoadError, zmq.ZMQError, OSError) as exc:
         emit("fatal", message=str(exc))
         return 1
     finally:
         runner.close()
+        if profiler and profile_to:
+            profiler.disable()
+            profiler.dump_stats(str(Path(profile_to) / f"runner-{spec.placement}-{spec.index}.prof"))
     return 0
 
 
