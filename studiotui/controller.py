@@ -24,9 +24,10 @@ from studiotui import keys
 from studiotui.agents import AgentError, AgentUnreachable, Peer
 from studiotui.inventory import Inventory, NodeSpec
 from studiotui.model_facts import ModelInfo, read_model
-from studiotui.placement import NodeBudget, Plan, Refusal, plan
+from studiotui.placement import Link, NodeBudget, Plan, Refusal, plan
 from studiotui.state import (
     ClusterState,
+    LinkState,
     LogEntry,
     NodeState,
     PlacementState,
@@ -37,6 +38,8 @@ from worker.protocol import messages
 
 DOWN_AFTER_S = 3.0
 HEALTH_CHECK_S = 2.0
+LINKS_FIRST_S = 30.0
+LINKS_EVERY_S = 300.0
 LOG_KEEP = 500
 Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
@@ -77,6 +80,10 @@ class Controller:
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def _set(self, state: ClusterState) -> None:
         self.state = state
@@ -126,6 +133,16 @@ class Controller:
         self._sub = sub
         self._tasks.append(asyncio.create_task(self._read_telemetry()))
         self._tasks.append(asyncio.create_task(self._watch_liveness()))
+        self._tasks.append(asyncio.create_task(self._measure_periodically()))
+
+    async def _measure_periodically(self) -> None:
+        await asyncio.sleep(LINKS_FIRST_S)
+        while True:
+            try:
+                await self.measure_links()
+            except Exception as exc:  # a failed measurement must not stop the loop
+                self.record(f"link measurement failed: {exc}", "warning")
+            await asyncio.sleep(LINKS_EVERY_S)
 
     async def _read_telemetry(self) -> None:
         assert self._sub is not None
@@ -193,6 +210,9 @@ class Controller:
 
     async def _hello(self, name: str, timeout: float) -> None:
         reply = await self.peer(name).request("hello", timeout=timeout)
+        before = self.state.node(name)
+        if before is not None and before.state != "up":
+            self.record(f"{name} is up ({reply['version']})")
         facts = reply.get("facts") or {}
         shards = tuple(shard_from_report(name, s) for s in reply.get("shards", []))
         self._update_node(
@@ -235,7 +255,8 @@ class Controller:
             if node.state != "up":
                 return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
             budgets.append(NodeBudget(name, node.memory_free, node.memory_total))
-        return info, plan(info.facts, budgets, context_tokens=context_tokens)
+        links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind) for x in self.state.links]
+        return info, plan(info.facts, budgets, links, context_tokens=context_tokens)
 
     async def place(
         self,
@@ -463,6 +484,61 @@ class Controller:
     async def cancel(self, placement: str, rid: str) -> None:
         chosen = self.pick_placement(placement)
         await self.head_peer(chosen).send("cancel", rid=rid)
+
+    # ---- links ---------------------------------------------------------------------------
+
+    async def measure_links(self) -> tuple[LinkState, ...]:
+        """Every up node measures every other, one node at a time so that
+        measurements do not share the wire."""
+        up = [n for n in self.state.nodes if n.state == "up"]
+        found: dict[frozenset[str], list[dict[str, Any]]] = {}
+        for node in up:
+            peers = [
+                {
+                    "name": p.name,
+                    "endpoint": self.spec(p.name).control_endpoint,
+                    "key": keys.node_public_key(self.home, p.name).decode(),
+                }
+                for p in up
+                if p.name != node.name
+            ]
+            if not peers:
+                continue
+            try:
+                reply = await self.peer(node.name).request(
+                    "measure_links", timeout=60.0, peers=peers
+                )
+            except (AgentError, AgentUnreachable) as exc:
+                self.record(f"{node.name} could not measure its links: {exc}", "warning")
+                continue
+            for result in reply["links"]:
+                found.setdefault(frozenset((node.name, result["peer"])), []).append(result)
+        links = tuple(
+            self._link(pair, results)
+            for pair, results in sorted(found.items(), key=lambda kv: sorted(kv[0]))
+        )
+        self._set(replace(self.state, links=links))
+        self.record(f"measured {len(links)} links")
+        return links
+
+    def _link(self, pair: frozenset[str], results: list[dict[str, Any]]) -> LinkState:
+        a, b = sorted(pair)
+        good = [r for r in results if "latency_us" in r]
+        rdma = all(
+            (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
+            for n in (a, b)
+        )
+        if not good:
+            return LinkState(a, b, None, None, results[0].get("kind", "unknown"), time.time())
+        return LinkState(
+            a,
+            b,
+            latency_us=min(r["latency_us"] for r in good),
+            gbps=max(r["gbps"] for r in good),
+            kind=str(good[0].get("kind", "unknown")),
+            measured_at=time.time(),
+            rdma=bool(rdma),
+        )
 
     # ---- nodes ---------------------------------------------------------------------------
 

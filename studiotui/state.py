@@ -95,6 +95,19 @@ class PlacementState:
 
 
 @dataclass(frozen=True)
+class LinkState:
+    """A measured link between two nodes (the same fields as placement.Link)."""
+
+    a: str
+    b: str
+    latency_us: float | None
+    gbps: float | None
+    kind: str  # thunderbolt, ethernet, wifi, loopback, unknown
+    measured_at: float = 0.0
+    rdma: bool = False
+
+
+@dataclass(frozen=True)
 class LogEntry:
     time: float
     level: str  # info, warning, error
@@ -107,6 +120,10 @@ class ClusterState:
     nodes: tuple[NodeState, ...] = ()
     placements: tuple[PlacementState, ...] = ()
     log: tuple[LogEntry, ...] = ()
+    links: tuple[LinkState, ...] = ()
+
+    def link(self, a: str, b: str) -> LinkState | None:
+        return next((x for x in self.links if {x.a, x.b} == {a, b}), None)
 
     def node(self, name: str) -> NodeState | None:
         return next((n for n in self.nodes if n.name == name), None)

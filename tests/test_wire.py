@@ -182,3 +182,23 @@ def _send_garbage(cluster: LocalCluster, as_node: str, address: str, port: int, 
         time.sleep(0.5)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_agents_measure_their_links(engine_cluster: LocalCluster) -> None:
+    async def run() -> list:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            return list(await ctl.measure_links())
+        finally:
+            await ctl.close()
+
+    links = asyncio.run(run())
+    names = engine_cluster.inventory.names
+    assert {frozenset((x.a, x.b)) for x in links} == {
+        frozenset((a, b)) for i, a in enumerate(names) for b in names[i + 1 :]
+    }
+    for link in links:
+        assert link.kind == "loopback"
+        assert link.latency_us is not None and 0 < link.latency_us < 100_000
+        assert link.gbps is not None and link.gbps > 0.01

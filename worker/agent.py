@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,12 +25,16 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from worker import __version__, telemetry
+from worker import __version__, node_probe, telemetry
 from worker.protocol import curve, messages
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
 SHARD_PORT_OFFSET = 10
+LINK_PINGS = 21
+LINK_BULK_BYTES = 1 << 20
+LINK_BULK_COUNT = 16
+LINK_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -117,6 +122,7 @@ class Agent:
 
     async def run(self) -> None:
         self.bind()
+        self._spawn(self._probe())
         (self.config.home / "agent.pid").write_text(str(os.getpid()))
         log.info(
             "agent %s %s listening on %s:%d",
@@ -332,6 +338,44 @@ class Agent:
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         await self._reply(ident, re, "log", lines=lines[-int(msg.get("lines", 200)) :])
 
+    async def _probe(self) -> None:
+        """Gather RDMA and link facts off the loop: probes may take seconds on a Mac."""
+        rdma = await asyncio.to_thread(node_probe.rdma_facts)
+        kind = await asyncio.to_thread(node_probe.link_kind, self.config.address)
+        self.facts = {**self.facts, "rdma": rdma, "link_kind": kind}
+
+    async def _on_ping_peer(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        await self._reply(ident, re, "ok")
+
+    async def _on_measure_links(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        results = []
+        for peer in msg["peers"]:
+            results.append(await self._measure(peer))
+        await self._reply(ident, re, "links", links=results)
+
+    async def _measure(self, peer: dict[str, Any]) -> dict[str, Any]:
+        """Latency from small pings, bandwidth from 1 MiB ones, over the real CURVE path."""
+        keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        curve.make_client(sock, keys, str(peer["key"]).encode())
+        sock.connect(str(peer["endpoint"]))
+        out: dict[str, Any] = {"peer": peer["name"], "kind": self.facts.get("link_kind", "unknown")}
+        try:
+            rtts = [await _ping(sock, i, b"") for i in range(LINK_PINGS)]
+            payload = b"\0" * LINK_BULK_BYTES
+            began = time.perf_counter()
+            for i in range(LINK_BULK_COUNT):
+                await _ping(sock, 1000 + i, payload)
+            bulk = time.perf_counter() - began
+            out["latency_us"] = statistics.median(rtts[1:]) / 2 * 1e6
+            out["gbps"] = LINK_BULK_BYTES * LINK_BULK_COUNT * 8 / bulk / 1e9
+        except TimeoutError:
+            out["error"] = f"{peer['name']} did not answer pings"
+        finally:
+            sock.close(linger=0)
+        return out
+
     async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
         self.stopping.set()
@@ -387,6 +431,13 @@ class Agent:
             )
             await self.pub.send_multipart([b"telemetry", msg])
             await asyncio.sleep(TELEMETRY_EVERY_S)
+
+
+async def _ping(sock: zmq.asyncio.Socket, n: int, pad: bytes) -> float:
+    began = time.perf_counter()
+    await sock.send(messages.encode("ping_peer", id=n, pad=pad))
+    await asyncio.wait_for(sock.recv(), LINK_TIMEOUT_S)
+    return time.perf_counter() - began
 
 
 def _port_free(address: str, port: int) -> bool:

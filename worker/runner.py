@@ -294,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         runner.close()
         if profiler and profile_to:
             profiler.disable()
-            profiler.dump_stats(str(Path(profile_to) / f"runner-{spec.placement}-{spec.index}.prof"))
+            profiler.dump_stats(
+                str(Path(profile_to) / f"runner-{spec.placement}-{spec.index}.prof")
+            )
     return 0
 
 

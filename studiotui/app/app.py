@@ -59,7 +59,6 @@ class StudioApp(App[None]):
     CSS_PATH: ClassVar[list[str | Path]] = [  # type: ignore[misc]
         "app.tcss",
         "nodes.tcss",
-        "topology.tcss",
         "screens.tcss",
     ]
     HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (130, "-wide")]

@@ -129,6 +129,7 @@ class NodeCard(Widget):
     def __init__(self, node: NodeState) -> None:
         super().__init__(id=f"node-{_css_id(node.name)}", classes="node-card")
         self.node = node
+        self.set_class(node.state == "down", "-down")
 
     def show(self, node: NodeState) -> None:
         if node is not self.node:

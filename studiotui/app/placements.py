@@ -80,7 +80,8 @@ class PlacementsPane(Vertical):
                 Text(p.name, style="bold"),
                 Text(p.state, style=colour),
                 ring_text(p),
-                Text(str(sum(s.tokens for s in p.shards)), justify="right"),
+                # Every shard sees every token, so the busiest shard's count is the total.
+                Text(str(max((s.tokens for s in p.shards), default=0)), justify="right"),
                 Text(str(max((s.in_flight for s in p.shards), default=0)), justify="right"),
                 p.model,
                 key=p.name,

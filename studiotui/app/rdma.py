@@ -12,8 +12,8 @@ from typing import Any
 
 from textual.containers import VerticalScroll
 from textual.content import Content
-from textual.widgets import Static
 
+from studiotui.app.render import Drawing, wrapped
 from studiotui.state import NodeState
 from worker.probes import MIN_RDMA_MACOS, RdmaSummary, rdma_enable_steps
 
@@ -77,6 +77,8 @@ def rdma_view(node: NodeState) -> RdmaView:
     version = _version(os_version)
     if version is not None and version < MIN_RDMA_MACOS:
         return RdmaView(node.name, f"not macOS 26.2+ ({os_version})", "$warning", steps)
+    if summary is None and node.state != "up":
+        return RdmaView(node.name, f"unknown while the node is {node.state}", "$text-muted", ())
     if summary is None:
         return RdmaView(node.name, "not probed by this agent", "$text-muted", steps)
     if summary.usable:
@@ -86,13 +88,13 @@ def rdma_view(node: NodeState) -> RdmaView:
     return RdmaView(node.name, f"{summary.status}{notes}", "$error", steps)
 
 
-def rdma_content(nodes: tuple[NodeState, ...]) -> Content:
+def rdma_content(nodes: tuple[NodeState, ...], width: int = 0) -> Content:
     views = [rdma_view(n) for n in nodes]
     if not views:
         return Content.styled("no nodes", "$text-muted")
-    width = max(len(v.node) for v in views)
+    name_w = max(len(v.node) for v in views)
     lines: list[Content] = [
-        Content.assemble((f"{v.node:<{width}}  ", "bold"), (v.status, v.style)) for v in views
+        Content.assemble((f"{v.node:<{name_w}}  ", "bold"), (v.status, v.style)) for v in views
     ]
     groups: dict[tuple[str, ...], list[str]] = {}
     for view in views:
@@ -103,7 +105,9 @@ def rdma_content(nodes: tuple[NodeState, ...]) -> Content:
         lines.append(Content.styled(", ".join(names) + ":", "$accent bold"))
         numbered = len(steps) > 1
         for i, step in enumerate(steps, start=1):
-            lines.append(Content(f"  {i}. {step}" if numbered else f"  {step}"))
+            bullet = f"  {i}. " if numbered else "  "
+            body = wrapped(step, width, len(bullet)) if width > 0 else Content(step)
+            lines.append(Content.assemble(bullet, body))
     return Content("\n").join(lines)
 
 
@@ -119,12 +123,14 @@ class RdmaPane(VerticalScroll):
         super().__init__(**kwargs)
         self.border_title = "RDMA"
         self._signature: tuple | None = None
+        self._node_states: tuple[NodeState, ...] = ()
 
     def compose(self):  # type: ignore[no-untyped-def]
-        yield Static(id="rdma-body")
+        yield Drawing(lambda width: rdma_content(self._node_states, width), id="rdma-body")
 
     def show(self, nodes: tuple[NodeState, ...]) -> None:
+        self._node_states = nodes
         signature = rdma_signature(nodes)
         if signature != self._signature:
             self._signature = signature
-            self.query_one("#rdma-body", Static).update(rdma_content(nodes))
+            self.query_one(Drawing).redraw()

@@ -6,9 +6,14 @@ including the 16-colour one, without re-rendering by hand on a theme switch.
 
 from __future__ import annotations
 
+import textwrap
 import time
+from collections.abc import Callable
+from typing import Any
 
 from textual.content import Content
+from textual.geometry import Size
+from textual.widget import Widget
 
 WARN_AT = 0.80
 CRITICAL_AT = 0.95
@@ -103,3 +108,49 @@ def rich_colour(variables: dict[str, str], name: str) -> str:
     """
     value = variables.get(name, "")
     return value.removeprefix("ansi_") if value.startswith("ansi_") else value
+
+
+class Drawing(Widget):
+    """Content made for the width the widget really has, at render time.
+
+    During the first layouts a pane's width is not known yet (or changes when a
+    scrollbar appears), so panes whose text depends on the width (wrapped log
+    lines, the topology canvas) draw here and are redrawn only when the width or
+    the data changes.
+    """
+
+    DEFAULT_CSS = "Drawing { height: auto; width: 1fr; }"
+
+    def __init__(self, make: Callable[[int], Content], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._make = make
+        self._cache: tuple[int, Content] | None = None
+
+    def redraw(self, make: Callable[[int], Content] | None = None) -> None:
+        if make is not None:
+            self._make = make
+        self._cache = None
+        self.refresh(layout=True)
+
+    def content_for(self, width: int) -> Content:
+        if self._cache is None or self._cache[0] != width:
+            self._cache = (width, self._make(width))
+        return self._cache[1]
+
+    @property
+    def content(self) -> Content:
+        return self.content_for(self.content_size.width)
+
+    def render(self) -> Content:
+        return self.content
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        # Measured the way Textual will draw it, so a line that still folds counts twice.
+        return self.content_for(width).get_height(self.styles, width)
+
+
+def wrapped(text: str, width: int, indent: int, style: str = "") -> Content:
+    """`text` wrapped to `width`, continuation lines indented by `indent` cells."""
+    room = width - indent
+    lines = textwrap.wrap(text, room, break_on_hyphens=False) if room >= 12 else [text]
+    return Content.styled(("\n" + " " * indent).join(lines or [""]), style)

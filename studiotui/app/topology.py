@@ -15,10 +15,8 @@ from typing import Any
 
 from textual.containers import VerticalScroll
 from textual.content import Content
-from textual.geometry import Size
-from textual.widget import Widget
 
-from studiotui.app.render import PLACEMENT_STYLES, fit, percent, state_style
+from studiotui.app.render import PLACEMENT_STYLES, Drawing, fit, percent, state_style
 from studiotui.placement import Link
 from studiotui.state import ClusterState, NodeState, PlacementState
 
@@ -347,49 +345,23 @@ def topology_signature(state: ClusterState, selected: str | None) -> tuple:
     return nodes, rings, repr(getattr(state, "links", None)), selected
 
 
-class TopologyDrawing(Widget):
-    """Drawn at render time, at the width it really has; cached until something changes."""
-
-    DEFAULT_CSS = "TopologyDrawing { height: auto; width: 1fr; }"
-
-    def __init__(self) -> None:
-        super().__init__(id="topology-drawing")
-        self.state = ClusterState()
-        self.selected: str | None = None
-        self._cache: tuple[int, Content] | None = None
-
-    def show(self, state: ClusterState, selected: str | None) -> None:
-        self.state, self.selected = state, selected
-        self._cache = None
-        self.refresh(layout=True)
-
-    def _content(self, width: int) -> Content:
-        if self._cache is None or self._cache[0] != width:
-            self._cache = (width, draw_topology(self.state, width, self.selected))
-        return self._cache[1]
-
-    def render(self) -> Content:
-        return self._content(self.content_size.width)
-
-    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return self._content(width).plain.count("\n") + 1
-
-    @property
-    def content(self) -> Content:
-        return self._content(self.content_size.width)
-
-
 class TopologyPane(VerticalScroll):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.border_title = "Topology"
         self._signature: tuple | None = None
+        self._state = ClusterState()
+        self._selected: str | None = None
 
     def compose(self):  # type: ignore[no-untyped-def]
-        yield TopologyDrawing()
+        yield Drawing(self._draw, id="topology-drawing")
+
+    def _draw(self, width: int) -> Content:
+        return draw_topology(self._state, width, self._selected)
 
     def show(self, state: ClusterState, selected: str | None) -> None:
+        self._state, self._selected = state, selected
         signature = topology_signature(state, selected)
         if signature != self._signature:
             self._signature = signature
-            self.query_one(TopologyDrawing).show(state, selected)
+            self.query_one(Drawing).redraw()
