@@ -40,10 +40,13 @@ class BenchConfig:
     tokens: int
     ttft_prompt: int = 512
     prefill_chunk: int = 128
+    ttft_runs: int = 3
 
     @classmethod
     def make(cls, quick: bool) -> BenchConfig:
-        return cls(layers=8, hidden=256, tokens=64 if quick else 256)
+        if quick:
+            return cls(layers=8, hidden=256, tokens=48, ttft_runs=1)
+        return cls(layers=8, hidden=256, tokens=256)
 
 
 def prompt_tokens(n: int) -> list[int]:
@@ -67,7 +70,7 @@ def single_process(model_dir: Path, cfg: BenchConfig) -> dict[str, Any]:
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     long_prompt = mx.array(prompt_tokens(cfg.ttft_prompt))
     ttfts = []
-    for _ in range(3):
+    for _ in range(cfg.ttft_runs):
         start = time.perf_counter()
         for _tok, _ in generate_step(long_prompt, model, max_tokens=1):
             pass
@@ -120,7 +123,8 @@ async def pipeline_figures(
             out[f"{name}_hop_us"] = stats.get("hop_us_p50")
             if n == 2:
                 ttfts = [
-                    await stream(ctl, name, prompt_tokens(cfg.ttft_prompt), 1) for _ in range(3)
+                    await stream(ctl, name, prompt_tokens(cfg.ttft_prompt), 1)
+                    for _ in range(cfg.ttft_runs)
                 ]
                 out["ttft_pipe2_ms"] = min(t["ttft_ms"] for t in ttfts)
                 out["streams"] = {}
@@ -223,7 +227,25 @@ async def _with_cluster(
         await ctl.close()
     if missing:
         raise RuntimeError(f"bench agents {missing} did not start")
-    return await pipeline_figures(home, inv, model_dir, cfg)
+    figures = await pipeline_figures(home, inv, model_dir, cfg)
+    figures["tui_idle_cpu_pct"] = await tui_idle_cpu(home, inv, 4.0 if cfg.tokens < 100 else 10.0)
+    return figures
+
+
+async def tui_idle_cpu(home: Path, inv: Inventory, seconds: float) -> float:
+    """CPU the dashboard itself uses, idle, with every node sending telemetry at 1 Hz."""
+    from studiotui.app.app import StudioApp
+
+    app = StudioApp(home, inv)
+    async with app.run_test(size=(160, 48)) as pilot:
+        deadline = time.monotonic() + 20
+        want = f"{len(inv.nodes)}/{len(inv.nodes)} nodes up"
+        while want not in str(app.sub_title) and time.monotonic() < deadline:
+            await pilot.pause(0.2)
+        await pilot.pause(2.0)
+        wall, cpu = time.monotonic(), time.process_time()
+        await pilot.pause(seconds)
+        return 100.0 * (time.process_time() - cpu) / (time.monotonic() - wall)
 
 
 def summarize(
@@ -250,12 +272,17 @@ def summarize(
         "ttft_single_ms": round(single["ttft_ms"], 1),
         "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
         "tokens_match": all(p == expected for p in produced),
+        "tui_idle_cpu_pct": round(pipe["tui_idle_cpu_pct"], 2),
     }
 
 
 def run_bench(quick: bool, as_json: bool) -> int:
+    from studiotui.provision import bench_provision
+
     started = time.monotonic()
     figures = measure(quick)
+    with tempfile.TemporaryDirectory(prefix="studiotui-bench-ssh-") as tmp:
+        figures.update(asyncio.run(bench_provision(Path(tmp))))
     figures["bench_seconds"] = round(time.monotonic() - started, 1)
     if as_json:
         print(json.dumps(figures))

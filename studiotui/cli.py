@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"studiotui {__version__}")
     p.add_argument("-i", "--inventory", type=Path, help="cluster.toml to use")
     sub = p.add_subparsers(dest="verb")
+    from studiotui import provision_cmd
+
+    provision_cmd.add_parsers(sub)  # provision, restart
 
     up = sub.add_parser("up", help="start agents (with --local N: a simulated cluster here)")
     up.add_argument(
@@ -89,10 +92,12 @@ def home_dir() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from studiotui import commands
+    from studiotui import commands, provision_cmd
 
     verb = args.verb or "tui"
-    handler = getattr(commands, f"cmd_{verb.replace('-', '_')}")
+    # SSH-aware versions of these verbs; they hand local nodes to `commands`.
+    module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())
         if asyncio.iscoroutine(result):

@@ -542,6 +542,46 @@ class Controller:
 
     # ---- nodes ---------------------------------------------------------------------------
 
+    async def provision(self, names: list[str], upgrade: bool = False) -> dict[str, Any]:
+        """Provision SSH nodes (local ones are started directly), logging each step."""
+        from studiotui import provision as prov
+
+        def on_event(node: str, step: str, status: str, detail: str) -> None:
+            level = "error" if status == "failed" else "info"
+            self.record(f"{node}: {step} {status}{f' - {detail}' if detail else ''}", level)
+
+        for name in names:
+            self._update_node(name, state="provisioning")
+        try:
+            outcomes = await prov.provision(
+                self.home, self.inventory, nodes=names, upgrade=upgrade, on_event=on_event
+            )
+        except prov.BuildError as exc:
+            self.record(f"cannot build the worker to install: {exc}", "error")
+            await self.refresh()
+            return {}
+        for outcome in outcomes.values():
+            self.record(str(outcome), "info" if outcome.ok else "error")
+        await self.refresh()
+        return dict(outcomes)
+
+    async def restart(self, names: list[str]) -> dict[str, Any]:
+        """Stop and start agents over SSH (the same build), logging the outcome."""
+        from studiotui import provision as prov
+
+        results = {}
+        for name in names:
+            node = self.spec(name)
+            try:
+                outcome = await prov.restart_agent(self.home, self.inventory, node)
+            except Exception as exc:  # SSH errors carry their own words
+                self.record(f"{name}: restart failed: {exc}", "error")
+                continue
+            results[name] = outcome
+            self.record(str(outcome), "info" if outcome.ok else "error")
+        await self.refresh()
+        return results
+
     async def shutdown(self, names: list[str]) -> dict[str, str]:
         results = await asyncio.gather(
             *(self.peer(n).request("shutdown", timeout=5.0) for n in names),

@@ -29,7 +29,7 @@ import tempfile
 import time
 import tomllib
 import zipfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -293,7 +293,10 @@ class PrebuiltWheel:
         with zipfile.ZipFile(wheel) as z:
             meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
             meta = z.read(meta_name).decode()
-        self._version = re.search(r"^Version: (.+)$", meta, re.M).group(1).strip()  # type: ignore[union-attr]
+        version = re.search(r"^Version: (.+)$", meta, re.M)
+        if version is None:
+            raise BuildError(f"{wheel} has no Version in its METADATA")
+        self._version = version.group(1).strip()
         reqs = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
         self._requirements = node_requirements(reqs)
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
@@ -471,16 +474,18 @@ class _Run:
             )
 
         reply: dict[str, Any] = {}
-        pid: int | None = None
+        pid = 0
         for step in plan.steps:
             self.emit(name, step.kind, "start", step.detail)
             try:
-                started = await self._do(conn, node, probe, plan, step)
+                if isinstance(step, StartAgent):
+                    pid = await self._start(conn, node, plan, step)
+                else:
+                    await self._do(conn, node, probe, step)
             except StepFailed as exc:
                 self.emit(name, step.kind, "fail", exc.message)
                 raise
             if isinstance(step, StartAgent):
-                pid = started
                 done.append(step.kind)
                 self.emit(name, step.kind, "done", f"pid {pid}")
                 self.emit(name, "wait", "start", f"{node.address}:{node.control_port}")
@@ -527,14 +532,30 @@ class _Run:
 
     # ---- steps ------------------------------------------------------------------------------
 
+    async def _start(
+        self, conn: asyncssh.SSHClientConnection, node: NodeSpec, plan: NodePlan, step: StartAgent
+    ) -> int:
+        pid, state = await remote.launch(
+            conn,
+            node.name,
+            plan.python,
+            step.workdir,
+            step.pythonpath,
+            (node.address, node.control_port),
+            self.options.start_timeout,
+            step.argv,
+        )
+        if state.startswith("exited"):
+            raise _died(node, step.workdir, await agent_output_tail(conn, step.workdir))
+        return pid
+
     async def _do(
         self,
         conn: asyncssh.SSHClientConnection,
         node: NodeSpec,
         probe: NodeProbe,
-        plan: NodePlan,
         step: Step,
-    ) -> int | None:
+    ) -> None:
         name = node.name
         match step:
             case MakeVenv():
@@ -586,11 +607,11 @@ class _Run:
                         f"Check free space and permissions of {probe.workdir} on {name}.",
                     )
             case StopAgent():
-                state = await remote.stop_agent(conn, probe.workdir, STOP_GRACE_S)
-                if state.get("state") == "foreign":
+                stopped = await remote.stop_agent(conn, probe.workdir, STOP_GRACE_S)
+                if stopped.get("state") == "foreign":
                     raise StepFailed(
-                        f"{probe.workdir}/agent.pid names pid {state.get('pid')}, which is not "
-                        f"a studiotui agent ({state.get('command', '?')})",
+                        f"{probe.workdir}/agent.pid names pid {stopped.get('pid')}, which is not "
+                        f"a studiotui agent ({stopped.get('command', '?')})",
                         f"Remove that pid file on {name} and rerun provision.",
                     )
             case InstallFiles():
@@ -604,13 +625,10 @@ class _Run:
                 await ssh.put_files(
                     conn, {remote.remote_join(probe.workdir, "node.json"): record}, mode=0o600
                 )
-            case StartAgent():
-                return await remote.launch(
-                    conn, name, plan.python, step.workdir, step.pythonpath, step.argv
-                )
             case Prune():
                 await ssh.run(conn, ["rm", "-rf", "--", *step.dirs], timeout=120, check=False)
-        return None
+            case StartAgent():
+                raise AssertionError("StartAgent is carried out by _start")
 
     async def _install_deps(
         self, conn: asyncssh.SSHClientConnection, node: NodeSpec, step: InstallDeps
@@ -851,9 +869,18 @@ async def restart_agent(
             )
         await remote.stop_agent(conn, workdir, STOP_GRACE_S)
         argv = [str(a) for a in record["argv"]]
-        pid = await remote.launch(
-            conn, node.name, argv[0], workdir, str(record.get("pythonpath", "")), argv
+        pid, state = await remote.launch(
+            conn,
+            node.name,
+            argv[0],
+            workdir,
+            str(record.get("pythonpath", "")),
+            (node.address, node.control_port),
+            start_timeout,
+            argv,
         )
+        if state.startswith("exited"):
+            raise _died(node, workdir, await agent_output_tail(conn, workdir))
         reply = await run._wait_up(conn, node, workdir, pid)
         return Outcome(
             node.name,
@@ -943,10 +970,17 @@ async def bench_provision(home: Path) -> dict[str, Any]:
     parallel, so the goal is <= 1.5); `reprovision_s` is a rerun with nothing
     changed. The wheel is built before timing. Every agent started is stopped.
     """
-    root = project_root()
-    sshd_mod = _load_test_sshd(root)
+    try:
+        root = project_root()
+        sshd_mod = _load_test_sshd(root)
+    except BuildError as exc:
+        return {"provision_error": str(exc)}
     base = Path(tempfile.mkdtemp(prefix="studiotui-bench-provision-"))
-    server = sshd_mod.start_sshd(workdir=base / "sshd")
+    try:
+        server = sshd_mod.start_sshd(workdir=base / "sshd")
+    except Exception as exc:  # no sshd here: report it, do not sink the whole bench
+        shutil.rmtree(base, ignore_errors=True)
+        return {"provision_error": f"cannot start sshd for the benchmark: {exc}"}
     bench_home = base / "home"
     bench_home.mkdir()
     wheel = CheckoutWheel(home / "wheels", root)
@@ -1038,7 +1072,7 @@ async def follow_log(
     *,
     follow: bool = False,
     poll_s: float = 1.0,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The last `lines` lines of the node's agent.log, then (with `follow`) new ones as
     they are written. Reads only what was appended, over one SSH connection."""
     path = remote.sftp_path(remote.remote_join(node.workdir, "agent.log"))

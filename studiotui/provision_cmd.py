@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from studiotui import commands, local_cluster, provision
 from studiotui.controller import Controller
@@ -166,8 +167,12 @@ def print_outcomes(console: Console, errors: Console, outcomes: Sequence[Outcome
     console.print(summary_table(outcomes))
     for o in outcomes:
         if o.status == "failed":
-            errors.print(f"[red]{o.node}[/]:", highlight=False)
-            errors.print(str(o), markup=False, highlight=False)
+            text = Text(f"{o.node}: {o.message}", style="red")
+            if o.log_tail:
+                text.append("\n    " + o.log_tail.replace("\n", "\n    "), style="dim")
+            if o.hint:
+                text.append(f"\n  hint: {o.hint}")
+            errors.print(text, highlight=False)
         elif o.status == "kept":
             errors.print(f"[yellow]{o.node}[/]: {o.message}", highlight=False)
 

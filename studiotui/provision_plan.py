@@ -22,7 +22,7 @@ import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from studiotui.inventory import NodeSpec
 from worker import probes
@@ -227,35 +227,36 @@ def _python_facts(text: str) -> PythonFacts | None:
     )
 
 
-def _runtime_facts(runtime: str, mlx: str) -> RuntimeFacts | None:
-    kv = parse_kv(runtime)
+def _runtime_facts(text: str) -> RuntimeFacts | None:
+    """The runtime section: path, the facts JSON line, then MLX's lines (or its error)."""
+    kv = parse_kv(text)
     if "path" not in kv:
         return None
-    body = "\n".join(line for line in runtime.splitlines() if line.startswith("{"))
     facts: dict[str, Any] = {}
-    error = ""
-    try:
-        facts = json.loads(body) if body else {}
-    except ValueError:
-        facts = {}
-    if not isinstance(facts, dict) or "unmet" not in facts:
-        lines = [ln for ln in runtime.splitlines() if not ln.startswith(("path=", "rc="))]
-        error = "\n".join(lines[-6:]) or "printed nothing"
-        facts = {}
-    mkv = parse_kv(mlx)
-    mlx_ok = mkv.get("rc") == "0" and "mlx" in mkv
-    mlx_error = ""
-    if not mlx_ok:
-        lines = [ln for ln in mlx.splitlines() if not ln.startswith("rc=") and ln.strip()]
-        mlx_error = "\n".join(lines[-4:]) or f"exit status {mkv.get('rc', '?')}"
+    rest: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("{") and not facts:
+            try:
+                loaded = json.loads(line)
+            except ValueError:
+                loaded = None
+            if isinstance(loaded, dict) and "unmet" in loaded:
+                facts = loaded
+                continue
+        if not line.startswith(("path=", "rc=", "mlx=", "device=")) and line.strip():
+            rest.append(line)
+    if not facts:
+        return RuntimeFacts(
+            python=kv["path"], error="\n".join(rest[-6:]) or f"exit status {kv.get('rc', '?')}"
+        )
+    mlx_ok = "mlx" in kv and kv.get("rc") == "0"
     return RuntimeFacts(
         python=kv["path"],
         unmet=tuple(str(u) for u in facts.get("unmet", ())),
         has_pip=bool(facts.get("pip", True)),
-        mlx_version=mkv.get("mlx") if mlx_ok else None,
-        mlx_device=mkv.get("device", "") if mlx_ok else "",
-        mlx_error=mlx_error,
-        error=error,
+        mlx_version=kv["mlx"] if mlx_ok else None,
+        mlx_device=kv.get("device", "") if mlx_ok else "",
+        mlx_error="" if mlx_ok else "\n".join(rest[-4:]) or f"exit status {kv.get('rc', '?')}",
     )
 
 
@@ -370,7 +371,7 @@ def parse_probe(node: str, text: str) -> NodeProbe:
         python=_python_facts(sections.get("python", "missing=1")),
         venv_python=_python_facts(venv_text or "missing=1"),
         venv_broken=parse_kv(venv_text).get("broken") == "1",
-        runtime=_runtime_facts(sections.get("runtime", ""), sections.get("mlx", "")),
+        runtime=_runtime_facts(sections.get("runtime", "")),
         agent=_agent_facts(sections.get("agent", "")),
         deployed=_deployed(sections.get("deployed", "")),
         builds=tuple(b for b in sections.get("builds", "").split() if not b.startswith(".")),
@@ -488,7 +489,7 @@ class MakeVenv:
     python: str
     venv: str
     clear: bool = False
-    kind: str = "venv"
+    kind: ClassVar[str] = "venv"
 
     @property
     def detail(self) -> str:
@@ -499,7 +500,7 @@ class MakeVenv:
 class InstallDeps:
     python: str
     requirements: tuple[str, ...]
-    kind: str = "deps"
+    kind: ClassVar[str] = "deps"
 
     @property
     def detail(self) -> str:
@@ -510,7 +511,7 @@ class InstallDeps:
 @dataclass(frozen=True)
 class CheckMlx:
     python: str
-    kind: str = "mlx"
+    kind: ClassVar[str] = "mlx"
 
     @property
     def detail(self) -> str:
@@ -532,7 +533,7 @@ class InstallWheel:
     python: str
     build: str
     target: str
-    kind: str = "wheel"
+    kind: ClassVar[str] = "wheel"
 
     @property
     def detail(self) -> str:
@@ -543,7 +544,7 @@ class InstallWheel:
 class StopAgent:
     pid: int
     reason: str
-    kind: str = "stop"
+    kind: ClassVar[str] = "stop"
 
     @property
     def detail(self) -> str:
@@ -555,7 +556,7 @@ class InstallFiles:
     """CURVE keys (mode 0600) and node.json."""
 
     record: Mapping[str, Any]
-    kind: str = "keys"
+    kind: ClassVar[str] = "keys"
 
     @property
     def detail(self) -> str:
@@ -567,7 +568,7 @@ class StartAgent:
     argv: tuple[str, ...]
     pythonpath: str
     workdir: str
-    kind: str = "start"
+    kind: ClassVar[str] = "start"
 
     @property
     def detail(self) -> str:
@@ -577,7 +578,7 @@ class StartAgent:
 @dataclass(frozen=True)
 class Prune:
     dirs: tuple[str, ...]
-    kind: str = "prune"
+    kind: ClassVar[str] = "prune"
 
     @property
     def detail(self) -> str:
@@ -802,10 +803,16 @@ def plan_node(
             f"Free some space on {node.name}, or set `workdir` for {node.name} in cluster.toml "
             "to a disk with room.",
         )
-    steps.extend(install)
     if ours_running and running_pid is not None:
-        why = "; ".join(changes) if changes else "not answering"
-        steps.append(StopAgent(running_pid, why))
+        stop = StopAgent(running_pid, "; ".join(changes) if changes else "not answering")
+        # Install while the old agent still serves, to keep the gap short; but
+        # a venv is not rebuilt under a process that runs from it.
+        if venv_step is not None and venv_step.clear:
+            steps.extend([stop, *install])
+        else:
+            steps.extend([*install, stop])
+    else:
+        steps.extend(install)
     steps.append(InstallFiles(record))
     steps.append(StartAgent(tuple(record["argv"]), str(record["pythonpath"]), probe.workdir))
     stale = tuple(lib_dir(probe.workdir, b) for b in probe.builds if b != wanted.build)

@@ -46,7 +46,7 @@ alive() {
 """
 
 # $1 python, $2 workdir, $3 address, $4 ports (space separated), $5 requirements
-# (newline separated), $6 light snippet, $7 facts snippet, $8 mlx snippet.
+# (newline separated), $6 light snippet, $7 facts snippet.
 PROBE_SCRIPT = (
     _PRELUDE
     + r"""
@@ -97,11 +97,6 @@ fi
 m runtime
 if [ -n "$rt" ]; then
   printf 'path=%s\n' "$rt"; "$rt" -c "$7" "$reqs" 2>&1; printf 'rc=%s\n' "$?"
-fi
-m mlx
-if [ -n "$rt" ]; then
-  out=$("$rt" -c "$8" 2>&1); rc=$?
-  printf '%s\n' "$out" | tail -n 12; printf 'rc=%s\n' "$rc"
 fi
 m agent
 if [ -f "$wd/agent.pid" ]; then
@@ -192,6 +187,9 @@ for line in sys.argv[1].splitlines():
     if line.strip():
         found += unmet(line.strip())
 print(json.dumps({"unmet": sorted(set(found)), "pip": util.find_spec("pip") is not None}))
+# The MLX check shares this interpreter start; the facts are out first, so
+# even a crash inside MLX's native code loses nothing but the MLX line.
+sys.stdout.flush()
 """
 
 MLX_SNIPPET = r"""
@@ -201,6 +199,7 @@ mx.eval(a)
 print("mlx=%s" % mx.__version__)
 print("device=%s" % mx.default_device())
 """
+FACTS_SNIPPET += MLX_SNIPPET
 
 # $1 wheel, $2 target dir. Unpacks beside the target and renames, so a half
 # unpacked build is never taken for an installed one.
@@ -218,12 +217,16 @@ os.remove(wheel)
 print("installed=%s" % target)
 """
 
-# $1 workdir, $2 PYTHONPATH, $3... the agent's argv. Starts the agent in a
-# session of its own (macOS has no setsid(1)) with no tie to the SSH channel, so
-# it outlives the connection; writes the pid file before returning.
+# $1 workdir, $2 PYTHONPATH, $3 address, $4 port, $5 seconds, $6... the agent's
+# argv. Starts the agent in a session of its own (macOS has no setsid(1)) with no
+# tie to the SSH channel, so it outlives the connection, and writes the pid file.
+# Then it waits, on the node, until the agent listens or exits: that moment is
+# seen at once here, where the controller's ZeroMQ reconnect back-off would
+# notice it up to seconds late.
 LAUNCH_SNIPPET = r"""
-import os, subprocess, sys, time
-wd, pythonpath, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+import os, socket, subprocess, sys, time
+wd, pythonpath, addr, port, wait_s = sys.argv[1:6]
+argv = sys.argv[6:]
 env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
 out = open(os.path.join(wd, "agent.out"), "ab")
 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -238,6 +241,21 @@ with open(pid_file + ".tmp", "w") as f:
     f.write(str(proc.pid))
 os.replace(pid_file + ".tmp", pid_file)
 print("pid=%d" % proc.pid)
+sys.stdout.flush()
+state = "timeout"
+deadline = time.time() + float(wait_s)
+while time.time() < deadline:
+    code = proc.poll()
+    if code is not None:
+        state = "exited %d" % code
+        break
+    try:
+        socket.create_connection((addr, int(port)), timeout=0.5).close()
+        state = "listening"
+        break
+    except OSError:
+        time.sleep(0.05)
+print("state=%s" % state)
 """
 
 # $1 workdir, $2 seconds before SIGKILL. Stops the agent named by the pid
@@ -293,7 +311,6 @@ def probe_argv(node: NodeSpec, requirements: Sequence[str]) -> list[str]:
         "\n".join(requirements),
         LIGHT_SNIPPET,
         FACTS_SNIPPET,
-        MLX_SNIPPET,
     ]
 
 
@@ -305,12 +322,33 @@ def alive_argv(pid: int) -> list[str]:
     return ["sh", "-c", ALIVE_SCRIPT, "sh", str(pid)]
 
 
-def launch_argv(python: str, workdir: str, pythonpath: str, argv: Sequence[str]) -> list[str]:
-    return [python, "-c", LAUNCH_SNIPPET, workdir, pythonpath, *argv]
+def launch_argv(
+    python: str,
+    workdir: str,
+    pythonpath: str,
+    listen: tuple[str, int],
+    wait_s: float,
+    argv: Sequence[str],
+) -> list[str]:
+    address, port = listen
+    # -S: the launcher needs only the standard library; skipping site.py saves
+    # a third of the interpreter's start-up, per node.
+    return [
+        python,
+        "-S",
+        "-c",
+        LAUNCH_SNIPPET,
+        workdir,
+        pythonpath,
+        address,
+        str(port),
+        f"{wait_s:g}",
+        *argv,
+    ]
 
 
 def unpack_argv(python: str, wheel: str, target: str) -> list[str]:
-    return [python, "-c", UNPACK_SNIPPET, wheel, target]
+    return [python, "-S", "-c", UNPACK_SNIPPET, wheel, target]
 
 
 def sftp_path(path: str) -> str:
@@ -475,12 +513,20 @@ async def launch(
     python: str,
     workdir: str,
     pythonpath: str,
+    listen: tuple[str, int],
+    wait_s: float,
     argv: Sequence[str],
-) -> int:
-    result = await ssh.run(conn, launch_argv(python, workdir, pythonpath, argv), timeout=60)
-    pid = parse_kv(result.stdout).get("pid", "")
+) -> tuple[int, str]:
+    """Start the agent detached; (pid, "listening" | "exited N" | "timeout")."""
+    result = await ssh.run(
+        conn,
+        launch_argv(python, workdir, pythonpath, listen, wait_s, argv),
+        timeout=wait_s + 60,
+    )
+    kv = parse_kv(result.stdout)
+    pid = kv.get("pid", "")
     if not pid.isdigit():
         raise ssh.SshError(
             node, f"the agent launcher printed no pid: {result.stdout.strip()[:200]!r}", ""
         )
-    return int(pid)
+    return int(pid), kv.get("state", "timeout")

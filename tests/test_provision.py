@@ -476,6 +476,21 @@ async def test_host_keys_changed_or_known_only_to_the_user(
     o = (await provision(home, inv, wheel=wheel, user_known_hosts=None))["mac-24"]
     assert "HOST KEY CHANGED" in str(o) and f"{home / 'known_hosts'} line 1" in o.hint
 
+    # Accepting a new key with a user file that does not know the host: the key
+    # goes to our file only.
+    (home / "known_hosts").unlink()
+    unrelated = tmp_path / "unrelated_known_hosts"
+    unrelated.write_text(before.replace("[127.0.0.24]", "[127.0.0.77]"))
+    o = (
+        await provision(
+            home, inv, wheel=wheel, user_known_hosts=unrelated, accept_new_host_keys=True
+        )
+    )["mac-24"]
+    assert "is not an address of mac-24" in o.message, str(o)
+    ours = (home / "known_hosts").read_text().splitlines()
+    assert len(ours) == 1 and ours[0].startswith(f"[127.0.0.24]:{server.port} ssh-ed25519 ")
+    assert unrelated.read_text() == before.replace("[127.0.0.24]", "[127.0.0.77]")
+
 
 # --------------------------------------------------------------------------- the verbs
 
@@ -553,3 +568,34 @@ async def test_follow_log_reads_only_what_was_appended(
         await lines.aclose()
     finally:
         conn.close()
+
+
+async def test_local_nodes_are_started_and_restarted_without_ssh(
+    tmp_path: Path,
+    wheel: CheckoutWheel,
+    agents: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    port = free_port(["127.0.0.41"])
+    node = NodeSpec(
+        name="here",
+        transport="local",
+        address="127.0.0.41",
+        control_port=port,
+        workdir=str(tmp_path / "local node"),
+        python=sys.executable,
+    )
+    agents.append(Path(node.workdir))
+    inv = Inventory(name="t", nodes=(node,))
+    home = tmp_path / "home"
+    first = (await provision(home, inv, wheel=wheel))["here"]
+    assert first.status == "up" and first.version == "0.1.0", str(first)
+    again = (await provision(home, inv, wheel=wheel))["here"]
+    assert again.status == "unchanged" and again.pid == first.pid
+
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(inv))
+    restart = argparse.Namespace(inventory=inventory, nodes=["here"])
+    assert await provision_cmd.cmd_restart(restart, home) == 0
+    assert "restarted" in capsys.readouterr().out
+    assert agent_pid(node) != first.pid

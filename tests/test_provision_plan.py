@@ -81,7 +81,6 @@ def probe_text(
     "bind.52500=ok\nbind.52501=ok\nrc=0",
     venv: str = "missing=1",
     runtime: str = "",
-    mlx: str = "",
     agent: str = "",
     deployed: str = "",
     builds: str = "",
@@ -120,7 +119,6 @@ def probe_text(
     text += section("python", python if python is not None else "missing=python3")
     text += section("venv", venv)
     text += section("runtime", runtime)
-    text += section("mlx", mlx)
     text += section("agent", agent)
     text += section("deployed", deployed)
     text += section("builds", builds)
@@ -128,11 +126,9 @@ def probe_text(
     return text
 
 
-def runtime_ok(path: str, unmet: tuple[str, ...] = ()) -> dict[str, str]:
-    return {
-        "runtime": f"path={path}\n" + json.dumps({"unmet": list(unmet), "pip": True}) + "\nrc=0",
-        "mlx": "mlx=0.32.4\ndevice=Device(cpu, 0)\nrc=0",
-    }
+def runtime_ok(path: str, unmet: tuple[str, ...] = ()) -> str:
+    facts = json.dumps({"unmet": list(unmet), "pip": True})
+    return f"path={path}\n{facts}\nmlx=0.32.4\ndevice=Device(cpu, 0)\nrc=0"
 
 
 def venv_python_text(binds: bool = True) -> str:
@@ -172,7 +168,7 @@ def test_parse_linux_probe() -> None:
         "studio-1",
         probe_text(
             venv=f"path={WORKDIR}/venv/bin/python\nversion=3.12.4\nvenv=1\nrc=0",
-            **runtime_ok(f"{WORKDIR}/venv/bin/python", ("pyzmq>=26",)),
+            runtime=runtime_ok(f"{WORKDIR}/venv/bin/python", ("pyzmq>=26",)),
             agent=agent,
             deployed='{"build": "0.0.9+old"}',
             builds="0.0.9+old\n.0.1.0+x.tmp-12",
@@ -287,7 +283,9 @@ def test_fresh_node_with_plain_python_gets_a_venv_and_dependencies() -> None:
 
 
 def test_a_venvs_python_is_used_as_is_and_only_the_wheel_installed() -> None:
-    probe = parse_probe("studio-1", probe_text(python=venv_python_text(), **runtime_ok(VENV_PY)))
+    probe = parse_probe(
+        "studio-1", probe_text(python=venv_python_text(), runtime=runtime_ok(VENV_PY))
+    )
     plan = plan_node(probe, node_with_venv(), wanted())
     assert kinds(plan) == [InstallWheel, InstallFiles, StartAgent]
     assert isinstance(plan, NodePlan) and plan.python == VENV_PY
@@ -296,7 +294,7 @@ def test_a_venvs_python_is_used_as_is_and_only_the_wheel_installed() -> None:
 def test_missing_dependencies_are_installed_and_mlx_checked() -> None:
     probe = parse_probe(
         "studio-1",
-        probe_text(python=venv_python_text(), **runtime_ok(VENV_PY, ("mlx>=0.25",))),
+        probe_text(python=venv_python_text(), runtime=runtime_ok(VENV_PY, ("mlx>=0.25",))),
     )
     plan = plan_node(probe, node_with_venv(), wanted())
     assert kinds(plan) == [InstallDeps, CheckMlx, InstallWheel, InstallFiles, StartAgent]
@@ -315,7 +313,7 @@ def test_existing_venv_of_other_python_is_recreated() -> None:
 def _running(build: str = BUILD, keys: str = "k1", pid: int = 4242) -> str:
     return probe_text(
         python=f"path={VENV_PY}\nversion=3.12.4\nvenv=1\nbind.52500=in_use\nbind.52501=in_use\nrc=0",
-        **runtime_ok(VENV_PY),
+        runtime=runtime_ok(VENV_PY),
         agent=f"pid={pid}\nalive=1\ncommand={VENV_PY} -m worker --home {WORKDIR}",
         deployed=deployed_json(node_with_venv(), VENV_PY, build, keys),
         builds=build,
@@ -348,6 +346,19 @@ def test_agent_of_another_build_is_kept_unless_upgrade() -> None:
     assert isinstance(stop, StopAgent) and stop.pid == 4242 and "build" in stop.reason
     prune = plan.steps[-1]
     assert isinstance(prune, Prune) and prune.dirs == (f"{WORKDIR}/lib/0.0.9+old",)
+
+
+def test_a_venv_is_not_rebuilt_under_a_running_agent() -> None:
+    venv_py = f"{WORKDIR}/venv/bin/python"
+    node = replace(NODE, python="python3")
+    text = probe_text(
+        python="path=/usr/bin/python3\nversion=3.12.4\nvenv=0\nbind.52500=in_use\nrc=0",
+        venv=f"path={venv_py}\nversion=3.11.2\nvenv=1\nrc=0",
+        agent=f"pid=4242\nalive=1\ncommand={venv_py} -m worker --home {WORKDIR}",
+        deployed=deployed_json(node, venv_py, "0.0.9+old"),
+    )
+    plan = plan_node(parse_probe("studio-1", text), node, wanted(), upgrade=True)
+    assert kinds(plan)[:2] == [StopAgent, MakeVenv]
 
 
 def test_new_keys_or_silent_agent_need_upgrade_too() -> None:
@@ -400,11 +411,9 @@ def test_refuses_low_disk_naming_how_much_is_free_where() -> None:
 
 
 def test_refuses_broken_mlx_and_intel_macs() -> None:
-    text = probe_text(
-        python=venv_python_text(),
-        runtime=f"path={VENV_PY}\n" + json.dumps({"unmet": [], "pip": True}) + "\nrc=0",
-        mlx="ImportError: libmlx.so: cannot open shared object file\nrc=1",
-    )
+    facts = json.dumps({"unmet": [], "pip": True})
+    error = "Traceback (most recent call last):\nImportError: libmlx.so: cannot open shared object"
+    text = probe_text(python=venv_python_text(), runtime=f"path={VENV_PY}\n{facts}\n{error}\nrc=1")
     r = refusal(text, node_with_venv())
     assert "MLX is installed" in r.message and "libmlx.so" in r.message
     assert "Apple silicon" in r.hint
