@@ -45,6 +45,15 @@ Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
 
 
+def _tied(model_dir: Path) -> bool:
+    import json
+
+    try:
+        return bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings"))
+    except (OSError, ValueError):
+        return False
+
+
 class PlacementError(RuntimeError):
     pass
 
@@ -309,6 +318,7 @@ class Controller:
         async def load(i: int) -> None:
             shard = shards[i]
             nxt = shards[(i + 1) % count]
+            node_dir = await self._model_dir_on(shard.node, model_dir, shard, progress)
             endpoint = (
                 f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
             )
@@ -316,7 +326,7 @@ class Controller:
                 "load_shard",
                 timeout=120.0,
                 placement=name,
-                model_dir=str(model_dir),
+                model_dir=node_dir,
                 start=shard.start,
                 end=shard.end,
                 index=i,
@@ -346,6 +356,35 @@ class Controller:
         errors = [r for r in loads.result() if isinstance(r, BaseException)]
         if errors:
             raise PlacementError("; ".join(str(e) for e in errors))
+
+    async def _model_dir_on(
+        self, node: str, model_dir: Path, shard: Any, progress: Progress | None
+    ) -> str:
+        """Where `node` finds the model: the operator's path on this machine, else a copy
+        under its work dir holding just the files its layers need."""
+        spec = self.spec(node)
+        if spec.is_local:
+            return str(model_dir)
+        from studiotui import model_files, provision, remote
+
+        config = read_model(model_dir)
+        tied = config.facts.head_bytes > 0 and _tied(model_dir)
+        files = model_files.needed_files(model_dir, shard.start, shard.end, config.n_layers, tied)
+        target = remote.remote_join(spec.workdir, "models", model_dir.name)
+        conn = await provision.connect(self.home, spec)
+        try:
+            copied = await model_files.sync_files(
+                conn,
+                model_dir,
+                remote.sftp_path(target),
+                files,
+                (lambda d, t: progress(node, d, t)) if progress else None,
+            )
+        finally:
+            conn.close()
+        if copied:
+            self.record(f"copied {copied / 1e6:.1f} MB of {model_dir.name} to {node}")
+        return target
 
     async def _watch_nodes(self, nodes: list[str]) -> str:
         """Return (only) when one of `nodes` stops answering, saying which."""

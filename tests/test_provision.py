@@ -29,6 +29,7 @@ import pytest
 from studiotui import provision_cmd
 from studiotui.controller import Controller
 from studiotui.inventory import Inventory, NodeSpec, dump_inventory
+from studiotui.model_files import needed_files
 from studiotui.provision import (
     CheckoutWheel,
     Outcome,
@@ -240,7 +241,7 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
 
     # The agents outlived their SSH sessions; run a prompt through all three.
     model = tmp_path / "m"
-    write_demo_model(model, DemoSpec(layers=6))
+    write_demo_model(model, DemoSpec(layers=6, files=3))
     ctl = Controller(home, inv)
     try:
         await ctl.refresh()
@@ -255,6 +256,12 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
             elif msg["type"] == "done":
                 done = msg
         assert 1 <= done["usage"]["completion_tokens"] <= 8 and done["finish_reason"]
+        # Each node got, over SFTP, only the weight files its own layers live in.
+        for shard in placed.placement.shards:
+            copy = Path(inv.node(shard.node).workdir) / "models" / "m"
+            wanted = {f.name for f in needed_files(model, shard.start, shard.end, 6)}
+            assert {p.name for p in copy.iterdir()} == wanted
+            assert len([n for n in wanted if n.endswith(".safetensors")]) < 3
     finally:
         await ctl.close()
 

@@ -39,6 +39,7 @@ class DemoSpec:
     seed: int = 0
     dtype: str = "bfloat16"
     tie_embeddings: bool = False
+    files: int = 1  # safetensors files; above 1, split by layer with an index, as big models are
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
@@ -201,7 +202,7 @@ def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     config = make_config(spec)
     weights = make_weights(config, spec.seed, spec.dtype)
-    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _save_weights(directory, weights, spec.files, spec.layers)
     _write_json(directory / "config.json", config)
     (directory / "tokenizer.json").write_text(tokenizer_json())
     _write_json(directory / "tokenizer_config.json", tokenizer_config())
@@ -217,6 +218,34 @@ def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
         f"Spec: `{json.dumps(spec.__dict__, sort_keys=True)}`\n"
     )
     return directory
+
+
+def _save_weights(directory: Path, weights: dict[str, mx.array], files: int, layers: int) -> None:
+    if files <= 1:
+        mx.save_safetensors(
+            str(directory / "model.safetensors"), weights, metadata={"format": "mlx"}
+        )
+        return
+    groups: list[dict[str, mx.array]] = [{} for _ in range(files)]
+    for name, value in weights.items():
+        groups[_file_index(name, files, layers)][name] = value
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        mx.save_safetensors(str(directory / fname), group, metadata={"format": "mlx"})
+        weight_map.update({name: fname for name in group})
+    total = sum(v.nbytes for v in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(directory / "model.safetensors.index.json", index)
+
+
+def _file_index(name: str, files: int, layers: int) -> int:
+    """Layers spread evenly over the files; the embedding in the first, the head in the last."""
+    parts = name.split(".")
+    if "layers" in parts:
+        layer = int(parts[parts.index("layers") + 1])
+        return min(files - 1, layer * files // layers)
+    return 0 if "embed_tokens" in name else files - 1
 
 
 def _write_json(path: Path, data: dict) -> None:

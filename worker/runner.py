@@ -117,7 +117,7 @@ class Runner:
         def progress(done: int, total: int) -> None:
             emit("progress", done=done, total=total)
 
-        model_dir = Path(self.spec.model_dir)
+        model_dir = Path(self.spec.model_dir).expanduser()
         shard = load_shard(model_dir, self.spec.start, self.spec.end, progress)
         tokenizer = None
         if shard.is_first or shard.is_last:

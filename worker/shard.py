@@ -99,8 +99,11 @@ def load_shard(model_dir: Path, start: int, end: int, progress: Progress | None 
         raise ShardLoadError(
             f"layer range [{start}, {end}) is outside the model's {n_layers} layers"
         )
+    partial = _missing_weight_files(model_dir)
     try:
-        model, config = load_model(model_dir, lazy=True, strict=True)
+        # A node may hold only the files of its own layers: then missing tensors are
+        # expected, and _check_present below makes sure none of ours is among them.
+        model, config = load_model(model_dir, lazy=True, strict=not partial)
     except Exception as exc:  # mlx-lm raises many types for a broken directory
         raise ShardLoadError(f"cannot load {model_dir}: {type(exc).__name__}: {exc}") from None
     inner = model.model
@@ -108,6 +111,8 @@ def load_shard(model_dir: Path, start: int, end: int, progress: Progress | None 
     # Drop the other layers so nothing can evaluate (read) them by accident.
     inner.layers = layers
     owned = _owned_modules(model, start, end, n_layers)
+    if partial:
+        _check_present(model_dir, owned)
     param_bytes = _evaluate(owned, progress)
     dtype = inner.embed_tokens.weight.dtype if start == 0 else _first_dtype(layers)
     return Shard(
@@ -137,6 +142,33 @@ def _owned_modules(model: Any, start: int, end: int, n_layers: int) -> list[tupl
         if not tied:
             owned.append(("lm_head", model.lm_head))
     return owned
+
+
+def _missing_weight_files(model_dir: Path) -> list[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError) as exc:
+        raise ShardLoadError(f"{index} is not a safetensors index: {exc}") from None
+    return sorted(f for f in files if not (model_dir / f).is_file())
+
+
+def _check_present(model_dir: Path, owned: list[tuple[str, Any]]) -> None:
+    from safetensors import safe_open
+
+    present: set[str] = set()
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="numpy") as f:
+            present |= set(f.keys())
+    for prefix, module in owned:
+        for name, _ in tree_flatten(module.parameters()):
+            if f"{prefix}.{name}" not in present:
+                raise ShardLoadError(
+                    f"{model_dir} lacks {prefix}.{name}: copy the model's files for this "
+                    "shard to the node (placement does this for SSH nodes)"
+                )
 
 
 def _evaluate(owned: list[tuple[str, Any]], progress: Progress | None) -> int:

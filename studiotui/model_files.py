@@ -1,0 +1,93 @@
+"""Which files of a model directory a shard needs, and copying them to a node.
+
+A node that runs layers [start, end) needs the small files (config, tokenizer,
+index) and only the safetensors files that hold its tensors, found through
+`model.safetensors.index.json` the way mlx-lm's own sharded loading does. The
+choice is pure; the copy is SFTP from the operator, skipping files already there
+with the same size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SMALL_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".md"}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class NeededFile:
+    name: str
+    size: int
+
+
+def needed_files(
+    model_dir: Path, start: int, end: int, n_layers: int, tied: bool = False
+) -> list[NeededFile]:
+    """The files a shard of layers [start, end) must have, smallest first."""
+    names = {p.name for p in model_dir.iterdir() if p.is_file() and p.suffix in SMALL_SUFFIXES}
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        names |= {
+            file for key, file in weight_map.items() if _wanted(key, start, end, n_layers, tied)
+        }
+    else:
+        names |= {p.name for p in model_dir.glob("*.safetensors")}
+    files = [NeededFile(n, (model_dir / n).stat().st_size) for n in names]
+    return sorted(files, key=lambda f: (f.size, f.name))
+
+
+def _wanted(key: str, start: int, end: int, n_layers: int, tied: bool) -> bool:
+    if m := _LAYER.search(key):
+        return start <= int(m.group(1)) < end
+    first, last = start == 0, end == n_layers
+    if "embed_tokens" in key:
+        return first or (last and tied)
+    return last  # final norm, lm_head
+
+
+async def sync_files(
+    conn: object,
+    local_dir: Path,
+    remote_dir: str,
+    files: list[NeededFile],
+    progress: Progress | None = None,
+) -> int:
+    """Copy the files the node lacks (or has with another size); bytes copied."""
+    import asyncssh
+
+    assert isinstance(conn, asyncssh.SSHClientConnection)
+    total = sum(f.size for f in files)
+    done = 0
+    copied = 0
+    async with conn.start_sftp_client() as sftp:
+        await sftp.makedirs(remote_dir, exist_ok=True)
+        for f in files:
+            target = f"{remote_dir}/{f.name}"
+            try:
+                same = (await sftp.stat(target)).size == f.size
+            except asyncssh.SFTPError:
+                same = False
+            if not same:
+                base = done
+
+                def step(
+                    _src: bytes, _dst: bytes, sent: int, _total: int, base: int = base
+                ) -> None:
+                    if progress:
+                        progress(base + sent, total)
+
+                await sftp.put(str(local_dir / f.name), target + ".part", progress_handler=step)
+                await sftp.posix_rename(target + ".part", target)
+                copied += f.size
+            done += f.size
+            if progress:
+                progress(done, total)
+    return copied
