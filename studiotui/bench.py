@@ -135,6 +135,12 @@ async def pipeline_figures(
                     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
                     out["streams"][str(k)] = sum(len(r["tokens"]) for r in runs) / wall
                     out[f"streams{k}_tokens"] = [r["tokens"] for r in runs]
+                from studiotui.api_bench import bench_api
+
+                quick = cfg.ttft_runs == 1
+                out["api"] = await bench_api(
+                    ctl, name, clients=8, max_tokens=16 if quick else 32, rounds=1 if quick else 3
+                )
             await ctl.unload(name)
     finally:
         await ctl.close()
@@ -273,6 +279,9 @@ def summarize(
         "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
         "tokens_match": all(p == expected for p in produced),
         "tui_idle_cpu_pct": round(pipe["tui_idle_cpu_pct"], 2),
+        "api_tps": round(pipe["api"]["api_tps"], 2),
+        "api_direct_tps": round(pipe["api"]["direct_tps"], 2),
+        "api_overhead_ratio": round(pipe["api"]["api_overhead_ratio"], 3),
     }
 
 

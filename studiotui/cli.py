@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure the pipeline and print figures")
     bench.add_argument("--quick", action="store_true", help="finish in under a minute")
     bench.add_argument("--json", action="store_true", help="one JSON object")
+    from studiotui.api_cli import add_serve_parser
+
+    add_serve_parser(sub)
     return p
 
 

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from studiotui import local_cluster
+from studiotui.api_cli import cmd_serve  # noqa: F401 - the `serve` verb
 from studiotui.controller import Controller, GenerationError, PlacementError
 from studiotui.inventory import (
     Inventory,

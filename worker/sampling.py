@@ -41,6 +41,8 @@ class SamplingParams:
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
+        if not 0 <= params.seed < 2**63:
+            raise ParamError(f"seed must be 0..2**63-1, got {params.seed}")
         if not 1 <= params.max_tokens <= MAX_TOKENS_LIMIT:
             raise ParamError(f"max_tokens must be 1..{MAX_TOKENS_LIMIT}, got {params.max_tokens}")
         if not 0.0 <= params.temperature <= 10.0:
