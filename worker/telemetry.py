@@ -54,9 +54,33 @@ def sample(memory_gb: float | None, runner_pids: list[int]) -> dict[str, Any]:
         "memory_total": total,
         "memory_used": used,
         "memory_own": own,
-        "cpu_pct": psutil.cpu_percent(interval=None),
+        # A simulated node shares the machine: its load is its own processes' CPU.
+        "cpu_pct": _own_cpu([os.getpid(), *runner_pids])
+        if memory_gb
+        else psutil.cpu_percent(interval=None),
         "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
     }
+
+
+_procs: dict[int, psutil.Process] = {}
+
+
+def _own_cpu(pids: list[int]) -> float:
+    """Percent of the machine's CPU these processes used since the last call."""
+    total = 0.0
+    for pid in pids:
+        proc = _procs.get(pid)
+        try:
+            if proc is None:
+                proc = _procs[pid] = psutil.Process(pid)
+                proc.cpu_percent(interval=None)  # the first call only starts the clock
+                continue
+            total += proc.cpu_percent(interval=None)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            _procs.pop(pid, None)
+    for gone in set(_procs) - set(pids):
+        del _procs[gone]
+    return min(100.0, total / (psutil.cpu_count() or 1))
 
 
 def _rss(pids: list[int]) -> int:
