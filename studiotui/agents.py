@@ -113,7 +113,8 @@ class Peer:
             await self.send(kind, id=rid, **fields)
             while True:
                 try:
-                    msg = await asyncio.wait_for(queue.get(), timeout)
+                    async with asyncio.timeout(timeout):
+                        msg = await queue.get()
                 except TimeoutError:
                     raise AgentUnreachable(
                         f"{self.name} ({self.endpoint}) did not answer {kind} within {timeout:g} s"

@@ -336,6 +336,7 @@ class Controller:
                 next_endpoint=endpoint,
                 next_key=keys.node_public_key(self.home, nxt.node).decode(),
                 prefill_chunk=prefill_chunk,
+                context_tokens=the_plan.context_tokens,
             ):
                 if progress and msg["type"] == "progress":
                     progress(shard.node, int(msg["done"]), int(msg["total"]))
@@ -456,8 +457,8 @@ class Controller:
         placement: str | None,
         request: dict[str, Any],
         params: dict[str, Any],
-        first_timeout: float = 60.0,
-        step_timeout: float = 30.0,
+        first_timeout: float = 900.0,
+        step_timeout: float = 60.0,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield accepted, delta… and done messages; raise GenerationError on failure.
 
@@ -470,10 +471,15 @@ class Controller:
         finished = False
         try:
             await peer.send("generate", rid=rid, params=params, **request)
+            # A long prompt's prefill may take minutes: until the first token the limit
+            # is long, and the health check, not the clock, catches a dead node.
             limit, waited = first_timeout, 0.0
             while True:
                 try:
-                    msg = await asyncio.wait_for(queue.get(), HEALTH_CHECK_S)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancel that lands as a message arrives, and Esc must stop at once.
+                    async with asyncio.timeout(HEALTH_CHECK_S):
+                        msg = await queue.get()
                 except TimeoutError:
                     waited += HEALTH_CHECK_S
                     problem = await self.placement_problem(chosen)
@@ -482,8 +488,10 @@ class Controller:
                     if waited >= limit:
                         raise GenerationError(self._silence_reason(chosen, limit)) from None
                     continue
-                limit, waited = step_timeout, 0.0
                 kind = msg["type"]
+                if kind == "delta":
+                    limit = step_timeout
+                waited = 0.0
                 if kind == "failed":
                     finished = True
                     raise GenerationError(msg["message"])

@@ -29,6 +29,7 @@ class ShardState:
     tokens: int = 0
     in_flight: int = 0
     message: str = ""
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,10 @@ class PlacementState:
             if s in states:
                 return s
         return "ready" if states == {"ready"} else "broken"
+
+    @property
+    def context_tokens(self) -> int:
+        return self.shards[0].context_tokens if self.shards else 0
 
     @property
     def layers(self) -> list[list[int]]:
@@ -168,4 +173,5 @@ def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
         tokens=int(stats.get("tokens", 0)),
         in_flight=int(stats.get("in_flight", 0)),
         message=str(raw.get("message", "")),
+        context_tokens=int(raw.get("context_tokens", 0) or 0),
     )

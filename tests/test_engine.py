@@ -273,3 +273,35 @@ def test_a_shard_dying_mid_answer_fails_the_request_clearly(
     assert got >= 5, "the partial answer arrived before the failure"
     assert "'dies'" in error and node in error and "exited" in error
     assert "dies" not in left
+
+
+def test_context_budget_refuses_long_prompts_and_ends_answers(
+    engine_cluster: LocalCluster, family_models: dict[str, Path]
+) -> None:
+    model = family_models["qwen2"]
+    long_prompt = prompt_tokens(model, PROMPT * 2)
+    short_prompt = long_prompt[:50]
+    assert len(long_prompt) > 64
+
+    async def run() -> tuple[str, int, str, int]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.place(
+                model, list(engine_cluster.inventory.names[:2]), "ctx", context_tokens=64
+            )
+            context = ctl.state.placement("ctx").context_tokens
+            try:
+                await collect(ctl, "ctx", long_prompt, 10)
+                refused = "answered?!"
+            except GenerationError as exc:
+                refused = str(exc)
+            got, _, done = await collect(ctl, "ctx", short_prompt, 100)
+            await ctl.unload("ctx")
+            return refused, len(got), done["finish_reason"], context
+        finally:
+            await ctl.close()
+
+    refused, n, finish, context = asyncio.run(run())
+    assert context == 64
+    assert f"the prompt has {len(long_prompt)} tokens" in refused and "context of 64" in refused
+    assert n == 64 - 50 and finish == "length"

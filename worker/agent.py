@@ -72,6 +72,7 @@ class ShardProc:
             "end": self.spec.get("end", 0),
             "index": self.spec.get("index", 0),
             "count": self.spec.get("count", 0),
+            "context_tokens": self.spec.get("context_tokens", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "state": self.state,
@@ -243,6 +244,7 @@ class Agent:
             "next_endpoint": msg["next_endpoint"],
             "next_key": msg["next_key"],
             "prefill_chunk": int(msg.get("prefill_chunk", 512)),
+            "context_tokens": int(msg.get("context_tokens", 4096)),
         }
         shard.spec = spec
         shard.state = "loading"

@@ -47,6 +47,7 @@ class RunnerSpec:
     next_endpoint: str
     next_key: str
     prefill_chunk: int = 512
+    context_tokens: int = 4096
 
     @classmethod
     def from_file(cls, path: Path) -> RunnerSpec:
@@ -130,6 +131,7 @@ class Runner:
             SocketLinks(self),
             prefill_chunk=self.spec.prefill_chunk,
             hops=self.spec.count,
+            context_tokens=self.spec.context_tokens,
             schedule=self.work.append,
         )
         emit(

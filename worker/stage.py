@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -86,6 +86,7 @@ class Stage:
         *,
         prefill_chunk: int = 512,
         hops: int = 1,
+        context_tokens: int = 4096,
         schedule: Callable[[Callable[[], None]], None],
     ) -> None:
         self.shard = shard
@@ -98,6 +99,7 @@ class Stage:
         self.tail_requests: dict[str, TailRequest] = {}
         self.stats = Stats()
         self.hops = hops
+        self.context_tokens = context_tokens
         self.sent_at: dict[str, float] = {}
         self.hop_us: deque[float] = deque(maxlen=512)
         self.vocab = int(shard.config.get("vocab_size", 0))
@@ -111,6 +113,7 @@ class Stage:
                 raise RequestError(f"request id {rid!r} is already in flight")
             params = SamplingParams.from_dict(msg["params"])
             prompt = self._prompt_tokens(msg)
+            params = self._fit_context(prompt, params)
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
@@ -118,6 +121,16 @@ class Stage:
         self.links.to_client(client, "accepted", rid=rid, prompt_tokens=len(prompt))
         self.caches[rid] = self.shard.make_cache()
         self._schedule_prefill(rid, prompt, 0, params)
+
+    def _fit_context(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
+        """Refuse a prompt the KV budget cannot hold; end the answer where it runs out."""
+        room = self.context_tokens - len(prompt)
+        if room < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens but this placement holds a context of "
+                f"{self.context_tokens}: shorten it, or place the model with a larger --context"
+            )
+        return replace(params, max_tokens=min(params.max_tokens, room))
 
     def _prompt_tokens(self, msg: dict[str, Any]) -> list[int]:
         if isinstance(msg.get("messages"), list):
