@@ -25,9 +25,10 @@ from textual.widgets import Footer, Header, TabbedContent, TabPane
 from studiotui import local_cluster
 from studiotui.app.guard import guard_actions
 from studiotui.app.log import LogPane
-from studiotui.app.models import ModelRow, ModelsPane, scan_models
+from studiotui.app.models import ModelRow, ModelsPane, read_catalog
 from studiotui.app.nodes import SORT_KEYS, NodesPane
 from studiotui.app.palette import StudioCommands
+from studiotui.app.place_flow import Placer
 from studiotui.app.placements import PlacementsPane
 from studiotui.app.rdma import RdmaPane
 from studiotui.app.screens import ConfirmScreen, HelpScreen, NodeLogScreen
@@ -70,8 +71,11 @@ class StudioApp(App[None]):
         Binding("l", "node_logs", "Logs", id="node-logs"),
         Binding("r", "restart_node", "Restart node", id="restart-node"),
         Binding("m", "measure_links", "Measure links", id="measure-links"),
-        Binding("p", "provision", "Provision", id="provision"),
+        Binding("p", "place", "Place", id="place"),
+        Binding("u", "unload", "Unload", id="unload"),
+        Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
+        Binding("c", "chat", "Chat", id="chat"),
         Binding("f5,ctrl+r", "refresh", "Refresh", id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
         Binding("2", "show_tab('tab-rdma')", "RDMA", show=False, id="tab-rdma"),
@@ -109,6 +113,7 @@ class StudioApp(App[None]):
             self.register_theme(theme)
             self._studio_themes.append(theme.name)
         self._theme_problems = problems
+        self.placer = Placer(self)
         wanted = self.ui.get("theme")
         if not isinstance(wanted, str) or wanted not in self.available_themes:
             wanted = DEFAULT_THEME if DEFAULT_THEME in self.available_themes else "textual-dark"
@@ -145,6 +150,9 @@ class StudioApp(App[None]):
             nodes.sort_by = sort
         nodes.focus()
         self.watch(nodes, "sort_by", self._remember_sort, init=False)
+        groups = self.inventory.groups if self.inventory else {}
+        nodes.set_groups(groups)
+        self.query_one(PlacementsPane).groups = groups
         for problem in self._theme_problems:
             self.report(f"theme file skipped: {problem}", "warning")
         if self.fixed:
@@ -336,10 +344,23 @@ class StudioApp(App[None]):
         self.notify(f"placement {path.name} is ready")
 
     async def _scan_models(self) -> None:
-        rows = await asyncio.to_thread(scan_models, self.models_dir)
-        self.query_one(ModelsPane).show(rows, self.models_dir)
+        rows, where = await asyncio.to_thread(read_catalog, self.home)
+        pane = self.query_one(ModelsPane)
+        pane.show(rows, where)
+        for row in pane.new_problems(rows):
+            if self.controller is not None:
+                self.controller.record(f"model {row.name} skipped: {row.problem}", "warning")
 
     # ---- actions --------------------------------------------------------------------------
+
+    def action_chat(self) -> None:
+        from studiotui.app.chat import ChatScreen
+
+        # One chat screen for the app's life: coming back is instant and finds it as left.
+        if not self.is_screen_installed("chat"):
+            self.install_screen(ChatScreen(), "chat")
+        if not isinstance(self.screen, ChatScreen):
+            self.push_screen("chat")
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.key_rows()))
@@ -361,6 +382,15 @@ class StudioApp(App[None]):
     def palette_actions(self) -> list[tuple[str, str, str]]:
         """(title, help, action) for the command palette."""
         return [
+            ("Place selected model", "on the marked nodes (or all up): preview first", "place"),
+            *[
+                (f"Place selected model on group {g}", ", ".join(m), f"place_group('{g}')")
+                for g, m in (self.inventory.groups.items() if self.inventory else ())
+            ],
+            ("Unload selected placement", "stop its shards and free the memory", "unload"),
+            ("Mark selected node", "toggle: marked nodes are where p places", "mark_node"),
+            ("Clear marks", "unmark every node", "clear_marks"),
+            ("Rescan models", "read the model folders and the HF cache again", "rescan_models"),
             ("Provision selected node", "install and start its agent over SSH", "provision"),
             ("Restart selected node", "stop and start its agent", "restart_node"),
             ("Re-measure links", "latency and bandwidth between nodes", "measure_links"),
@@ -392,6 +422,10 @@ class StudioApp(App[None]):
         for tabs in self.query(TabbedContent):
             if tabs.query(f"#{tab}"):
                 tabs.active = tab
+                # A number key is the keyboard's way in: its table takes the arrows.
+                for table in tabs.query(f"#{tab} DataTable"):
+                    table.focus()
+                    break
 
     def action_sort_nodes(self) -> None:
         self.query_one(NodesPane).action_cycle_sort()
@@ -485,6 +519,31 @@ class StudioApp(App[None]):
         ctl = self._need_controller("refresh")
         if ctl is not None:
             self.background(ctl.refresh(), "refreshing")
+            self.background(self._scan_models(), "reading models")
+
+    # ---- placing (the flow lives in place_flow.py) ----------------------------------------
+
+    def action_place(self) -> None:
+        self.placer.place_selected()
+
+    def action_place_group(self, group: str) -> None:
+        members = self.inventory.groups.get(group, ()) if self.inventory else ()
+        self.placer.place_selected(tuple(members), f"group {group}")
+
+    def on_models_pane_dropped(self, event: ModelsPane.Dropped) -> None:
+        self.placer.open(event.model, event.target.nodes, event.target.label)
+
+    def action_unload(self) -> None:
+        self.placer.unload_selected()
+
+    def action_mark_node(self) -> None:
+        self.query_one(NodesPane).action_toggle_mark()
+
+    def action_clear_marks(self) -> None:
+        self.query_one(NodesPane).action_clear_marks()
+
+    def action_rescan_models(self) -> None:
+        if not self.fixed:
             self.background(self._scan_models(), "reading models")
 
 

@@ -7,7 +7,7 @@ identical, so an `is` check finds the changed ones).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 from textual.binding import Binding, BindingType
@@ -19,6 +19,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from studiotui.app.guard import guard_actions
+from studiotui.app.place_drag import GroupChip, GroupsStrip
 from studiotui.app.render import bar, fit, percent, sparkline, state_style, usage_style
 from studiotui.placement import format_bytes
 from studiotui.state import NodeState, ShardState
@@ -58,10 +59,11 @@ def shard_label(shard: ShardState) -> Content:
     return Content.styled(text, state_style(shard.state))
 
 
-def node_lines(node: NodeState, width: int, selected: bool) -> Content:
+def node_lines(node: NodeState, width: int, selected: bool, marked: bool = False) -> Content:
     """The card's text; pure, so the layout can be tested without an app."""
     width = max(30, width)
-    marker = Content.styled("▶ " if selected else "  ", "$accent bold")
+    # Selection and mark share the two leading cells, so marking moves nothing.
+    marker = Content.styled(("▶" if selected else " ") + ("✓" if marked else " "), "$accent bold")
     version = f" · v{node.version}" if node.version else ""
     head = Content.assemble(
         marker,
@@ -125,6 +127,7 @@ class NodeCard(Widget):
     """One node. Not focusable itself: the pane holds the focus and the selection."""
 
     selected: reactive[bool] = reactive(False)
+    marked: reactive[bool] = reactive(False)
 
     def __init__(self, node: NodeState) -> None:
         super().__init__(id=f"node-{_css_id(node.name)}", classes="node-card")
@@ -140,8 +143,11 @@ class NodeCard(Widget):
     def watch_selected(self, selected: bool) -> None:
         self.set_class(selected, "-selected")
 
+    def watch_marked(self, marked: bool) -> None:
+        self.set_class(marked, "-marked")
+
     def render(self) -> Content:
-        return node_lines(self.node, self.content_size.width, self.selected)
+        return node_lines(self.node, self.content_size.width, self.selected, self.marked)
 
     def on_click(self, event: Click) -> None:
         self.post_message(NodesPane.Picked(self.node.name))
@@ -158,6 +164,8 @@ class NodesPane(VerticalScroll, can_focus=True):
         Binding("down,j", "move(1)", "Next node", show=False, id="node-next"),
         Binding("up,k", "move(-1)", "Previous node", show=False, id="node-previous"),
         Binding("s", "cycle_sort", "Sort", id="sort-nodes"),
+        Binding("space", "toggle_mark", "Mark", id="mark-node"),
+        Binding("escape", "clear_marks", "Clear marks", show=False, id="clear-marks"),
     ]
 
     sort_by: reactive[str] = reactive("name")
@@ -174,11 +182,21 @@ class NodesPane(VerticalScroll, can_focus=True):
             super().__init__()
             self.name = name
 
+    class MarksChanged(Message):
+        def __init__(self, marked: tuple[str, ...]) -> None:
+            super().__init__()
+            self.marked = marked
+
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.cards: dict[str, NodeCard] = {}
         self.selected: str | None = None
+        self.marked: set[str] = set()
         self.border_title = "Nodes"
+        self.strip = GroupsStrip(id="groups-strip")
+
+    def compose(self):  # type: ignore[no-untyped-def]
+        yield self.strip
 
     def update_nodes(self, nodes: tuple[NodeState, ...]) -> None:
         new = [NodeCard(n) for n in nodes if n.name not in self.cards]
@@ -189,6 +207,8 @@ class NodesPane(VerticalScroll, can_focus=True):
         names = {n.name for n in nodes}
         for name in [n for n in self.cards if n not in names]:
             self.cards.pop(name).remove()
+        if self.marked - names:
+            self.set_marked(self.marked & names)
         for node in nodes:
             self.cards[node.name].show(node)
         if self.selected not in names:
@@ -197,10 +217,12 @@ class NodesPane(VerticalScroll, can_focus=True):
 
     def _order(self) -> None:
         wanted = sorted((c.node for c in self.cards.values()), key=sort_key(self.sort_by))
+        # Positions count cards only: the groups strip is a child too.
         for i, node in enumerate(wanted):
             card = self.cards[node.name]
-            if i < len(self.children) and self.children[i] is not card:
-                self.move_child(card, before=i)
+            shown = [c for c in self.children if isinstance(c, NodeCard)]
+            if i < len(shown) and shown[i] is not card:
+                self.move_child(card, before=shown[i])
 
     @property
     def order(self) -> list[str]:
@@ -219,6 +241,37 @@ class NodesPane(VerticalScroll, can_focus=True):
             return
         index = order.index(self.selected) if self.selected in order else 0
         self._select(order[(index + step) % len(order)])
+
+    # ---- marks: the nodes `p` places on ---------------------------------------------
+
+    def set_groups(self, groups: Mapping[str, Sequence[str]]) -> None:
+        self.strip.set_groups(groups)
+
+    def action_toggle_mark(self) -> None:
+        if self.selected is not None:
+            self.set_marked(self.marked ^ {self.selected})
+
+    def action_clear_marks(self) -> None:
+        self.set_marked(set())
+
+    def set_marked(self, names: set[str] | Sequence[str]) -> None:
+        self.marked = {n for n in names if n in self.cards}
+        for name, card in self.cards.items():
+            card.marked = name in self.marked
+        marked = self.marked_in_order()
+        self.strip.set_marked(marked)
+        self.post_message(self.MarksChanged(marked))
+
+    def marked_in_order(self) -> tuple[str, ...]:
+        return tuple(n for n in self.order if n in self.marked)
+
+    def cards_of(self, names: Sequence[str]) -> list[NodeCard]:
+        return [self.cards[n] for n in names if n in self.cards]
+
+    def on_group_chip_picked(self, event: GroupChip.Picked) -> None:
+        event.stop()
+        self.focus()
+        self.set_marked(set(event.nodes))
 
     def on_nodes_pane_picked(self, event: Picked) -> None:
         event.stop()

@@ -19,6 +19,9 @@ class StudioCommands(Provider):
             (title, help_text, partial(app.run_action, action))
             for title, help_text, action in app.palette_actions()
         ]
+        commands.append(
+            ("Chat", "talk to a placement; conversations are kept", partial(app.run_action, "chat"))
+        )
         for name in app.theme_names():
             commands.append(
                 (f"Theme: {name}", "switch colours (remembered)", partial(app.use_theme, name))
