@@ -24,7 +24,7 @@ from studiotui import keys
 from studiotui.agents import AgentError, AgentUnreachable, Peer
 from studiotui.inventory import Inventory, NodeSpec
 from studiotui.model_facts import ModelInfo, read_model
-from studiotui.placement import Link, NodeBudget, Plan, Refusal, plan
+from studiotui.placement import Link, NodeBudget, Plan, Refusal, format_bytes, plan
 from studiotui.state import (
     ClusterState,
     LinkState,
@@ -37,12 +37,26 @@ from studiotui.state import (
 from worker.protocol import messages
 
 DOWN_AFTER_S = 3.0
+# What a shard process holds before any weight (Python, MLX, tokenizer): measured ~80 MB.
+RUNNER_OVERHEAD_BYTES = 100 * 1024**2
 HEALTH_CHECK_S = 2.0
 LINKS_FIRST_S = 30.0
 LINKS_EVERY_S = 300.0
 LOG_KEEP = 500
 Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
+
+
+def committed_bytes(node: NodeState) -> int:
+    """Memory a node has promised but not yet used: the KV caches its placements may
+    still grow to, and the weights of shards that are still loading."""
+    total = 0
+    for shard in node.shards:
+        total += shard.kv_bytes
+        if shard.state in ("prepared", "loading"):
+            done, size = shard.progress
+            total += max(0, size - done)
+    return total
 
 
 def _tied(model_dir: Path) -> bool:
@@ -263,7 +277,8 @@ class Controller:
                 return info, Refusal(f"unknown node {name!r}")
             if node.state != "up":
                 return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
-            budgets.append(NodeBudget(name, node.memory_free, node.memory_total))
+            free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
+            budgets.append(NodeBudget(name, free, node.memory_total))
         links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind) for x in self.state.links]
         return info, plan(info.facts, budgets, links, context_tokens=context_tokens)
 
@@ -275,7 +290,10 @@ class Controller:
         progress: Progress | None = None,
         prefill_chunk: int = 512,
         context_tokens: int = 4096,
+        expected: Plan | None = None,
     ) -> PlaceResult:
+        """Plan and load; with `expected` (the plan a preview showed), load exactly that
+        plan if it still fits, else refuse rather than load something else."""
         model_dir = model_dir.expanduser().resolve()
         await self.refresh()
         nodes = nodes or [n.name for n in self.state.nodes if n.state == "up"]
@@ -283,6 +301,11 @@ class Controller:
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
         info, the_plan = self.preview(model_dir, nodes, context_tokens)
+        if expected is not None:
+            problem = self._no_longer_fits(expected)
+            if problem:
+                raise PlacementError(f"the cluster changed since the preview: {problem}")
+            the_plan = expected
         if isinstance(the_plan, Refusal):
             raise PlacementError(f"cannot place {info.name}: {the_plan.reason}")
         self.record(
@@ -300,6 +323,20 @@ class Controller:
             raise PlacementError(f"placement {name!r} vanished after loading")
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
+
+    def _no_longer_fits(self, expected: Plan) -> str | None:
+        for shard in expected.shards:
+            node = self.state.node(shard.node)
+            if node is None or node.state != "up":
+                return f"{shard.node} is not up"
+            adds = shard.free_before - shard.free_after
+            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            if adds > room:
+                return (
+                    f"{shard.node} now has {format_bytes(max(room, 0))} free, the plan needs "
+                    f"{format_bytes(adds)} there; preview again"
+                )
+        return None
 
     async def _deploy(
         self,
@@ -337,6 +374,7 @@ class Controller:
                 next_key=keys.node_public_key(self.home, nxt.node).decode(),
                 prefill_chunk=prefill_chunk,
                 context_tokens=the_plan.context_tokens,
+                kv_bytes=shard.kv_bytes,
             ):
                 if progress and msg["type"] == "progress":
                     progress(shard.node, int(msg["done"]), int(msg["total"]))

@@ -30,6 +30,7 @@ class ShardState:
     in_flight: int = 0
     message: str = ""
     context_tokens: int = 0
+    kv_bytes: int = 0  # KV cache the plan reserved for this shard
 
 
 @dataclass(frozen=True)
@@ -174,4 +175,5 @@ def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
         in_flight=int(stats.get("in_flight", 0)),
         message=str(raw.get("message", "")),
         context_tokens=int(raw.get("context_tokens", 0) or 0),
+        kv_bytes=int(raw.get("kv_bytes", 0) or 0),
     )

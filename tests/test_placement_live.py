@@ -100,3 +100,42 @@ def test_two_placements_answer_at_once_and_overcommit_is_refused(
     alone, both, refusal = asyncio.run(run())
     assert both == alone
     assert "GB" in refusal and "needs" in refusal
+
+
+def test_place_deploys_the_previewed_plan_or_refuses_if_it_no_longer_fits(
+    small_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    from studiotui.placement import Plan
+
+    model = _model(tmp_path, "p", layers=5)
+    names = list(small_cluster.inventory.names)
+
+    async def run() -> tuple[list[list[int]], list[list[int]], str, list[str]]:
+        ctl = small_cluster.controller()
+        try:
+            await ctl.refresh()
+            _info, seen = ctl.preview(model, names)
+            assert isinstance(seen, Plan)
+            greedy = replace(
+                seen,
+                shards=tuple(replace(s, free_after=s.free_before - 10**12) for s in seen.shards),
+            )
+            try:
+                await ctl.place(model, names, "stale", expected=greedy)
+                stale = "placed?!"
+            except PlacementError as exc:
+                stale = str(exc)
+            left = [p.name for p in ctl.state.placements]
+            placed = await ctl.place(model, names, "seen", expected=seen)
+            layers = placed.placement.layers
+            await ctl.unload("seen")
+            return [[s.start, s.end] for s in seen.shards], layers, stale, left
+        finally:
+            await ctl.close()
+
+    planned, layers, stale, left = asyncio.run(run())
+    assert layers == planned
+    assert "changed since the preview" in stale and "preview again" in stale
+    assert left == []

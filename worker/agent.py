@@ -73,6 +73,7 @@ class ShardProc:
             "index": self.spec.get("index", 0),
             "count": self.spec.get("count", 0),
             "context_tokens": self.spec.get("context_tokens", 0),
+            "kv_bytes": self.spec.get("kv_bytes", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "state": self.state,
@@ -245,6 +246,7 @@ class Agent:
             "next_key": msg["next_key"],
             "prefill_chunk": int(msg.get("prefill_chunk", 512)),
             "context_tokens": int(msg.get("context_tokens", 4096)),
+            "kv_bytes": int(msg.get("kv_bytes", 0)),
         }
         shard.spec = spec
         shard.state = "loading"

@@ -112,6 +112,7 @@ class Placer:
                 request.name,
                 progress=progress,
                 context_tokens=screen.context_tokens,
+                expected=screen.plan,
             )
         except Exception as exc:  # PlacementError says it was rolled back; say it as is
             screen.finished(str(exc))

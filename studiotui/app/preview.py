@@ -271,6 +271,11 @@ class PreviewScreen(ModalScreen[None]):
         self._draw()
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan on screen: what Enter deploys, exactly."""
+        return self.verdict if isinstance(self.verdict, Plan) else None
+
+    @property
     def refusal(self) -> str | None:
         return self.verdict.reason if isinstance(self.verdict, Refusal) else None
 
