@@ -20,6 +20,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"studiotui {__version__}")
     p.add_argument("-i", "--inventory", type=Path, help="cluster.toml to use")
+    p.add_argument(
+        "--serve",
+        type=_host_port,
+        metavar="[HOST:]PORT",
+        help="with the dashboard: also serve the OpenAI-compatible API from it",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("STUDIOTUI_API_KEY"),
+        help="with --serve: require this bearer key",
+    )
     sub = p.add_subparsers(dest="verb")
     from studiotui import provision_cmd
 
@@ -83,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     return p
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"--serve wants [HOST:]PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)
 
 
 def home_dir() -> Path:

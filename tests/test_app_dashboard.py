@@ -381,3 +381,20 @@ def test_dashboard_snapshot_light_rdma(snap_compare, tmp_path: Path, utc: None) 
     app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
     # "4" gives the Models table the keys, so the node moves first.
     assert snap_compare(app, terminal_size=(160, 48), press=["2", "j", "4"])
+
+
+async def test_the_dashboard_can_serve_the_api_too(cluster: tuple[Path, Inventory]) -> None:
+    import httpx
+
+    home, inv = cluster
+    app = StudioApp(home, inv, serve=("127.0.0.1", 0, "k3y"))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.api_server is not None, 15, "API server started")
+        assert "serving the OpenAI-compatible API" in log_text(app)
+        async with httpx.AsyncClient() as client:
+            refused = await client.get(f"{app.api_server.url}/models")
+            allowed = await client.get(
+                f"{app.api_server.url}/models", headers={"Authorization": "Bearer k3y"}
+            )
+        assert refused.status_code == 401
+        assert allowed.status_code == 200 and allowed.json()["object"] == "list"

@@ -91,6 +91,7 @@ class StudioApp(App[None]):
         state: ClusterState | None = None,
         models: list[ModelRow] | None = None,
         startup: Startup | None = None,
+        serve: tuple[str, int, str | None] | None = None,
     ) -> None:
         super().__init__()
         if inventory is None and state is None:
@@ -98,6 +99,8 @@ class StudioApp(App[None]):
         self.home = home
         self.inventory = inventory
         self.startup = startup
+        self.serve = serve  # (host, port, api key): also serve the API from this process
+        self.api_server: Any = None
         self.controller: Controller | None = None
         self.cluster = state or ClusterState(name=inventory.name if inventory else "cluster")
         self.fixed = state is not None
@@ -167,6 +170,9 @@ class StudioApp(App[None]):
         self.background(self._scan_models(), "reading models")
 
     async def on_unmount(self) -> None:
+        if self.api_server is not None:
+            with contextlib.suppress(Exception):
+                await self.api_server.close()
         if self.controller is not None:
             controller, self.controller = self.controller, None
             # The app is gone: nobody is left to tell about a failed close.
@@ -299,8 +305,20 @@ class StudioApp(App[None]):
             self.report(f"{summary}; not answering: {', '.join(down)}", "warning")
         else:
             ctl.record(summary)
+        if self.serve is not None:
+            await self._serve_api(ctl, *self.serve)
         if plan.demo_model is not None:
             await self._demo(ctl, plan.demo_model, plan.place_demo)
+
+    async def _serve_api(self, ctl: Controller, host: str, port: int, key: str | None) -> None:
+        from studiotui.api import start_server
+
+        try:
+            self.api_server = await start_server(ctl, host, port, key)
+        except OSError as exc:
+            self.report(f"cannot serve the API on {host}:{port}: {exc}", "error")
+            return
+        ctl.record(f"serving the OpenAI-compatible API on {self.api_server.url}")
 
     async def _start_agents(self, ctl: Controller, nodes: list[NodeSpec]) -> None:
         assert self.inventory is not None

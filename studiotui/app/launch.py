@@ -97,6 +97,12 @@ def launch(args: argparse.Namespace, home: Path) -> int:
     else:
         inventory = load_cluster(args, home)
         startup = existing(inventory)
-    app = StudioApp(home, inventory, startup=startup)
+    serve = getattr(args, "serve", None)
+    app = StudioApp(
+        home,
+        inventory,
+        startup=startup,
+        serve=(serve[0], serve[1], getattr(args, "api_key", None)) if serve else None,
+    )
     app.run()
     return app.return_code or 0
