@@ -16,7 +16,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,14 @@ class RunnerSpec:
     next_key: str
     prefill_chunk: int = 512
     context_tokens: int = 4096
+    kv_bytes: int = 0
 
     @classmethod
     def from_file(cls, path: Path) -> RunnerSpec:
-        return cls(**json.loads(path.read_text()))
+        raw = json.loads(path.read_text())
+        # The agent may know fields this runner has no use for (they describe the
+        # shard to the controller); take only ours.
+        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
 
 
 def emit(event: str, **fields: Any) -> None:
