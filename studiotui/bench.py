@@ -7,6 +7,7 @@ loopback addresses), measures, and stops every agent it started by pid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import statistics
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,19 @@ BENCH_PORT = 56500
 
 class BenchError(RuntimeError):
     pass
+
+
+PHASES: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time one part of the run, so a slow bench says where its time went."""
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        PHASES[name] = round(PHASES.get(name, 0.0) + time.monotonic() - began, 1)
 
 
 @dataclass(frozen=True)
@@ -116,31 +131,40 @@ async def pipeline_figures(
         await ctl.refresh()
         for n in (2, 4):
             name = f"pipe{n}"
-            await ctl.place(model_dir, names[:n], name, prefill_chunk=cfg.prefill_chunk)
-            await stream(ctl, name, prompt_tokens(16), 8)  # warm up
-            out[name] = await stream(ctl, name, prompt_tokens(16), cfg.tokens)
+            with phase(f"place{n}"):
+                await ctl.place(model_dir, names[:n], name, prefill_chunk=cfg.prefill_chunk)
+            with phase(f"decode{n}"):
+                await stream(ctl, name, prompt_tokens(16), 8)  # warm up
+                out[name] = await stream(ctl, name, prompt_tokens(16), cfg.tokens)
             stats = await ctl.head_peer(ctl.pick_placement(name)).request("stats")
             out[f"{name}_hop_us"] = stats.get("hop_us_p50")
             if n == 2:
-                ttfts = [
-                    await stream(ctl, name, prompt_tokens(cfg.ttft_prompt), 1)
-                    for _ in range(cfg.ttft_runs)
-                ]
+                with phase("ttft_pipe2"):
+                    ttfts = [
+                        await stream(ctl, name, prompt_tokens(cfg.ttft_prompt), 1)
+                        for _ in range(cfg.ttft_runs)
+                    ]
                 out["ttft_pipe2_ms"] = min(t["ttft_ms"] for t in ttfts)
                 out["streams"] = {}
                 for k in (1, 2, 4):
-                    runs = await asyncio.gather(
-                        *(stream(ctl, name, prompt_tokens(16), cfg.tokens) for _ in range(k))
-                    )
+                    with phase("streams"):
+                        runs = await asyncio.gather(
+                            *(stream(ctl, name, prompt_tokens(16), cfg.tokens) for _ in range(k))
+                        )
                     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
                     out["streams"][str(k)] = sum(len(r["tokens"]) for r in runs) / wall
                     out[f"streams{k}_tokens"] = [r["tokens"] for r in runs]
                 from studiotui.api_bench import bench_api
 
                 quick = cfg.ttft_runs == 1
-                out["api"] = await bench_api(
-                    ctl, name, clients=8, max_tokens=16 if quick else 32, rounds=1 if quick else 3
-                )
+                with phase("api"):
+                    out["api"] = await bench_api(
+                        ctl,
+                        name,
+                        clients=8,
+                        max_tokens=8 if quick else 32,
+                        rounds=1 if quick else 3,
+                    )
             await ctl.unload(name)
     finally:
         await ctl.close()
@@ -205,7 +229,8 @@ def measure(quick: bool) -> dict[str, Any]:
                 dtype="float32",
             ),
         )
-        single = single_process(model_dir, cfg)
+        with phase("single"):
+            single = single_process(model_dir, cfg)
         inv = local_inventory(
             4, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
         )
@@ -217,7 +242,8 @@ def measure(quick: bool) -> dict[str, Any]:
         finally:
             for pid in pids:
                 local_cluster.kill_pid(pid)
-        ring = mlx_ring(model_dir, cfg)
+        with phase("mlx_ring"):
+            ring = mlx_ring(model_dir, cfg)
     return summarize(single, pipe, ring, cfg)
 
 
@@ -234,7 +260,10 @@ async def _with_cluster(
     if missing:
         raise RuntimeError(f"bench agents {missing} did not start")
     figures = await pipeline_figures(home, inv, model_dir, cfg)
-    figures["tui_idle_cpu_pct"] = await tui_idle_cpu(home, inv, 4.0 if cfg.tokens < 100 else 10.0)
+    with phase("tui"):
+        figures["tui_idle_cpu_pct"] = await tui_idle_cpu(
+            home, inv, 4.0 if cfg.tokens < 100 else 10.0
+        )
     return figures
 
 
@@ -290,9 +319,14 @@ def run_bench(quick: bool, as_json: bool) -> int:
 
     started = time.monotonic()
     figures = measure(quick)
-    with tempfile.TemporaryDirectory(prefix="studiotui-bench-ssh-") as tmp:
-        figures.update(asyncio.run(bench_provision(Path(tmp))))
+    if quick:
+        # Provisioning is measured by the full bench: with it, --quick overruns a minute.
+        figures["provision4_ratio"] = figures["reprovision_s"] = None
+    else:
+        with tempfile.TemporaryDirectory(prefix="studiotui-bench-ssh-") as tmp, phase("provision"):
+            figures.update(asyncio.run(bench_provision(Path(tmp))))
     figures["bench_seconds"] = round(time.monotonic() - started, 1)
+    figures["phases_s"] = dict(PHASES)
     if as_json:
         print(json.dumps(figures))
     else:
