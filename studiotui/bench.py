@@ -188,7 +188,7 @@ def mlx_ring(model_dir: Path, cfg: BenchConfig) -> float | None:
         "-n",
         "2",
         "--starting-port",
-        str(BENCH_PORT + 100),
+        str(BENCH_PORT + 900),
         "--",
         sys.executable,
         str(script),

@@ -671,12 +671,15 @@ def local_inventory(
         )
     if not 1 <= control_port <= _MAX_CONTROL_PORT:
         raise ValueError(f"control_port must be 1-{_MAX_CONTROL_PORT}, got {control_port}")
+    # macOS answers only 127.0.0.1 on loopback unless aliases are added (sudo ifconfig
+    # lo0 alias ...), so there the simulated nodes share it and differ by port.
+    shared = sys.platform == "darwin"
     nodes = tuple(
         NodeSpec(
             name=f"local-{k}",
             transport="local",
-            address=f"127.0.0.{base_octet + k - 1}",
-            control_port=control_port,
+            address="127.0.0.1" if shared else f"127.0.0.{base_octet + k - 1}",
+            control_port=control_port + (k - 1) * 100 if shared else control_port,
             workdir=str(home / "local" / f"local-{k}"),
             python=python or sys.executable,
             memory_gb=None if memory_gb is None else float(memory_gb),
