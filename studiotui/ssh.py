@@ -21,7 +21,7 @@ import posixpath
 import secrets
 import shlex
 import socket
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -534,25 +534,16 @@ async def put_file(
             node, f"cannot read local file {local}: {exc.strerror or exc}", ""
         ) from None
     parent = posixpath.dirname(remote)
-    tmp = posixpath.join(parent, f".{posixpath.basename(remote)}.tmp-{secrets.token_hex(4)}")
-    attrs = asyncssh.SFTPAttrs(permissions=mode) if mode is not None else asyncssh.SFTPAttrs()
+
+    async def copy(dst: asyncssh.SFTPClientFile) -> None:
+        while chunk := src.read(_SFTP_CHUNK):
+            await dst.write(chunk)
+
     try:
         async with conn.start_sftp_client() as sftp:
             if parent:
                 await sftp.makedirs(parent, exist_ok=True)
-            try:
-                async with sftp.open(tmp, "wb", attrs) as dst:
-                    while chunk := src.read(_SFTP_CHUNK):
-                        await dst.write(chunk)
-                if mode is not None:
-                    # The creation mode was filtered through the server's
-                    # umask; set it exactly.
-                    await sftp.chmod(tmp, mode)
-                await sftp.posix_rename(tmp, remote)
-            except BaseException:
-                with contextlib.suppress(asyncssh.Error, OSError):
-                    await sftp.remove(tmp)
-                raise
+            await _write_atomically(sftp, remote, mode, copy)
     except (asyncssh.Error, OSError) as exc:
         raise _sftp_error(node, f"cannot write {remote}", exc) from None
     finally:
@@ -582,26 +573,40 @@ async def put_files(
                 await sftp.makedirs(parent, exist_ok=True)
                 if dir_mode is not None:
                     await sftp.chmod(parent, dir_mode)
-            attrs = (
-                asyncssh.SFTPAttrs(permissions=mode) if mode is not None else asyncssh.SFTPAttrs()
-            )
             for remote, data in files.items():
                 current = remote
-                parent = posixpath.dirname(remote)
-                name = f".{posixpath.basename(remote)}.tmp-{secrets.token_hex(4)}"
-                tmp = posixpath.join(parent, name)
-                try:
-                    async with sftp.open(tmp, "wb", attrs) as dst:
-                        await dst.write(data)
-                    if mode is not None:
-                        await sftp.chmod(tmp, mode)
-                    await sftp.posix_rename(tmp, remote)
-                except BaseException:
-                    with contextlib.suppress(asyncssh.Error, OSError):
-                        await sftp.remove(tmp)
-                    raise
+
+                async def write(dst: asyncssh.SFTPClientFile, data: bytes = data) -> None:
+                    await dst.write(data)
+
+                await _write_atomically(sftp, remote, mode, write)
     except (asyncssh.Error, OSError) as exc:
         raise _sftp_error(node, f"cannot write {current or 'files'}", exc) from None
+
+
+async def _write_atomically(
+    sftp: asyncssh.SFTPClient,
+    remote: str,
+    mode: int | None,
+    write: Callable[[asyncssh.SFTPClientFile], Awaitable[None]],
+) -> None:
+    """Write to a temporary name that already has `mode`, then rename it over
+    `remote`: a secret is never readable with looser permissions and a reader never
+    sees half a file."""
+    parent = posixpath.dirname(remote)
+    tmp = posixpath.join(parent, f".{posixpath.basename(remote)}.tmp-{secrets.token_hex(4)}")
+    attrs = asyncssh.SFTPAttrs(permissions=mode) if mode is not None else asyncssh.SFTPAttrs()
+    try:
+        async with sftp.open(tmp, "wb", attrs) as dst:
+            await write(dst)
+        if mode is not None:
+            # The creation mode was filtered through the server's umask; set it exactly.
+            await sftp.chmod(tmp, mode)
+        await sftp.posix_rename(tmp, remote)
+    except BaseException:
+        with contextlib.suppress(asyncssh.Error, OSError):
+            await sftp.remove(tmp)
+        raise
 
 
 async def read_file_since(
