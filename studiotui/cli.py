@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
 
     place = sub.add_parser("place", help="split a model over nodes and load it")
-    place.add_argument("model_dir", type=Path)
+    place.add_argument(
+        "model_dir", type=Path, help="a model directory, or a model's name in the catalog"
+    )
     place.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
     place.add_argument("--name", help="placement name (default: the model directory's name)")
     place.add_argument("--prefill-chunk", type=int, default=512)

@@ -195,8 +195,27 @@ def print_nodes(ctl: Controller) -> None:
 # ---- place / unload ------------------------------------------------------------------
 
 
+def resolve_model(spec: Path, home: Path) -> Path:
+    """A model directory, or the catalog's model of that name (models folders, HF cache)."""
+    if spec.expanduser().exists():
+        return spec.expanduser()
+    from studiotui.catalog import scan_home
+
+    catalog = scan_home(home)
+    named = [m.path for m in catalog.models if m.name == str(spec) or m.path.name == str(spec)]
+    if len(named) == 1:
+        return named[0]
+    known = ", ".join(sorted(m.name for m in catalog.models)) or "none"
+    if named:
+        raise UserError(f"several models are named {spec}: give its directory")
+    raise UserError(
+        f"model directory {spec} does not exist and no model has that name (models found: {known})"
+    )
+
+
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     inv = load_cluster(args, home)
+    args.model_dir = resolve_model(args.model_dir, home)
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
