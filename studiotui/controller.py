@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,6 @@ def committed_bytes(node: NodeState) -> int:
 
 
 def _tied(model_dir: Path) -> bool:
-    import json
-
     try:
         return bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings"))
     except (OSError, ValueError):
@@ -95,6 +94,7 @@ class Controller:
                 NodeState(n.name, n.address, n.control_port, n.transport) for n in inventory.nodes
             ),
         )
+        self.state = replace(self.state, links=self._load_links())
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._sub: zmq.asyncio.Socket | None = None
@@ -603,8 +603,26 @@ class Controller:
             for pair, results in sorted(found.items(), key=lambda kv: sorted(kv[0]))
         )
         self._set(replace(self.state, links=links))
+        self._save_links(links)
         self.record(f"measured {len(links)} links")
         return links
+
+    def _links_file(self) -> Path:
+        return self.home / f"links-{self.inventory.name}.json"
+
+    def _save_links(self, links: tuple[LinkState, ...]) -> None:
+        """Keep the last measurement, so a restarted TUI or CLI plans with it."""
+        with contextlib.suppress(OSError):
+            self._links_file().write_text(json.dumps([asdict(x) for x in links]))
+
+    def _load_links(self) -> tuple[LinkState, ...]:
+        names = set(self.inventory.names)
+        try:
+            raw = json.loads(self._links_file().read_text())
+            links = tuple(LinkState(**x) for x in raw)
+        except (OSError, ValueError, TypeError):
+            return ()
+        return tuple(x for x in links if x.a in names and x.b in names)
 
     def _link(self, pair: frozenset[str], results: list[dict[str, Any]]) -> LinkState:
         a, b = sorted(pair)

@@ -194,6 +194,10 @@ def test_agents_measure_their_links(engine_cluster: LocalCluster) -> None:
             await ctl.close()
 
     links = asyncio.run(run())
+    # The measurement is kept: a new controller (a restarted TUI) starts with it.
+    fresh = engine_cluster.controller()
+    assert fresh.state.links == tuple(links)
+    asyncio.run(fresh.close())
     names = engine_cluster.inventory.names
     assert {frozenset((x.a, x.b)) for x in links} == {
         frozenset((a, b)) for i, a in enumerate(names) for b in names[i + 1 :]
