@@ -90,6 +90,7 @@ def notes(app: StudioApp) -> list[str]:
 
 
 def log_text(app: StudioApp) -> str:
+    """The pane shows state on a coalescing timer, so wait for entries with `until`."""
     return app.query_one(LogPane).text
 
 
@@ -143,7 +144,12 @@ async def test_panes_show_the_real_agents(cluster: tuple[Path, Inventory]) -> No
         assert "loopback · not measured" in drawing
         rdma = str(app.query_one("#rdma-body").content)
         assert "not a Mac" in rdma and "RDMA over Thunderbolt" in rdma
-        assert "cluster local: 4/4 nodes up" in log_text(app)
+        await until(
+            pilot,
+            lambda: "cluster local: 4/4 nodes up" in log_text(app),
+            3,
+            "startup summary in the log",
+        )
         assert isinstance(app.query_one(RdmaPane), RdmaPane)
 
 
@@ -280,7 +286,9 @@ async def test_killed_agent_is_shown_down(cluster: tuple[Path, Inventory]) -> No
             )
             assert took <= DOWN_AFTER_S + 2.0
             assert "no telemetry" in card_text(app, "local-4")
-            assert "local-4 is down" in log_text(app)
+            await until(
+                pilot, lambda: "local-4 is down" in log_text(app), 3, "node-down entry in the log"
+            )
             assert "3/4 nodes up" in app.sub_title
             down_box = str(app.query_one("#topology-drawing").content)
             assert "down" in down_box
@@ -327,7 +335,12 @@ async def test_first_run_places_the_demo_model(
             assert set(seen_progress) == set(inv.names)
             models = app.query_one(ModelsPane).rows_shown
             assert [(m.name, m.family, m.layers) for m in models] == [("demo", "llama", 8)]
-            assert "placement 'demo' is ready" in log_text(app)
+            await until(
+                pilot,
+                lambda: "placement 'demo' is ready" in log_text(app),
+                3,
+                "ready entry in the log",
+            )
     finally:
         _stop(inv)
 
@@ -390,7 +403,12 @@ async def test_the_dashboard_can_serve_the_api_too(cluster: tuple[Path, Inventor
     app = StudioApp(home, inv, serve=("127.0.0.1", 0, "k3y"))
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.api_server is not None, 15, "API server started")
-        assert "serving the OpenAI-compatible API" in log_text(app)
+        await until(
+            pilot,
+            lambda: "serving the OpenAI-compatible API" in log_text(app),
+            3,
+            "serving entry in the log",
+        )
         async with httpx.AsyncClient() as client:
             refused = await client.get(f"{app.api_server.url}/models")
             allowed = await client.get(
