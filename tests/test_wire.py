@@ -42,6 +42,13 @@ def test_messages_round_trip_and_refuse_bad_ones() -> None:
             decode(data)
 
 
+def test_a_failed_pack_leaves_nothing_behind_for_the_next_message() -> None:
+    # The packer is reused across messages: a failure half way must not leak bytes.
+    with pytest.raises(TypeError):
+        encode("cancel", rid="r1", junk=object())
+    assert encode("cancel", rid="r2") == msgpack.packb({"v": 1, "type": "cancel", "rid": "r2"})
+
+
 def test_ring_headers_check_payload_against_shape_and_dtype() -> None:
     h = RingHeader(rid="a", kind="decode", offset=3, dtype="bfloat16", shape=(1, 1, 8))
     assert decode_ring_header(encode_ring_header(h), 16) == h

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgpack
 
+from worker.protocol.packing import pack
+
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KINDS = ("prefill", "decode", "free", "error", "token")
 MAX_DIMS = 4
@@ -56,7 +58,7 @@ def encode_ring_header(h: RingHeader) -> bytes:
         out["message"] = h.message
     if h.extra:
         out["extra"] = h.extra
-    return msgpack.packb(out, use_bin_type=True)
+    return pack(out)
 
 
 def decode_ring_header(data: bytes, payload_len: int) -> RingHeader:

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgpack
 
+from worker.protocol.packing import pack
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -79,7 +81,7 @@ def make(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def encode(kind: str, **fields: Any) -> bytes:
-    return msgpack.packb(make(kind, **fields), use_bin_type=True)
+    return pack(make(kind, **fields))
 
 
 def decode(data: bytes) -> dict[str, Any]:
