@@ -157,6 +157,11 @@ class Runner:
         frames: list[Any] = [encode_ring_header(header)]
         frames.append(memoryview(activation) if activation is not None else b"")
         self.ring_out.send_multipart(frames, copy=activation is None or activation.nbytes < 65536)
+        if hasattr(os, "sched_yield"):
+            # Linux wakes ZeroMQ's I/O thread on this thread's CPU and lets it wait
+            # until this thread blocks; a stage that goes on to build its next step
+            # held frames back ~1.5 ms that way (measured). Let the I/O thread send now.
+            os.sched_yield()
 
     def _local_frame(self, header: RingHeader, activation: mx.array | None) -> None:
         assert self.stage is not None
@@ -253,6 +258,7 @@ class Runner:
             "finished": s.finished,
             "dropped": s.dropped,
             "errors": s.errors,
+            "prebuilt_steps": s.prebuilt,
             "active_bytes": mx.get_active_memory(),
             "hop_us_p50": statistics.median(self.stage.hop_us) if self.stage.hop_us else None,
         }

@@ -55,12 +55,30 @@ class TailRequest:
     generated: int = 0
 
 
+@dataclass(frozen=True)
+class Prebuilt:
+    """A request's next decode step, built while its input is still on the way.
+
+    Building an MLX graph in Python costs about as much as a hop (1-2 ms for a
+    few layers on a slow CPU). mlx-lm hides it by building step n+1 on the lazy
+    token of step n; a pipeline stage cannot, its input comes from another
+    process. So after each decode step the stage builds the next one on `slot`,
+    an evaluated placeholder, and when the input arrives writes its bytes into
+    `slot` and evaluates `out`: the build happened while the stage was idle.
+    """
+
+    offset: int  # the cache offset the step is for
+    slot: mx.array  # evaluated; token ids (head) or the activation's bits (others)
+    out: mx.array  # lazy; the activation to pass on, or the sampled token (tail)
+
+
 @dataclass
 class Stats:
     tokens: int = 0
     dropped: int = 0
     errors: int = 0
     finished: int = 0
+    prebuilt: int = 0  # decode steps whose graph was built before their input came
 
 
 def to_array(header: RingHeader, payload: bytes | memoryview) -> mx.array:
@@ -88,6 +106,7 @@ class Stage:
         hops: int = 1,
         context_tokens: int = 4096,
         schedule: Callable[[Callable[[], None]], None],
+        prebuild: bool = True,
     ) -> None:
         self.shard = shard
         self.tokenizer = tokenizer
@@ -103,6 +122,8 @@ class Stage:
         self.sent_at: dict[str, float] = {}
         self.hop_us: deque[float] = deque(maxlen=512)
         self.vocab = int(shard.config.get("vocab_size", 0))
+        self.prebuild = prebuild
+        self.prebuilt: dict[str, Prebuilt] = {}
 
     # ---- head: requests from clients -------------------------------------------------
 
@@ -183,7 +204,12 @@ class Stage:
             params=params.to_dict() if params else None,
         )
         try:
-            self._run_layers(header, self.shard.embed(mx.array([tokens])))
+            pre = self._take_prebuilt(header) if kind == "decode" else None
+            if pre is not None:
+                _fill(pre.slot, np.array([tokens], dtype=np.int32))
+                self._run_layers(header, pre=pre)
+            else:
+                self._run_layers(header, self.shard.embed(mx.array([tokens])))
         except Exception as exc:
             self._fail(rid, _describe(exc))
 
@@ -197,7 +223,12 @@ class Stage:
                 self.stats.dropped += 1
                 return
             try:
-                self._run_layers(header, to_array(header, payload))
+                pre = self._take_prebuilt(header) if kind == "decode" else None
+                if pre is not None:
+                    _fill(pre.slot, np.frombuffer(payload, dtype=_NP_VIEW[header.dtype]))
+                    self._run_layers(header, pre=pre)
+                else:
+                    self._run_layers(header, to_array(header, payload))
             except Exception as exc:  # one bad request must not take the stage down
                 self._fail(header.rid, _describe(exc))
         elif kind == "token":
@@ -207,12 +238,22 @@ class Stage:
         elif kind == "error":
             self._on_error(header)
 
-    def _run_layers(self, header: RingHeader, h: mx.array) -> None:
+    def _run_layers(
+        self, header: RingHeader, h: mx.array | None = None, pre: Prebuilt | None = None
+    ) -> None:
+        """Run this shard's layers on `h`, or evaluate the step prebuilt for this frame."""
         began = time.perf_counter()
         rid = header.rid
-        cache = self._cache_for(header)
-        out = self.shard.forward(h, cache)
-        if not self.shard.is_last:
+        if pre is None:
+            assert h is not None
+            cache = self._cache_for(header)
+            out = self.shard.forward(h, cache)
+        else:
+            out = pre.out
+        if self.shard.is_last and header.kind == "decode":
+            token = out if pre is not None else self._tail(header).sampler(self.shard.logits(out))
+            self._sample(header, token, began)
+        elif not self.shard.is_last:
             mx.eval(out)
             if self.shard.is_first and header.kind == "decode":
                 self.sent_at[rid] = time.perf_counter()
@@ -228,10 +269,53 @@ class Stage:
                 ),
                 out,
             )
-        elif header.kind == "decode":
-            self._sample(header, out, began)
+            if header.kind == "decode":
+                self._schedule_prebuild(header)
         else:
             mx.eval([c.state for c in cache])
+
+    # ---- every stage: building the next decode step ahead ------------------------------
+
+    def _take_prebuilt(self, header: RingHeader) -> Prebuilt | None:
+        pre = self.prebuilt.pop(header.rid, None)
+        if pre is None:
+            return None
+        if pre.offset != header.offset or (
+            not self.shard.is_first and tuple(pre.slot.shape) != header.shape
+        ):
+            raise RequestError(
+                f"request {header.rid!r}: frame is for cache offset {header.offset} "
+                f"shape {list(header.shape)}, the shard expected offset {pre.offset}"
+            )
+        self.stats.prebuilt += 1
+        return pre
+
+    def _schedule_prebuild(self, done: RingHeader) -> None:
+        """Queue building the decode step after `done` (a decode frame this stage just
+        ran), behind whatever work is already waiting."""
+        if not self.prebuild:
+            return
+        rid, offset = done.rid, done.offset + 1
+
+        def build() -> None:
+            cache = self.caches.get(rid)
+            if cache is None or rid in self.prebuilt or cache[0].offset != offset:
+                return  # freed, finished or moved on since
+            if self.shard.is_first:
+                slot = mx.zeros((1, 1), dtype=mx.int32)
+                h = self.shard.embed(slot)
+            else:
+                # bfloat16 has no numpy type: fill its bits, view them as bfloat16.
+                bf16 = done.dtype == "bfloat16"
+                slot = mx.zeros(done.shape, dtype=mx.uint16 if bf16 else _MX_DTYPE[done.dtype])
+                h = slot.view(mx.bfloat16) if bf16 else slot
+            mx.eval(slot)
+            out = self.shard.forward(h, cache)
+            if self.shard.is_last:
+                out = self.tail_requests[rid].sampler(self.shard.logits(out))
+            self.prebuilt[rid] = Prebuilt(offset=offset, slot=slot, out=out)
+
+        self.schedule(build)
 
     def _cache_for(self, header: RingHeader) -> list[Any]:
         rid = header.rid
@@ -249,9 +333,8 @@ class Stage:
 
     # ---- tail: sampling ----------------------------------------------------------------
 
-    def _sample(self, header: RingHeader, h: mx.array, began: float) -> None:
-        rid = header.rid
-        req = self.tail_requests.get(rid)
+    def _tail(self, header: RingHeader) -> TailRequest:
+        req = self.tail_requests.get(header.rid)
         if req is None:
             params = SamplingParams.from_dict(header.params or {})
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
@@ -260,8 +343,13 @@ class Stage:
                 stream=TextStream(self.tokenizer.detokenizer, params.stop),
                 eos=frozenset() if params.ignore_eos else eos,
             )
-            self.tail_requests[rid] = req
-        token = int(req.sampler(self.shard.logits(h)).item())
+            self.tail_requests[header.rid] = req
+        return req
+
+    def _sample(self, header: RingHeader, sampled: mx.array, began: float) -> None:
+        rid = header.rid
+        req = self._tail(header)
+        token = int(sampled.item())
         req.generated += 1
         self.stats.tokens += 1
         finish = ""
@@ -280,6 +368,8 @@ class Stage:
         self.links.to_head(
             RingHeader(rid=rid, kind="token", token=token, text=text, finish=finish, extra=extra)
         )
+        if not finish:
+            self._schedule_prebuild(header)
 
     # ---- head: tokens coming back ------------------------------------------------------
 
@@ -333,6 +423,7 @@ class Stage:
 
     def _free(self, rid: str, forward: bool) -> None:
         self.caches.pop(rid, None)
+        self.prebuilt.pop(rid, None)
         self.sent_at.pop(rid, None)
         self.tail_requests.pop(rid, None)
         if forward and not self.shard.is_last:
@@ -344,6 +435,7 @@ class Stage:
         """This stage could not run `rid`: free it here and tell the head."""
         self.stats.errors += 1
         self.caches.pop(rid, None)
+        self.prebuilt.pop(rid, None)
         self.tail_requests.pop(rid, None)
         header = RingHeader(rid=rid, kind="error", message=message)
         if self.shard.is_first:
@@ -366,6 +458,13 @@ class Stage:
             self.links.to_head(header)
         else:
             self.links.to_next(header, None)
+
+
+def _fill(slot: mx.array, values: np.ndarray) -> None:
+    """Write an input into an evaluated placeholder, in place; MLX reads the bytes
+    when the step built on it is evaluated. (copy=False fails rather than copies.)"""
+    view = np.array(slot, copy=False)
+    view[...] = values.reshape(view.shape)
 
 
 def _describe(exc: Exception) -> str:
