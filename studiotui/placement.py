@@ -143,8 +143,13 @@ def format_bytes(n: int) -> str:
 
 
 def _gb(n: int) -> str:
-    # Refusals always speak GB so the numbers in one sentence compare at a glance.
-    return f"{n / _GB:.1f} GB"
+    """Refusals always speak GB so the numbers in one sentence compare at a glance;
+    below 1 GB with two significant digits, so small nodes' figures still differ."""
+    x = n / _GB
+    if x == 0 or abs(x) >= 1:
+        return f"{x:.1f} GB"
+    decimals = 1 - math.floor(math.log10(abs(x)))
+    return f"{x:.{decimals}f}".rstrip("0").rstrip(".") + " GB"
 
 
 def reserve_bytes(node: NodeBudget, reserve_fraction: float) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -486,6 +487,15 @@ def test_format_bytes() -> None:
     assert format_bytes(2048) == "2 KB"
     assert format_bytes(12) == "12 B"
     assert format_bytes(-GB) == "-1.0 GB"
+
+
+def test_refusals_on_small_nodes_still_tell_their_numbers_apart() -> None:
+    # Two simulated 0.3 GB nodes: "needs 0.2 GB, has 0.2 GB" would say nothing.
+    model = model_of([GB // 5] * 4)
+    result = plan(model, [node("a", GB // 4), node("b", GB // 4)], reserve_fraction=0.1)
+    assert isinstance(result, Refusal)
+    figures = re.findall(r"(\d+(?:\.\d+)?) GB", result.reason)
+    assert "0.8" in figures and "0.45" in figures, result.reason
 
 
 def test_facts_from_config_llama_like() -> None:
