@@ -334,7 +334,7 @@ async def test_keys_two_placements_at_once_and_an_overcommit_refused(setup: Setu
             screen = await preview(pilot, app)
             assert screen.phase == "refused", screen.text
             reason = screen.refusal or ""
-            assert "needs 0.3 GB" in reason and "GB free" in reason, reason
+            assert "needs 0.27 GB" in reason and "GB free" in reason, reason
             assert "cannot place" in screen.text and "beta" in screen.text  # what they hold
             await pilot.press("enter")  # refused: enter deploys nothing
             assert placement_state(app, "big") is None

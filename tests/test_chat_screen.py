@@ -24,6 +24,7 @@ import pytest
 from textual.widgets import DataTable, Input, Markdown, Sparkline
 
 from studiotui import local_cluster
+from studiotui.app import chat
 from studiotui.app.app import StudioApp
 from studiotui.app.chat import AnswerView, ChatScreen, UserView
 from studiotui.app.conversations import ConversationsScreen
@@ -170,6 +171,9 @@ async def test_an_answer_streams_with_its_figures(
         return original(self, markdown)
 
     monkeypatch.setattr(Markdown, "append", counting)
+    # A sample every few redraws, so a one-second answer draws a line even when a busy
+    # machine slows the redraws down.
+    monkeypatch.setattr(chat, "SPARK_S", 0.05)
     app = StudioApp(home, inv)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_chat(pilot, app)
