@@ -313,16 +313,25 @@ class Controller:
         )
         try:
             await self._deploy(the_plan, model_dir, name, progress, prefill_chunk)
+            placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError) as exc:
             self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
             await self._unload_everywhere(name, [s.node for s in the_plan.shards])
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
-        await self.refresh()
-        placed = self.state.placement(name)
-        if placed is None:
-            raise PlacementError(f"placement {name!r} vanished after loading")
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
+
+    async def _deployed(self, the_plan: Plan, name: str) -> PlacementState:
+        """The placement as the nodes now report it, if every planned shard is there.
+
+        A node can die after its shard said ready and before the others finished,
+        faster than the load watchdog notices: ask them all once more."""
+        await self.refresh()
+        placed = self.state.placement(name)
+        lost = [s.node for s in the_plan.shards if placed is None or s.node not in placed.nodes]
+        if lost or placed is None:
+            raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
+        return placed
 
     def _no_longer_fits(self, expected: Plan) -> str | None:
         for shard in expected.shards:
