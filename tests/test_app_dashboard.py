@@ -189,6 +189,12 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
         n_links = len(inv.names) * (len(inv.names) - 1) // 2
         await until(pilot, lambda: len(app.controller.state.links) == n_links, 20, "links measured")
         await until(pilot, lambda: "measured" in log_text(app), 3, "log entry for links")
+
+        def legend() -> str:
+            return str(app.query_one("#topology-drawing").content)
+
+        await until(pilot, lambda: "not measured" not in legend(), 3, "measured links drawn")
+        assert legend().count(" µs · ") >= n_links, legend()
         # Provisioning a local node starts its agent if needed and says how it went.
         app.action_provision()
         await until(pilot, lambda: "local agent" in log_text(app), 20, "provision outcome")

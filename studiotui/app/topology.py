@@ -18,7 +18,7 @@ from textual.content import Content
 
 from studiotui.app.render import PLACEMENT_STYLES, Drawing, fit, percent, state_style
 from studiotui.placement import Link
-from studiotui.state import ClusterState, NodeState, PlacementState
+from studiotui.state import ClusterState, LinkState, NodeState, PlacementState
 
 BOX_H = 4
 MAX_DRAWN_LINKS = 6  # a full mesh of 4 nodes; beyond that only rings and measured links
@@ -63,6 +63,8 @@ def cluster_links(state: ClusterState) -> list[Link]:
     found: dict[tuple[str, str], Link] = {}
     reported: Iterable[Any] = getattr(state, "links", None) or ()
     for link in reported:
+        if isinstance(link, LinkState):
+            link = Link(link.a, link.b, link.latency_us, link.gbps, link.kind)
         if isinstance(link, Link):
             found.setdefault(_pair(link.a, link.b), link)
     for node in state.nodes:
