@@ -33,6 +33,7 @@ from studiotui.commands import wait_until_up
 from studiotui.controller import DOWN_AFTER_S, Controller
 from studiotui.inventory import Inventory, local_inventory
 from tests.app_fixtures import fixed_models, fixed_state
+from tests.pilot_helpers import run_from_palette
 
 PORT = 57300  # far from the default 52500 and from other test modules
 FIRST_BASE = 171
@@ -206,12 +207,8 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
 
         # The palette runs the same actions…
         app.clear_notifications()
-        await pilot.press("ctrl+p")
-        await pilot.pause()
-        await pilot.press(*"measure")
-        await pilot.pause(0.3)
         first = app.controller.state.links[0].measured_at
-        await pilot.press("enter")
+        await run_from_palette(pilot, app, "measure", "measure links")
         await until(
             pilot,
             lambda: (
@@ -221,11 +218,7 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
             "links measured again from the palette",
         )
         # …and switches themes, remembered in ui.json.
-        await pilot.press("ctrl+p")
-        await pilot.pause()
-        await pilot.press(*"studio-l")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
+        await run_from_palette(pilot, app, "studio-l", "studio-light")
         await until(pilot, lambda: app.theme == "studio-light", 3, "theme switched")
         assert load_ui(home)["theme"] == "studio-light"
 

@@ -25,6 +25,7 @@ from studiotui.app.preview import PreviewScreen
 from studiotui.app.screens import ConfirmScreen
 from studiotui.inventory import Inventory
 from tests.cluster_fixture import LocalCluster, start_cluster, stop_cluster
+from tests.pilot_helpers import run_from_palette
 from worker.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 201, 59300
@@ -295,10 +296,7 @@ async def test_keys_two_placements_at_once_and_an_overcommit_refused(setup: Setu
 
             # While local-3 and local-4 are idle, the big model fits on them (palette).
             await pick_model("big")
-            await pilot.press("ctrl+p")
-            await pilot.press(*"group right")
-            await pilot.pause(0.3)
-            await pilot.press("enter")
+            await run_from_palette(pilot, app, "group right", "group right")
             screen = await preview(pilot, app)
             assert screen.request.nodes == GROUPS["right"], screen.text
             assert screen.phase == "plan", screen.text

@@ -34,6 +34,7 @@ from studiotui.controller import Controller
 from studiotui.documents import split_passages
 from studiotui.history import History, Settings
 from studiotui.inventory import Inventory, local_inventory
+from tests.pilot_helpers import run_from_palette
 from worker.demo_model import DemoSpec, write_demo_model
 
 BASE = 221
@@ -102,10 +103,7 @@ async def open_chat(pilot: Any, app: StudioApp, via_palette: bool = False) -> Ch
         "the placement is known",
     )
     if via_palette:
-        await pilot.press("ctrl+p")
-        await pilot.press(*"chat")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
+        await run_from_palette(pilot, app, "chat", "chat")
     else:
         await pilot.press("c")
     await until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "chat screen")
