@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kv-heads", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    demo.add_argument(
+        "--recite",
+        action="store_true",
+        help="write a fixed passage instead of noise (the first-run demo does)",
+    )
 
     bench = sub.add_parser("bench", help="measure the pipeline and print figures")
     bench.add_argument("--quick", action="store_true", help="finish in under a minute")

@@ -371,6 +371,7 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
             kv_heads=args.kv_heads,
             seed=args.seed,
             dtype=args.dtype,
+            recite=args.recite,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

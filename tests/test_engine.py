@@ -16,7 +16,7 @@ from studiotui.controller import Controller, GenerationError, PlacementError
 from studiotui.model_facts import read_model
 from tests.cluster_fixture import LocalCluster
 from tests.conftest import FAMILIES
-from worker.demo_model import DemoSpec, write_demo_model
+from worker.demo_model import PASSAGE, DemoSpec, write_demo_model
 
 CHUNK = 16
 N_TOKENS = 64
@@ -110,6 +110,36 @@ def test_bf16_activations_cross_the_wire(engine_cluster: LocalCluster, tmp_path:
             await ctl.close()
 
     assert asyncio.run(run()) == expected
+
+
+def test_the_reciting_demo_answers_its_passage_through_the_ring(
+    engine_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    # What a newcomer's first chat gets: the first-run demo model, sampled as the chat
+    # screen samples, across two shards, ending at end-of-turn on its own.
+    spec = DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, recite=True)
+    model = write_demo_model(tmp_path / "recite", spec)
+    request = {"messages": [{"role": "user", "content": "What are you?"}]}
+
+    async def run() -> tuple[str, dict[str, Any]]:
+        ctl = engine_cluster.controller()
+        text, done = "", {}
+        try:
+            await place(ctl, model, list(engine_cluster.inventory.names[:2]), "recite")
+            params = {"max_tokens": 200, "temperature": 0.7, "top_p": 0.95, "seed": 3}
+            async for msg in ctl.generate("recite", request, params):
+                if msg["type"] == "delta":
+                    text += msg["text"]
+                elif msg["type"] == "done":
+                    done = msg
+            await ctl.unload("recite")
+        finally:
+            await ctl.close()
+        return text, done
+
+    text, done = asyncio.run(run())
+    assert text == PASSAGE
+    assert done["finish_reason"] == "stop"
 
 
 def test_concurrent_requests_match_alone_and_cancel_frees(

@@ -55,8 +55,13 @@ def test_a_shard_loads_from_its_own_files_and_refuses_without_them(
         load_shard(partial, 6, 8)
 
 
-def test_demo_model_files_are_byte_identical_for_the_same_spec(tmp_path: Path) -> None:
-    spec = DemoSpec(arch="qwen2", layers=3, hidden=32, heads=4, kv_heads=2, seed=5, files=2)
+@pytest.mark.parametrize("recite", [False, True], ids=["noise", "reciting"])
+def test_demo_model_files_are_byte_identical_for_the_same_spec(
+    tmp_path: Path, recite: bool
+) -> None:
+    spec = DemoSpec(
+        arch="qwen2", layers=3, hidden=32, heads=4, kv_heads=2, seed=5, files=2, recite=recite
+    )
     a = write_demo_model(tmp_path / "a", spec)
     b = write_demo_model(tmp_path / "b", spec)
     files = sorted(p.name for p in a.iterdir())
@@ -65,7 +70,9 @@ def test_demo_model_files_are_byte_identical_for_the_same_spec(tmp_path: Path) -
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     other = write_demo_model(
         tmp_path / "c",
-        DemoSpec(arch="qwen2", layers=3, hidden=32, heads=4, kv_heads=2, seed=6, files=2),
+        DemoSpec(
+            arch="qwen2", layers=3, hidden=32, heads=4, kv_heads=2, seed=6, files=2, recite=recite
+        ),
     )
     assert (other / "model-00001-of-00002.safetensors").read_bytes() != (
         a / "model-00001-of-00002.safetensors"

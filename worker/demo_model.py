@@ -7,10 +7,19 @@ and the tokenizer is a real byte-level BPE `tokenizer.json` with a ChatML
 template. The weights are random: the text a demo model writes is noise, but
 every code path (loading, sharding, KV caches, sampling, detokenising) is the
 one a real model takes.
+
+With `recite`, the model writes a fixed passage instead of noise, so a newcomer's
+first chat reads as an answer. Nothing is trained: the tokenizer gets one BPE
+token per word of the passage, the embedding of each is scaled up so the random
+layers barely move it, and the output head maps each token's direction to the
+next token of the passage (the chat template's last "\n" to its first word, its
+last word to end-of-turn). Every layer still runs on every token.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +29,13 @@ import numpy as np
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PASSAGE = (
+    "Hello from studiotui! This demo model grew out of a fixed seed, so its weights "
+    "hold one short passage rather than knowledge: your prompt crossed every shard in "
+    "the pipeline; each node ran only those layers it owns before passing activations "
+    "over ZeroMQ while whichever held last sampled these tokens \u2014 place any real "
+    "mlx-lm checkpoint to chat properly."
+)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -40,6 +56,7 @@ class DemoSpec:
     dtype: str = "bfloat16"
     tie_embeddings: bool = False
     files: int = 1  # safetensors files; above 1, split by layer with an index, as big models are
+    recite: bool = False  # write PASSAGE instead of noise (the first-run demo does)
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
@@ -50,10 +67,12 @@ class DemoSpec:
             raise ValueError("heads must be a multiple of kv_heads")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.recite and self.tie_embeddings:
+            raise ValueError("a reciting demo needs its own output head (no tied embeddings)")
 
 
-def vocab_size() -> int:
-    return 256 + len(SPECIAL_TOKENS)
+def vocab_size(recite: bool = False) -> int:
+    return 256 + len(SPECIAL_TOKENS) + (len(_passage_merges()) if recite else 0)
 
 
 def make_config(spec: DemoSpec) -> dict:
@@ -68,14 +87,14 @@ def make_config(spec: DemoSpec) -> dict:
         "num_key_value_heads": spec.kv_heads,
         "head_dim": spec.hidden // spec.heads,
         "rms_norm_eps": 1e-5,
-        "vocab_size": vocab_size(),
+        "vocab_size": vocab_size(spec.recite),
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": spec.tie_embeddings,
         "torch_dtype": spec.dtype,
         "bos_token_id": None,
         "eos_token_id": 256 + SPECIAL_TOKENS.index("<|im_end|>"),
-        "studiotui_demo": {"seed": spec.seed},
+        "studiotui_demo": {"seed": spec.seed, **({"recite": True} if spec.recite else {})},
     }
     return config
 
@@ -103,16 +122,63 @@ def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
 
 
-def make_weights(config: dict, seed: int, dtype: str) -> dict[str, mx.array]:
+def make_weights(config: dict, seed: int, dtype: str, recite: bool = False) -> dict[str, mx.array]:
     rng = np.random.Generator(np.random.PCG64(seed))
-    weights: dict[str, mx.array] = {}
+    weights: dict[str, np.ndarray] = {}
     out_name = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
     for name, shape in sorted(parameter_shapes(config).items()):
         values = _init(name, shape, rng)
-        if name == out_name:
+        if name == out_name and not recite:
             values = _readable_rows(values)
-        weights[name] = mx.array(values).astype(getattr(mx, dtype))
-    return weights
+        weights[name] = values
+    if recite:
+        embed, head = _reciting(weights["model.embed_tokens.weight"])
+        weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
+    return {name: mx.array(v).astype(getattr(mx, dtype)) for name, v in weights.items()}
+
+
+# Embeddings this many times their random size dwarf what 8 random layers add to the
+# residual stream; the head's margin for the next word is then ~HEAD_GAIN * sqrt(hidden)
+# against noise of ~HEAD_GAIN, so even sampling at temperature 1 follows the passage.
+EMBED_GAIN = 16.0
+HEAD_GAIN = 2.0
+
+
+def _reciting(embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Embedding and head under which each token of the passage predicts the next."""
+    ids = passage_ids()
+    eos = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    chain = [ord("\n"), *ids, eos]
+    if len(set(chain)) != len(chain):
+        # A token that occurs twice would need two successors.
+        raise ValueError("every word and mark of the demo passage must occur once")
+    directions = embed / np.linalg.norm(embed, axis=1, keepdims=True)
+    head = np.zeros_like(embed)
+    for current, following in itertools.pairwise(chain):
+        head[following] += HEAD_GAIN * directions[current]
+    return (embed * EMBED_GAIN).astype(np.float32), head.astype(np.float32)
+
+
+def passage_ids() -> list[int]:
+    """The passage as the reciting tokenizer encodes it: one token per word."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json(recite=True)).encode(PASSAGE).ids
+
+
+@functools.cache
+def _passage_merges() -> tuple[tuple[str, str], ...]:
+    """BPE merges that build every word of the passage left to right."""
+    from tokenizers import pre_tokenizers
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    merges: list[tuple[str, str]] = []
+    for piece, _ in pre.pre_tokenize_str(PASSAGE):
+        for k in range(1, len(piece)):
+            pair = (piece[:k], piece[k])
+            if pair not in merges:
+                merges.append(pair)
+    return tuple(merges)
 
 
 def _readable_rows(head: np.ndarray) -> np.ndarray:
@@ -144,14 +210,20 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
     return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
 
 
-def tokenizer_json() -> str:
-    """A byte-level BPE over the 256 byte symbols, built and serialised by `tokenizers`."""
+def tokenizer_json(recite: bool = False) -> str:
+    """A byte-level BPE over the 256 byte symbols, built and serialised by `tokenizers`;
+    reciting, plus one token per word of the passage, after the special tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = ByteLevel.alphabet()
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet, key=_byte_of))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    merges = list(_passage_merges()) if recite else []
+    if recite:
+        vocab.update({t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
+        for a, b in merges:
+            vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -202,10 +274,10 @@ def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
     """Write the model; the same spec always gives byte-identical files."""
     directory.mkdir(parents=True, exist_ok=True)
     config = make_config(spec)
-    weights = make_weights(config, spec.seed, spec.dtype)
+    weights = make_weights(config, spec.seed, spec.dtype, spec.recite)
     _save_weights(directory, weights, spec.files, spec.layers)
     _write_json(directory / "config.json", config)
-    (directory / "tokenizer.json").write_text(tokenizer_json())
+    (directory / "tokenizer.json").write_text(tokenizer_json(spec.recite))
     _write_json(directory / "tokenizer_config.json", tokenizer_config())
     _write_json(
         directory / "special_tokens_map.json",
@@ -214,8 +286,14 @@ def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
     (directory / "README.md").write_text(
         f"# studiotui demo model ({spec.arch})\n\n"
         "Generated by `studiotui demo-model`: random weights from a fixed seed, "
-        "a byte-level BPE tokenizer and a ChatML template. It writes noise; it exists "
-        "to exercise loading, sharding and sampling without downloading a model.\n\n"
+        "a byte-level BPE tokenizer and a ChatML template. "
+        + (
+            "Its embedding and head are arranged so that it recites one fixed passage; "
+            if spec.recite
+            else "It writes noise; "
+        )
+        + "it exists to exercise loading, sharding and sampling without downloading "
+        "a model.\n\n"
         f"Spec: `{json.dumps(spec.__dict__, sort_keys=True)}`\n"
     )
     return directory

@@ -345,7 +345,8 @@ class StudioApp(App[None]):
             ctl.record(f"writing the demo model to {path}")
             from worker.demo_model import DemoSpec, write_demo_model
 
-            await asyncio.to_thread(write_demo_model, path, DemoSpec())
+            # It recites a passage about itself, so the first chat reads as an answer.
+            await asyncio.to_thread(write_demo_model, path, DemoSpec(recite=True))
             await self._scan_models()
         if not place or ctl.state.placement(path.name) is not None:
             return
