@@ -157,11 +157,6 @@ class Runner:
         frames: list[Any] = [encode_ring_header(header)]
         frames.append(memoryview(activation) if activation is not None else b"")
         self.ring_out.send_multipart(frames, copy=activation is None or activation.nbytes < 65536)
-        if hasattr(os, "sched_yield"):
-            # Linux wakes ZeroMQ's I/O thread on this thread's CPU and lets it wait
-            # until this thread blocks; a stage that goes on to build its next step
-            # held frames back ~1.5 ms that way (measured). Let the I/O thread send now.
-            os.sched_yield()
 
     def _local_frame(self, header: RingHeader, activation: mx.array | None) -> None:
         assert self.stage is not None
