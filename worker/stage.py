@@ -309,10 +309,14 @@ class Stage:
                 bf16 = done.dtype == "bfloat16"
                 slot = mx.zeros(done.shape, dtype=mx.uint16 if bf16 else _MX_DTYPE[done.dtype])
                 h = slot.view(mx.bfloat16) if bf16 else slot
-            mx.eval(slot)
-            out = self.shard.forward(h, cache)
-            if self.shard.is_last:
-                out = self.tail_requests[rid].sampler(self.shard.logits(out))
+            try:
+                mx.eval(slot)
+                out = self.shard.forward(h, cache)
+                if self.shard.is_last:
+                    out = self.tail_requests[rid].sampler(self.shard.logits(out))
+            except Exception as exc:  # the cache may be half advanced: end the request
+                self._fail(rid, _describe(exc))
+                return
             self.prebuilt[rid] = Prebuilt(offset=offset, slot=slot, out=out)
 
         self.schedule(build)

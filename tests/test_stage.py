@@ -1,0 +1,71 @@
+"""A stage in-process, on a real model: what happens when building a step ahead fails."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.utils import load_tokenizer
+
+from worker.demo_model import DemoSpec, write_demo_model
+from worker.protocol.frames import RingHeader
+from worker.shard import load_shard
+from worker.stage import Stage
+
+
+class Loopback:
+    """A one-stage ring: frames come straight back through the work queue."""
+
+    def __init__(self, work: deque[Callable[[], None]]) -> None:
+        self.work = work
+        self.stage: Stage | None = None
+        self.client: list[tuple[str, dict[str, Any]]] = []
+
+    def to_next(self, header: RingHeader, activation: mx.array | None) -> None:
+        payload = bytes(memoryview(activation)) if activation is not None else b""
+        self.work.append(lambda: self.stage.on_frame(header, payload))  # type: ignore[union-attr]
+
+    def to_head(self, header: RingHeader) -> None:
+        self.work.append(lambda: self.stage.on_frame(header, b""))  # type: ignore[union-attr]
+
+    def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
+        self.client.append((kind, fields))
+
+
+def test_a_step_that_fails_to_build_ahead_fails_only_its_request(tmp_path: Path) -> None:
+    spec = DemoSpec(layers=2, hidden=32, heads=2, kv_heads=1, dtype="float32")
+    model = write_demo_model(tmp_path / "m", spec)
+    shard = load_shard(model, 0, 2)
+    work: deque[Callable[[], None]] = deque()
+    links = Loopback(work)
+    stage = Stage(shard, load_tokenizer(model), links, schedule=work.append)
+    links.stage = stage
+    forward, calls = shard.forward, 0
+
+    def failing_third_call(h: mx.array, cache: list[Any]) -> mx.array:
+        # 1: the prompt's chunk, 2: its last token, 3: the next step, built ahead.
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("[metal::malloc] out of memory")
+        return forward(h, cache)
+
+    shard.forward = failing_third_call  # type: ignore[method-assign]
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    stage.submit(b"client", {"rid": "r1", "params": params, "tokens": [40, 41, 42]})
+    while work:
+        work.popleft()()
+
+    kinds = [kind for kind, _ in links.client]
+    assert kinds == ["accepted", "delta", "failed"], links.client
+    assert "out of memory" in links.client[-1][1]["message"]
+    assert not stage.caches and not stage.prebuilt and not stage.head_requests
+
+    # The stage goes on serving: the next request runs to its end.
+    stage.submit(b"client", {"rid": "r2", "params": params, "tokens": [40, 41, 42]})
+    while work:
+        work.popleft()()
+    assert [k for k, _ in links.client[3:]] == ["accepted"] + ["delta"] * 8 + ["done"]
