@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
+import pytest
 from mlx_lm.utils import load_tokenizer
 
 from worker.demo_model import DemoSpec, write_demo_model
 from worker.protocol.frames import RingHeader
 from worker.shard import load_shard
-from worker.stage import Stage
+from worker.stage import RequestError, Stage, _fill
 
 
 class Loopback:
@@ -69,3 +71,12 @@ def test_a_step_that_fails_to_build_ahead_fails_only_its_request(tmp_path: Path)
     while work:
         work.popleft()()
     assert [k for k, _ in links.client[3:]] == ["accepted"] + ["delta"] * 8 + ["done"]
+
+
+def test_a_frame_of_another_dtype_is_refused_not_converted() -> None:
+    slot = mx.zeros((1, 1, 4), dtype=mx.float16)
+    mx.eval(slot)
+    with pytest.raises(RequestError, match="frame holds uint16 x 4, the step expects float16"):
+        _fill(slot, np.zeros(4, dtype=np.uint16))
+    _fill(slot, np.arange(4, dtype=np.float16))
+    assert slot.tolist() == [[[0.0, 1.0, 2.0, 3.0]]]

@@ -468,6 +468,12 @@ def _fill(slot: mx.array, values: np.ndarray) -> None:
     """Write an input into an evaluated placeholder, in place; MLX reads the bytes
     when the step built on it is evaluated. (copy=False fails rather than copies.)"""
     view = np.array(slot, copy=False)
+    if values.dtype != view.dtype or values.size != view.size:
+        # Assigning would convert the numbers, not copy the bits: refuse instead.
+        raise RequestError(
+            f"frame holds {values.dtype} x {values.size}, "
+            f"the step expects {view.dtype} x {view.size}"
+        )
     view[...] = values.reshape(view.shape)
 
 
