@@ -42,6 +42,7 @@ class HeadRequest:
     client: bytes
     params: SamplingParams
     prompt: list[int]
+    stream: TextStream
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generated: int = 0
@@ -50,9 +51,19 @@ class HeadRequest:
 @dataclass
 class TailRequest:
     sampler: Sampler
-    stream: TextStream
     eos: frozenset[int]
     generated: int = 0
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step whose evaluation has begun (`mx.async_eval`); `_complete` waits for it
+    and passes its result on. Between the two the stage does its bookkeeping, so
+    that overlaps with the compute instead of delaying the next shard."""
+
+    header: RingHeader
+    out: Any  # the activation (or sampled token, or cache state) being evaluated
+    began: float
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,8 @@ class Stage:
         self.sent_at: dict[str, float] = {}
         self.hop_us: deque[float] = deque(maxlen=512)
         self.vocab = int(shard.config.get("vocab_size", 0))
-        self.prebuild = prebuild
+        # A lone stage is never idle between steps, so building ahead would gain nothing.
+        self.prebuild = prebuild and not (shard.is_first and shard.is_last)
         self.prebuilt: dict[str, Prebuilt] = {}
 
     # ---- head: requests from clients -------------------------------------------------
@@ -138,7 +150,12 @@ class Stage:
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
-        self.head_requests[rid] = HeadRequest(client=client, params=params, prompt=prompt)
+        self.head_requests[rid] = HeadRequest(
+            client=client,
+            params=params,
+            prompt=prompt,
+            stream=TextStream(self.tokenizer.detokenizer, params.stop),
+        )
         self.links.to_client(client, "accepted", rid=rid, prompt_tokens=len(prompt))
         self.caches[rid] = self.shard.make_cache()
         self._schedule_prefill(rid, prompt, 0, params)
@@ -197,21 +214,25 @@ class Stage:
     def _head_step(
         self, rid: str, tokens: list[int], kind: str, offset: int, params: SamplingParams | None
     ) -> None:
+        try:
+            self._complete(self._launch_head(rid, tokens, kind, offset, params))
+        except Exception as exc:
+            self._fail(rid, _describe(exc))
+
+    def _launch_head(
+        self, rid: str, tokens: list[int], kind: str, offset: int, params: SamplingParams | None
+    ) -> Launched:
         header = RingHeader(
             rid=rid,
             kind=kind,
             offset=offset,
             params=params.to_dict() if params else None,
         )
-        try:
-            pre = self._take_prebuilt(header) if kind == "decode" else None
-            if pre is not None:
-                _fill(pre.slot, np.array([tokens], dtype=np.int32))
-                self._run_layers(header, pre=pre)
-            else:
-                self._run_layers(header, self.shard.embed(mx.array([tokens])))
-        except Exception as exc:
-            self._fail(rid, _describe(exc))
+        pre = self._take_prebuilt(header) if kind == "decode" else None
+        if pre is not None:
+            _fill(pre.slot, np.array([tokens], dtype=np.int32))
+            return self._launch(header, pre=pre)
+        return self._launch(header, self.shard.embed(mx.array([tokens])))
 
     # ---- every stage: ring frames ----------------------------------------------------
 
@@ -226,9 +247,9 @@ class Stage:
                 pre = self._take_prebuilt(header) if kind == "decode" else None
                 if pre is not None:
                     _fill(pre.slot, np.frombuffer(payload, dtype=_NP_VIEW[header.dtype]))
-                    self._run_layers(header, pre=pre)
+                    self._complete(self._launch(header, pre=pre))
                 else:
-                    self._run_layers(header, to_array(header, payload))
+                    self._complete(self._launch(header, to_array(header, payload)))
             except Exception as exc:  # one bad request must not take the stage down
                 self._fail(header.rid, _describe(exc))
         elif kind == "token":
@@ -238,41 +259,50 @@ class Stage:
         elif kind == "error":
             self._on_error(header)
 
-    def _run_layers(
+    def _launch(
         self, header: RingHeader, h: mx.array | None = None, pre: Prebuilt | None = None
-    ) -> None:
-        """Run this shard's layers on `h`, or evaluate the step prebuilt for this frame."""
+    ) -> Launched:
+        """Start this shard's layers on `h`, or the step prebuilt for this frame."""
         began = time.perf_counter()
-        rid = header.rid
-        if pre is None:
+        if pre is not None:
+            out: Any = pre.out
+        else:
             assert h is not None
             cache = self._cache_for(header)
             out = self.shard.forward(h, cache)
-        else:
-            out = pre.out
-        if self.shard.is_last and header.kind == "decode":
-            token = out if pre is not None else self._tail(header).sampler(self.shard.logits(out))
-            self._sample(header, token, began)
-        elif not self.shard.is_last:
-            mx.eval(out)
-            if self.shard.is_first and header.kind == "decode":
-                self.sent_at[rid] = time.perf_counter()
-            self.links.to_next(
-                RingHeader(
-                    rid=rid,
-                    kind=header.kind,
-                    offset=header.offset,
-                    dtype=dtype_name(out),
-                    shape=tuple(out.shape),
-                    params=header.params,
-                    extra=_add_work(header.extra, began, not self.shard.is_first),
-                ),
-                out,
-            )
+            if self.shard.is_last:
+                if header.kind == "decode":
+                    out = self._tail(header).sampler(self.shard.logits(out))
+                else:
+                    out = [c.state for c in cache]  # a prefill chunk only fills the cache
+        mx.async_eval(out)
+        return Launched(header=header, out=out, began=began)
+
+    def _complete(self, step: Launched) -> None:
+        header, out, began, rid = step.header, step.out, step.began, step.header.rid
+        if self.shard.is_last:
             if header.kind == "decode":
-                self._schedule_prebuild(header)
-        else:
-            mx.eval([c.state for c in cache])
+                self._sample(header, out, began)
+            else:
+                mx.eval(out)
+            return
+        mx.eval(out)
+        if self.shard.is_first and header.kind == "decode":
+            self.sent_at[rid] = time.perf_counter()
+        self.links.to_next(
+            RingHeader(
+                rid=rid,
+                kind=header.kind,
+                offset=header.offset,
+                dtype=dtype_name(out),
+                shape=tuple(out.shape),
+                params=header.params,
+                extra=_add_work(header.extra, began, not self.shard.is_first),
+            ),
+            out,
+        )
+        if header.kind == "decode":
+            self._schedule_prebuild(header)
 
     # ---- every stage: building the next decode step ahead ------------------------------
 
@@ -343,9 +373,7 @@ class Stage:
             params = SamplingParams.from_dict(header.params or {})
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
             req = TailRequest(
-                sampler=Sampler(params),
-                stream=TextStream(self.tokenizer.detokenizer, params.stop),
-                eos=frozenset() if params.ignore_eos else eos,
+                sampler=Sampler(params), eos=frozenset() if params.ignore_eos else eos
             )
             self.tail_requests[header.rid] = req
         return req
@@ -356,21 +384,19 @@ class Stage:
         token = int(sampled.item())
         req.generated += 1
         self.stats.tokens += 1
+        # The token goes back at once; the head turns it into text (and looks for stop
+        # strings) while its shard already computes the next step.
         finish = ""
         if token in req.eos:
-            text, finish = req.stream.finish(), "stop"
-        else:
-            text = req.stream.add(token)
-            if req.stream.stopped:
-                finish = "stop"
-            elif req.generated >= req.sampler.params.max_tokens:
-                text, finish = text + req.stream.finish(), "length"
+            finish = "stop"
+        elif req.generated >= req.sampler.params.max_tokens:
+            finish = "length"
         if finish:
             self.tail_requests.pop(rid, None)
             self.caches.pop(rid, None)
         extra = _add_work(header.extra, began, not self.shard.is_first)
         self.links.to_head(
-            RingHeader(rid=rid, kind="token", token=token, text=text, finish=finish, extra=extra)
+            RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra)
         )
         if not finish:
             self._schedule_prebuild(header)
@@ -392,17 +418,31 @@ class Stage:
         if req.first_token_at is None:
             req.first_token_at = now
         req.generated += 1
-        self.links.to_client(req.client, "delta", rid=rid, text=header.text, tokens=[header.token])
-        if header.finish:
-            self._finish(rid, header.finish)
+        # Start the next step first: detokenising and telling the client then overlap
+        # with the shard's compute instead of standing in front of it.
+        step: Launched | None = None
+        failure = ""
+        if not header.finish:
+            offset = len(req.prompt) + req.generated - 1
+            try:
+                step = self._launch_head(rid, [header.token], "decode", offset, None)
+            except Exception as exc:
+                failure = _describe(exc)
+        try:
+            text, finish = _text_of(req.stream, header)
+        except Exception as exc:  # a tokenizer that cannot decode its own token id
+            self._fail(rid, f"cannot detokenise token {header.token}: {_describe(exc)}")
             return
-        offset = len(req.prompt) + req.generated - 1
-
-        def step() -> None:
-            if rid in self.head_requests:
-                self._head_step(rid, [header.token], "decode", offset, None)
-
-        self.schedule(step)
+        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token])
+        if finish:
+            self._finish(rid, finish)  # a started step is dropped; "free" clears the ring
+        elif failure:
+            self._fail(rid, failure)
+        elif step is not None:
+            try:
+                self._complete(step)
+            except Exception as exc:
+                self._fail(rid, _describe(exc))
 
     def _finish(self, rid: str, reason: str) -> None:
         req = self.head_requests.pop(rid)
@@ -462,6 +502,18 @@ class Stage:
             self.links.to_head(header)
         else:
             self.links.to_next(header, None)
+
+
+def _text_of(stream: TextStream, header: RingHeader) -> tuple[str, str]:
+    """The text a token from the tail adds, and why the answer ends there ("" if not)."""
+    if header.finish == "stop":  # end of turn: the token itself is not text
+        return stream.finish(), "stop"
+    text = stream.add(header.token)
+    if stream.stopped:
+        return text, "stop"
+    if header.finish:
+        return text + stream.finish(), header.finish
+    return text, ""
 
 
 def _fill(slot: mx.array, values: np.ndarray) -> None:

@@ -37,7 +37,6 @@ class RingHeader:
     shape: tuple[int, ...] = ()
     params: dict[str, Any] | None = None
     token: int = -1
-    text: str = ""
     finish: str = ""
     message: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -53,7 +52,7 @@ def encode_ring_header(h: RingHeader) -> bytes:
         if h.params is not None:
             out["params"] = h.params
     if h.kind == "token":
-        out.update(token=h.token, text=h.text, finish=h.finish)
+        out.update(token=h.token, finish=h.finish)
     if h.message:
         out["message"] = h.message
     if h.extra:
@@ -81,7 +80,6 @@ def decode_ring_header(data: bytes, payload_len: int) -> RingHeader:
             shape=tuple(_int(d) for d in raw.get("shape", ())),
             params=raw.get("params"),
             token=_int(raw.get("token", -1)),
-            text=str(raw.get("text", "")),
             finish=str(raw.get("finish", "")),
             message=str(raw.get("message", "")),
             extra=dict(raw.get("extra") or {}),
