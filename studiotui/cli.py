@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from studiotui import __version__
+from studiotui.inventory import DEFAULT_CONTROL_PORT
 
 DEFAULT_LOCAL_NODES = 4
 
@@ -42,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--memory-gb", type=float, default=None, help="memory each local node advertises"
+    )
+    up.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_CONTROL_PORT,
+        help="control port of the local nodes, to run a second simulated cluster beside one "
+        f"(default {DEFAULT_CONTROL_PORT})",
     )
 
     down = sub.add_parser("down", help="stop agents")

@@ -64,7 +64,10 @@ async def open_controller(inv: Inventory, home: Path, telemetry: bool = False) -
 
 async def cmd_up(args: argparse.Namespace, home: Path) -> int:
     if args.local:
-        inv = local_cluster.write_local_inventory(home, args.local, args.memory_gb)
+        try:
+            inv = local_cluster.write_local_inventory(home, args.local, args.memory_gb, args.port)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     else:
         inv = load_cluster(args, home)
     local = [n for n in inv.nodes if n.is_local]
@@ -226,6 +229,13 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         if not group:
             raise UserError("no node is up: start the cluster first (studiotui up --local 4)")
+        name = args.name or args.model_dir.expanduser().resolve().name
+        if (existing := ctl.state.placement(name)) is not None:
+            # Before the plan and progress bars: nothing would be loaded.
+            raise UserError(
+                f"a placement named {name!r} exists ({existing.state}): unload it first "
+                f"(studiotui unload {name}) or pick another --name"
+            )
         try:
             info, the_plan = ctl.preview(args.model_dir.expanduser(), group, args.context)
         except ModelDirError as exc:

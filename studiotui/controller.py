@@ -484,6 +484,12 @@ class Controller:
             if len(ready) == 1:
                 return ready[0]
             if not ready:
+                if placements:
+                    raise GenerationError(
+                        "no placement is ready: "
+                        + "; ".join(f"{p.name!r} is {p.state}" for p in placements)
+                        + f"; {_not_ready_hint(placements[0])}"
+                    )
                 raise GenerationError(
                     "no placement is ready: place a model first (studiotui place)"
                 )
@@ -496,7 +502,9 @@ class Controller:
             known = ", ".join(p.name for p in placements) or "none"
             raise GenerationError(f"no placement named {name!r} (known: {known})")
         if placement.state != "ready":
-            raise GenerationError(f"placement {name!r} is {placement.state}, not ready")
+            raise GenerationError(
+                f"placement {name!r} is {placement.state}, not ready: {_not_ready_hint(placement)}"
+            )
         return placement
 
     async def generate(
@@ -559,20 +567,27 @@ class Controller:
             return_exceptions=True,
         )
         for node, reply in zip(placement.nodes, replies, strict=True):
+            again = f"unload {placement.name!r} and place it again"
             if isinstance(reply, BaseException):
-                return f"node {node} of placement {placement.name!r} stopped answering"
+                return (
+                    f"node {node} of placement {placement.name!r} stopped answering: restart "
+                    f"it (studiotui restart {node}, or r on the dashboard), then {again}"
+                )
             mine = [s for s in reply["shards"] if s.get("placement") == placement.name]
             if not mine:
-                return f"node {node} no longer holds its shard of {placement.name!r}"
+                return f"node {node} no longer holds its shard of {placement.name!r}: {again}"
             if mine[0].get("state") != "ready":
                 why = mine[0].get("message") or mine[0].get("state")
-                return f"the shard of {placement.name!r} on {node} is down: {why}"
+                return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
         return None
 
     def _silence_reason(self, placement: PlacementState, timeout: float) -> str:
         down = [n for n in placement.nodes if (s := self.state.node(n)) and s.state != "up"]
         if down:
-            return f"node {', '.join(down)} of placement {placement.name!r} is down"
+            return (
+                f"node {', '.join(down)} of placement {placement.name!r} is down: restart it, "
+                f"then unload {placement.name!r} and place it again"
+            )
         return f"placement {placement.name!r} sent nothing for {timeout:g} s"
 
     async def cancel(self, placement: str, rid: str) -> None:
@@ -707,3 +722,13 @@ class Controller:
     async def read_log(self, name: str, lines: int = 200) -> list[str]:
         reply = await self.peer(name).request("read_log", lines=lines)
         return [str(line) for line in reply["lines"]]
+
+
+def _not_ready_hint(placement: PlacementState) -> str:
+    """What an operator can do about a placement that cannot answer yet."""
+    if placement.state in ("loading", "prepared"):
+        return f"wait until {placement.name!r} is ready"
+    return (
+        f"unload it (studiotui unload {placement.name}, or u on the dashboard) and place "
+        "the model again"
+    )

@@ -17,15 +17,23 @@ from pathlib import Path
 import psutil
 
 from studiotui import keys
-from studiotui.inventory import Inventory, NodeSpec, dump_inventory, local_inventory
+from studiotui.inventory import (
+    DEFAULT_CONTROL_PORT,
+    Inventory,
+    NodeSpec,
+    dump_inventory,
+    local_inventory,
+)
 
 
 def local_inventory_path(home: Path) -> Path:
     return home / "local" / "cluster.toml"
 
 
-def write_local_inventory(home: Path, n: int, memory_gb: float | None) -> Inventory:
-    inv = local_inventory(n, home=home, memory_gb=memory_gb)
+def write_local_inventory(
+    home: Path, n: int, memory_gb: float | None, control_port: int = DEFAULT_CONTROL_PORT
+) -> Inventory:
+    inv = local_inventory(n, home=home, memory_gb=memory_gb, control_port=control_port)
     path = local_inventory_path(home)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_inventory(inv))

@@ -450,6 +450,7 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         view = await answered(pilot, screen, timeout=20)
         turn = screen._turn
         assert turn is not None and turn.error and not turn.stopped
+        assert "place it again" in turn.error, "the error should say what to do"
         assert turn.text and view.text == turn.text
         assert screen.conv is not None
         [_, answer] = stored(home, screen.conv.id)
@@ -464,3 +465,4 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         view = await answered(pilot, screen, timeout=20)
         assert screen._turn is not None and screen._turn.error
         assert "demo" in screen._turn.error and "no text arrived" in str(view.note.content)
+        assert "unload it" in screen._turn.error
