@@ -216,10 +216,13 @@ class Controller:
             now = time.time()
             for node in self.state.nodes:
                 if node.state == "up" and now - node.last_seen > DOWN_AFTER_S:
-                    self._update_node(
-                        node.name, state="down", shards=(), message="no telemetry for 3 s"
+                    silent = f"no telemetry for {DOWN_AFTER_S:g} s"
+                    self._update_node(node.name, state="down", shards=(), message=silent)
+                    self.record(
+                        f"{node.name} is down: {silent}; once it is reachable, restart it "
+                        f"(r, or studiotui restart {node.name})",
+                        "error",
                     )
-                    self.record(f"{node.name} is down: no telemetry for 3 s", "error")
 
     async def refresh(self, timeout: float = 2.0) -> ClusterState:
         """Ask every agent who it is and what it runs."""

@@ -288,6 +288,7 @@ async def test_killed_agent_is_shown_down(cluster: tuple[Path, Inventory]) -> No
             await until(
                 pilot, lambda: "local-4 is down" in log_text(app), 3, "node-down entry in the log"
             )
+            assert "restart local-4" in log_text(app), "the entry should say what to do"
             assert "3/4 nodes up" in app.sub_title
             down_box = str(app.query_one("#topology-drawing").content)
             assert "down" in down_box
