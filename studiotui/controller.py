@@ -732,6 +732,6 @@ def _not_ready_hint(placement: PlacementState) -> str:
     if placement.state in ("loading", "prepared"):
         return f"wait until {placement.name!r} is ready"
     return (
-        f"unload it (studiotui unload {placement.name}, or u on the dashboard) and place "
-        "the model again"
+        f"unload it and place the model again (studiotui unload {placement.name}, then "
+        "studiotui place; R on the dashboard does both)"
     )

@@ -9,6 +9,8 @@ its pid when the module ends, failed or not.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -374,3 +376,48 @@ async def test_a_failed_load_shows_the_controllers_message(setup: Setup) -> None
         assert isinstance(app.screen, PreviewScreen)  # stays open to be read
         assert any("rolled back" in n.message for n in app._notifications)
         assert not app.query_one(PlacementsPane).query_one("#place-progress").display
+
+
+async def test_a_broken_placement_is_placed_again_on_its_own_nodes(setup: Setup) -> None:
+    """A shard process dies; R (here from the palette) unloads the rest, previews the
+    same model on the same nodes under the same name, and it answers again."""
+    app = StudioApp(setup.home, setup.inventory)
+    async with app.run_test(size=SIZE) as pilot:
+        try:
+            await ready_app(pilot, app)
+            ctl = app.controller
+            assert ctl is not None
+            await unload_all(app)
+            await ctl.place(setup.home / "models" / "alpha", ["local-3", "local-4"], "mine")
+            await until(pilot, lambda: placement_state(app, "mine") == "ready", 10, "ready")
+            pane = app.query_one(PlacementsPane)
+            await until(pilot, lambda: "mine" in table_rows(app), 5, "mine listed")
+            pane.select("mine")
+            await pilot.press("R")  # a ready placement is not placed again
+            await until(
+                pilot,
+                lambda: any("only a broken or failed" in n.message for n in app._notifications),
+                5,
+                "R on a ready placement explained",
+            )
+            assert not isinstance(app.screen, ConfirmScreen)
+
+            reply = await ctl.peer("local-4").request("list_shards")
+            [shard] = [s for s in reply["shards"] if s["placement"] == "mine"]
+            os.kill(int(shard["pid"]), signal.SIGKILL)
+            await until(
+                pilot, lambda: placement_state(app, "mine") in ("broken", "failed"), 15, "broken"
+            )
+            pane.select("mine")
+            await run_from_palette(pilot, app, "placement again", "Place selected placement again")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "confirm shown")
+            await pilot.press("enter")
+            screen = await preview(pilot, app)
+            assert screen.request.name == "mine"
+            assert sorted(screen.request.nodes) == ["local-3", "local-4"]  # in ring order
+            assert screen.request.model_name == "alpha"
+            await deploy(pilot, app, screen, "mine")
+            tokens, _, _ = await chat(app, "mine", 8)
+            assert len(tokens) == 8
+        finally:
+            await unload_all(app)

@@ -17,7 +17,7 @@ from studiotui.app.app import StudioApp
 from studiotui.app.models import ModelsPane
 from studiotui.app.nodes import NodesPane, node_lines
 from studiotui.app.place_drag import target_under
-from studiotui.app.place_flow import placement_name
+from studiotui.app.place_flow import placement_name, repair_nodes
 from studiotui.app.placements import RateMeter, group_label, state_label
 from studiotui.app.preview import (
     PlaceRequest,
@@ -227,3 +227,23 @@ def test_preview_snapshot_refusal_narrow(snap_compare, tmp_path: Path, utc: None
     info = model("deepseek-v3", 61, 11.6)
     app, run_before = _preview_app(tmp_path, info, ("studio-3",), "node studio-3")
     assert snap_compare(app, terminal_size=(100, 30), run_before=run_before)
+
+
+def test_a_broken_placement_goes_back_to_its_own_nodes_only_when_all_are_known_and_up() -> None:
+    def shard(node: str, index: int, state: str = "ready") -> ShardState:
+        return ShardState("p", node, index, 3, index, index + 1, state)
+
+    def cluster(*down: str) -> ClusterState:
+        nodes = tuple(
+            NodeState(n, "127.0.0.1", 1, "local", state="down" if n in down else "up")
+            for n in ("a", "b", "c", "d")
+        )
+        return ClusterState(nodes=nodes)
+
+    whole = PlacementState("p", "m", "/m", (shard("c", 0), shard("a", 1, "failed"), shard("b", 2)))
+    assert repair_nodes(whole, cluster()) == (("c", "a", "b"), "its own nodes")
+    # One of its nodes is down: place where nodes are up.
+    assert repair_nodes(whole, cluster("a")) == (("b", "c", "d"), "all up nodes")
+    # A dead node's shard is not listed at all: its nodes are not all known.
+    partial = PlacementState("p", "m", "/m", (shard("c", 0), shard("b", 2)))
+    assert repair_nodes(partial, cluster()) == (("a", "b", "c", "d"), "all up nodes")

@@ -73,6 +73,7 @@ class StudioApp(App[None]):
         Binding("m", "measure_links", "Measure links", id="measure-links"),
         Binding("p", "place", "Place", id="place"),
         Binding("u", "unload", "Unload", id="unload"),
+        Binding("R", "place_again", "Place again", key_display="R", show=False, id="place-again"),
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
@@ -407,6 +408,11 @@ class StudioApp(App[None]):
                 for g, m in (self.inventory.groups.items() if self.inventory else ())
             ],
             ("Unload selected placement", "stop its shards and free the memory", "unload"),
+            (
+                "Place selected placement again",
+                "a broken or failed one: unload it, preview its model again",
+                "place_again",
+            ),
             ("Mark selected node", "toggle: marked nodes are where p places", "mark_node"),
             ("Clear marks", "unmark every node", "clear_marks"),
             ("Rescan models", "read the model folders and the HF cache again", "rescan_models"),
@@ -554,6 +560,9 @@ class StudioApp(App[None]):
 
     def action_unload(self) -> None:
         self.placer.unload_selected()
+
+    def action_place_again(self) -> None:
+        self.placer.place_again()
 
     def action_mark_node(self) -> None:
         self.query_one(NodesPane).action_toggle_mark()

@@ -24,6 +24,7 @@ from studiotui.app.screens import ConfirmScreen
 if TYPE_CHECKING:
     from studiotui.app.app import StudioApp
     from studiotui.controller import Controller
+    from studiotui.state import ClusterState, PlacementState
 
 
 def placement_name(model: str, taken: set[str]) -> str:
@@ -57,7 +58,9 @@ class Placer:
                 target = "all up nodes"
         self.open(model, nodes, target)
 
-    def open(self, model: ModelRow | None, nodes: Sequence[str], target: str) -> None:
+    def open(
+        self, model: ModelRow | None, nodes: Sequence[str], target: str, name: str | None = None
+    ) -> None:
         app = self.app
         ctl = app._need_controller("placing")
         if ctl is None:
@@ -77,7 +80,7 @@ class Placer:
             model_name=model.name,
             nodes=tuple(nodes),
             target=target,
-            name=placement_name(model.name, taken),
+            name=name if name and name not in taken else placement_name(model.name, taken),
         )
         app.push_screen(PreviewScreen(request, ctl, self._deploy))
 
@@ -128,6 +131,54 @@ class Placer:
         # The table fills from the next state update; select the new row when it is there.
         app.call_after_refresh(pane.select, request.name)
 
+    # ---- placing a broken placement again ------------------------------------------------
+
+    def place_again(self) -> None:
+        """`R`: unload a broken or failed placement and preview its model again."""
+        app = self.app
+        ctl = app._need_controller("placing again")
+        if ctl is None:
+            return
+        name = app.query_one(PlacementsPane).selected
+        placement = ctl.state.placement(name) if name else None
+        if name is None or placement is None:
+            app.report("place again: no placement is selected (Placements tab, 3)", "warning")
+            return
+        if placement.state not in ("broken", "failed"):
+            app.report(
+                f"'{name}' is {placement.state}: only a broken or failed placement is placed "
+                "again (u unloads any)",
+                "warning",
+            )
+            return
+        nodes, target = repair_nodes(placement, ctl.state)
+        if not nodes:
+            app.report("place again: no node is up to place on", "warning")
+            return
+        row = self._model_row(placement)
+        question = (
+            f"Unload '{name}' ({placement.state}) and place {placement.model} again on "
+            f"{', '.join(nodes)}? The plan is shown before anything loads."
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes and app.controller is ctl:
+                app.background(self._again(ctl, name, row, nodes, target), f"placing {name} again")
+
+        app.push_screen(ConfirmScreen(question), answered)
+
+    def _model_row(self, placement: PlacementState) -> ModelRow:
+        for row in self.app.query_one(ModelsPane).rows_shown:
+            if Path(row.path) == Path(placement.model_dir):
+                return row
+        return ModelRow(name=placement.model, path=placement.model_dir)
+
+    async def _again(
+        self, ctl: Controller, name: str, row: ModelRow, nodes: Sequence[str], target: str
+    ) -> None:
+        await ctl.unload(name)
+        self.open(row, nodes, target, name=name)
+
     # ---- unloading --------------------------------------------------------------------
 
     def unload_selected(self) -> None:
@@ -154,3 +205,14 @@ class Placer:
     async def _unload(self, ctl: Controller, name: str) -> None:
         await ctl.unload(name)
         self.app.notify(f"placement '{name}' unloaded")
+
+
+def repair_nodes(placement: PlacementState, state: ClusterState) -> tuple[tuple[str, ...], str]:
+    """Where to place a broken placement again: its own nodes when every one of them is
+    known and up, else every node that is up (a dead node's shard is not listed)."""
+    up = tuple(n.name for n in state.nodes if n.state == "up")
+    own = placement.nodes
+    complete = bool(placement.shards) and len(own) == placement.shards[0].count
+    if complete and set(own) <= set(up):
+        return own, "its own nodes"
+    return up, "all up nodes"
