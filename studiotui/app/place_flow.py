@@ -133,17 +133,26 @@ class Placer:
 
     # ---- placing a broken placement again ------------------------------------------------
 
+    def _selected(self, doing: str) -> tuple[Controller, PlacementState] | None:
+        """The controller and the placement under the Placements cursor, or None (said)."""
+        app = self.app
+        ctl = app._need_controller(doing)
+        if ctl is None:
+            return None
+        name = app.query_one(PlacementsPane).selected
+        placement = ctl.state.placement(name) if name else None
+        if placement is None:
+            app.report(f"{doing}: no placement is selected (Placements tab, 3)", "warning")
+            return None
+        return ctl, placement
+
     def place_again(self) -> None:
         """`R`: unload a broken or failed placement and preview its model again."""
         app = self.app
-        ctl = app._need_controller("placing again")
-        if ctl is None:
+        if (chosen := self._selected("place again")) is None:
             return
-        name = app.query_one(PlacementsPane).selected
-        placement = ctl.state.placement(name) if name else None
-        if name is None or placement is None:
-            app.report("place again: no placement is selected (Placements tab, 3)", "warning")
-            return
+        ctl, placement = chosen
+        name = placement.name
         if placement.state not in ("broken", "failed"):
             app.report(
                 f"'{name}' is {placement.state}: only a broken or failed placement is placed "
@@ -183,14 +192,10 @@ class Placer:
 
     def unload_selected(self) -> None:
         app = self.app
-        ctl = app._need_controller("unload")
-        if ctl is None:
+        if (chosen := self._selected("unload")) is None:
             return
-        name = app.query_one(PlacementsPane).selected
-        placement = ctl.state.placement(name) if name else None
-        if name is None or placement is None:
-            app.report("unload: no placement is selected (Placements tab, 3)", "warning")
-            return
+        ctl, placement = chosen
+        name = placement.name
         busy = max((s.in_flight for s in placement.shards), default=0)
         question = f"Unload '{name}' from {', '.join(placement.nodes)} and free its memory?"
         if busy:
