@@ -32,12 +32,14 @@ from studiotui.state import (
     LogEntry,
     NodeState,
     PlacementState,
+    newly_broken,
     placements_from_shards,
     shard_from_report,
 )
 from worker.protocol import messages
 
 DOWN_AFTER_S = 3.0
+UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are expected
 # What a shard process holds before any weight (Python, MLX, tokenizer): measured ~80 MB.
 RUNNER_OVERHEAD_BYTES = 100 * 1024**2
 HEALTH_CHECK_S = 2.0
@@ -96,6 +98,9 @@ class Controller:
         )
         self.state = replace(self.state, links=self._load_links())
         self._listeners: list[Listener] = []
+        # Placements going away on purpose (unload, rollback), until when: their shards
+        # vanish one node at a time, which must not read as "broken".
+        self._unloading: dict[str, float] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._sub: zmq.asyncio.Socket | None = None
 
@@ -115,7 +120,15 @@ class Controller:
 
     def _update_node(self, name: str, **changes: Any) -> None:
         nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
-        self._set(replace(self.state, nodes=nodes, placements=placements_from_shards(nodes)))
+        placements = placements_from_shards(nodes)
+        broken = newly_broken(self.state.placements, placements)
+        self._set(replace(self.state, nodes=nodes, placements=placements))
+        for placement, why in broken:
+            if self._unloading.get(placement.name, 0.0) < time.monotonic():
+                hint = _not_ready_hint(placement)
+                self.record(
+                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
+                )
 
     def record(self, text: str, level: str = "info") -> None:
         entry = LogEntry(time=time.time(), level=level, text=text)
@@ -314,6 +327,7 @@ class Controller:
         self.record(
             f"placing {info.name} as {name!r} on {', '.join(s.node for s in the_plan.shards)}"
         )
+        self._unloading.pop(name, None)  # placed again under a name just unloaded
         try:
             await self._deploy(the_plan, model_dir, name, progress, prefill_chunk)
             placed = await self._deployed(the_plan, name)
@@ -459,6 +473,7 @@ class Controller:
         self.record(f"placement {name!r} unloaded")
 
     async def _unload_everywhere(self, name: str, nodes: list[str]) -> None:
+        self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
         await asyncio.gather(
             *(self.peer(n).request("unload", timeout=10.0, placement=name) for n in nodes),
             return_exceptions=True,

@@ -155,6 +155,26 @@ def placements_from_shards(nodes: tuple[NodeState, ...]) -> tuple[PlacementState
     return tuple(out)
 
 
+def newly_broken(
+    before: tuple[PlacementState, ...], after: tuple[PlacementState, ...]
+) -> list[tuple[PlacementState, str]]:
+    """Placements that were ready and are broken or failed now, each with why, in words."""
+    was = {p.name: p for p in before if p.state == "ready"}
+    out = []
+    for p in after:
+        if p.name not in was or p.state not in ("broken", "failed"):
+            continue
+        bad = [s for s in p.shards if s.state != "ready"]
+        gone = [s.node for s in was[p.name].shards if s.node not in p.nodes]
+        if bad:
+            why = f"its shard on {bad[0].node} is {bad[0].state}"
+            why += f" ({bad[0].message})" if bad[0].message else ""
+        else:
+            why = f"its shard on {', '.join(gone) or 'a node'} is gone"
+        out.append((p, why))
+    return out
+
+
 def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
     stats = raw.get("stats") or {}
     progress = raw.get("progress") or (0, 0)

@@ -408,6 +408,16 @@ async def test_a_broken_placement_is_placed_again_on_its_own_nodes(setup: Setup)
             await until(
                 pilot, lambda: placement_state(app, "mine") in ("broken", "failed"), 15, "broken"
             )
+            # The log says so once, with the node and what to do.
+            await until(
+                pilot,
+                lambda: any(
+                    "placement 'mine' is" in e.text and "local-4" in e.text and "R on" in e.text
+                    for e in app.cluster.log
+                ),
+                5,
+                "the breakage logged",
+            )
             pane.select("mine")
             await run_from_palette(pilot, app, "placement again", "Place selected placement again")
             await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "confirm shown")

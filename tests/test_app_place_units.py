@@ -28,7 +28,7 @@ from studiotui.app.preview import (
 )
 from studiotui.model_facts import ModelInfo
 from studiotui.placement import ModelFacts, NodeBudget, Plan, Refusal, plan
-from studiotui.state import ClusterState, NodeState, PlacementState, ShardState
+from studiotui.state import ClusterState, NodeState, PlacementState, ShardState, newly_broken
 from tests.app_fixtures import fixed_models, fixed_state
 
 GB = 1024**3
@@ -247,3 +247,20 @@ def test_a_broken_placement_goes_back_to_its_own_nodes_only_when_all_are_known_a
     # A dead node's shard is not listed at all: its nodes are not all known.
     partial = PlacementState("p", "m", "/m", (shard("c", 0), shard("b", 2)))
     assert repair_nodes(partial, cluster()) == (("a", "b", "c", "d"), "all up nodes")
+
+
+def test_a_placement_that_was_ready_and_lost_a_shard_is_reported_once() -> None:
+    def shard(node: str, index: int, state: str = "ready", message: str = "") -> ShardState:
+        return ShardState("p", node, index, 2, index, index + 1, state, message=message)
+
+    ready = (PlacementState("p", "m", "/m", (shard("a", 0), shard("b", 1))),)
+    loading = (PlacementState("p", "m", "/m", (shard("a", 0), shard("b", 1, "loading"))),)
+    gone = (PlacementState("p", "m", "/m", (shard("a", 0),)),)
+    died = (PlacementState("p", "m", "/m", (shard("a", 0), shard("b", 1, "failed", "exit -9"))),)
+    [(p, why)] = newly_broken(ready, gone)
+    assert p.state == "broken" and why == "its shard on b is gone"
+    [(p, why)] = newly_broken(ready, died)
+    assert p.state == "failed" and why == "its shard on b is failed (exit -9)"
+    assert newly_broken(gone, gone) == []  # already broken: said before
+    assert newly_broken(loading, gone) == []  # never was ready
+    assert newly_broken(ready, ()) == []  # gone entirely: the node-down entries say it
