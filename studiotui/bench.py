@@ -61,11 +61,22 @@ class BenchConfig:
     # ratio is the median of the pairs' own ratios, as the API figure does.
     decode_rounds: int = 3
     api_clients: int = 8
+    # The engine on one node (no hop): separates what the shard's own speed brings from
+    # what the pipeline costs. Only in the full run: --quick has no minute to spare.
+    lone: bool = True
 
     @classmethod
     def make(cls, quick: bool) -> BenchConfig:
         if quick:
-            return cls(layers=8, hidden=256, tokens=48, ttft_runs=1, decode_rounds=2, api_clients=4)
+            return cls(
+                layers=8,
+                hidden=256,
+                tokens=48,
+                ttft_runs=1,
+                decode_rounds=2,
+                api_clients=4,
+                lone=False,
+            )
         return cls(layers=8, hidden=256, tokens=256)
 
 
@@ -161,7 +172,7 @@ async def pipeline_figures(
     names = list(inv.names)
     try:
         await ctl.refresh()
-        for n in (2, 4):
+        for n in (1, 2, 4) if cfg.lone else (2, 4):
             name = f"pipe{n}"
             with phase(f"place{n}"):
                 await ctl.place(model_dir, names[:n], name, prefill_chunk=cfg.prefill_chunk)
@@ -323,17 +334,22 @@ async def tui_idle_cpu(home: Path, inv: Inventory, seconds: float) -> float:
 def summarize(
     ttft_single_ms: float, pipe: dict[str, Any], ring: float | None, cfg: BenchConfig
 ) -> dict[str, Any]:
-    singles = pipe["pipe2"]["single"] + pipe["pipe4"]["single"]
+    singles = [r for n in (1, 2, 4) for r in pipe.get(f"pipe{n}", {}).get("single", [])]
     s = statistics.median(r["tps"] for r in singles)
     expected = singles[0]["tokens"]
     streams = pipe["streams"]
     produced = [r["tokens"] for r in singles] + pipe["pipe2"]["tokens"] + pipe["pipe4"]["tokens"]
     produced += pipe["streams1_tokens"] + pipe["streams2_tokens"] + pipe["streams4_tokens"]
+    lone = pipe.get("pipe1")
+    if lone:
+        produced += lone["tokens"]
     hop_us = pipe["pipe2_hop_us"] or 0.0
     return {
         "model": f"qwen2 demo, {cfg.layers} layers, hidden {cfg.hidden}, float32",
         "tokens": cfg.tokens,
         "single_tps": round(s, 2),
+        "pipe1_tps": round(lone["tps"], 2) if lone else None,
+        "pipe1_ratio": round(lone["ratio"], 3) if lone else None,
         "pipe2_tps": round(pipe["pipe2"]["tps"], 2),
         "pipe4_tps": round(pipe["pipe4"]["tps"], 2),
         "pipe2_ratio": round(pipe["pipe2"]["ratio"], 3),

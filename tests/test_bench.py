@@ -82,3 +82,16 @@ def test_summary_takes_ratios_from_pairs_and_checks_every_run() -> None:
     assert out["streams4_ratio"] == 1.5
     assert out["tokens_match"] is True and out["mlx_ring2_tps"] is None
     assert summarize(120.0, _figures([1, 2, 4]), None, cfg)["tokens_match"] is False
+
+
+def test_the_full_run_reports_the_engine_on_one_node_and_checks_its_tokens() -> None:
+    cfg = BenchConfig.make(quick=False)
+    assert cfg.lone and not BenchConfig.make(quick=True).lone
+    figures = _figures([1, 2, 3])
+    figures["pipe1"] = _pipe([50.0, 60.0, 70.0], [55.0, 66.0, 77.0], [1, 2, 3])
+    out = summarize(120.0, figures, None, cfg)
+    assert out["pipe1_tps"] == 66.0 and out["pipe1_ratio"] == 1.1
+    assert out["single_tps"] == 60.0  # its single-process runs count too
+    assert summarize(120.0, _figures([1, 2, 3]), None, cfg)["pipe1_tps"] is None
+    figures["pipe1"] = _pipe([50.0], [55.0], [9, 9, 9])
+    assert summarize(120.0, figures, None, cfg)["tokens_match"] is False

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from worker import families
+from worker.cpu_fusion import fuse_for_cpu
 
 Progress = Callable[[int, int], None]
 
@@ -86,7 +87,14 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise ShardLoadError(f"{path} is not valid JSON: {exc}") from None
 
 
-def load_shard(model_dir: Path, start: int, end: int, progress: Progress | None = None) -> Shard:
+def load_shard(
+    model_dir: Path,
+    start: int,
+    end: int,
+    progress: Progress | None = None,
+    *,
+    fuse: bool = True,
+) -> Shard:
     from mlx_lm.utils import load_model
 
     config = read_config(model_dir)
@@ -114,6 +122,8 @@ def load_shard(model_dir: Path, start: int, end: int, progress: Progress | None 
     if partial:
         _check_present(model_dir, owned)
     param_bytes = _evaluate(owned, progress)
+    if fuse:
+        fuse_for_cpu([inner])  # a no-op where MLX computes on a GPU
     dtype = inner.embed_tokens.weight.dtype if start == 0 else _first_dtype(layers)
     return Shard(
         start=start,

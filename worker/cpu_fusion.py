@@ -1,0 +1,182 @@
+"""Fewer, fused ops for a decode step on MLX's CPU backend.
+
+On Apple GPUs `mx.fast.rope` and `mx.fast.rms_norm` are single Metal kernels. On
+the CPU backend MLX runs their composed fallbacks instead: about a dozen small ops
+for each RoPE (two a layer) and six for each norm, and every `nn.Linear` adds a
+transpose op. Each op costs the evaluating thread microseconds to encode before
+the compute thread may run it, and a pipeline stage cannot hide that cost the way
+mlx-lm's loop does (a stage can start encoding only when its input arrives). So
+on the CPU a shard swaps, for one-token steps:
+
+- RoPE for a rotation by a precomputed cos/sin table (one row per step, shared by
+  every layer), with the two products compiled into fused kernels;
+- RMSNorm for a compiled `mx.fast.rms_norm` (element-wise chain fused);
+- Linear for one that keeps its weight's transpose.
+
+Measured on the 8-layer bench model: 1121 ops a token become 547, and every output
+is bit-identical (tests/test_cpu_fusion.py), so greedy tokens still equal
+mlx-lm's. Only steps of one token per sequence take the fused path: their shapes
+never change, so each compiled function is traced once, where prefill chunks of
+every length would each leave a trace behind.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class DecodeRoPE(nn.Module):
+    """`nn.RoPE` whose one-token steps read cosines and sines from a table.
+
+    The fallback recomputes the frequencies and the cos/sin of the position in
+    every call, twice a layer; a table computed once with the same float32 formula
+    gives bit-identical results (checked against `mx.fast.rope` in the tests), and
+    a step's row is shared by every layer of the shard.
+    """
+
+    def __init__(self, rope: nn.RoPE) -> None:
+        super().__init__()
+        self.plain = rope
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if x.shape[-2] != 1 or not isinstance(offset, int):
+            return self.plain(x, offset=offset)
+        r = self.plain
+        cos, sin = _rows(r.dims, r.base, r.scale, x.dtype, offset)
+        return rotate(x, r.dims, r.traditional, cos, sin)
+
+
+def rotate(x: mx.array, dims: int, traditional: bool, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate the first `dims` features of `x` by angles whose cos/sin are given,
+    in the same order of operations as MLX's RoPE fallback."""
+    half = dims // 2
+    if traditional:
+        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:dims]
+    o1, o2 = _turn(x1, x2, cos, sin)
+    if traditional:
+        out = mx.stack([o1, o2], axis=-1).reshape(*x.shape[:-1], dims)
+    else:
+        out = mx.concatenate([o1, o2], axis=-1)
+    if dims < x.shape[-1]:
+        out = mx.concatenate([out, x[..., dims:]], axis=-1)
+    return out
+
+
+@mx.compile
+def _turn(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, mx.array]:
+    return x1 * cos - x2 * sin, x1 * sin + x2 * cos
+
+
+def angle_table(
+    dims: int, base: float, scale: float, n: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """cos and sin for positions [0, n), computed as the RoPE fallback does."""
+    half = dims // 2
+    inverse = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
+    theta = (mx.arange(n, dtype=mx.float32) * scale)[:, None] * inverse[None, :]
+    cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
+    mx.eval(cos, sin)
+    return cos, sin
+
+
+_TableKey = tuple[int, float, float, mx.Dtype]
+_tables: dict[_TableKey, tuple[mx.array, mx.array]] = {}
+_row_cache: dict[tuple[_TableKey, int], tuple[mx.array, mx.array]] = {}
+
+
+def _rows(
+    dims: int, base: float, scale: float, dtype: mx.Dtype, offset: int
+) -> tuple[mx.array, mx.array]:
+    key = (dims, base, scale, dtype)
+    rows = _row_cache.get((key, offset))
+    if rows is not None:
+        return rows
+    cos, sin = _tables.get(key, (None, None))
+    if cos is None or offset >= cos.shape[0]:
+        size = max(1024, 1 << offset.bit_length())  # grows by doubling, rarely rebuilt
+        cos, sin = _tables[key] = angle_table(dims, base, scale, size, dtype)
+    if len(_row_cache) > 256:  # rows of steps long past: every request moved on
+        _row_cache.clear()
+    rows = _row_cache[(key, offset)] = (cos[offset : offset + 1], sin[offset : offset + 1])
+    return rows
+
+
+class DecodeRMSNorm(nn.Module):
+    def __init__(self, norm: nn.RMSNorm) -> None:
+        super().__init__()
+        self.plain = norm
+        eps = norm.eps
+
+        def normalize(x: mx.array, weight: mx.array) -> mx.array:
+            return mx.fast.rms_norm(x, weight, eps)
+
+        self._fused = mx.compile(normalize)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.ndim < 2 or x.shape[1] != 1:
+            return self.plain(x)
+        return self._fused(x, self.plain.weight)
+
+
+class PretransposedLinear(nn.Module):
+    """`nn.Linear` that keeps its weight's transpose (a view: no copy), saving a
+    transpose op per projection per step; seven a layer."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.plain = linear
+        transposed = linear.weight.T
+        mx.eval(transposed)
+        if "bias" in linear:
+            bias = linear.bias
+            self._apply = lambda x: mx.addmm(bias, x, transposed)
+        else:
+            self._apply = lambda x: x @ transposed
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._apply(x)
+
+
+def fuse_for_cpu(modules: list[nn.Module]) -> int:
+    """Swap every plain `nn.RoPE` and `nn.RMSNorm` under `modules` for its decode-fused
+    twin, when MLX computes on the CPU. Returns how many were swapped."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    return sum(_swap(module) for module in modules)
+
+
+_FUSED: dict[type, type[nn.Module]] = {
+    nn.RoPE: DecodeRoPE,
+    nn.RMSNorm: DecodeRMSNorm,
+    nn.Linear: PretransposedLinear,
+}
+
+
+def _swap(module: nn.Module) -> int:
+    swapped = 0
+    for name, child in list(module.items()):
+        if isinstance(child, list):
+            for i, item in enumerate(child):
+                child[i], n = _fused(item)
+                swapped += n
+        else:
+            module[name], n = _fused(child)
+            swapped += n
+    return swapped
+
+
+def _fused(child: Any) -> tuple[Any, int]:
+    """`child` swapped for its fused twin (exact types only: a subclass may compute
+    differently), or with its own children swapped."""
+    twin = _FUSED.get(type(child))
+    if twin is not None:
+        return twin(child), 1  # type: ignore[call-arg]
+    if isinstance(child, nn.Module):
+        return child, _swap(child)
+    return child, 0
