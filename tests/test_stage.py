@@ -1,4 +1,5 @@
-"""A stage in-process, on a real model: what happens when building a step ahead fails."""
+"""A lone stage in-process, on a real model: steps built ahead, and what happens to them
+when building fails or the answer ends before they are due."""
 
 from __future__ import annotations
 
@@ -71,6 +72,50 @@ def test_a_step_that_fails_to_build_ahead_fails_only_its_request(tmp_path: Path)
     while work:
         work.popleft()()
     assert [k for k, _ in links.client[3:]] == ["accepted"] + ["delta"] * 8 + ["done"]
+
+
+def _lone_stage(tmp_path: Path) -> tuple[Stage, Loopback, deque[Callable[[], None]]]:
+    spec = DemoSpec(layers=2, hidden=32, heads=2, kv_heads=1, dtype="float32", recite=True)
+    model = write_demo_model(tmp_path / "m", spec)
+    work: deque[Callable[[], None]] = deque()
+    links = Loopback(work)
+    stage = Stage(load_shard(model, 0, 2), load_tokenizer(model), links, schedule=work.append)
+    links.stage = stage
+    return stage, links, work
+
+
+def _answer(links: Loopback, rid: str) -> tuple[str, str]:
+    text = "".join(f["text"] for k, f in links.client if k == "delta" and f["rid"] == rid)
+    done = [f for k, f in links.client if k == "done" and f["rid"] == rid]
+    return text, done[0]["finish_reason"] if done else ""
+
+
+def test_a_lone_stage_drops_the_step_it_built_ahead_when_the_answer_ends(
+    tmp_path: Path,
+) -> None:
+    stage, links, work = _lone_stage(tmp_path)
+    params: dict[str, Any] = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    stage.submit(b"c", {"rid": "whole", "params": params, "prompt": "Hello"})
+    while work:
+        work.popleft()()
+    whole, finish = _answer(links, "whole")
+    assert finish == "length" and len(whole) > 40
+    assert stage.stats.prebuilt >= 38  # every step after the first was built ahead
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 6]
+    assert whole.index(stop) == len(whole) // 2, "pick a stop string seen once"
+
+    stage.submit(b"c", {"rid": "cut", "params": {**params, "stop": [stop]}, "prompt": "Hello"})
+    stage.submit(b"c", {"rid": "cancelled", "params": params, "prompt": "Hello"})
+    for _ in range(12):
+        work.popleft()()
+    stage.cancel("cancelled")
+    while work:
+        work.popleft()()
+    assert _answer(links, "cut") == (whole[: len(whole) // 2], "stop")
+    assert _answer(links, "cancelled")[1] == "cancelled"
+    # Both had a step built ahead when they ended: it went with the request.
+    assert not stage.prebuilt and not stage.caches
+    assert not stage.head_requests and not stage.tail_requests
 
 
 def test_a_frame_of_another_dtype_is_refused_not_converted() -> None:

@@ -79,8 +79,11 @@ class Prebuilt:
     """
 
     offset: int  # the cache offset the step is for
-    slot: mx.array  # evaluated; token ids (head) or the activation's bits (others)
-    out: mx.array  # lazy; the activation to pass on, or the sampled token (tail)
+    # Evaluated; token ids (head) or the activation's bits (others). None when the
+    # step is built on the lazy token of the step before (a lone stage): no input to write.
+    slot: mx.array | None
+    out: mx.array | None  # lazy; the activation to pass on, or the sampled token (tail)
+    error: str = ""  # building it failed: the request ends when the step is due
 
 
 @dataclass
@@ -133,8 +136,10 @@ class Stage:
         self.sent_at: dict[str, float] = {}
         self.hop_us: deque[float] = deque(maxlen=512)
         self.vocab = int(shard.config.get("vocab_size", 0))
-        # A lone stage is never idle between steps, so building ahead would gain nothing.
-        self.prebuild = prebuild and not (shard.is_first and shard.is_last)
+        # A lone stage is never idle between steps: it builds each step on the lazy
+        # token of the one before (`_speculate`), as mlx-lm's loop does, instead.
+        self.lone = shard.is_first and shard.is_last
+        self.prebuild = prebuild and not self.lone
         self.prebuilt: dict[str, Prebuilt] = {}
 
     # ---- head: requests from clients -------------------------------------------------
@@ -230,7 +235,8 @@ class Stage:
         )
         pre = self._take_prebuilt(header) if kind == "decode" else None
         if pre is not None:
-            _fill(pre.slot, np.array([tokens], dtype=np.int32))
+            if pre.slot is not None:
+                _fill(pre.slot, np.array([tokens], dtype=np.int32))
             return self._launch(header, pre=pre)
         return self._launch(header, self.shard.embed(mx.array([tokens])))
 
@@ -245,7 +251,7 @@ class Stage:
                 return
             try:
                 pre = self._take_prebuilt(header) if kind == "decode" else None
-                if pre is not None:
+                if pre is not None and pre.slot is not None:
                     _fill(pre.slot, np.frombuffer(payload, dtype=_NP_VIEW[header.dtype]))
                     self._complete(self._launch(header, pre=pre))
                 else:
@@ -310,8 +316,12 @@ class Stage:
         pre = self.prebuilt.pop(header.rid, None)
         if pre is None:
             return None
+        if pre.error:
+            raise RequestError(pre.error)
         if pre.offset != header.offset or (
-            not self.shard.is_first and tuple(pre.slot.shape) != header.shape
+            pre.slot is not None
+            and not self.shard.is_first
+            and tuple(pre.slot.shape) != header.shape
         ):
             raise RequestError(
                 f"request {header.rid!r}: frame is for cache offset {header.offset} "
@@ -381,6 +391,8 @@ class Stage:
     def _sample(self, header: RingHeader, sampled: mx.array, began: float) -> None:
         rid = header.rid
         req = self._tail(header)
+        if self.lone and req.generated + 1 < req.sampler.params.max_tokens:
+            self._speculate(header, req, sampled)
         token = int(sampled.item())
         req.generated += 1
         self.stats.tokens += 1
@@ -400,6 +412,21 @@ class Stage:
         )
         if not finish:
             self._schedule_prebuild(header)
+
+    def _speculate(self, header: RingHeader, req: TailRequest, sampled: mx.array) -> None:
+        """Build and start the next step on `sampled` before it is known, as mlx-lm
+        does: the graph is built while this step computes. If the answer ends here
+        (end of turn, a stop string, a cancel) the step is dropped with the cache.
+        If building fails, this token still reaches the caller; the request fails
+        when the head takes the step."""
+        offset, error, out = header.offset + 1, "", None
+        try:
+            h = self.shard.embed(sampled.reshape(1, 1))
+            out = req.sampler(self.shard.logits(self.shard.forward(h, self.caches[header.rid])))
+            mx.async_eval(out)
+        except Exception as exc:  # the cache may be half advanced: no step can follow
+            error = _describe(exc)
+        self.prebuilt[header.rid] = Prebuilt(offset=offset, slot=None, out=out, error=error)
 
     # ---- head: tokens coming back ------------------------------------------------------
 
