@@ -435,9 +435,16 @@ class Controller:
         config = read_model(model_dir)
         tied = config.facts.head_bytes > 0 and _tied(model_dir)
         files = model_files.needed_files(model_dir, shard.start, shard.end, config.n_layers, tied)
-        target = remote.remote_join(spec.workdir, "models", model_dir.name)
+        target = remote.remote_join(spec.workdir, "models", model_files.copy_name(model_dir))
+        candidate = model_files.hub_snapshot_path(model_dir, Path.home())
         conn = await provision.connect(self.home, spec)
         try:
+            if candidate is not None:
+                found = await model_files.find_on_node(conn, candidate, files)
+                if found is not None:
+                    name = model_files.copy_name(model_dir)
+                    self.record(f"{node} already holds {name} at {found}: nothing copied")
+                    return found
             copied = await model_files.sync_files(
                 conn,
                 model_dir,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from studiotui.model_files import needed_files
+from studiotui.model_files import copy_name, hub_snapshot_path, needed_files
 from worker.demo_model import DemoSpec, write_demo_model
 from worker.shard import ShardLoadError, load_shard
 
@@ -77,3 +77,21 @@ def test_demo_model_files_are_byte_identical_for_the_same_spec(
     assert (other / "model-00001-of-00002.safetensors").read_bytes() != (
         a / "model-00001-of-00002.safetensors"
     ).read_bytes()
+
+
+def test_a_hub_snapshot_is_looked_for_at_the_same_place_in_the_nodes_home() -> None:
+    home = Path("/Users/ana")
+    snap = home / ".cache/huggingface/hub/models--mlx-community--Qwen3-8B-4bit/snapshots/ab12cd"
+    assert hub_snapshot_path(snap, home) == (
+        ".cache/huggingface/hub/models--mlx-community--Qwen3-8B-4bit/snapshots/ab12cd"
+    )
+    elsewhere = Path("/Volumes/models/hub/models--org--m/snapshots/0f0f")
+    assert hub_snapshot_path(elsewhere, home) == "/Volumes/models/hub/models--org--m/snapshots/0f0f"
+    # Not a snapshot: an ordinary folder's name says nothing about its content.
+    assert hub_snapshot_path(home / "models/demo", home) is None
+    assert hub_snapshot_path(home / "hub/models--org--m/snapshots", home) is None
+    assert copy_name(snap) == "mlx-community--Qwen3-8B-4bit@ab12cd"
+    assert copy_name(Path("/m/snapshots/x/models--a--b/snapshots/0123456789abcdef")) == (
+        "a--b@0123456789ab"
+    )
+    assert copy_name(home / "models/demo") == "demo"

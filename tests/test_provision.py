@@ -266,6 +266,26 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
             wanted = {f.name for f in needed_files(model, shard.start, shard.end, 6)}
             assert {p.name for p in copy.iterdir()} == wanted
             assert len([n for n in wanted if n.endswith(".safetensors")]) < 3
+        await ctl.unload("demo")
+
+        # A Hugging Face snapshot the nodes already hold (here: the same path, as
+        # files linked to blobs the way the hub cache stores them) is not copied.
+        repo = tmp_path / "hub" / "models--studiotui--demo"
+        snapshot = repo / "snapshots" / "c0ffee0123456789"
+        (repo / "blobs").mkdir(parents=True)
+        snapshot.mkdir(parents=True)
+        for f in model.iterdir():
+            shutil.copy(f, repo / "blobs" / f.name)
+            (snapshot / f.name).symlink_to(Path("../../blobs") / f.name)
+        await ctl.place(snapshot, [n.name for n in nodes], name="hub")
+        async for msg in ctl.generate("hub", {"prompt": "hello"}, {**params, "max_tokens": 4}):
+            assert msg["type"] != "failed", msg
+        held = [e.text for e in ctl.state.log if "already holds" in e.text]
+        assert sorted(t.split()[0] for t in held) == [n.name for n in nodes], held
+        assert all(f"studiotui--demo@c0ffee012345 at {snapshot}" in t for t in held)
+        for node in nodes:
+            assert not (Path(node.workdir) / "models" / "studiotui--demo@c0ffee012345").exists()
+        await ctl.unload("hub")
     finally:
         await ctl.close()
 
