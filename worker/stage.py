@@ -141,6 +141,7 @@ class Stage:
         self.lone = shard.is_first and shard.is_last
         self.prebuild = prebuild and not self.lone
         self.prebuilt: dict[str, Prebuilt] = {}
+        self.slots: dict[str, mx.array] = {}
 
     # ---- head: requests from clients -------------------------------------------------
 
@@ -342,15 +343,14 @@ class Stage:
             if cache is None or rid in self.prebuilt or cache[0].offset != offset:
                 return  # freed, finished or moved on since
             if self.shard.is_first:
-                slot = mx.zeros((1, 1), dtype=mx.int32)
+                slot = self._slot(rid, (1, 1), mx.int32)
                 h = self.shard.embed(slot)
             else:
                 # bfloat16 has no numpy type: fill its bits, view them as bfloat16.
                 bf16 = done.dtype == "bfloat16"
-                slot = mx.zeros(done.shape, dtype=mx.uint16 if bf16 else _MX_DTYPE[done.dtype])
+                slot = self._slot(rid, done.shape, mx.uint16 if bf16 else _MX_DTYPE[done.dtype])
                 h = slot.view(mx.bfloat16) if bf16 else slot
             try:
-                mx.eval(slot)
                 out = self.shard.forward(h, cache)
                 if self.shard.is_last:
                     out = self.tail_requests[rid].sampler(self.shard.logits(out))
@@ -360,6 +360,16 @@ class Stage:
             self.prebuilt[rid] = Prebuilt(offset=offset, slot=slot, out=out)
 
         self.schedule(build)
+
+    def _slot(self, rid: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+        """The request's evaluated input placeholder. One serves all its steps: the next
+        step is built only once the one before has been evaluated, so nothing still
+        reads the bytes it is about to be filled with (and saves an `mx.eval` a step)."""
+        slot = self.slots.get(rid)
+        if slot is None or tuple(slot.shape) != tuple(shape) or slot.dtype != dtype:
+            slot = self.slots[rid] = mx.zeros(shape, dtype=dtype)
+            mx.eval(slot)
+        return slot
 
     def _cache_for(self, header: RingHeader) -> list[Any]:
         rid = header.rid
@@ -495,6 +505,7 @@ class Stage:
     def _free(self, rid: str, forward: bool) -> None:
         self.caches.pop(rid, None)
         self.prebuilt.pop(rid, None)
+        self.slots.pop(rid, None)
         self.sent_at.pop(rid, None)
         self.tail_requests.pop(rid, None)
         if forward and not self.shard.is_last:
@@ -507,6 +518,7 @@ class Stage:
         self.stats.errors += 1
         self.caches.pop(rid, None)
         self.prebuilt.pop(rid, None)
+        self.slots.pop(rid, None)
         self.tail_requests.pop(rid, None)
         header = RingHeader(rid=rid, kind="error", message=message)
         if self.shard.is_first:
