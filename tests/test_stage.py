@@ -1,5 +1,5 @@
-"""A lone stage in-process, on a real model: steps built ahead, and what happens to them
-when building fails or the answer ends before they are due."""
+"""Stages in-process (alone, or two as a ring) on a real model: steps built ahead, and
+what happens to them when building fails or the answer ends before they are due."""
 
 from __future__ import annotations
 
@@ -116,6 +116,65 @@ def test_a_lone_stage_drops_the_step_it_built_ahead_when_the_answer_ends(
     # Both had a step built ahead when they ended: it went with the request.
     assert not stage.prebuilt and not stage.caches
     assert not stage.head_requests and not stage.tail_requests
+
+
+class TwoStageRing:
+    """Stages 0 and 1 of a ring in one process, frames passed through one work queue."""
+
+    def __init__(self, model: Path, work: deque[Callable[[], None]]) -> None:
+        self.work = work
+        self.client: list[tuple[str, dict[str, Any]]] = []
+        tok = load_tokenizer(model)
+        self.head = Stage(load_shard(model, 0, 1), tok, self, schedule=work.append, hops=2)
+        self.tail = Stage(load_shard(model, 1, 2), tok, self, schedule=work.append, hops=2)
+
+    def to_next(self, header: RingHeader, activation: mx.array | None) -> None:
+        payload = bytes(memoryview(activation)) if activation is not None else b""
+        self.work.append(lambda: self.tail.on_frame(header, payload))
+
+    def to_head(self, header: RingHeader) -> None:
+        self.work.append(lambda: self.head.on_frame(header, b""))
+
+    def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
+        self.client.append((kind, fields))
+
+
+def test_a_ring_stage_builds_ahead_and_a_failed_build_ends_only_its_request(
+    tmp_path: Path,
+) -> None:
+    model = write_demo_model(tmp_path / "m", DemoSpec(layers=2, hidden=32, heads=2, kv_heads=1))
+    work: deque[Callable[[], None]] = deque()
+    ring = TwoStageRing(model, work)
+    forward, calls = ring.tail.shard.forward, 0
+
+    def failing_third_call(h: mx.array, cache: list[Any]) -> mx.array:
+        # 1: the prompt's chunk, 2: the first decode step, 3: the next, built ahead.
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("[metal::malloc] out of memory")
+        return forward(h, cache)
+
+    ring.tail.shard.forward = failing_third_call  # type: ignore[method-assign]
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    ring.head.submit(b"c", {"rid": "r1", "params": params, "tokens": [40, 41, 42]})
+    while work:
+        work.popleft()()
+    # The token whose step was computing when the build failed still arrives.
+    assert [k for k, _ in ring.client] == ["accepted", "delta", "failed"], ring.client
+    assert "out of memory" in ring.client[-1][1]["message"]
+    for stage in (ring.head, ring.tail):
+        assert not stage.caches and not stage.prebuilt and not stage.slots
+
+    ring.tail.shard.forward = forward  # type: ignore[method-assign]
+    before = ring.head.stats.prebuilt, ring.tail.stats.prebuilt
+    ring.head.submit(b"c", {"rid": "r2", "params": params, "tokens": [40, 41, 42]})
+    while work:
+        work.popleft()()
+    assert [k for k, _ in ring.client[3:]] == ["accepted"] + ["delta"] * 8 + ["done"]
+    # Every step after the first ran on a graph built while the one before computed.
+    after = ring.head.stats.prebuilt, ring.tail.stats.prebuilt
+    assert (after[0] - before[0], after[1] - before[1]) == (7, 7)
 
 
 def test_a_frame_of_another_dtype_is_refused_not_converted() -> None:

@@ -25,6 +25,7 @@ from worker.shard import Shard
 _NP_VIEW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _DTYPE_NAME = {v: k for k, v in _MX_DTYPE.items()}
+_MX_OF = {np.int32: mx.int32, np.float32: mx.float32, np.float16: mx.float16, np.uint16: mx.uint16}
 
 
 class Links(Protocol):
@@ -73,13 +74,13 @@ class Prebuilt:
     Building an MLX graph in Python costs about as much as a hop (1-2 ms for a
     few layers on a slow CPU). mlx-lm hides it by building step n+1 on the lazy
     token of step n; a pipeline stage cannot, its input comes from another
-    process. So after each decode step the stage builds the next one on `slot`,
-    an evaluated placeholder, and when the input arrives writes its bytes into
-    `slot` and evaluates `out`: the build happened while the stage was idle.
+    process. So while each decode step computes, the stage builds the next one on
+    `slot`, a placeholder holding bytes, and when the input arrives writes them
+    into `slot` and evaluates `out`: the build happened while the stage waited.
     """
 
     offset: int  # the cache offset the step is for
-    # Evaluated; token ids (head) or the activation's bits (others). None when the
+    # Token ids (head) or the activation's bits (others), in place. None when the
     # step is built on the lazy token of the step before (a lone stage): no input to write.
     slot: mx.array | None
     out: mx.array | None  # lazy; the activation to pass on, or the sampled token (tail)
@@ -141,7 +142,7 @@ class Stage:
         self.lone = shard.is_first and shard.is_last
         self.prebuild = prebuild and not self.lone
         self.prebuilt: dict[str, Prebuilt] = {}
-        self.slots: dict[str, mx.array] = {}
+        self.slots: dict[str, tuple[mx.array, mx.array]] = {}
 
     # ---- head: requests from clients -------------------------------------------------
 
@@ -293,6 +294,8 @@ class Stage:
             else:
                 mx.eval(out)
             return
+        if header.kind == "decode" and self.prebuild:
+            self._build_ahead(header)
         mx.eval(out)
         if self.shard.is_first and header.kind == "decode":
             self.sent_at[rid] = time.perf_counter()
@@ -308,8 +311,6 @@ class Stage:
             ),
             out,
         )
-        if header.kind == "decode":
-            self._schedule_prebuild(header)
 
     # ---- every stage: building the next decode step ahead ------------------------------
 
@@ -331,45 +332,46 @@ class Stage:
         self.stats.prebuilt += 1
         return pre
 
-    def _schedule_prebuild(self, done: RingHeader) -> None:
-        """Queue building the decode step after `done` (a decode frame this stage just
-        ran), behind whatever work is already waiting."""
-        if not self.prebuild:
-            return
+    def _build_ahead(self, done: RingHeader) -> None:
+        """Build the step after `done`, a decode step whose evaluation has begun, while
+        it computes: the stage's thread would otherwise wait for it idle, and after
+        sending the frame the CPU is better left to ZeroMQ's I/O threads (building
+        there delayed each frame by ~0.7 ms on two cores). If building fails, the
+        request fails when that step is due, so the frame in hand still goes out."""
         rid, offset = done.rid, done.offset + 1
+        cache = self.caches.get(rid)
+        if cache is None or rid in self.prebuilt or cache[0].offset != offset:
+            return  # freed, finished or already built
+        error, out = "", None
+        if self.shard.is_first:
+            slot = self._slot(rid, offset, (1, 1), np.int32)
+            h = self.shard.embed(slot)
+        else:
+            # bfloat16 has no numpy type: fill its bits, view them as bfloat16.
+            slot = self._slot(rid, offset, done.shape, _NP_VIEW[done.dtype])
+            h = slot.view(mx.bfloat16) if done.dtype == "bfloat16" else slot
+        try:
+            out = self.shard.forward(h, cache)
+            if self.shard.is_last:
+                out = self.tail_requests[rid].sampler(self.shard.logits(out))
+        except Exception as exc:  # the cache may be half advanced: no step can follow
+            error = _describe(exc)
+        self.prebuilt[rid] = Prebuilt(offset=offset, slot=slot, out=out, error=error)
 
-        def build() -> None:
-            cache = self.caches.get(rid)
-            if cache is None or rid in self.prebuilt or cache[0].offset != offset:
-                return  # freed, finished or moved on since
-            if self.shard.is_first:
-                slot = self._slot(rid, (1, 1), mx.int32)
-                h = self.shard.embed(slot)
-            else:
-                # bfloat16 has no numpy type: fill its bits, view them as bfloat16.
-                bf16 = done.dtype == "bfloat16"
-                slot = self._slot(rid, done.shape, mx.uint16 if bf16 else _MX_DTYPE[done.dtype])
-                h = slot.view(mx.bfloat16) if bf16 else slot
-            try:
-                out = self.shard.forward(h, cache)
-                if self.shard.is_last:
-                    out = self.tail_requests[rid].sampler(self.shard.logits(out))
-            except Exception as exc:  # the cache may be half advanced: end the request
-                self._fail(rid, _describe(exc))
-                return
-            self.prebuilt[rid] = Prebuilt(offset=offset, slot=slot, out=out)
-
-        self.schedule(build)
-
-    def _slot(self, rid: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-        """The request's evaluated input placeholder. One serves all its steps: the next
-        step is built only once the one before has been evaluated, so nothing still
-        reads the bytes it is about to be filled with (and saves an `mx.eval` a step)."""
-        slot = self.slots.get(rid)
-        if slot is None or tuple(slot.shape) != tuple(shape) or slot.dtype != dtype:
-            slot = self.slots[rid] = mx.zeros(shape, dtype=dtype)
-            mx.eval(slot)
-        return slot
+    def _slot(
+        self, rid: str, offset: int, shape: tuple[int, ...], dtype: type[np.generic]
+    ) -> mx.array:
+        """An input placeholder for the step at `offset`. A request keeps two and
+        alternates: the step built ahead must not share its buffer with the step still
+        computing, while the one before that is done. Made from numpy, a placeholder
+        holds its bytes without an `mx.eval`, which would wait for the step in flight."""
+        pair = self.slots.get(rid)
+        if pair is None or tuple(pair[0].shape) != tuple(shape) or pair[0].dtype != _MX_OF[dtype]:
+            pair = self.slots[rid] = (
+                mx.array(np.zeros(shape, dtype=dtype)),
+                mx.array(np.zeros(shape, dtype=dtype)),
+            )
+        return pair[offset % 2]
 
     def _cache_for(self, header: RingHeader) -> list[Any]:
         rid = header.rid
@@ -401,8 +403,11 @@ class Stage:
     def _sample(self, header: RingHeader, sampled: mx.array, began: float) -> None:
         rid = header.rid
         req = self._tail(header)
-        if self.lone and req.generated + 1 < req.sampler.params.max_tokens:
-            self._speculate(header, req, sampled)
+        if req.generated + 1 < req.sampler.params.max_tokens:
+            if self.lone:
+                self._speculate(header, req, sampled)
+            elif self.prebuild:
+                self._build_ahead(header)
         token = int(sampled.item())
         req.generated += 1
         self.stats.tokens += 1
@@ -416,12 +421,12 @@ class Stage:
         if finish:
             self.tail_requests.pop(rid, None)
             self.caches.pop(rid, None)
+            self.prebuilt.pop(rid, None)  # built for a step that will not come
+            self.slots.pop(rid, None)
         extra = _add_work(header.extra, began, not self.shard.is_first)
         self.links.to_head(
             RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra)
         )
-        if not finish:
-            self._schedule_prebuild(header)
 
     def _speculate(self, header: RingHeader, req: TailRequest, sampled: mx.array) -> None:
         """Build and start the next step on `sampled` before it is known, as mlx-lm
