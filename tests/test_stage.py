@@ -38,6 +38,23 @@ class Loopback:
         self.client.append((kind, fields))
 
 
+def _fail_third_forward(shard: Any) -> Callable[..., mx.array]:
+    """Make the shard's third forward pass fail as MLX does out of memory: 1 is the
+    prompt's chunk, 2 the first decode step, 3 the next one, built ahead. Returns the
+    original forward."""
+    forward, calls = shard.forward, 0
+
+    def failing_third_call(h: mx.array, cache: list[Any]) -> mx.array:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("[metal::malloc] out of memory")
+        return forward(h, cache)
+
+    shard.forward = failing_third_call
+    return forward
+
+
 def test_a_step_that_fails_to_build_ahead_fails_only_its_request(tmp_path: Path) -> None:
     spec = DemoSpec(layers=2, hidden=32, heads=2, kv_heads=1, dtype="float32")
     model = write_demo_model(tmp_path / "m", spec)
@@ -46,17 +63,7 @@ def test_a_step_that_fails_to_build_ahead_fails_only_its_request(tmp_path: Path)
     links = Loopback(work)
     stage = Stage(shard, load_tokenizer(model), links, schedule=work.append)
     links.stage = stage
-    forward, calls = shard.forward, 0
-
-    def failing_third_call(h: mx.array, cache: list[Any]) -> mx.array:
-        # 1: the prompt's chunk, 2: its last token, 3: the next step, built ahead.
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("[metal::malloc] out of memory")
-        return forward(h, cache)
-
-    shard.forward = failing_third_call  # type: ignore[method-assign]
+    _fail_third_forward(shard)
     params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     stage.submit(b"client", {"rid": "r1", "params": params, "tokens": [40, 41, 42]})
     while work:
@@ -145,17 +152,7 @@ def test_a_ring_stage_builds_ahead_and_a_failed_build_ends_only_its_request(
     model = write_demo_model(tmp_path / "m", DemoSpec(layers=2, hidden=32, heads=2, kv_heads=1))
     work: deque[Callable[[], None]] = deque()
     ring = TwoStageRing(model, work)
-    forward, calls = ring.tail.shard.forward, 0
-
-    def failing_third_call(h: mx.array, cache: list[Any]) -> mx.array:
-        # 1: the prompt's chunk, 2: the first decode step, 3: the next, built ahead.
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("[metal::malloc] out of memory")
-        return forward(h, cache)
-
-    ring.tail.shard.forward = failing_third_call  # type: ignore[method-assign]
+    forward = _fail_third_forward(ring.tail.shard)
     params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     ring.head.submit(b"c", {"rid": "r1", "params": params, "tokens": [40, 41, 42]})
     while work:
