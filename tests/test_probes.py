@@ -1,4 +1,4 @@
-"""Tests of worker.probes on the real recorded macOS outputs in shared/fixtures/macos/.
+"""Tests of worker.probes on the real recorded macOS outputs in tests/fixtures/macos/.
 
 Nobody on the team has a Mac, so these recordings are the only ground truth; the
 values asserted below were read from the files themselves.
@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fixture_paths import IN_REPO, macos_fixtures, read_fixture
 from worker import probes
 from worker.probes import (
     RDMA_XDOMAIN_PROTOCOL_ID,
@@ -48,22 +47,11 @@ from worker.probes import (
     thunderbolt_ports,
 )
 
-
-def _fixtures_dir() -> Path:
-    # STUDIOTUI_FIXTURES may name the macos folder itself or the fixtures root.
-    env = os.environ.get("STUDIOTUI_FIXTURES")
-    if env:
-        root = Path(env)
-        return root / "macos" if (root / "macos").is_dir() else root
-    # CI clones the repo beside a copy of shared/, so this stays right there too.
-    return Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "macos"
-
-
-FIXTURES = _fixtures_dir()
+FIXTURES = macos_fixtures()
 
 
 def fx(name: str) -> str:
-    return (FIXTURES / name).read_text(encoding="utf-8")
+    return read_fixture(name)
 
 
 TB_STUDIO = "system_profiler_SPThunderboltDataType.json.tb5-peer-and-usb4v2-drive.m3ultra-studio-mac15-14.omlx-test.json"  # noqa: E501
@@ -151,7 +139,9 @@ def _parser_for(name: str) -> Callable[[str], Any]:
 
 
 def test_fixture_folder_is_found() -> None:
-    assert FIXTURES.is_dir(), f"fixtures not found at {FIXTURES}; set STUDIOTUI_FIXTURES"
+    assert FIXTURES.is_dir(), (
+        f"fixtures not found at {FIXTURES} (the repository carries them in {IN_REPO})"
+    )
     assert len(_fixture_files()) >= 30
 
 

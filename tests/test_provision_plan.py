@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -39,6 +38,7 @@ from studiotui.provision_plan import (
     plan_node,
     split_sections,
 )
+from tests.fixture_paths import macos_fixtures
 
 WORKDIR = "/Users/me/studio tui 'x'"
 VENV_PY = "/Users/me/venvs/mlx/bin/python"
@@ -46,15 +46,7 @@ BUILD = "0.1.0+abcdef012345"
 REQS = ("mlx>=0.25", "pyzmq>=26", "msgpack>=1.0")
 
 
-def _fixtures_dir() -> Path:
-    env = os.environ.get("STUDIOTUI_FIXTURES")
-    if env:
-        path = Path(env)
-        return path / "macos" if (path / "macos").is_dir() else path
-    return Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "macos"
-
-
-FIXTURES = _fixtures_dir()
+FIXTURES = macos_fixtures()
 
 NODE = NodeSpec(
     name="studio-1",
@@ -197,9 +189,6 @@ def test_parse_probe_of_nothing_says_what_it_saw() -> None:
         parse_probe("studio-1", "This account is disabled.\n")
 
 
-@pytest.mark.skipif(
-    not FIXTURES.is_dir() and not os.environ.get("CI"), reason="shared/fixtures/macos not present"
-)
 def test_parse_macos_probe_thunderbolt_and_rdma() -> None:
     def fixture(prefix: str) -> str:
         name = next(p for p in sorted(FIXTURES.iterdir()) if p.name.startswith(prefix))

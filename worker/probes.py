@@ -2,7 +2,7 @@
 
 Nothing here runs a command or touches a file: callers (the agent, provision.py)
 run the probe and hand the text in, so every parser can be tested on recorded
-output (shared/fixtures/macos/). Every parser raises exactly one exception type,
+output (tests/fixtures/macos/). Every parser raises exactly one exception type,
 `ProbeParseError`, whose message names the probe, so a caller can catch one thing
 and show the operator which probe printed something unexpected.
 """
