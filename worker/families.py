@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+from worker.model_support import unsupported_reason
 
 
 class UnsupportedFamily(ValueError):
@@ -23,13 +23,10 @@ class UnsupportedFamily(ValueError):
 
 
 def check_family(config: dict[str, Any]) -> str:
-    family = str(config.get("model_type", ""))
-    if family not in SUPPORTED:
-        raise UnsupportedFamily(
-            f"model family {family!r} is not supported by the shard runner "
-            f"(supported: {', '.join(SUPPORTED)})"
-        )
-    return family
+    reason = unsupported_reason(config)
+    if reason:
+        raise UnsupportedFamily(reason)
+    return str(config.get("model_type", ""))
 
 
 def layer_masks(inner: Any, layers: list[Any], caches: list[Any], h: mx.array) -> list[Any]:
