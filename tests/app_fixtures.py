@@ -6,8 +6,8 @@ on every run and every machine.
 
 from __future__ import annotations
 
-from studiotui.app.models import ModelRow
-from studiotui.state import ClusterState, LogEntry, NodeState, ShardState
+from studiotui.app.panes.models import ModelRow
+from studiotui.core.state import ClusterState, LogEntry, NodeState, ShardState
 
 GB = 1024**3
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
@@ -105,7 +105,7 @@ def fixed_state() -> ClusterState:
     )
     studio4 = NodeState(**{**studio4.__dict__, "shards": ()})
     nodes = (studio1, studio2, studio3, studio4)
-    from studiotui.state import placements_from_shards
+    from studiotui.core.state import placements_from_shards
 
     log = (
         LogEntry(T0 + 1, "info", "studio-1 is up (0.1.0)"),

@@ -7,7 +7,18 @@ import pytest
 
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import sshd_factory, sshd_server  # noqa: F401 - fixtures
-from worker.demo_model import DemoSpec, write_demo_model
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start agents or sshd are `integration`: `pytest -m "not integration"`
+    runs the fast part (pure functions, the app on fixed states) in under a minute."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        live = any("cluster" in name or "sshd" in name for name in fixtures)
+        if live or "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)
+
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 

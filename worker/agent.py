@@ -26,7 +26,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from worker import __version__, node_probe, telemetry
-from worker.protocol import curve, messages
+from worker.shared.protocol import curve, messages
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
-from worker.model_support import unsupported_reason
+from worker.shared.model_support import unsupported_reason
 
 
 class UnsupportedFamily(ValueError):

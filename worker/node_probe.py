@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from worker import probes
+from worker.shared import probes
 
 TIMEOUT_S = 8.0
 

@@ -24,9 +24,14 @@ import mlx.core as mx
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from worker.protocol import curve, messages
-from worker.protocol.frames import FrameError, RingHeader, decode_ring_header, encode_ring_header
 from worker.shard import ShardLoadError, load_shard
+from worker.shared.protocol import curve, messages
+from worker.shared.protocol.frames import (
+    FrameError,
+    RingHeader,
+    decode_ring_header,
+    encode_ring_header,
+)
 from worker.stage import Stage
 
 STATS_EVERY_S = 1.0

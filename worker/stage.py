@@ -18,9 +18,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from worker.protocol.frames import RingHeader
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
 from worker.shard import Shard
+from worker.shared.protocol.frames import RingHeader
 
 _NP_VIEW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,21 +22,24 @@ from textual.containers import Horizontal
 from textual.theme import Theme
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
-from studiotui import local_cluster
+from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen
 from studiotui.app.guard import guard_actions
-from studiotui.app.log import LogPane
-from studiotui.app.models import ModelRow, ModelsPane, read_catalog
-from studiotui.app.nodes import SORT_KEYS, NodesPane
+from studiotui.app.host import Dashboard
 from studiotui.app.palette import StudioCommands
-from studiotui.app.place_flow import Placer
-from studiotui.app.placements import PlacementsPane
-from studiotui.app.rdma import RdmaPane
-from studiotui.app.screens import ConfirmScreen, HelpScreen, NodeLogScreen
+from studiotui.app.panes.log import LogPane
+from studiotui.app.panes.models import ModelRow, ModelsPane, read_catalog
+from studiotui.app.panes.nodes import SORT_KEYS, NodesPane
+from studiotui.app.panes.placements import PlacementsPane
+from studiotui.app.panes.rdma import RdmaPane
+from studiotui.app.panes.topology import TopologyPane
+from studiotui.app.place.flow import Placer
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
-from studiotui.app.topology import TopologyPane
-from studiotui.controller import Controller
-from studiotui.inventory import Inventory, NodeSpec
-from studiotui.state import ClusterState, LogEntry
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import Controller
+from studiotui.cluster.session import wait_until_up
+from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.state import ClusterState, LogEntry
+from studiotui.provision.deploy import provision_logged, restart_logged
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
 # once per burst keeps an idle dashboard cheap.
@@ -54,13 +57,18 @@ class Startup:
     note: str = ""  # told first, so the operator knows why things start by themselves
 
 
+# Something run beside the dashboard once its controller is up (the API server, given by
+# the command line: the dashboard does not import the API); closed when it quits.
+ServiceStarter = Callable[[Controller], Awaitable[Any]]
+
+
 @guard_actions
-class StudioApp(App[None]):
+class StudioApp(Dashboard):
     TITLE = "studiotui"
     CSS_PATH: ClassVar[list[str | Path]] = [  # type: ignore[misc]
         "app.tcss",
-        "nodes.tcss",
-        "screens.tcss",
+        "panes/nodes.tcss",
+        "dialogs.tcss",
     ]
     HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (130, "-wide")]
     VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (40, "-tall")]
@@ -92,7 +100,7 @@ class StudioApp(App[None]):
         state: ClusterState | None = None,
         models: list[ModelRow] | None = None,
         startup: Startup | None = None,
-        serve: tuple[str, int, str | None] | None = None,
+        services: Sequence[ServiceStarter] = (),
     ) -> None:
         super().__init__()
         if inventory is None and state is None:
@@ -100,8 +108,8 @@ class StudioApp(App[None]):
         self.home = home
         self.inventory = inventory
         self.startup = startup
-        self.serve = serve  # (host, port, api key): also serve the API from this process
-        self.api_server: Any = None
+        self.starters = list(services)  # started beside the dashboard once nodes answer
+        self.services: list[Any] = []  # what they started (each has `close()`)
         self.controller: Controller | None = None
         self.cluster = state or ClusterState(name=inventory.name if inventory else "cluster")
         self.fixed = state is not None
@@ -171,9 +179,9 @@ class StudioApp(App[None]):
         self.background(self._scan_models(), "reading models")
 
     async def on_unmount(self) -> None:
-        if self.api_server is not None:
+        for service in self.services:
             with contextlib.suppress(Exception):
-                await self.api_server.close()
+                await service.close()
         if self.controller is not None:
             controller, self.controller = self.controller, None
             # The app is gone: nobody is left to tell about a failed close.
@@ -277,7 +285,7 @@ class StudioApp(App[None]):
 
         self.run_worker(guarded(), group=what, exit_on_error=False)
 
-    def _need_controller(self, what: str) -> Controller | None:
+    def need_controller(self, what: str) -> Controller | None:
         if self.controller is None:
             self.report(f"{what}: no cluster is connected (this is a fixed view)", "warning")
         return self.controller
@@ -306,20 +314,16 @@ class StudioApp(App[None]):
             self.report(f"{summary}; not answering: {', '.join(down)}", "warning")
         else:
             ctl.record(summary)
-        if self.serve is not None:
-            await self._serve_api(ctl, *self.serve)
+        for starter in self.starters:
+            await self._start_service(ctl, starter)
         if plan.demo_model is not None:
             await self._demo(ctl, plan.demo_model, plan.place_demo)
 
-    async def _serve_api(self, ctl: Controller, host: str, port: int, key: str | None) -> None:
-        from studiotui.api import start_server
-
+    async def _start_service(self, ctl: Controller, starter: ServiceStarter) -> None:
         try:
-            self.api_server = await start_server(ctl, host, port, key)
+            self.services.append(await starter(ctl))
         except OSError as exc:
-            self.report(f"cannot serve the API on {host}:{port}: {exc}", "error")
-            return
-        ctl.record(f"serving the OpenAI-compatible API on {self.api_server.url}")
+            self.report(f"cannot start a service beside the dashboard: {exc}", "error")
 
     async def _start_agents(self, ctl: Controller, nodes: list[NodeSpec]) -> None:
         assert self.inventory is not None
@@ -330,8 +334,6 @@ class StudioApp(App[None]):
             )
             started.append(f"{node.name} (pid {pid})")
         ctl.record(f"started local agent{'s' if len(started) > 1 else ''} {', '.join(started)}")
-        from studiotui.commands import wait_until_up
-
         missing = await wait_until_up(ctl, [n.name for n in nodes], timeout=UP_TIMEOUT_S)
         for name in missing:
             tail = local_cluster.agent_output_tail(self.inventory.node(name))
@@ -344,7 +346,7 @@ class StudioApp(App[None]):
     async def _demo(self, ctl: Controller, path: Path, place: bool) -> None:
         if not (path / "config.json").exists():
             ctl.record(f"writing the demo model to {path}")
-            from worker.demo_model import DemoSpec, write_demo_model
+            from worker.shared.demo_model import DemoSpec, write_demo_model
 
             # It recites a passage about itself, so the first chat reads as an answer.
             await asyncio.to_thread(write_demo_model, path, DemoSpec(recite=True))
@@ -374,7 +376,7 @@ class StudioApp(App[None]):
     # ---- actions --------------------------------------------------------------------------
 
     def action_chat(self) -> None:
-        from studiotui.app.chat import ChatScreen
+        from studiotui.app.screens.chat import ChatScreen
 
         # One chat screen for the app's life: coming back is instant and finds it as left.
         if not self.is_screen_installed("chat"):
@@ -457,7 +459,7 @@ class StudioApp(App[None]):
 
     def action_node_logs(self) -> None:
         name = self._selected_node("logs")
-        ctl = self._need_controller("logs") if name else None
+        ctl = self.need_controller("logs") if name else None
         if name and ctl:
             self.push_screen(NodeLogScreen(name, self._read_log))
 
@@ -474,7 +476,7 @@ class StudioApp(App[None]):
 
     def action_restart_node(self) -> None:
         name = self._selected_node("restart")
-        ctl = self._need_controller("restart") if name else None
+        ctl = self.need_controller("restart") if name else None
         if not (name and ctl):
             return
         node = ctl.state.node(name)
@@ -497,19 +499,11 @@ class StudioApp(App[None]):
         assert self.inventory is not None
         spec = self.inventory.node(name)
         if not spec.is_local:
-            restart = getattr(ctl, "restart", None)
-            if restart is None:
-                self.report(
-                    f"restarting {name} over SSH is not available yet (use provision)", "warning"
-                )
-                return
-            await _call(restart, [name])
+            await restart_logged(ctl, [name])
             return
         self.report(f"restarting {name}…")
         await asyncio.to_thread(local_cluster.stop_agent, spec)
         pid = await asyncio.to_thread(local_cluster.start_agent, self.home, spec, self.inventory)
-        from studiotui.commands import wait_until_up
-
         missing = await wait_until_up(ctl, [name], timeout=UP_TIMEOUT_S)
         if missing:
             tail = local_cluster.agent_output_tail(spec)
@@ -518,30 +512,18 @@ class StudioApp(App[None]):
             self.report(f"{name} restarted (pid {pid})")
 
     def action_provision(self) -> None:
-        self._optional_command("provision", "provisioning", with_node=True)
+        ctl = self.need_controller("provisioning")
+        name = self._selected_node("provisioning") if ctl is not None else None
+        if ctl is not None and name is not None:
+            self.background(provision_logged(ctl, [name]), f"provisioning {name}")
 
     def action_measure_links(self) -> None:
-        self._optional_command("measure_links", "measuring links", with_node=False)
-
-    def _optional_command(self, method: str, what: str, with_node: bool) -> None:
-        """Commands the controller may not have yet: call them if present, else say so."""
-        ctl = self._need_controller(what)
-        if ctl is None:
-            return
-        command: Callable[..., Any] | None = getattr(ctl, method, None)
-        if command is None:
-            self.report(f"{what} is not available yet", "warning")
-            return
-        if with_node:
-            name = self._selected_node(what)
-            if name is None:
-                return
-            self.background(_call(command, [name]), f"{what} {name}")
-        else:
-            self.background(_call(command), what)
+        ctl = self.need_controller("measuring links")
+        if ctl is not None:
+            self.background(ctl.measure_links(), "measuring links")
 
     def action_refresh(self) -> None:
-        ctl = self._need_controller("refresh")
+        ctl = self.need_controller("refresh")
         if ctl is not None:
             self.background(ctl.refresh(), "refreshing")
             self.background(self._scan_models(), "reading models")
@@ -573,11 +555,3 @@ class StudioApp(App[None]):
     def action_rescan_models(self) -> None:
         if not self.fixed:
             self.background(self._scan_models(), "reading models")
-
-
-async def _call(command: Callable[..., Any], *args: Any) -> Any:
-    """Call a sync or async controller method inside the guarded worker."""
-    result = command(*args)
-    if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-        return await result
-    return result

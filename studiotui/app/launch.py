@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
-from studiotui import local_cluster
-from studiotui.app.app import Startup, StudioApp
-from studiotui.inventory import (
+from studiotui.app.app import ServiceStarter, Startup, StudioApp
+from studiotui.cluster import local_cluster
+from studiotui.cluster.session import load_cluster
+from studiotui.core.inventory import (
     DEFAULT_CONTROL_PORT,
     TELEMETRY_PORT_OFFSET,
     Inventory,
@@ -87,22 +89,14 @@ def existing(inventory: Inventory) -> Startup:
     return Startup(start_agents=stopped, note=note if stopped else "")
 
 
-def launch(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.commands import load_cluster
-
+def launch(args: argparse.Namespace, home: Path, services: Sequence[ServiceStarter] = ()) -> int:
     explicit = getattr(args, "inventory", None)
     found = find_inventory(explicit, Path.cwd(), home)
     if found is None and not local_cluster.local_inventory_path(home).exists():
         inventory, startup = first_run(home)
     else:
-        inventory = load_cluster(args, home)
+        inventory = load_cluster(args.inventory, home)
         startup = existing(inventory)
-    serve = getattr(args, "serve", None)
-    app = StudioApp(
-        home,
-        inventory,
-        startup=startup,
-        serve=(serve[0], serve[1], getattr(args, "api_key", None)) if serve else None,
-    )
+    app = StudioApp(home, inventory, startup=startup, services=services)
     app.run()
     return app.return_code or 0

@@ -1,0 +1,368 @@
+"""What each command-line verb does, on top of the Controller."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import Controller, GenerationError, PlacementError
+from studiotui.cluster.session import load_cluster, wait_until_up
+from studiotui.core.errors import UserError
+from studiotui.core.inventory import (
+    SelectionError,
+    resolve_group,
+)
+from studiotui.core.model_facts import ModelDirError
+from studiotui.core.placement import Refusal, format_bytes, render_plan
+
+console = Console(stderr=False, highlight=False)
+errors = Console(stderr=True, highlight=False)
+
+
+# ---- up / down -----------------------------------------------------------------------
+
+
+async def cmd_up(args: argparse.Namespace, home: Path) -> int:
+    if args.local:
+        try:
+            inv = local_cluster.write_local_inventory(home, args.local, args.memory_gb, args.port)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    else:
+        inv = load_cluster(args.inventory, home)
+    local = [n for n in inv.nodes if n.is_local]
+    remote = [n for n in inv.nodes if not n.is_local]
+    for node in local:
+        local_cluster.start_agent(home, node, inv)
+    ctl = Controller(home, inv)
+    try:
+        missing = await wait_until_up(ctl, [n.name for n in local], timeout=30.0)
+        print_nodes(ctl)
+    finally:
+        await ctl.close()
+    if remote:
+        names = ", ".join(n.name for n in remote)
+        console.print(f"SSH nodes ({names}) are started by `studiotui provision`.")
+    if missing:
+        for name in missing:
+            tail = local_cluster.agent_output_tail(inv.node(name))
+            errors.print(f"[red]{name} did not answer within 30 s.[/] Last lines of its output:")
+            errors.print(tail or "(nothing)")
+        return 1
+    return 0
+
+
+async def cmd_down(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    names = args.nodes or list(inv.names)
+    unknown = [n for n in names if n not in inv.names]
+    if unknown:
+        raise UserError(f"unknown node(s) {', '.join(unknown)}; known: {', '.join(inv.names)}")
+    ctl = Controller(home, inv)
+    try:
+        results = await ctl.shutdown(names)
+    finally:
+        await ctl.close()
+    for name in names:
+        node = inv.node(name)
+        if node.is_local:
+            await asyncio.to_thread(_wait_local_stop, node)
+        console.print(f"{name}: {results[name]}")
+    return 0
+
+
+def _wait_local_stop(node: Any) -> None:
+    pid = local_cluster.running_pid(node)
+    if pid is not None and not local_cluster.wait_gone(pid, 10.0):
+        local_cluster.stop_agent(node)
+
+
+# ---- status --------------------------------------------------------------------------
+
+
+async def cmd_status(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        if args.json:
+            console.print_json(json.dumps(status_json(ctl)))
+        else:
+            print_nodes(ctl)
+    finally:
+        await ctl.close()
+    return 0
+
+
+def status_json(ctl: Controller) -> dict[str, Any]:
+    st = ctl.state
+    return {
+        "cluster": st.name,
+        "nodes": [
+            {
+                "name": n.name,
+                "address": n.endpoint,
+                "transport": n.transport,
+                "state": n.state,
+                "version": n.version,
+                "memory_total": n.memory_total,
+                "memory_used": n.memory_used,
+                "chip": n.chip,
+                "message": n.message,
+            }
+            for n in st.nodes
+        ],
+        "placements": [
+            {
+                "name": p.name,
+                "model": p.model,
+                "model_dir": p.model_dir,
+                "state": p.state,
+                "nodes": list(p.nodes),
+                "layers": p.layers,
+            }
+            for p in st.placements
+        ],
+    }
+
+
+def print_nodes(ctl: Controller) -> None:
+    table = Table(title=f"cluster {ctl.state.name}")
+    for col in ("node", "address", "state", "version", "memory", "shards"):
+        table.add_column(col)
+    for n in ctl.state.nodes:
+        mem = (
+            f"{format_bytes(n.memory_used)} / {format_bytes(n.memory_total)}"
+            if n.memory_total
+            else ""
+        )
+        shards = ", ".join(f"{s.placement}[{s.start}:{s.end}] {s.state}" for s in n.shards)
+        colour = {"up": "green", "down": "red"}.get(n.state, "yellow")
+        table.add_row(n.name, n.endpoint, f"[{colour}]{n.state}[/]", n.version, mem, shards)
+    console.print(table)
+    for p in ctl.state.placements:
+        ring = " → ".join(f"{s.node}[{s.start}:{s.end}]" for s in p.shards)
+        console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}: {ring}")
+
+
+# ---- place / unload ------------------------------------------------------------------
+
+
+def resolve_model(spec: Path, home: Path) -> Path:
+    """A model directory, or the catalog's model of that name (models folders, HF cache)."""
+    if spec.expanduser().exists():
+        return spec.expanduser()
+    from studiotui.core.catalog import scan_home
+
+    catalog = scan_home(home)
+    named = [m.path for m in catalog.models if m.name == str(spec) or m.path.name == str(spec)]
+    if len(named) == 1:
+        return named[0]
+    known = ", ".join(sorted(m.name for m in catalog.models)) or "none"
+    if named:
+        raise UserError(f"several models are named {spec}: give its directory")
+    raise UserError(
+        f"model directory {spec} does not exist and no model has that name (models found: {known})"
+    )
+
+
+async def cmd_place(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    args.model_dir = resolve_model(args.model_dir, home)
+    try:
+        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
+    except SelectionError as exc:
+        raise UserError(str(exc)) from None
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
+        if not group:
+            raise UserError("no node is up: start the cluster first (studiotui up --local 4)")
+        name = args.name or args.model_dir.expanduser().resolve().name
+        if (existing := ctl.state.placement(name)) is not None:
+            # Before the plan and progress bars: nothing would be loaded.
+            raise UserError(
+                f"a placement named {name!r} exists ({existing.state}): unload it first "
+                f"(studiotui unload {name}) or pick another --name"
+            )
+        try:
+            info, the_plan = ctl.preview(args.model_dir.expanduser(), group, args.context)
+        except ModelDirError as exc:
+            raise UserError(str(exc)) from None
+        console.print(render_plan(the_plan))
+        if isinstance(the_plan, Refusal):
+            return 1
+        if args.dry_run:
+            return 0
+        with Progress(
+            TextColumn("{task.description:>12}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        ) as bar:
+            tasks = {s.node: bar.add_task(s.node, total=None) for s in the_plan.shards}
+
+            def progress(node: str, done: int, total: int) -> None:
+                bar.update(tasks[node], completed=done, total=total)
+
+            try:
+                result = await ctl.place(
+                    args.model_dir,
+                    group,
+                    args.name,
+                    progress,
+                    prefill_chunk=args.prefill_chunk,
+                    context_tokens=args.context,
+                )
+            except (PlacementError, ModelDirError) as exc:
+                raise UserError(str(exc)) from None
+        console.print(f"placement [bold]{result.placement.name}[/] is ready ({info.name})")
+    finally:
+        await ctl.close()
+    return 0
+
+
+async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.unload(args.name)
+    except PlacementError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        await ctl.close()
+    console.print(f"placement {args.name} unloaded")
+    return 0
+
+
+# ---- chat ----------------------------------------------------------------------------
+
+
+async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    if args.raw:
+        request: dict[str, Any] = {"prompt": args.prompt}
+    else:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        request = {"messages": [*msgs, {"role": "user", "content": args.prompt}]}
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        done: dict[str, Any] = {}
+        async for msg in ctl.generate(args.placement, request, params):
+            if msg["type"] == "delta":
+                sys.stdout.write(msg["text"])
+                sys.stdout.flush()
+            elif msg["type"] == "done":
+                done = msg
+        sys.stdout.write("\n")
+        t = done.get("timings", {})
+        u = done.get("usage", {})
+        errors.print(
+            f"[dim]{u.get('prompt_tokens', 0)} tokens in, {u.get('completion_tokens', 0)} out, "
+            f"first token {t.get('ttft_ms', 0):.0f} ms, {t.get('decode_tps', 0):.1f} tok/s, "
+            f"finish: {done.get('finish_reason', '?')}[/]"
+        )
+    except GenerationError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        await ctl.close()
+    return 0
+
+
+# ---- logs ----------------------------------------------------------------------------
+
+
+async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    if args.node not in inv.names:
+        raise UserError(f"unknown node {args.node!r}; known: {', '.join(inv.names)}")
+    ctl = Controller(home, inv)
+    try:
+        seen: list[str] = []
+        while True:
+            try:
+                lines = await ctl.read_log(args.node, args.lines)
+            except Exception as exc:
+                raise UserError(f"{args.node}: cannot read its log: {exc}") from None
+            start = _new_lines_start(seen, lines)
+            for line in lines[start:]:
+                print(line)
+            seen = lines
+            if not args.follow:
+                return 0
+            await asyncio.sleep(1.0)
+    finally:
+        await ctl.close()
+
+
+def _new_lines_start(seen: list[str], lines: list[str]) -> int:
+    if not seen:
+        return 0
+    last = seen[-1]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i] == last:
+            return i + 1
+    return 0
+
+
+# ---- demo model / bench / tui --------------------------------------------------------
+
+
+def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
+    from worker.shared.demo_model import DemoSpec, write_demo_model
+
+    try:
+        spec = DemoSpec(
+            arch=args.arch,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            seed=args.seed,
+            dtype=args.dtype,
+            recite=args.recite,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    path = write_demo_model(args.dir.expanduser(), spec)
+    console.print(f"wrote {spec.arch} demo model ({spec.layers} layers) to {path}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, home: Path) -> int:
+    from studiotui.bench.run import BenchError, run_bench
+
+    try:
+        return run_bench(quick=args.quick, as_json=args.json)
+    except BenchError as exc:
+        raise UserError(f"bench failed: {exc}") from None
+
+
+def cmd_tui(args: argparse.Namespace, home: Path) -> int:
+    from studiotui.app.launch import launch
+    from studiotui.cli.serve import api_service
+
+    serve = getattr(args, "serve", None)
+    services = [api_service(serve[0], serve[1], getattr(args, "api_key", None))] if serve else []
+    return launch(args, home, services)

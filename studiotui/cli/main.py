@@ -1,0 +1,151 @@
+"""The command line: every verb drives the same Controller the TUI uses."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from studiotui import __version__
+from studiotui.core.errors import StudioError
+from studiotui.core.inventory import DEFAULT_CONTROL_PORT
+
+DEFAULT_LOCAL_NODES = 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="studiotui",
+        description="Cluster manager and chat client for desk clusters of Apple Silicon Macs.",
+    )
+    p.add_argument("--version", action="version", version=f"studiotui {__version__}")
+    p.add_argument("-i", "--inventory", type=Path, help="cluster.toml to use")
+    p.add_argument(
+        "--serve",
+        type=_host_port,
+        metavar="[HOST:]PORT",
+        help="with the dashboard: also serve the OpenAI-compatible API from it",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("STUDIOTUI_API_KEY"),
+        help="with --serve: require this bearer key",
+    )
+    sub = p.add_subparsers(dest="verb")
+    from studiotui.cli import provision_cmd
+
+    provision_cmd.add_parsers(sub)  # provision, restart
+
+    up = sub.add_parser("up", help="start agents (with --local N: a simulated cluster here)")
+    up.add_argument(
+        "--local", type=int, metavar="N", help="start N simulated nodes on this machine"
+    )
+    up.add_argument(
+        "--memory-gb", type=float, default=None, help="memory each local node advertises"
+    )
+    up.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_CONTROL_PORT,
+        help="control port of the local nodes, to run a second simulated cluster beside one "
+        f"(default {DEFAULT_CONTROL_PORT})",
+    )
+
+    down = sub.add_parser("down", help="stop agents")
+    down.add_argument("nodes", nargs="*", help="nodes to stop (default: all)")
+
+    status = sub.add_parser("status", help="nodes and placements")
+    status.add_argument("--json", action="store_true")
+
+    place = sub.add_parser("place", help="split a model over nodes and load it")
+    place.add_argument(
+        "model_dir", type=Path, help="a model directory, or a model's name in the catalog"
+    )
+    place.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
+    place.add_argument("--name", help="placement name (default: the model directory's name)")
+    place.add_argument("--prefill-chunk", type=int, default=512)
+    place.add_argument("--context", type=int, default=4096, help="context tokens to reserve KV for")
+    place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
+
+    unload = sub.add_parser("unload", help="unload a placement and free its memory")
+    unload.add_argument("name")
+
+    chat = sub.add_parser("chat", help="send one prompt and stream the answer")
+    chat.add_argument("prompt")
+    chat.add_argument("--placement")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    chat.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
+
+    logs = sub.add_parser("logs", help="a node agent's log")
+    logs.add_argument("node")
+    logs.add_argument("--lines", type=int, default=100)
+    logs.add_argument("--follow", action="store_true")
+
+    demo = sub.add_parser("demo-model", help="write a deterministic demo model directory")
+    demo.add_argument("dir", type=Path)
+    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    demo.add_argument("--layers", type=int, default=8)
+    demo.add_argument("--hidden", type=int, default=256)
+    demo.add_argument("--heads", type=int, default=8)
+    demo.add_argument("--kv-heads", type=int, default=4)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    demo.add_argument(
+        "--recite",
+        action="store_true",
+        help="write a fixed passage instead of noise (the first-run demo does)",
+    )
+
+    bench = sub.add_parser("bench", help="measure the pipeline and print figures")
+    bench.add_argument("--quick", action="store_true", help="finish in under a minute")
+    bench.add_argument("--json", action="store_true", help="one JSON object")
+    from studiotui.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
+    return p
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"--serve wants [HOST:]PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def home_dir() -> Path:
+    from studiotui.core.inventory import studiotui_home
+
+    home = studiotui_home(os.environ)
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from studiotui.cli import commands, provision_cmd
+
+    verb = args.verb or "tui"
+    # SSH-aware versions of these verbs; they hand local nodes to `commands`.
+    module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
+    try:
+        result = handler(args, home_dir())
+        if asyncio.iscoroutine(result):
+            result = asyncio.run(result)
+        return int(result or 0)
+    except StudioError as exc:
+        print(f"studiotui: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""The dashboard's pure parts: drawing, colours, RDMA verdicts, themes, settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from studiotui.app.panes.log import log_line
+from studiotui.app.panes.nodes import node_lines, sort_key
+from studiotui.app.panes.rdma import rdma_view
+from studiotui.app.panes.topology import cluster_links, describe_link, draw_topology
+from studiotui.app.render import bar, sparkline, usage_style
+from studiotui.app.themes import (
+    DEFAULT_THEME,
+    ThemeFileError,
+    load_themes,
+    load_ui,
+    save_ui,
+    theme_from_toml,
+)
+from studiotui.core.state import ClusterState, LogEntry, NodeState, PlacementState, ShardState
+
+GB = 1024**3
+
+
+def _node(i: int, **kw) -> NodeState:
+    return NodeState(
+        name=kw.pop("name", f"node-{i}"),
+        address=kw.pop("address", f"127.0.0.{10 + i}"),
+        control_port=52500,
+        transport="local",
+        state=kw.pop("state", "up"),
+        memory_total=16 * GB,
+        memory_used=kw.pop("used", 4 * GB),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("width", [24, 46, 76, 140])
+def test_topology_draws_every_node_at_any_width(n: int, width: int) -> None:
+    nodes = tuple(_node(i) for i in range(1, n + 1))
+    shards = tuple(
+        ShardState("p", node.name, i, n, i, i + 1, "ready") for i, node in enumerate(nodes)
+    )
+    state = ClusterState(nodes=nodes, placements=(PlacementState("p", "m", "/m", shards),))
+    text = draw_topology(state, width, selected="node-1").plain
+    for node in nodes:
+        assert node.name in text
+    if n > 1:
+        assert "ring p" in text and "→" in text
+
+
+def test_measured_links_come_from_the_agents() -> None:
+    a = _node(1, facts={"links": [{"peer": "node-2", "kind": "thunderbolt", "latency_us": 31.5}]})
+    b = _node(2, address="10.0.0.2")
+    c = _node(3, address="10.0.0.3")
+    links = {(link.a, link.b): link for link in cluster_links(ClusterState(nodes=(a, b, c)))}
+    assert describe_link(links["node-1", "node-2"]) == "thunderbolt · 32 µs · Gb/s ?"
+    assert describe_link(links["node-2", "node-3"]) == "unknown · not measured"
+    assert describe_link(links["node-1", "node-3"]).endswith("not measured")
+
+
+def test_memory_colours_change_at_80_and_95_percent() -> None:
+    assert usage_style(0.79) == "$success"
+    assert usage_style(0.80) == "$warning"
+    assert usage_style(0.95) == "$error"
+    assert bar(0.5, 10).plain.count("█") == 5
+    assert sparkline((0.0, 0.5, 1.0), 10) == "▁▅█"
+    assert sparkline((0.2,) * 50, 4) == "▂▂▂▂"
+
+
+def test_node_card_shows_what_is_known() -> None:
+    node = _node(1, used=15 * GB, gpu_pct=40.0, power_w=None, memory_history=(0.5, 0.9))
+    text = node_lines(node, 80, selected=True).plain
+    assert "▶" in text and "node-1" in text and "15.0 GB / 16.0 GB" in text
+    assert "gpu 40%" in text and "power" not in text
+    narrow = node_lines(node, 40, selected=False).plain
+    assert all(len(line) <= 40 for line in narrow.splitlines())
+    busy = [_node(1, used=1 * GB), _node(2, used=9 * GB), _node(3, state="down")]
+    assert min(busy, key=sort_key("memory")).name == "node-2"
+    assert min(busy, key=sort_key("state")).name == "node-3"
+
+
+def test_rdma_verdicts() -> None:
+    linux = _node(1, facts={"os": "Linux", "os_version": "6.8"})
+    assert rdma_view(linux).status.startswith("not a Mac")
+    old = _node(2, facts={"os": "Darwin", "os_version": "15.6"})
+    assert rdma_view(old).status.startswith("not macOS 26.2+")
+    enabled = _node(
+        3,
+        facts={
+            "os": "Darwin",
+            "os_version": "26.2",
+            "rdma": {"status": "enabled", "usable": True, "devices": ["rdma_en3"]},
+        },
+    )
+    assert rdma_view(enabled).status == "enabled (rdma_en3)"
+    disabled = _node(4, facts={"os": "Darwin", "os_version": "26.2", "rdma": {"status": "x"}})
+    view = rdma_view(disabled)
+    assert view.style == "$error" and any("rdma_ctl enable" in s for s in view.steps)
+
+
+def test_log_lines_wrap_under_themselves() -> None:
+    entry = LogEntry(0.0, "error", "word " * 30)
+    wide = log_line(entry, 80).plain.splitlines()
+    assert len(wide) > 1 and all(line.startswith(" " * 17) for line in wide[1:])
+    narrow = log_line(entry, 40).plain.splitlines()
+    assert "error: word" in narrow[0] and all(line.startswith(" " * 9) for line in narrow[1:])
+
+
+def test_shipped_themes_load() -> None:
+    themes, problems = load_themes()
+    names = {t.name for t in themes}
+    assert problems == []
+    assert {DEFAULT_THEME, "studio-light", "studio-ansi"} <= names
+    assert any(not t.dark for t in themes) and any(t.ansi for t in themes)
+
+
+def test_a_bad_theme_file_is_refused_with_its_name() -> None:
+    with pytest.raises(ThemeFileError, match=r"x\.toml: unknown key\(s\) primry"):
+        theme_from_toml('name = "x"\nprimary = "#fff"\nprimry = "#000"\n', "x.toml")
+    with pytest.raises(ThemeFileError, match="invalid TOML"):
+        theme_from_toml("name = ", "y.toml")
+
+
+def test_ui_settings_survive_damage(tmp_path: Path) -> None:
+    assert load_ui(tmp_path) == {}
+    (tmp_path / "ui.json").write_text("{not json")
+    assert load_ui(tmp_path) == {}
+    save_ui(tmp_path, theme="studio-light")
+    save_ui(tmp_path, sort="cpu")
+    assert load_ui(tmp_path) == {"theme": "studio-light", "sort": "cpu"}

@@ -1,0 +1,103 @@
+"""The headless command line, end to end, as a script would drive it: real
+processes, a real local cluster on its own port, real shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from studiotui.cluster import local_cluster
+from studiotui.core.inventory import load_inventory
+
+PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
+
+
+def run(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "STUDIOTUI_HOME": str(home), "NO_COLOR": "1", "COLUMNS": "160"}
+    return subprocess.run(
+        [sys.executable, "-m", "studiotui", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    home = tmp_path / "home"
+    yield home
+    # Whatever the test did, stop the agents it started, by the pids they recorded.
+    path = local_cluster.local_inventory_path(home)
+    if path.exists():
+        for node in load_inventory(path).nodes:
+            if (pid := local_cluster.running_pid(node)) is not None:
+                local_cluster.kill_pid(pid)
+
+
+def status(home: Path) -> dict:
+    out = run(home, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_up_place_chat_status_down(home: Path) -> None:
+    up = run(home, "up", "--local", "2", "--port", str(PORT))
+    assert up.returncode == 0, up.stderr
+    nodes = status(home)["nodes"]
+    assert [n["name"] for n in nodes] == ["local-1", "local-2"]
+    assert {n["state"] for n in nodes} == {"up"}
+    assert all(n["address"].endswith(f":{PORT}") for n in nodes)
+    assert all(0 < n["memory_used"] < n["memory_total"] for n in nodes)
+    pids = [
+        local_cluster.running_pid(node)
+        for node in load_inventory(local_cluster.local_inventory_path(home)).nodes
+    ]
+    assert all(pids)
+
+    model = home / "tiny"
+    made = run(home, "demo-model", str(model), "--layers", "4", "--hidden", "64")
+    assert made.returncode == 0, made.stderr
+    placed = run(home, "place", str(model), "--name", "tiny")
+    assert placed.returncode == 0, placed.stderr
+    assert "placement tiny is ready" in placed.stdout
+    [placement] = status(home)["placements"]
+    assert placement["name"] == "tiny" and placement["nodes"] == ["local-1", "local-2"]
+    assert placement["layers"] == [[0, 2], [2, 4]]
+
+    # The same name again is refused before any plan or progress is shown.
+    again = run(home, "place", str(model), "--name", "tiny")
+    assert again.returncode == 2
+    assert "'tiny' exists (ready): unload it first (studiotui unload tiny)" in again.stderr
+    assert "ring:" not in again.stdout
+
+    chat = run(home, "chat", "--placement", "tiny", "--max-tokens", "12", "hello")
+    assert chat.returncode == 0, chat.stderr
+    figures = re.search(r"(\d+) tokens in, (\d+) out, .* finish: (\w+)", chat.stderr)
+    assert figures, chat.stderr
+    out, finish = int(figures[2]), figures[3]
+    assert finish in ("length", "stop") and 1 <= out <= 12
+    assert (out == 12) == (finish == "length")
+
+    missing = run(home, "chat", "--placement", "nope", "hi")
+    assert missing.returncode == 2 and "no placement named 'nope' (known: tiny)" in missing.stderr
+
+    down = run(home, "down")
+    assert down.returncode == 0, down.stderr
+    assert not any(psutil.pid_exists(pid) and _is_agent(pid) for pid in pids if pid)
+
+
+def _is_agent(pid: int) -> bool:
+    try:
+        return "worker" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
