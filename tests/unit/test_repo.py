@@ -32,3 +32,15 @@ def test_fixtures_live_in_the_repository() -> None:
             continue
         text = path.read_text(encoding="utf-8")
         assert "../shared" not in text and '"shared" / "fixtures"' not in text, path.name
+
+
+def test_imports_run_one_way() -> None:
+    """The import-linter contracts in pyproject.toml: layers, no loops, the wire shared."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert exe, "import-linter is a test dependency: pip install -e '.[test]'"
+    run = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
