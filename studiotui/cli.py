@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     from studiotui.api_cli import add_serve_parser
 
     add_serve_parser(sub)
+    from studiotui.web import add_web_parser
+
+    add_web_parser(sub)
     return p
 
 
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     verb = args.verb or "tui"
     # SSH-aware versions of these verbs; they hand local nodes to `commands`.
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    if verb == "web":
+        from studiotui import web as module  # the dashboard in a browser
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())
