@@ -24,8 +24,16 @@ from typing import Any
 
 from aiohttp import web
 
+from studiotui.api import shapes
 from studiotui.api.defaults import DEFAULT_HOST, DEFAULT_PORT
-from studiotui.api.request import ApiError, ChatRequest, bad, parse_chat_request
+from studiotui.api.request import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    bad,
+    parse_chat_request,
+    parse_completion_request,
+)
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
 
@@ -49,6 +57,9 @@ REFUSALS = (
     "top_p must",
     "the prompt is empty",
     "prompt tokens must",
+    "logprobs must",
+    "tools are not supported",
+    "tools must",
 )
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE_HEADERS = {
@@ -161,6 +172,7 @@ def build_app(controller: Controller, api_key: str | None = None) -> web.Applica
     app.router.add_get("/v1/models", _list_models)
     app.router.add_get("/v1/models/{model:.+}", _get_model)
     app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
     return app
 
 
@@ -258,19 +270,31 @@ async def _read_json(request: web.Request) -> Any:
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     chat = parse_chat_request(await _read_json(request))
+    return await _answer(request, chat, _ChatAnswer)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    plain = parse_completion_request(await _read_json(request))
+    return await _answer(request, plain, _TextAnswer)
+
+
+async def _answer(
+    request: web.Request, parsed: ChatRequest | CompletionRequest, shape: type[_Shape]
+) -> web.StreamResponse:
     models = request.app[MODELS]
-    placement = models.resolve(chat.model)
+    placement = models.resolve(parsed.model)
     ctl = request.app[CONTROLLER]
     stats = models.stats
     stats.in_flight[placement.name] += 1
     stats.peak = max(stats.peak, stats.total)
     started = time.perf_counter()
-    gen = ctl.generate(placement.name, {"messages": chat.messages}, chat.params)
+    gen = ctl.generate(placement.name, parsed.cluster_request(), parsed.params)
     try:
-        await _accepted(gen, placement.name)
-        if chat.stream:
-            return await _stream(request, gen, chat, placement.name)
-        return await _complete(gen, placement.name)
+        await _accepted(gen, placement.name, shape.prompt_param)
+        answer = shape(placement.name, parsed.logprobs, parsed.include_usage)
+        if parsed.stream:
+            return await _stream(request, gen, answer)
+        return await _complete(gen, answer)
     finally:
         # Closing before "done" is what sends the cancel that frees the KV caches.
         await gen.aclose()
@@ -279,19 +303,22 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         log.info(
             "%s %s %.2f s",
             placement.name,
-            "stream" if chat.stream else "complete",
+            "stream" if parsed.stream else "complete",
             time.perf_counter() - started,
         )
 
 
-async def _accepted(gen: AsyncIterator[dict[str, Any]], name: str) -> dict[str, Any]:
+async def _accepted(
+    gen: AsyncIterator[dict[str, Any]], name: str, param: str = "messages"
+) -> dict[str, Any]:
     """Wait for the head shard to take the request, before any status is sent."""
     try:
         return await anext(gen)
     except GenerationError as exc:
         text = str(exc)
         if text.startswith(REFUSALS):
-            raise bad(f"the model refused the request: {text}", "messages") from None
+            blamed = "tools" if text.startswith("tools") else param
+            raise bad(f"the model refused the request: {text}", blamed) from None
         raise _unavailable(f"placement {name!r} cannot answer: {text}", "cluster_error") from None
     except StopAsyncIteration:
         raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
@@ -308,68 +335,182 @@ def _usage(done: dict[str, Any]) -> dict[str, int]:
     }
 
 
-async def _complete(gen: AsyncIterator[dict[str, Any]], model: str) -> web.Response:
-    parts: list[str] = []
-    done: dict[str, Any] = {}
-    try:
-        async for msg in gen:
-            if msg["type"] == "delta":
-                parts.append(msg["text"])
-            elif msg["type"] == "done":
-                done = msg
-    except GenerationError as exc:
-        raise _unavailable(
-            f"placement {model!r} failed mid-answer: {exc}", "cluster_error"
-        ) from None
-    body = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(parts), "refusal": None},
-                "logprobs": None,
-                "finish_reason": FINISH.get(done.get("finish_reason", "stop"), "stop"),
-            }
-        ],
-        "usage": _usage(done),
-    }
-    return web.json_response(body, dumps=_dumps)
+class _Shape:
+    """One answer in the making, in one of OpenAI's two shapes (chat or text).
 
+    Without streaming it gathers the deltas and gives the body; streaming it turns
+    each delta into a chunk. One token is one chunk, so the common chunk (text
+    only) is the parts shared by every chunk, encoded once, around its text.
+    """
 
-class _Chunks:
-    """chat.completion.chunk lines, with the parts common to every chunk encoded once."""
+    object = ""
+    prompt_param = ""
+    id_prefix = ""
 
-    def __init__(self, model: str, include_usage: bool) -> None:
-        head = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion.chunk",
+    def __init__(self, model: str, logprobs: int, include_usage: bool) -> None:
+        self.model = model
+        self.wants_logprobs = logprobs >= 0
+        self.top = max(logprobs, 0)
+        self.include_usage = include_usage
+        self.parts: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.entries: list[dict[str, Any]] = []
+        self.head: dict[str, Any] = {
+            "id": f"{self.id_prefix}{uuid.uuid4().hex}",
+            "object": self.object,
             "created": int(time.time()),
             "model": model,
             "system_fingerprint": None,
         }
-        if include_usage:
-            head["usage"] = None  # OpenAI: null on every chunk but the last
-        # One token is one chunk, so the per-token cost is a json.dumps of its text.
-        self._prefix = "data: " + _dumps(head)[:-1] + ',"choices":[{"index":0,"delta":'
-        self._suffix = ',"logprobs":null,"finish_reason":null}]}\n\n'
-        self.head = head
 
-    def delta(self, delta: dict[str, Any]) -> bytes:
-        return (self._prefix + _dumps(delta) + self._suffix).encode()
+    def add(self, msg: dict[str, Any]) -> None:
+        self.parts.append(msg["text"])
+        self.calls.extend(msg.get("tool_calls") or ())
+        self.entries.extend(msg.get("logprobs") or ())
 
-    def text(self, text: str) -> bytes:
-        return (self._prefix + '{"content":' + _dumps(text) + "}" + self._suffix).encode()
+    def finish_reason(self, done: dict[str, Any]) -> str:
+        return shapes.finish_reason(
+            FINISH.get(done.get("finish_reason", "stop"), "stop"), bool(self.calls)
+        )
 
-    def finish(self, reason: str) -> bytes:
-        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-        return _event({**self.head, "choices": [choice]})
+    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def start(self) -> bytes:
+        return b""
+
+    def chunk(self, msg: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def finish(self, done: dict[str, Any]) -> bytes:
+        raise NotImplementedError
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return _event({**self.head, "choices": [], "usage": usage})
+
+
+class _ChatAnswer(_Shape):
+    object = "chat.completion.chunk"
+    prompt_param = "messages"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, model: str, logprobs: int, include_usage: bool) -> None:
+        super().__init__(model, logprobs, include_usage)
+        if include_usage:
+            self.head["usage"] = None  # OpenAI: null on every chunk but the last
+        self._prefix = "data: " + _dumps(self.head)[:-1] + ',"choices":[{"index":0,"delta":'
+        self._suffix = ',"logprobs":null,"finish_reason":null}]}\n\n'
+        self.sent_calls = 0
+
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return shapes.chat_logprobs(entries, self.top) if self.wants_logprobs else None
+
+    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+        text = "".join(self.parts)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            # OpenAI: null content beside tool calls when the model wrote nothing else.
+            "content": text if text or not self.calls else None,
+            "refusal": None,
+        }
+        if self.calls:
+            message["tool_calls"] = shapes.tool_calls(self.calls, 0, streaming=False)
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": self._logprobs(self.entries),
+            "finish_reason": self.finish_reason(done),
+        }
+        head = {k: v for k, v in self.head.items() if k != "usage"}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(done)}
+
+    def start(self) -> bytes:
+        return (self._prefix + '{"role":"assistant","content":""}' + self._suffix).encode()
+
+    def chunk(self, msg: dict[str, Any]) -> bytes:
+        text, calls, entries = msg["text"], msg.get("tool_calls"), msg.get("logprobs")
+        self.calls.extend(calls or ())
+        if not calls and not (entries and self.wants_logprobs):
+            if not text:
+                return b""
+            return (self._prefix + '{"content":' + _dumps(text) + "}" + self._suffix).encode()
+        delta: dict[str, Any] = {"content": text} if text or not calls else {}
+        if calls:
+            delta["tool_calls"] = shapes.tool_calls(calls, self.sent_calls, streaming=True)
+            self.sent_calls += len(calls)
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self._logprobs(entries or []),
+            "finish_reason": None,
+        }
+        return _event({**self.head, "choices": [choice]})
+
+    def finish(self, done: dict[str, Any]) -> bytes:
+        reason = self.finish_reason(done)
+        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+        return _event({**self.head, "choices": [choice]})
+
+
+class _TextAnswer(_Shape):
+    object = "text_completion"
+    prompt_param = "prompt"
+    id_prefix = "cmpl-"
+
+    def __init__(self, model: str, logprobs: int, include_usage: bool) -> None:
+        super().__init__(model, logprobs, include_usage)
+        self.offset = 0  # characters of text already streamed, for text_offset
+
+    def _logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any] | None:
+        if not self.wants_logprobs:
+            return None
+        return shapes.completion_logprobs(entries, self.top, offset)
+
+    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "text": "".join(self.parts),
+            "logprobs": self._logprobs(self.entries, 0),
+            "finish_reason": self.finish_reason(done),
+        }
+        return {**self.head, "choices": [choice], "usage": _usage(done)}
+
+    def chunk(self, msg: dict[str, Any]) -> bytes:
+        text, entries = msg["text"], msg.get("logprobs") or []
+        if not text and not (entries and self.wants_logprobs):
+            return b""
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(entries, self.offset),
+            "finish_reason": None,
+        }
+        self.offset += sum(len(e["token"]) for e in entries)
+        return _event({**self.head, "choices": [choice]})
+
+    def finish(self, done: dict[str, Any]) -> bytes:
+        choice = {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": self.finish_reason(done),
+        }
+        return _event({**self.head, "choices": [choice]})
+
+
+async def _complete(gen: AsyncIterator[dict[str, Any]], answer: _Shape) -> web.Response:
+    done: dict[str, Any] = {}
+    try:
+        async for msg in gen:
+            if msg["type"] == "delta":
+                answer.add(msg)
+            elif msg["type"] == "done":
+                done = msg
+    except GenerationError as exc:
+        raise _unavailable(
+            f"placement {answer.model!r} failed mid-answer: {exc}", "cluster_error"
+        ) from None
+    return web.json_response(answer.body(done), dumps=_dumps)
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -377,26 +518,26 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 
 async def _stream(
-    request: web.Request, gen: AsyncIterator[dict[str, Any]], chat: ChatRequest, model: str
+    request: web.Request, gen: AsyncIterator[dict[str, Any]], answer: _Shape
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
-    chunks = _Chunks(model, chat.include_usage)
     try:
-        await resp.write(chunks.delta({"role": "assistant", "content": ""}))
+        if first := answer.start():
+            await resp.write(first)
         async for msg in gen:
             if msg["type"] == "delta":
-                if msg["text"]:
-                    await resp.write(chunks.text(msg["text"]))
+                if chunk := answer.chunk(msg):
+                    await resp.write(chunk)
             elif msg["type"] == "done":
-                await resp.write(chunks.finish(FINISH.get(msg["finish_reason"], "stop")))
-                if chat.include_usage:
-                    await resp.write(chunks.usage(_usage(msg)))
+                await resp.write(answer.finish(msg))
+                if answer.include_usage:
+                    await resp.write(answer.usage(_usage(msg)))
                 await resp.write(b"data: [DONE]\n\n")
     except GenerationError as exc:
         # The status line is long gone; OpenAI's clients raise on an error event.
         # No [DONE] after it, so no client mistakes the cut answer for a whole one.
-        err = _unavailable(f"placement {model!r} failed mid-answer: {exc}", "cluster_error")
+        err = _unavailable(f"placement {answer.model!r} failed mid-answer: {exc}", "cluster_error")
         log.warning("%s", err.message)
         with contextlib.suppress(ConnectionError):
             await resp.write(_event(err.body()))

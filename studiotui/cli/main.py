@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     from studiotui.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from studiotui.cli.web import add_web_parser
+
+    add_web_parser(sub)
     return p
 
 
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     verb = args.verb or "tui"
     # SSH-aware versions of these verbs; they hand local nodes to `commands`.
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    if verb == "web":
+        from studiotui.cli import web as module
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())
