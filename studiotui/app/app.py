@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
+from textual.notifications import SeverityLevel
 from textual.theme import Theme
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
@@ -65,13 +66,13 @@ ServiceStarter = Callable[[Controller], Awaitable[Any]]
 @guard_actions
 class StudioApp(Dashboard):
     TITLE = "studiotui"
-    CSS_PATH: ClassVar[list[str | Path]] = [  # type: ignore[misc]
+    CSS_PATH: ClassVar[list[str | Path]] = [  # type: ignore[assignment]
         "app.tcss",
         "panes/nodes.tcss",
         "dialogs.tcss",
     ]
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (130, "-wide")]
-    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (40, "-tall")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (130, "-wide")]  # noqa: RUF012 - as Textual types it
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]  # noqa: RUF012 - as Textual types it
     COMMANDS: ClassVar[set[Any]] = App.COMMANDS | {StudioCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "quit", "Quit", id="quit"),
@@ -253,7 +254,8 @@ class StudioApp(Dashboard):
     def report(self, text: str, level: str = "info") -> None:
         """Tell the operator: a notification for warnings and errors, a Log entry always."""
         if level in ("warning", "error"):
-            self.notify(text, severity=level, timeout=8 if level == "error" else 5)
+            severity: SeverityLevel = "error" if level == "error" else "warning"
+            self.notify(text, severity=severity, timeout=8 if level == "error" else 5)
         else:
             self.notify(text, timeout=3)
         if self.controller is not None:
@@ -388,7 +390,8 @@ class StudioApp(Dashboard):
         self.push_screen(HelpScreen(self.key_rows()))
 
     def key_rows(self) -> list[tuple[str, str]]:
-        keymap = self.ui.get("keymap") if isinstance(self.ui.get("keymap"), dict) else {}
+        found = self.ui.get("keymap")
+        keymap: dict[str, str] = found if isinstance(found, dict) else {}
         rows = []
         for binding in [*self.BINDINGS, *NodesPane.BINDINGS]:
             assert isinstance(binding, Binding)

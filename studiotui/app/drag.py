@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.errors import NoWidget
@@ -122,7 +123,7 @@ class GroupsStrip(Horizontal):
         super().__init__(**kwargs)
         self._groups: dict[str, tuple[str, ...]] = {}
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield GroupChip("marked", "marked", (), id="chip-marked")
 
     def set_groups(self, groups: Mapping[str, Sequence[str]]) -> None:
@@ -235,7 +236,10 @@ class DragSession:
             self.ghost = None
 
     def _highlight(self, target: DropTarget | None) -> None:
-        if target == self.target and (target is None or target.widgets == self.target.widgets):
+        same = target == self.target
+        if same and (
+            target is None or self.target is None or target.widgets == self.target.widgets
+        ):
             return
         if self.target is not None:
             for widget in self.target.widgets:

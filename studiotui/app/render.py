@@ -146,7 +146,8 @@ class Drawing(Widget):
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         # Measured the way Textual will draw it, so a line that still folds counts twice.
-        return self.content_for(width).get_height(self.styles, width)
+        # (Textual's own widgets pass their styles here too; its stubs name a narrower type.)
+        return self.content_for(width).get_height(self.styles, width)  # type: ignore[arg-type]
 
 
 def wrapped(text: str, width: int, indent: int, style: str = "") -> Content:

@@ -94,7 +94,7 @@ class SingleProcess:
     def __init__(self, model_dir: Path) -> None:
         import mlx_lm
 
-        self.model, _ = mlx_lm.load(str(model_dir))
+        self.model = mlx_lm.load(str(model_dir))[0]
 
     def decode(self, n: int) -> dict[str, Any]:
         import mlx.core as mx

@@ -128,7 +128,7 @@ def _guard(token: str, loopback_bind: bool) -> Callable[..., Awaitable[web.Strea
 def _server_class() -> type:
     from textual_serve.server import Server
 
-    class TokenServer(Server):  # type: ignore[misc]
+    class TokenServer(Server):
         """textual-serve's server behind the token check."""
 
         def __init__(self, command: str, token: str, loopback_bind: bool) -> None:

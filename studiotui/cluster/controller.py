@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -418,7 +418,8 @@ class Controller:
 
         loads = asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
         watch = asyncio.create_task(self._watch_nodes([s.node for s in shards]))
-        done, _ = await asyncio.wait({loads, watch}, return_when=asyncio.FIRST_COMPLETED)
+        racing: set[asyncio.Future[Any]] = {loads, watch}
+        done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         if watch in done:
             loads.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -544,7 +545,7 @@ class Controller:
         params: dict[str, Any],
         first_timeout: float = 900.0,
         step_timeout: float = 60.0,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Yield accepted, delta… and done messages; raise GenerationError on failure.
 
         `request` holds one of messages / prompt / tokens.

@@ -13,7 +13,7 @@ from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, InventoryError, find_inventory, load_inventory
 
 
-def load_cluster(inventory: str | Path | None, home: Path) -> Inventory:
+def load_cluster(inventory: Path | None, home: Path) -> Inventory:
     """The inventory named by `-i`, else ./cluster.toml, $STUDIOTUI_HOME, the local cluster."""
     path = find_inventory(inventory, Path.cwd(), home)
     if path is None:

@@ -396,7 +396,7 @@ def _parse_transport(src: _Source, ref: FieldRef, value: object) -> Transport:
     if value not in TRANSPORTS:
         choices = " or ".join(f'"{t}"' for t in TRANSPORTS)
         raise src.error(ref, f"expected {choices}, got {_show(value)}")
-    return cast(Transport, value)
+    return value
 
 
 def _optional(

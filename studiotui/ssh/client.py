@@ -24,6 +24,7 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import asyncssh
 
@@ -630,7 +631,7 @@ async def read_file_since(
             if size == offset:
                 return b"", offset
             await f.seek(offset)
-            data = await f.read(min(size - offset, max_bytes))
+            data = cast(bytes, await f.read(min(size - offset, max_bytes)))
     except asyncssh.SFTPNoSuchFile:
         raise RemoteFileError(node, f"{path} does not exist", "") from None
     except (asyncssh.Error, OSError) as exc:
@@ -658,7 +659,7 @@ async def read_file_tail(conn: asyncssh.SSHClientConnection, path: str, lines: i
                 step = min(_SFTP_CHUNK, pos)
                 pos -= step
                 await f.seek(pos)
-                data = await f.read(step) + data
+                data = cast(bytes, await f.read(step)) + data
     except asyncssh.SFTPNoSuchFile:
         raise RemoteFileError(node, f"{path} does not exist", "") from None
     except (asyncssh.Error, OSError) as exc:

@@ -754,7 +754,8 @@ def _ifc_new(m: re.Match[str]) -> dict[str, Any]:
 
 def _ifc_freeze(raw: dict[str, Any]) -> Interface:
     lists = ("ipv4", "ipv6", "members", "ipv4_cidrs")
-    return Interface(**{k: tuple(v) if k in lists else v for k, v in raw.items()})
+    fields: dict[str, Any] = {k: tuple(v) if k in lists else v for k, v in raw.items()}
+    return Interface(**fields)
 
 
 @_probe("ifconfig")
@@ -920,8 +921,9 @@ def parse_macmon_line(text: str) -> MacmonSample:
     mem = doc.get("memory")
     if not isinstance(mem, dict) or _num(mem.get("ram_total")) is None:
         raise ProbeParseError("macmon", "no memory.ram_total in sample")
-    temp = doc.get("temp") if isinstance(doc.get("temp"), dict) else {}
-    soc = doc.get("soc") if isinstance(doc.get("soc"), dict) else {}
+    found_temp, found_soc = doc.get("temp"), doc.get("soc")
+    temp: dict[str, Any] = found_temp if isinstance(found_temp, dict) else {}
+    soc: dict[str, Any] = found_soc if isinstance(found_soc, dict) else {}
     cpu = _num(doc.get("cpu_usage_pct"))
     ecpu, ecpu_mhz = _macmon_cluster(doc, "ecpu")
     pcpu, pcpu_mhz = _macmon_cluster(doc, "pcpu")
@@ -1186,8 +1188,10 @@ def rdma_summary(
     `active_devices` stays empty and no port-state note is made.
     """
     status: RdmaStatus = "unknown"
-    if rdma_ctl == "enabled" or rdma_ctl == "disabled":
-        status = rdma_ctl
+    if rdma_ctl == "enabled":
+        status = "enabled"
+    elif rdma_ctl == "disabled":
+        status = "disabled"
     devices = tuple(d.name for d in ibv_devices if d.name.startswith("rdma_"))
     bridge = ifconfig.get("bridge0")
     summary = RdmaSummary(

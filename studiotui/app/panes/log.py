@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 
@@ -52,7 +53,7 @@ class LogPane(VerticalScroll):
         self.border_title = "Log"
         self._shown: tuple[LogEntry, ...] = ()
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield Drawing(self._draw, id="log-body")
 
     def _draw(self, width: int) -> Content:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
+from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.content import Content
@@ -195,7 +196,7 @@ class NodesPane(VerticalScroll, can_focus=True):
         self.border_title = "Nodes"
         self.strip = GroupsStrip(id="groups-strip")
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield self.strip
 
     def update_nodes(self, nodes: tuple[NodeState, ...]) -> None:

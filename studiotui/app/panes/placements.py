@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich.text import Text
+from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import DataTable, Static
@@ -124,7 +125,7 @@ class PlacementsPane(Vertical):
         self._wanted: str | None = None
         self.clock: Callable[[], float] = time.monotonic
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield Static(id="place-progress")
         yield Static(
             Content.styled(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 
@@ -125,7 +126,7 @@ class RdmaPane(VerticalScroll):
         self._signature: tuple | None = None
         self._node_states: tuple[NodeState, ...] = ()
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield Drawing(lambda width: rdma_content(self._node_states, width), id="rdma-body")
 
     def show(self, nodes: tuple[NodeState, ...]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 
@@ -45,8 +46,9 @@ def _link_from_report(node: str, raw: Any) -> Link | None:
 
     def number(key: str) -> float | None:
         value = raw.get(key)
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return float(value) if ok else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return None
 
     kind = str(raw.get("kind", "unknown"))
     return Link(node, raw["peer"], number("latency_us"), number("gbps"), kind)
@@ -355,7 +357,7 @@ class TopologyPane(VerticalScroll):
         self._state = ClusterState()
         self._selected: str | None = None
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield Drawing(self._draw, id="topology-drawing")
 
     def _draw(self, width: int) -> Content:

@@ -458,8 +458,7 @@ class ChatScreen(Screen[None]):
                 if m.role == "user":
                     views.append(UserView(m))
                 else:
-                    view = AnswerView(m)
-                    views.append(view)
+                    views.append(AnswerView(m))
                     last_meta = m.meta
         transcript.mount_all(views)
         for view in views:
@@ -840,7 +839,7 @@ class ChatScreen(Screen[None]):
         timings = done.get("timings") or {}
         meta = dict(turn.meta)
         meta.update(
-            ttft_ms=round(turn.ttft_ms(), 1) if turn.first_at is not None else None,
+            ttft_ms=round(ttft, 1) if (ttft := turn.ttft_ms()) is not None else None,
             # The tail's own decode rate when it finished; the screen's figure otherwise.
             decode_tps=round(float(timings.get("decode_tps") or turn.tps(now) or 0.0), 2),
             prompt_tokens=usage.get("prompt_tokens", turn.prompt_tokens),
