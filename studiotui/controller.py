@@ -286,6 +286,9 @@ class Controller:
         self, model_dir: Path, nodes: list[str], context_tokens: int = 4096
     ) -> tuple[ModelInfo, Plan | Refusal]:
         info = read_model(model_dir)
+        if info.unsupported:
+            # Refused here, before the plan and so before any file is copied to a node.
+            return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
         budgets = []
         for name in nodes:
             node = self.state.node(name)

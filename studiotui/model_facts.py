@@ -20,6 +20,7 @@ from typing import Any
 
 from studiotui.kv_sizes import text_config
 from studiotui.placement import ModelFacts, facts_from_config
+from worker.model_support import unsupported_reason
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _HEADER_LIMIT = 100 * 1024 * 1024  # a safetensors header is JSON; larger is corrupt
@@ -43,6 +44,9 @@ class ModelInfo:
     dtype: str
     quantization: str | None
     facts: ModelFacts
+    # Why a shard could not run this model (family, quantization), from the table the
+    # worker itself checks; None: it can. Known before any byte is copied.
+    unsupported: str | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,7 @@ def read_model(path: Path) -> ModelInfo:
         dtype=dtype,
         quantization=facts.quantization,
         facts=facts,
+        unsupported=unsupported_reason(config),
     )
 
 
