@@ -24,6 +24,7 @@ import zmq.asyncio
 from studiotui import keys
 from studiotui.agents import AgentError, AgentUnreachable, Peer
 from studiotui.inventory import Inventory, NodeSpec
+from studiotui.load_watch import LoadWatch
 from studiotui.model_facts import ModelInfo, read_model
 from studiotui.placement import Link, NodeBudget, Plan, Refusal, format_bytes, plan
 from studiotui.state import (
@@ -388,9 +389,12 @@ class Controller:
             endpoint = (
                 f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
             )
-            async for msg in self.peer(shard.node).stream(
+            # No fixed wait: the agent heartbeats while the shard loads, and only its
+            # silence (see LoadWatch) ends a load, however slow the disk.
+            quiet = LoadWatch(shard.node, time.monotonic())
+            stream = self.peer(shard.node).stream(
                 "load_shard",
-                timeout=120.0,
+                timeout=quiet.silence_s,
                 placement=name,
                 model_dir=node_dir,
                 start=shard.start,
@@ -404,13 +408,18 @@ class Controller:
                 prefill_chunk=prefill_chunk,
                 context_tokens=the_plan.context_tokens,
                 kv_bytes=shard.kv_bytes,
-            ):
-                if progress and msg["type"] == "progress":
-                    progress(shard.node, int(msg["done"]), int(msg["total"]))
-                if progress and msg["type"] == "shard_ready":
-                    progress(
-                        shard.node, int(msg.get("param_bytes", 1)), int(msg.get("param_bytes", 1))
-                    )
+            )
+            try:
+                async for msg in stream:
+                    quiet = quiet.hear(time.monotonic(), msg.get("done"), msg.get("total"))
+                    if progress and msg["type"] == "progress":
+                        progress(shard.node, int(msg["done"]), int(msg["total"]))
+                    if progress and msg["type"] == "shard_ready":
+                        size = int(msg.get("param_bytes", 1))
+                        progress(shard.node, size, size)
+            except AgentUnreachable:
+                silent = quiet.overdue(time.monotonic())
+                raise PlacementError(silent or f"{shard.node} stopped answering") from None
 
         loads = asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
         watch = asyncio.create_task(self._watch_nodes([s.node for s in shards]))
