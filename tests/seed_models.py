@@ -72,7 +72,7 @@ def write_header_only(path: Path, config: dict[str, Any], quant: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     shards: list[list[tuple[str, Any]]] = [[]]
     size = 0
-    for name, array in sorted(tensors.items()):
+    for name, array in tensors.items():  # mlx-lm's make_shards: in the model's order
         if shards[-1] and size + array.nbytes > SHARD_BYTES:
             shards.append([])
             size = 0

@@ -174,3 +174,15 @@ def test_kimi_glm_and_gpt_oss_on_the_seed_machines(seeds: dict[str, ModelInfo]) 
     # gpt-oss-120b as it ships (mxfp4): one 256 GB node, with room to spare.
     oss = _plan(seeds["gpt-oss-120b-mxfp4"], MIXED[2:3])
     assert isinstance(oss, Plan) and oss.shards[0].free_after > 150 * GiB
+
+
+def test_each_node_is_sent_only_the_files_of_its_share(seeds: dict[str, ModelInfo]) -> None:
+    from studiotui.model_files import needed_files
+
+    ds = seeds["deepseek-v3.1-8bit"]
+    result = _plan(ds, MIXED[:2])
+    assert isinstance(result, Plan)
+    for shard in result.shards:
+        sent = sum(f.size for f in needed_files(ds.path, shard.start, shard.end, ds.n_layers))
+        # Its own layers, plus at most the 5 GB file it shares with its neighbour.
+        assert shard.weight_bytes <= sent < shard.weight_bytes + 6 * GiB
