@@ -18,11 +18,12 @@ import pytest
 
 from studiotui import local_cluster
 from studiotui.app.app import StudioApp
-from studiotui.app.models import rows_from_catalog
+from studiotui.app.models import ModelsPane, rows_from_catalog
 from studiotui.app.preview import PlaceRequest, PreviewScreen
 from studiotui.catalog import scan
 from studiotui.controller import Controller, PlacementError
 from studiotui.inventory import Inventory, NodeSpec, dump_inventory, local_inventory
+from tests.app_fixtures import fixed_state
 from tests.sshd import SshdServer, sshd_server  # noqa: F401
 from worker.demo_model import DemoSpec, write_demo_model
 from worker.model_support import unsupported_reason
@@ -77,11 +78,23 @@ def test_dry_run_refuses_an_unsupported_family_and_quantization(
         assert words in unsupported_reason(json.loads((models[key] / "config.json").read_text()))
 
 
-def test_models_pane_lists_the_reason_beside_the_model(models: dict[str, Path]) -> None:
-    rows = {r.name: r for r in rows_from_catalog(scan([models["ok"].parent], hf_cache=None))}
+async def test_models_pane_lists_the_reason_beside_the_model(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    listed = rows_from_catalog(scan([models["ok"].parent], hf_cache=None))
+    rows = {r.name: r for r in listed}
     assert rows["ok"].unsupported == "" and rows["ok"].placeable
     assert "model family 'falcon_mamba' is not supported" in rows["mamba"].unsupported
     assert "quantization mode 'q4_k'" in rows["oddquant"].unsupported
+    # In the real pane: the last cell of the row says why, in place of where it came from.
+    app = StudioApp(tmp_path, state=fixed_state(), models=listed)
+    async with app.run_test(size=(200, 48)) as pilot:
+        await pilot.pause(0.2)
+        pane = app.query_one(ModelsPane)
+        cells = {r.name: str(pane.get_row(r.path)[-1]) for r in listed}
+    assert cells["mamba"].startswith("✗ model family 'falcon_mamba' is not supported")
+    assert cells["oddquant"].startswith("✗ quantization mode 'q4_k' is not supported")
+    assert not cells["ok"].startswith("✗")
 
 
 async def test_preview_in_the_tui_refuses_an_unsupported_family(

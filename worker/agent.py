@@ -48,13 +48,15 @@ def exit_reason(code: int | None, *, loading: bool, fatal: str = "") -> str:
     ("out of memory while loading", see worker.runner)."""
     if fatal:
         return fatal
-    if code == -signal.SIGKILL:
-        when = "while loading" if loading else "while serving"
+    if code == -signal.SIGKILL and loading:
+        # Loading is when memory fills up; a served shard's SIGKILL may as well be a hand.
         return (
-            f"out of memory {when}: the shard process was killed by SIGKILL, which is how "
-            "macOS and Linux end a process when memory runs out; free memory on this node "
-            "or give it fewer layers"
+            "out of memory while loading: the shard process was killed by SIGKILL, which is "
+            "how macOS and Linux end a process when memory runs out; free memory on this "
+            "node or give it fewer layers"
         )
+    if code == -signal.SIGKILL:
+        return f"shard process exited with code {code} (killed by SIGKILL: out of memory?)"
     return f"shard process exited with code {code}"
 
 

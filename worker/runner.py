@@ -117,11 +117,9 @@ class Runner:
             self.client.bind(f"tcp://{self.spec.address}:{self.spec.client_port}")
 
     def load(self) -> None:
-        from mlx_lm.utils import load_tokenizer, maybe_set_recommended_wired_limit
+        from mlx_lm.utils import load_tokenizer
 
-        # As mlx-lm does for large models: let Metal keep the whole recommended working
-        # set wired, for the shard's life (a no-op where MLX has no Metal device).
-        maybe_set_recommended_wired_limit()
+        raise_wired_limit()
 
         def progress(done: int, total: int) -> None:
             emit("progress", done=done, total=total)
@@ -274,6 +272,20 @@ class Runner:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def raise_wired_limit() -> None:
+    """As mlx-lm does for large models: let Metal keep the whole recommended working set
+    wired, for the shard's life, so a 100+ GB shard is not paged out between tokens.
+    A no-op where MLX has no Metal device (its device info has no recommended size)."""
+    try:
+        from mlx_lm.utils import maybe_set_recommended_wired_limit
+    except ImportError:  # an mlx-lm older than the helper: the same two calls
+        size = mx.device_info().get("max_recommended_working_set_size")
+        if size:
+            mx.set_wired_limit(size)
+        return
+    maybe_set_recommended_wired_limit()
 
 
 # What MLX and Python say when an allocation fails (CPU: std::bad_alloc → MemoryError;
