@@ -125,9 +125,12 @@ def read_model(path: Path) -> ModelInfo:
     config = _config(path)
     cfg = text_config(config)
     files = weight_files(path)
-    n_layers = int(cfg.get("num_hidden_layers", 0))
+    unsupported = unsupported_reason(config)
+    n_layers = int(cfg.get("num_hidden_layers") or 0)
     if n_layers < 1:
-        raise ModelDirError(f"{path}/config.json has no num_hidden_layers")
+        if not unsupported:
+            raise ModelDirError(f"{path}/config.json has no num_hidden_layers")
+        n_layers = 1  # listed only to say why it cannot run: its sizes do not matter
     tensors: dict[str, Tensor] = {}
     for file in files:
         try:
@@ -158,7 +161,12 @@ def read_model(path: Path) -> ModelInfo:
             config, per_layer, embed, head, path.name, _activation_dtype(tensors)
         )
     except (ValueError, TypeError) as exc:
-        raise ModelDirError(f"{path}/config.json: {exc}") from None
+        if not unsupported:
+            raise ModelDirError(f"{path}/config.json: {exc}") from None
+        # A family without attention fields (Mamba…): the reason it cannot run is
+        # what the operator needs, not that its cache cannot be sized.
+        family = str(config.get("model_type") or "unknown")
+        facts = ModelFacts(path.name, family, n_layers, tuple(per_layer), embed, head, 0)
     return ModelInfo(
         path=path,
         name=path.name,
@@ -169,7 +177,7 @@ def read_model(path: Path) -> ModelInfo:
         dtype=dtype,
         quantization=facts.quantization,
         facts=facts,
-        unsupported=unsupported_reason(config),
+        unsupported=unsupported,
     )
 
 

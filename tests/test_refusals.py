@@ -14,7 +14,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from studiotui import local_cluster
 from studiotui.app.app import StudioApp
@@ -36,6 +38,32 @@ def _model(path: Path, **config_changes: object) -> Path:
     return path
 
 
+def _falcon_mamba(path: Path) -> Path:
+    """A Mamba as published (no attention at all): fields of tiiuae/falcon-mamba-7b's
+    config.json at a tiny size, tensors named as in its safetensors."""
+    path.mkdir()
+    config = {
+        "architectures": ["FalconMambaForCausalLM"],
+        "model_type": "falcon_mamba",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "expand": 2,
+        "time_step_rank": 4,
+        "vocab_size": 256,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = {"backbone.embeddings.weight": np.zeros((256, 64), np.float16)}
+    for i in range(2):
+        tensors[f"backbone.layers.{i}.mixer.in_proj.weight"] = np.zeros((256, 64), np.float16)
+        tensors[f"backbone.layers.{i}.mixer.A_log"] = np.zeros((128, 16), np.float32)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -43,6 +71,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "ok": _model(root / "ok"),
         "mamba": _model(root / "mamba", model_type="falcon_mamba"),
         "oddquant": _model(root / "oddquant", quantization={"mode": "q4_k", "group_size": 64}),
+        "falcon": _falcon_mamba(root / "falcon"),
     }
 
 
@@ -67,6 +96,7 @@ def test_dry_run_refuses_an_unsupported_family_and_quantization(
     home = tmp_path / "home"
     for key, words in (
         ("mamba", "model family 'falcon_mamba' is not supported"),
+        ("falcon", "model family 'falcon_mamba' is not supported"),
         ("oddquant", "quantization mode 'q4_k' is not supported"),
     ):
         out = _cli(
@@ -86,6 +116,8 @@ async def test_models_pane_lists_the_reason_beside_the_model(
     assert rows["ok"].unsupported == "" and rows["ok"].placeable
     assert "model family 'falcon_mamba' is not supported" in rows["mamba"].unsupported
     assert "quantization mode 'q4_k'" in rows["oddquant"].unsupported
+    # A real Mamba has no attention fields: still listed, with the same reason.
+    assert "model family 'falcon_mamba' is not supported" in rows["falcon"].unsupported
     # In the real pane: the last cell of the row says why, in place of where it came from.
     app = StudioApp(tmp_path, state=fixed_state(), models=listed)
     async with app.run_test(size=(200, 48)) as pilot:
