@@ -108,7 +108,7 @@ def _hybrid_linear(cfg: Mapping[str, Any], n: int, act: int) -> tuple[LayerKV, .
 def _sliding_kinds(cfg: Mapping[str, Any], family: str, n: int) -> list[bool] | None:
     """Which layers keep only a window, as the family's make_cache decides; None: none do."""
     types = cfg.get("layer_types")
-    if family == "gemma3_text" or (family == "gemma3" and not types):
+    if family in ("gemma3", "gemma3_text"):  # mlx-lm follows the pattern, not layer_types
         pattern = int(cfg.get("sliding_window_pattern", 6))
         return [i % pattern != pattern - 1 for i in range(n)]
     if family == "gpt_oss" and not types:
