@@ -675,6 +675,12 @@ def _quantization(config: Mapping[str, Any]) -> str | None:
         if mode != "affine":  # mxfp4, mxfp8, nvfp4: the name says the bits
             return str(mode)
         if "bits" in q:
+            # Mixed conversions override bits per module ("model.layers.0.mlp": {...}).
+            bits = {q["bits"]} | {
+                v["bits"] for v in q.values() if isinstance(v, Mapping) and "bits" in v
+            }
+            if len(bits) > 1:
+                return f"mixed {'/'.join(str(b) for b in sorted(bits))}-bit"
             return f"{q['bits']}-bit"
         method = q.get("quant_method")
         return str(method) if method else None

@@ -586,3 +586,25 @@ def test_a_shorter_context_is_suggested_from_the_real_cache_growth() -> None:
     result = plan(facts, [node("a", room, room)], context_tokens=200_000, reserve_fraction=0.0)
     assert isinstance(result, Refusal)
     assert "shorten the context to 50000 tokens" in result.reason
+
+
+def test_a_mixed_precision_conversion_is_named_so() -> None:
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "quantization": {
+            "group_size": 64,
+            "bits": 4,
+            "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8},
+            "model.layers.1.self_attn.v_proj": {"group_size": 32, "bits": 6},
+        },
+    }
+    facts = facts_from_config(config, [1, 1], 0, 0, "mixed")
+    assert facts.quantization == "mixed 4/6/8-bit"
+    # Its smallest width is 4 bits: no "use a 4-bit copy" when it does not fit.
+    refused = plan(facts, [node("a", 10)], context_tokens=10**6)
+    assert isinstance(refused, Refusal) and "4-bit copy" not in refused.reason
+    plain = facts_from_config({**config, "quantization": {"group_size": 64, "bits": 8}},
+                              [1, 1], 0, 0, "p")  # fmt: skip
+    assert plain.quantization == "8-bit"
