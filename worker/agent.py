@@ -35,6 +35,29 @@ LINK_PINGS = 21
 LINK_BULK_BYTES = 1 << 20
 LINK_BULK_COUNT = 16
 LINK_TIMEOUT_S = 5.0
+# While a shard loads, the controller hears from this agent at least this often (the
+# bytes loaded so far): a big layer on a slow disk gives no progress for minutes.
+LOAD_HEARTBEAT_S = 2.0
+
+
+def exit_reason(code: int | None, *, loading: bool, fatal: str = "") -> str:
+    """Why a shard process ended, in words the operator can act on.
+
+    macOS (jetsam) and Linux (the OOM killer) end a process that exhausts memory with
+    SIGKILL and no word of its own; a runner that could not allocate says so itself
+    ("out of memory while loading", see worker.runner)."""
+    if fatal:
+        return fatal
+    if code == -signal.SIGKILL and loading:
+        # Loading is when memory fills up; a served shard's SIGKILL may as well be a hand.
+        return (
+            "out of memory while loading: the shard process was killed by SIGKILL, which is "
+            "how macOS and Linux end a process when memory runs out; free memory on this "
+            "node or give it fewer layers"
+        )
+    if code == -signal.SIGKILL:
+        return f"shard process exited with code {code} (killed by SIGKILL: out of memory?)"
+    return f"shard process exited with code {code}"
 
 
 @dataclass
@@ -269,8 +292,27 @@ class Agent:
         self._spawn(self._read_stderr(shard))
         await self._follow(ident, re, shard)
 
+    async def _heartbeat(self, ident: bytes, re: Any, shard: ShardProc) -> None:
+        """Say "still loading" with the bytes so far while the shard process lives."""
+        while True:
+            await asyncio.sleep(LOAD_HEARTBEAT_S)
+            if shard.state != "loading" or shard.proc is None or shard.proc.returncode is not None:
+                return
+            done, total = shard.progress
+            await self._reply(
+                ident, re, "progress", placement=shard.placement, done=done, total=total
+            )
+
     async def _follow(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         """Relay the runner's progress until it is ready or gone, then keep reading stats."""
+        assert shard.proc is not None and shard.proc.stdout is not None
+        heartbeat = asyncio.create_task(self._heartbeat(ident, re, shard))
+        try:
+            await self._relay(ident, re, shard)
+        finally:
+            heartbeat.cancel()
+
+    async def _relay(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         assert shard.proc is not None and shard.proc.stdout is not None
         answered = False
         while True:
@@ -294,6 +336,7 @@ class Agent:
                         total=shard.progress[1],
                     )
             elif kind == "ready":
+                answered = True  # from here on no heartbeat may follow shard_ready
                 shard.state, shard.param_bytes = "ready", int(event["param_bytes"])
                 log.info("shard %s ready, %d bytes", shard.placement, shard.param_bytes)
                 await self._reply(
@@ -313,7 +356,7 @@ class Agent:
         code = await shard.proc.wait()
         if shard.state != "stopped":
             tail = "\n".join(shard.stderr_tail[-8:])
-            shard.message = shard.message or f"shard process exited with code {code}"
+            shard.message = exit_reason(code, loading=not answered, fatal=shard.message)
             if tail and not shard.message.endswith(tail):
                 shard.message += f"\n{tail}"
             shard.state = "failed"

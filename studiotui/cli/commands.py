@@ -22,7 +22,7 @@ from studiotui.core.inventory import (
     SelectionError,
     resolve_group,
 )
-from studiotui.core.model_facts import ModelDirError
+from studiotui.core.model_facts import ModelDirError, read_model
 from studiotui.core.placement import Refusal, format_bytes, render_plan
 
 console = Console(stderr=False, highlight=False)
@@ -179,6 +179,16 @@ def resolve_model(spec: Path, home: Path) -> Path:
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     inv = load_cluster(args.inventory, home)
     args.model_dir = resolve_model(args.model_dir, home)
+    try:
+        info = read_model(args.model_dir)
+    except ModelDirError as exc:
+        raise UserError(str(exc)) from None
+    if info.unsupported:
+        # Before asking any node anything: a model no shard can run is refused outright.
+        console.print(
+            render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}"))
+        )
+        return 1
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:

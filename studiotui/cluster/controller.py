@@ -25,6 +25,7 @@ from studiotui.cluster import keys, model_files
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.load_watch import LoadWatch
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import Link, NodeBudget, Plan, Refusal, format_bytes, plan
 from studiotui.core.state import (
@@ -293,6 +294,9 @@ class Controller:
         self, model_dir: Path, nodes: list[str], context_tokens: int = 4096
     ) -> tuple[ModelInfo, Plan | Refusal]:
         info = read_model(model_dir)
+        if info.unsupported:
+            # Refused here, before the plan and so before any file is copied to a node.
+            return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
         budgets = []
         for name in nodes:
             node = self.state.node(name)
@@ -392,9 +396,12 @@ class Controller:
             endpoint = (
                 f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
             )
-            async for msg in self.peer(shard.node).stream(
+            # No fixed wait: the agent heartbeats while the shard loads, and only its
+            # silence (see LoadWatch) ends a load, however slow the disk.
+            quiet = LoadWatch(shard.node, time.monotonic())
+            stream = self.peer(shard.node).stream(
                 "load_shard",
-                timeout=120.0,
+                timeout=quiet.silence_s,
                 placement=name,
                 model_dir=node_dir,
                 start=shard.start,
@@ -408,13 +415,18 @@ class Controller:
                 prefill_chunk=prefill_chunk,
                 context_tokens=the_plan.context_tokens,
                 kv_bytes=shard.kv_bytes,
-            ):
-                if progress and msg["type"] == "progress":
-                    progress(shard.node, int(msg["done"]), int(msg["total"]))
-                if progress and msg["type"] == "shard_ready":
-                    progress(
-                        shard.node, int(msg.get("param_bytes", 1)), int(msg.get("param_bytes", 1))
-                    )
+            )
+            try:
+                async for msg in stream:
+                    quiet = quiet.hear(time.monotonic(), msg.get("done"), msg.get("total"))
+                    if progress and msg["type"] == "progress":
+                        progress(shard.node, int(msg["done"]), int(msg["total"]))
+                    if progress and msg["type"] == "shard_ready":
+                        size = int(msg.get("param_bytes", 1))
+                        progress(shard.node, size, size)
+            except AgentUnreachable:
+                silent = quiet.overdue(time.monotonic())
+                raise PlacementError(silent or f"{shard.node} stopped answering") from None
 
         loads = asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
         watch = asyncio.create_task(self._watch_nodes([s.node for s in shards]))

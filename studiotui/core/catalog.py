@@ -24,19 +24,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
+from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model, safetensors_tensors
 
 CONFIG_FILE = "config.toml"
 HF_SOURCE = "hf cache"
 # The default cache argument; resolved at call time so $HF_HUB_CACHE / $HF_HOME count.
 DEFAULT_HF_CACHE = Path("~/.cache/huggingface/hub")
-_HEADER_LIMIT = 100 * 1024 * 1024  # a safetensors header is JSON; larger is corrupt
 # Causal language models by their transformers class name; a cached BERT or Whisper
 # also has config.json and safetensors but nothing here can serve it.
 _GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
@@ -309,23 +307,7 @@ def true_params(files: Sequence[Path], bits: int) -> int:
 
 def safetensors_header(file: Path) -> dict[str, tuple[str, int]]:
     """Tensor name → (dtype, element count), from the JSON header alone."""
-    with file.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{file} is too short to be safetensors")
-        (length,) = struct.unpack("<Q", raw)
-        if length > _HEADER_LIMIT:
-            raise ValueError(f"{file} has an implausible header of {length} bytes")
-        header = json.loads(f.read(length))
-    out: dict[str, tuple[str, int]] = {}
-    for key, meta in header.items():
-        if key == "__metadata__" or not isinstance(meta, dict):
-            continue
-        count = 1
-        for d in meta.get("shape", []):
-            count *= int(d)
-        out[key] = (str(meta.get("dtype", "")), count)
-    return out
+    return {key: (t.dtype, t.count) for key, t in safetensors_tensors(file).items()}
 
 
 def _tilde(path: Path) -> str:

@@ -21,6 +21,15 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from studiotui.core.kv_sizes import (
+    DTYPE_BYTES,
+    LayerKV,
+    activation_bytes,
+    layer_caches,
+    standard_per_token,
+    text_config,
+)
+
 _GB = 1024**3
 _MB = 1024**2
 _KB = 1024
@@ -41,16 +50,6 @@ _KIND_DEFAULTS: dict[str, tuple[float, float]] = {
     "wifi": (3000.0, 0.5),
 }
 
-_DTYPE_BYTES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8": 1,
-    "int8": 1,
-    "uint8": 1,
-}
-
 # Scores that differ by less than this (relative) are ties, so the tie-break rules decide
 # rather than float rounding noise.
 _TIE = 1e-9
@@ -64,9 +63,12 @@ class ModelFacts:
     layer_bytes: tuple[int, ...]  # weight bytes of each layer
     embed_bytes: int  # held by the first shard
     head_bytes: int  # final norm + lm_head (tied embeddings: the caller counts them here too)
-    kv_bytes_per_token: int  # per layer, K+V, for one token
+    kv_bytes_per_token: int  # per layer, K+V, for one token (when layer_kv is empty)
     dtype: str = "float32"
     quantization: str | None = None
+    # Each layer's cache as the family keeps it (MLA latent, sliding window, linear
+    # state); empty: every layer keeps kv_bytes_per_token for every token.
+    layer_kv: tuple[LayerKV, ...] = ()
 
     def __post_init__(self) -> None:
         # Bad facts are a bug in the caller, not something to explain to the operator.
@@ -76,9 +78,23 @@ class ModelFacts:
             raise ValueError(
                 f"{self.name}: {len(self.layer_bytes)} layer sizes for {self.n_layers} layers"
             )
+        if self.layer_kv and len(self.layer_kv) != self.n_layers:
+            raise ValueError(
+                f"{self.name}: {len(self.layer_kv)} layer caches for {self.n_layers} layers"
+            )
         sizes = (*self.layer_bytes, self.embed_bytes, self.head_bytes, self.kv_bytes_per_token)
         if min(sizes) < 0:
             raise ValueError(f"{self.name}: sizes cannot be negative")
+
+    def kv_bytes(self, tokens: int, streams: int = 1) -> list[int]:
+        """Each layer's cache bytes once `streams` requests hold `tokens` tokens each."""
+        if not self.layer_kv:
+            return [self.kv_bytes_per_token * tokens * streams] * self.n_layers
+        return [kv.bytes_for(tokens) * streams for kv in self.layer_kv]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes
 
 
 @dataclass(frozen=True)
@@ -418,7 +434,7 @@ def _bits(model: ModelFacts) -> int | None:
     if model.quantization:
         found = re.search(r"\d+", model.quantization)
         return int(found.group()) if found else None
-    size = _DTYPE_BYTES.get(model.dtype)
+    size = DTYPE_BYTES.get(model.dtype)
     return None if size is None else size * 8
 
 
@@ -441,11 +457,21 @@ def _suggest(model: ModelFacts, short: int, context_fit: int | None) -> str:
 def _context_that_fits(
     model: ModelFacts, available: int, weights: int, context_tokens: int, streams: int
 ) -> int | None:
-    per_token = model.kv_bytes_per_token * streams * model.n_layers
-    if per_token == 0 or available <= weights:
+    """The longest context below `context_tokens` whose caches fit beside the weights.
+
+    Caches grow with the context but not linearly (windows stop, linear states do not
+    grow at all), so this searches the real per-layer function rather than dividing."""
+
+    def fits(tokens: int) -> bool:
+        return weights + sum(model.kv_bytes(tokens, streams)) <= available
+
+    if available <= weights or not fits(1):
         return None
-    tokens = (available - weights) // per_token
-    return tokens if 1 <= tokens < context_tokens else None
+    low, high = 1, context_tokens  # fits(low); not fits(high), or this is no refusal for KV
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low if low < context_tokens and sum(model.kv_bytes(low, streams)) > 0 else None
 
 
 def _total_refusal(
@@ -456,7 +482,7 @@ def _total_refusal(
     streams: int,
     reserve_fraction: float,
 ) -> Refusal | None:
-    weights = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
+    weights = model.weight_bytes
     need = weights + kv_total
     available = sum(max(u, 0) for u in usable)
     if need <= available:
@@ -506,11 +532,11 @@ def _check_args(context_tokens: int, streams: int, reserve_fraction: float) -> N
 
 
 def _shard(
-    node: NodeBudget, index: int, cuts: Sequence[int], model: ModelFacts, kv_layer: int
+    node: NodeBudget, index: int, cuts: Sequence[int], model: ModelFacts, kv_layers: Sequence[int]
 ) -> ShardPlan:
     start, end = cuts[index], cuts[index + 1]
     weights = sum(model.layer_bytes[start:end]) + _fixed(index, len(cuts) - 1, model)
-    kv = kv_layer * (end - start)
+    kv = sum(kv_layers[start:end])
     return ShardPlan(
         node.name, start, end, weights, kv, node.free_bytes, node.free_bytes - weights - kv
     )
@@ -541,12 +567,14 @@ def plan(
         return refusal
     by_name = {node.name: node for node in nodes}
     usable = {name: _usable(node, reserve_fraction) for name, node in by_name.items()}
-    kv_layer = model.kv_bytes_per_token * context_tokens * streams
-    costs = [size + kv_layer for size in model.layer_bytes]
+    # Each layer costs its own weights (experts included) plus its own cache, so the
+    # split follows bytes: DeepSeek's 3 dense layers weigh a fraction of its MoE ones.
+    kv_layers = model.kv_bytes(context_tokens, streams)
+    costs = [size + kv for size, kv in zip(model.layer_bytes, kv_layers, strict=True)]
     refusal = _total_refusal(
         model,
         list(usable.values()),
-        kv_layer * model.n_layers,
+        sum(kv_layers),
         context_tokens,
         streams,
         reserve_fraction,
@@ -558,7 +586,7 @@ def plan(
     if found is None:
         return _cut_refusal(model, list(usable.values()), costs)
     order, cuts = found
-    shards = tuple(_shard(by_name[name], i, cuts, model, kv_layer) for i, name in enumerate(order))
+    shards = tuple(_shard(by_name[name], i, cuts, model, kv_layers) for i, name in enumerate(order))
     return Plan(
         model=model.name,
         shards=shards,
@@ -640,34 +668,34 @@ def plan_to_dict(p: Plan | Refusal) -> dict[str, Any]:
 # --------------------------------------------------------------------------- config
 
 
-def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Multimodal configs (gemma3, qwen-vl…) keep the decoder's numbers in text_config.
-    nested = config.get("text_config")
-    if "num_hidden_layers" not in config and isinstance(nested, Mapping):
-        return {**config, **nested}
-    return config
-
-
 def _quantization(config: Mapping[str, Any]) -> str | None:
     q = config.get("quantization") or config.get("quantization_config")
     if isinstance(q, Mapping):
+        mode = q.get("mode", "affine")
+        if mode != "affine":  # mxfp4, mxfp8, nvfp4: the name says the bits
+            return str(mode)
         if "bits" in q:
+            # Mixed conversions override bits per module ("model.layers.0.mlp": {...}).
+            bits = {q["bits"]} | {
+                v["bits"] for v in q.values() if isinstance(v, Mapping) and "bits" in v
+            }
+            if len(bits) > 1:
+                return f"mixed {'/'.join(str(b) for b in sorted(bits))}-bit"
             return f"{q['bits']}-bit"
         method = q.get("quant_method")
         return str(method) if method else None
     return None
 
 
-def kv_bytes_per_token(config: Mapping[str, Any]) -> int:
-    """K and V of one token in one layer, from an mlx-lm / transformers config.json."""
-    cfg = _text_config(config)
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-    # The cache is kept in the activation dtype, not the weights' quantized one; an
-    # unknown dtype counts as float32 because overestimating KV is the safe side.
-    return 2 * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+def kv_bytes_per_token(config: Mapping[str, Any], act_dtype: str | None = None) -> int:
+    """K and V of one token in one standard-attention layer, from a config.json.
+
+    The cache is kept in the activation dtype (`act_dtype`, else the config's), not the
+    weights' quantized one; an unknown dtype counts as float32 because overestimating
+    KV is the safe side."""
+    cfg = text_config(config)
+    act = DTYPE_BYTES.get(act_dtype, 4) if act_dtype else activation_bytes(config)
+    return standard_per_token(cfg, act)
 
 
 def facts_from_config(
@@ -676,12 +704,17 @@ def facts_from_config(
     embed_bytes: int,
     head_bytes: int,
     name: str,
+    act_dtype: str | None = None,
 ) -> ModelFacts:
-    """ModelFacts from a config.json dict and the tensor sizes read from safetensors."""
-    cfg = _text_config(config)
+    """ModelFacts from a config.json dict and the tensor sizes read from safetensors.
+
+    `act_dtype` is the dtype activations (and so caches) will have, when the caller
+    knows it from the weights better than config.json says."""
+    cfg = text_config(config)
+    dtype = act_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     try:
         n_layers = int(cfg["num_hidden_layers"])
-        kv = kv_bytes_per_token(config)
+        caches = layer_caches({**config, "torch_dtype": dtype, "dtype": dtype})
     except KeyError as missing:
         raise ValueError(f"{name}: config.json lacks {missing}") from None
     return ModelFacts(
@@ -691,7 +724,8 @@ def facts_from_config(
         layer_bytes=tuple(int(b) for b in weight_bytes_by_layer),
         embed_bytes=int(embed_bytes),
         head_bytes=int(head_bytes),
-        kv_bytes_per_token=kv,
-        dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        kv_bytes_per_token=max(kv.per_token for kv in caches),
+        dtype=dtype,
         quantization=_quantization(config),
+        layer_kv=caches,
     )

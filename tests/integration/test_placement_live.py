@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -145,3 +146,62 @@ def test_place_deploys_the_previewed_plan_or_refuses_if_it_no_longer_fits(
     assert layers == planned
     assert "changed since the preview" in stale and "preview again" in stale
     assert left == []
+
+
+def test_a_shard_killed_for_memory_while_loading_is_reported_and_rolled_back(
+    small_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The victim's shard process is frozen as it starts (a load that makes no
+    progress, like a slow disk), then killed with SIGKILL as macOS and Linux end a
+    process that ran out of memory: heartbeats keep the frozen load alive, the kill is
+    reported as out of memory while loading, and no shard is left on any node."""
+    import psutil
+
+    model = _model(tmp_path, "oom")
+    victim = small_cluster.inventory.nodes[1].name
+    agent = psutil.Process(small_cluster.pids[victim])
+    frozen_s = 6.0
+
+    async def freeze_then_kill(heard: list[tuple[float, int]]) -> float:
+        while True:
+            runners = [p for p in agent.children() if "worker.runner" in " ".join(p.cmdline())]
+            if runners:
+                break
+            await asyncio.sleep(0.005)
+        runners[0].send_signal(signal.SIGSTOP)  # still importing: nowhere near ready
+        stopped = time.monotonic()
+        await asyncio.sleep(frozen_s)
+        runners[0].send_signal(signal.SIGKILL)
+        return stopped
+
+    async def run() -> tuple[str, dict[str, list[str]], list[float], float]:
+        ctl = small_cluster.controller()
+        heard: list[tuple[float, int]] = []
+
+        def progress(node: str, done: int, total: int) -> None:
+            if node == victim:
+                heard.append((time.monotonic(), done))
+
+        try:
+            await ctl.refresh()
+            killer = asyncio.create_task(freeze_then_kill(heard))
+            try:
+                await ctl.place(model, list(small_cluster.inventory.names), "oom", progress)
+                error = "placed?!"
+            except PlacementError as exc:
+                error = str(exc)
+            stopped = await killer
+            await ctl.refresh()
+            held = {n.name: [s.placement for s in n.shards] for n in ctl.state.nodes}
+            return error, held, [t for t, _ in heard], stopped
+        finally:
+            await ctl.close()
+
+    error, held, heard_at, stopped = asyncio.run(run())
+    print(error)
+    assert "rolled back" in error and f"{victim}: out of memory while loading" in error
+    assert "killed by SIGKILL" in error
+    assert all(not shards for shards in held.values()), held
+    # While the runner was frozen, the node kept saying "still loading".
+    during = [t for t in heard_at if stopped < t < stopped + frozen_s]
+    assert len(during) >= 2, heard_at

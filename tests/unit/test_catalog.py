@@ -85,7 +85,8 @@ def test_hf_cache_layout(tmp_path: Path, demo: Path) -> None:
     # An older revision beside it: refs/main decides which one is offered.
     older = cache / "models--mlx-community--Tiny-Demo-f32" / "snapshots" / "old000"
     shutil.copytree(demo, older)
-    (older / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    older_config = {**json.loads((demo / "config.json").read_text()), "num_hidden_layers": 1}
+    (older / "config.json").write_text(json.dumps(older_config))
     # Things a real cache holds that are not models for this tool.
     (cache / "datasets--someone--corpus" / "snapshots" / "r1").mkdir(parents=True)
     tok = cache / "models--org--tokenizer-only" / "snapshots" / "r1"

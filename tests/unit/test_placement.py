@@ -551,3 +551,60 @@ def test_facts_from_config_rejects_a_wrong_layer_count() -> None:
         assert "2 layer sizes for 3 layers" in str(err)
     else:
         raise AssertionError("a wrong layer count must be rejected")
+
+
+# --------------------------------------------------------------------------- caches per layer
+
+
+def test_each_shard_pays_the_caches_of_its_own_layers() -> None:
+    from studiotui.core.kv_sizes import LayerKV
+
+    # gpt-oss-like: sliding layers stop at 128 tokens, full ones grow; a linear
+    # layer's state is fixed. The KV a shard pays is the sum over its layers.
+    kinds = (LayerKV(1000, window=128), LayerKV(1000), LayerKV(0, fixed=5 * 10**6)) * 4
+    facts = ModelFacts("hybrid", "gpt_oss", 12, (10**9,) * 12, 0, 0, 1000, layer_kv=kinds)
+    context, streams = 65_536, 2
+    result = plan(facts, [node("a", 40 * GB), node("b", 40 * GB)], context_tokens=context,
+                  streams=streams)  # fmt: skip
+    assert isinstance(result, Plan)
+    for s in result.shards:
+        want = sum(kinds[i].bytes_for(context) * streams for i in range(s.start, s.end))
+        assert s.kv_bytes == want
+    assert sum(s.kv_bytes for s in result.shards) == streams * 4 * (
+        1000 * 128 + 1000 * context + 5 * 10**6
+    )
+
+
+def test_a_shorter_context_is_suggested_from_the_real_cache_growth() -> None:
+    from studiotui.core.kv_sizes import LayerKV
+
+    # Half the layers stop at a 1024-token window: the context that fits is found on
+    # the real curve, not by dividing by a per-token figure of every layer.
+    kinds = (LayerKV(10**6, window=1024), LayerKV(10**6)) * 2
+    facts = ModelFacts("w", "gemma3_text", 4, (GB,) * 4, 0, 0, 10**6, layer_kv=kinds)
+    room = 4 * GB + 2 * 1024 * 10**6 + 2 * 50_000 * 10**6  # weights + windows + 50k tokens
+    result = plan(facts, [node("a", room, room)], context_tokens=200_000, reserve_fraction=0.0)
+    assert isinstance(result, Refusal)
+    assert "shorten the context to 50000 tokens" in result.reason
+
+
+def test_a_mixed_precision_conversion_is_named_so() -> None:
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "quantization": {
+            "group_size": 64,
+            "bits": 4,
+            "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8},
+            "model.layers.1.self_attn.v_proj": {"group_size": 32, "bits": 6},
+        },
+    }
+    facts = facts_from_config(config, [1, 1], 0, 0, "mixed")
+    assert facts.quantization == "mixed 4/6/8-bit"
+    # Its smallest width is 4 bits: no "use a 4-bit copy" when it does not fit.
+    refused = plan(facts, [node("a", 10)], context_tokens=10**6)
+    assert isinstance(refused, Refusal) and "4-bit copy" not in refused.reason
+    plain = facts_from_config({**config, "quantization": {"group_size": 64, "bits": 8}},
+                              [1, 1], 0, 0, "p")  # fmt: skip
+    assert plain.quantization == "8-bit"

@@ -36,6 +36,9 @@ class ModelRow:
     dtype: str = ""  # the quantisation ("4-bit") or, unquantised, the weights' dtype
     problem: str = ""
     source: str = ""
+    # Readable, but no shard can run it (family, quantization): said in the row, and
+    # the preview refuses it with the same words.
+    unsupported: str = ""
 
     @property
     def placeable(self) -> bool:
@@ -54,6 +57,7 @@ def rows_from_catalog(catalog: Catalog) -> list[ModelRow]:
             size=info.disk_bytes,
             dtype=info.quantization or info.dtype.lower(),
             source=catalog.source(info),
+            unsupported=info.unsupported or "",
         )
         for info in catalog.models
     ]
@@ -127,7 +131,9 @@ class ModelsPane(DataTable[Any]):
                 Text(str(row.layers), justify="right"),
                 row.dtype,
                 Text(format_bytes(row.size), justify="right"),
-                Text(row.source, style="dim"),
+                Text(f"✗ {row.unsupported}", style="red")
+                if row.unsupported
+                else Text(row.source, style="dim"),
                 key=row.path,
             )
         # A rescan must not move the operator's choice to another model.

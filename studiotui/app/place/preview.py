@@ -85,7 +85,11 @@ def _model_line(info: ModelInfo) -> Content:
         quant,
         f"{format_bytes(info.disk_bytes)} on disk",
     ]
-    return Content.assemble((info.name, "bold"), ("  " + " · ".join(facts), "$text-muted"))
+    # Said before any byte moves: the shards' own table of families and quantizations.
+    support = (
+        ("  ✗ not supported", "bold $error") if info.unsupported else ("  ✓ supported", "$success")
+    )
+    return Content.assemble((info.name, "bold"), ("  " + " · ".join(facts), "$text-muted"), support)
 
 
 def _holds(state: ClusterState, node: str, skip: str) -> str:
