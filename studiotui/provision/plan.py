@@ -37,7 +37,9 @@ DEPLOYMENT_FORMAT = 1
 # Requirements of the project that only the operator's side uses; a node gets
 # the rest. Listing the exceptions (rather than the worker's needs) means a
 # dependency added to pyproject later reaches the nodes by default.
-OPERATOR_ONLY = frozenset({"textual", "rich", "asyncssh", "httpx"})
+OPERATOR_ONLY = frozenset(
+    {"textual", "textual-serve", "rich", "asyncssh", "httpx", "aiohttp", "pypdf"}
+)
 
 PYTHON_HINT = (
     "Install Python 3.11 or later on {node} (on macOS e.g. `brew install python@3.12`) "

@@ -36,6 +36,7 @@ from studiotui.provision.plan import (
     parse_df,
     parse_probe,
     plan_node,
+    requirement_name,
     split_sections,
 )
 from tests.fixture_paths import macos_fixtures
@@ -467,3 +468,15 @@ def test_last_start_keeps_only_the_latest_run() -> None:
     )
     assert last_start(text) == "Traceback\nImportError: x"
     assert last_start("no marker\nat all") == "no marker\nat all"
+
+
+def test_nodes_get_no_operator_only_requirement_of_the_project() -> None:
+    """What the dashboard, the API, the browser view and documents need stays off the Macs
+    that only run shards (and off their pip, which may have no index to reach)."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    on_nodes = {requirement_name(r) for r in node_requirements(project["project"]["dependencies"])}
+    assert {"mlx-lm", "pyzmq", "msgpack", "psutil", "safetensors"} <= on_nodes
+    assert not on_nodes & {"textual", "textual-serve", "rich", "asyncssh", "aiohttp", "pypdf"}
