@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from studiotui import local_cluster
-from studiotui.app.app import Startup, StudioApp
+from studiotui.app import launch
+from studiotui.app.app import StudioApp
 from studiotui.app.launch import free_local_base
 from studiotui.app.log import LogPane
 from studiotui.app.models import ModelsPane
@@ -29,9 +30,10 @@ from studiotui.app.placements import PlacementsPane
 from studiotui.app.rdma import RdmaPane
 from studiotui.app.screens import HelpScreen, NodeLogScreen
 from studiotui.app.themes import load_ui
+from studiotui.cli import build_parser
 from studiotui.commands import wait_until_up
 from studiotui.controller import DOWN_AFTER_S, Controller
-from studiotui.inventory import Inventory, local_inventory
+from studiotui.inventory import Inventory, load_inventory, local_inventory
 from tests.app_fixtures import fixed_models, fixed_state
 from tests.pilot_helpers import run_from_palette
 
@@ -296,20 +298,31 @@ async def test_killed_agent_is_shown_down(cluster: tuple[Path, Inventory]) -> No
         local_cluster.start_agent(home, node, inv)
 
 
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
 async def test_first_run_places_the_demo_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
 ) -> None:
-    """What `studiotui` does with no inventory, on two nodes to keep it quick."""
+    """What `studiotui` does with no inventory: `launch.build_app` is the code the
+    command runs before `app.run()`. On two nodes to keep it quick. "darwin" runs
+    the macOS layout (127.0.0.1, a block of ports per node) live on this machine."""
     # The Models pane lists the Hugging Face cache too; this machine's must not count.
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hf-cache"))
+    monkeypatch.chdir(tmp_path)  # no ./cluster.toml
+    monkeypatch.setattr(launch, "LOCAL_NODES", 2)
     home = tmp_path / "home"
-    base = free_local_base(2, control_port=PORT + 100, first=FIRST_BASE)
-    inv = local_inventory(2, base_octet=base, control_port=PORT + 100, home=home, memory_gb=8)
-    demo = home / "models" / "demo"
-    startup = Startup(start_agents=list(inv.nodes), demo_model=demo, place_demo=True, note="hi")
-    seen_progress: list[str] = []
-    app = StudioApp(home, inv, startup=startup)
+    args = build_parser().parse_args([])
+    app = launch.build_app(args, home, platform=platform)
+    inv = app.inventory
+    assert inv is not None and inv.names == ("local-1", "local-2")
     try:
+        # The first run wrote its inventory where the next `studiotui` finds it.
+        assert load_inventory(local_cluster.local_inventory_path(home)).nodes == inv.nodes
+        if platform == "darwin":
+            assert {n.address for n in inv.nodes} == {"127.0.0.1"}
+            assert inv.nodes[1].control_port == inv.nodes[0].control_port + 100
+        else:
+            assert len({n.address for n in inv.nodes}) == 2
+        seen_progress: list[str] = []
         async with app.run_test(size=SIZE) as pilot:
             pane = app.query_one(PlacementsPane)
             original = pane.progress
@@ -328,6 +341,7 @@ async def test_first_run_places_the_demo_model(
                 "demo placed and ready",
             )
             await pilot.pause(0.3)
+            assert "no cluster.toml found: starting a simulated cluster of 2 nodes" in log_text(app)
             table = pane.query_one("#placements-table")
             assert table.display and table.row_count == 1
             ring = str(table.get_row_at(0)[6])
@@ -341,6 +355,11 @@ async def test_first_run_places_the_demo_model(
                 3,
                 "ready entry in the log",
             )
+        # The second start finds the cluster it made, running: nothing to start.
+        again = launch.build_app(args, home, platform=platform)
+        assert again.inventory is not None and again.inventory.nodes == inv.nodes
+        assert again.startup is not None
+        assert again.startup.start_agents == [] and again.startup.demo_model is None
     finally:
         _stop(inv)
 
