@@ -34,6 +34,7 @@ from studiotui.state import (
     PlacementState,
     newly_broken,
     placements_from_shards,
+    pushed,
     shard_from_report,
 )
 from worker.protocol import messages
@@ -203,17 +204,23 @@ class Controller:
         )
         facts = msg.get("facts") or {}
         shards = tuple(shard_from_report(name, s) for s in msg.get("shards", []))
+        power = msg.get("power") if isinstance(msg.get("power"), dict) else {}
+        pressure = msg.get("pressure") if isinstance(msg.get("pressure"), dict) else {}
         self._update_node(
             name,
             state="up",
             version=str(msg.get("version", node.version)),
+            power=power,
+            power_history=pushed(node.power_history, power.get("total_w")),
+            pressure=pressure,
+            pressure_history=pushed(node.pressure_history, pressure.get("pct")),
             memory_used=node.memory_used,
             memory_total=node.memory_total,
             memory_history=node.memory_history,
             last_seen=node.last_seen,
             cpu_pct=float(msg.get("cpu_pct", 0.0)),
             gpu_pct=msg.get("gpu_pct"),
-            power_w=msg.get("power_w"),
+            power_w=power.get("total_w"),
             chip=str(facts.get("chip", node.chip)),
             os=str(facts.get("os", node.os)),
             facts=facts,

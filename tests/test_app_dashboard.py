@@ -36,6 +36,8 @@ from studiotui.controller import DOWN_AFTER_S, Controller
 from studiotui.inventory import Inventory, load_inventory, local_inventory
 from tests.app_fixtures import fixed_models, fixed_state
 from tests.pilot_helpers import run_from_palette
+from worker import telemetry
+from worker.telemetry import choose_power_source, choose_pressure_source
 
 PORT = 57300  # far from the default 52500 and from other test modules
 FIRST_BASE = 171
@@ -355,6 +357,28 @@ async def test_first_run_places_the_demo_model(
                 3,
                 "ready entry in the log",
             )
+            # Power and memory pressure, live from the real agents: what this machine
+            # offers (RAPL, PSI) or the reason it gives none, never an invented figure.
+            await until(
+                pilot,
+                lambda: all(n.power and n.pressure for n in app.cluster.nodes),
+                15,
+                "power and pressure reported",
+            )
+            facts = telemetry.gather_power_facts()
+            power, pressure = choose_power_source(facts), choose_pressure_source(facts)
+            for node in app.cluster.nodes:
+                card = app.query_one(NodesPane).cards[node.name].render().plain
+                assert "  pwr  " in card
+                assert node.power["source"] == (power.kind or None)
+                if not power.kind:
+                    assert node.power_w is None and node.power["reason"] == power.reason
+                    assert "n/a" in card and not app.query_one(NodesPane).border_subtitle
+                if pressure.kind == "psi":
+                    assert node.pressure["source"] == "psi" and 0 <= node.pressure_pct <= 100
+                    assert "stall " in card and node.pressure_history
+                else:
+                    assert node.pressure["reason"] == pressure.reason
         # The second start finds the cluster it made, running: nothing to start.
         again = launch.build_app(args, home, platform=platform)
         assert again.inventory is not None and again.inventory.nodes == inv.nodes

@@ -98,6 +98,8 @@ class Agent:
         self.auth: AsyncioAuthenticator | None = None
         self.dropped = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
+        self.live: dict[str, Any] = {}
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks only weakly.
@@ -125,6 +127,7 @@ class Agent:
     async def run(self) -> None:
         self.bind()
         self._spawn(self._probe())
+        self._spawn(self._meter())
         (self.config.home / "agent.pid").write_text(str(os.getpid()))
         log.info(
             "agent %s %s listening on %s:%d",
@@ -191,7 +194,7 @@ class Agent:
         pids = [s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None]
         sample = telemetry.sample(self.config.memory_gb, pids)
         sample.pop("time", None)
-        return sample
+        return {**sample, **self.live}
 
     async def _on_hello(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(
@@ -348,6 +351,10 @@ class Agent:
         kind = await asyncio.to_thread(node_probe.link_kind, self.config.address)
         self.facts = {**self.facts, "rdma": rdma, "link_kind": kind}
 
+    async def _meter(self) -> None:
+        meter = await asyncio.to_thread(telemetry.Meter.for_this_machine)
+        await telemetry.keep_reading(meter, self.live)
+
     async def _on_ping_peer(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
 
@@ -421,7 +428,7 @@ class Agent:
             pids = [
                 s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None
             ]
-            sample = telemetry.sample(self.config.memory_gb, pids)
+            sample = {**telemetry.sample(self.config.memory_gb, pids), **self.live}
             sample.pop("time", None)
             msg = messages.encode(
                 "telemetry",

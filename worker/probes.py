@@ -29,7 +29,9 @@ __all__ = [
     "MemoryPressure",
     "OsRelease",
     "PeerLink",
+    "PowermetricsSample",
     "ProbeParseError",
+    "Psi",
     "RdmaStatus",
     "RdmaSummary",
     "ThunderboltBus",
@@ -45,7 +47,9 @@ __all__ = [
     "parse_memory_pressure",
     "parse_networksetup_ports",
     "parse_os_release",
+    "parse_powermetrics",
     "parse_proc_meminfo",
+    "parse_psi",
     "parse_rdma_ctl_status",
     "parse_sysctl_memsize",
     "parse_sysctl_value",
@@ -55,6 +59,7 @@ __all__ = [
     "parse_thunderbolt_text",
     "parse_vm_stat",
     "peer_links",
+    "rapl_watts",
     "rdma_enable_steps",
     "rdma_summary",
     "thunderbolt_ports",
@@ -1250,3 +1255,87 @@ def rdma_enable_steps(summary: RdmaSummary, os_name: str, os_version: str) -> li
         "both ends have RDMA enabled.",
         *bridge,
     ]
+
+
+# ---------------------------------------------------------------------------
+# powermetrics, Linux PSI and RAPL (power and memory pressure)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PowermetricsSample:
+    """The watts in one `powermetrics --samplers cpu_power,gpu_power` sample."""
+
+    cpu_w: float | None
+    gpu_w: float | None
+    ane_w: float | None
+    combined_w: float | None
+
+
+_PM_POWER = re.compile(r"^(CPU|GPU|ANE|Combined) Power[^:\n]*:\s*([\d.]+)\s*(mW|W)\b", re.M)
+
+
+@_probe("powermetrics")
+def parse_powermetrics(text: str) -> PowermetricsSample:
+    """The first CPU/GPU/ANE/Combined power lines: the summary block. The GPU
+    section repeats "GPU Power" and must not override the one Combined adds up."""
+    found: dict[str, float] = {}
+    for m in _PM_POWER.finditer(text):
+        watts = float(m.group(2)) / (1000.0 if m.group(3) == "mW" else 1.0)
+        found.setdefault(m.group(1), watts)
+    if "CPU" not in found and "Combined" not in found:
+        raise ProbeParseError("powermetrics", "no 'CPU Power' or 'Combined Power' line")
+    combined = found.get("Combined")
+    if combined is None:
+        parts = [found.get(k) for k in ("CPU", "GPU", "ANE")]
+        combined = sum(p for p in parts if p is not None)
+    return PowermetricsSample(found.get("CPU"), found.get("GPU"), found.get("ANE"), combined)
+
+
+@dataclass(frozen=True)
+class Psi:
+    """Linux pressure stall information: percent of wall time some (or all)
+    tasks waited for memory, averaged over 10 and 60 seconds."""
+
+    some_avg10: float
+    some_avg60: float
+    full_avg10: float | None = None
+    full_avg60: float | None = None
+
+
+_PSI_LINE = re.compile(r"^(some|full)\s+avg10=([\d.]+)\s+avg60=([\d.]+)", re.M)
+
+
+@_probe("/proc/pressure/memory")
+def parse_psi(text: str) -> Psi:
+    lines = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in _PSI_LINE.finditer(text)}
+    if "some" not in lines:
+        raise ProbeParseError("/proc/pressure/memory", "no 'some avg10=… avg60=…' line")
+    full = lines.get("full", (None, None))
+    return Psi(lines["some"][0], lines["some"][1], full[0], full[1])
+
+
+def rapl_watts(
+    before: Mapping[str, int], after: Mapping[str, int], seconds: float, max_uj: Mapping[str, int]
+) -> float | None:
+    """Watts from two readings of RAPL zones' energy_uj, `seconds` apart.
+
+    Counters wrap at max_energy_range_uj; a zone missing from either reading is
+    left out, and with no zone or no time there is no figure (None, not 0).
+    """
+    if seconds <= 0:
+        return None
+    joules = 0.0
+    counted = 0
+    for zone, end in after.items():
+        start = before.get(zone)
+        if start is None:
+            continue
+        delta = end - start
+        if delta < 0:
+            delta += max_uj.get(zone, 0)
+            if delta < 0:
+                continue
+        joules += delta / 1e6
+        counted += 1
+    return joules / seconds if counted else None
