@@ -37,6 +37,7 @@ from studiotui.state import (
     pushed,
     shard_from_report,
 )
+from worker import probes
 from worker.protocol import messages
 
 DOWN_AFTER_S = 3.0
@@ -687,14 +688,22 @@ class Controller:
             (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
             for n in (a, b)
         )
+        # The kind from both ends' interfaces; an agent's own end is the fallback.
+        ends = [
+            probes.LinkEnd.from_facts(
+                (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("link_end")
+            )
+            for n in (a, b)
+        ]
+        kind = probes.pair_link_kind(*ends) if all(ends) else str(results[0].get("kind", "unknown"))
         if not good:
-            return LinkState(a, b, None, None, results[0].get("kind", "unknown"), time.time())
+            return LinkState(a, b, None, None, kind, time.time())
         return LinkState(
             a,
             b,
             latency_us=min(r["latency_us"] for r in good),
-            gbps=max(r["gbps"] for r in good),
-            kind=str(good[0].get("kind", "unknown")),
+            gbps=max((r["gbps"] for r in good if "gbps" in r), default=None),
+            kind=kind,
             measured_at=time.time(),
             rdma=bool(rdma),
         )

@@ -40,6 +40,14 @@ def _mac(name: str, octet: int, total_gb: int, used_gb: float, **kw) -> NodeStat
     rdma = kw.pop("rdma", None)
     if rdma is not None:
         macos["rdma"] = rdma
+    # Agents bound on the Thunderbolt bridge, as `networksetup` names it.
+    macos["link_end"] = {
+        "address": f"10.0.0.{octet}",
+        "interface": "bridge0",
+        "port": "Thunderbolt Bridge",
+        "prefix": 24,
+        "kind": "thunderbolt",
+    }
     # As an agent with macmon reports them: sys_power is the whole Mac, the parts are
     # macmon's CPU/GPU/ANE rails (the rest is memory, fabric, fans, ports).
     watts = kw.pop("watts", (6.2, 41.5, 0.0, 58.4))

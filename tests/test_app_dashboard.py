@@ -192,14 +192,20 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
 
         await pilot.press("m")
         n_links = len(inv.names) * (len(inv.names) - 1) // 2
-        await until(pilot, lambda: len(app.controller.state.links) == n_links, 20, "links measured")
+        await until(pilot, lambda: len(app.controller.state.links) == n_links, 45, "links measured")
         await until(pilot, lambda: "measured" in log_text(app), 3, "log entry for links")
+        # Every pair streamed over CURVE PUSH/PULL (bandwidth comes only from what the
+        # receiving agent timed) and is called loopback from both ends' interfaces.
+        for link in app.controller.state.links:
+            assert link.kind == "loopback" and link.gbps and link.gbps > 0, link
+            assert link.latency_us and link.latency_us > 0, link
 
         def legend() -> str:
             return str(app.query_one("#topology-drawing").content)
 
         await until(pilot, lambda: "not measured" not in legend(), 3, "measured links drawn")
         assert legend().count(" µs · ") >= n_links, legend()
+        assert legend().count("loopback · ") >= n_links and " Gb/s" in legend(), legend()
         # Provisioning a local node starts its agent if needed and says how it went.
         app.action_provision()
         await until(pilot, lambda: "local agent" in log_text(app), 20, "provision outcome")
@@ -218,7 +224,7 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
             lambda: (
                 app.controller.state.links and app.controller.state.links[0].measured_at > first
             ),
-            20,
+            45,
             "links measured again from the palette",
         )
         # …and switches themes, remembered in ui.json.

@@ -57,9 +57,15 @@ def test_measured_links_come_from_the_agents() -> None:
     b = _node(2, address="10.0.0.2")
     c = _node(3, address="10.0.0.3")
     links = {(link.a, link.b): link for link in cluster_links(ClusterState(nodes=(a, b, c)))}
-    assert describe_link(links["node-1", "node-2"]) == "thunderbolt · 32 µs · Gb/s ?"
-    assert describe_link(links["node-2", "node-3"]) == "unknown · not measured"
+    assert describe_link(links["node-1", "node-2"]) == "Thunderbolt bridge · 32 µs · Gb/s ?"
+    assert describe_link(links["node-2", "node-3"]) == "unknown link · not measured"
     assert describe_link(links["node-1", "node-3"]).endswith("not measured")
+    # Once both agents have said which interface they sit on, the kind follows from both.
+    wifi = {"address": "10.0.0.3", "interface": "en0", "port": "Wi-Fi", "prefix": 24}
+    eth = {"address": "10.0.0.2", "interface": "en8", "port": "Ethernet", "prefix": 24}
+    b, c = _node(2, address="10.0.0.2", facts={"link_end": eth}), _node(3, facts={"link_end": wifi})
+    links = {(link.a, link.b): link for link in cluster_links(ClusterState(nodes=(a, b, c)))}
+    assert describe_link(links["node-2", "node-3"]) == "Wi-Fi · not measured"
 
 
 def test_memory_colours_change_at_80_and_95_percent() -> None:
