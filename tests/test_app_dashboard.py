@@ -379,10 +379,12 @@ async def test_first_run_places_the_demo_model(
                 assert node.power["source"] == (power.kind or None)
                 if not power.kind:
                     assert node.power_w is None and node.power["reason"] == power.reason
-                    assert "n/a" in card and not app.query_one(NodesPane).border_subtitle
+                    assert "n/a" in card
+                    assert " W " not in app.query_one(NodesPane).border_subtitle
                 if pressure.kind == "psi":
                     assert node.pressure["source"] == "psi" and 0 <= node.pressure_pct <= 100
                     assert "stall " in card and node.pressure_history
+                    assert "stall ≤ " in app.query_one(NodesPane).border_subtitle
                 else:
                     assert node.pressure["reason"] == pressure.reason
         # The second start finds the cluster it made, running: nothing to start.

@@ -186,3 +186,8 @@ def test_cluster_power_counts_each_machine_once() -> None:
     assert (total, history, machines) == (150.0, (130.0, 150.0), 2)
     assert cluster_power_title(nodes).startswith("cluster 150 W (2 machines) ")
     assert cluster_power(nodes[4:]) == (None, (), 0) and cluster_power_title(nodes[4:]) == ""
+    # Pressure alone (Linux without RAPL) still makes a title: the worst node.
+    stall = {"source": "psi", "label": "stall"}
+    calm = _node(6, pressure={**stall, "pct": 0.4})
+    busy = _node(7, pressure={**stall, "pct": 3.25})
+    assert cluster_power_title((nodes[4], calm, busy)) == "stall ≤ 3.2% (node-7)"

@@ -399,7 +399,7 @@ class Agent:
             )
         except TimeoutError:
             out["error"] = f"{peer['name']} did not answer in time"
-        except AgentLinkError as exc:
+        except (AgentLinkError, zmq.ZMQError, messages.MessageError) as exc:
             out["error"] = f"{peer['name']}: {exc}"
         finally:
             sock.close(linger=0)
@@ -438,7 +438,14 @@ class Agent:
         curve.make_server(sink, keys)
         sink.bind(f"tcp://{self.config.address}:*")
         port = int(sink.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-        self._sinks[msg["token"]] = asyncio.create_task(_drain(sink))
+        token = msg["token"]
+        task = self._sinks[token] = asyncio.create_task(_drain(sink))
+        # A measurer that never comes back for its result must not leave it here.
+        task.add_done_callback(
+            lambda _: asyncio.get_running_loop().call_later(
+                LINK_TIMEOUT_S * 4, self._sinks.pop, token, None
+            )
+        )
         await self._reply(ident, re, "sink_open", port=port)
 
     async def _on_close_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:

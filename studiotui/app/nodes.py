@@ -166,13 +166,25 @@ def power_line(node: NodeState, width: int) -> Content | None:
 
 
 def cluster_power_title(nodes: Sequence[NodeState]) -> str:
+    """The Nodes pane's subtitle: the cluster's watts with their history, and the
+    highest memory pressure and where it is. Empty when neither is known."""
+    parts = []
     total, history, machines = cluster_power(nodes)
-    if total is None:
-        return ""
-    top = max(history, default=0.0) or 1.0
-    spark = sparkline(tuple(v / top for v in history), 16)
-    of = f" ({machines} machine{'s' if machines != 1 else ''})" if machines != len(nodes) else ""
-    return f"cluster {total:.0f} W{of} {spark}"
+    if total is not None:
+        top = max(history, default=0.0) or 1.0
+        spark = sparkline(tuple(v / top for v in history), 16)
+        of = (
+            f" ({machines} machine{'s' if machines != 1 else ''})" if machines != len(nodes) else ""
+        )
+        parts.append(f"cluster {total:.0f} W{of} {spark}")
+    pressed = [n for n in nodes if n.state == "up" and n.pressure_pct is not None]
+    if pressed:
+        worst = max(pressed, key=lambda n: n.pressure_pct or 0.0)
+        pct = worst.pressure_pct or 0.0
+        label = str(worst.pressure.get("label") or "pressure")
+        parts.append(f"{label} ≤ {pct:.1f}%" if pct < 10 else f"{label} ≤ {pct:.0f}%")
+        parts[-1] += f" ({worst.name})"
+    return " · ".join(parts)
 
 
 def power_reasons(node: NodeState) -> str:
