@@ -32,8 +32,13 @@ log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
 SHARD_PORT_OFFSET = 10
 LINK_PINGS = 21
-LINK_BULK_BYTES = 1 << 20
-LINK_BULK_COUNT = 16
+# Bandwidth the way the ring moves activations: CURVE PUSH -> PULL, several large
+# messages in flight (the PUSH queues up to LINK_IN_FLIGHT while one is on the wire),
+# for a short while, timed at the receiver from the first message to the last.
+LINK_CHUNK_BYTES = 4 << 20
+LINK_IN_FLIGHT = 4
+LINK_BULK_SECONDS = 0.3
+LINK_BULK_MAX_BYTES = 1 << 30
 LINK_TIMEOUT_S = 5.0
 # While a shard loads, the controller hears from this agent at least this often (the
 # bytes loaded so far): a big layer on a slow disk gives no progress for minutes.
@@ -121,6 +126,9 @@ class Agent:
         self.auth: AsyncioAuthenticator | None = None
         self.dropped = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
+        self.live: dict[str, Any] = {}
+        self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks only weakly.
@@ -148,6 +156,7 @@ class Agent:
     async def run(self) -> None:
         self.bind()
         self._spawn(self._probe())
+        self._spawn(self._meter())
         (self.config.home / "agent.pid").write_text(str(os.getpid()))
         log.info(
             "agent %s %s listening on %s:%d",
@@ -214,7 +223,7 @@ class Agent:
         pids = [s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None]
         sample = telemetry.sample(self.config.memory_gb, pids)
         sample.pop("time", None)
-        return sample
+        return {**sample, **self.live}
 
     async def _on_hello(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(
@@ -388,8 +397,12 @@ class Agent:
     async def _probe(self) -> None:
         """Gather RDMA and link facts off the loop: probes may take seconds on a Mac."""
         rdma = await asyncio.to_thread(node_probe.rdma_facts)
-        kind = await asyncio.to_thread(node_probe.link_kind, self.config.address)
-        self.facts = {**self.facts, "rdma": rdma, "link_kind": kind}
+        end = await asyncio.to_thread(node_probe.link_end, self.config.address)
+        self.facts = {**self.facts, "rdma": rdma, "link_end": end, "link_kind": end["kind"]}
+
+    async def _meter(self) -> None:
+        meter = await asyncio.to_thread(telemetry.Meter.for_this_machine)
+        await telemetry.keep_reading(meter, self.live)
 
     async def _on_ping_peer(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
@@ -401,27 +414,89 @@ class Agent:
         await self._reply(ident, re, "links", links=results)
 
     async def _measure(self, peer: dict[str, Any]) -> dict[str, Any]:
-        """Latency from small pings, bandwidth from 1 MiB ones, over the real CURVE path."""
+        """Latency from small pings over the control socket; bandwidth from a
+        stream of large messages over a CURVE PUSH to a PULL the peer opens."""
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+        server_key = str(peer["key"]).encode()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        curve.make_client(sock, keys, str(peer["key"]).encode())
+        curve.make_client(sock, keys, server_key)
         sock.connect(str(peer["endpoint"]))
         out: dict[str, Any] = {"peer": peer["name"], "kind": self.facts.get("link_kind", "unknown")}
         try:
             rtts = [await _ping(sock, i, b"") for i in range(LINK_PINGS)]
-            payload = b"\0" * LINK_BULK_BYTES
-            began = time.perf_counter()
-            for i in range(LINK_BULK_COUNT):
-                await _ping(sock, 1000 + i, payload)
-            bulk = time.perf_counter() - began
             out["latency_us"] = statistics.median(rtts[1:]) / 2 * 1e6
-            out["gbps"] = LINK_BULK_BYTES * LINK_BULK_COUNT * 8 / bulk / 1e9
+            token = os.urandom(8).hex()
+            opened = await _ask(sock, "open_sink", token=token)
+            host = str(peer["endpoint"]).rsplit(":", 1)[0]
+            sent = await self._stream(keys, server_key, f"{host}:{opened['port']}")
+            got = await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S)
+            if got["seconds"] > 0 and got["bytes"] > 0:
+                out["gbps"] = got["bytes"] * 8 / got["seconds"] / 1e9
+            out.update(
+                method="curve push-pull",
+                chunk_bytes=LINK_CHUNK_BYTES,
+                in_flight=LINK_IN_FLIGHT,
+                sent_bytes=sent,
+                received_bytes=got["bytes"],
+            )
         except TimeoutError:
-            out["error"] = f"{peer['name']} did not answer pings"
+            out["error"] = f"{peer['name']} did not answer in time"
+        except (AgentLinkError, zmq.ZMQError, messages.MessageError) as exc:
+            out["error"] = f"{peer['name']}: {exc}"
         finally:
             sock.close(linger=0)
         return out
+
+    async def _stream(self, keys: curve.CurveKeys, server_key: bytes, endpoint: str) -> int:
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, LINK_IN_FLIGHT)
+        curve.make_client(push, keys, server_key)
+        payload = bytes(LINK_CHUNK_BYTES)
+        sent = 0
+        try:
+            push.connect(endpoint)
+            # A small message first: a large first message on a new CURVE pipe to an
+            # asyncio PULL stalled here (4 MiB hung, 64 KiB did not; seen with pyzmq's
+            # asyncio sockets), and the receiver starts its clock at the first data.
+            await asyncio.wait_for(push.send_multipart([b"warm"]), LINK_TIMEOUT_S)
+            began = time.perf_counter()
+            while time.perf_counter() - began < LINK_BULK_SECONDS and sent < LINK_BULK_MAX_BYTES:
+                # copy=False: zero-copy, as the runner sends large activations.
+                await asyncio.wait_for(
+                    push.send_multipart([b"data", payload], copy=False), LINK_TIMEOUT_S
+                )
+                sent += len(payload)
+            await asyncio.wait_for(push.send_multipart([b"end"]), LINK_TIMEOUT_S)
+        finally:
+            push.close(linger=LINK_TIMEOUT_S * 1000)
+        return sent
+
+    async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+        sink = self.ctx.socket(zmq.PULL)
+        sink.setsockopt(zmq.LINGER, 0)
+        sink.setsockopt(zmq.RCVHWM, LINK_IN_FLIGHT)
+        curve.make_server(sink, keys)
+        sink.bind(f"tcp://{self.config.address}:*")
+        port = int(sink.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        token = msg["token"]
+        task = self._sinks[token] = asyncio.create_task(_drain(sink))
+        # A measurer that never comes back for its result must not leave it here.
+        task.add_done_callback(
+            lambda _: asyncio.get_running_loop().call_later(
+                LINK_TIMEOUT_S * 4, self._sinks.pop, token, None
+            )
+        )
+        await self._reply(ident, re, "sink_open", port=port)
+
+    async def _on_close_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        task = self._sinks.pop(msg["token"], None)
+        if task is None:
+            await self._reply(ident, re, "error", message="no such link sink")
+            return
+        await self._reply(ident, re, "sink_result", **await task)
 
     async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
@@ -464,7 +539,7 @@ class Agent:
             pids = [
                 s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None
             ]
-            sample = telemetry.sample(self.config.memory_gb, pids)
+            sample = {**telemetry.sample(self.config.memory_gb, pids), **self.live}
             sample.pop("time", None)
             msg = messages.encode(
                 "telemetry",
@@ -478,6 +553,44 @@ class Agent:
             )
             await self.pub.send_multipart([b"telemetry", msg])
             await asyncio.sleep(TELEMETRY_EVERY_S)
+
+
+class AgentLinkError(RuntimeError):
+    """A peer refused a link-measurement step."""
+
+
+async def _ask(
+    sock: zmq.asyncio.Socket, kind: str, timeout: float = LINK_TIMEOUT_S, **fields: Any
+) -> dict[str, Any]:
+    await sock.send(messages.encode(kind, **fields))
+    reply = messages.decode(await asyncio.wait_for(sock.recv(), timeout))
+    if reply["type"] == "error":
+        raise AgentLinkError(str(reply.get("message")))
+    return reply
+
+
+async def _drain(sink: zmq.asyncio.Socket) -> dict[str, Any]:
+    """Receive a measurement stream until its end marker (or silence); the bytes
+    after the first message over the time from the first to the last."""
+    first = last = 0.0
+    count = received = 0
+    try:
+        # poll, not wait_for around recv: a cancelled recv can lose a message.
+        while await sink.poll(LINK_TIMEOUT_S * 1000, zmq.POLLIN):
+            frames = await sink.recv_multipart(copy=False)
+            if frames[0].bytes == b"warm":
+                continue
+            if frames[0].bytes != b"data":
+                break
+            now = time.perf_counter()
+            if count:
+                received += len(frames[1])
+            else:
+                first = now
+            last, count = now, count + 1
+    finally:
+        sink.close(linger=0)
+    return {"bytes": received, "seconds": last - first, "messages": count}
 
 
 async def _ping(sock: zmq.asyncio.Socket, n: int, pad: bytes) -> float:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from studiotui import __version__
 from studiotui.core.errors import StudioError
@@ -21,18 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Cluster manager and chat client for desk clusters of Apple Silicon Macs.",
     )
     p.add_argument("--version", action="version", version=f"studiotui {__version__}")
-    p.add_argument("-i", "--inventory", type=Path, help="cluster.toml to use")
-    p.add_argument(
-        "--serve",
-        type=_host_port,
-        metavar="[HOST:]PORT",
-        help="with the dashboard: also serve the OpenAI-compatible API from it",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("STUDIOTUI_API_KEY"),
-        help="with --serve: require this bearer key",
-    )
+    add_global_options(p, on_verb=False)
     sub = p.add_subparsers(dest="verb")
     from studiotui.cli import provision_cmd
 
@@ -112,7 +103,47 @@ def build_parser() -> argparse.ArgumentParser:
     from studiotui.cli.web import add_web_parser
 
     add_web_parser(sub)
+    for verb_parser in sub.choices.values():
+        add_global_options(verb_parser, on_verb=True)
     return p
+
+
+def add_global_options(p: argparse.ArgumentParser, on_verb: bool) -> None:
+    """The options that are not a verb's own, accepted before or after the verb.
+
+    On a verb they default to SUPPRESS, so a value given before the verb is not
+    overwritten by the verb's default when argparse merges the two namespaces.
+    A verb with its own option of the same name (serve's --api-key) keeps its own.
+    """
+    group = p.add_argument_group("global options (before or after the verb)") if on_verb else p
+    suppress = {"default": argparse.SUPPRESS} if on_verb else {}
+    options: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+        (("-i", "--inventory"), {"type": Path, "help": "cluster.toml to use", **suppress}),
+        (
+            ("--serve",),
+            {
+                "type": _host_port,
+                "metavar": "[HOST:]PORT",
+                "help": "with the dashboard: also serve the OpenAI-compatible API from it",
+                **suppress,
+            },
+        ),
+        (
+            ("--api-key",),
+            {
+                "help": "with --serve: require this bearer key (default: $STUDIOTUI_API_KEY)",
+                "default": os.environ.get("STUDIOTUI_API_KEY"),
+                **suppress,
+            },
+        ),
+    ]
+    if on_verb:
+        version = {"action": "version", "version": f"studiotui {__version__}"}
+        options.append((("--version",), version))
+    for flags, kwargs in options:
+        # argparse refuses an option string a verb already has: the verb's own wins.
+        with contextlib.suppress(argparse.ArgumentError):
+            group.add_argument(*flags, **kwargs)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -131,10 +162,16 @@ def home_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from studiotui.cli import commands, provision_cmd
 
     verb = args.verb or "tui"
+    if verb != "tui" and getattr(args, "serve", None):
+        parser.error(
+            f"--serve works with the dashboard only (studiotui --serve PORT); "
+            f"for the API on its own run `studiotui serve`, not with `{verb}`"
+        )
     # SSH-aware versions of these verbs; they hand local nodes to `commands`.
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
     if verb == "web":

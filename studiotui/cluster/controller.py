@@ -36,9 +36,11 @@ from studiotui.core.state import (
     PlacementState,
     newly_broken,
     placements_from_shards,
+    pushed,
     shard_from_report,
 )
 from studiotui.ssh import nodes
+from worker.shared import probes
 from worker.shared.protocol import messages
 
 DOWN_AFTER_S = 3.0
@@ -211,17 +213,23 @@ class Controller:
         )
         facts = msg.get("facts") or {}
         shards = tuple(shard_from_report(name, s) for s in msg.get("shards", []))
+        power = msg.get("power") if isinstance(msg.get("power"), dict) else {}
+        pressure = msg.get("pressure") if isinstance(msg.get("pressure"), dict) else {}
         self._update_node(
             name,
             state="up",
             version=str(msg.get("version", node.version)),
+            power=power,
+            power_history=pushed(node.power_history, power.get("total_w")),
+            pressure=pressure,
+            pressure_history=pushed(node.pressure_history, pressure.get("pct")),
             memory_used=node.memory_used,
             memory_total=node.memory_total,
             memory_history=node.memory_history,
             last_seen=node.last_seen,
             cpu_pct=float(msg.get("cpu_pct", 0.0)),
             gpu_pct=msg.get("gpu_pct"),
-            power_w=msg.get("power_w"),
+            power_w=power.get("total_w"),
             chip=str(facts.get("chip", node.chip)),
             os=str(facts.get("os", node.os)),
             facts=facts,
@@ -698,14 +706,22 @@ class Controller:
             (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
             for n in (a, b)
         )
+        # The kind from both ends' interfaces; an agent's own end is the fallback.
+        ends = [
+            probes.LinkEnd.from_facts(
+                (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("link_end")
+            )
+            for n in (a, b)
+        ]
+        kind = probes.pair_link_kind(*ends) if all(ends) else str(results[0].get("kind", "unknown"))
         if not good:
-            return LinkState(a, b, None, None, results[0].get("kind", "unknown"), time.time())
+            return LinkState(a, b, None, None, kind, time.time())
         return LinkState(
             a,
             b,
             latency_us=min(r["latency_us"] for r in good),
-            gbps=max(r["gbps"] for r in good),
-            kind=str(good[0].get("kind", "unknown")),
+            gbps=max((r["gbps"] for r in good if "gbps" in r), default=None),
+            kind=kind,
             measured_at=time.time(),
             rdma=bool(rdma),
         )

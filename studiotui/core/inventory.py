@@ -651,16 +651,83 @@ def load_inventory(path: Path, *, ssh_config: Iterable[str | Path] | None = None
 # --------------------------------------------------------------------------- simulated cluster
 
 
+LOCAL_BASE_OCTET = 11
+# On macOS the simulated nodes share 127.0.0.1; each takes its own block of ports
+# (control, telemetry, then its shards' ports from control + SHARD_PORT_OFFSET up).
+MAC_PORT_STRIDE = 100
+
+
+def shares_loopback(platform: str) -> bool:
+    """macOS answers only 127.0.0.1 on loopback unless aliases are added (sudo
+    ifconfig lo0 alias ...), so there simulated nodes share it and differ by port."""
+    return platform == "darwin"
+
+
+def local_endpoints(
+    n: int,
+    platform: str,
+    base_octet: int = LOCAL_BASE_OCTET,
+    control_port: int = DEFAULT_CONTROL_PORT,
+) -> list[tuple[str, int]]:
+    """(address, control port) of each of `n` simulated nodes on `platform`."""
+    if shares_loopback(platform):
+        return [("127.0.0.1", control_port + k * MAC_PORT_STRIDE) for k in range(n)]
+    return [(f"127.0.0.{base_octet + k}", control_port) for k in range(n)]
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    base_octet: int
+    control_port: int
+
+
+def choose_local_layout(
+    n: int,
+    platform: str,
+    is_free: Callable[[str, int], bool],
+    control_port: int = DEFAULT_CONTROL_PORT,
+    first_octet: int = LOCAL_BASE_OCTET,
+) -> LocalLayout:
+    """The first layout of `n` simulated nodes whose agent ports are all free.
+
+    Another simulated cluster (another user, another home) may hold the default
+    one; binding there would fail, so a first run steps aside: by tens of
+    addresses on Linux, by whole blocks of ports on macOS, where there is only
+    127.0.0.1. `is_free(address, port)` is the only I/O, passed in.
+    """
+
+    def free(base: int, port: int) -> bool:
+        return all(
+            is_free(address, p)
+            for address, control in local_endpoints(n, platform, base, port)
+            for p in (control, control + TELEMETRY_PORT_OFFSET)
+        )
+
+    if shares_loopback(platform):
+        step = n * MAC_PORT_STRIDE
+        last = _MAX_CONTROL_PORT - (n - 1) * MAC_PORT_STRIDE
+        for port in range(control_port, last + 1, step):
+            if free(first_octet, port):
+                return LocalLayout(first_octet, port)
+        raise ValueError(f"no free ports on 127.0.0.1 for {n} local nodes from {control_port} up")
+    for base in range(first_octet, 255 - n, 10):
+        if free(base, control_port):
+            return LocalLayout(base, control_port)
+    raise ValueError(f"no free loopback range for {n} local nodes on port {control_port}")
+
+
 def local_inventory(
     n: int,
     *,
-    base_octet: int = 11,
+    base_octet: int = LOCAL_BASE_OCTET,
     control_port: int = DEFAULT_CONTROL_PORT,
     memory_gb: float | None = None,
     home: Path,
     python: str | None = None,
+    platform: str = sys.platform,
 ) -> Inventory:
-    """`n` simulated nodes on loopback addresses 127.0.0.<base_octet>... of this machine.
+    """`n` simulated nodes on this machine: loopback addresses 127.0.0.<base_octet>...
+    on Linux, 127.0.0.1 with a block of ports each on macOS (see `local_endpoints`).
 
     They run on this interpreter by default: it already has the worker's dependencies,
     and an existing venv's python is used as is instead of building a new venv.
@@ -671,22 +738,23 @@ def local_inventory(
         raise ValueError(
             f"127.0.0.{base_octet}..127.0.0.{base_octet + n - 1} leaves the usable range 1-254"
         )
-    if not 1 <= control_port <= _MAX_CONTROL_PORT:
-        raise ValueError(f"control_port must be 1-{_MAX_CONTROL_PORT}, got {control_port}")
-    # macOS answers only 127.0.0.1 on loopback unless aliases are added (sudo ifconfig
-    # lo0 alias ...), so there the simulated nodes share it and differ by port.
-    shared = sys.platform == "darwin"
+    endpoints = local_endpoints(n, platform, base_octet, control_port)
+    if not 1 <= control_port <= endpoints[-1][1] <= _MAX_CONTROL_PORT:
+        raise ValueError(
+            f"control_port must be 1-{_MAX_CONTROL_PORT}, got {control_port}"
+            + (f" (the last node's is {endpoints[-1][1]})" if len(endpoints) > 1 else "")
+        )
     nodes = tuple(
         NodeSpec(
             name=f"local-{k}",
             transport="local",
-            address="127.0.0.1" if shared else f"127.0.0.{base_octet + k - 1}",
-            control_port=control_port + (k - 1) * 100 if shared else control_port,
+            address=address,
+            control_port=port,
             workdir=str(home / "local" / f"local-{k}"),
             python=python or sys.executable,
             memory_gb=None if memory_gb is None else float(memory_gb),
         )
-        for k in range(1, n + 1)
+        for k, (address, port) in enumerate(endpoints, start=1)
     )
     return Inventory(name="local", nodes=nodes, groups={}, path=None)
 

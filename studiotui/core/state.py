@@ -53,6 +53,17 @@ class NodeState:
     shards: tuple[ShardState, ...] = ()
     facts: dict[str, Any] = field(default_factory=dict)
     message: str = ""
+    # The agent's last power and memory-pressure reports as sent (source, watts
+    # by part, or the reason there is no figure), and their histories at 1 Hz.
+    power: dict[str, Any] = field(default_factory=dict)
+    power_history: tuple[float, ...] = ()
+    pressure: dict[str, Any] = field(default_factory=dict)
+    pressure_history: tuple[float, ...] = ()
+
+    @property
+    def pressure_pct(self) -> float | None:
+        pct = self.pressure.get("pct")
+        return float(pct) if isinstance(pct, int | float) else None
 
     @property
     def memory_free(self) -> int:
@@ -68,6 +79,13 @@ class NodeState:
         return replace(
             self, memory_used=used, memory_total=total, last_seen=now, memory_history=history
         )
+
+
+def pushed(history: tuple[float, ...], value: Any) -> tuple[float, ...]:
+    """`history` with `value` appended (kept to HISTORY); a missing value adds nothing."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return history
+    return (*history[-(HISTORY - 1) :], float(value))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from studiotui.app.app import Startup, StudioApp
+from studiotui.app import launch
+from studiotui.app.app import StudioApp
 from studiotui.app.dialogs import HelpScreen, NodeLogScreen
 from studiotui.app.launch import free_local_base
 from studiotui.app.panes.log import LogPane
@@ -28,13 +29,16 @@ from studiotui.app.panes.nodes import NodesPane
 from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.panes.rdma import RdmaPane
 from studiotui.app.themes import load_ui
+from studiotui.cli.main import build_parser
 from studiotui.cli.serve import api_service
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import DOWN_AFTER_S, Controller
 from studiotui.cluster.session import wait_until_up
-from studiotui.core.inventory import Inventory, local_inventory
+from studiotui.core.inventory import Inventory, load_inventory, local_inventory
 from tests.app_fixtures import fixed_models, fixed_state
 from tests.pilot_helpers import run_from_palette
+from worker import telemetry
+from worker.telemetry import choose_power_source, choose_pressure_source
 
 PORT = 57300  # far from the default 52500 and from other test modules
 FIRST_BASE = 171
@@ -189,14 +193,20 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
 
         await pilot.press("m")
         n_links = len(inv.names) * (len(inv.names) - 1) // 2
-        await until(pilot, lambda: len(app.controller.state.links) == n_links, 20, "links measured")
+        await until(pilot, lambda: len(app.controller.state.links) == n_links, 45, "links measured")
         await until(pilot, lambda: "measured" in log_text(app), 3, "log entry for links")
+        # Every pair streamed over CURVE PUSH/PULL (bandwidth comes only from what the
+        # receiving agent timed) and is called loopback from both ends' interfaces.
+        for link in app.controller.state.links:
+            assert link.kind == "loopback" and link.gbps and link.gbps > 0, link
+            assert link.latency_us and link.latency_us > 0, link
 
         def legend() -> str:
             return str(app.query_one("#topology-drawing").content)
 
         await until(pilot, lambda: "not measured" not in legend(), 3, "measured links drawn")
         assert legend().count(" µs · ") >= n_links, legend()
+        assert legend().count("loopback · ") >= n_links and " Gb/s" in legend(), legend()
         # Provisioning a local node starts its agent if needed and says how it went.
         app.action_provision()
         await until(pilot, lambda: "local agent" in log_text(app), 20, "provision outcome")
@@ -215,7 +225,7 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
             lambda: (
                 app.controller.state.links and app.controller.state.links[0].measured_at > first
             ),
-            20,
+            45,
             "links measured again from the palette",
         )
         # …and switches themes, remembered in ui.json.
@@ -297,20 +307,31 @@ async def test_killed_agent_is_shown_down(cluster: tuple[Path, Inventory]) -> No
         local_cluster.start_agent(home, node, inv)
 
 
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
 async def test_first_run_places_the_demo_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
 ) -> None:
-    """What `studiotui` does with no inventory, on two nodes to keep it quick."""
+    """What `studiotui` does with no inventory: `launch.build_app` is the code the
+    command runs before `app.run()`. On two nodes to keep it quick. "darwin" runs
+    the macOS layout (127.0.0.1, a block of ports per node) live on this machine."""
     # The Models pane lists the Hugging Face cache too; this machine's must not count.
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hf-cache"))
+    monkeypatch.chdir(tmp_path)  # no ./cluster.toml
+    monkeypatch.setattr(launch, "LOCAL_NODES", 2)
     home = tmp_path / "home"
-    base = free_local_base(2, control_port=PORT + 100, first=FIRST_BASE)
-    inv = local_inventory(2, base_octet=base, control_port=PORT + 100, home=home, memory_gb=8)
-    demo = home / "models" / "demo"
-    startup = Startup(start_agents=list(inv.nodes), demo_model=demo, place_demo=True, note="hi")
-    seen_progress: list[str] = []
-    app = StudioApp(home, inv, startup=startup)
+    args = build_parser().parse_args([])
+    app = launch.build_app(args, home, platform=platform)
+    inv = app.inventory
+    assert inv is not None and inv.names == ("local-1", "local-2")
     try:
+        # The first run wrote its inventory where the next `studiotui` finds it.
+        assert load_inventory(local_cluster.local_inventory_path(home)).nodes == inv.nodes
+        if platform == "darwin":
+            assert {n.address for n in inv.nodes} == {"127.0.0.1"}
+            assert inv.nodes[1].control_port == inv.nodes[0].control_port + 100
+        else:
+            assert len({n.address for n in inv.nodes}) == 2
+        seen_progress: list[str] = []
         async with app.run_test(size=SIZE) as pilot:
             pane = app.query_one(PlacementsPane)
             original = pane.progress
@@ -329,6 +350,7 @@ async def test_first_run_places_the_demo_model(
                 "demo placed and ready",
             )
             await pilot.pause(0.3)
+            assert "no cluster.toml found: starting a simulated cluster of 2 nodes" in log_text(app)
             table = pane.query_one("#placements-table")
             assert table.display and table.row_count == 1
             ring = str(table.get_row_at(0)[6])
@@ -342,6 +364,35 @@ async def test_first_run_places_the_demo_model(
                 3,
                 "ready entry in the log",
             )
+            # Power and memory pressure, live from the real agents: what this machine
+            # offers (RAPL, PSI) or the reason it gives none, never an invented figure.
+            await until(
+                pilot,
+                lambda: all(n.power and n.pressure for n in app.cluster.nodes),
+                15,
+                "power and pressure reported",
+            )
+            facts = telemetry.gather_power_facts()
+            power, pressure = choose_power_source(facts), choose_pressure_source(facts)
+            for node in app.cluster.nodes:
+                card = app.query_one(NodesPane).cards[node.name].render().plain
+                assert "  pwr  " in card
+                assert node.power["source"] == (power.kind or None)
+                if not power.kind:
+                    assert node.power_w is None and node.power["reason"] == power.reason
+                    assert "n/a" in card
+                    assert " W " not in app.query_one(NodesPane).border_subtitle
+                if pressure.kind == "psi":
+                    assert node.pressure["source"] == "psi" and 0 <= node.pressure_pct <= 100
+                    assert "stall " in card and node.pressure_history
+                    assert "stall ≤ " in app.query_one(NodesPane).border_subtitle
+                else:
+                    assert node.pressure["reason"] == pressure.reason
+        # The second start finds the cluster it made, running: nothing to start.
+        again = launch.build_app(args, home, platform=platform)
+        assert again.inventory is not None and again.inventory.nodes == inv.nodes
+        assert again.startup is not None
+        assert again.startup.start_agents == [] and again.startup.demo_model is None
     finally:
         _stop(inv)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from studiotui.app.panes.log import log_line
-from studiotui.app.panes.nodes import node_lines, sort_key
+from studiotui.app.panes.nodes import cluster_power, cluster_power_title, node_lines, sort_key
 from studiotui.app.panes.rdma import rdma_view
 from studiotui.app.panes.topology import cluster_links, describe_link, draw_topology
 from studiotui.app.render import bar, sparkline, usage_style
@@ -57,9 +57,15 @@ def test_measured_links_come_from_the_agents() -> None:
     b = _node(2, address="10.0.0.2")
     c = _node(3, address="10.0.0.3")
     links = {(link.a, link.b): link for link in cluster_links(ClusterState(nodes=(a, b, c)))}
-    assert describe_link(links["node-1", "node-2"]) == "thunderbolt · 32 µs · Gb/s ?"
-    assert describe_link(links["node-2", "node-3"]) == "unknown · not measured"
+    assert describe_link(links["node-1", "node-2"]) == "Thunderbolt bridge · 32 µs · Gb/s ?"
+    assert describe_link(links["node-2", "node-3"]) == "unknown link · not measured"
     assert describe_link(links["node-1", "node-3"]).endswith("not measured")
+    # Once both agents have said which interface they sit on, the kind follows from both.
+    wifi = {"address": "10.0.0.3", "interface": "en0", "port": "Wi-Fi", "prefix": 24}
+    eth = {"address": "10.0.0.2", "interface": "en8", "port": "Ethernet", "prefix": 24}
+    b, c = _node(2, address="10.0.0.2", facts={"link_end": eth}), _node(3, facts={"link_end": wifi})
+    links = {(link.a, link.b): link for link in cluster_links(ClusterState(nodes=(a, b, c)))}
+    assert describe_link(links["node-2", "node-3"]) == "Wi-Fi · not measured"
 
 
 def test_memory_colours_change_at_80_and_95_percent() -> None:
@@ -75,7 +81,7 @@ def test_node_card_shows_what_is_known() -> None:
     node = _node(1, used=15 * GB, gpu_pct=40.0, power_w=None, memory_history=(0.5, 0.9))
     text = node_lines(node, 80, selected=True).plain
     assert "▶" in text and "node-1" in text and "15.0 GB / 16.0 GB" in text
-    assert "gpu 40%" in text and "power" not in text
+    assert "gpu 40%" in text and "pwr" not in text  # no report yet: no power line
     narrow = node_lines(node, 40, selected=False).plain
     assert all(len(line) <= 40 for line in narrow.splitlines())
     busy = [_node(1, used=1 * GB), _node(2, used=9 * GB), _node(3, state="down")]
@@ -132,3 +138,56 @@ def test_ui_settings_survive_damage(tmp_path: Path) -> None:
     save_ui(tmp_path, theme="studio-light")
     save_ui(tmp_path, sort="cpu")
     assert load_ui(tmp_path) == {"theme": "studio-light", "sort": "cpu"}
+
+
+def _watts(total: float, host: str, history: tuple[float, ...], **kw) -> dict:
+    power = {"source": "macmon", "host": host, "total_w": total, "scope": "system", **kw}
+    return {"power": power, "power_w": total, "power_history": history}
+
+
+def test_node_card_power_and_pressure_line() -> None:
+    node = _node(
+        1,
+        **_watts(58.4, "studio-1", (20.0, 40.0, 58.4), cpu_w=6.2, gpu_w=41.5, ane_w=0.0),
+        pressure={"source": "memory_pressure", "pct": 74.0, "label": "pressure"},
+        pressure_history=(50.0, 74.0),
+    )
+    lines = node_lines(node, 100, selected=False).plain.splitlines()
+    assert len(lines) == 5
+    assert lines[3].startswith("  pwr  58 W  cpu 6.2 gpu 41.5 ane 0.0  ")
+    assert "pressure 74% " in lines[3] and lines[3].count("█") == 1  # 58.4 is the top
+    # No figure: the card says so and why, and keeps the pressure it has.
+    linux = _node(
+        2,
+        power={
+            "source": None,
+            "host": "h",
+            "reason": "no RAPL: /sys/class/powercap does not exist",
+        },
+        pressure={"source": "psi", "pct": 1.5, "label": "stall"},
+        pressure_history=(1.5,),
+    )
+    line = node_lines(linux, 120, selected=False).plain.splitlines()[3]
+    assert line.startswith("  pwr  n/a   stall 1.5% ")
+    assert line.endswith("no RAPL: /sys/class/powercap does not exist")
+    assert all(len(x) <= 40 for x in node_lines(linux, 40, selected=False).plain.splitlines())
+
+
+def test_cluster_power_counts_each_machine_once() -> None:
+    nodes = (
+        _node(1, **_watts(50.0, "studio-1", (30.0, 40.0, 50.0))),
+        _node(2, **_watts(100.0, "studio-2", (90.0, 100.0))),
+        # A simulated node on studio-2's machine reports the same machine's watts.
+        _node(3, **_watts(100.0, "studio-2", (90.0, 100.0))),
+        _node(4, state="down", **_watts(80.0, "studio-4", (80.0,))),
+        _node(5, power={"source": None, "host": "studio-5", "reason": "no macmon"}),
+    )
+    total, history, machines = cluster_power(nodes)
+    assert (total, history, machines) == (150.0, (130.0, 150.0), 2)
+    assert cluster_power_title(nodes).startswith("cluster 150 W (2 machines) ")
+    assert cluster_power(nodes[4:]) == (None, (), 0) and cluster_power_title(nodes[4:]) == ""
+    # Pressure alone (Linux without RAPL) still makes a title: the worst node.
+    stall = {"source": "psi", "label": "stall"}
+    calm = _node(6, pressure={**stall, "pct": 0.4})
+    busy = _node(7, pressure={**stall, "pct": 3.25})
+    assert cluster_power_title((nodes[4], calm, busy)) == "stall ≤ 3.2% (node-7)"

@@ -64,6 +64,16 @@ def test_up_place_chat_status_down(home: Path) -> None:
     ]
     assert all(pids)
 
+    # Global options work after the verb as well as before it.
+    path = str(local_cluster.local_inventory_path(home))
+    before = run(home, "-i", path, "status", "--json")
+    after = run(home, "status", "--json", "-i", path)
+    assert before.returncode == after.returncode == 0, before.stderr + after.stderr
+    seen = [
+        [(n["name"], n["address"]) for n in json.loads(o.stdout)["nodes"]] for o in (before, after)
+    ]
+    assert seen[0] == seen[1] and [name for name, _ in seen[1]] == ["local-1", "local-2"]
+
     model = home / "tiny"
     made = run(home, "demo-model", str(model), "--layers", "4", "--hidden", "64")
     assert made.returncode == 0, made.stderr
@@ -101,3 +111,42 @@ def _is_agent(pid: int) -> bool:
         return "worker" in " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return False
+
+
+def test_global_options_after_any_verb(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every verb's --help lists the global options, and every verb takes -i after it."""
+    from studiotui.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    verbs = re.search(r"\{([a-z,-]+)\}", capsys.readouterr().out)
+    assert verbs, "the top-level help lists the verbs"
+    names = verbs[1].split(",")
+    assert {"up", "status", "place", "chat", "serve", "down"} <= set(names)
+    for verb in names:
+        with pytest.raises(SystemExit) as done:
+            main([verb, "--help"])
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert "global options" in text and "-i INVENTORY, --inventory INVENTORY" in text, verb
+        assert "--serve [HOST:]PORT" in text and "--api-key" in text, verb
+
+    missing = tmp_path / "nowhere.toml"
+    for argv in (["status", "-i", str(missing)], ["-i", str(missing), "status"]):
+        out = run(tmp_path / "home", *argv)
+        assert out.returncode == 2, (argv, out.stderr)
+        assert f"inventory {missing} does not exist" in out.stderr, argv
+
+    # The value before the verb is kept when the verb does not repeat it.
+    from studiotui.cli.main import build_parser
+
+    args = build_parser().parse_args(["-i", "a.toml", "place", "m", "--dry-run"])
+    assert args.inventory == Path("a.toml") and args.serve is None
+    args = build_parser().parse_args(["place", "m", "--inventory", "b.toml"])
+    assert args.inventory == Path("b.toml")
+
+    # --serve belongs to the dashboard: with a verb it is refused, saying what to do.
+    with pytest.raises(SystemExit) as refused:
+        main(["status", "--serve", "8000"])
+    assert refused.value.code == 2
+    assert "--serve works with the dashboard only" in capsys.readouterr().err

@@ -12,13 +12,16 @@ from studiotui.core.inventory import (
     FieldRef,
     Inventory,
     InventoryError,
+    LocalLayout,
     NodeSpec,
     SelectionError,
     apply_ssh_config,
+    choose_local_layout,
     dump_inventory,
     find_field_line,
     find_inventory,
     load_inventory,
+    local_endpoints,
     local_inventory,
     parse_inventory,
     resolve_group,
@@ -514,7 +517,7 @@ def test_broken_ssh_config_is_reported_with_its_line(tmp_path: Path) -> None:
 
 
 def test_local_inventory(tmp_path: Path) -> None:
-    inv = local_inventory(3, memory_gb=64, home=tmp_path)
+    inv = local_inventory(3, memory_gb=64, home=tmp_path, platform="linux")
     assert inv.names == ("local-1", "local-2", "local-3")
     assert [n.address for n in inv.nodes] == ["127.0.0.11", "127.0.0.12", "127.0.0.13"]
     assert all(n.transport == "local" and n.control_port == DEFAULT_CONTROL_PORT for n in inv.nodes)
@@ -525,7 +528,9 @@ def test_local_inventory(tmp_path: Path) -> None:
 
 
 def test_local_inventory_options(tmp_path: Path) -> None:
-    inv = local_inventory(2, base_octet=50, control_port=6000, home=tmp_path, python="py")
+    inv = local_inventory(
+        2, base_octet=50, control_port=6000, home=tmp_path, python="py", platform="linux"
+    )
     assert [n.control_endpoint for n in inv.nodes] == [
         "tcp://127.0.0.50:6000",
         "tcp://127.0.0.51:6000",
@@ -541,6 +546,72 @@ def test_local_inventory_refuses_impossible_clusters(
 ) -> None:
     with pytest.raises(ValueError):
         local_inventory(n, base_octet=octet, control_port=port, home=tmp_path)
+
+
+def test_local_inventory_on_macos_shares_127_0_0_1_by_port(tmp_path: Path) -> None:
+    inv = local_inventory(4, home=tmp_path, platform="darwin")
+    assert [n.control_endpoint for n in inv.nodes] == [
+        "tcp://127.0.0.1:52500",
+        "tcp://127.0.0.1:52600",
+        "tcp://127.0.0.1:52700",
+        "tcp://127.0.0.1:52800",
+    ]
+    assert parse_inventory(dump_inventory(inv)) == inv
+    with pytest.raises(ValueError, match="the last node's is 65590"):
+        local_inventory(2, control_port=65490, home=tmp_path, platform="darwin")
+
+
+def _free_except(*busy: tuple[str, int]):
+    taken = set(busy)
+    asked: list[tuple[str, int]] = []
+
+    def is_free(address: str, port: int) -> bool:
+        asked.append((address, port))
+        return (address, port) not in taken
+
+    return is_free, asked
+
+
+@pytest.mark.parametrize(
+    ("platform", "busy", "expected"),
+    [
+        ("linux", [], LocalLayout(11, 52500)),
+        # Any busy agent port (control or telemetry) of any node moves the whole range.
+        ("linux", [("127.0.0.14", 52501)], LocalLayout(21, 52500)),
+        ("linux", [("127.0.0.11", 52500), ("127.0.0.22", 52500)], LocalLayout(31, 52500)),
+        # 127.0.0.1 is not ours on Linux: busy there changes nothing.
+        ("linux", [("127.0.0.1", 52500)], LocalLayout(11, 52500)),
+        ("darwin", [], LocalLayout(11, 52500)),
+        # On macOS the step is a block of ports, never another address.
+        ("darwin", [("127.0.0.11", 52500)], LocalLayout(11, 52500)),
+        ("darwin", [("127.0.0.1", 52701)], LocalLayout(11, 52900)),
+        ("darwin", [("127.0.0.1", 52500), ("127.0.0.1", 53200)], LocalLayout(11, 53300)),
+    ],
+)
+def test_choose_local_layout(
+    platform: str, busy: list[tuple[str, int]], expected: LocalLayout
+) -> None:
+    is_free, asked = _free_except(*busy)
+    layout = choose_local_layout(4, platform, is_free)
+    assert layout == expected
+    endpoints = local_endpoints(4, platform, layout.base_octet, layout.control_port)
+    addresses = {a for a, _ in asked}
+    if platform == "darwin":
+        assert addresses == {"127.0.0.1"}
+        assert [p for _, p in endpoints] == [layout.control_port + 100 * k for k in range(4)]
+    else:
+        assert "127.0.0.1" not in addresses
+        assert len({a for a, _ in endpoints}) == 4
+    # Every port the chosen layout's agents bind was asked about and is free.
+    for address, port in endpoints:
+        assert {(address, port), (address, port + 1)} <= set(asked)
+        assert is_free(address, port) and is_free(address, port + 1)
+
+
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
+def test_choose_local_layout_says_when_nothing_is_free(platform: str) -> None:
+    with pytest.raises(ValueError, match="no free"):
+        choose_local_layout(4, platform, lambda address, port: False)
 
 
 # --------------------------------------------------------------------------- round trip
@@ -564,7 +635,7 @@ def test_round_trip_after_ssh_config(ssh_config: Path) -> None:
 
 
 def test_round_trip_of_local_inventory(tmp_path: Path) -> None:
-    inv = local_inventory(4, memory_gb=32.5, home=tmp_path)
+    inv = local_inventory(4, memory_gb=32.5, home=tmp_path, platform="linux")
     assert parse_inventory(dump_inventory(inv)) == inv
 
 

@@ -10,6 +10,7 @@ and show the operator which probe printed something unexpected.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import re
 import shlex
@@ -18,24 +19,32 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 __all__ = [
+    "LINK_KIND_LABELS",
     "RDMA_XDOMAIN_PROTOCOL_ID",
     "HardwareInfo",
     "HardwarePort",
     "IbvDevice",
     "IbvPort",
     "Interface",
+    "LinkEnd",
+    "LinkKind",
     "MacmonSample",
     "MemInfo",
     "MemoryPressure",
     "OsRelease",
     "PeerLink",
+    "PowermetricsSample",
     "ProbeParseError",
+    "Psi",
     "RdmaStatus",
     "RdmaSummary",
     "ThunderboltBus",
     "ThunderboltItem",
     "ThunderboltReport",
     "VmStat",
+    "end_kind",
+    "link_end_from",
+    "pair_link_kind",
     "parse_ibv_devices",
     "parse_ibv_devinfo",
     "parse_ifconfig",
@@ -45,7 +54,9 @@ __all__ = [
     "parse_memory_pressure",
     "parse_networksetup_ports",
     "parse_os_release",
+    "parse_powermetrics",
     "parse_proc_meminfo",
+    "parse_psi",
     "parse_rdma_ctl_status",
     "parse_sysctl_memsize",
     "parse_sysctl_value",
@@ -55,6 +66,7 @@ __all__ = [
     "parse_thunderbolt_text",
     "parse_vm_stat",
     "peer_links",
+    "rapl_watts",
     "rdma_enable_steps",
     "rdma_summary",
     "thunderbolt_ports",
@@ -1254,3 +1266,204 @@ def rdma_enable_steps(summary: RdmaSummary, os_name: str, os_version: str) -> li
         "both ends have RDMA enabled.",
         *bridge,
     ]
+
+
+# ---------------------------------------------------------------------------
+# powermetrics, Linux PSI and RAPL (power and memory pressure)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PowermetricsSample:
+    """The watts in one `powermetrics --samplers cpu_power,gpu_power` sample."""
+
+    cpu_w: float | None
+    gpu_w: float | None
+    ane_w: float | None
+    combined_w: float | None
+
+
+_PM_POWER = re.compile(r"^(CPU|GPU|ANE|Combined) Power[^:\n]*:\s*([\d.]+)\s*(mW|W)\b", re.M)
+
+
+@_probe("powermetrics")
+def parse_powermetrics(text: str) -> PowermetricsSample:
+    """The first CPU/GPU/ANE/Combined power lines: the summary block. The GPU
+    section repeats "GPU Power" and must not override the one Combined adds up."""
+    found: dict[str, float] = {}
+    for m in _PM_POWER.finditer(text):
+        watts = float(m.group(2)) / (1000.0 if m.group(3) == "mW" else 1.0)
+        found.setdefault(m.group(1), watts)
+    if "CPU" not in found and "Combined" not in found:
+        raise ProbeParseError("powermetrics", "no 'CPU Power' or 'Combined Power' line")
+    combined = found.get("Combined")
+    if combined is None:
+        parts = [found.get(k) for k in ("CPU", "GPU", "ANE")]
+        combined = sum(p for p in parts if p is not None)
+    return PowermetricsSample(found.get("CPU"), found.get("GPU"), found.get("ANE"), combined)
+
+
+@dataclass(frozen=True)
+class Psi:
+    """Linux pressure stall information: percent of wall time some (or all)
+    tasks waited for memory, averaged over 10 and 60 seconds."""
+
+    some_avg10: float
+    some_avg60: float
+    full_avg10: float | None = None
+    full_avg60: float | None = None
+
+
+_PSI_LINE = re.compile(r"^(some|full)\s+avg10=([\d.]+)\s+avg60=([\d.]+)", re.M)
+
+
+@_probe("/proc/pressure/memory")
+def parse_psi(text: str) -> Psi:
+    lines = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in _PSI_LINE.finditer(text)}
+    if "some" not in lines:
+        raise ProbeParseError("/proc/pressure/memory", "no 'some avg10=… avg60=…' line")
+    full = lines.get("full", (None, None))
+    return Psi(lines["some"][0], lines["some"][1], full[0], full[1])
+
+
+def rapl_watts(
+    before: Mapping[str, int], after: Mapping[str, int], seconds: float, max_uj: Mapping[str, int]
+) -> float | None:
+    """Watts from two readings of RAPL zones' energy_uj, `seconds` apart.
+
+    Counters wrap at max_energy_range_uj; a zone missing from either reading is
+    left out, and with no zone or no time there is no figure (None, not 0).
+    """
+    if seconds <= 0:
+        return None
+    joules = 0.0
+    counted = 0
+    for zone, end in after.items():
+        start = before.get(zone)
+        if start is None:
+            continue
+        delta = end - start
+        if delta < 0:
+            delta += max_uj.get(zone, 0)
+            if delta < 0:
+                continue
+        joules += delta / 1e6
+        counted += 1
+    return joules / seconds if counted else None
+
+
+# ---------------------------------------------------------------------------
+# The kind of link between two nodes, from both ends' addresses and interfaces
+# ---------------------------------------------------------------------------
+
+LinkKind = Literal["thunderbolt", "ethernet", "wifi", "loopback", "unknown"]
+LINK_KIND_LABELS: dict[str, str] = {
+    "thunderbolt": "Thunderbolt bridge",
+    "ethernet": "Ethernet",
+    "wifi": "Wi-Fi",
+    "loopback": "loopback",
+    "unknown": "unknown link",
+}
+
+
+@dataclass(frozen=True)
+class LinkEnd:
+    """What an agent knows of the interface its bind address sits on."""
+
+    address: str
+    interface: str | None = None
+    port: str | None = None  # macOS hardware port label ("Thunderbolt Bridge", "Wi-Fi", ...)
+    prefix: int | None = None  # the address's IPv4 prefix length on that interface
+
+    @classmethod
+    def from_facts(cls, raw: Any) -> LinkEnd | None:
+        """From an agent's `facts["link_end"]` (a plain dict on the wire)."""
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("address"), str):
+            return None
+        prefix = raw.get("prefix")
+        return cls(
+            address=raw["address"],
+            interface=raw.get("interface") if isinstance(raw.get("interface"), str) else None,
+            port=raw.get("port") if isinstance(raw.get("port"), str) else None,
+            prefix=prefix if isinstance(prefix, int) and not isinstance(prefix, bool) else None,
+        )
+
+
+def link_end_from(
+    address: str, interfaces: Mapping[str, Interface], ports: Sequence[HardwarePort] = ()
+) -> LinkEnd:
+    """The end an address makes, from parsed `ifconfig` (or `ip -j addr`) and
+    `networksetup -listallhardwareports` output."""
+    for iface in interfaces.values():
+        if address in iface.ipv4:
+            cidr = next((c for c in iface.ipv4_cidrs if c.split("/")[0] == address), None)
+            prefix = int(cidr.split("/")[1]) if cidr and "/" in cidr else None
+            label = next((p.port for p in ports if p.device == iface.name), None)
+            return LinkEnd(address, iface.name, label, prefix)
+    return LinkEnd(address)
+
+
+def _is_loopback_address(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def end_kind(end: LinkEnd) -> LinkKind:
+    """One end's kind. macOS names its ports (`networksetup`): "Thunderbolt
+    Bridge" and "Thunderbolt N" carry IP over the cable, while "Thunderbolt
+    Ethernet Slot N" is a dock's NIC (Ethernet). Without a label (Linux), the
+    interface name says it: wl* Wi-Fi, thunderbolt* IP over Thunderbolt."""
+    if _is_loopback_address(end.address):
+        return "loopback"
+    if not end.interface:
+        return "unknown"
+    label = (end.port or "").strip()
+    if label:
+        if label == "Thunderbolt Bridge" or re.fullmatch(r"Thunderbolt \d+", label):
+            return "thunderbolt"
+        if label in ("Wi-Fi", "AirPort"):
+            return "wifi"
+        return "ethernet"
+    name = end.interface
+    if name.startswith(("wl", "wlan")):
+        return "wifi"
+    if name.startswith("thunderbolt"):
+        return "thunderbolt"
+    if name == "lo" or name.startswith("lo0"):
+        return "loopback"
+    return "ethernet"
+
+
+def _same_subnet(a: LinkEnd, b: LinkEnd) -> bool | None:
+    if a.prefix is None or b.prefix is None:
+        return None
+    try:
+        na = ipaddress.ip_network(f"{a.address}/{a.prefix}", strict=False)
+        nb = ipaddress.ip_network(f"{b.address}/{b.prefix}", strict=False)
+    except ValueError:
+        return None
+    return na == nb
+
+
+def pair_link_kind(a: LinkEnd | None, b: LinkEnd | None) -> LinkKind:
+    """The kind of the link between two agents, from both ends.
+
+    A link is as slow as its slower end: Wi-Fi at either end makes it Wi-Fi. A
+    Thunderbolt cable joins two ends on one subnet; two Thunderbolt ends on
+    different subnets are routed through something else, so are not called a
+    bridge. Both on loopback is loopback (the simulated cluster).
+    """
+    if a is None or b is None:
+        return "unknown"
+    ka, kb = end_kind(a), end_kind(b)
+    if ka == kb == "loopback":
+        return "loopback"
+    if "loopback" in (ka, kb) or "unknown" in (ka, kb):
+        return "wifi" if "wifi" in (ka, kb) else "unknown"
+    if "wifi" in (ka, kb):
+        return "wifi"
+    if ka == kb == "thunderbolt":
+        return "thunderbolt" if _same_subnet(a, b) is not False else "ethernet"
+    return "ethernet"

@@ -98,8 +98,6 @@ def node_lines(node: NodeState, width: int, selected: bool, marked: bool = False
     extras: list[Content] = []
     if node.gpu_pct is not None:
         extras.append(Content.assemble(("gpu ", "$text-muted"), f"{node.gpu_pct:.0f}%"))
-    if node.power_w is not None:
-        extras.append(Content.assemble(("power ", "$text-muted"), f"{node.power_w:.0f} W"))
     if node.message:
         extras.append(
             Content.styled(node.message, "$error" if node.state == "down" else "$warning")
@@ -121,7 +119,105 @@ def node_lines(node: NodeState, width: int, selected: bool, marked: bool = False
     else:
         shards = Content.styled("  no shards", "$text-muted")
     lines = [head, memory, load_line, shards]
+    power = power_line(node, width)
+    if power is not None:
+        lines.insert(3, power)
     return Content("\n").join(line.truncate(width, ellipsis=True) for line in lines)
+
+
+def _watts(value: object) -> str:
+    return f"{value:.1f}" if isinstance(value, int | float) else "–"
+
+
+def power_line(node: NodeState, width: int) -> Content | None:
+    """Watts (total, then CPU/GPU/ANE where the source splits them) and memory
+    pressure, each with its history; or why there is no figure. None before the
+    agent has said anything about either."""
+    if not node.power and not node.pressure:
+        return None
+    parts: list[Content | str] = [Content.styled("  pwr  ", "$text-muted")]
+    if node.power_w is not None:
+        parts.append(Content.styled(f"{node.power_w:.0f} W", "bold"))
+        split = [(k, node.power.get(f"{k}_w")) for k in ("cpu", "gpu", "ane")]
+        shown = [(k, v) for k, v in split if v is not None]
+        if len(shown) > 1:
+            parts.append(
+                Content.styled("  " + " ".join(f"{k} {_watts(v)}" for k, v in shown), "$text-muted")
+            )
+        top = max(node.power_history, default=0.0) or 1.0
+        spark = sparkline(tuple(v / top for v in node.power_history), 12)
+        parts += ["  ", Content.styled(spark, "$primary")]
+    elif node.power:
+        parts.append(Content.styled("n/a", "$text-muted"))
+    pct = node.pressure_pct
+    if pct is not None:
+        label = str(node.pressure.get("label") or "pressure")
+        spark = sparkline(tuple(v / 100 for v in node.pressure_history), 8)
+        parts += [
+            "   ",
+            Content.styled(f"{label} ", "$text-muted"),
+            Content.styled(f"{pct:.1f}%" if pct < 10 else f"{pct:.0f}%", usage_style(pct / 100)),
+            " ",
+            Content.styled(spark, "$primary"),
+        ]
+    reasons = [str(r) for r in (node.power.get("reason"), node.pressure.get("reason")) if r]
+    if node.power_w is None and reasons:
+        parts += ["  ", Content.styled(reasons[0], "$text-muted")]
+    return Content.assemble(*parts)
+
+
+def cluster_power_title(nodes: Sequence[NodeState]) -> str:
+    """The Nodes pane's subtitle: the cluster's watts with their history, and the
+    highest memory pressure and where it is. Empty when neither is known."""
+    parts = []
+    total, history, machines = cluster_power(nodes)
+    if total is not None:
+        top = max(history, default=0.0) or 1.0
+        spark = sparkline(tuple(v / top for v in history), 16)
+        of = (
+            f" ({machines} machine{'s' if machines != 1 else ''})" if machines != len(nodes) else ""
+        )
+        parts.append(f"cluster {total:.0f} W{of} {spark}")
+    pressed = [n for n in nodes if n.state == "up" and n.pressure_pct is not None]
+    if pressed:
+        worst = max(pressed, key=lambda n: n.pressure_pct or 0.0)
+        pct = worst.pressure_pct or 0.0
+        label = str(worst.pressure.get("label") or "pressure")
+        parts.append(f"{label} ≤ {pct:.1f}%" if pct < 10 else f"{label} ≤ {pct:.0f}%")
+        parts[-1] += f" ({worst.name})"
+    return " · ".join(parts)
+
+
+def power_reasons(node: NodeState) -> str:
+    """Why power or pressure has no figure, in full (the card's tooltip)."""
+    said = [
+        f"{what}: {d['reason']}"
+        for what, d in (("power", node.power), ("memory pressure", node.pressure))
+        if d.get("reason")
+    ]
+    return "\n".join(said)
+
+
+def cluster_power(nodes: Sequence[NodeState]) -> tuple[float | None, tuple[float, ...], int]:
+    """The cluster's watts now, their history, and how many machines it counts.
+
+    Simulated nodes share one machine and each reports that machine's watts:
+    a machine (the agent's host) counts once. Nodes that are down or have no
+    figure count nothing; the total is None when no machine has one.
+    """
+    hosts: dict[str, NodeState] = {}
+    for node in nodes:
+        if node.state == "up" and node.power_w is not None:
+            hosts.setdefault(str(node.power.get("host") or node.name), node)
+    if not hosts:
+        return None, (), 0
+    total = sum(n.power_w or 0.0 for n in hosts.values())
+    depth = min(len(n.power_history) for n in hosts.values())
+    history = tuple(
+        sum(n.power_history[len(n.power_history) - depth + i] for n in hosts.values())
+        for i in range(depth)
+    )
+    return total, history, len(hosts)
 
 
 class NodeCard(Widget):
@@ -137,9 +233,12 @@ class NodeCard(Widget):
 
     def show(self, node: NodeState) -> None:
         if node is not self.node:
+            # The power line comes with the first report: only then the height changes.
+            grows = bool(node.power or node.pressure) != bool(self.node.power or self.node.pressure)
             self.node = node
             self.set_class(node.state == "down", "-down")
-            self.refresh()
+            self.tooltip = power_reasons(node) or None
+            self.refresh(layout=grows)
 
     def watch_selected(self, selected: bool) -> None:
         self.set_class(selected, "-selected")
@@ -215,6 +314,7 @@ class NodesPane(VerticalScroll, can_focus=True):
         if self.selected not in names:
             self._select(nodes[0].name if nodes else None)
         self._order()
+        self.border_subtitle = cluster_power_title(nodes)
 
     def _order(self) -> None:
         wanted = sorted((c.node for c in self.cards.values()), key=sort_key(self.sort_by))

@@ -20,6 +20,7 @@ from textual.content import Content
 from studiotui.app.render import PLACEMENT_STYLES, Drawing, fit, percent, state_style
 from studiotui.core.placement import Link
 from studiotui.core.state import ClusterState, LinkState, NodeState, PlacementState
+from worker.shared import probes
 
 BOX_H = 4
 MAX_DRAWN_LINKS = 6  # a full mesh of 4 nodes; beyond that only rings and measured links
@@ -77,17 +78,29 @@ def cluster_links(state: ClusterState) -> list[Link]:
     nodes = list(state.nodes)
     for i, a in enumerate(nodes):
         for b in nodes[i + 1 :]:
-            kind = "loopback" if _is_loopback(a.address) and _is_loopback(b.address) else "unknown"
-            found.setdefault(_pair(a.name, b.name), Link(a.name, b.name, None, None, kind))
+            found.setdefault(_pair(a.name, b.name), Link(a.name, b.name, None, None, _kind(a, b)))
     order = {n.name: i for i, n in enumerate(nodes)}
     out = [link for link in found.values() if link.a in names and link.b in names]
     return sorted(out, key=lambda k: sorted((order[k.a], order[k.b])))
 
 
+def _kind(a: NodeState, b: NodeState) -> str:
+    """An unmeasured pair's kind: from both agents' interface facts once they have
+    reported them, else only what the addresses say."""
+    ends = [probes.LinkEnd.from_facts(n.facts.get("link_end")) for n in (a, b)]
+    if all(ends):
+        return probes.pair_link_kind(*ends)
+    return "loopback" if _is_loopback(a.address) and _is_loopback(b.address) else "unknown"
+
+
+def kind_label(kind: str) -> str:
+    return probes.LINK_KIND_LABELS.get(kind, kind)
+
+
 def describe_link(link: Link) -> str:
     if link.latency_us is None and link.gbps is None:
-        return f"{link.kind} · not measured"
-    parts = [link.kind]
+        return f"{kind_label(link.kind)} · not measured"
+    parts = [kind_label(link.kind)]
     parts.append(f"{link.latency_us:.0f} µs" if link.latency_us is not None else "latency ?")
     parts.append(f"{link.gbps:.1f} Gb/s" if link.gbps is not None else "Gb/s ?")
     return " · ".join(parts)

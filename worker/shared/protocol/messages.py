@@ -42,6 +42,11 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "list_shards": {},
     "measure_links": {"peers": (list,)},
     "ping_peer": {},
+    # agent -> agent, measuring a link over the kind of socket the ring uses
+    "open_sink": {"token": (str,)},
+    "sink_open": {"port": (int,)},
+    "close_sink": {"token": (str,)},
+    "sink_result": {"bytes": (int,), "seconds": _NUM, "messages": (int,)},
     "shutdown": {},
     "read_log": {},
     # agent -> controller
