@@ -44,6 +44,21 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "ping_peer": {},
     "shutdown": {},
     "read_log": {},
+    # model files (worker/files.py): controller -> agent, agent -> agent
+    "files_status": {"dirs": (list,), "files": (list,)},
+    "files_commit": {"dir": (str,), "files": (list,)},
+    "serve_files": {"dir": (str,), "files": (list,)},
+    "unserve_files": {"token": (str,)},
+    "fetch_files": {
+        "dir": (str,),
+        "files": (list,),
+        "endpoint": (str,),
+        "key": (str,),
+        "token": (str,),
+    },
+    "read": {"token": (str,), "name": (str,), "offset": (int,), "length": (int,)},
+    "chunk": {"offset": (int,)},
+    "file_progress": {"stage": (str,), "done": _NUM, "total": _NUM},
     # agent -> controller
     "hello_reply": {"name": (str,), "version": (str,), "pid": (int,)},
     "prepared": {"placement": (str,), "data_port": (int,), "client_port": (int,)},

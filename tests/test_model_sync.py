@@ -1,0 +1,137 @@
+"""Model files between nodes, on a real local cluster: agent to agent, none via the operator.
+
+Every byte the operator exchanges with the agents goes through a counting TCP relay
+(the controller's inventory names the relay's ports, the agents bind their own), so
+"the operator moved no model bytes" is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from studiotui import model_sync
+from studiotui.controller import Controller
+from studiotui.inventory import Inventory
+from studiotui.model_files import needed_files
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from worker.demo_model import DemoSpec, write_demo_model
+from worker.manifest import CACHE_NAME, manifest, part_name
+
+RELAY_OFFSET = 100
+
+
+@pytest.fixture()
+def trio(tmp_path: Path) -> Iterator[LocalCluster]:
+    """Three agents of their own (127.0.0.71-73:57700), stopped by pid afterwards."""
+    yield from cluster_fixture(tmp_path / "home", 3, 71, 57700, memory_gb=2.0)
+
+
+class Relay:
+    """A TCP relay in front of each agent's control and telemetry ports, counting bytes."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.servers: list[asyncio.Server] = []
+
+    async def start(self, inventory: Inventory) -> Inventory:
+        for node in inventory.nodes:
+            for port in (node.control_port, node.control_port + 1):
+                server = await asyncio.start_server(
+                    lambda r, w, a=node.address, p=port: self._pipe(r, w, a, p),
+                    node.address,
+                    port + RELAY_OFFSET,
+                )
+                self.servers.append(server)
+        nodes = tuple(
+            replace(n, control_port=n.control_port + RELAY_OFFSET) for n in inventory.nodes
+        )
+        return replace(inventory, nodes=nodes)
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str, port: int
+    ) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(address, port)
+        except OSError:
+            writer.close()
+            return
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    self.bytes += len(data)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(copy(reader, up_w), copy(up_r, writer))
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
+def _model(tmp: Path, seed: int = 1) -> Path:
+    return write_demo_model(tmp / "m", DemoSpec(layers=8, files=4, seed=seed, dtype="float32"))
+
+
+def test_nodes_feed_each_other_and_the_operator_moves_no_model_bytes(
+    trio: LocalCluster, tmp_path: Path
+) -> None:
+    model = _model(tmp_path)
+    a, b, c = (n for n in trio.inventory.nodes)
+    # Node a holds the whole model (downloaded there earlier, say) in its copy folder.
+    held = Path(a.workdir) / "models" / "m"
+    shutil.copytree(model, held)
+    shards = {b.name: needed_files(model, 0, 4, 8), c.name: needed_files(model, 4, 8, 8)}
+    model_bytes = sum(f.size for fs in shards.values() for f in fs)
+    # Node c already has a part of one of its files from an interrupted copy.
+    big = max(shards[c.name], key=lambda f: f.size)
+    big_id = manifest(model, [big.name])[big.name]
+    (Path(c.workdir) / "models" / "m").mkdir(parents=True)
+    part = Path(c.workdir) / "models" / "m" / part_name(big_id)
+    part.write_bytes((model / big.name).read_bytes()[: big.size // 2])
+
+    async def run() -> tuple[dict[str, str], int, list[str], dict[str, list[tuple[int, int]]]]:
+        relay = Relay()
+        ctl = Controller(trio.home, await relay.start(trio.inventory))
+        seen: dict[str, list[tuple[int, int]]] = {}
+        try:
+            await ctl.refresh()
+            before = relay.bytes
+            where = await model_sync.provide(
+                ctl, model, shards, lambda n, d, t: seen.setdefault(n, []).append((d, t))
+            )
+            return where, relay.bytes - before, [e.text for e in ctl.state.log], seen
+        finally:
+            await ctl.close()
+            relay.close()
+
+    where, operator_bytes, log, seen = asyncio.run(run())
+    print(operator_bytes, "operator bytes for", model_bytes, "model bytes")
+    for node, files in shards.items():
+        folder = Path(where[node])
+        assert folder == (Path(trio.inventory.node(node).workdir) / "models" / "m").resolve()
+        assert {p.name for p in folder.iterdir()} == {f.name for f in files} | {CACHE_NAME}
+        for f in files:
+            assert (folder / f.name).read_bytes() == (model / f.name).read_bytes(), f.name
+        assert any(f"to {node} from {a.name} over {a.address}:" in t for t in log), log
+        assert seen[node][-1][0] == seen[node][-1][1] > 0
+    assert any(f"{c.name}: resuming" in t for t in log), log
+    # Control messages only: far below the model bytes the two nodes received.
+    assert operator_bytes < model_bytes / 20, (operator_bytes, model_bytes)
+    # The hashes landed in each folder's cache: a second look hashes nothing.
+    hashed: list[int] = []
+    got = manifest(Path(where[c.name]), [big.name], on_bytes=hashed.append)
+    assert got[big.name] == big_id and hashed == []
