@@ -72,7 +72,13 @@ def status(
     """For each wanted file: same / differs / missing, the bytes of a part already
     there (to resume from) and the free disk where the files would go."""
     present = (
-        manifest(directory, [f.name for f in wanted], on_bytes=on_bytes)
+        # A hub snapshot's folder belongs to the hub's cache: hashed, never written to.
+        manifest(
+            directory,
+            [f.name for f in wanted],
+            write_cache=directory.parent.name != "snapshots",
+            on_bytes=on_bytes,
+        )
         if directory.is_dir()
         else {}
     )
