@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from studiotui import local_cluster
@@ -249,6 +256,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             TextColumn("{task.description:>12}"),
             BarColumn(),
             DownloadColumn(),
+            TransferSpeedColumn(),
             TimeRemainingColumn(),
             console=console,
             transient=False,
@@ -256,6 +264,10 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             tasks = {s.node: bar.add_task(s.node, total=None) for s in the_plan.shards}
 
             def progress(node: str, done: int, total: int) -> None:
+                task = bar.tasks[tasks[node]]
+                if task.total != total or done < task.completed:
+                    # A new phase (files copied, then the shard loaded): a new clock.
+                    bar.reset(tasks[node], total=total)
                 bar.update(tasks[node], completed=done, total=total)
 
             try:
