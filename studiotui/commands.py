@@ -287,6 +287,61 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
+async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
+    from studiotui import agents, model_fetch
+    from studiotui.model_sync import SyncRefused
+
+    inv = load_cluster(args, home)
+    source = Path(args.source).expanduser()
+    if not source.is_dir() and not model_fetch.is_repo_id(args.source):
+        raise UserError(
+            f"{args.source!r} is neither a model directory nor a Hugging Face repo id (org/name)"
+        )
+    try:
+        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
+    except SelectionError as exc:
+        raise UserError(str(exc)) from None
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
+        down = [n for n in group if (s := ctl.state.node(n)) is None or s.state != "up"]
+        if down or not group:
+            raise UserError(f"{', '.join(down) or 'no node'} is not up: start it first")
+        with Progress(
+            TextColumn("{task.description:>12}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as bar:
+            tasks = {n: bar.add_task(n, total=None) for n in group}
+
+            def progress(node: str, done: int, total: int) -> None:
+                bar.update(tasks[node], completed=done, total=total)
+
+            try:
+                if source.is_dir():
+                    where = await model_fetch.fetch_dir(ctl, source.resolve(), group, progress)
+                else:
+                    where = await model_fetch.fetch_repo(
+                        ctl, args.source, group, args.revision, progress, args.cache_dir
+                    )
+            except (model_fetch.FetchError, SyncRefused, ModelDirError) as exc:
+                raise UserError(str(exc)) from None
+            except (agents.AgentError, agents.AgentUnreachable) as exc:
+                raise UserError(f"fetch failed: {exc}") from None
+        for entry in ctl.state.log:
+            if "downloaded its share" in entry.text or "copied " in entry.text:
+                console.print(entry.text)
+        for node, path in where.items():
+            console.print(f"{node}: {path}")
+    finally:
+        await ctl.close()
+    return 0
+
+
 async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
     inv = load_cluster(args, home)
     ctl = Controller(home, inv)

@@ -98,10 +98,12 @@ def check_model_dir(model_dir: Path) -> None:
         )
 
 
-def needed_files(
+def needed_names(
     model_dir: Path, start: int, end: int, n_layers: int, tied: bool = False
-) -> list[NeededFile]:
-    """The files a shard of layers [start, end) must have, smallest first."""
+) -> set[str]:
+    """The names of the files a shard of layers [start, end) must have: the small ones
+    present in `model_dir`, and the weight files its tensors live in (by the index;
+    the weights themselves need not be there)."""
     names = {
         p.name
         for p in model_dir.iterdir()
@@ -117,9 +119,31 @@ def needed_files(
             file for key, file in weight_map.items() if _wanted(key, start, end, n_layers, tied)
         }
     else:
-        names |= {p.name for p in model_dir.glob("*.safetensors")}
+        found = {p.name for p in model_dir.glob("*.safetensors")}
+        names |= found or {"model.safetensors"}
+    return names
+
+
+def needed_files(
+    model_dir: Path, start: int, end: int, n_layers: int, tied: bool = False
+) -> list[NeededFile]:
+    """The files a shard of layers [start, end) must have, smallest first."""
+    names = needed_names(model_dir, start, end, n_layers, tied)
     files = [NeededFile(n, (model_dir / n).stat().st_size) for n in names]
     return sorted(files, key=lambda f: (f.size, f.name))
+
+
+def even_shares(n_layers: int, nodes: list[str]) -> dict[str, tuple[int, int]]:
+    """Layers split in order into equal runs (the first nodes take one more when it
+    does not divide): what each node fetches before any plan says otherwise."""
+    count = len(nodes)
+    base, extra = divmod(n_layers, count)
+    shares, start = {}, 0
+    for i, node in enumerate(nodes):
+        end = start + base + (1 if i < extra else 0)
+        shares[node] = (start, end)
+        start = end
+    return shares
 
 
 def _wanted(key: str, start: int, end: int, n_layers: int, tied: bool) -> bool:

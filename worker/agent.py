@@ -488,6 +488,27 @@ class Agent:
         )
         await self._reply(ident, re, "ok", path=str(directory.resolve()), **result)
 
+    async def _on_hub_download(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        from worker import hub
+
+        names = [str(n) for n in msg["files"]]
+        bad = [n for n in names if not files.plain_name(n)]
+        if bad:
+            await self._reply(ident, re, "error", message=f"{bad[0]!r} is not a plain file name")
+            return
+        cache = msg.get("cache_dir")
+        result = await hub.download(
+            str(msg["repo"]),
+            str(msg["revision"]),
+            names,
+            files.resolve_dir(self.config.home, str(cache)) if cache else None,
+            msg.get("endpoint") or None,
+            int(msg.get("total", 0)),
+            self._progress_to(ident, re, "downloading", int(msg.get("total", 0))),
+        )
+        log.info("downloaded %s of %s into %s", len(names), msg["repo"], result["path"])
+        await self._reply(ident, re, "ok", **result)
+
     # ---- shards ----------------------------------------------------------------------------
 
     async def _stop_shard(self, name: str) -> None:

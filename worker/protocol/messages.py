@@ -56,6 +56,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "key": (str,),
         "token": (str,),
     },
+    "hub_download": {"repo": (str,), "revision": (str,), "files": (list,)},
     "read": {"token": (str,), "name": (str,), "offset": (int,), "length": (int,)},
     "chunk": {"offset": (int,)},
     "file_progress": {"stage": (str,), "done": _NUM, "total": _NUM},

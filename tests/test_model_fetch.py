@@ -1,0 +1,116 @@
+"""`studiotui fetch`: each node downloads only its share from the hub, with the real client.
+
+The hub is out of reach here, so the real `huggingface_hub` on the operator and on
+every agent talks to a stand-in that speaks the same HTTP (tests/hub_standin.py),
+through HF_ENDPOINT. The stand-in counts what it serves per file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants
+
+from studiotui.cli import main
+from studiotui.inventory import dump_inventory
+from studiotui.model_fetch import is_repo_id, share_names
+from studiotui.model_files import even_shares, needed_names
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.hub_standin import HubStandIn
+from worker.demo_model import DemoSpec, write_demo_model
+
+COMMIT = "0123456789abcdef" * 2 + "01234567"
+
+
+@pytest.fixture()
+def pair(tmp_path: Path) -> Iterator[LocalCluster]:
+    """Two agents of their own (127.0.0.76-77:57800), stopped by pid afterwards."""
+    yield from cluster_fixture(tmp_path / "home", 2, 76, 57800, memory_gb=2.0)
+
+
+@pytest.fixture()
+def hub(tmp_path: Path) -> Iterator[HubStandIn]:
+    model = write_demo_model(
+        tmp_path / "published", DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, files=4)
+    )
+    server = HubStandIn("org/demo", model, COMMIT, "127.0.0.80", 58080)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_shares_split_the_layers_evenly_and_name_their_files(tmp_path: Path) -> None:
+    assert even_shares(10, ["a", "b", "c"]) == {"a": (0, 4), "b": (4, 7), "c": (7, 10)}
+    assert even_shares(2, ["a"]) == {"a": (0, 2)}
+    model = write_demo_model(
+        tmp_path / "m", DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, files=4)
+    )
+    # Only the small files and the index are needed to work the shares out.
+    for f in model.glob("*.safetensors"):
+        f.unlink()
+    shares = share_names(model, ["a", "b"])
+    assert [n for n in shares["a"] if n.endswith(".safetensors")] == [
+        "model-00001-of-00004.safetensors",
+        "model-00002-of-00004.safetensors",
+    ]
+    assert set(shares["b"]) == needed_names(model, 2, 4, 4)
+    assert "config.json" in shares["a"] and "config.json" in shares["b"]
+    assert is_repo_id("mlx-community/Qwen3-8B-4bit")
+    assert not is_repo_id("../etc") and not is_repo_id("a/b/c") and not is_repo_id("x")
+
+
+def test_each_node_downloads_only_its_share_from_the_hub(
+    pair: LocalCluster,
+    hub: HubStandIn,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(pair.inventory))
+    monkeypatch.setenv("STUDIOTUI_HOME", str(pair.home))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "operator-hf"))
+    nodes = list(pair.inventory.names)
+
+    code = main(["-i", str(inventory), "fetch", "org/demo", "--nodes", ",".join(nodes),
+                 "--cache-dir", "hf"])  # fmt: skip
+    out = capsys.readouterr().out
+    print(out)
+    assert code == 0
+    weights = {n: s for n, s in hub.served.items() if n.endswith(".safetensors")}
+    published = {p.name: p.stat().st_size for p in hub.folder.glob("*.safetensors")}
+    # Every weight file went out once, to the one node whose layers live in it.
+    assert weights == published
+    held = {}
+    for node in pair.inventory.nodes:
+        snapshot = Path(node.workdir) / "hf" / "models--org--demo" / "snapshots" / COMMIT
+        held[node.name] = sorted(p.name for p in snapshot.glob("*.safetensors"))
+        assert (snapshot / "config.json").is_file() and (snapshot / "tokenizer.json").is_file()
+        for name in held[node.name]:
+            assert (snapshot / name).read_bytes() == (hub.folder / name).read_bytes()
+        assert f"{node.name} downloaded its share of org/demo@{COMMIT[:12]}" in out
+    assert held[nodes[0]] == [
+        "model-00001-of-00004.safetensors",
+        "model-00002-of-00004.safetensors",
+    ]
+    assert held[nodes[1]] == [
+        "model-00003-of-00004.safetensors",
+        "model-00004-of-00004.safetensors",
+    ]
+    # The operator itself downloaded only the small files, to work the shares out.
+    operator = tmp_path / "operator-hf" / "models--org--demo" / "snapshots" / COMMIT
+    assert (operator / "config.json").is_file() and not list(operator.glob("*.safetensors"))
+
+    # Bad input is a sentence, not a traceback, and nothing is downloaded for it.
+    served = sum(hub.served.values())
+    assert main(["-i", str(inventory), "fetch", "not a repo"]) == 2
+    assert main(["-i", str(inventory), "fetch", "org/missing", "--nodes", nodes[0]]) == 2
+    err = capsys.readouterr().err
+    assert "neither a model directory nor a Hugging Face repo id" in err
+    assert "cannot read org/missing@main from the hub" in err
+    assert sum(hub.served.values()) == served
