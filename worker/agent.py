@@ -497,6 +497,17 @@ class Agent:
             await self._reply(ident, re, "error", message=f"{bad[0]!r} is not a plain file name")
             return
         cache = msg.get("cache_dir")
+        where = files.resolve_dir(self.config.home, str(cache)) if cache else hub.default_cache()
+        need, free = int(msg.get("total", 0)), files.free_bytes(where)
+        if need > free:
+            await self._reply(
+                ident,
+                re,
+                "error",
+                message=f"{self.config.name} has {free / 1e9:.1f} GB free at {where} but its "
+                f"share needs {need / 1e9:.1f} GB: free disk space there or fetch to other nodes",
+            )
+            return
         result = await hub.download(
             str(msg["repo"]),
             str(msg["revision"]),

@@ -22,6 +22,12 @@ def repo_folder(cache_dir: Path, repo: str) -> Path:
     return cache_dir / f"models--{repo.replace('/', '--')}"
 
 
+def default_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
 def cached_bytes(folder: Path) -> int:
     """Bytes in the repo's blobs, complete or still downloading."""
     total = 0
@@ -55,9 +61,7 @@ async def download(
     progress: Callable[[int, int], None],
 ) -> dict[str, Any]:
     """Download `files` of `repo` at `revision`; the snapshot folder they are in."""
-    from huggingface_hub import constants
-
-    cache = cache_dir or Path(constants.HF_HUB_CACHE)
+    cache = cache_dir or default_cache()
     folder = repo_folder(cache, repo)
     before = cached_bytes(folder)
     job = asyncio.create_task(
