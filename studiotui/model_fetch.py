@@ -155,3 +155,23 @@ async def fetch_repo(
     if errors:
         raise FetchError("; ".join(str(e) for e in errors))
     return {n: str(p) for n, p in zip(nodes, paths, strict=True)}
+
+
+def hub_repo(model_dir: Path) -> tuple[str, str] | None:
+    """(repo id, commit) of a hub snapshot folder, None for any other folder."""
+    if not model_files.is_hub_snapshot(model_dir):
+        return None
+    repo = model_dir.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+    return repo, model_dir.name
+
+
+async def fetch_model(
+    ctl: Controller, model_dir: Path, nodes: list[str], progress: Progress | None = None
+) -> dict[str, str]:
+    """What the Models pane's fetch does with a catalog row: a hub snapshot is
+    downloaded by the nodes themselves at the same commit; a folder is sent."""
+    found = hub_repo(model_dir)
+    if found is not None:
+        repo, commit = found
+        return await fetch_repo(ctl, repo, nodes, commit, progress)
+    return await fetch_dir(ctl, model_dir, nodes, progress)

@@ -7,6 +7,7 @@ through HF_ENDPOINT. The stand-in counts what it serves per file.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from studiotui.cli import main
 from studiotui.inventory import dump_inventory
 from studiotui.model_fetch import is_repo_id, share_names
 from studiotui.model_files import even_shares, needed_names
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.cluster_fixture import LocalCluster, cluster_fixture, start_cluster, stop_cluster
 from tests.hub_standin import HubStandIn
 from worker.demo_model import DemoSpec, write_demo_model
 
@@ -114,3 +115,49 @@ def test_each_node_downloads_only_its_share_from_the_hub(
     assert "neither a model directory nor a Hugging Face repo id" in err
     assert "cannot read org/missing@main from the hub" in err
     assert sum(hub.served.values()) == served
+
+
+async def test_the_models_pane_fetches_the_selected_hub_model_to_the_nodes(
+    hub: HubStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import snapshot_download
+
+    from studiotui.app.app import StudioApp
+    from studiotui.app.models import ModelsPane
+
+    # The agents' hub cache (their environment at start), the operator's own (with the
+    # whole model: the catalog lists it) and the operator client's metadata cache.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "nodes-hf"))
+    # start_cluster runs its own event loop: in a thread, beside this test's.
+    cluster = await asyncio.to_thread(start_cluster, tmp_path / "home", 2, 78, 57900, 2.0)
+    try:
+        operator_cache = tmp_path / "operator-hf"
+        await asyncio.to_thread(
+            snapshot_download, "org/demo", cache_dir=operator_cache, endpoint=hub.endpoint
+        )
+        monkeypatch.setenv("HF_HUB_CACHE", str(operator_cache))
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "operator-meta"))
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        before = dict(hub.served)
+        app = StudioApp(cluster.home, cluster.inventory)
+        async with app.run_test(size=(160, 48)) as pilot:
+            models = app.query_one(ModelsPane)
+            for _ in range(200):
+                if "2/2 nodes up" in app.sub_title and models.rows_shown:
+                    break
+                await pilot.pause(0.1)
+            assert models.selected_row is not None and models.selected_row.name == "org/demo"
+            await pilot.press("F")
+            log: list[str] = []
+            for _ in range(300):
+                log = [e.text for e in app.cluster.log]
+                if sum("downloaded its share" in t for t in log) == 2:
+                    break
+                await pilot.pause(0.1)
+        assert sum("downloaded its share" in t for t in log) == 2, log
+        served = {n: s - before.get(n, 0) for n, s in hub.served.items()}
+        weights = {n: s for n, s in served.items() if n.endswith(".safetensors") and s}
+        published = {p.name: p.stat().st_size for p in hub.folder.glob("*.safetensors")}
+        assert weights == published  # each weight file went to one node, once
+    finally:
+        stop_cluster(cluster)
