@@ -120,7 +120,7 @@ async def provide(
         refusal = disk_refusal(node, target["path"], the_plan.bytes_to_send, int(target["free"]))
         if refusal:
             raise SyncRefused(refusal)
-        source = _source(node, files, status, sources)
+        source = _source(lambda n: ctl.spec(n).is_local, node, files, status, sources)
         jobs.append((node, the_plan, str(target["path"]), source))
         where[node] = str(target["path"])
 
@@ -135,12 +135,14 @@ def _only(found: dict[str, Any], files: list[FileId]) -> dict[str, Any]:
 
 
 def _source(
+    ctl_local: Callable[[str], bool],
     node: str,
     files: list[FileId],
     status: dict[str, list[dict[str, Any]]],
     sources: list[str] | None,
 ) -> Source | None:
-    for other, found in sorted(status.items()):
+    # A local node is the operator's own machine: the last choice of source.
+    for other, found in sorted(status.items(), key=lambda kv: (ctl_local(kv[0]), kv[0])):
         if other == node or (sources is not None and other not in sources):
             continue
         held = holding([_only(d, files) for d in found])
