@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
+import signal
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from studiotui import model_sync
+from studiotui import local_cluster, model_sync
 from studiotui.controller import Controller
 from studiotui.inventory import Inventory
 from studiotui.model_files import needed_files
@@ -135,3 +137,57 @@ def test_nodes_feed_each_other_and_the_operator_moves_no_model_bytes(
     hashed: list[int] = []
     got = manifest(Path(where[c.name]), [big.name], on_bytes=hashed.append)
     assert got[big.name] == big_id and hashed == []
+
+
+def test_a_node_to_node_copy_killed_halfway_resumes_from_its_part(
+    trio: LocalCluster, tmp_path: Path
+) -> None:
+    """The target's agent is killed mid-copy (the source frozen first, so "mid" is
+    certain); started again, the next copy sends only what had not landed."""
+    model = write_demo_model(
+        tmp_path / "big", DemoSpec(layers=2, hidden=1024, heads=8, kv_heads=4, dtype="float32")
+    )
+    a, b, _c = trio.inventory.nodes
+    shutil.copytree(model, Path(a.workdir) / "models" / "big")
+    files = needed_files(model, 0, 2, 2)
+    weights = max(files, key=lambda f: f.size)
+    assert weights.size > 40 * 1024 * 1024  # more than the chunks a fetch keeps in flight
+    folder = Path(b.workdir) / "models" / "big"
+    part = folder / part_name(manifest(model, [weights.name])[weights.name])
+    source_pid = trio.pids[a.name]
+
+    async def run() -> list[str]:
+        ctl = trio.controller()
+        try:
+            await ctl.refresh()
+            copy = asyncio.create_task(model_sync.provide(ctl, model, {b.name: files}))
+            while not (part.is_file() and part.stat().st_size):
+                assert not copy.done(), copy
+                await asyncio.sleep(0.002)
+            os.kill(source_pid, signal.SIGSTOP)
+            try:
+                os.kill(trio.pids[b.name], signal.SIGKILL)
+                assert local_cluster.wait_gone(trio.pids[b.name], 5.0)
+            finally:
+                os.kill(source_pid, signal.SIGCONT)
+            copy.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await copy
+            assert 0 < part.stat().st_size < weights.size
+            trio.pids[b.name] = local_cluster.start_agent(trio.home, b, trio.inventory)
+            for _ in range(100):
+                await ctl.refresh(timeout=1.0)
+                if ctl.state.node(b.name).state == "up":  # type: ignore[union-attr]
+                    break
+            mark = len(ctl.state.log)
+            await model_sync.provide(ctl, model, {b.name: files})
+            return [e.text for e in ctl.state.log[mark:]]
+        finally:
+            await ctl.close()
+
+    log = asyncio.run(run())
+    assert any(t.startswith(f"{b.name}: resuming ") for t in log), log
+    copied = next(t for t in log if t.startswith("copied ") and f"to {b.name} from {a.name}" in t)
+    assert float(copied.split()[1]) * 1e6 < sum(f.size for f in files), copied
+    assert (folder / weights.name).read_bytes() == (model / weights.name).read_bytes()
+    assert not list(folder.glob("*.studiotui-part"))
