@@ -69,8 +69,9 @@ async def _timed(
     return time.perf_counter() - began
 
 
-def mlx_share_rate(model: Path) -> float | None:
-    """MB/s of mlx-lm's broadcaster between two ranks on this machine, or None."""
+def mlx_share_rate(model: Path, keep: Path | None = None) -> float | None:
+    """MB/s of mlx-lm's broadcaster between two ranks on this machine, or None.
+    `keep`: where rank 1's copy goes (else a temporary folder, removed)."""
     launcher = Path(sys.executable).with_name("mlx.launch")
     if not launcher.exists():
         return None
@@ -90,7 +91,7 @@ def mlx_share_rate(model: Path) -> float | None:
             sys.executable,
             str(script),
             str(model),
-            str(Path(tmp) / "dest"),
+            str(keep or Path(tmp) / "dest"),
         ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -191,3 +191,62 @@ def test_a_node_to_node_copy_killed_halfway_resumes_from_its_part(
     assert float(copied.split()[1]) * 1e6 < sum(f.size for f in files), copied
     assert (folder / weights.name).read_bytes() == (model / weights.name).read_bytes()
     assert not list(folder.glob("*.studiotui-part"))
+
+
+def test_a_file_server_answers_only_cluster_keys_and_only_granted_files(
+    trio: LocalCluster, tmp_path: Path
+) -> None:
+    import zmq
+    import zmq.asyncio
+
+    from studiotui import keys
+    from worker.protocol import curve, messages
+
+    model = _model(tmp_path)
+    a = trio.inventory.nodes[0]
+    shutil.copytree(model, Path(a.workdir) / "models" / "m")
+    server_key = keys.node_public_key(trio.home, a.name)
+    member = curve.load_keypair(Path(trio.inventory.nodes[1].workdir) / "keys" / "self.key_secret")
+    stranger = curve.CurveKeys(*zmq.curve_keypair())
+
+    async def ask(ctx: zmq.asyncio.Context, who: curve.CurveKeys, port: int, **read: object):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        curve.make_client(sock, who, server_key)
+        sock.connect(f"tcp://{a.address}:{port}")
+        try:
+            await sock.send(messages.encode("read", offset=0, length=16, seq=0, **read))
+            if not await sock.poll(2000):
+                return None
+            header, chunk = await sock.recv_multipart()
+            return messages.decode(header), chunk
+        finally:
+            sock.close(linger=0)
+
+    async def run() -> list[object]:
+        ctl = trio.controller()
+        ctx = zmq.asyncio.Context()
+        try:
+            grant = await ctl.peer(a.name).request(
+                "serve_files",
+                dir="models/m",
+                files=[{"name": "config.json", "size": (model / "config.json").stat().st_size}],
+            )
+            port, token = int(grant["port"]), str(grant["token"])
+            return [
+                await ask(ctx, member, port, token=token, name="config.json"),
+                await ask(ctx, stranger, port, token=token, name="config.json"),
+                await ask(ctx, member, port, token=token, name="model.safetensors"),
+                await ask(ctx, member, port, token="0" * 32, name="config.json"),
+                await ask(ctx, member, port, token=token, name="../../keys/self.key_secret"),
+            ]
+        finally:
+            ctx.term()
+            await ctl.close()
+
+    granted, stranger_asked, other_file, bad_token, escape = asyncio.run(run())
+    assert granted is not None and granted[1] == (model / "config.json").read_bytes()[:16]
+    assert stranger_asked is None  # CURVE: a key not authorized gets no answer at all
+    for refused in (other_file, bad_token, escape):
+        assert refused is not None and refused[0]["type"] == "error", refused
+        assert "not being served" in refused[0]["message"] and refused[1] == b""
