@@ -180,11 +180,18 @@ def is_hub_snapshot(model_dir: Path) -> bool:
     return bool(_SNAPSHOT.search(model_dir.as_posix().rstrip("/")))
 
 
-def local_manifest(model_dir: Path, files: list[NeededFile]) -> list[FileId]:
+def local_manifest(
+    model_dir: Path, files: list[NeededFile], on_bytes: Callable[[int], None] | None = None
+) -> list[FileId]:
     """The needed files by content. The hashes are cached next to the files (not in a
     hub snapshot, whose folder belongs to the hub's cache and whose weights state
     their hash in their link)."""
-    ids = manifest(model_dir, [f.name for f in files], write_cache=not is_hub_snapshot(model_dir))
+    ids = manifest(
+        model_dir,
+        [f.name for f in files],
+        write_cache=not is_hub_snapshot(model_dir),
+        on_bytes=on_bytes,
+    )
     missing = [f.name for f in files if f.name not in ids]
     if missing:
         raise ModelFilesError(f"{model_dir / missing[0]} is missing")

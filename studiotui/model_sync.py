@@ -84,7 +84,15 @@ async def provide(
 
     `sources`: the nodes that may serve files to others (default: every up node)."""
     union = sorted({f.name: f for fs in needs.values() for f in fs}.values(), key=lambda f: f.name)
-    ids = {f.name: f for f in await asyncio.to_thread(local_manifest, model_dir, union)}
+    began, hashed = time.monotonic(), [0]
+    ids = {
+        f.name: f for f in await asyncio.to_thread(local_manifest, model_dir, union, hashed.append)
+    }
+    if sum(hashed):  # the first time only: say where the wait went
+        ctl.record(
+            f"hashed {sum(hashed) / 1e9:.2f} GB of {model_dir.name} in "
+            f"{time.monotonic() - began:.1f} s (kept next to the files for next time)"
+        )
     wanted = {node: [ids[f.name] for f in fs] for node, fs in needs.items()}
     dirs = candidate_dirs(model_dir, Path.home())
     asked = sorted(

@@ -131,6 +131,7 @@ def test_nodes_feed_each_other_and_the_operator_moves_no_model_bytes(
         assert any(f"to {node} from {a.name} over {a.address}:" in t for t in log), log
         assert seen[node][-1][0] == seen[node][-1][1] > 0
     assert any(f"{c.name}: resuming" in t for t in log), log
+    assert any(t.startswith("hashed ") and " GB of m in " in t for t in log), log
     # Control messages only: far below the model bytes the two nodes received.
     assert operator_bytes < model_bytes / 20, (operator_bytes, model_bytes)
     # The hashes landed in each folder's cache: a second look hashes nothing.
