@@ -3,10 +3,10 @@
 For each node that needs files, in this order:
 1. the node already holds them (same sizes and SHA-256) in its copy folder or, for a
    Hugging Face snapshot, at the snapshot's own path: it uses them where they are;
-2. another node holds them: that node's agent serves them and the target's agent
-   fetches them over the cluster addresses (`worker/files.py`); the operator's
-   machine carries none of the bytes;
-3. else the operator copies them over SFTP, as before.
+2. other nodes hold them (each file by its content, wherever it is): their agents
+   serve them and the target's agent fetches them over the cluster addresses
+   (`worker/files.py`); the operator's machine carries none of the bytes;
+3. the files no node holds, the operator copies over SFTP, as before.
 A node's file with the right name and another hash is replaced, and the log says
 which and why. Every copy lands in a part file, resumes from it, and is verified by
 the node's agent before it takes the file's name. The free disk of every target is
@@ -112,8 +112,11 @@ async def provide(
             continue  # a possible source that does not answer is just not a source
         status[node] = reply
 
+    def ctl_local(name: str) -> bool:
+        return ctl.spec(name).is_local
+
     where: dict[str, str] = {}
-    jobs: list[tuple[str, CopyPlan, str, Source | None]] = []
+    jobs: list[Job] = []
     for node, files in wanted.items():
         mine = [_only(d, files) for d in status[node]]
         held = holding(mine)
@@ -128,8 +131,8 @@ async def provide(
         refusal = disk_refusal(node, target["path"], the_plan.bytes_to_send, int(target["free"]))
         if refusal:
             raise SyncRefused(refusal)
-        source = _source(lambda n: ctl.spec(n).is_local, node, files, status, sources)
-        jobs.append((node, the_plan, str(target["path"]), source))
+        holders = file_sources(node, [f.name for f, _ in the_plan.send], status, sources, ctl_local)
+        jobs.append(Job(node, the_plan, str(target["path"]), holders))
         where[node] = str(target["path"])
 
     if jobs:
@@ -137,26 +140,53 @@ async def provide(
     return where
 
 
+@dataclass(frozen=True)
+class Job:
+    node: str
+    plan: CopyPlan
+    path: str  # the target's copy folder (absolute, on the node)
+    sources: dict[str, Source | None]  # file -> who sends it (None: the operator)
+
+    def groups(self) -> dict[Source | None, list[tuple[FileId, int]]]:
+        out: dict[Source | None, list[tuple[FileId, int]]] = {}
+        for f, offset in self.plan.send:
+            out.setdefault(self.sources.get(f.name), []).append((f, offset))
+        return out
+
+
 def _only(found: dict[str, Any], files: list[FileId]) -> dict[str, Any]:
     names = {f.name for f in files}
     return {**found, "files": [f for f in found["files"] if f["name"] in names]}
 
 
-def _source(
-    ctl_local: Callable[[str], bool],
+def file_sources(
     node: str,
-    files: list[FileId],
+    names: list[str],
     status: dict[str, list[dict[str, Any]]],
     sources: list[str] | None,
-) -> Source | None:
-    # A local node is the operator's own machine: the last choice of source.
-    for other, found in sorted(status.items(), key=lambda kv: (ctl_local(kv[0]), kv[0])):
-        if other == node or (sources is not None and other not in sources):
-            continue
-        held = holding([_only(d, files) for d in found])
-        if held is not None:
-            return Source(other, held)
-    return None
+    is_local: Callable[[str], bool],
+) -> dict[str, Source | None]:
+    """For each file, a node (and folder) that holds it as is, else None (the operator).
+
+    Per file, so a target whose files are spread over several nodes (an even `fetch`
+    split, then a placement with other cuts) still gets them all from nodes. A node
+    on the operator's machine (local) is the last choice."""
+    order = sorted(status, key=lambda n: (is_local(n), n))
+    found: dict[str, Source | None] = {}
+    for name in names:
+        found[name] = None
+        for other in order:
+            if other == node or (sources is not None and other not in sources):
+                continue
+            held = [
+                d["path"]
+                for d in status[other]
+                if any(f["name"] == name and f["state"] == "same" for f in d["files"])
+            ]
+            if held:
+                found[name] = Source(other, str(held[0]))
+                break
+    return found
 
 
 async def _status(
@@ -171,117 +201,128 @@ async def _status(
 async def _copy_all(
     ctl: Controller,
     model_dir: Path,
-    jobs: list[tuple[str, CopyPlan, str, Source | None]],
+    jobs: list[Job],
     progress: Progress | None,
 ) -> None:
-    """Every target at once; one grant per source node covers all its targets."""
-    grants: dict[str, dict[str, Any]] = {}
+    """Every target at once; one grant per source folder covers all its targets."""
+    grants: dict[Source, dict[str, Any]] = {}
     try:
-        for _node, the_plan, _path, source in jobs:
-            if source is None:
-                continue
-            grant = grants.setdefault(source.node, {"path": source.path, "files": {}})
-            for f, _ in the_plan.send:
-                grant["files"][f.name] = f.size
-        for name, grant in grants.items():
-            reply = await ctl.peer(name).request(
+        for job in jobs:
+            for source, files in job.groups().items():
+                if source is not None:
+                    grant = grants.setdefault(source, {"files": {}})
+                    grant["files"].update({f.name: f.size for f, _ in files})
+        for source, grant in grants.items():
+            reply = await ctl.peer(source.node).request(
                 "serve_files",
-                dir=grant["path"],
+                dir=source.path,
                 files=[{"name": n, "size": s} for n, s in sorted(grant["files"].items())],
             )
             grant["port"], grant["token"] = int(reply["port"]), str(reply["token"])
         results = await asyncio.gather(
-            *(
-                _copy(ctl, model_dir, node, the_plan, path, source, grants, progress)
-                for node, the_plan, path, source in jobs
-            ),
+            *(_copy(ctl, model_dir, job, grants, progress) for job in jobs),
             return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
     finally:
-        for name, grant in grants.items():
+        for source, grant in grants.items():
             if "token" in grant:
                 try:
-                    await ctl.peer(name).request("unserve_files", token=grant["token"])
+                    await ctl.peer(source.node).request("unserve_files", token=grant["token"])
                 except Exception as exc:  # the copy's own outcome matters more
-                    ctl.record(f"{name} did not stop serving files: {exc}", "warning")
+                    ctl.record(f"{source.node} did not stop serving files: {exc}", "warning")
 
 
 async def _copy(
     ctl: Controller,
     model_dir: Path,
-    node: str,
-    the_plan: CopyPlan,
-    path: str,
-    source: Source | None,
-    grants: dict[str, dict[str, Any]],
+    job: Job,
+    grants: dict[Source, dict[str, Any]],
     progress: Progress | None,
 ) -> None:
-    total = sum(f.size for f, _ in the_plan.send)
+    """A target's files from each of their sources at once, progress summed."""
+    total = sum(f.size for f, _ in job.plan.send)
+    done: dict[Source | None, int] = {}
+
+    def step(source: Source | None, bytes_done: int) -> None:
+        done[source] = bytes_done
+        if progress:
+            progress(job.node, sum(done.values()), total)
+
+    if job.plan.resumed:
+        ctl.record(f"{job.node}: resuming {job.plan.resumed / 1e6:.1f} MB already landed")
+    await asyncio.gather(
+        *(
+            _from(ctl, model_dir, job, source, files, grants, step)
+            for source, files in job.groups().items()
+        )
+    )
+
+
+async def _from(
+    ctl: Controller,
+    model_dir: Path,
+    job: Job,
+    source: Source | None,
+    files: list[tuple[FileId, int]],
+    grants: dict[Source, dict[str, Any]],
+    step: Callable[[Source | None, int], None],
+) -> None:
     began = time.monotonic()
-    if the_plan.resumed:
-        ctl.record(f"{node}: resuming {the_plan.resumed / 1e6:.1f} MB already landed")
+    size = sum(f.size for f, _ in files)
     if source is not None:
-        grant = grants[source.node]
+        grant = grants[source]
         endpoint = f"tcp://{ctl.spec(source.node).address}:{grant['port']}"
         received = 0
-        async for msg in ctl.peer(node).stream(
+        async for msg in ctl.peer(job.node).stream(
             "fetch_files",
             timeout=STATUS_TIMEOUT_S,
-            dir=path,
-            files=[f.as_dict() for f, _ in the_plan.send],
+            dir=job.path,
+            files=[f.as_dict() for f, _ in files],
             endpoint=endpoint,
             key=keys.node_public_key(ctl.home, source.node).decode(),
             token=grant["token"],
         ):
-            if msg["type"] == "file_progress" and progress:
-                progress(node, int(msg["done"]), int(msg["total"]))
+            if msg["type"] == "file_progress":
+                step(source, int(msg["done"]))
             if msg["type"] == "ok":
                 received = int(msg["received"])
-                if progress:  # the agent's last progress may trail its answer
-                    progress(node, total, total)
+                step(source, size)  # the agent's last progress may trail its answer
         how = f"from {source.node} over {endpoint.removeprefix('tcp://')}"
     else:
-        received = await _sftp(ctl, model_dir, node, the_plan, path, progress)
+        received = await _sftp(ctl, model_dir, job, files, lambda d: step(None, d))
         how = "from the operator over SFTP"
     seconds = max(time.monotonic() - began, 1e-6)
     ctl.record(
-        f"copied {received / 1e6:.1f} MB of {model_dir.name} to {node} {how} "
-        f"({received / 1e6 / seconds:.1f} MB/s), {total / 1e6:.1f} MB verified"
+        f"copied {received / 1e6:.1f} MB of {model_dir.name} to {job.node} {how} "
+        f"({received / 1e6 / seconds:.1f} MB/s), {len(files)} files, {size / 1e6:.1f} MB verified"
     )
 
 
 async def _sftp(
     ctl: Controller,
     model_dir: Path,
-    node: str,
-    the_plan: CopyPlan,
-    path: str,
-    progress: Progress | None,
+    job: Job,
+    files: list[tuple[FileId, int]],
+    step: Callable[[int], None],
 ) -> int:
     from studiotui import provision
 
-    spec = ctl.spec(node)
+    spec = ctl.spec(job.node)
     if spec.is_local:
-        raise ModelFilesError(f"{node} is a local node: it reads {model_dir} where it is")
+        raise ModelFilesError(f"{job.node} is a local node: it reads {model_dir} where it is")
     conn = await provision.connect(ctl.home, spec)
     try:
-        sent = await send_files(
-            conn,
-            model_dir,
-            path,
-            the_plan.send,
-            (lambda d, t: progress(node, d, t)) if progress else None,
-        )
+        sent = await send_files(conn, model_dir, job.path, files, lambda d, _t: step(d))
     finally:
         conn.close()
     # The agent checks each part's size and hash, then renames it into place.
-    await ctl.peer(node).request(
+    await ctl.peer(job.node).request(
         "files_commit",
         timeout=STATUS_TIMEOUT_S,
-        dir=path,
-        files=[f.as_dict() for f, _ in the_plan.send],
+        dir=job.path,
+        files=[f.as_dict() for f, _ in files],
     )
     return sent

@@ -134,6 +134,30 @@ def test_nodes_feed_each_other_and_the_operator_moves_no_model_bytes(
     assert any(t.startswith("hashed ") and " GB of m in " in t for t in log), log
     # Control messages only: far below the model bytes the two nodes received.
     assert operator_bytes < model_bytes / 20, (operator_bytes, model_bytes)
+    # Node a lost its copy; b and c each hold half of what a needs: a gets each file
+    # from whichever node holds it, both at once, and still nothing via the operator.
+    shutil.rmtree(held)
+    every = needed_files(model, 0, 8, 8)
+
+    async def again() -> tuple[int, list[str]]:
+        relay = Relay()
+        ctl = Controller(trio.home, await relay.start(trio.inventory))
+        try:
+            await ctl.refresh()
+            before = relay.bytes
+            await model_sync.provide(ctl, model, {a.name: every})
+            return relay.bytes - before, [e.text for e in ctl.state.log]
+        finally:
+            await ctl.close()
+            relay.close()
+
+    operator_bytes, log = asyncio.run(again())
+    for source in (b, c):
+        assert any(f"to {a.name} from {source.name} over" in t for t in log), log
+    assert operator_bytes < sum(f.size for f in every) / 20
+    for f in every:
+        assert (held / f.name).read_bytes() == (model / f.name).read_bytes(), f.name
+
     # The hashes landed in each folder's cache: a second look hashes nothing.
     hashed: list[int] = []
     got = manifest(Path(where[c.name]), [big.name], on_bytes=hashed.append)
