@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studiotui.model_facts import ModelDirError
+from studiotui.model_facts import ModelDirError, outside_links
 from worker.manifest import FileId, manifest, part_name, plain_name
 
 SMALL_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".md"}
@@ -47,20 +47,6 @@ class ModelFilesError(ModelDirError):
 def escaping_names(names: Iterable[str]) -> list[str]:
     """The names (from an index's weight_map) that would leave the model directory."""
     return sorted({n for n in names if not plain_name(n)})
-
-
-def allowed_root(model_dir: Path) -> Path:
-    """Where a model's files may really live: the directory itself, or for a hub
-    snapshot (whose files link to `../../blobs/<hash>`) its repository folder."""
-    if _SNAPSHOT.search(model_dir.as_posix().rstrip("/")):
-        return model_dir.parent.parent
-    return model_dir
-
-
-def outside_links(model_dir: Path, names: Iterable[str]) -> list[str]:
-    """The named files whose real path (symlinks followed) is outside `allowed_root`."""
-    root = allowed_root(model_dir).resolve()
-    return sorted(n for n in names if not (model_dir / n).resolve().is_relative_to(root))
 
 
 def check_model_dir(model_dir: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from studiotui.model_facts import ModelDirError, read_model
 from studiotui.model_files import (
     ModelFilesError,
     check_model_dir,
@@ -248,6 +249,9 @@ def test_a_link_leaving_the_model_directory_is_refused_but_hub_blob_links_are_no
     (model / "model.safetensors").symlink_to(outside)
     with pytest.raises(ModelFilesError, match=r"model\.safetensors links to .*elsewhere"):
         check_model_dir(model)
+    # Reading the model's facts (the catalog, the preview) refuses before any header.
+    with pytest.raises(ModelDirError, match=r"links to .*elsewhere.*outside the model directory"):
+        read_model(model)
     # A hub snapshot links its files to ../../blobs: inside its repository, accepted.
     repo = tmp_path / "hub" / "models--org--m"
     snap = repo / "snapshots" / "0123"
