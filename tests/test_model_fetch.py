@@ -8,6 +8,7 @@ through HF_ENDPOINT. The stand-in counts what it serves per file.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,6 +116,23 @@ def test_each_node_downloads_only_its_share_from_the_hub(
     assert "neither a model directory nor a Hugging Face repo id" in err
     assert "cannot read org/missing@main from the hub" in err
     assert sum(hub.served.values()) == served
+
+    # A node whose disk cannot hold its share refuses before downloading any of it.
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("mounting a small disk needs root")
+    try:
+        code = main(["-i", str(inventory), "fetch", "org/demo", "--nodes", nodes[0],
+                     "--cache-dir", str(tiny)])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2
+        assert f"{nodes[0]} has " in err and f"free at {tiny}" in err, err
+        assert "its share needs " in err and " KB" in err, err
+        assert list(tiny.iterdir()) == [] and sum(hub.served.values()) == served
+    finally:
+        subprocess.run(["umount", str(tiny)], check=False)
 
 
 async def test_the_models_pane_fetches_the_selected_hub_model_to_the_nodes(

@@ -504,8 +504,9 @@ class Agent:
                 ident,
                 re,
                 "error",
-                message=f"{self.config.name} has {free / 1e9:.1f} GB free at {where} but its "
-                f"share needs {need / 1e9:.1f} GB: free disk space there or fetch to other nodes",
+                message=f"{self.config.name} has {files.human_bytes(free)} free at {where} but "
+                f"its share needs {files.human_bytes(need)}: free disk space there or fetch to "
+                "other nodes",
             )
             return
         result = await hub.download(

@@ -55,6 +55,14 @@ class FileError(RuntimeError):
     pass
 
 
+def human_bytes(n: float) -> str:
+    """1.5 GB, 320 MB, 64 KB: for messages a person reads."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def resolve_dir(home: Path, directory: str) -> Path:
     """A directory the controller names: absolute, `~/...` (the node user's home) or
     relative to the agent's work dir (where copies go)."""
