@@ -21,9 +21,9 @@ from studiotui import model_files
 from studiotui.controller import Controller, PlacementError
 from studiotui.inventory import Inventory
 from studiotui.provision import CheckoutWheel, provision
-from tests.sshd import SshdServer, sshd_server  # noqa: F401
+from tests.sshd import SshdServer
 from tests.test_engine import collect, prompt_tokens, reference_tokens
-from tests.test_provision import agents, free_port, make_node, node_python, wheel  # noqa: F401
+from tests.test_provision import agents, free_port, make_node  # noqa: F401 - a fixture
 from worker.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [
@@ -54,10 +54,10 @@ def _log(ctl: Controller, since: int) -> list[str]:
 
 
 async def test_content_identity_node_to_node_and_resume_on_ssh_nodes(
-    sshd_server: SshdServer,  # noqa: F811
+    sshd_server: SshdServer,
     tmp_path: Path,
-    wheel: CheckoutWheel,  # noqa: F811
-    node_python: str,  # noqa: F811
+    wheel: CheckoutWheel,
+    node_python: str,
     agents: list[Path],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

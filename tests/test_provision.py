@@ -36,7 +36,6 @@ from studiotui.provision import (
     PrebuiltWheel,
     kill_local_agents,
     provision,
-    python_with_deps,
 )
 from tests.sshd import SshdServer, sshd_factory, sshd_server  # noqa: F401
 from worker.demo_model import DemoSpec, write_demo_model
@@ -59,18 +58,8 @@ FOREIGN_ADDRESS = "198.51.100.77"
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> CheckoutWheel:
-    """The worker wheel, built once for the whole session (the slow part)."""
-    source = CheckoutWheel(tmp_path_factory.mktemp("wheels"))
-    asyncio.run(source.path())
-    return source
-
-
-@pytest.fixture(scope="session")
-def node_python(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A venv's python with the worker's dependencies: used as is, nothing to pip install."""
-    return python_with_deps(tmp_path_factory.mktemp("venv") / "v")
+# `wheel` and `node_python` (session fixtures) live in conftest.py: the model-file
+# tests on SSH nodes use the same ones.
 
 
 @pytest.fixture
