@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from studiotui.provision import CheckoutWheel, python_with_deps
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import sshd_factory, sshd_server  # noqa: F401 - fixtures
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -40,3 +42,17 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         for arch in FAMILIES
     }
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> CheckoutWheel:
+    """The worker wheel, built once for the whole session (the slow part)."""
+    source = CheckoutWheel(tmp_path_factory.mktemp("wheels"))
+    asyncio.run(source.path())
+    return source
+
+
+@pytest.fixture(scope="session")
+def node_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A venv's python with the worker's dependencies: used as is, nothing to pip install."""
+    return python_with_deps(tmp_path_factory.mktemp("venv") / "v")

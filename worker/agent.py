@@ -25,7 +25,8 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from worker import __version__, node_probe, telemetry
+from worker import __version__, files, node_probe, telemetry
+from worker.shared.manifest import FileId
 from worker.shared.protocol import curve, messages
 
 log = logging.getLogger("studiotui.agent")
@@ -125,6 +126,7 @@ class Agent:
         self.pub: zmq.asyncio.Socket | None = None
         self.auth: AsyncioAuthenticator | None = None
         self.dropped = 0
+        self.file_server: files.FileServer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
         self.live: dict[str, Any] = {}
@@ -170,6 +172,8 @@ class Agent:
         for task in tasks:
             task.cancel()
         await self._stop_all_shards()
+        if self.file_server is not None:
+            await self.file_server.close()
         self.close()
 
     def close(self) -> None:
@@ -501,6 +505,139 @@ class Agent:
     async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
         self.stopping.set()
+
+    # ---- model files (worker/files.py) ------------------------------------------------------
+
+    def _progress_to(self, ident: bytes, re: Any, stage: str, total: int) -> files.Progress:
+        """A callback, safe from any thread, relaying byte progress as `progress` replies
+        (also what keeps a long hash or copy from looking like a silent agent)."""
+        loop = asyncio.get_running_loop()
+        last = [0.0]
+
+        def send(done: int, _total: int = total) -> None:
+            now = time.monotonic()
+            if now - last[0] < files.PROGRESS_EVERY_S and done < _total:
+                return
+            last[0] = now
+            reply = self._reply(ident, re, "file_progress", stage=stage, done=done, total=_total)
+            loop.call_soon_threadsafe(lambda: self._spawn(reply))
+
+        return send
+
+    def _hashed_to(self, ident: bytes, re: Any, total: int) -> files.Progress:
+        send = self._progress_to(ident, re, "hashing", total)
+        seen = [0]
+
+        def add(n: int) -> None:
+            seen[0] += n
+            send(seen[0])
+
+        return add
+
+    async def _on_files_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        on_bytes = self._hashed_to(ident, re, sum(f.size for f in wanted))
+        found = []
+        for name in msg["dirs"]:
+            directory = files.resolve_dir(self.config.home, str(name))
+            found.append(
+                {"dir": name, **await asyncio.to_thread(files.status, directory, wanted, on_bytes)}
+            )
+        await self._reply(ident, re, "ok", dirs=found)
+
+    async def _on_files_commit(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
+        landed = [FileId.from_dict(f) for f in msg["files"]]
+        on_bytes = self._hashed_to(ident, re, sum(f.size for f in landed))
+        for f in landed:
+            await asyncio.to_thread(files.commit, directory, f, on_bytes)
+            log.info("verified and placed %s in %s", f.name, directory)
+        await self._reply(ident, re, "ok")
+
+    async def _on_serve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
+        wanted = {str(f["name"]): int(f["size"]) for f in msg["files"]}
+        for name, size in wanted.items():
+            path = directory / name
+            if not files.plain_name(name) or not path.is_file() or path.stat().st_size != size:
+                await self._reply(ident, re, "error", message=f"{path} is not here at {size} B")
+                return
+        if self.file_server is None:
+            keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+            port = self._free_ports(1)[0]
+            self.file_server = files.FileServer(self.ctx, keys, self.config.address, port)
+            self.file_server.start()
+        token = self.file_server.grant(directory, wanted)
+        log.info("serving %d files of %s on port %d", len(wanted), directory, self.file_server.port)
+        await self._reply(ident, re, "ok", port=self.file_server.port, token=token)
+
+    async def _on_unserve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        sent = 0
+        if self.file_server is not None:
+            sent = self.file_server.revoke(str(msg["token"]))
+            if not self.file_server.grants:
+                await self.file_server.close()
+                self.file_server = None
+        await self._reply(ident, re, "ok", sent=sent)
+
+    async def _on_fetch_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
+        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+        total = sum(f.size for f in wanted)
+        began = time.monotonic()
+        result = await files.fetch(
+            self.ctx,
+            keys,
+            str(msg["endpoint"]),
+            str(msg["key"]).encode(),
+            str(msg["token"]),
+            directory,
+            wanted,
+            self._progress_to(ident, re, "copying", total),
+        )
+        log.info(
+            "fetched %d B into %s from %s in %.1f s (%d B resumed)",
+            result["received"],
+            directory,
+            msg["endpoint"],
+            time.monotonic() - began,
+            result["resumed"],
+        )
+        await self._reply(ident, re, "ok", path=str(directory.resolve()), **result)
+
+    async def _on_hub_download(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        from worker import hub
+
+        names = [str(n) for n in msg["files"]]
+        bad = [n for n in names if not files.plain_name(n)]
+        if bad:
+            await self._reply(ident, re, "error", message=f"{bad[0]!r} is not a plain file name")
+            return
+        cache = msg.get("cache_dir")
+        where = files.resolve_dir(self.config.home, str(cache)) if cache else hub.default_cache()
+        need, free = int(msg.get("total", 0)), files.free_bytes(where)
+        if need > free:
+            await self._reply(
+                ident,
+                re,
+                "error",
+                message=f"{self.config.name} has {files.human_bytes(free)} free at {where} but "
+                f"its share needs {files.human_bytes(need)}: free disk space there or fetch to "
+                "other nodes",
+            )
+            return
+        result = await hub.download(
+            str(msg["repo"]),
+            str(msg["revision"]),
+            names,
+            files.resolve_dir(self.config.home, str(cache)) if cache else None,
+            msg.get("endpoint") or None,
+            int(msg.get("total", 0)),
+            self._progress_to(ident, re, "downloading", int(msg.get("total", 0))),
+        )
+        log.info("downloaded %s of %s into %s", len(names), msg["repo"], result["path"])
+        await self._reply(ident, re, "ok", **result)
 
     # ---- shards ----------------------------------------------------------------------------
 

@@ -83,6 +83,14 @@ class StudioApp(Dashboard):
         Binding("p", "place", "Place", id="place"),
         Binding("u", "unload", "Unload", id="unload"),
         Binding("R", "place_again", "Place again", key_display="R", show=False, id="place-again"),
+        Binding(
+            "F",
+            "fetch_model",
+            "Fetch model to nodes",
+            key_display="F",
+            show=False,
+            id="fetch-model",
+        ),
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
@@ -418,6 +426,11 @@ class StudioApp(Dashboard):
                 "a broken or failed one: unload it, preview its model again",
                 "place_again",
             ),
+            (
+                "Fetch selected model to nodes",
+                "each marked (or up) node its share: from the hub for a hub model",
+                "fetch_model",
+            ),
             ("Mark selected node", "toggle: marked nodes are where p places", "mark_node"),
             ("Clear marks", "unmark every node", "clear_marks"),
             ("Rescan models", "read the model folders and the HF cache again", "rescan_models"),
@@ -548,6 +561,31 @@ class StudioApp(Dashboard):
 
     def action_place_again(self) -> None:
         self.placer.place_again()
+
+    def action_fetch_model(self) -> None:
+        ctl = self.need_controller("fetch")
+        row = self.query_one(ModelsPane).selected_row
+        if ctl is None:
+            return
+        if row is None or not row.placeable:
+            self.report("fetch: select a model in the Models pane first", "warning")
+            return
+        marked = sorted(self.query_one(NodesPane).marked)
+        nodes = marked or [n.name for n in ctl.state.nodes if n.state == "up"]
+        self.background(self._fetch(ctl, row, nodes), f"fetching {row.name}")
+
+    async def _fetch(self, ctl: Controller, row: ModelRow, nodes: list[str]) -> None:
+        from studiotui.cluster.model_fetch import fetch_model
+
+        pane, key = self.query_one(PlacementsPane), f"fetch {row.path}"
+        pane.start_progress(f"fetching {row.name} to {', '.join(nodes)}", nodes, key=key)
+        try:
+            await fetch_model(
+                ctl, Path(row.path), nodes, lambda n, d, t: pane.progress(n, d, t, key)
+            )
+        finally:
+            pane.end_progress(key=key)
+        self.notify(f"{row.name}: each of {', '.join(nodes)} holds its share")
 
     def action_mark_node(self) -> None:
         self.query_one(NodesPane).action_toggle_mark()

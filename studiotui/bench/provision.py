@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 
+from studiotui.bench.copy import copy_rates
 from studiotui.bench.sshd import start_sshd
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.provision.deploy import BuildError, CheckoutWheel, project_root, provision
@@ -112,7 +113,9 @@ async def bench_provision(home: Path) -> dict[str, Any]:
         again = await provision(bench_home, four, **common)
         t_again = time.monotonic() - t0
         failed = [str(o) for o in (*r1.values(), *r4.values(), *again.values()) if not o.ok]
+        copies = await _copy_rates(bench_home, four, base / "copy")
         return {
+            **copies,
             "provision1_s": round(t1, 2),
             "provision4_s": round(t4, 2),
             "provision4_ratio": round(t4 / t1, 2) if t1 else None,
@@ -124,6 +127,14 @@ async def bench_provision(home: Path) -> dict[str, Any]:
         kill_local_agents([Path(n.workdir) for inv_ in (one, four) for n in inv_.nodes])
         server.cleanup()
         shutil.rmtree(base, ignore_errors=True)
+
+
+async def _copy_rates(home: Path, inventory: Inventory, work: Path) -> dict[str, Any]:
+    """Model files to these nodes three ways (`bench.copy`); a failure is a figure."""
+    try:
+        return await copy_rates(home, inventory, work)
+    except Exception as exc:  # the provisioning figures stand on their own
+        return {"copy_error": f"{type(exc).__name__}: {exc}"}
 
 
 def kill_local_agents(workdirs: Sequence[Path], timeout: float = 5.0) -> None:

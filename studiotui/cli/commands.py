@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
@@ -219,6 +226,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             TextColumn("{task.description:>12}"),
             BarColumn(),
             DownloadColumn(),
+            TransferSpeedColumn(),
             TimeRemainingColumn(),
             console=console,
             transient=False,
@@ -226,6 +234,10 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             tasks = {s.node: bar.add_task(s.node, total=None) for s in the_plan.shards}
 
             def progress(node: str, done: int, total: int) -> None:
+                task = bar.tasks[tasks[node]]
+                if task.total != total or done < task.completed:
+                    # A new phase (files copied, then the shard loaded): a new clock.
+                    bar.reset(tasks[node], total=total)
                 bar.update(tasks[node], completed=done, total=total)
 
             try:
@@ -240,6 +252,62 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
         console.print(f"placement [bold]{result.placement.name}[/] is ready ({info.name})")
+    finally:
+        await ctl.close()
+    return 0
+
+
+async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
+    from studiotui.cluster import model_fetch
+    from studiotui.cluster import peers as agents
+    from studiotui.cluster.model_sync import SyncRefused
+
+    inv = load_cluster(args.inventory, home)
+    source = Path(args.source).expanduser()
+    if not source.is_dir() and not model_fetch.is_repo_id(args.source):
+        raise UserError(
+            f"{args.source!r} is neither a model directory nor a Hugging Face repo id (org/name)"
+        )
+    try:
+        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
+    except SelectionError as exc:
+        raise UserError(str(exc)) from None
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
+        down = [n for n in group if (s := ctl.state.node(n)) is None or s.state != "up"]
+        if down or not group:
+            raise UserError(f"{', '.join(down) or 'no node'} is not up: start it first")
+        with Progress(
+            TextColumn("{task.description:>12}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as bar:
+            tasks = {n: bar.add_task(n, total=None) for n in group}
+
+            def progress(node: str, done: int, total: int) -> None:
+                bar.update(tasks[node], completed=done, total=total)
+
+            try:
+                if source.is_dir():
+                    where = await model_fetch.fetch_dir(ctl, source.resolve(), group, progress)
+                else:
+                    where = await model_fetch.fetch_repo(
+                        ctl, args.source, group, args.revision, progress, args.cache_dir
+                    )
+            except (model_fetch.FetchError, SyncRefused, ModelDirError) as exc:
+                raise UserError(str(exc)) from None
+            except (agents.AgentError, agents.AgentUnreachable) as exc:
+                raise UserError(f"fetch failed: {exc}") from None
+        for entry in ctl.state.log:
+            if "downloaded its share" in entry.text or "copied " in entry.text:
+                console.print(entry.text)
+        for node, path in where.items():
+            console.print(f"{node}: {path}")
     finally:
         await ctl.close()
     return 0

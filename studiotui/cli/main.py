@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     place.add_argument("--context", type=int, default=4096, help="context tokens to reserve KV for")
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
 
+    fetch = sub.add_parser(
+        "fetch", help="put a model's files on nodes ahead of placing it, each node its share"
+    )
+    fetch.add_argument("source", help="a Hugging Face repo id (org/name) or a model directory")
+    fetch.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
+    fetch.add_argument("--revision", default="main", help="hub branch, tag or commit")
+    fetch.add_argument(
+        "--cache-dir", help="hub cache on the nodes (default: each node's own Hugging Face cache)"
+    )
+
     unload = sub.add_parser("unload", help="unload a placement and free its memory")
     unload.add_argument("name")
 

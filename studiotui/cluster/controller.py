@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from studiotui.cluster import keys, model_files
+from studiotui.cluster import keys, model_files, model_sync
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, NodeSpec
@@ -39,7 +39,6 @@ from studiotui.core.state import (
     pushed,
     shard_from_report,
 )
-from studiotui.ssh import nodes
 from worker.shared import probes
 from worker.shared.protocol import messages
 
@@ -301,6 +300,9 @@ class Controller:
     def preview(
         self, model_dir: Path, nodes: list[str], context_tokens: int = 4096
     ) -> tuple[ModelInfo, Plan | Refusal]:
+        from studiotui.cluster.model_files import check_model_dir
+
+        check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
         if info.unsupported:
             # Refused here, before the plan and so before any file is copied to a node.
@@ -396,11 +398,12 @@ class Controller:
             *(self.peer(s.node).request("prepare_shard", placement=name) for s in shards)
         )
         count = len(shards)
+        dirs = await self._model_dirs(shards, model_dir, progress)
 
         async def load(i: int) -> None:
             shard = shards[i]
             nxt = shards[(i + 1) % count]
-            node_dir = await self._model_dir_on(shard.node, model_dir, shard, progress)
+            node_dir = dirs[shard.node]
             endpoint = (
                 f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
             )
@@ -450,39 +453,28 @@ class Controller:
         if errors:
             raise PlacementError("; ".join(str(e) for e in errors))
 
-    async def _model_dir_on(
-        self, node: str, model_dir: Path, shard: Any, progress: Progress | None
-    ) -> str:
-        """Where `node` finds the model: the operator's path on this machine, else a copy
-        under its work dir holding just the files its layers need."""
-        spec = self.spec(node)
-        if spec.is_local:
-            return str(model_dir)
+    async def _model_dirs(
+        self, shards: Any, model_dir: Path, progress: Progress | None
+    ) -> dict[str, str]:
+        """Where each node finds the model: the operator's path on this machine, else a
+        folder holding (by content) the files its layers need, reused where it already
+        is, copied from another node that has them, or from the operator
+        (`model_sync`)."""
+        where = {s.node: str(model_dir) for s in shards if self.spec(s.node).is_local}
         config = read_model(model_dir)
         tied = config.facts.head_bytes > 0 and _tied(model_dir)
-        files = model_files.needed_files(model_dir, shard.start, shard.end, config.n_layers, tied)
-        target = nodes.remote_join(spec.workdir, "models", model_files.copy_name(model_dir))
-        candidate = model_files.hub_snapshot_path(model_dir, Path.home())
-        conn = await nodes.connect_node(spec, self.home)
-        try:
-            if candidate is not None:
-                found = await model_files.find_on_node(conn, candidate, files)
-                if found is not None:
-                    name = model_files.copy_name(model_dir)
-                    self.record(f"{node} already holds {name} at {found}: nothing copied")
-                    return found
-            copied = await model_files.sync_files(
-                conn,
-                model_dir,
-                nodes.sftp_path(target),
-                files,
-                (lambda d, t: progress(node, d, t)) if progress else None,
-            )
-        finally:
-            conn.close()
-        if copied:
-            self.record(f"copied {copied / 1e6:.1f} MB of {model_dir.name} to {node}")
-        return target
+        needs: dict[str, dict[str, model_files.NeededFile]] = {}
+        for s in shards:
+            if s.node not in where:
+                found = model_files.needed_files(model_dir, s.start, s.end, config.n_layers, tied)
+                needs.setdefault(s.node, {}).update({f.name: f for f in found})
+        if needs:
+            wanted = {node: list(files.values()) for node, files in needs.items()}
+            try:
+                where |= await model_sync.provide(self, model_dir, wanted, progress)
+            except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
+                raise PlacementError(str(exc)) from None
+        return where
 
     async def _watch_nodes(self, nodes: list[str]) -> str:
         """Return (only) when one of `nodes` stops answering, saying which."""

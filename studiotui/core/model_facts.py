@@ -34,6 +34,23 @@ class ModelDirError(StudioError, ValueError):
     pass
 
 
+_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
+
+
+def allowed_root(model_dir: Path) -> Path:
+    """Where a model's files may really live: the directory itself, or for a hub
+    snapshot (whose files link to `../../blobs/<hash>`) its repository folder."""
+    if _SNAPSHOT.search(model_dir.as_posix().rstrip("/")):
+        return model_dir.parent.parent
+    return model_dir
+
+
+def outside_links(model_dir: Path, names: list[str] | set[str]) -> list[str]:
+    """The named files whose real path (symlinks followed) is outside `allowed_root`."""
+    root = allowed_root(model_dir).resolve()
+    return sorted(n for n in names if not (model_dir / n).resolve().is_relative_to(root))
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     path: Path
@@ -101,6 +118,13 @@ def weight_files(path: Path) -> list[Path]:
             )
     if not files:
         raise ModelDirError(f"{path} has no *.safetensors weight files")
+    # Nothing outside the model's folder is read on its behalf, not even a header.
+    outside = outside_links(path, {f.name for f in files})
+    if outside:
+        raise ModelDirError(
+            f"{path / outside[0]} links to {(path / outside[0]).resolve()}, outside the model "
+            "directory; copy the file into the model folder instead of linking it"
+        )
     return files
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
-from studiotui.bench.provision import kill_local_agents, python_with_deps
+from studiotui.bench.provision import kill_local_agents
 from studiotui.cli import provision_cmd
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.model_files import needed_files
@@ -58,18 +58,8 @@ FOREIGN_ADDRESS = "198.51.100.77"
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> CheckoutWheel:
-    """The worker wheel, built once for the whole session (the slow part)."""
-    source = CheckoutWheel(tmp_path_factory.mktemp("wheels"))
-    asyncio.run(source.path())
-    return source
-
-
-@pytest.fixture(scope="session")
-def node_python(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A venv's python with the worker's dependencies: used as is, nothing to pip install."""
-    return python_with_deps(tmp_path_factory.mktemp("venv") / "v")
+# `wheel` and `node_python` (session fixtures) live in conftest.py: the model-file
+# tests on SSH nodes use the same ones.
 
 
 @pytest.fixture
@@ -263,7 +253,7 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
         for shard in placed.placement.shards:
             copy = Path(inv.node(shard.node).workdir) / "models" / "m"
             wanted = {f.name for f in needed_files(model, shard.start, shard.end, 6)}
-            assert {p.name for p in copy.iterdir()} == wanted
+            assert {p.name for p in copy.iterdir() if not p.name.startswith(".")} == wanted
             assert len([n for n in wanted if n.endswith(".safetensors")]) < 3
         await ctl.unload("demo")
 

@@ -22,6 +22,7 @@ from textual.widgets import DataTable, Static
 
 from studiotui.app.render import bar, rich_colour
 from studiotui.core.placement import format_bytes
+from studiotui.core.rates import Rates
 from studiotui.core.state import PlacementState
 
 # The short figures come before the ring: a ring of four nodes is wider than the
@@ -119,6 +120,7 @@ class PlacementsPane(Vertical):
         self.border_title = "Placements"
         self._signature: tuple | None = None
         self._loads: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
+        self._rates: dict[str, Rates] = {}
         self.rates = RateMeter()
         self.groups: Mapping[str, Sequence[str]] = {}
         self.shown: tuple[PlacementState, ...] = ()
@@ -210,10 +212,12 @@ class PlacementsPane(Vertical):
         load = self._loads.get(key)
         if load is not None:
             load[1][node] = (done, total)
+            self._rates.setdefault(key, Rates()).update(node, done, total, time.monotonic())
             self._render_progress()
 
     def end_progress(self, key: str = "") -> None:
         self._loads.pop(key, None)
+        self._rates.pop(key, None)
         self._render_progress()
 
     @property
@@ -226,19 +230,25 @@ class PlacementsPane(Vertical):
         if not self._loads:
             return
         lines: list[Content] = []
-        for title, nodes in self._loads.values():
+        for key, (title, nodes) in self._loads.items():
             lines.append(Content.styled(title, "$accent bold"))
-            lines.extend(progress_lines(nodes))
+            lines.extend(progress_lines(nodes, rates=self._rates.get(key)))
         block.update(Content("\n").join(lines))
 
 
-def progress_lines(nodes: Mapping[str, tuple[int, int]], width: int = 20) -> list[Content]:
-    """One gauge per node: bytes loaded of the bytes its layers need."""
+def progress_lines(
+    nodes: Mapping[str, tuple[int, int]], width: int = 20, rates: Rates | None = None
+) -> list[Content]:
+    """One gauge per node: bytes copied or loaded of the bytes its layers need, with
+    the speed and time left when `rates` has seen enough."""
+    now = time.monotonic()
     name_width = max((len(n) for n in nodes), default=4)
     lines = []
     for node, (done, total) in nodes.items():
         frac = done / total if total else 0.0
         figures = f"{format_bytes(done)} / {format_bytes(total)}" if total else "waiting"
+        pace = rates.text(node, done, total, now) if rates else ""
+        figures += f"  {pace}" if pace else ""
         lines.append(
             Content.assemble(f"{node:<{name_width}} ", bar(frac, width, "$primary"), f" {figures}")
         )

@@ -11,6 +11,7 @@ keeps the controller's message on screen when loading fails (it was rolled back)
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from studiotui.app.panes.placements import progress_lines
 from studiotui.app.render import Drawing, bar, short_count, state_style, usage_style
 from studiotui.core.model_facts import ModelInfo
 from studiotui.core.placement import Plan, Refusal, format_bytes, plan_to_dict, render_plan
+from studiotui.core.rates import Rates
 from studiotui.core.state import ClusterState
 
 
@@ -242,6 +244,7 @@ class PreviewScreen(ModalScreen[None]):
         self.verdict: Plan | Refusal | None = None
         self.message = ""
         self.loads: dict[str, tuple[int, int]] = {}
+        self.rates = Rates()
 
     def compose(self) -> ComposeResult:
         with Vertical(id="preview-dialog") as dialog:
@@ -314,6 +317,7 @@ class PreviewScreen(ModalScreen[None]):
 
     def progress(self, node: str, done: int, total: int) -> None:
         self.loads[node] = (done, total)
+        self.rates.update(node, done, total, time.monotonic())
         if self.is_attached:
             self._draw()
 
@@ -375,7 +379,7 @@ class PreviewScreen(ModalScreen[None]):
             lines.append(Content.styled(f"⚠ {warning}", "$warning"))
         if self.phase in ("loading", "ready", "failed"):
             lines += [Content(""), Content.styled("loading", "bold $accent")]
-            lines += progress_lines(self.loads)
+            lines += progress_lines(self.loads, rates=self.rates)
         if self.phase == "failed":
             lines += [Content(""), Content.styled(self.message, "bold $error")]
         return Content("\n").join(lines)

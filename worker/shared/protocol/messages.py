@@ -49,6 +49,22 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "sink_result": {"bytes": (int,), "seconds": _NUM, "messages": (int,)},
     "shutdown": {},
     "read_log": {},
+    # model files (worker/files.py): controller -> agent, agent -> agent
+    "files_status": {"dirs": (list,), "files": (list,)},
+    "files_commit": {"dir": (str,), "files": (list,)},
+    "serve_files": {"dir": (str,), "files": (list,)},
+    "unserve_files": {"token": (str,)},
+    "fetch_files": {
+        "dir": (str,),
+        "files": (list,),
+        "endpoint": (str,),
+        "key": (str,),
+        "token": (str,),
+    },
+    "hub_download": {"repo": (str,), "revision": (str,), "files": (list,)},
+    "read": {"token": (str,), "name": (str,), "offset": (int,), "length": (int,)},
+    "chunk": {"offset": (int,)},
+    "file_progress": {"stage": (str,), "done": _NUM, "total": _NUM},
     # agent -> controller
     "hello_reply": {"name": (str,), "version": (str,), "pid": (int,)},
     "prepared": {"placement": (str,), "data_port": (int,), "client_port": (int,)},
