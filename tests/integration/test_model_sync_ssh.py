@@ -20,7 +20,7 @@ import pytest
 from studiotui.cluster import model_files
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory
-from studiotui.provision import CheckoutWheel, provision
+from studiotui.provision.deploy import CheckoutWheel, provision
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
 from tests.sshd import SshdServer
 from tests.test_provision import agents, free_port, make_node  # noqa: F401 - a fixture
