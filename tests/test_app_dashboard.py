@@ -416,3 +416,45 @@ async def test_the_dashboard_can_serve_the_api_too(cluster: tuple[Path, Inventor
             )
         assert refused.status_code == 401
         assert allowed.status_code == 200 and allowed.json()["object"] == "list"
+
+
+# --------------------------------------------------------------------------- fixed view
+
+
+async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> None:
+    """Entries written while the chat covers the dashboard still show on return; once
+    the operator scrolls up the pane stays put and its border says so, until End."""
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        log = app.query_one(LogPane)
+        for i in range(30):
+            app.report(f"entry {i}")
+        await pilot.pause()
+        assert log.max_scroll_y > 0 and log.is_vertical_scroll_end
+        await pilot.press("c")
+        for i in range(30, 40):
+            app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
+            await pilot.pause()
+        await pilot.press("escape")
+        for i in range(40, 50):
+            app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
+            await pilot.press("tab")
+        await pilot.pause()
+        await pilot.pause()
+        assert log.is_vertical_scroll_end, (log.scroll_y, log.max_scroll_y)
+        assert not log.border_subtitle
+
+        log.focus()
+        await pilot.press("home")
+        app.report("written while scrolled up")
+        app.report("and another")
+        await pilot.pause()
+        assert log.scroll_y == 0
+        assert "2 new below" in str(log.border_subtitle)
+        await pilot.press("end")
+        await pilot.pause()
+        assert log.is_vertical_scroll_end and log.border_subtitle == ""
+        app.report("followed again")
+        await pilot.pause()
+        await pilot.pause()
+        assert log.is_vertical_scroll_end

@@ -104,10 +104,13 @@ def test_rdma_verdicts() -> None:
 
 def test_log_lines_wrap_under_themselves() -> None:
     entry = LogEntry(0.0, "error", "word " * 30)
-    wide = log_line(entry, 80).plain.splitlines()
-    assert len(wide) > 1 and all(line.startswith(" " * 17) for line in wide[1:])
-    narrow = log_line(entry, 40).plain.splitlines()
-    assert "error: word" in narrow[0] and all(line.startswith(" " * 9) for line in narrow[1:])
+    for width in (80, 40):
+        lines = log_line(entry, width).plain.splitlines()
+        assert "error: word" in lines[0] and len(lines) > 1
+        assert all(line.startswith(" " * 9) and line[9] != " " for line in lines[1:])
+    # An info entry starts right after its time: no empty level column between.
+    info = log_line(LogEntry(0.0, "info", "cluster local: 4/4 nodes up"), 80).plain
+    assert info[8:10] == " c"
 
 
 def test_shipped_themes_load() -> None:
