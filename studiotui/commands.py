@@ -111,6 +111,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         results = await ctl.shutdown(names)
+        ctl.forget_placements_on(names)
     finally:
         await ctl.close()
     for name in names:

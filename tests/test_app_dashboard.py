@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from textual.widgets import Static
 
 from studiotui import local_cluster
 from studiotui.app.app import Startup, StudioApp
@@ -319,6 +320,12 @@ async def test_first_run_places_the_demo_model(
                 original(node, done, total)
 
             pane.progress = spy  # type: ignore[method-assign]
+            # Every state the placement passes through, as the controller publishes it.
+            states: list[str] = []
+            assert app.controller is not None
+            app.controller.subscribe(
+                lambda st: states.extend(p.state for p in st.placements if p.name == "demo")
+            )
             # The dashboard is there at once, before any agent answers.
             assert set(app.query_one(NodesPane).cards) == set(inv.names)
             await until(
@@ -328,10 +335,15 @@ async def test_first_run_places_the_demo_model(
                 "demo placed and ready",
             )
             await pilot.pause(0.3)
+            # Loading is loading until a shard fails: never "broken" on the way to ready.
+            assert "broken" not in states and states[-1] == "ready", states
+            assert {"prepared", "loading"} & set(states), states
             table = pane.query_one("#placements-table")
             assert table.display and table.row_count == 1
-            ring = str(table.get_row_at(0)[6])
-            assert all(name in ring for name in inv.names)
+            # The table's ring is short (l1[0:4]→l2[4:8]); the line under it is whole.
+            ring = pane.query_one("#placement-ring", Static).render().plain  # type: ignore[union-attr]
+            assert all(name in ring for name in inv.names), ring
+            assert str(table.get_row_at(0)[7]).count("[") == len(inv.names)
             assert set(seen_progress) == set(inv.names)
             models = app.query_one(ModelsPane).rows_shown
             assert [(m.name, m.family, m.layers) for m in models] == [("demo", "llama", 8)]

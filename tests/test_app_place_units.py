@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,16 @@ from studiotui.app.preview import (
 )
 from studiotui.model_facts import ModelInfo
 from studiotui.placement import ModelFacts, NodeBudget, Plan, Refusal, plan
-from studiotui.state import ClusterState, NodeState, PlacementState, ShardState, newly_broken
+from studiotui.state import (
+    ClusterState,
+    NodeState,
+    PlacementState,
+    PlannedPlacement,
+    PlannedShard,
+    ShardState,
+    newly_broken,
+    placements_from_shards,
+)
 from tests.app_fixtures import fixed_models, fixed_state
 
 GB = 1024**3
@@ -247,6 +257,36 @@ def test_a_broken_placement_goes_back_to_its_own_nodes_only_when_all_are_known_a
     # A dead node's shard is not listed at all: its nodes are not all known.
     partial = PlacementState("p", "m", "/m", (shard("c", 0), shard("b", 2)))
     assert repair_nodes(partial, cluster()) == (("a", "b", "c", "d"), "all up nodes")
+    # Planned by this operator: the ring is remembered although a's shard is gone.
+    ring = (PlannedShard("c", 0, 1), PlannedShard("a", 1, 2), PlannedShard("b", 2, 3))
+    remembered = replace(partial, planned=ring)
+    assert remembered.state == "broken" and remembered.missing == ("a",)
+    assert repair_nodes(remembered, cluster()) == (("c", "a", "b"), "its own nodes")
+    assert repair_nodes(remembered, cluster("a")) == (("b", "c", "d"), "all up nodes")
+    # Even with no shard left anywhere it is listed, broken, until it is unloaded.
+    [gone] = placements_from_shards(cluster().nodes, {"p": PlannedPlacement("/m/x", ring)})
+    assert gone.state == "broken" and gone.model == "x" and gone.ring == ring
+
+
+def test_loading_is_loading_until_a_shard_fails() -> None:
+    """While a placement loads, its shards show up one node at a time, still
+    "prepared" (index 0, count 0): never broken on the way to ready."""
+
+    def shard(node: str, state: str, count: int = 0) -> ShardState:
+        return ShardState("p", node, 0, count, 0, 0, state)
+
+    def of(*shards: ShardState, plan: bool = False) -> str:
+        ring = tuple(PlannedShard(n, i, i + 1) for i, n in enumerate("abc")) if plan else ()
+        return PlacementState("p", "m", "/m", shards, planned=ring).state
+
+    for planned in (False, True):
+        assert of(shard("a", "prepared"), plan=planned) == "prepared"
+        assert of(shard("a", "loading", 3), shard("b", "prepared"), plan=planned) == "loading"
+        assert of(shard("a", "ready", 3), shard("b", "loading", 3), plan=planned) == "loading"
+        assert of(shard("a", "failed", 3), shard("b", "loading", 3), plan=planned) == "failed"
+    assert of(shard("a", "ready", 3), shard("b", "ready", 3)) == "broken"
+    assert of(shard("a", "ready", 3), shard("b", "ready", 3), shard("c", "ready", 3)) == "ready"
+    assert of(shard("a", "ready", 3), shard("b", "ready", 3), plan=True) == "broken"
 
 
 def test_a_placement_that_was_ready_and_lost_a_shard_is_reported_once() -> None:

@@ -135,3 +135,35 @@ def test_ui_settings_survive_damage(tmp_path: Path) -> None:
     save_ui(tmp_path, theme="studio-light")
     save_ui(tmp_path, sort="cpu")
     assert load_ui(tmp_path) == {"theme": "studio-light", "sort": "cpu"}
+
+
+def test_rings_abbreviate_and_fold_between_hops() -> None:
+    from textual.content import Content
+
+    from studiotui.app.placements import ring_text, short_ring
+    from studiotui.app.render import node_abbreviations, ring_hops, wrap_hops
+    from studiotui.state import PlannedShard
+
+    assert node_abbreviations(["local-3", "local-2"]) == {"local-3": "l3", "local-2": "l2"}
+    assert node_abbreviations(["local-10", "local-11"])["local-11"] == "l11"
+    assert node_abbreviations(["studio1", "studio2"]) == {"studio1": "s1", "studio2": "s2"}
+    assert node_abbreviations(["alpha", "beta"]) == {"alpha": "alpha", "beta": "beta"}
+    assert node_abbreviations(["mac", "mac-2"]) == {"mac": "mac", "mac-2": "mac-2"}
+
+    ring = tuple(PlannedShard(f"local-{n}", 2 * i, 2 * i + 2) for i, n in enumerate((2, 1, 4, 3)))
+    shards = tuple(
+        ShardState("p", p.node, i, 4, p.start, p.end, "ready")
+        for i, p in enumerate(ring)
+        if p.node != "local-4"
+    )
+    p = PlacementState("p", "m", "/m", shards, planned=ring)
+    assert ring_text(p) == "local-2[0:2] → local-1[2:4] → ✗local-4[4:6] → local-3[6:8]"
+    assert short_ring(p, 80) == "l2[0:2]→l1[2:4]→✗l4[4:6]→l3[6:8]"
+    assert short_ring(p, 20) == "l2[0:2]→l1[2:4]…"
+    # Folded at 40 cells: never inside a hop or an arrow, the state kept whole.
+    head = Content("ring p  ")
+    lines = [x.plain for x in wrap_hops(head, ring_hops(p, closed=True), 40, Content("  broken"))]
+    assert all(len(x) <= 40 for x in lines), lines
+    assert lines[0] == "ring p  local-2[0:2] → local-1[2:4]"
+    assert lines[1].lstrip().startswith("→ ✗local-4[4:6] → local-3[6:8]")
+    assert "".join(lines).count("[") == 4 and lines[-1].endswith("broken")

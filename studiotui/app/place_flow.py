@@ -213,11 +213,13 @@ class Placer:
 
 
 def repair_nodes(placement: PlacementState, state: ClusterState) -> tuple[tuple[str, ...], str]:
-    """Where to place a broken placement again: its own nodes when every one of them is
-    known and up, else every node that is up (a dead node's shard is not listed)."""
+    """Where to place a broken placement again: its own nodes (the ring it was planned
+    on, remembered until it is unloaded) when every one of them is up, else every node
+    that is up. Without a remembered plan a dead node's shard is not listed, so the
+    ring is known only when every shard still reports."""
     up = tuple(n.name for n in state.nodes if n.state == "up")
-    own = placement.nodes
-    complete = bool(placement.shards) and len(own) == placement.shards[0].count
+    own = tuple(p.node for p in placement.ring)
+    complete = bool(own) and len(own) == placement.expected
     if complete and set(own) <= set(up):
         return own, "its own nodes"
     return up, "all up nodes"

@@ -16,7 +16,15 @@ from typing import Any
 from textual.containers import VerticalScroll
 from textual.content import Content
 
-from studiotui.app.render import PLACEMENT_STYLES, Drawing, fit, percent, state_style
+from studiotui.app.render import (
+    PLACEMENT_STYLES,
+    Drawing,
+    fit,
+    percent,
+    state_style,
+    wrap_hops,
+)
+from studiotui.app.render import ring_hops as ring_hops_text
 from studiotui.placement import Link
 from studiotui.state import ClusterState, LinkState, NodeState, PlacementState
 
@@ -309,18 +317,10 @@ def draw_topology(state: ClusterState, width: int, selected: str | None = None) 
         lines.append(Content(""))
     for i, placement in enumerate(state.placements):
         style = PLACEMENT_STYLES[i % len(PLACEMENT_STYLES)]
-        hops = [f"{s.node}[{s.start}:{s.end}]" for s in placement.shards]
-        ring = " → ".join([*hops, placement.nodes[0]]) if len(hops) > 1 else "".join(hops)
-        lines.append(
-            Content.assemble(
-                ("ring ", "$text-muted"),
-                (placement.name, f"{style} bold"),
-                "  ",
-                (ring, style),
-                "  ",
-                (placement.state, state_style(placement.state)),
-            )
-        )
+        head = Content.assemble(("ring ", "$text-muted"), (placement.name, f"{style} bold"), "  ")
+        hops = [hop.stylize_before(style) for hop in ring_hops_text(placement, closed=True)]
+        tail = Content.assemble("  ", (placement.state, state_style(placement.state)))
+        lines += wrap_hops(head, hops, width, tail)
     return Content("\n").join(lines)
 
 
@@ -340,10 +340,7 @@ def topology_signature(state: ClusterState, selected: str | None) -> tuple:
         )
         for n in state.nodes
     )
-    rings = tuple(
-        (p.name, p.state, tuple((s.node, s.start, s.end) for s in p.shards))
-        for p in state.placements
-    )
+    rings = tuple((p.name, p.state, p.ring, p.missing) for p in state.placements)
     return nodes, rings, repr(getattr(state, "links", None)), selected
 
 
