@@ -317,11 +317,11 @@ async def test_keys_two_placements_at_once_and_an_overcommit_refused(setup: Setu
             assert a0 < b1 and b0 < a1, "the two streams did not overlap"
             await until(
                 pilot,
-                lambda: table_rows(app).get("gamma", [""] * 8)[5] == "48",
+                lambda: table_rows(app).get("gamma", [""] * 8)[6] == "48",
                 5,
                 "gamma's token count in the Placements pane",
             )
-            rate = table_rows(app)["gamma"][4]
+            rate = table_rows(app)["gamma"][5]
             assert rate != "–" and float(rate) > 0, rate
 
             # local-1 and local-2 hold beta: the big model would overcommit them.
