@@ -470,3 +470,19 @@ async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> Non
         await pilot.pause()
         await pilot.pause()
         assert log.is_vertical_scroll_end
+
+
+async def test_unfocused_borders_show_in_the_light_theme(tmp_path: Path) -> None:
+    (tmp_path / "ui.json").write_text(json.dumps({"theme": "studio-light"}))
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.theme == "studio-light" and app.query_one(NodesPane).has_focus
+        background = app.screen.styles.background
+        for selector in ("#log", "#top-tabs", "#bottom-tabs"):
+            pane = app.query_one(selector)
+            assert not pane.has_focus_within
+            _kind, colour = pane.styles.border.top
+            # Far enough from the background to be seen (white on white was ~0.01).
+            gap = abs(colour.brightness - background.brightness)
+            assert gap > 0.15, (selector, colour.hex, background.hex)

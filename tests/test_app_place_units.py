@@ -304,3 +304,35 @@ def test_a_placement_that_was_ready_and_lost_a_shard_is_reported_once() -> None:
     assert newly_broken(gone, gone) == []  # already broken: said before
     assert newly_broken(loading, gone) == []  # never was ready
     assert newly_broken(ready, ()) == []  # gone entirely: the node-down entries say it
+
+
+def test_the_preview_starts_from_the_memory_the_nodes_pane_shows() -> None:
+    """One definition of memory in use: what the node reports, as on its card. The
+    planner holds back more (a shard process, what loading shards will take), which
+    shows in "after loading", not as memory the node is using now."""
+    from studiotui.app.nodes import memory_figures
+    from studiotui.controller import RUNNER_OVERHEAD_BYTES
+    from studiotui.placement import format_bytes
+
+    state = fixed_state()
+    info = model("qwen3-235b", 94, 2.1)
+    nodes = ["studio-1", "studio-3"]
+    budgets = []
+    for name in nodes:
+        node = state.node(name)
+        assert node is not None
+        budgets.append(
+            NodeBudget(name, node.memory_free - RUNNER_OVERHEAD_BYTES, node.memory_total)
+        )
+    verdict = plan(info.facts, budgets)
+    assert isinstance(verdict, Plan)
+    lines = plan_lines(verdict, state, "x", 200)
+    rows = {line.plain.split()[0]: line.plain for line in lines if line.plain.strip()}
+    for name in nodes:
+        node = state.node(name)
+        assert node is not None
+        used = format_bytes(node.memory_used)
+        assert used in memory_figures(node, compact=False)
+        held_back = next(s for s in verdict.shards if s.node == name).free_before
+        assert used in rows[name], (rows[name], used)
+        assert format_bytes(node.memory_total - held_back) not in rows[name]

@@ -34,14 +34,24 @@ from studiotui.app.rdma import RdmaPane
 from studiotui.app.screens import ConfirmScreen, HelpScreen, NodeLogScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.app.topology import TopologyPane
-from studiotui.controller import Controller
+from studiotui.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.inventory import Inventory, NodeSpec
+from studiotui.placement import format_bytes
 from studiotui.state import ClusterState, LogEntry
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
 # once per burst keeps an idle dashboard cheap.
 COALESCE_S = 0.15
 UP_TIMEOUT_S = 30.0
+# One meaning of "memory" on every screen; said in the key help.
+MEMORY_HELP = (
+    "Memory in use is what each node reports: total minus available on a real Mac "
+    "(a simulated node counts its agent's and shards' own memory). The Nodes pane, "
+    'the place preview\'s "memory now" and `studiotui status` all show that figure; '
+    '"after loading" adds the shard\'s weights and KV cache, about '
+    f"{format_bytes(RUNNER_OVERHEAD_BYTES)} for its process and what shards still loading "
+    "will take."
+)
 
 
 @dataclass
@@ -383,7 +393,7 @@ class StudioApp(App[None]):
             self.push_screen("chat")
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.key_rows()))
+        self.push_screen(HelpScreen(self.key_rows(), [MEMORY_HELP]))
 
     def key_rows(self) -> list[tuple[str, str]]:
         keymap = self.ui.get("keymap") if isinstance(self.ui.get("keymap"), dict) else {}

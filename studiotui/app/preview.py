@@ -149,7 +149,9 @@ def plan_lines(the_plan: Plan, state: ClusterState, name: str, width: int = 200)
                 ),
                 Content(format_bytes(shard["weight_bytes"])),
                 Content(format_bytes(shard["kv_bytes"])),
-                _memory_cell(total - shard["free_before"], total, gauge),
+                # What the node reports in use, the figure its card shows; the plan's
+                # "free before" also holds back what loading shards and a runner take.
+                _memory_cell(node.memory_used if node else 0, total, gauge),
                 _memory_cell(total - shard["free_after"], total, gauge),
                 Content.styled("✓ fits", "$success")
                 if shard["free_after"] >= 0

@@ -23,9 +23,10 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,q,question_mark", "dismiss", "Close", id="close-help"),
     ]
 
-    def __init__(self, rows: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, rows: Sequence[tuple[str, str]], notes: Sequence[str] = ()) -> None:
         super().__init__(id="help-screen")
         self.rows = list(rows)
+        self.notes = list(notes)
 
     def compose(self) -> ComposeResult:
         width = max((len(k) for k, _ in self.rows), default=4)
@@ -33,6 +34,8 @@ class HelpScreen(ModalScreen[None]):
             Content.assemble((f"{key:>{width}}", "$accent bold"), "  ", text)
             for key, text in self.rows
         ]
+        for note in self.notes:
+            lines += [Content(""), Content(note)]
         with Vertical(id="help-dialog") as dialog:
             dialog.border_title = "Keys"
             dialog.border_subtitle = "esc to close"
