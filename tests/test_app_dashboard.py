@@ -28,7 +28,7 @@ from studiotui.app.models import ModelsPane
 from studiotui.app.nodes import NodesPane
 from studiotui.app.placements import PlacementsPane
 from studiotui.app.rdma import RdmaPane
-from studiotui.app.screens import HelpScreen, NodeLogScreen
+from studiotui.app.screens import HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.themes import load_ui
 from studiotui.commands import wait_until_up
 from studiotui.controller import DOWN_AFTER_S, Controller
@@ -235,9 +235,15 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
         body = str(app.screen.query_one("#logs-body").content)
         assert "cannot read the log of local-2: agent said no" in body
         await pilot.press("escape")
+        # Quitting says the local cluster stays, and how to stop it; k keeps it.
         await pilot.press("q")
+        await until(pilot, lambda: isinstance(app.screen, QuitScreen), 3, "the quit question")
+        question = str(app.screen.query_one("#quit-body", Static).render())
+        assert "keeps running" in question and "4 agents" in question
+        assert "studiotui down" in question
+        await pilot.press("k")
     assert app.return_code == 0
-    # Quitting leaves the agents running.
+    assert "keeps running" in app.exit_note and "studiotui down" in app.exit_note
     assert all(local_cluster.running_pid(n) for n in inv.nodes)
 
     again = StudioApp(home, state=fixed_state())
@@ -353,6 +359,18 @@ async def test_first_run_places_the_demo_model(
                 3,
                 "ready entry in the log",
             )
+            # Quit, stopping the cluster: its agents are gone and so is the placement.
+            await pilot.press("q")
+            await until(pilot, lambda: isinstance(app.screen, QuitScreen), 3, "quit question")
+            await pilot.press("s")
+            await until(pilot, lambda: not app.is_running, 20, "stopped and quit")
+        assert "stopped the local cluster (2 agents)" in app.exit_note
+        assert not any(local_cluster.running_pid(n) for n in inv.nodes)
+        after = Controller(home, inv)  # a dashboard started now lists no placement
+        try:
+            assert after.state.placements == ()
+        finally:
+            await after.close()
     finally:
         _stop(inv)
 

@@ -31,7 +31,7 @@ from studiotui.app.palette import StudioCommands
 from studiotui.app.place_flow import Placer
 from studiotui.app.placements import PlacementsPane
 from studiotui.app.rdma import RdmaPane
-from studiotui.app.screens import ConfirmScreen, HelpScreen, NodeLogScreen
+from studiotui.app.screens import ConfirmScreen, HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.app.topology import TopologyPane
 from studiotui.controller import RUNNER_OVERHEAD_BYTES, Controller
@@ -127,6 +127,7 @@ class StudioApp(App[None]):
             self.register_theme(theme)
             self._studio_themes.append(theme.name)
         self._theme_problems = problems
+        self.exit_note = ""  # printed by `studiotui` once the terminal is back
         self.placer = Placer(self)
         wanted = self.ui.get("theme")
         if not isinstance(wanted, str) or wanted not in self.available_themes:
@@ -381,6 +382,53 @@ class StudioApp(App[None]):
             if self.controller is not None:
                 self.controller.record(f"model {row.name} skipped: {row.problem}", "warning")
 
+    # ---- quitting -------------------------------------------------------------------------
+
+    def local_agents_running(self) -> list[NodeSpec]:
+        """This cluster's agents that run on this machine and are still running."""
+        if self.inventory is None:
+            return []
+        return [n for n in self.inventory.nodes if n.is_local and local_cluster.running_pid(n)]
+
+    async def action_quit(self) -> None:
+        """Quit; with local agents running, say they stay (and offer to stop them)."""
+        running = self.local_agents_running()
+        if not running or isinstance(self.screen, QuitScreen):
+            self.exit()
+            return
+        shards = sum(
+            len(n.shards) for n in self.cluster.nodes if n.name in {r.name for r in running}
+        )
+        held = f" holding {shards} shard{'s' if shards != 1 else ''}" if shards else ""
+        question = (
+            f"The local cluster keeps running after you quit: {len(running)} agent"
+            f"{'s' if len(running) != 1 else ''}{held}. `studiotui down` stops it later; "
+            "`studiotui` comes back to it."
+        )
+        self.push_screen(QuitScreen(question), self._quit_answered)
+
+    def _quit_answered(self, answer: str | None) -> None:
+        if answer == "keep":
+            self.exit_note = keep_note(len(self.local_agents_running()))
+            self.exit()
+        elif answer == "stop":
+            self.background(self._stop_cluster_and_quit(), "stopping the local cluster")
+
+    def action_quit_and_stop(self) -> None:
+        self.background(self._stop_cluster_and_quit(), "stopping the local cluster")
+
+    async def _stop_cluster_and_quit(self) -> None:
+        running = self.local_agents_running()
+        self.report(f"stopping {len(running)} local agent{'s' if len(running) != 1 else ''}…")
+        for node in running:
+            await asyncio.to_thread(local_cluster.stop_agent, node)
+        if self.controller is not None:
+            self.controller.forget_placements_on([n.name for n in running])
+        self.exit_note = (
+            f"stopped the local cluster ({len(running)} agents); `studiotui` starts it again"
+        )
+        self.exit()
+
     # ---- actions --------------------------------------------------------------------------
 
     def action_chat(self) -> None:
@@ -434,7 +482,12 @@ class StudioApp(App[None]):
             ("Sort nodes", "cycle: name, memory, cpu, state", "sort_nodes"),
             ("Next theme", "cycle the studio themes", "next_theme"),
             ("Help: keys", "every key of the dashboard", "help"),
-            ("Quit", "leave the agents running", "quit"),
+            ("Quit", "the local cluster keeps running (asks first)", "quit"),
+            (
+                "Quit and stop the local cluster",
+                "stop this machine's agents, then quit",
+                "quit_and_stop",
+            ),
         ]
 
     def theme_names(self) -> list[str]:
@@ -583,6 +636,13 @@ class StudioApp(App[None]):
     def action_rescan_models(self) -> None:
         if not self.fixed:
             self.background(self._scan_models(), "reading models")
+
+
+def keep_note(agents: int) -> str:
+    return (
+        f"the local cluster keeps running ({agents} agent{'s' if agents != 1 else ''}): "
+        "`studiotui down` stops it, `studiotui` comes back to it"
+    )
 
 
 async def _call(command: Callable[..., Any], *args: Any) -> Any:

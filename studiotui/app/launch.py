@@ -105,4 +105,6 @@ def launch(args: argparse.Namespace, home: Path) -> int:
         serve=(serve[0], serve[1], getattr(args, "api_key", None)) if serve else None,
     )
     app.run()
+    if app.exit_note:
+        print(app.exit_note)
     return app.return_code or 0

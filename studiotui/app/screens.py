@@ -111,3 +111,27 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
+
+
+@guard_actions
+class QuitScreen(ModalScreen[str | None]):
+    """Quitting with local agents running: they stay unless the operator stops them."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("k,enter", "answer('keep')", "Keep running", id="quit-keep"),
+        Binding("s", "answer('stop')", "Stop the cluster", id="quit-stop"),
+        Binding("escape,n", "answer(None)", "Stay", id="quit-stay"),
+    ]
+
+    def __init__(self, question: str) -> None:
+        super().__init__(id="quit-screen")
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="quit-dialog") as dialog:
+            dialog.border_title = "Quit"
+            dialog.border_subtitle = "k keep running · s stop the cluster · esc stay"
+            yield Static(Content(self.question), id="quit-body")
+
+    def action_answer(self, answer: str | None) -> None:
+        self.dismiss(answer)
