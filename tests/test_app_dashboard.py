@@ -504,3 +504,55 @@ async def test_unfocused_borders_show_in_the_light_theme(tmp_path: Path) -> None
             # Far enough from the background to be seen (white on white was ~0.01).
             gap = abs(colour.brightness - background.brightness)
             assert gap > 0.15, (selector, colour.hex, background.hex)
+
+
+async def test_one_meaning_per_key_and_the_chat_keeps_its_own(tmp_path: Path) -> None:
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        keys = [key for key, _ in app.screen.rows]
+        assert len(keys) == len(set(keys)), keys
+        rows = dict(app.screen.rows)
+        assert "close a dialog" in rows["escape"] and "clear the marks" in rows["escape"]
+        assert "from any pane" in rows["space"] and rows["5"] == "Nodes"
+        assert not any("ctrl+r" in key for key in keys), "ctrl+r is the chat's Regenerate"
+        body = str(app.screen.query_one("#help-body").content)
+        assert "Memory in use is what each node reports" in body and "memory now" in body
+        await pilot.press("escape")
+
+        # The palette lists each thing once: Textual's own Theme/Quit/Keys are ours.
+        system = [c.title for c in app.get_system_commands(app.screen)]
+        assert not {"Theme", "Quit", "Keys"} & set(system), system
+
+        # space marks the selected node from another pane; 5 goes back to Nodes.
+        nodes = app.query_one(NodesPane)
+        await pilot.press("4")
+        assert app.focused is not None and app.focused.id == "models"
+        await pilot.press("space")
+        assert nodes.marked == {nodes.selected}
+        await pilot.press("5")
+        assert nodes.has_focus
+
+        def footer_actions() -> set[str]:
+            return {
+                b.binding.action
+                for b in app.screen.active_bindings.values()
+                if b.enabled and b.binding.show
+            }
+
+        assert "place" in footer_actions()
+        # The chat: the Ask box has the keys whenever it opens, the footer its keys.
+        await pilot.press("c")
+        await pilot.pause()
+        assert app.focused is not None and app.focused.id == "chat-prompt"
+        shown = footer_actions()
+        assert "regenerate" in shown and not {"place", "refresh", "unload", "help"} & shown
+        app.screen.query_one("#chat-transcript").focus()
+        await pilot.press("escape")  # from the conversation: back to the dashboard
+        assert not app.screen.id == "chat-screen"
+        await pilot.press("c")
+        await pilot.pause()
+        assert app.focused is not None and app.focused.id == "chat-prompt"
+        await pilot.press("h", "i")
+        assert app.focused.value == "hi"  # type: ignore[attr-defined]

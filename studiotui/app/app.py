@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
+from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
@@ -51,6 +52,33 @@ MEMORY_HELP = (
     '"after loading" adds the shard\'s weights and KV cache, about '
     f"{format_bytes(RUNNER_OVERHEAD_BYTES)} for its process and what shards still loading "
     "will take."
+)
+
+
+# Keys bound in more than one place, said once for all of them.
+KEY_MEANINGS = {
+    "space": "Mark the selected node (from any pane): p places on the marked nodes",
+    "escape": "Back: close a dialog, leave the chat; on the dashboard, clear the marks",
+}
+
+# The app's own keys that mean something only on the dashboard.
+DASHBOARD_ACTIONS = frozenset(
+    {
+        "help",
+        "node_logs",
+        "restart_node",
+        "measure_links",
+        "place",
+        "unload",
+        "place_again",
+        "provision",
+        "next_theme",
+        "chat",
+        "refresh",
+        "show_tab",
+        "focus_nodes",
+        "mark_node",
+    }
 )
 
 
@@ -87,11 +115,15 @@ class StudioApp(App[None]):
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
-        Binding("f5,ctrl+r", "refresh", "Refresh", id="refresh"),
+        # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
+        Binding("f5", "refresh", "Refresh", id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
         Binding("2", "show_tab('tab-rdma')", "RDMA", show=False, id="tab-rdma"),
         Binding("3", "show_tab('tab-placements')", "Placements", show=False, id="tab-placements"),
         Binding("4", "show_tab('tab-models')", "Models", show=False, id="tab-models"),
+        Binding("5", "focus_nodes", "Nodes", show=False, id="focus-nodes"),
+        # From any pane: the Nodes pane's own space binding, for the selected node.
+        Binding("space", "mark_node", "Mark node", show=False, id="mark-node-anywhere"),
     ]
 
     def __init__(
@@ -382,6 +414,11 @@ class StudioApp(App[None]):
             if self.controller is not None:
                 self.controller.record(f"model {row.name} skipped: {row.problem}", "warning")
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Dashboard keys act on the dashboard only: over the chat (and dialogs) they
+        neither fire nor crowd the footer, so each screen's footer shows its own keys."""
+        return not (action in DASHBOARD_ACTIONS and len(self.screen_stack) > 1)
+
     # ---- quitting -------------------------------------------------------------------------
 
     def local_agents_running(self) -> list[NodeSpec]:
@@ -444,18 +481,24 @@ class StudioApp(App[None]):
         self.push_screen(HelpScreen(self.key_rows(), [MEMORY_HELP]))
 
     def key_rows(self) -> list[tuple[str, str]]:
+        """One row per key, each with the one thing it does."""
         keymap = self.ui.get("keymap") if isinstance(self.ui.get("keymap"), dict) else {}
-        rows = []
+        rows: dict[str, str] = {}
         for binding in [*self.BINDINGS, *NodesPane.BINDINGS]:
             assert isinstance(binding, Binding)
             key = keymap.get(binding.id, binding.key) if binding.id else binding.key
-            rows.append((binding.key_display or key.replace(",", " / "), binding.description))
-        rows += [
-            ("ctrl+p", "Command palette: every action, theme switching"),
-            ("tab", "Move between panes"),
-            ("esc", "Close a dialog"),
-        ]
-        return rows
+            shown = binding.key_display or key.replace(",", " / ")
+            rows.setdefault(shown, KEY_MEANINGS.get(shown, binding.description))
+        rows.setdefault("ctrl+p", "Command palette: every action, theme switching")
+        rows.setdefault("tab", "Move between panes")
+        return list(rows.items())
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        # Textual's own Theme, Quit and Keys entries would stand next to ours (themes
+        # by name, Quit that asks about the cluster, Help: keys): list each once.
+        for command in super().get_system_commands(screen):
+            if command.title not in ("Theme", "Quit", "Keys"):
+                yield command
 
     def palette_actions(self) -> list[tuple[str, str, str]]:
         """(title, help, action) for the command palette."""
@@ -514,6 +557,9 @@ class StudioApp(App[None]):
                 for table in tabs.query(f"#{tab} DataTable"):
                     table.focus()
                     break
+
+    def action_focus_nodes(self) -> None:
+        self.query_one(NodesPane).focus()
 
     def action_sort_nodes(self) -> None:
         self.query_one(NodesPane).action_cycle_sort()

@@ -426,6 +426,8 @@ class ChatScreen(Screen[None]):
         self._poll_cluster()
 
     def on_screen_resume(self) -> None:
+        # Whatever had the keys when the chat was left, typing goes to the Ask box.
+        self.query_one("#chat-prompt", Input).focus()
         if self.history is not None:  # not the first showing: on_mount did this
             self._poll_cluster()
 

@@ -134,7 +134,7 @@ class PlacementsPane(Vertical):
         yield Static(id="place-progress")
         yield Static(
             Content.styled(
-                "no placements yet: pick a model (4), mark nodes (space), press p "
+                "no placements yet: pick a model (4), mark nodes (5, ↑↓, space), press p "
                 "— or drag a model onto a node",
                 "$text-muted",
             ),
