@@ -550,7 +550,7 @@ async def test_one_meaning_per_key_and_the_chat_keeps_its_own(tmp_path: Path) ->
         assert "regenerate" in shown and not {"place", "refresh", "unload", "help"} & shown
         app.screen.query_one("#chat-transcript").focus()
         await pilot.press("escape")  # from the conversation: back to the dashboard
-        assert not app.screen.id == "chat-screen"
+        assert app.screen.id != "chat-screen"
         await pilot.press("c")
         await pilot.pause()
         assert app.focused is not None and app.focused.id == "chat-prompt"
