@@ -20,8 +20,16 @@ from studiotui.inventory import load_inventory
 PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
 
 
-def run(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "STUDIOTUI_HOME": str(home), "NO_COLOR": "1", "COLUMNS": "160"}
+def run(
+    home: Path, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "STUDIOTUI_HOME": str(home),
+        "NO_COLOR": "1",
+        "COLUMNS": "160",
+        **(env or {}),
+    }
     return subprocess.run(
         [sys.executable, "-m", "studiotui", *args],
         capture_output=True,
@@ -88,6 +96,15 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert finish in ("length", "stop") and 1 <= out <= 12
     assert (out == 12) == (finish == "length")
 
+    # Piped at 80 columns: addresses and memory figures stay whole, one line each.
+    narrow = run(home, "status", env={"COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stderr
+    lines = narrow.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, narrow.stdout
+    for node in status(home)["nodes"]:
+        [row] = [line for line in lines if node["name"] in line and node["address"] in line]
+        assert re.search(r"\d+(\.\d+)? [KMG]B / \d+\.\d GB", row), row
+
     missing = run(home, "chat", "--placement", "nope", "hi")
     assert missing.returncode == 2 and "no placement named 'nope' (known: tiny)" in missing.stderr
 
@@ -101,3 +118,18 @@ def _is_agent(pid: int) -> bool:
         return "worker" in " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return False
+
+
+def test_with_no_agent_running_each_verb_says_the_whole_way(home: Path) -> None:
+    local_cluster.write_local_inventory(home, 2, 8.0, control_port=PORT + 10)
+    status = run(home, "status")
+    assert status.returncode == 1
+    assert "no node of cluster local is up: start it with `studiotui up`" in status.stderr
+    chat = run(home, "chat", "hello")
+    assert chat.returncode == 2
+    for step in ("`studiotui up`", "`studiotui place MODEL_DIR`", "then chat"):
+        assert step in chat.stderr, chat.stderr
+    (home / "some-model").mkdir()  # any directory: the cluster is checked first
+    place = run(home, "place", str(home / "some-model"))
+    assert place.returncode == 2
+    assert "no node is up: start the cluster with `studiotui up`" in place.stderr
