@@ -326,6 +326,14 @@ async def test_first_run_places_the_demo_model(
                 original(node, done, total)
 
             pane.progress = spy  # type: ignore[method-assign]
+            headers: list[list[str]] = []
+            start = pane.start_progress
+
+            def record(title: str, nodes: list[str], key: str = "") -> None:
+                headers.append(list(nodes))
+                start(title, nodes, key)
+
+            pane.start_progress = record  # type: ignore[method-assign]
             # Every state the placement passes through, as the controller publishes it.
             states: list[str] = []
             assert app.controller is not None
@@ -351,6 +359,9 @@ async def test_first_run_places_the_demo_model(
             assert all(name in ring for name in inv.names), ring
             assert str(table.get_row_at(0)[7]).count("[") == len(inv.names)
             assert set(seen_progress) == set(inv.names)
+            # The progress lists the nodes in ring order, as the ring and the log do.
+            demo_ring = [p.node for p in app.cluster.placements[0].ring]
+            assert headers == [demo_ring], (headers, demo_ring)
             models = app.query_one(ModelsPane).rows_shown
             assert [(m.name, m.family, m.layers) for m in models] == [("demo", "llama", 8)]
             await until(

@@ -37,7 +37,7 @@ from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.app.topology import TopologyPane
 from studiotui.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.inventory import Inventory, NodeSpec
-from studiotui.placement import format_bytes
+from studiotui.placement import Plan, format_bytes
 from studiotui.state import ClusterState, LogEntry
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
@@ -398,10 +398,19 @@ class StudioApp(App[None]):
         if not up:
             self.report("no node is up, so the demo model was not placed", "warning")
             return
+        # Planned first, so the progress lists the nodes in ring order, as the log and
+        # the ring do; place() loads exactly this plan or refuses.
+        _info, the_plan = await asyncio.to_thread(ctl.preview, path, up)
+        ring = [s.node for s in the_plan.shards] if isinstance(the_plan, Plan) else up
         pane = self.query_one(PlacementsPane)
-        pane.start_progress(f"placing {path.name} on {', '.join(up)}", up)
+        pane.start_progress(f"placing {path.name} on {', '.join(ring)}", ring)
         try:
-            await ctl.place(path, up, progress=pane.progress)
+            await ctl.place(
+                path,
+                up,
+                progress=pane.progress,
+                expected=the_plan if isinstance(the_plan, Plan) else None,
+            )
         finally:
             pane.end_progress()
         self.notify(f"placement {path.name} is ready")

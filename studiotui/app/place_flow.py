@@ -101,8 +101,10 @@ class Placer:
         app = self.app
         request = screen.request
         pane = app.query_one(PlacementsPane)
-        title = f"placing {request.model_name} as '{request.name}' on {', '.join(request.nodes)}"
-        pane.start_progress(title, request.nodes, key=request.name)
+        # In ring order, as the log and the ring say it (the plan on screen is loaded).
+        ring = [s.node for s in screen.plan.shards] if screen.plan else list(request.nodes)
+        title = f"placing {request.model_name} as '{request.name}' on {', '.join(ring)}"
+        pane.start_progress(title, ring, key=request.name)
 
         def progress(node: str, done: int, total: int) -> None:
             pane.progress(node, done, total, key=request.name)
