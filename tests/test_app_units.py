@@ -162,8 +162,13 @@ def test_rings_abbreviate_and_fold_between_hops() -> None:
     assert short_ring(p, 20) == "l2[0:2]→l1[2:4]…"
     # Folded at 40 cells: never inside a hop or an arrow, the state kept whole.
     head = Content("ring p  ")
-    lines = [x.plain for x in wrap_hops(head, ring_hops(p, closed=True), 40, Content("  broken"))]
-    assert all(len(x) <= 40 for x in lines), lines
-    assert lines[0] == "ring p  local-2[0:2] → local-1[2:4]"
-    assert lines[1].lstrip().startswith("→ ✗local-4[4:6] → local-3[6:8]")
-    assert "".join(lines).count("[") == 4 and lines[-1].endswith("broken")
+    for width, tail in ((40, "broken"), (53, "broken"), (60, "ready")):
+        lines = [x.plain for x in wrap_hops(head, ring_hops(p, closed=True), width, Content(tail))]
+        assert all(len(x) <= width for x in lines) and len(lines) > 1, lines
+        assert lines[0].startswith("ring p  local-2[0:2] → local-1[2:4]")
+        # A folded line starts with an arrow (or is the state alone), never mid-hop.
+        assert all(x.lstrip().startswith(("→ ", tail)) for x in lines[1:]), lines
+        assert not any(x.rstrip().endswith("→") for x in lines), lines
+        joined = " ".join(x.strip() for x in lines)
+        assert "local-2[0:2] → local-1[2:4] → ✗local-4[4:6] → local-3[6:8] → local-2" in joined
+        assert joined.endswith(f" {tail}")

@@ -56,9 +56,6 @@ class LogPane(VerticalScroll):
     def compose(self):  # type: ignore[no-untyped-def]
         yield Drawing(self._draw, id="log-body")
 
-    def on_mount(self) -> None:
-        self.anchor()
-
     def _draw(self, width: int) -> Content:
         if not self._shown:
             return Content.styled("nothing yet", "$text-muted")
@@ -93,6 +90,10 @@ class LogPane(VerticalScroll):
         self._note()
 
     def _note(self) -> None:
+        # Anchored only once the entries overflow: an anchored pane shorter than its
+        # content area would sit at the bottom, the first entries under blank lines.
+        if not self.is_anchored and not self._released and self.max_scroll_y > 0:
+            self.anchor()
         if self.following:
             self._seen = 0
             self.border_subtitle = ""

@@ -128,6 +128,7 @@ class PlacementsPane(Vertical):
         self.groups: Mapping[str, Sequence[str]] = {}
         self.shown: tuple[PlacementState, ...] = ()
         self._wanted: str | None = None
+        self._last: tuple[tuple[PlacementState, ...], str, dict[str, str]] | None = None
         self.clock: Callable[[], float] = time.monotonic
 
     def compose(self):  # type: ignore[no-untyped-def]
@@ -153,6 +154,7 @@ class PlacementsPane(Vertical):
     def show(
         self, placements: tuple[PlacementState, ...], theme: str, colours: dict[str, str]
     ) -> None:
+        self._last = (placements, theme, colours)
         now = self.clock()
         rates = {p.name: self.rates.update(p.name, placement_tokens(p), now) for p in placements}
         self.rates.forget(set(rates))
@@ -204,6 +206,12 @@ class PlacementsPane(Vertical):
         ]
         available = self.query_one(DataTable).size.width or self.size.width
         return max(_RING_MIN, available - sum(widths) - 2 - 1)
+
+    def on_resize(self) -> None:
+        # The ring column gets what the width leaves: redraw for the new width.
+        if self._last is not None:
+            self._signature = None
+            self.show(*self._last)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._show_ring()

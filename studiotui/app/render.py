@@ -218,8 +218,9 @@ def fit_hops(hops: Sequence[Content], width: int, arrow: str = "→") -> Content
 
 
 def wrap_hops(head: Content, hops: Sequence[Content], width: int, tail: Content) -> list[Content]:
-    """`head` then the hops joined by arrows, folded between hops (never inside one or
-    inside an arrow), continuation lines indented under the first hop."""
+    """`head` then the hops joined by arrows and `tail` two cells on, folded between
+    hops (never inside one or an arrow), continuation lines indented under the first
+    hop."""
     indent = head.cell_length
     lines: list[Content] = []
     line = head
@@ -230,10 +231,10 @@ def wrap_hops(head: Content, hops: Sequence[Content], width: int, tail: Content)
             line = Content.assemble(" " * max(0, indent - 2), "→ ", hop)
         else:
             line = Content.assemble(line, piece)
-    if tail.cell_length and line.cell_length + tail.cell_length > width:
+    if tail.cell_length and line.cell_length + 2 + tail.cell_length > width:
         lines.append(line)
-        line = Content.assemble(" " * indent, tail.lstrip())
-    else:
-        line = Content.assemble(line, tail)
+        line = Content.assemble(" " * indent, tail)
+    elif tail.cell_length:
+        line = Content.assemble(line, "  ", tail)
     lines.append(line)
     return lines

@@ -319,7 +319,7 @@ def draw_topology(state: ClusterState, width: int, selected: str | None = None) 
         style = PLACEMENT_STYLES[i % len(PLACEMENT_STYLES)]
         head = Content.assemble(("ring ", "$text-muted"), (placement.name, f"{style} bold"), "  ")
         hops = [hop.stylize_before(style) for hop in ring_hops_text(placement, closed=True)]
-        tail = Content.assemble("  ", (placement.state, state_style(placement.state)))
+        tail = Content.styled(placement.state, state_style(placement.state))
         lines += wrap_hops(head, hops, width, tail)
     return Content("\n").join(lines)
 
