@@ -56,8 +56,8 @@ def placement_tokens(placement: PlacementState) -> int:
 
 
 def group_label(placement: PlacementState, groups: Mapping[str, Sequence[str]]) -> str:
-    """The inventory group holding exactly these nodes, else how many nodes there are."""
-    nodes = set(placement.nodes)
+    """The inventory group holding exactly its ring's nodes, else how many there are."""
+    nodes = {p.node for p in placement.ring}
     for name, members in groups.items():
         if set(members) == nodes:
             return name
