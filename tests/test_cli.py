@@ -133,3 +133,20 @@ def test_with_no_agent_running_each_verb_says_the_whole_way(home: Path) -> None:
     place = run(home, "place", str(home / "some-model"))
     assert place.returncode == 2
     assert "no node is up: start the cluster with `studiotui up`" in place.stderr
+
+
+def test_demo_model_help_describes_every_option(tmp_path: Path) -> None:
+    out = run(tmp_path, "demo-model", "--help")
+    assert out.returncode == 0, out.stderr
+    for option, words in (
+        ("--arch", "model family"),
+        ("--layers", "what shards split"),
+        ("--hidden", "hidden size"),
+        ("--heads", "attention heads"),
+        ("--kv-heads", "key/value heads"),
+        ("--seed", "same weights"),
+        ("--dtype", "weight data type"),
+        ("--recite", "fixed passage"),
+    ):
+        assert option in out.stdout and words in out.stdout, (option, out.stdout)
+    assert "(default: 8)" in out.stdout
