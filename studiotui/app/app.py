@@ -440,6 +440,8 @@ class StudioApp(App[None]):
         """Quit; with local agents running, say they stay (and offer to stop them)."""
         running = self.local_agents_running()
         if not running or isinstance(self.screen, QuitScreen):
+            # q again on the question: quit, keeping the cluster (and saying so).
+            self.exit_note = keep_note(len(running)) if running else ""
             self.exit()
             return
         shards = sum(
