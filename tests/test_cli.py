@@ -111,6 +111,10 @@ def test_up_place_chat_status_down(home: Path) -> None:
     down = run(home, "down")
     assert down.returncode == 0, down.stderr
     assert not any(psutil.pid_exists(pid) and _is_agent(pid) for pid in pids if pid)
+    # Every node of 'tiny' was stopped: it is gone, not a broken placement to repair.
+    after = run(home, "status", "--json")
+    assert after.returncode == 1 and "start it with `studiotui up`" in after.stderr
+    assert json.loads(after.stdout)["placements"] == []
 
 
 def _is_agent(pid: int) -> bool:
