@@ -100,7 +100,8 @@ def describe_link(link: Link) -> str:
 
 
 def ring_hops(placement: PlacementState) -> list[tuple[str, str]]:
-    nodes = placement.nodes
+    # The planned ring: a broken placement's lines stay where its hops were.
+    nodes = tuple(p.node for p in placement.ring)
     if len(nodes) < 2:
         return []
     return list(zip(nodes, [*nodes[1:], nodes[0]], strict=True))
