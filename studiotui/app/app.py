@@ -11,19 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.notifications import SeverityLevel
+from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
-from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen
+from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
 from studiotui.app.palette import StudioCommands
@@ -36,9 +37,10 @@ from studiotui.app.panes.topology import TopologyPane
 from studiotui.app.place.flow import Placer
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.cluster import local_cluster
-from studiotui.cluster.controller import Controller
+from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry
 from studiotui.provision.deploy import provision_logged, restart_logged
 
@@ -46,6 +48,42 @@ from studiotui.provision.deploy import provision_logged, restart_logged
 # once per burst keeps an idle dashboard cheap.
 COALESCE_S = 0.15
 UP_TIMEOUT_S = 30.0
+# One meaning of "memory" on every screen; said in the key help.
+MEMORY_HELP = (
+    "Memory in use is what each node reports: total minus available on a real Mac "
+    "(a simulated node counts its agent's and shards' own memory). The Nodes pane, "
+    'the place preview\'s "memory now" and `studiotui status` all show that figure; '
+    '"after loading" adds the shard\'s weights and KV cache, about '
+    f"{format_bytes(RUNNER_OVERHEAD_BYTES)} for its process and what shards still loading "
+    "will take."
+)
+
+
+# Keys bound in more than one place, said once for all of them.
+KEY_MEANINGS = {
+    "space": "Mark the selected node (from any pane): p places on the marked nodes",
+    "escape": "Back: close a dialog, leave the chat; on the dashboard, clear the marks",
+}
+
+# The app's own keys that mean something only on the dashboard.
+DASHBOARD_ACTIONS = frozenset(
+    {
+        "help",
+        "node_logs",
+        "restart_node",
+        "measure_links",
+        "place",
+        "unload",
+        "place_again",
+        "provision",
+        "next_theme",
+        "chat",
+        "refresh",
+        "show_tab",
+        "focus_nodes",
+        "mark_node",
+    }
+)
 
 
 @dataclass
@@ -94,11 +132,15 @@ class StudioApp(Dashboard):
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
-        Binding("f5,ctrl+r", "refresh", "Refresh", id="refresh"),
+        # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
+        Binding("f5", "refresh", "Refresh", id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
         Binding("2", "show_tab('tab-rdma')", "RDMA", show=False, id="tab-rdma"),
         Binding("3", "show_tab('tab-placements')", "Placements", show=False, id="tab-placements"),
         Binding("4", "show_tab('tab-models')", "Models", show=False, id="tab-models"),
+        Binding("5", "focus_nodes", "Nodes", show=False, id="focus-nodes"),
+        # From any pane: the Nodes pane's own space binding, for the selected node.
+        Binding("space", "mark_node", "Mark node", show=False, id="mark-node-anywhere"),
     ]
 
     def __init__(
@@ -134,6 +176,7 @@ class StudioApp(Dashboard):
             self.register_theme(theme)
             self._studio_themes.append(theme.name)
         self._theme_problems = problems
+        self.exit_note = ""  # printed by `studiotui` once the terminal is back
         self.placer = Placer(self)
         wanted = self.ui.get("theme")
         if not isinstance(wanted, str) or wanted not in self.available_themes:
@@ -367,10 +410,19 @@ class StudioApp(Dashboard):
         if not up:
             self.report("no node is up, so the demo model was not placed", "warning")
             return
+        # Planned first, so the progress lists the nodes in ring order, as the log and
+        # the ring do; place() loads exactly this plan or refuses.
+        _info, the_plan = await asyncio.to_thread(ctl.preview, path, up)
+        ring = [s.node for s in the_plan.shards] if isinstance(the_plan, Plan) else up
         pane = self.query_one(PlacementsPane)
-        pane.start_progress(f"placing {path.name} on {', '.join(up)}", up)
+        pane.start_progress(f"placing {path.name} on {', '.join(ring)}", ring)
         try:
-            await ctl.place(path, up, progress=pane.progress)
+            await ctl.place(
+                path,
+                up,
+                progress=pane.progress,
+                expected=the_plan if isinstance(the_plan, Plan) else None,
+            )
         finally:
             pane.end_progress()
         self.notify(f"placement {path.name} is ready")
@@ -382,6 +434,60 @@ class StudioApp(Dashboard):
         for row in pane.new_problems(rows):
             if self.controller is not None:
                 self.controller.record(f"model {row.name} skipped: {row.problem}", "warning")
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Dashboard keys act on the dashboard only: over the chat (and dialogs) they
+        neither fire nor crowd the footer, so each screen's footer shows its own keys."""
+        return not (action in DASHBOARD_ACTIONS and len(self.screen_stack) > 1)
+
+    # ---- quitting -------------------------------------------------------------------------
+
+    def local_agents_running(self) -> list[NodeSpec]:
+        """This cluster's agents that run on this machine and are still running."""
+        if self.inventory is None:
+            return []
+        return [n for n in self.inventory.nodes if n.is_local and local_cluster.running_pid(n)]
+
+    async def action_quit(self) -> None:
+        """Quit; with local agents running, say they stay (and offer to stop them)."""
+        running = self.local_agents_running()
+        if not running or isinstance(self.screen, QuitScreen):
+            # q again on the question: quit, keeping the cluster (and saying so).
+            self.exit_note = keep_note(len(running)) if running else ""
+            self.exit()
+            return
+        shards = sum(
+            len(n.shards) for n in self.cluster.nodes if n.name in {r.name for r in running}
+        )
+        held = f" holding {shards} shard{'s' if shards != 1 else ''}" if shards else ""
+        question = (
+            f"The local cluster keeps running after you quit: {len(running)} agent"
+            f"{'s' if len(running) != 1 else ''}{held}. `studiotui down` stops it later; "
+            "`studiotui` comes back to it."
+        )
+        self.push_screen(QuitScreen(question), self._quit_answered)
+
+    def _quit_answered(self, answer: str | None) -> None:
+        if answer == "keep":
+            self.exit_note = keep_note(len(self.local_agents_running()))
+            self.exit()
+        elif answer == "stop":
+            self.background(self._stop_cluster_and_quit(), "stopping the local cluster")
+
+    def action_quit_and_stop(self) -> None:
+        self.background(self._stop_cluster_and_quit(), "stopping the local cluster")
+
+    async def _stop_cluster_and_quit(self) -> None:
+        running = self.local_agents_running()
+        self.report(f"stopping {len(running)} local agent{'s' if len(running) != 1 else ''}…")
+        for node in running:
+            await asyncio.to_thread(local_cluster.stop_agent, node)
+        if self.controller is not None:
+            self.controller.forget_placements_on([n.name for n in running])
+        self.exit_note = (
+            f"stopped the local cluster ({len(running)} agents); `studiotui` starts it again"
+        )
+        self.exit()
 
     # ---- actions --------------------------------------------------------------------------
 
@@ -395,22 +501,28 @@ class StudioApp(Dashboard):
             self.push_screen("chat")
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.key_rows()))
+        self.push_screen(HelpScreen(self.key_rows(), [MEMORY_HELP]))
 
     def key_rows(self) -> list[tuple[str, str]]:
+        """One row per key, each with the one thing it does."""
         found = self.ui.get("keymap")
         keymap: dict[str, str] = found if isinstance(found, dict) else {}
-        rows = []
+        rows: dict[str, str] = {}
         for binding in [*self.BINDINGS, *NodesPane.BINDINGS]:
             assert isinstance(binding, Binding)
             key = keymap.get(binding.id, binding.key) if binding.id else binding.key
-            rows.append((binding.key_display or key.replace(",", " / "), binding.description))
-        rows += [
-            ("ctrl+p", "Command palette: every action, theme switching"),
-            ("tab", "Move between panes"),
-            ("esc", "Close a dialog"),
-        ]
-        return rows
+            shown = binding.key_display or key.replace(",", " / ")
+            rows.setdefault(shown, KEY_MEANINGS.get(shown, binding.description))
+        rows.setdefault("ctrl+p", "Command palette: every action, theme switching")
+        rows.setdefault("tab", "Move between panes")
+        return list(rows.items())
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        # Textual's own Theme, Quit and Keys entries would stand next to ours (themes
+        # by name, Quit that asks about the cluster, Help: keys): list each once.
+        for command in super().get_system_commands(screen):
+            if command.title not in ("Theme", "Quit", "Keys"):
+                yield command
 
     def palette_actions(self) -> list[tuple[str, str, str]]:
         """(title, help, action) for the command palette."""
@@ -442,7 +554,12 @@ class StudioApp(Dashboard):
             ("Sort nodes", "cycle: name, memory, cpu, state", "sort_nodes"),
             ("Next theme", "cycle the studio themes", "next_theme"),
             ("Help: keys", "every key of the dashboard", "help"),
-            ("Quit", "leave the agents running", "quit"),
+            ("Quit", "the local cluster keeps running (asks first)", "quit"),
+            (
+                "Quit and stop the local cluster",
+                "stop this machine's agents, then quit",
+                "quit_and_stop",
+            ),
         ]
 
     def theme_names(self) -> list[str]:
@@ -469,6 +586,9 @@ class StudioApp(Dashboard):
                 for table in tabs.query(f"#{tab} DataTable"):
                     table.focus()
                     break
+
+    def action_focus_nodes(self) -> None:
+        self.query_one(NodesPane).focus()
 
     def action_sort_nodes(self) -> None:
         self.query_one(NodesPane).action_cycle_sort()
@@ -596,3 +716,10 @@ class StudioApp(Dashboard):
     def action_rescan_models(self) -> None:
         if not self.fixed:
             self.background(self._scan_models(), "reading models")
+
+
+def keep_note(agents: int) -> str:
+    return (
+        f"the local cluster keeps running ({agents} agent{'s' if agents != 1 else ''}): "
+        "`studiotui down` stops it, `studiotui` comes back to it"
+    )

@@ -23,9 +23,10 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,q,question_mark", "dismiss", "Close", id="close-help"),
     ]
 
-    def __init__(self, rows: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, rows: Sequence[tuple[str, str]], notes: Sequence[str] = ()) -> None:
         super().__init__(id="help-screen")
         self.rows = list(rows)
+        self.notes = list(notes)
 
     def compose(self) -> ComposeResult:
         width = max((len(k) for k, _ in self.rows), default=4)
@@ -33,6 +34,8 @@ class HelpScreen(ModalScreen[None]):
             Content.assemble((f"{key:>{width}}", "$accent bold"), "  ", text)
             for key, text in self.rows
         ]
+        for note in self.notes:
+            lines += [Content(""), Content(note)]
         with Vertical(id="help-dialog") as dialog:
             dialog.border_title = "Keys"
             dialog.border_subtitle = "esc to close"
@@ -108,3 +111,27 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
+
+
+@guard_actions
+class QuitScreen(ModalScreen[str | None]):
+    """Quitting with local agents running: they stay unless the operator stops them."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("k,enter", "answer('keep')", "Keep running", id="quit-keep"),
+        Binding("s", "answer('stop')", "Stop the cluster", id="quit-stop"),
+        Binding("escape,n", "answer(None)", "Stay", id="quit-stay"),
+    ]
+
+    def __init__(self, question: str) -> None:
+        super().__init__(id="quit-screen")
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="quit-dialog") as dialog:
+            dialog.border_title = "Quit"
+            dialog.border_subtitle = "k keep running · s stop the cluster · esc stay"
+            yield Static(Content(self.question), id="quit-body")
+
+    def action_answer(self, answer: str | None) -> None:
+        self.dismiss(answer)

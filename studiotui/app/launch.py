@@ -123,4 +123,6 @@ def build_app(
 def launch(args: argparse.Namespace, home: Path, services: Sequence[ServiceStarter] = ()) -> int:
     app = build_app(args, home, services)
     app.run()
+    if app.exit_note:
+        print(app.exit_note)
     return app.return_code or 0

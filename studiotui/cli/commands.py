@@ -26,6 +26,7 @@ from studiotui.cluster.controller import Controller, GenerationError, PlacementE
 from studiotui.cluster.session import load_cluster, wait_until_up
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import (
+    Inventory,
     SelectionError,
     resolve_group,
 )
@@ -78,6 +79,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         results = await ctl.shutdown(names)
+        ctl.forget_placements_on(names)
     finally:
         await ctl.close()
     for name in names:
@@ -97,17 +99,35 @@ def _wait_local_stop(node: Any) -> None:
 # ---- status --------------------------------------------------------------------------
 
 
+def start_hint(inv: Inventory) -> str:
+    """How to start this cluster's agents, in commands."""
+    local = any(n.is_local for n in inv.nodes)
+    remote = any(not n.is_local for n in inv.nodes)
+    if local and remote:
+        return "`studiotui up` (local nodes) and `studiotui provision` (SSH nodes)"
+    return "`studiotui provision`" if remote else "`studiotui up` (or `studiotui`, the dashboard)"
+
+
+def _nobody_home(inv: Inventory) -> bool:
+    """Every node is local and none has a running agent: no need to wait for answers."""
+    return all(n.is_local and local_cluster.running_pid(n) is None for n in inv.nodes)
+
+
 async def cmd_status(args: argparse.Namespace, home: Path) -> int:
     inv = load_cluster(args.inventory, home)
     ctl = Controller(home, inv)
     try:
-        await ctl.refresh()
+        # No agent process here to answer: ask briefly rather than wait the full timeout.
+        await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
         if args.json:
             console.print_json(json.dumps(status_json(ctl)))
         else:
             print_nodes(ctl)
     finally:
         await ctl.close()
+    if not any(n.state == "up" for n in ctl.state.nodes):
+        errors.print(f"no node of cluster {inv.name} is up: start it with {start_hint(inv)}")
+        return 1
     return 0
 
 
@@ -145,8 +165,11 @@ def status_json(ctl: Controller) -> dict[str, Any]:
 
 def print_nodes(ctl: Controller) -> None:
     table = Table(title=f"cluster {ctl.state.name}")
-    for col in ("node", "address", "state", "version", "memory", "shards"):
-        table.add_column(col)
+    # Names, addresses and figures stay whole on a narrow terminal (or a pipe, 80
+    # columns); the shards column folds instead.
+    for col in ("node", "address", "state", "version", "memory"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("shards", overflow="fold", ratio=1)
     for n in ctl.state.nodes:
         mem = (
             f"{format_bytes(n.memory_used)} / {format_bytes(n.memory_total)}"
@@ -158,7 +181,8 @@ def print_nodes(ctl: Controller) -> None:
         table.add_row(n.name, n.endpoint, f"[{colour}]{n.state}[/]", n.version, mem, shards)
     console.print(table)
     for p in ctl.state.placements:
-        ring = " → ".join(f"{s.node}[{s.start}:{s.end}]" for s in p.shards)
+        gone = set(p.missing)
+        ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
         console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}: {ring}")
 
 
@@ -205,7 +229,9 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         await ctl.refresh()
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         if not group:
-            raise UserError("no node is up: start the cluster first (studiotui up --local 4)")
+            raise UserError(
+                f"no node is up: start the cluster with {start_hint(inv)}, then place again"
+            )
         name = args.name or args.model_dir.expanduser().resolve().name
         if (existing := ctl.state.placement(name)) is not None:
             # Before the plan and progress bars: nothing would be loaded.
@@ -345,7 +371,15 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
     }
     ctl = Controller(home, inv)
     try:
-        await ctl.refresh()
+        await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
+        # The whole way to an answer, once, rather than one step per failed command.
+        place = "place a model (`studiotui place MODEL_DIR`; `studiotui demo-model DIR` writes one)"
+        if not any(n.state == "up" for n in ctl.state.nodes):
+            raise UserError(
+                f"no node is up: start the cluster with {start_hint(inv)}, {place}, then chat"
+            )
+        if not ctl.state.placements:
+            raise UserError(f"no placement yet: {place}, then chat")
         done: dict[str, Any] = {}
         async for msg in ctl.generate(args.placement, request, params):
             if msg["type"] == "delta":

@@ -89,15 +89,31 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--lines", type=int, default=100)
     logs.add_argument("--follow", action="store_true")
 
-    demo = sub.add_parser("demo-model", help="write a deterministic demo model directory")
-    demo.add_argument("dir", type=Path)
-    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--hidden", type=int, default=256)
-    demo.add_argument("--heads", type=int, default=8)
-    demo.add_argument("--kv-heads", type=int, default=4)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    demo = sub.add_parser(
+        "demo-model",
+        help="write a deterministic demo model directory",
+        description="Write a small model of a real mlx-lm family with seeded random "
+        "weights, a tokenizer and a config: placeable and chattable like a downloaded one.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("dir", type=Path, help="the directory to write (created)")
+    demo.add_argument(
+        "--arch",
+        default="llama",
+        choices=["llama", "qwen2", "qwen3", "mistral"],
+        help="the mlx-lm model family",
+    )
+    demo.add_argument("--layers", type=int, default=8, help="transformer layers: what shards split")
+    demo.add_argument("--hidden", type=int, default=256, help="hidden size (sets the model size)")
+    demo.add_argument("--heads", type=int, default=8, help="attention heads")
+    demo.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped query)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed: same seed, same weights")
+    demo.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="weight data type",
+    )
     demo.add_argument(
         "--recite",
         action="store_true",

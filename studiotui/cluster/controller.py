@@ -34,6 +34,8 @@ from studiotui.core.state import (
     LogEntry,
     NodeState,
     PlacementState,
+    PlannedPlacement,
+    PlannedShard,
     newly_broken,
     placements_from_shards,
     pushed,
@@ -101,6 +103,10 @@ class Controller:
             ),
         )
         self.state = replace(self.state, links=self._load_links())
+        # The ring each placement was planned on, kept until it is unloaded (and saved,
+        # so a restarted TUI still knows a broken placement's nodes).
+        self._planned: dict[str, PlannedPlacement] = self._read_planned()
+        self._placing: set[str] = set()  # being loaded by this controller: not broken yet
         self._listeners: list[Listener] = []
         # Placements going away on purpose (unload, rollback), until when: their shards
         # vanish one node at a time, which must not read as "broken".
@@ -124,7 +130,7 @@ class Controller:
 
     def _update_node(self, name: str, **changes: Any) -> None:
         nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
-        placements = placements_from_shards(nodes)
+        placements = placements_from_shards(nodes, self._planned, self._placing)
         broken = newly_broken(self.state.placements, placements)
         self._set(replace(self.state, nodes=nodes, placements=placements))
         for placement, why in broken:
@@ -349,13 +355,20 @@ class Controller:
             f"placing {info.name} as {name!r} on {', '.join(s.node for s in the_plan.shards)}"
         )
         self._unloading.pop(name, None)  # placed again under a name just unloaded
+        ring = tuple(PlannedShard(s.node, s.start, s.end) for s in the_plan.shards)
+        self._placing.add(name)
+        self._remember_plan(name, PlannedPlacement(str(model_dir), ring))
         try:
             await self._deploy(the_plan, model_dir, name, progress, prefill_chunk)
+            self._placing.discard(name)
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError) as exc:
             self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
             await self._unload_everywhere(name, [s.node for s in the_plan.shards])
+            self._remember_plan(name, None)
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
+        finally:
+            self._placing.discard(name)
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
 
@@ -494,8 +507,47 @@ class Controller:
         if placement is None:
             raise PlacementError(f"no placement named {name!r}")
         await self._unload_everywhere(name, list(placement.nodes))
+        self._remember_plan(name, None)
         await self.refresh()
         self.record(f"placement {name!r} unloaded")
+
+    def forget_placements_on(self, stopped: list[str]) -> list[str]:
+        """After `down`: placements whose every node was stopped are gone, not broken."""
+        gone = [
+            name
+            for name, plan in self._planned.items()
+            if all(s.node in stopped for s in plan.shards)
+        ]
+        for name in gone:
+            self._remember_plan(name, None)
+        return gone
+
+    def _planned_file(self) -> Path:
+        return self.home / f"placements-{self.inventory.name}.json"
+
+    def _read_planned(self) -> dict[str, PlannedPlacement]:
+        try:
+            raw = json.loads(self._planned_file().read_text())
+            return {str(k): PlannedPlacement.from_json(v) for k, v in raw.items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return {}  # none saved yet, or damaged: placements show as reported
+
+    def _remember_plan(self, name: str, plan: PlannedPlacement | None) -> None:
+        """Record (or forget) a placement's ring, merging with what other processes
+        (the CLI, another dashboard) saved since, and show the result."""
+        planned = self._read_planned()
+        if plan is None:
+            planned.pop(name, None)
+        else:
+            planned[name] = plan
+        self._planned = planned
+        path = self._planned_file()
+        with contextlib.suppress(OSError):
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_text(json.dumps({k: v.to_json() for k, v in planned.items()}))
+            tmp.replace(path)
+        placements = placements_from_shards(self.state.nodes, planned, self._placing)
+        self._set(replace(self.state, placements=placements))
 
     async def _unload_everywhere(self, name: str, nodes: list[str]) -> None:
         self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S

@@ -6,6 +6,7 @@ from elsewhere in the project.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,24 +90,58 @@ def pushed(history: tuple[float, ...], value: Any) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
+class PlannedShard:
+    """Where the operator put a shard: kept until the placement is unloaded, so a
+    placement whose node died still knows its whole ring."""
+
+    node: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class PlacementState:
     name: str
     model: str
     model_dir: str
     shards: tuple[ShardState, ...]
+    planned: tuple[PlannedShard, ...] = ()  # () when this operator did not place it
+    placing: bool = False  # this operator is loading it right now
 
     @property
     def nodes(self) -> tuple[str, ...]:
+        """The nodes holding a shard now (what unload and the health check ask)."""
         return tuple(s.node for s in self.shards)
 
     @property
+    def ring(self) -> tuple[PlannedShard, ...]:
+        """The whole ring in order: as planned where known, else as reported."""
+        return self.planned or tuple(PlannedShard(s.node, s.start, s.end) for s in self.shards)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Planned nodes that report no shard of this placement."""
+        return tuple(p.node for p in self.planned if p.node not in self.nodes)
+
+    @property
+    def expected(self) -> int:
+        """How many shards the ring has: planned, else what a loaded shard reports."""
+        return len(self.planned) or max((s.count for s in self.shards), default=0)
+
+    @property
     def state(self) -> str:
+        """failed once a shard failed; loading while any shard loads (the others may
+        not have reported yet); broken when a shard is missing; else ready."""
         states = {s.state for s in self.shards}
-        if len(self.shards) != (self.shards[0].count if self.shards else 0):
-            return "broken"
-        for s in ("failed", "loading", "prepared"):
+        if "failed" in states:
+            return "failed"
+        if self.placing:  # shards appear one node at a time, or not yet at all
+            return "loading"
+        for s in ("loading", "prepared"):
             if s in states:
                 return s
+        if not self.shards or len(self.shards) != self.expected:
+            return "broken"
         return "ready" if states == {"ready"} else "broken"
 
     @property
@@ -156,19 +191,64 @@ class ClusterState:
         return next((p for p in self.placements if p.name == name), None)
 
 
-def placements_from_shards(nodes: tuple[NodeState, ...]) -> tuple[PlacementState, ...]:
-    """Group the shards the agents report into placements, in ring order."""
-    groups: dict[str, list[ShardState]] = {}
+@dataclass(frozen=True)
+class PlannedPlacement:
+    model_dir: str
+    shards: tuple[PlannedShard, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_dir": self.model_dir,
+            "shards": [[s.node, s.start, s.end] for s in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PlannedPlacement:
+        """Raises ValueError (or TypeError) for anything but what to_json wrote."""
+        shards = tuple(PlannedShard(str(n), int(a), int(b)) for n, a, b in raw["shards"])
+        if not shards:
+            raise ValueError("a planned placement without shards")
+        return cls(model_dir=str(raw["model_dir"]), shards=shards)
+
+
+def placements_from_shards(
+    nodes: tuple[NodeState, ...],
+    planned: Mapping[str, PlannedPlacement] | None = None,
+    placing: frozenset[str] | set[str] = frozenset(),
+) -> tuple[PlacementState, ...]:
+    """Group the shards the agents report into placements, in ring order.
+
+    A placement this operator planned is listed with its plan even when no node
+    reports a shard of it any more (its nodes died): it is broken, not gone, until
+    it is unloaded.
+    """
+    planned = planned or {}
+    groups: dict[str, list[ShardState]] = {name: [] for name in planned}
     for node in nodes:
         for shard in node.shards:
             groups.setdefault(shard.placement, []).append(shard)
     out = []
     for name, shards in sorted(groups.items()):
-        shards.sort(key=lambda s: s.index)
-        model_dir = shards[0].model_dir
+        plan = planned.get(name)
+        if plan is not None:
+            # A shard still preparing reports no index yet: order by the plan's ring.
+            ring = [p.node for p in plan.shards]
+            shards.sort(key=lambda s: ring.index(s.node) if s.node in ring else len(ring))
+        else:
+            shards.sort(key=lambda s: s.index)
+        model_dir = (plan.model_dir if plan else "") or next(
+            (s.model_dir for s in shards if s.model_dir), ""
+        )
         model = model_dir.rstrip("/").rsplit("/", 1)[-1]
         out.append(
-            PlacementState(name=name, model=model, model_dir=model_dir, shards=tuple(shards))
+            PlacementState(
+                name=name,
+                model=model,
+                model_dir=model_dir,
+                shards=tuple(shards),
+                planned=plan.shards if plan else (),
+                placing=name in placing,
+            )
         )
     return tuple(out)
 
@@ -183,7 +263,7 @@ def newly_broken(
         if p.name not in was or p.state not in ("broken", "failed"):
             continue
         bad = [s for s in p.shards if s.state != "ready"]
-        gone = [s.node for s in was[p.name].shards if s.node not in p.nodes]
+        gone = [s.node for s in was[p.name].ring if s.node not in p.nodes]
         if bad:
             why = f"its shard on {bad[0].node} is {bad[0].state}"
             why += f" ({bad[0].message})" if bad[0].message else ""

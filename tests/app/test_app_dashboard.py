@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from textual.widgets import Static
 
 from studiotui.app import launch
 from studiotui.app.app import StudioApp
-from studiotui.app.dialogs import HelpScreen, NodeLogScreen
+from studiotui.app.dialogs import HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.launch import free_local_base
 from studiotui.app.panes.log import LogPane
 from studiotui.app.panes.models import ModelsPane
@@ -245,9 +246,15 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
         body = str(app.screen.query_one("#logs-body").content)
         assert "cannot read the log of local-2: agent said no" in body
         await pilot.press("escape")
+        # Quitting says the local cluster stays, and how to stop it; k keeps it.
         await pilot.press("q")
+        await until(pilot, lambda: isinstance(app.screen, QuitScreen), 3, "the quit question")
+        question = str(app.screen.query_one("#quit-body", Static).render())
+        assert "keeps running" in question and "4 agents" in question
+        assert "studiotui down" in question
+        await pilot.press("k")
     assert app.return_code == 0
-    # Quitting leaves the agents running.
+    assert "keeps running" in app.exit_note and "studiotui down" in app.exit_note
     assert all(local_cluster.running_pid(n) for n in inv.nodes)
 
     again = StudioApp(home, state=fixed_state())
@@ -341,6 +348,20 @@ async def test_first_run_places_the_demo_model(
                 original(node, done, total)
 
             pane.progress = spy  # type: ignore[method-assign]
+            headers: list[list[str]] = []
+            start = pane.start_progress
+
+            def record(title: str, nodes: list[str], key: str = "") -> None:
+                headers.append(list(nodes))
+                start(title, nodes, key)
+
+            pane.start_progress = record  # type: ignore[method-assign]
+            # Every state the placement passes through, as the controller publishes it.
+            states: list[str] = []
+            assert app.controller is not None
+            app.controller.subscribe(
+                lambda st: states.extend(p.state for p in st.placements if p.name == "demo")
+            )
             # The dashboard is there at once, before any agent answers.
             assert set(app.query_one(NodesPane).cards) == set(inv.names)
             await until(
@@ -351,11 +372,19 @@ async def test_first_run_places_the_demo_model(
             )
             await pilot.pause(0.3)
             assert "no cluster.toml found: starting a simulated cluster of 2 nodes" in log_text(app)
+            # Loading is loading until a shard fails: never "broken" on the way to ready.
+            assert "broken" not in states and states[-1] == "ready", states
+            assert {"prepared", "loading"} & set(states), states
             table = pane.query_one("#placements-table")
             assert table.display and table.row_count == 1
-            ring = str(table.get_row_at(0)[6])
-            assert all(name in ring for name in inv.names)
+            # The table's ring is short (l1[0:4]→l2[4:8]); the line under it is whole.
+            ring = pane.query_one("#placement-ring", Static).render().plain  # type: ignore[union-attr]
+            assert all(name in ring for name in inv.names), ring
+            assert str(table.get_row_at(0)[7]).count("[") == len(inv.names)
             assert set(seen_progress) == set(inv.names)
+            # The progress lists the nodes in ring order, as the ring and the log do.
+            demo_ring = [p.node for p in app.cluster.placements[0].ring]
+            assert headers == [demo_ring], (headers, demo_ring)
             models = app.query_one(ModelsPane).rows_shown
             assert [(m.name, m.family, m.layers) for m in models] == [("demo", "llama", 8)]
             await until(
@@ -388,11 +417,23 @@ async def test_first_run_places_the_demo_model(
                     assert "stall ≤ " in app.query_one(NodesPane).border_subtitle
                 else:
                     assert node.pressure["reason"] == pressure.reason
-        # The second start finds the cluster it made, running: nothing to start.
-        again = launch.build_app(args, home, platform=platform)
-        assert again.inventory is not None and again.inventory.nodes == inv.nodes
-        assert again.startup is not None
-        assert again.startup.start_agents == [] and again.startup.demo_model is None
+            # The second start finds the cluster it made, running: nothing to start.
+            again = launch.build_app(args, home, platform=platform)
+            assert again.inventory is not None and again.inventory.nodes == inv.nodes
+            assert again.startup is not None
+            assert again.startup.start_agents == [] and again.startup.demo_model is None
+            # Quit, stopping the cluster: its agents are gone and so is the placement.
+            await pilot.press("q")
+            await until(pilot, lambda: isinstance(app.screen, QuitScreen), 3, "quit question")
+            await pilot.press("s")
+            await until(pilot, lambda: not app.is_running, 20, "stopped and quit")
+        assert "stopped the local cluster (2 agents)" in app.exit_note
+        assert not any(local_cluster.running_pid(n) for n in inv.nodes)
+        after = Controller(home, inv)  # a dashboard started now lists no placement
+        try:
+            assert after.state.placements == ()
+        finally:
+            await after.close()
     finally:
         _stop(inv)
 
@@ -469,3 +510,113 @@ async def test_the_dashboard_can_serve_the_api_too(cluster: tuple[Path, Inventor
             )
         assert refused.status_code == 401
         assert allowed.status_code == 200 and allowed.json()["object"] == "list"
+
+
+# --------------------------------------------------------------------------- fixed view
+
+
+async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> None:
+    """Entries written while the chat covers the dashboard still show on return; once
+    the operator scrolls up the pane stays put and its border says so, until End."""
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        log = app.query_one(LogPane)
+        for i in range(30):
+            app.report(f"entry {i}")
+        await pilot.pause()
+        assert log.max_scroll_y > 0 and log.is_vertical_scroll_end
+        await pilot.press("c")
+        for i in range(30, 34):
+            app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
+            await pilot.pause()
+        await pilot.press("escape")
+        for i in range(40, 44):
+            app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
+            await pilot.press("tab")
+        await pilot.pause()
+        await pilot.pause()
+        assert log.is_vertical_scroll_end, (log.scroll_y, log.max_scroll_y)
+        assert not log.border_subtitle
+
+        log.focus()
+        await pilot.press("home")
+        app.report("written while scrolled up")
+        app.report("and another")
+        await pilot.pause()
+        assert log.scroll_y == 0
+        assert "2 new below" in str(log.border_subtitle)
+        await pilot.press("end")
+        await pilot.pause()
+        assert log.is_vertical_scroll_end and log.border_subtitle == ""
+        app.report("followed again")
+        await pilot.pause()
+        await pilot.pause()
+        assert log.is_vertical_scroll_end
+
+
+async def test_unfocused_borders_show_in_the_light_theme(tmp_path: Path) -> None:
+    (tmp_path / "ui.json").write_text(json.dumps({"theme": "studio-light"}))
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.theme == "studio-light" and app.query_one(NodesPane).has_focus
+        background = app.screen.styles.background
+        for selector in ("#log", "#top-tabs", "#bottom-tabs"):
+            pane = app.query_one(selector)
+            assert not pane.has_focus_within
+            _kind, colour = pane.styles.border.top
+            # Far enough from the background to be seen (white on white was ~0.01).
+            gap = abs(colour.brightness - background.brightness)
+            assert gap > 0.15, (selector, colour.hex, background.hex)
+
+
+async def test_one_meaning_per_key_and_the_chat_keeps_its_own(tmp_path: Path) -> None:
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        keys = [key for key, _ in app.screen.rows]
+        assert len(keys) == len(set(keys)), keys
+        rows = dict(app.screen.rows)
+        assert "close a dialog" in rows["escape"] and "clear the marks" in rows["escape"]
+        assert "from any pane" in rows["space"] and rows["5"] == "Nodes"
+        assert not any("ctrl+r" in key for key in keys), "ctrl+r is the chat's Regenerate"
+        body = str(app.screen.query_one("#help-body").content)
+        assert "Memory in use is what each node reports" in body and "memory now" in body
+        await pilot.press("escape")
+
+        # The palette lists each thing once: Textual's own Theme/Quit/Keys are ours.
+        system = [c.title for c in app.get_system_commands(app.screen)]
+        assert not {"Theme", "Quit", "Keys"} & set(system), system
+
+        # space marks the selected node from another pane; 5 goes back to Nodes.
+        nodes = app.query_one(NodesPane)
+        await pilot.press("4")
+        assert app.focused is not None and app.focused.id == "models"
+        await pilot.press("space")
+        assert nodes.marked == {nodes.selected}
+        await pilot.press("5")
+        assert nodes.has_focus
+
+        def footer_actions() -> set[str]:
+            return {
+                b.binding.action
+                for b in app.screen.active_bindings.values()
+                if b.enabled and b.binding.show
+            }
+
+        assert "place" in footer_actions()
+        # The chat: the Ask box has the keys whenever it opens, the footer its keys.
+        await pilot.press("c")
+        await pilot.pause()
+        assert app.focused is not None and app.focused.id == "chat-prompt"
+        shown = footer_actions()
+        assert "regenerate" in shown and not {"place", "refresh", "unload", "help"} & shown
+        app.screen.query_one("#chat-transcript").focus()
+        await pilot.press("escape")  # from the conversation: back to the dashboard
+        assert app.screen.id != "chat-screen"
+        await pilot.press("c")
+        await pilot.pause()
+        assert app.focused is not None and app.focused.id == "chat-prompt"
+        await pilot.press("h", "i")
+        assert app.focused.value == "hi"  # type: ignore[attr-defined]

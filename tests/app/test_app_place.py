@@ -9,8 +9,6 @@ its pid when the module ends, failed or not.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -25,6 +23,8 @@ from studiotui.app.panes.models import ModelsPane
 from studiotui.app.panes.nodes import NodesPane
 from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.place.preview import PreviewScreen
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory
 from tests.cluster_fixture import LocalCluster, start_cluster, stop_cluster
 from tests.pilot_helpers import run_from_palette
@@ -127,7 +127,7 @@ async def preview(pilot, app: StudioApp) -> PreviewScreen:
     await until(pilot, lambda: isinstance(app.screen, PreviewScreen), 5, "preview open")
     screen = app.screen
     assert isinstance(screen, PreviewScreen)
-    await until(pilot, lambda: screen.phase != "planning", 10, "preview planned")
+    await until(pilot, lambda: screen.phase not in ("measuring", "planning"), 20, "preview planned")
     return screen
 
 
@@ -215,7 +215,8 @@ async def test_drag_onto_a_node_onto_marked_nodes_and_onto_a_group(setup: Setup)
             screen = await preview(pilot, app)
             assert screen.request.target == "marked nodes"
             assert screen.request.nodes == ("local-1", "local-2")
-            assert "slowest link" in screen.text
+            # Never measured before: the preview measured first, so the link is known.
+            assert "slowest link" in screen.text and "unknown" not in screen.text, screen.text
             await deploy(pilot, app, screen, "beta")
             assert {node for key, node in seen if key == "beta"} == {"local-1", "local-2"}
             assert set(screen.loads) == {"local-1", "local-2"}
@@ -223,12 +224,9 @@ async def test_drag_onto_a_node_onto_marked_nodes_and_onto_a_group(setup: Setup)
             assert nodes.marked == set()  # the marks were spent on beta
             await until(pilot, lambda: set(table_rows(app)) == {"alpha", "beta"}, 5, "rows")
             rows = table_rows(app)
-            assert rows["beta"][2] == "left" and rows["alpha"][2] == "1 node"
+            assert rows["beta"][3] == "left" and rows["alpha"][3] == "1 node"
             # Which node heads the ring depends on free memory to the byte; both do.
-            assert rows["beta"][6] in (
-                "local-1[0:3] → local-2[3:6]",
-                "local-2[0:3] → local-1[3:6]",
-            )
+            assert rows["beta"][7] in ("l1[0:3]→l2[3:6]", "l2[0:3]→l1[3:6]")
 
             # Onto a group chip: its nodes light up; the preview names what they hold.
             await pilot.press("4")
@@ -324,11 +322,11 @@ async def test_keys_two_placements_at_once_and_an_overcommit_refused(setup: Setu
             assert a0 < b1 and b0 < a1, "the two streams did not overlap"
             await until(
                 pilot,
-                lambda: table_rows(app).get("gamma", [""] * 8)[5] == "48",
+                lambda: table_rows(app).get("gamma", [""] * 8)[6] == "48",
                 5,
                 "gamma's token count in the Placements pane",
             )
-            rate = table_rows(app)["gamma"][4]
+            rate = table_rows(app)["gamma"][5]
             assert rate != "–" and float(rate) > 0, rate
 
             # local-1 and local-2 hold beta: the big model would overcommit them.
@@ -406,12 +404,15 @@ async def test_a_broken_placement_is_placed_again_on_its_own_nodes(setup: Setup)
             )
             assert not isinstance(app.screen, ConfirmScreen)
 
-            reply = await ctl.peer("local-4").request("list_shards")
-            [shard] = [s for s in reply["shards"] if s["placement"] == "mine"]
-            os.kill(int(shard["pid"]), signal.SIGKILL)
-            await until(
-                pilot, lambda: placement_state(app, "mine") in ("broken", "failed"), 15, "broken"
-            )
+            # local-4's agent stops (its shard with it): the placement is broken, and
+            # still knows its whole ring, also to a controller started afresh.
+            node = setup.inventory.node("local-4")
+            await asyncio.to_thread(local_cluster.stop_agent, node)
+            await until(pilot, lambda: placement_state(app, "mine") == "broken", 15, "broken")
+            broken = app.cluster.placement("mine")
+            assert broken is not None and broken.missing == ("local-4",)
+            assert sorted(p.node for p in broken.ring) == ["local-3", "local-4"]
+            assert "✗l4[" in table_rows(app)["mine"][7], "the ring shows the missing hop"
             # The log says so once, with the node and what to do.
             await until(
                 pilot,
@@ -422,13 +423,26 @@ async def test_a_broken_placement_is_placed_again_on_its_own_nodes(setup: Setup)
                 5,
                 "the breakage logged",
             )
+            fresh = Controller(setup.home, setup.inventory)
+            try:
+                await fresh.refresh()
+                again = fresh.state.placement("mine")
+                assert again is not None and again.state == "broken"
+                assert [(p.node, p.start, p.end) for p in again.ring] == [
+                    (p.node, p.start, p.end) for p in broken.ring
+                ]
+            finally:
+                await fresh.close()
+            # Back up, with no shard: R proposes the placement's own two nodes, not all four.
+            await asyncio.to_thread(local_cluster.start_agent, setup.home, node, setup.inventory)
+            await until(pilot, lambda: "4/4 nodes up" in app.sub_title, 20, "local-4 back")
             pane.select("mine")
             await run_from_palette(pilot, app, "placement again", "Place selected placement again")
             await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "confirm shown")
             await pilot.press("enter")
             screen = await preview(pilot, app)
             assert screen.request.name == "mine"
-            assert sorted(screen.request.nodes) == ["local-3", "local-4"]  # in ring order
+            assert screen.request.nodes == tuple(p.node for p in broken.ring)  # in ring order
             assert screen.request.model_name == "alpha"
             await deploy(pilot, app, screen, "mine")
             tokens, _, _ = await chat(app, "mine", 8)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,16 @@ from studiotui.app.place.preview import (
 )
 from studiotui.core.model_facts import ModelInfo
 from studiotui.core.placement import ModelFacts, NodeBudget, Plan, Refusal, plan
-from studiotui.core.state import ClusterState, NodeState, PlacementState, ShardState, newly_broken
+from studiotui.core.state import (
+    ClusterState,
+    NodeState,
+    PlacementState,
+    PlannedPlacement,
+    PlannedShard,
+    ShardState,
+    newly_broken,
+    placements_from_shards,
+)
 from tests.app_fixtures import fixed_models, fixed_state
 
 GB = 1024**3
@@ -246,6 +256,36 @@ def test_a_broken_placement_goes_back_to_its_own_nodes_only_when_all_are_known_a
     # A dead node's shard is not listed at all: its nodes are not all known.
     partial = PlacementState("p", "m", "/m", (shard("c", 0), shard("b", 2)))
     assert repair_nodes(partial, cluster()) == (("a", "b", "c", "d"), "all up nodes")
+    # Planned by this operator: the ring is remembered although a's shard is gone.
+    ring = (PlannedShard("c", 0, 1), PlannedShard("a", 1, 2), PlannedShard("b", 2, 3))
+    remembered = replace(partial, planned=ring)
+    assert remembered.state == "broken" and remembered.missing == ("a",)
+    assert repair_nodes(remembered, cluster()) == (("c", "a", "b"), "its own nodes")
+    assert repair_nodes(remembered, cluster("a")) == (("b", "c", "d"), "all up nodes")
+    # Even with no shard left anywhere it is listed, broken, until it is unloaded.
+    [gone] = placements_from_shards(cluster().nodes, {"p": PlannedPlacement("/m/x", ring)})
+    assert gone.state == "broken" and gone.model == "x" and gone.ring == ring
+
+
+def test_loading_is_loading_until_a_shard_fails() -> None:
+    """While a placement loads, its shards show up one node at a time, still
+    "prepared" (index 0, count 0): never broken on the way to ready."""
+
+    def shard(node: str, state: str, count: int = 0) -> ShardState:
+        return ShardState("p", node, 0, count, 0, 0, state)
+
+    def of(*shards: ShardState, plan: bool = False) -> str:
+        ring = tuple(PlannedShard(n, i, i + 1) for i, n in enumerate("abc")) if plan else ()
+        return PlacementState("p", "m", "/m", shards, planned=ring).state
+
+    for planned in (False, True):
+        assert of(shard("a", "prepared"), plan=planned) == "prepared"
+        assert of(shard("a", "loading", 3), shard("b", "prepared"), plan=planned) == "loading"
+        assert of(shard("a", "ready", 3), shard("b", "loading", 3), plan=planned) == "loading"
+        assert of(shard("a", "failed", 3), shard("b", "loading", 3), plan=planned) == "failed"
+    assert of(shard("a", "ready", 3), shard("b", "ready", 3)) == "broken"
+    assert of(shard("a", "ready", 3), shard("b", "ready", 3), shard("c", "ready", 3)) == "ready"
+    assert of(shard("a", "ready", 3), shard("b", "ready", 3), plan=True) == "broken"
 
 
 def test_a_placement_that_was_ready_and_lost_a_shard_is_reported_once() -> None:
@@ -263,3 +303,35 @@ def test_a_placement_that_was_ready_and_lost_a_shard_is_reported_once() -> None:
     assert newly_broken(gone, gone) == []  # already broken: said before
     assert newly_broken(loading, gone) == []  # never was ready
     assert newly_broken(ready, ()) == []  # gone entirely: the node-down entries say it
+
+
+def test_the_preview_starts_from_the_memory_the_nodes_pane_shows() -> None:
+    """One definition of memory in use: what the node reports, as on its card. The
+    planner holds back more (a shard process, what loading shards will take), which
+    shows in "after loading", not as memory the node is using now."""
+    from studiotui.app.panes.nodes import memory_figures
+    from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES
+    from studiotui.core.placement import format_bytes
+
+    state = fixed_state()
+    info = model("qwen3-235b", 94, 2.1)
+    nodes = ["studio-1", "studio-3"]
+    budgets = []
+    for name in nodes:
+        node = state.node(name)
+        assert node is not None
+        budgets.append(
+            NodeBudget(name, node.memory_free - RUNNER_OVERHEAD_BYTES, node.memory_total)
+        )
+    verdict = plan(info.facts, budgets)
+    assert isinstance(verdict, Plan)
+    lines = plan_lines(verdict, state, "x", 200)
+    rows = {line.plain.split()[0]: line.plain for line in lines if line.plain.strip()}
+    for name in nodes:
+        node = state.node(name)
+        assert node is not None
+        used = format_bytes(node.memory_used)
+        assert used in memory_figures(node, compact=False)
+        held_back = next(s for s in verdict.shards if s.node == name).free_before
+        assert used in rows[name], (rows[name], used)
+        assert format_bytes(node.memory_total - held_back) not in rows[name]

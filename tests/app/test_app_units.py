@@ -110,10 +110,13 @@ def test_rdma_verdicts() -> None:
 
 def test_log_lines_wrap_under_themselves() -> None:
     entry = LogEntry(0.0, "error", "word " * 30)
-    wide = log_line(entry, 80).plain.splitlines()
-    assert len(wide) > 1 and all(line.startswith(" " * 17) for line in wide[1:])
-    narrow = log_line(entry, 40).plain.splitlines()
-    assert "error: word" in narrow[0] and all(line.startswith(" " * 9) for line in narrow[1:])
+    for width in (80, 40):
+        lines = log_line(entry, width).plain.splitlines()
+        assert "error: word" in lines[0] and len(lines) > 1
+        assert all(line.startswith(" " * 9) and line[9] != " " for line in lines[1:])
+    # An info entry starts right after its time: no empty level column between.
+    info = log_line(LogEntry(0.0, "info", "cluster local: 4/4 nodes up"), 80).plain
+    assert info[8:10] == " c"
 
 
 def test_shipped_themes_load() -> None:
@@ -191,3 +194,40 @@ def test_cluster_power_counts_each_machine_once() -> None:
     calm = _node(6, pressure={**stall, "pct": 0.4})
     busy = _node(7, pressure={**stall, "pct": 3.25})
     assert cluster_power_title((nodes[4], calm, busy)) == "stall ≤ 3.2% (node-7)"
+
+
+def test_rings_abbreviate_and_fold_between_hops() -> None:
+    from textual.content import Content
+
+    from studiotui.app.panes.placements import ring_text, short_ring
+    from studiotui.app.render import node_abbreviations, ring_hops, wrap_hops
+    from studiotui.core.state import PlannedShard
+
+    assert node_abbreviations(["local-3", "local-2"]) == {"local-3": "l3", "local-2": "l2"}
+    assert node_abbreviations(["local-10", "local-11"])["local-11"] == "l11"
+    assert node_abbreviations(["studio1", "studio2"]) == {"studio1": "s1", "studio2": "s2"}
+    assert node_abbreviations(["alpha", "beta"]) == {"alpha": "alpha", "beta": "beta"}
+    assert node_abbreviations(["mac", "mac-2"]) == {"mac": "mac", "mac-2": "mac-2"}
+
+    ring = tuple(PlannedShard(f"local-{n}", 2 * i, 2 * i + 2) for i, n in enumerate((2, 1, 4, 3)))
+    shards = tuple(
+        ShardState("p", p.node, i, 4, p.start, p.end, "ready")
+        for i, p in enumerate(ring)
+        if p.node != "local-4"
+    )
+    p = PlacementState("p", "m", "/m", shards, planned=ring)
+    assert ring_text(p) == "local-2[0:2] → local-1[2:4] → ✗local-4[4:6] → local-3[6:8]"
+    assert short_ring(p, 80) == "l2[0:2]→l1[2:4]→✗l4[4:6]→l3[6:8]"
+    assert short_ring(p, 20) == "l2[0:2]→l1[2:4]…"
+    # Folded at 40 cells: never inside a hop or an arrow, the state kept whole.
+    head = Content("ring p  ")
+    for width, tail in ((40, "broken"), (53, "broken"), (60, "ready")):
+        lines = [x.plain for x in wrap_hops(head, ring_hops(p, closed=True), width, Content(tail))]
+        assert all(len(x) <= width for x in lines) and len(lines) > 1, lines
+        assert lines[0].startswith("ring p  local-2[0:2] → local-1[2:4]")
+        # A folded line starts with an arrow (or is the state alone), never mid-hop.
+        assert all(x.lstrip().startswith(("→ ", tail)) for x in lines[1:]), lines
+        assert not any(x.rstrip().endswith("→") for x in lines), lines
+        joined = " ".join(x.strip() for x in lines)
+        assert "local-2[0:2] → local-1[2:4] → ✗local-4[4:6] → local-3[6:8] → local-2" in joined
+        assert joined.endswith(f" {tail}")

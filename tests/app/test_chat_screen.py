@@ -476,3 +476,35 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         assert screen._turn is not None and screen._turn.error
         assert "demo" in screen._turn.error and "no text arrived" in str(view.note.content)
         assert "unload it" in screen._turn.error
+
+
+async def test_settings_fields_say_what_is_wrong_where_one_looks(tmp_path: Path) -> None:
+    """No cluster needed: an emptied field keeps the value in force and says so; a
+    value the shards would refuse is named under the conversation, in red."""
+    from tests.app_fixtures import fixed_models, fixed_state
+
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("c")
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        field = screen.query_one("#chat-temperature", Input)
+        before = field.value
+        field.focus()
+        field.value = ""
+        await pilot.press("enter")
+        assert field.value == before
+        assert f"temperature was empty: kept {before}" in content(screen, "#chat-status")
+        assert app.focused is not None and app.focused.id == "chat-prompt"
+
+        field.focus()
+        field.value = "12"
+        await pilot.press("enter")
+        status = content(screen, "#chat-status")
+        assert "temperature must be 0..10, got 12" in status and "press enter" in status
+        assert app.focused is field, "the field keeps the keys until it is right"
+
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        rename = app.screen.query_one("#conv-rename", Input)
+        assert "Rename" in str(rename.border_title)

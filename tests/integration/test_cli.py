@@ -20,8 +20,16 @@ from studiotui.core.inventory import load_inventory
 PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
 
 
-def run(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "STUDIOTUI_HOME": str(home), "NO_COLOR": "1", "COLUMNS": "160"}
+def run(
+    home: Path, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "STUDIOTUI_HOME": str(home),
+        "NO_COLOR": "1",
+        "COLUMNS": "160",
+        **(env or {}),
+    }
     return subprocess.run(
         [sys.executable, "-m", "studiotui", *args],
         capture_output=True,
@@ -98,12 +106,25 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert finish in ("length", "stop") and 1 <= out <= 12
     assert (out == 12) == (finish == "length")
 
+    # Piped at 80 columns: addresses and memory figures stay whole, one line each.
+    narrow = run(home, "status", env={"COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stderr
+    lines = narrow.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, narrow.stdout
+    for node in status(home)["nodes"]:
+        [row] = [line for line in lines if node["name"] in line and node["address"] in line]
+        assert re.search(r"\d+(\.\d+)? [KMG]B / \d+\.\d GB", row), row
+
     missing = run(home, "chat", "--placement", "nope", "hi")
     assert missing.returncode == 2 and "no placement named 'nope' (known: tiny)" in missing.stderr
 
     down = run(home, "down")
     assert down.returncode == 0, down.stderr
     assert not any(psutil.pid_exists(pid) and _is_agent(pid) for pid in pids if pid)
+    # Every node of 'tiny' was stopped: it is gone, not a broken placement to repair.
+    after = run(home, "status", "--json")
+    assert after.returncode == 1 and "start it with `studiotui up`" in after.stderr
+    assert json.loads(after.stdout)["placements"] == []
 
 
 def _is_agent(pid: int) -> bool:
@@ -150,3 +171,35 @@ def test_global_options_after_any_verb(tmp_path: Path, capsys: pytest.CaptureFix
         main(["status", "--serve", "8000"])
     assert refused.value.code == 2
     assert "--serve works with the dashboard only" in capsys.readouterr().err
+
+
+def test_with_no_agent_running_each_verb_says_the_whole_way(home: Path) -> None:
+    local_cluster.write_local_inventory(home, 2, 8.0, control_port=PORT + 10)
+    status = run(home, "status")
+    assert status.returncode == 1
+    assert "no node of cluster local is up: start it with `studiotui up`" in status.stderr
+    chat = run(home, "chat", "hello")
+    assert chat.returncode == 2
+    for step in ("`studiotui up`", "`studiotui place MODEL_DIR`", "then chat"):
+        assert step in chat.stderr, chat.stderr
+    (home / "some-model").mkdir()  # any directory: the cluster is checked first
+    place = run(home, "place", str(home / "some-model"))
+    assert place.returncode == 2
+    assert "no node is up: start the cluster with `studiotui up`" in place.stderr
+
+
+def test_demo_model_help_describes_every_option(tmp_path: Path) -> None:
+    out = run(tmp_path, "demo-model", "--help")
+    assert out.returncode == 0, out.stderr
+    for option, words in (
+        ("--arch", "model family"),
+        ("--layers", "what shards split"),
+        ("--hidden", "hidden size"),
+        ("--heads", "attention heads"),
+        ("--kv-heads", "key/value heads"),
+        ("--seed", "same weights"),
+        ("--dtype", "weight data type"),
+        ("--recite", "fixed passage"),
+    ):
+        assert option in out.stdout and words in out.stdout, (option, out.stdout)
+    assert "(default: 8)" in out.stdout

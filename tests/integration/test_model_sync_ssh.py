@@ -22,8 +22,8 @@ from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory
 from studiotui.provision.deploy import CheckoutWheel, provision
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
-from tests.sshd import SshdServer
 from tests.integration.test_provision import agents, free_port, make_node  # noqa: F401 - a fixture
+from tests.sshd import SshdServer
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [

@@ -20,30 +20,36 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import DataTable, Static
 
-from studiotui.app.render import bar, rich_colour
+from studiotui.app.render import bar, fit_hops, join_hops, rich_colour, ring_hops, wrap_hops
 from studiotui.core.placement import format_bytes
 from studiotui.core.rates import Rates
 from studiotui.core.state import PlacementState
 
-# The short figures come before the ring: a ring of four nodes is wider than the
-# pane, and what it cuts off should not be the traffic. The model name comes last.
+# The ring comes last and gets what room is left, abbreviated (l3[0:2]→l2[2:4]…);
+# the line under the table spells out the ring of the placement under the cursor.
 _COLUMNS = (
     "placement",
     "state",
+    "model",
     "group",
     "in flight",
     "tok/s",
     "tokens",
-    "ring (layers per node)",
-    "model",
+    "ring",
 )
+_RING_MIN = 16
 _STATE_COLOUR = {"ready": "success", "failed": "error", "broken": "error"}
 RATE_WINDOW_S = 5.0
 
 
 def ring_text(placement: PlacementState) -> str:
-    hops = [f"{s.node}[{s.start}:{s.end}]" for s in placement.shards]
-    return " → ".join(hops)
+    """The whole ring in words, a missing shard marked ✗."""
+    return join_hops(ring_hops(placement)).plain
+
+
+def short_ring(placement: PlacementState, width: int) -> str:
+    """The ring in at most `width` cells: short names, whole hops, then '…'."""
+    return fit_hops(ring_hops(placement, short=True), width).plain
 
 
 def placement_tokens(placement: PlacementState) -> int:
@@ -52,8 +58,8 @@ def placement_tokens(placement: PlacementState) -> int:
 
 
 def group_label(placement: PlacementState, groups: Mapping[str, Sequence[str]]) -> str:
-    """The inventory group holding exactly these nodes, else how many nodes there are."""
-    nodes = set(placement.nodes)
+    """The inventory group holding exactly its ring's nodes, else how many there are."""
+    nodes = {p.node for p in placement.ring}
     for name, members in groups.items():
         if set(members) == nodes:
             return name
@@ -125,13 +131,14 @@ class PlacementsPane(Vertical):
         self.groups: Mapping[str, Sequence[str]] = {}
         self.shown: tuple[PlacementState, ...] = ()
         self._wanted: str | None = None
+        self._last: tuple[tuple[PlacementState, ...], str, dict[str, str]] | None = None
         self.clock: Callable[[], float] = time.monotonic
 
     def compose(self) -> ComposeResult:
         yield Static(id="place-progress")
         yield Static(
             Content.styled(
-                "no placements yet: pick a model (4), mark nodes (space), press p "
+                "no placements yet: pick a model (4), mark nodes (5, ↑↓, space), press p "
                 "— or drag a model onto a node",
                 "$text-muted",
             ),
@@ -139,6 +146,7 @@ class PlacementsPane(Vertical):
         )
         table: DataTable[Any] = DataTable(cursor_type="row", id="placements-table")
         yield table
+        yield Static(id="placement-ring")
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
@@ -149,6 +157,7 @@ class PlacementsPane(Vertical):
     def show(
         self, placements: tuple[PlacementState, ...], theme: str, colours: dict[str, str]
     ) -> None:
+        self._last = (placements, theme, colours)
         now = self.clock()
         rates = {p.name: self.rates.update(p.name, placement_tokens(p), now) for p in placements}
         self.rates.forget(set(rates))
@@ -166,24 +175,62 @@ class PlacementsPane(Vertical):
         # An empty table says nothing; a sentence says what to do.
         table.display = bool(placements)
         self.query_one("#placements-empty").display = not placements
-        for p in placements:
-            colour = rich_colour(colours, _STATE_COLOUR.get(p.state, "warning"))
-            rate = rates[p.name]
-            table.add_row(
+        cells = [
+            (
                 Text(p.name, style="bold"),
-                Text(state_label(p), style=colour),
+                Text(
+                    state_label(p),
+                    style=rich_colour(colours, _STATE_COLOUR.get(p.state, "warning")),
+                ),
+                p.model,
                 group_label(p, self.groups),
                 Text(str(max((s.in_flight for s in p.shards), default=0)), justify="right"),
-                Text(f"{rate:.1f}" if rate else "–", justify="right"),
+                Text(f"{rates[p.name]:.1f}" if rates[p.name] else "–", justify="right"),
                 Text(str(placement_tokens(p)), justify="right"),
-                ring_text(p),
-                p.model,
-                key=p.name,
             )
+            for p in placements
+        ]
+        room = self._ring_room(cells)
+        for p, row in zip(placements, cells, strict=True):
+            # ✗ marks a shard that is gone; the state column says what that means.
+            table.add_row(*row, short_ring(p, room), key=p.name)
         # Redrawing every second must not throw the cursor back to the first row.
         names = [p.name for p in placements]
         if keep in names:
             table.move_cursor(row=names.index(keep), animate=False)
+        self._show_ring()
+
+    def _ring_room(self, cells: list[tuple[Any, ...]]) -> int:
+        """What the table's width leaves the ring column after the others (each
+        column pads a cell either side)."""
+        widths = [
+            max([len(_COLUMNS[i]), *(len(str(row[i])) for row in cells)]) + 2
+            for i in range(len(_COLUMNS) - 1)
+        ]
+        available = self.query_one(DataTable).size.width or self.size.width
+        return max(_RING_MIN, available - sum(widths) - 2 - 1)
+
+    def on_resize(self) -> None:
+        # The ring column gets what the width leaves: redraw for the new width.
+        if self._last is not None:
+            self._signature = None
+            self.show(*self._last)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._show_ring()
+
+    def _show_ring(self) -> None:
+        """The full ring of the placement under the cursor, folded between hops."""
+        line = self.query_one("#placement-ring", Static)
+        name = self.selected
+        placement = next((p for p in self.shown if p.name == name), None)
+        line.display = placement is not None
+        if placement is None:
+            return
+        head = Content.assemble(("ring ", "$text-muted"), (placement.name, "bold"), "  ")
+        width = self.query_one(DataTable).size.width or 80
+        hops = ring_hops(placement, closed=True)
+        line.update(Content("\n").join(wrap_hops(head, hops, width, Content(""))))
 
     @property
     def selected(self) -> str | None:

@@ -17,7 +17,15 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 
-from studiotui.app.render import PLACEMENT_STYLES, Drawing, fit, percent, state_style
+from studiotui.app.render import (
+    PLACEMENT_STYLES,
+    Drawing,
+    fit,
+    percent,
+    state_style,
+    wrap_hops,
+)
+from studiotui.app.render import ring_hops as ring_hops_text
 from studiotui.core.placement import Link
 from studiotui.core.state import ClusterState, LinkState, NodeState, PlacementState
 from worker.shared import probes
@@ -107,7 +115,8 @@ def describe_link(link: Link) -> str:
 
 
 def ring_hops(placement: PlacementState) -> list[tuple[str, str]]:
-    nodes = placement.nodes
+    # The planned ring: a broken placement's lines stay where its hops were.
+    nodes = tuple(p.node for p in placement.ring)
     if len(nodes) < 2:
         return []
     return list(zip(nodes, [*nodes[1:], nodes[0]], strict=True))
@@ -324,18 +333,10 @@ def draw_topology(state: ClusterState, width: int, selected: str | None = None) 
         lines.append(Content(""))
     for i, placement in enumerate(state.placements):
         style = PLACEMENT_STYLES[i % len(PLACEMENT_STYLES)]
-        hops = [f"{s.node}[{s.start}:{s.end}]" for s in placement.shards]
-        ring = " → ".join([*hops, placement.nodes[0]]) if len(hops) > 1 else "".join(hops)
-        lines.append(
-            Content.assemble(
-                ("ring ", "$text-muted"),
-                (placement.name, f"{style} bold"),
-                "  ",
-                (ring, style),
-                "  ",
-                (placement.state, state_style(placement.state)),
-            )
-        )
+        head = Content.assemble(("ring ", "$text-muted"), (placement.name, f"{style} bold"), "  ")
+        hops = [hop.stylize_before(style) for hop in ring_hops_text(placement, closed=True)]
+        tail = Content.styled(placement.state, state_style(placement.state))
+        lines += wrap_hops(head, hops, width, tail)
     return Content("\n").join(lines)
 
 
@@ -355,10 +356,7 @@ def topology_signature(state: ClusterState, selected: str | None) -> tuple:
         )
         for n in state.nodes
     )
-    rings = tuple(
-        (p.name, p.state, tuple((s.node, s.start, s.end) for s in p.shards))
-        for p in state.placements
-    )
+    rings = tuple((p.name, p.state, p.ring, p.missing) for p in state.placements)
     return nodes, rings, repr(getattr(state, "links", None)), selected
 
 

@@ -101,8 +101,10 @@ class Placer:
         app = self.app
         request = screen.request
         pane = app.query_one(PlacementsPane)
-        title = f"placing {request.model_name} as '{request.name}' on {', '.join(request.nodes)}"
-        pane.start_progress(title, request.nodes, key=request.name)
+        # In ring order, as the log and the ring say it (the plan on screen is loaded).
+        ring = [s.node for s in screen.plan.shards] if screen.plan else list(request.nodes)
+        title = f"placing {request.model_name} as '{request.name}' on {', '.join(ring)}"
+        pane.start_progress(title, ring, key=request.name)
 
         def progress(node: str, done: int, total: int) -> None:
             pane.progress(node, done, total, key=request.name)
@@ -213,11 +215,13 @@ class Placer:
 
 
 def repair_nodes(placement: PlacementState, state: ClusterState) -> tuple[tuple[str, ...], str]:
-    """Where to place a broken placement again: its own nodes when every one of them is
-    known and up, else every node that is up (a dead node's shard is not listed)."""
+    """Where to place a broken placement again: its own nodes (the ring it was planned
+    on, remembered until it is unloaded) when every one of them is up, else every node
+    that is up. Without a remembered plan a dead node's shard is not listed, so the
+    ring is known only when every shard still reports."""
     up = tuple(n.name for n in state.nodes if n.state == "up")
-    own = placement.nodes
-    complete = bool(placement.shards) and len(own) == placement.shards[0].count
+    own = tuple(p.node for p in placement.ring)
+    complete = bool(own) and len(own) == placement.expected
     if complete and set(own) <= set(up):
         return own, "its own nodes"
     return up, "all up nodes"

@@ -155,7 +155,9 @@ def plan_lines(the_plan: Plan, state: ClusterState, name: str, width: int = 200)
                 ),
                 Content(format_bytes(shard["weight_bytes"])),
                 Content(format_bytes(shard["kv_bytes"])),
-                _memory_cell(total - shard["free_before"], total, gauge),
+                # What the node reports in use, the figure its card shows; the plan's
+                # "free before" also holds back what loading shards and a runner take.
+                _memory_cell(node.memory_used if node else 0, total, gauge),
                 _memory_cell(total - shard["free_after"], total, gauge),
                 Content.styled("✓ fits", "$success")
                 if shard["free_after"] >= 0
@@ -204,6 +206,15 @@ def refusal_lines(
     return [reason, Content(""), *_fitting(build, width)]
 
 
+def unmeasured(state: ClusterState, nodes: Sequence[str]) -> bool:
+    """Some pair of these nodes has no measured link (none saved, or never measured)."""
+    return any(
+        (link := state.link(a, b)) is None or link.latency_us is None
+        for i, a in enumerate(nodes)
+        for b in nodes[i + 1 :]
+    )
+
+
 def warnings_for(state: ClusterState, nodes: Sequence[str], name: str) -> list[str]:
     """What the numbers above cannot know yet."""
     out = []
@@ -238,7 +249,7 @@ class PreviewScreen(ModalScreen[None]):
         self.controller = controller
         self.deploy = deploy
         self.context_tokens = request.context_tokens
-        # planning, plan, refused, error, loading, ready, failed
+        # measuring, planning, plan, refused, error, loading, ready, failed
         self.phase = "planning"
         self.info: ModelInfo | None = None
         self.verdict: Plan | Refusal | None = None
@@ -266,6 +277,18 @@ class PreviewScreen(ModalScreen[None]):
 
     async def _plan(self) -> None:
         request = self.request
+        measure = getattr(self.controller, "measure_links", None)
+        if measure is not None and unmeasured(self.controller.state, request.nodes):
+            # A plan's slowest link is only worth showing measured: measure first
+            # (about a second on loopback), the way `m` does, saved for next time.
+            self.phase = "measuring"
+            self._draw()
+            try:
+                await measure()
+            except Exception as exc:  # the plan is still worth showing without links
+                self.app.notify(f"links not measured: {exc}", severity="warning")
+            self.phase = "planning"
+            self._draw()
         try:
             # Reading safetensors headers of a large model takes a moment: off the loop.
             self.info, self.verdict = await asyncio.to_thread(
@@ -367,7 +390,9 @@ class PreviewScreen(ModalScreen[None]):
             )
         )
         lines.append(Content(""))
-        if self.phase == "planning":
+        if self.phase == "measuring":
+            lines.append(Content.styled("measuring the links between these nodes…", "$text-muted"))
+        elif self.phase == "planning":
             lines.append(Content.styled("planning…", "$text-muted"))
         elif self.phase == "error":
             lines.append(Content.styled(self.message, "$error"))

@@ -424,6 +424,8 @@ class ChatScreen(Screen[None]):
         self._poll_cluster()
 
     def on_screen_resume(self) -> None:
+        # Whatever had the keys when the chat was left, typing goes to the Ask box.
+        self.query_one("#chat-prompt", Input).focus()
         if self.history is not None:  # not the first showing: on_mount did this
             self._poll_cluster()
 
@@ -584,7 +586,15 @@ class ChatScreen(Screen[None]):
 
     def _read_settings(self) -> Settings:
         def number(selector: str, label: str, kind: type) -> Any:
-            raw = self.query_one(selector, Input).value.strip()
+            field = self.query_one(selector, Input)
+            raw = field.value.strip()
+            if not raw:
+                # Emptied on the way to typing a new value: keep the one in force,
+                # say so, and put it back so the field shows what is used.
+                kept = getattr(self.settings, label.replace(" ", "_").replace("-", "_"))
+                field.value = f"{kept:g}" if isinstance(kept, float) else str(kept)
+                self._status(f"{label} was empty: kept {field.value}")
+                return kind(field.value)
             try:
                 return kind(raw)
             except ValueError:
@@ -602,6 +612,10 @@ class ChatScreen(Screen[None]):
             settings = self._read_settings()
         except ValueError as exc:
             if not quiet:
+                # Under the conversation, where the eyes are, not only as a toast.
+                self.query_one("#chat-status", Static).update(
+                    Content.styled(f"chat settings: {exc}; fix it and press enter", "$error")
+                )
                 self.studio.report(f"chat settings: {exc}", "warning")
             return False
         except Exception:  # the screen is being torn down

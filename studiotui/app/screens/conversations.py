@@ -68,7 +68,9 @@ class ConversationsScreen(ModalScreen[ListChoice | None]):
             dialog.border_title = "Conversations"
             dialog.border_subtitle = "enter open · n new · r rename · d delete · e export · esc"
             yield DataTable(id="conv-table", cursor_type="row", zebra_stripes=True)
-            yield Input(id="conv-rename", placeholder="new title, enter to keep, esc to cancel")
+            rename = Input(id="conv-rename", placeholder="enter saves · esc cancels")
+            rename.border_title = "Rename the conversation to"
+            yield rename
             yield Static("", id="conv-hint")
 
     def on_mount(self) -> None:
