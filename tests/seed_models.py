@@ -114,13 +114,19 @@ def seed_model(root: Path, name: str, quant: str) -> Path:
 
 
 def renamed(model: Path, name: str) -> Path:
-    """The same weights under another name (DeepSeek-R1 has V3's shapes): links, no copy."""
+    """The same weights under another name (DeepSeek-R1 has V3's shapes): each file's
+    header copied and extended sparse to its size, as a download of its own (a link out
+    of the folder is refused, as it should be)."""
     path = model.parent / name
     if not path.exists():
         path.mkdir()
         for file in model.iterdir():
             if file.suffix == ".safetensors":
-                (path / file.name).symlink_to(file)
+                with file.open("rb") as f:
+                    head = f.read(8)
+                    head += f.read(int.from_bytes(head, "little"))
+                (path / file.name).write_bytes(head)
+                os.truncate(path / file.name, file.stat().st_size)
             else:
                 shutil.copy(file, path / file.name)
     return path
