@@ -64,6 +64,13 @@ def exit_reason(code: int | None, *, loading: bool, fatal: str = "") -> str:
     if code == -signal.SIGKILL:
         return f"shard process exited with code {code} (killed by SIGKILL: out of memory?)"
     return f"shard process exited with code {code}"
+# A runner beats twice a second (worker.runner.BEAT_EVERY_S); a ready one heard from
+# for this long is "silent" (stopped or frozen) until it speaks again.
+SILENT_AFTER_S = 3.0
+# A step that runs this long is a hang (MLX stuck), not work: steps take milliseconds
+# to a few seconds for a long prefill chunk.
+STUCK_AFTER_S = 60.0
+WATCH_EVERY_S = 0.5
 
 
 @dataclass
@@ -92,6 +99,10 @@ class ShardProc:
     param_bytes: int = 0
     message: str = ""
     stderr_tail: list[str] = field(default_factory=list)
+    last_heard: float = field(default_factory=time.monotonic)
+    step_s: float = 0.0
+    silent_since: float = 0.0  # wall clock, for the words "silent since ..."
+    bad_lines: int = 0
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -103,6 +114,7 @@ class ShardProc:
             "count": self.spec.get("count", 0),
             "context_tokens": self.spec.get("context_tokens", 0),
             "kv_bytes": self.spec.get("kv_bytes", 0),
+            "prefill_chunk": self.spec.get("prefill_chunk", 512),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "state": self.state,
@@ -111,6 +123,7 @@ class ShardProc:
             "stats": self.stats,
             "message": self.message,
             "pid": self.proc.pid if self.proc else None,
+            "silent_since": self.silent_since or None,
         }
 
 
@@ -148,6 +161,11 @@ class Agent:
         self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(home)))
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        # The controller reconnects under its session's identity: the new connection
+        # takes it over at once, so replies reach it (see studiotui.agents.Peer).
+        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.control.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.control.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4000)
         curve.make_server(self.control, keys)
         self.control.bind(f"tcp://{self.config.address}:{self.config.control_port}")
         self.pub = self.ctx.socket(zmq.PUB)
@@ -167,7 +185,11 @@ class Agent:
             self.config.address,
             self.config.control_port,
         )
-        tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._publish())]
+        tasks = [
+            asyncio.create_task(self._serve()),
+            asyncio.create_task(self._publish()),
+            asyncio.create_task(self._watch_runners()),
+        ]
         await self.stopping.wait()
         for task in tasks:
             task.cancel()
@@ -254,6 +276,14 @@ class Agent:
             return
         await self._stop_shard(name)
         data_port, client_port = self._free_ports(2)
+        # A shard reloaded after a restart asks for the ports it had, so its ring
+        # neighbours and clients, which reconnect by themselves, find it again.
+        wished = (msg.get("data_port"), msg.get("client_port"))
+        if (
+            all(isinstance(p, int) and self._port_usable(p) for p in wished)
+            and len(set(wished)) == 2
+        ):
+            data_port, client_port = int(wished[0]), int(wished[1])  # type: ignore[arg-type]
         self.shards[name] = ShardProc(placement=name, data_port=data_port, client_port=client_port)
         await self._reply(
             ident, re, "prepared", placement=name, data_port=data_port, client_port=client_port
@@ -328,44 +358,54 @@ class Agent:
     async def _relay(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         assert shard.proc is not None and shard.proc.stdout is not None
         answered = False
-        while True:
-            line = await shard.proc.stdout.readline()
-            if not line:
-                break
+        async for event in _json_lines(shard.proc.stdout, shard):
             try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            kind = event.pop("event", "")
-            if kind == "progress":
-                shard.progress = (int(event["done"]), int(event["total"]))
-                if not answered:
-                    await self._reply(
-                        ident,
-                        re,
-                        "progress",
-                        placement=shard.placement,
-                        done=shard.progress[0],
-                        total=shard.progress[1],
-                    )
-            elif kind == "ready":
-                answered = True  # from here on no heartbeat may follow shard_ready
-                shard.state, shard.param_bytes = "ready", int(event["param_bytes"])
-                log.info("shard %s ready, %d bytes", shard.placement, shard.param_bytes)
+                answered = await self._on_runner_event(ident, re, shard, event, answered)
+            except (KeyError, TypeError, ValueError) as exc:
+                # A line of the right shape with wrong fields: count it, keep reading.
+                shard.bad_lines += 1
+                log.warning("shard %s: bad line from its runner: %s", shard.placement, exc)
+        await self._runner_gone(ident, re, shard, answered)
+
+    async def _on_runner_event(
+        self, ident: bytes, re: Any, shard: ShardProc, event: dict[str, Any], answered: bool
+    ) -> bool:
+        """Act on one event of a runner's output; return whether the load was answered."""
+        kind = event.pop("event", "")
+        if kind == "beat":
+            shard.step_s = float(event.get("step_s", 0.0))
+        elif kind == "progress":
+            shard.progress = (int(event["done"]), int(event["total"]))
+            if not answered:
                 await self._reply(
                     ident,
                     re,
-                    "shard_ready",
+                    "progress",
                     placement=shard.placement,
-                    start=event["start"],
-                    end=event["end"],
-                    param_bytes=shard.param_bytes,
+                    done=shard.progress[0],
+                    total=shard.progress[1],
                 )
-                answered = True
-            elif kind == "stats":
-                shard.stats = event
-            elif kind == "fatal":
-                shard.message = str(event.get("message", ""))
+        elif kind == "ready":
+            shard.state, shard.param_bytes = "ready", int(event["param_bytes"])
+            log.info("shard %s ready, %d bytes", shard.placement, shard.param_bytes)
+            await self._reply(
+                ident,
+                re,
+                "shard_ready",
+                placement=shard.placement,
+                start=event["start"],
+                end=event["end"],
+                param_bytes=shard.param_bytes,
+            )
+            answered = True
+        elif kind == "stats":
+            shard.stats = event
+        elif kind == "fatal":
+            shard.message = str(event.get("message", ""))
+        return answered
+
+    async def _runner_gone(self, ident: bytes, re: Any, shard: ShardProc, answered: bool) -> None:
+        assert shard.proc is not None
         code = await shard.proc.wait()
         if shard.state != "stopped":
             tail = "\n".join(shard.stderr_tail[-8:])
@@ -379,10 +419,47 @@ class Agent:
 
     async def _read_stderr(self, shard: ShardProc) -> None:
         assert shard.proc is not None and shard.proc.stderr is not None
-        while line := await shard.proc.stderr.readline():
+        async for line in _lines(shard.proc.stderr, shard):
             text = line.decode(errors="replace").rstrip()
             shard.stderr_tail = [*shard.stderr_tail[-49:], text]
             log.info("[%s] %s", shard.placement, text)
+
+    async def _watch_runners(self) -> None:
+        """Mark a ready runner "silent" when it stops beating or one step hangs, and
+        ready again when it is back: a stopped process holds its port open, so only
+        its silence tells."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            now = time.monotonic()
+            if now - last > SILENT_AFTER_S:
+                # This agent was itself stopped (or starved): its runners' lines wait
+                # unread in their pipes. Judge them only after reading those.
+                for shard in self.shards.values():
+                    shard.last_heard = max(shard.last_heard, now)
+            last = now
+            for shard in self.shards.values():
+                self._judge(shard, now)
+
+    def _judge(self, shard: ShardProc, now: float) -> None:
+        quiet = now - shard.last_heard
+        why = ""
+        if quiet > SILENT_AFTER_S:
+            pid = shard.proc.pid if shard.proc else "?"
+            why = f"its runner (pid {pid}) has sent nothing for {quiet:.0f} s (stopped or frozen)"
+        elif shard.step_s > STUCK_AFTER_S:
+            why = f"its runner has been inside one step for {shard.step_s:.0f} s (hung)"
+        if why and shard.state == "ready":
+            shard.state, shard.silent_since = "silent", time.time()
+            shard.message = f"silent since {_clock(shard.silent_since)}: {why}"
+            log.warning("shard %s %s", shard.placement, shard.message)
+        elif not why and shard.state == "silent":
+            log.info(
+                "shard %s answers again (silent since %s)",
+                shard.placement,
+                _clock(shard.silent_since),
+            )
+            shard.state, shard.silent_since, shard.message = "ready", 0.0, ""
 
     async def _on_unload(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         name = msg["placement"]
@@ -656,6 +733,10 @@ class Agent:
     async def _stop_all_shards(self) -> None:
         await asyncio.gather(*(self._stop_shard(n) for n in list(self.shards)))
 
+    def _port_usable(self, port: int) -> bool:
+        taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        return 0 < port <= 65535 and port not in taken and _port_free(self.config.address, port)
+
     def _free_ports(self, count: int) -> list[int]:
         taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
         found: list[int] = []
@@ -735,6 +816,38 @@ async def _ping(sock: zmq.asyncio.Socket, n: int, pad: bytes) -> float:
     await sock.send(messages.encode("ping_peer", id=n, pad=pad))
     await asyncio.wait_for(sock.recv(), LINK_TIMEOUT_S)
     return time.perf_counter() - began
+
+
+async def _lines(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
+    """The lines of a runner's pipe; an over-long one is skipped, not fatal."""
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # longer than the reader's limit; the buffer is cleared
+            shard.bad_lines += 1
+            shard.last_heard = time.monotonic()
+            continue
+        if not line:
+            return
+        shard.last_heard = time.monotonic()
+        yield line
+
+
+async def _json_lines(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
+    """The JSON objects a runner writes; anything else is counted and skipped."""
+    async for line in _lines(stream, shard):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if isinstance(event, dict):
+            yield event
+        else:
+            shard.bad_lines += 1
+
+
+def _clock(when: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(when))
 
 
 def _port_free(address: str, port: int) -> bool:

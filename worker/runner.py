@@ -13,7 +13,9 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -35,6 +37,15 @@ from worker.shared.protocol.frames import (
 from worker.stage import Stage
 
 STATS_EVERY_S = 1.0
+# The agent declares a runner silent when it hears nothing for a few of these: a
+# thread beats (SIGSTOP stops it too), and says how long the serving loop has been
+# inside one step, so a hang inside MLX shows as well (MLX releases the GIL).
+BEAT_EVERY_S = 0.5
+# Replies to a controller that is reconnecting wait this long for it, then its
+# requests are cancelled; a session keeps one routing identity, so it comes back.
+CLIENT_GONE_S = 30.0
+CLIENT_PENDING_MAX = 4096
+_emit_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,10 @@ class RunnerSpec:
 
 
 def emit(event: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
+    line = json.dumps({"event": event, **fields}) + "\n"
+    with _emit_lock:  # the beat thread writes too: lines must not interleave
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class SocketLinks:
@@ -81,6 +94,14 @@ class SocketLinks:
         self.runner.send_ring(header, None)
 
     def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
+        rid = fields.get("rid")
+        if isinstance(rid, str):
+            # Numbered per request, so a controller that reconnected can tell a resumed
+            # stream from one that lost messages in between.
+            seq = self.runner.seqs.pop(rid, 0)
+            if kind not in ("done", "failed"):
+                self.runner.seqs[rid] = seq + 1
+            fields["seq"] = seq
         self.runner.send_client(client, messages.encode(kind, **fields))
 
 
@@ -99,6 +120,12 @@ class Runner:
         self.single = spec.count == 1
         self.busy_s = 0.0
         self._busy_reported = 0.0
+        self.step_began = 0.0  # when the step now running began (0: between steps)
+        self.seqs: dict[str, int] = {}
+        # Replies for a client whose connection is down, in order, until it is back.
+        self.pending: dict[bytes, deque[bytes]] = {}
+        self.gone_since: dict[bytes, float] = {}
+        self.abandoned: set[bytes] = set()
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -118,6 +145,14 @@ class Runner:
         if self.spec.index == 0:
             self.client = self.ctx.socket(zmq.ROUTER)
             self.client.setsockopt(zmq.LINGER, 0)
+            # A controller keeps one routing identity per session: when it reconnects
+            # (network blip, laptop sleep) the new connection takes that identity over,
+            # and a send to an identity that is away fails instead of vanishing, so the
+            # reply waits for it (`send_client`).
+            self.client.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self.client.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.client.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            self.client.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4000)
             curve.make_server(self.client, keys)
             self.client.bind(f"tcp://{self.spec.address}:{self.spec.client_port}")
 
@@ -171,8 +206,58 @@ class Runner:
         self.stage.on_frame(header, payload)
 
     def send_client(self, client: bytes, data: bytes) -> None:
-        if self.client is not None:
-            self.client.send_multipart([client, data])
+        if self.client is None:
+            return
+        waiting = self.pending.get(client)
+        if waiting is not None:
+            waiting.append(data)  # behind what already waits, to keep the order
+            if len(waiting) > CLIENT_PENDING_MAX:
+                self._abandon(client)
+            return
+        if self._try_send(client, data):
+            self.abandoned.discard(client)
+        elif client not in self.abandoned:
+            self.pending[client] = deque([data])
+            self.gone_since[client] = time.monotonic()
+
+    def _try_send(self, client: bytes, data: bytes) -> bool:
+        assert self.client is not None
+        try:
+            self.client.send_multipart([client, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+        return True
+
+    def _flush_pending(self) -> None:
+        """Send what waits for clients that are back; give up on those gone too long."""
+        now = time.monotonic()
+        for client in list(self.pending):
+            waiting = self.pending[client]
+            while waiting and self._try_send(client, waiting[0]):
+                waiting.popleft()
+            if not waiting:
+                del self.pending[client]
+                self.gone_since.pop(client, None)
+            elif now - self.gone_since.get(client, now) > CLIENT_GONE_S:
+                self._abandon(client)
+
+    def _abandon(self, client: bytes) -> None:
+        """The client is gone: drop its replies and free its requests on every stage."""
+        self.pending.pop(client, None)
+        self.gone_since.pop(client, None)
+        if len(self.abandoned) > 1024:  # identities of long-gone sessions: keep it bounded
+            self.abandoned.clear()
+        self.abandoned.add(client)
+        assert self.stage is not None
+        for rid, req in list(self.stage.head_requests.items()):
+            if req.client == client:
+                self.stage.cancel(rid)
+        print(
+            f"client {client.hex()} gone for {CLIENT_GONE_S:g} s: its requests cancelled",
+            file=sys.stderr,
+        )
 
     # ---- serving ----------------------------------------------------------------------
 
@@ -192,8 +277,12 @@ class Runner:
                 self._drain(self.client, self._on_client)
             if self.work:
                 began = time.perf_counter()
-                self.work.popleft()()
+                self.step_began = time.monotonic()
+                self._run(self.work.popleft())
+                self.step_began = 0.0
                 self.busy_s += time.perf_counter() - began
+            if self.pending:
+                self._flush_pending()
             now = time.monotonic()
             if now - last_stats >= STATS_EVERY_S:
                 self._emit_stats(now - last_stats)
@@ -202,13 +291,57 @@ class Runner:
                     # The agent is gone (killed hard): a shard without it serves no one.
                     self.running = False
 
+    def _run(self, job: Callable[[], None]) -> None:
+        """One step; whatever it raises is that step's failure, never the runner's."""
+        try:
+            job()
+        except Exception:
+            assert self.stage is not None
+            self.stage.stats.errors += 1
+            print(f"a step failed:\n{traceback.format_exc()}", file=sys.stderr)
+
+    def _for_request(
+        self, rid: str, job: Callable[[], None], client: bytes | None = None
+    ) -> Callable[[], None]:
+        """A step on behalf of one request: if it raises, only that request fails."""
+
+        def run() -> None:
+            try:
+                job()
+            except Exception as exc:
+                assert self.stage is not None
+                self.stage.stats.errors += 1
+                print(f"request {rid} failed on a bad frame: {exc!r}", file=sys.stderr)
+                message = (
+                    f"a bad frame reached stage {self.spec.index}: {type(exc).__name__}: {exc}"
+                )
+                if client is not None and rid not in self.stage.head_requests:
+                    SocketLinks(self).to_client(client, "failed", rid=rid, message=message)
+                    return
+                bad = RingHeader(rid=rid, kind="error", message=message)
+                self.stage.on_frame(bad, b"")
+
+        return run
+
+    def beat(self) -> None:
+        """Tell the agent this process lives, and how long the current step has run."""
+        while self.running:
+            began = self.step_began
+            emit("beat", step_s=round(time.monotonic() - began, 3) if began else 0.0)
+            time.sleep(BEAT_EVERY_S)
+
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            handle([f.buffer for f in frames])
+            try:
+                handle([f.buffer for f in frames])
+            except Exception:  # one bad message must not end the runner
+                assert self.stage is not None
+                self.stage.stats.dropped += 1
+                print(f"dropped a message:\n{traceback.format_exc()}", file=sys.stderr)
 
     def _on_ring(self, frames: list[Any]) -> None:
         assert self.stage is not None
@@ -225,7 +358,9 @@ class Runner:
                 bad = RingHeader(rid=exc.rid, kind="error", message=f"bad frame: {exc}")
                 self.work.append(lambda: self.stage.on_frame(bad, b""))
             return
-        self.work.append(lambda: self.stage.on_frame(header, payload))
+        self.work.append(
+            self._for_request(header.rid, lambda: self.stage.on_frame(header, payload))
+        )
 
     def _on_client(self, frames: list[Any]) -> None:
         assert self.stage is not None
@@ -241,7 +376,9 @@ class Runner:
             return
         kind = msg["type"]
         if kind == "generate":
-            self.work.append(lambda: self.stage.submit(client, msg))
+            self.work.append(
+                self._for_request(msg["rid"], lambda: self.stage.submit(client, msg), client)
+            )
         elif kind == "cancel":
             self.stage.cancel(msg["rid"])
         elif kind == "stats":
@@ -324,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         import cProfile
 
         profiler = cProfile.Profile()
+    threading.Thread(target=runner.beat, name="beat", daemon=True).start()
     try:
         runner.bind()
         runner.load()

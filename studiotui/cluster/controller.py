@@ -36,6 +36,7 @@ from studiotui.core.state import (
     PlacementState,
     PlannedPlacement,
     PlannedShard,
+    ShardState,
     newly_broken,
     placements_from_shards,
     pushed,
@@ -49,6 +50,11 @@ UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are e
 # What a shard process holds before any weight (Python, MLX, tokenizer): measured ~80 MB.
 RUNNER_OVERHEAD_BYTES = 100 * 1024**2
 HEALTH_CHECK_S = 2.0
+# Once a stream is quiet this long, its placement's health is asked every second.
+CHECK_EVERY_S = 1.0
+# A head connection down for longer than this fails its streams (it usually comes
+# back within a second or two, and the head keeps the replies for it meanwhile).
+RECONNECT_GRACE_S = 5.0
 LINKS_FIRST_S = 30.0
 LINKS_EVERY_S = 300.0
 LOG_KEEP = 500
@@ -112,7 +118,11 @@ class Controller:
         # vanish one node at a time, which must not read as "broken".
         self._unloading: dict[str, float] = {}
         self._tasks: list[asyncio.Task[Any]] = []
-        self._sub: zmq.asyncio.Socket | None = None
+        self._subs: dict[str, zmq.asyncio.Socket] = {}
+        self.telemetry_dropped = 0
+        # One routing identity per peer for this session: after a reconnect the agent
+        # or head knows the socket as the same client (see agents.Peer).
+        self.session = uuid.uuid4().hex[:16]
 
     # ---- state --------------------------------------------------------------------------
 
@@ -132,6 +142,7 @@ class Controller:
         nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
         placements = placements_from_shards(nodes, self._planned, self._placing)
         broken = newly_broken(self.state.placements, placements)
+        was_down = {p.name for p in self.state.placements if p.state in ("broken", "failed")}
         self._set(replace(self.state, nodes=nodes, placements=placements))
         for placement, why in broken:
             if self._unloading.get(placement.name, 0.0) < time.monotonic():
@@ -139,6 +150,9 @@ class Controller:
                 self.record(
                     f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
                 )
+        for placement in placements:
+            if placement.name in was_down and placement.state == "ready":
+                self.record(f"placement {placement.name!r} answers again")
 
     def mark_provisioning(self, names: list[str]) -> None:
         """Show `names` as being provisioned until the next refresh says otherwise."""
@@ -163,8 +177,13 @@ class Controller:
                 self.keys,
                 keys.node_public_key(self.home, name),
                 name,
+                identity=self._identity(name),
             )
         return self.peers[name]
+
+    def _identity(self, key: str) -> bytes:
+        # Routing identities are at most 255 bytes and must not start with a zero byte.
+        return f"studiotui:{self.session}:{key}".encode()[:255]
 
     async def start(self, telemetry: bool = True) -> None:
         await self.refresh()
@@ -172,17 +191,19 @@ class Controller:
             self._start_telemetry()
 
     def _start_telemetry(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"telemetry")
-        for node in self.inventory.nodes:
-            # The server key is read at connect time, so one SUB serves every agent.
-            from worker.shared.protocol.curve import make_client
+        from worker.shared.protocol.curve import make_client
 
+        for node in self.inventory.nodes:
+            # One SUB per node: a sample is that node's because of the connection it
+            # came on, whatever name it carries.
+            sub = self.ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"telemetry")
+            sub.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES + 64)
             make_client(sub, self.keys, keys.node_public_key(self.home, node.name))
             sub.connect(node.telemetry_endpoint)
-        self._sub = sub
-        self._tasks.append(asyncio.create_task(self._read_telemetry()))
+            self._subs[node.name] = sub
+            self._tasks.append(asyncio.create_task(self._read_telemetry(node.name, sub)))
         self._tasks.append(asyncio.create_task(self._watch_liveness()))
         self._tasks.append(asyncio.create_task(self._measure_periodically()))
 
@@ -195,20 +216,27 @@ class Controller:
                 self.record(f"link measurement failed: {exc}", "warning")
             await asyncio.sleep(LINKS_EVERY_S)
 
-    async def _read_telemetry(self) -> None:
-        assert self._sub is not None
+    async def _read_telemetry(self, name: str, sub: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await self._sub.recv_multipart()
-            if len(frames) != 2:
-                continue
+            frames = await sub.recv_multipart()
             try:
+                if len(frames) != 2:
+                    raise messages.MessageError(f"{len(frames)} frames, not 2")
                 msg = messages.decode(frames[1])
-            except messages.MessageError:
-                continue
-            self._apply_telemetry(msg)
+                if msg["name"] != name:
+                    raise messages.MessageError(f"it names itself {msg['name']!r}")
+                self._apply_telemetry(name, msg)
+            except (messages.MessageError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                # One bad sample is dropped; the node's next one is read as usual.
+                self.telemetry_dropped += 1
+                if self.telemetry_dropped in (1, 10, 100, 1000):
+                    self.record(
+                        f"dropped a malformed telemetry message from {name} ({exc}); "
+                        f"{self.telemetry_dropped} so far",
+                        "warning",
+                    )
 
-    def _apply_telemetry(self, msg: dict[str, Any]) -> None:
-        name = msg["name"]
+    def _apply_telemetry(self, name: str, msg: dict[str, Any]) -> None:
         node = self.state.node(name)
         if node is None:
             return
@@ -250,10 +278,19 @@ class Controller:
             now = time.time()
             for node in self.state.nodes:
                 if node.state == "up" and now - node.last_seen > DOWN_AFTER_S:
-                    silent = f"no telemetry for {DOWN_AFTER_S:g} s"
-                    self._update_node(node.name, state="down", shards=(), message=silent)
+                    since = _clock(node.last_seen)
+                    silent = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
+                    # Its shards may well be serving still (a stopped agent, a blip):
+                    # keep them, marked, so the placement reads as waiting for this
+                    # node rather than gone, and comes back by itself with it.
+                    shards = tuple(
+                        replace(s, state="silent", message=f"node {node.name} {silent}")
+                        for s in node.shards
+                    )
+                    self._update_node(node.name, state="down", shards=shards, message=silent)
                     self.record(
-                        f"{node.name} is down: {silent}; once it is reachable, restart it "
+                        f"{node.name} is down: {silent}; it is used again as soon as it "
+                        f"answers; if it stays silent, restart it "
                         f"(r, or studiotui restart {node.name})",
                         "error",
                     )
@@ -265,7 +302,13 @@ class Controller:
         )
         for node, result in zip(self.inventory.nodes, results, strict=True):
             if isinstance(result, BaseException):
-                self._update_node(node.name, state="down", shards=(), message=str(result))
+                known = self.state.node(node.name)
+                # Shards it was known to hold are kept, marked: they may be serving.
+                shards = tuple(
+                    replace(s, state="silent", message=f"node {node.name} does not answer")
+                    for s in (known.shards if known else ())
+                )
+                self._update_node(node.name, state="down", shards=shards, message=str(result))
         return self.state
 
     async def _hello(self, name: str, timeout: float) -> None:
@@ -297,8 +340,8 @@ class Controller:
                 await task
         for peer in self.peers.values():
             await peer.aclose()
-        if self._sub is not None:
-            self._sub.close(linger=0)
+        for sub in self._subs.values():
+            sub.close(linger=0)
         self.ctx.term()
 
     # ---- placement -----------------------------------------------------------------------
@@ -569,6 +612,7 @@ class Controller:
                 self.keys,
                 keys.node_public_key(self.home, head.node),
                 f"{placement.name} head on {head.node}",
+                identity=self._identity(key),
             )
         return self.peers[key]
 
@@ -619,6 +663,7 @@ class Controller:
         rid = uuid.uuid4().hex
         queue = peer.open(rid)
         finished = False
+        expect = 0  # the head numbers its messages for one request: a gap is a loss
         try:
             await peer.send("generate", rid=rid, params=params, **request)
             # A long prompt's prefill may take minutes: until the first token the limit
@@ -628,16 +673,28 @@ class Controller:
                 try:
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
                     # cancel that lands as a message arrives, and Esc must stop at once.
-                    async with asyncio.timeout(HEALTH_CHECK_S):
+                    async with asyncio.timeout(CHECK_EVERY_S):
                         msg = await queue.get()
                 except TimeoutError:
-                    waited += HEALTH_CHECK_S
-                    problem = await self.placement_problem(chosen)
-                    if problem:
-                        raise GenerationError(problem) from None
+                    waited += CHECK_EVERY_S
+                    if peer.down_for() > RECONNECT_GRACE_S:
+                        raise GenerationError(self._lost_head(chosen, peer)) from None
+                    if waited >= HEALTH_CHECK_S:
+                        problem = await self.placement_problem(chosen)
+                        if problem:
+                            raise GenerationError(problem) from None
                     if waited >= limit:
                         raise GenerationError(self._silence_reason(chosen, limit)) from None
                     continue
+                seq = msg.get("seq")
+                if isinstance(seq, int) and not isinstance(seq, bool):
+                    if seq != expect:
+                        raise GenerationError(
+                            f"{seq - expect} message(s) of the answer from {peer.name} were "
+                            "lost while its connection was down; the answer is incomplete: "
+                            "ask again"
+                        )
+                    expect += 1
                 kind = msg["type"]
                 if kind == "delta":
                     limit = step_timeout
@@ -661,27 +718,45 @@ class Controller:
             *(self.peer(n).request("list_shards", timeout=1.5) for n in placement.nodes),
             return_exceptions=True,
         )
-        for node, reply in zip(placement.nodes, replies, strict=True):
+        for shard, reply in zip(placement.shards, replies, strict=True):
+            node = shard.node
             again = f"unload {placement.name!r} and place it again"
             if isinstance(reply, BaseException):
                 return (
-                    f"node {node} of placement {placement.name!r} stopped answering: restart "
-                    f"it (studiotui restart {node}, or r on the dashboard), then {again}"
+                    f"node {node} of placement {placement.name!r} stopped answering; "
+                    f"{placement.name!r} is used again as soon as it answers; if it stays "
+                    f"silent, restart it (studiotui restart {node}, or r on the dashboard)"
                 )
             mine = [s for s in reply["shards"] if s.get("placement") == placement.name]
             if not mine:
                 return f"node {node} no longer holds its shard of {placement.name!r}: {again}"
+            if mine[0].get("state") == "silent":
+                return (
+                    f"the shard of {placement.name!r} on {node} ({_stage(shard)}) is "
+                    f"{mine[0].get('message') or 'silent'}; this request is given up; "
+                    f"{placement.name!r} is used again by itself if the shard answers again, "
+                    f"else restart {node} (studiotui restart {node} reloads its shards)"
+                )
             if mine[0].get("state") != "ready":
                 why = mine[0].get("message") or mine[0].get("state")
                 return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
         return None
 
+    def _lost_head(self, placement: PlacementState, peer: Peer) -> str:
+        head = placement.shards[0]
+        return (
+            f"the connection to the head of {placement.name!r} on {head.node} dropped "
+            f"{peer.down_for():.0f} s ago and has not come back; this request is given up "
+            "(check the network, then ask again)"
+        )
+
     def _silence_reason(self, placement: PlacementState, timeout: float) -> str:
         down = [n for n in placement.nodes if (s := self.state.node(n)) and s.state != "up"]
         if down:
             return (
-                f"node {', '.join(down)} of placement {placement.name!r} is down: restart it, "
-                f"then unload {placement.name!r} and place it again"
+                f"node {', '.join(down)} of placement {placement.name!r} is down; "
+                f"{placement.name!r} is used again as soon as it answers; if it stays "
+                f"silent, restart it (studiotui restart {down[0]} reloads its shards)"
             )
         return f"placement {placement.name!r} sent nothing for {timeout:g} s"
 
@@ -787,10 +862,28 @@ class Controller:
         return [str(line) for line in reply["lines"]]
 
 
+def _clock(when: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(when))
+
+
+def _stage(shard: ShardState) -> str:
+    return f"stage {shard.index + 1} of {shard.count}, layers {shard.start}-{shard.end - 1}"
+
+
 def _not_ready_hint(placement: PlacementState) -> str:
     """What an operator can do about a placement that cannot answer yet."""
     if placement.state in ("loading", "prepared"):
         return f"wait until {placement.name!r} is ready"
+    silent = [s for s in placement.shards if s.state == "silent"]
+    if silent:
+        # Nothing is lost yet: the shard is loaded and only silent; say so, not "reload".
+        s = silent[0]
+        return (
+            f"its shard on {s.node} ({_stage(s)}) is {s.message or 'silent'}; "
+            f"{placement.name!r} is used again by itself as soon as it answers; if it "
+            f"stays silent, restart {s.node} (studiotui restart {s.node}, which reloads "
+            "its shards)"
+        )
     return (
         f"unload it and place the model again (studiotui unload {placement.name}, then "
         "studiotui place; R on the dashboard does both)"

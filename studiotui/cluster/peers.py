@@ -3,6 +3,11 @@
 One DEALER per peer; every request carries an id and replies carry it back as
 `re`, so several requests to one agent can be in flight and a request may get
 several replies (load progress, then ready).
+
+Each DEALER has a routing identity that stays the same for the controller's
+session, so after a network blip the reconnected socket is the same client to the
+agent or head shard (their ROUTERs hand the identity over), and replies sent
+meanwhile reach it. A socket monitor tells when the connection is down.
 """
 
 from __future__ import annotations
@@ -10,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from studiotui.core.errors import StudioError
 from worker.shared.protocol import messages
@@ -52,6 +59,7 @@ class Peer:
         keys: CurveKeys,
         server_key: bytes,
         name: str,
+        identity: bytes | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.name = name
@@ -59,16 +67,45 @@ class Peer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 200)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # A dead connection (sleep, cable) is noticed in seconds, then re-made.
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4000)
+        if identity is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, identity)
         make_client(self.sock, keys, server_key)
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._queues: dict[Any, asyncio.Queue[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self.dropped = 0
+        self.connected = False
+        self.down_since: float | None = None  # monotonic time the connection dropped
+        self.reconnects = 0
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Follow the connection: up after each CURVE handshake, down on a disconnect."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self.down_since is not None:
+                    self.reconnects += 1
+                self.connected, self.down_since = True, None
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected, self.down_since = False, time.monotonic()
+
+    def down_for(self) -> float:
+        """Seconds the connection has been down after having been up (0 if it is up)."""
+        return 0.0 if self.down_since is None else time.monotonic() - self.down_since
 
     async def _read(self) -> None:
         while True:
@@ -129,13 +166,21 @@ class Peer:
             self.close_queue(rid)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self.sock.close(linger=0)
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._close_sockets()
 
     async def aclose(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)

@@ -1,0 +1,385 @@
+"""Faults on a real local cluster: hung stages, stopped agents, bad messages.
+
+Processes are stopped (SIGSTOP) and resumed (SIGCONT) by the pids their agent
+reports; every stopped process is resumed even when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from studiotui import keys
+from studiotui.controller import Controller, GenerationError
+from studiotui.inventory import local_inventory
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.test_engine import collect, prompt_tokens, reference_tokens
+from worker import agent as agent_mod
+from worker.demo_model import DemoSpec, write_demo_model
+from worker.protocol import curve, messages
+from worker.protocol.frames import RingHeader, encode_ring_header
+
+BASE, PORT = 111, 59100  # 127.0.0.111-113: far from the other test modules
+N = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from cluster_fixture(tmp_path_factory.mktemp("faults-home"), 3, BASE, PORT, 2.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = DemoSpec(layers=6, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=3)
+    return write_demo_model(tmp_path_factory.mktemp("faults-model") / "m", spec)
+
+
+@pytest.fixture(scope="module")
+def placed(cluster: LocalCluster, model: Path) -> tuple[str, list[int], list[int]]:
+    """A placement 'p' over the three nodes, its prompt and the reference answer."""
+
+    async def run() -> None:
+        ctl = cluster.controller()
+        try:
+            await ctl.refresh()
+            await ctl.place(model, list(cluster.inventory.names), "p", prefill_chunk=16)
+        finally:
+            await ctl.close()
+
+    asyncio.run(run())
+    tokens = prompt_tokens(model)
+    return "p", tokens, reference_tokens(model, tokens, N)
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def stage_node(cluster: LocalCluster, placement: str, index: int) -> str:
+    """The node that runs stage `index` (the planner picks the order, not the inventory)."""
+
+    async def run() -> str:
+        ctl = cluster.controller()
+        try:
+            await ctl.refresh()
+            return ctl.state.placement(placement).shards[index].node
+        finally:
+            await ctl.close()
+
+    return asyncio.run(run())
+
+
+async def runner_pids(ctl: Controller, placement: str) -> dict[str, int]:
+    out = {}
+    for name in ctl.inventory.names:
+        reply = await ctl.peer(name).request("list_shards")
+        for shard in reply["shards"]:
+            if shard["placement"] == placement:
+                out[name] = int(shard["pid"])
+    return out
+
+
+async def wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout:g} s")
+        await asyncio.sleep(0.2)
+
+
+async def fail_time(
+    ctl: Controller, placement: str, tokens: list[int], **kw: Any
+) -> tuple[str, float]:
+    """Run a request that must fail; its message and how long it took."""
+    began = time.monotonic()
+    try:
+        await collect(ctl, placement, tokens, 100_000, **kw)
+    except GenerationError as exc:
+        return str(exc), time.monotonic() - began
+    raise AssertionError("the request did not fail")
+
+
+def test_a_hung_stage_is_found_in_seconds_and_comes_back_by_itself(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    name, tokens, expected = placed
+    middle = stage_node(cluster, name, 1)
+
+    async def run() -> dict[str, Any]:
+        ctl = cluster.controller()
+        seen: dict[str, Any] = {}
+        try:
+            await ctl.start()
+            pids = await runner_pids(ctl, name)
+            assert (await collect(ctl, name, tokens, N))[0] == expected
+            # 1. stopped mid-answer: the answer is long enough to be running.
+            agen = ctl.generate(
+                name, {"tokens": tokens}, {"max_tokens": 100_000, "ignore_eos": True}
+            )
+            async for msg in agen:
+                if msg["type"] == "delta":
+                    break
+            with stopped(pids[middle]):
+                began = time.monotonic()
+                try:
+                    async for _ in agen:
+                        pass
+                except GenerationError as exc:
+                    seen["mid"] = (str(exc), time.monotonic() - began)
+                await wait_for(lambda: ctl.state.placement(name).state == "broken", 10, "broken")
+                seen["state"] = ctl.state.placement(name).state
+                # 2. a new request is refused at once, saying what is known.
+                seen["new"] = await fail_time(ctl, name, tokens)
+            # 3. resumed: the placement is ready again by itself, nothing reloaded.
+            await wait_for(lambda: ctl.state.placement(name).state == "ready", 15, "ready")
+            seen["after"] = (await collect(ctl, name, tokens, N))[0]
+            seen["pids"] = (pids, await runner_pids(ctl, name))
+            seen["log"] = [e.text for e in ctl.state.log]
+        finally:
+            await ctl.close()
+        return seen
+
+    seen = asyncio.run(run())
+    print(seen["mid"], seen["new"], sep="\n")
+    message, took = seen["mid"]
+    assert middle in message and "stage 2 of 3" in message and "silent" in message
+    assert took < 8.0, f"the silent stage took {took:.1f} s to surface"
+    assert seen["state"] == "broken"
+    refused, took = seen["new"]
+    assert "silent since" in refused and middle in refused and took < 1.0
+    assert "unload it" not in refused
+    assert seen["after"] == expected
+    assert seen["pids"][0] == seen["pids"][1]
+    assert any("answers again" in line for line in seen["log"])
+
+
+def test_a_stage_stopped_before_the_request_fails_it_in_seconds(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    name, tokens, expected = placed
+    tail = stage_node(cluster, name, 2)
+
+    async def run() -> tuple[tuple[str, float], list[int]]:
+        ctl = cluster.controller()
+        try:
+            await ctl.refresh()  # no telemetry: the request itself must find the hang
+            pids = await runner_pids(ctl, name)
+            with stopped(pids[tail]):
+                failed = await fail_time(ctl, name, tokens)
+            await ctl.refresh()
+            deadline = time.monotonic() + 15
+            while ctl.state.placement(name).state != "ready" and time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+                await ctl.refresh()
+            return failed, (await collect(ctl, name, tokens, N))[0]
+        finally:
+            await ctl.close()
+
+    (message, took), after = asyncio.run(run())
+    print(message)
+    assert tail in message and "stage 3 of 3" in message
+    assert took < 8.0, f"took {took:.1f} s"
+    assert after == expected
+
+
+def test_a_stopped_agent_hangs_nothing_and_its_node_comes_back_by_itself(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    name, tokens, expected = placed
+    victim = cluster.inventory.names[1]
+
+    async def run() -> dict[str, Any]:
+        ctl = cluster.controller()
+        seen: dict[str, Any] = {}
+        try:
+            await ctl.start()
+            pids = await runner_pids(ctl, name)
+            with stopped(cluster.pids[victim]):
+                await wait_for(lambda: ctl.state.node(victim).state == "down", 10, "down")
+                seen["new"] = await fail_time(ctl, name, tokens)
+                began = time.monotonic()
+                await ctl.refresh()
+                seen["refresh_s"] = time.monotonic() - began
+                await asyncio.sleep(max(0.0, 10 - (time.monotonic() - began)))
+            await wait_for(lambda: ctl.state.placement(name).state == "ready", 15, "ready")
+            seen["node"] = ctl.state.node(victim).state
+            seen["after"] = (await collect(ctl, name, tokens, N))[0]
+            seen["pids"] = (pids, await runner_pids(ctl, name))
+        finally:
+            await ctl.close()
+        return seen
+
+    seen = asyncio.run(run())
+    message, took = seen["new"]
+    print(message)
+    assert victim in message and "silent since" in message
+    assert "unload it" not in message and "place the model again" not in message
+    assert took < 1.0 and seen["refresh_s"] < 5.0
+    assert seen["node"] == "up"
+    assert seen["after"] == expected
+    assert seen["pids"][0] == seen["pids"][1], "nothing may have been reloaded"
+
+
+# ---- one bad message -------------------------------------------------------------------
+
+
+def test_a_bad_token_frame_fails_only_its_request(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    """A token frame whose `work_us` is not a number reaches the head: that request
+    fails with the reason, one running beside it is untouched, the runner lives."""
+    name, tokens, expected = placed
+    head_node = cluster.inventory.node(stage_node(cluster, name, 0))
+    tail_node = cluster.inventory.node(stage_node(cluster, name, 2))
+    workdir = Path(tail_node.workdir).expanduser()
+
+    async def run() -> tuple[str, list[int], dict[str, int], dict[str, int]]:
+        ctl = cluster.controller()
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        try:
+            await ctl.refresh()
+            pids = await runner_pids(ctl, name)
+            head = ctl.state.placement(name).shards[0]
+            # Speak as the tail node does, with its own key, to the head's ring port.
+            own = curve.load_keypair(curve.key_dir(workdir) / "self.key_secret")
+            curve.make_client(push, own, keys.node_public_key(cluster.home, head_node.name))
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(f"tcp://{head_node.address}:{head.data_port}")
+            victim = ctl.generate(
+                name, {"tokens": tokens}, {"max_tokens": 100_000, "ignore_eos": True}
+            )
+            rid = ""
+            async for msg in victim:
+                if msg["type"] == "accepted":
+                    rid = msg["rid"]
+                if msg["type"] == "delta":
+                    break
+            neighbour = asyncio.create_task(collect(ctl, name, tokens, N))
+            bad = RingHeader(rid=rid, kind="token", token=1, extra={"work_us": "not a number"})
+            await push.send_multipart([encode_ring_header(bad), b""])
+            try:
+                async for _ in victim:
+                    pass
+                failure = "not failed?!"
+            except GenerationError as exc:
+                failure = str(exc)
+            beside = (await neighbour)[0]
+            return failure, beside, pids, await runner_pids(ctl, name)
+        finally:
+            push.close(linger=0)
+            ctx.term()
+            await ctl.close()
+
+    failure, beside, before, after = asyncio.run(run())
+    print(failure)
+    assert "bad frame" in failure and "ValueError" in failure
+    assert beside == expected
+    assert before == after
+
+
+def test_the_agent_reader_survives_long_lines_and_non_object_json(tmp_path: Path) -> None:
+    """A real process writes what a broken runner could: the agent reads on."""
+    script = (
+        "import json, sys\n"
+        "print('x' * 300_000)\n"  # longer than the pipe reader's line limit
+        "print('[1, 2, 3]'); print('\"text\"'); print('not json {')\n"
+        "print(json.dumps({'event': 'progress', 'done': 'half', 'total': None}))\n"
+        "print(json.dumps({'event': 'stats', 'tokens': 5, 'in_flight': 0}))\n"
+        "sys.stdout.flush()\n"
+    )
+
+    async def run() -> agent_mod.ShardProc:
+        config = agent_mod.AgentConfig("n", "127.0.0.1", 1, tmp_path)
+        agent = agent_mod.Agent(config)
+        # Replies go to an identity nobody has: a ROUTER drops them, as for a gone client.
+        agent.control = agent.ctx.socket(zmq.ROUTER)
+        agent.control.bind("inproc://control")
+        shard = agent_mod.ShardProc("p", 0, 0)
+        shard.state = "loading"
+        shard.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            script,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        await asyncio.gather(agent._follow(b"nobody", 1, shard), agent._read_stderr(shard))
+        agent.control.close(linger=0)
+        agent.ctx.term()
+        return shard
+
+    shard = asyncio.run(run())
+    assert shard.stats.get("tokens") == 5, "the line after the bad ones was read"
+    assert shard.bad_lines >= 5
+    assert shard.state == "failed" and "exited with code 0" in shard.message
+
+
+def test_telemetry_takes_the_node_from_the_connection_and_survives_bad_messages(
+    tmp_path: Path,
+) -> None:
+    """A node's PUB (its real key) sends garbage, a sample naming another node, then a
+    good one: the controller reads on, and only the sender's node changes."""
+    home = tmp_path / "home"
+    inv = local_inventory(2, base_octet=BASE + 10, control_port=PORT + 100, home=home)
+    sender, other = inv.nodes
+
+    async def run() -> tuple[str, str, int, float]:
+        ctl = Controller(home, inv)
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        try:
+            curve.make_server(pub, keys.node_keys(home, sender.name))
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.bind(sender.telemetry_endpoint)
+            ctl._start_telemetry()
+
+            def sample(name: str, **extra: Any) -> bytes:
+                return messages.encode("telemetry", name=name, time=time.time(), **extra)
+
+            bad = [
+                [b"telemetry", b"\xc1not msgpack"],
+                [b"telemetry"],
+                [b"telemetry", sample(sender.name, memory_used="lots", memory_total=1)],
+                [b"telemetry", sample(sender.name, shards=[1, "x"], memory_total=1)],
+                [b"telemetry", sample(other.name, memory_used=1, memory_total=2)],  # spoof
+            ]
+            good = sample(sender.name, memory_used=3 << 30, memory_total=8 << 30, version="9")
+            deadline = time.monotonic() + 10
+            while ctl.state.node(sender.name).state != "up" and time.monotonic() < deadline:
+                for frames in bad:
+                    await pub.send_multipart(frames)
+                await pub.send_multipart([b"telemetry", good])
+                await asyncio.sleep(0.2)
+            node = ctl.state.node(sender.name)
+            return (
+                node.state,
+                ctl.state.node(other.name).state,
+                ctl.telemetry_dropped,
+                node.memory_used,
+            )
+        finally:
+            pub.close(linger=0)
+            ctx.term()
+            await ctl.close()
+
+    sender_state, other_state, dropped, used = asyncio.run(run())
+    assert sender_state == "up" and used == 3 << 30
+    assert other_state != "up", "a message naming another node must not speak for it"
+    assert dropped >= 4
