@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import zmq.asyncio
 
 from studiotui import keys
 from studiotui.controller import Controller, GenerationError
-from studiotui.inventory import local_inventory
+from studiotui.inventory import dump_inventory, local_inventory
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.test_engine import collect, prompt_tokens, reference_tokens
 from worker import agent as agent_mod
@@ -383,3 +384,58 @@ def test_telemetry_takes_the_node_from_the_connection_and_survives_bad_messages(
     assert sender_state == "up" and used == 3 << 30
     assert other_state != "up", "a message naming another node must not speak for it"
     assert dropped >= 4
+
+
+# ---- restarting nodes --------------------------------------------------------------------
+
+
+def studiotui_cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    path = cluster.home / "faults-cluster.toml"
+    path.write_text(dump_inventory(cluster.inventory))
+    env = {**os.environ, "STUDIOTUI_HOME": str(cluster.home), "NO_COLOR": "1", "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "studiotui", "-i", str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    name, tokens, expected = placed
+    middle = stage_node(cluster, name, 1)
+
+    async def state() -> tuple[str, list[list[int]], dict[str, int], list[int]]:
+        ctl = cluster.controller()
+        try:
+            await ctl.refresh()
+            p = ctl.state.placement(name)
+            got = (await collect(ctl, name, tokens, N))[0] if p and p.state == "ready" else []
+            return (
+                (p.state if p else "gone"),
+                (p.layers if p else []),
+                await runner_pids(ctl, name),
+                got,
+            )
+        finally:
+            await ctl.close()
+
+    before = asyncio.run(state())
+    one = studiotui_cli(cluster, "restart", middle)
+    after_one = asyncio.run(state())
+    every = studiotui_cli(cluster, "restart")
+    after_all = asyncio.run(state())
+    print(one.stdout, one.stderr, every.stdout, every.stderr, sep="\n")
+    assert one.returncode == 0 and every.returncode == 0
+    assert f"reloaded its shards on {middle}" in one.stdout
+    assert after_one[0] == "ready" and after_one[1] == before[1] and after_one[3] == expected
+    # Only the restarted node's runner is new.
+    assert {n: p for n, p in after_one[2].items() if n != middle} == {
+        n: p for n, p in before[2].items() if n != middle
+    }
+    assert after_one[2][middle] != before[2][middle]
+    assert after_all[0] == "ready" and after_all[1] == before[1] and after_all[3] == expected

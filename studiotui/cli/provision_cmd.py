@@ -207,8 +207,17 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
+    """Restart agents, then load again the shards they held (same layers and ports), so
+    placements stay whole; what cannot be reloaded is named."""
     inv = load_cluster(args.inventory, home)
     selected = _select(inv, getattr(args, "nodes", []) or [])
+    ctl = Controller(home, inv)
+    try:
+        saved, dropped = await ctl.shards_on([n.name for n in selected])
+    finally:
+        await ctl.close()
+    for text in dropped:
+        commands.errors.print(text, markup=False, highlight=False)
 
     async def one(node: NodeSpec) -> Outcome:
         started = time.monotonic()
@@ -221,7 +230,28 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
 
     results = await asyncio.gather(*(one(n) for n in selected))
     print_outcomes(commands.console, commands.errors, results)
-    return 0 if all(o.ok for o in results) else 1
+    code = 0 if all(o.ok for o in results) else 1
+    back = {o.node for o in results if o.ok}
+    lost = sorted({s.placement for s in saved if s.node not in back})
+    for name in lost:
+        commands.errors.print(
+            f"placement {name!r} is broken: a node holding it did not come back; "
+            "unload it and place it again",
+            markup=False,
+            highlight=False,
+        )
+    again = [s for s in saved if s.node in back and s.placement not in lost]
+    if again:
+        ctl = Controller(home, inv)
+        try:
+            await ctl.refresh()
+            for result in await ctl.reload_shards(again):
+                target = commands.console if result.ok else commands.errors
+                target.print(result.text, markup=False, highlight=False)
+                code = code if result.ok else 1
+        finally:
+            await ctl.close()
+    return 1 if lost else code
 
 
 async def _restart_local(home: Path, inv: Inventory, node: NodeSpec, started: float) -> Outcome:

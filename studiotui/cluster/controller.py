@@ -95,6 +95,25 @@ class PlaceResult:
     placement: PlacementState
 
 
+@dataclass(frozen=True)
+class SavedShard:
+    """A shard as its agent reported it before a restart, and where its ring goes on,
+    enough to load it again in the same place (node, layers, ports)."""
+
+    node: str
+    placement: str
+    report: dict[str, Any]
+    next_endpoint: str
+    next_key: str
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    placement: str
+    ok: bool
+    text: str
+
+
 class Controller:
     def __init__(self, home: Path, inventory: Inventory) -> None:
         self.home = home
@@ -846,6 +865,96 @@ class Controller:
         )
 
     # ---- nodes ---------------------------------------------------------------------------
+
+    async def shards_on(self, names: list[str]) -> tuple[list[SavedShard], list[str]]:
+        """The shards held on `names`, saved to be loaded again after a restart, and
+        the words for placements that cannot be (so restart can name what it drops)."""
+        await self.refresh()
+        saved: list[SavedShard] = []
+        dropped: list[str] = []
+        for placement in self.state.placements:
+            mine = [s for s in placement.shards if s.node in names]
+            if not mine:
+                continue
+            if placement.state not in ("ready", "broken") or len(placement.shards) != (
+                placement.shards[0].count
+            ):
+                dropped.append(
+                    f"placement {placement.name!r} is {placement.state} and incomplete: "
+                    "it is not reloaded (unload it and place it again)"
+                )
+                continue
+            for shard in mine:
+                reply = await self.peer(shard.node).request("list_shards", timeout=5.0)
+                raw = next(r for r in reply["shards"] if r.get("placement") == placement.name)
+                nxt = placement.shards[(shard.index + 1) % shard.count]
+                saved.append(
+                    SavedShard(
+                        node=shard.node,
+                        placement=placement.name,
+                        report=dict(raw),
+                        next_endpoint=f"tcp://{self.spec(nxt.node).address}:{nxt.data_port}",
+                        next_key=keys.node_public_key(self.home, nxt.node).decode(),
+                    )
+                )
+        return saved, dropped
+
+    async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
+        """Load again, on the same nodes, layers and ports, shards a restart stopped.
+
+        The same ports let the ring's other stages and the controller's head socket
+        reconnect by themselves: nothing else of the placement is reloaded."""
+        groups: dict[str, list[SavedShard]] = {}
+        for shard in saved:
+            groups.setdefault(shard.placement, []).append(shard)
+        results = []
+        for name, shards in groups.items():
+            where = ", ".join(
+                f"{s.node} (layers {s.report['start']}-{int(s.report['end']) - 1})" for s in shards
+            )
+            try:
+                await asyncio.gather(*(self._reload_one(s) for s in shards))
+            except (AgentError, AgentUnreachable, PlacementError) as exc:
+                text = (
+                    f"placement {name!r} is broken: its shards on {where} could not be "
+                    f"loaded again ({exc}); unload it and place it again"
+                )
+                self.record(text, "error")
+                results.append(ReloadResult(name, False, text))
+                continue
+            text = f"placement {name!r}: reloaded its shards on {where}"
+            self.record(text)
+            results.append(ReloadResult(name, True, text))
+        await self.refresh()
+        return results
+
+    async def _reload_one(self, saved: SavedShard) -> None:
+        r, peer = saved.report, self.peer(saved.node)
+        ports = (int(r["data_port"]), int(r["client_port"]))
+        prepared = await peer.request(
+            "prepare_shard", placement=saved.placement, data_port=ports[0], client_port=ports[1]
+        )
+        if (prepared["data_port"], prepared["client_port"]) != ports:
+            await peer.request("unload", placement=saved.placement)
+            raise PlacementError(f"{saved.node} could not take back its ports {ports}")
+        async for _msg in peer.stream(
+            "load_shard",
+            timeout=120.0,
+            placement=saved.placement,
+            model_dir=str(r["model_dir"]),
+            start=int(r["start"]),
+            end=int(r["end"]),
+            index=int(r["index"]),
+            count=int(r["count"]),
+            data_port=ports[0],
+            client_port=ports[1],
+            next_endpoint=saved.next_endpoint,
+            next_key=saved.next_key,
+            prefill_chunk=int(r.get("prefill_chunk", 512)),
+            context_tokens=int(r.get("context_tokens", 4096)),
+            kv_bytes=int(r.get("kv_bytes", 0)),
+        ):
+            pass
 
     async def shutdown(self, names: list[str]) -> dict[str, str]:
         results = await asyncio.gather(
