@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from studiotui import keys
+from studiotui.agents import Peer
 from studiotui.controller import Controller, GenerationError
 from studiotui.inventory import dump_inventory, local_inventory
 from tests.cluster_fixture import LocalCluster, cluster_fixture
@@ -384,6 +385,135 @@ def test_telemetry_takes_the_node_from_the_connection_and_survives_bad_messages(
     assert sender_state == "up" and used == 3 << 30
     assert other_state != "up", "a message naming another node must not speak for it"
     assert dropped >= 4
+
+
+# ---- a controller that reconnects ----------------------------------------------------------
+
+
+class Blip:
+    """A TCP relay between the controller and a head shard that can drop every
+    connection and refuse new ones for a while: a network blip, a laptop's sleep."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.refusing_until = 0.0
+        self.links: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self.server = await asyncio.start_server(self._accept, host, port)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if time.monotonic() < self.refusing_until:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.links.append((writer, up_writer))
+        await asyncio.gather(
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+        )
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def drop(self, for_s: float) -> None:
+        self.refusing_until = time.monotonic() + for_s
+        for a, b in self.links:
+            a.close()
+            b.close()
+        self.links.clear()
+
+    async def close(self) -> None:
+        self.drop(0)
+        if self.server is not None:
+            self.server.close()
+
+
+RELAY = ("127.0.0.114", PORT + 50)
+
+
+def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
+    cluster: LocalCluster, model: Path, placed: tuple[str, list[int], list[int]]
+) -> None:
+    name, tokens, _ = placed
+    long_prompt = (tokens * 40)[:1000]  # a prefill long enough to blip inside it
+    expected = reference_tokens(model, long_prompt, N)
+
+    async def run() -> dict[str, Any]:
+        ctl = cluster.controller()
+        seen: dict[str, Any] = {}
+        try:
+            await ctl.refresh()
+            p = ctl.state.placement(name)
+            head = p.shards[0]
+            blip = Blip((cluster.inventory.node(head.node).address, head.client_port))
+            await blip.start(*RELAY)
+            # The controller's head socket, through the relay (same keys and identity
+            # rules as its own).
+            ctl.peers[ctl.head_key(p)] = Peer(
+                ctl.ctx,
+                f"tcp://{RELAY[0]}:{RELAY[1]}",
+                ctl.keys,
+                keys.node_public_key(cluster.home, head.node),
+                "head via relay",
+                identity=b"studiotui:test-session:head",
+            )
+            params = {"max_tokens": N, "ignore_eos": True}
+            # 1. dropped during the prefill: the head keeps what it says meanwhile and
+            # the reconnected socket (same identity) gets all of it.
+            got: list[int] = []
+            async for msg in ctl.generate(name, {"tokens": long_prompt}, params):
+                if msg["type"] == "accepted":
+                    blip.drop(1.0)
+                if msg["type"] == "delta":
+                    got += msg["tokens"]
+            seen["resumed"] = got
+            seen["reconnects"] = ctl.peers[ctl.head_key(p)].reconnects
+            # 2. dropped mid-answer: whole and right, or a clear failure, in seconds.
+            began = time.monotonic()
+            got = []
+            try:
+                async for msg in ctl.generate(name, {"tokens": long_prompt}, params):
+                    if msg["type"] == "delta":
+                        got += msg["tokens"]
+                        if len(got) == 3:
+                            blip.drop(0.5)
+                seen["mid"] = ("whole", got == expected, time.monotonic() - began)
+            except GenerationError as exc:
+                seen["mid"] = (str(exc), False, time.monotonic() - began)
+            # 3. gone for longer than the grace: failed, naming the head's node.
+            began = time.monotonic()
+            try:
+                async for msg in ctl.generate(name, {"tokens": long_prompt}, params):
+                    if msg["type"] == "accepted":
+                        blip.drop(30.0)
+                seen["gone"] = ("answered?!", 0.0)
+            except GenerationError as exc:
+                seen["gone"] = (str(exc), time.monotonic() - began)
+            blip.refusing_until = 0.0
+            await blip.close()
+            await ctl.peers.pop(ctl.head_key(p)).aclose()
+            # The placement itself is fine: a request on the direct socket answers.
+            seen["after"] = (await collect(ctl, name, long_prompt, N))[0]
+        finally:
+            await ctl.close()
+        return seen
+
+    seen = asyncio.run(run())
+    print(seen["mid"], seen["gone"], sep="\n")
+    assert seen["resumed"] == expected and seen["reconnects"] >= 1
+    outcome, right, took = seen["mid"]
+    assert right or "lost while its connection was down" in outcome, outcome
+    assert took < 15.0
+    message, took = seen["gone"]
+    assert "dropped" in message and "has not come back" in message, message
+    assert took < 12.0
+    assert seen["after"] == expected
 
 
 # ---- restarting nodes --------------------------------------------------------------------

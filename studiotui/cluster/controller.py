@@ -620,9 +620,15 @@ class Controller:
 
     # ---- generation ----------------------------------------------------------------------
 
+    @staticmethod
+    def head_key(placement: PlacementState) -> str:
+        """Where `peers` keeps the socket to a placement's head shard."""
+        head = placement.shards[0]
+        return f"head:{placement.name}:{head.node}:{head.client_port}"
+
     def head_peer(self, placement: PlacementState) -> Peer:
         head = placement.shards[0]
-        key = f"head:{placement.name}:{head.node}:{head.client_port}"
+        key = self.head_key(placement)
         if key not in self.peers:
             spec = self.spec(head.node)
             self.peers[key] = Peer(
