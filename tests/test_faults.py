@@ -21,8 +21,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from studiotui import keys
+from studiotui import keys, soak
 from studiotui.agents import Peer
+from studiotui.api import start_server
 from studiotui.controller import Controller, GenerationError
 from studiotui.inventory import dump_inventory, local_inventory
 from tests.cluster_fixture import LocalCluster, cluster_fixture
@@ -514,6 +515,58 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
     assert "dropped" in message and "has not come back" in message, message
     assert took < 12.0
     assert seen["after"] == expected
+
+
+# ---- cancel storms and soak ----------------------------------------------------------------
+
+
+def test_a_cancel_storm_leaves_no_cache_and_the_answers_right(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    name, tokens, expected = placed
+
+    async def run() -> tuple[soak.StormResult, list[int]]:
+        ctl = cluster.controller()
+        try:
+            await ctl.refresh()
+            storm = await soak.cancel_storm(ctl, name, tokens, n=50, at_once=10, seed=14)
+            return storm, (await collect(ctl, name, tokens, N))[0]
+        finally:
+            await ctl.close()
+
+    storm, after = asyncio.run(run())
+    assert storm.failed == []
+    assert storm.caches_after == [0, 0, 0], storm.caches_after
+    assert after == expected
+
+
+def test_a_soak_over_concurrent_openai_clients_loses_and_mixes_nothing(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    """A short soak for CI (`studiotui bench --soak` runs 200 requests)."""
+    name, _, _ = placed
+
+    async def run() -> soak.SoakResult:
+        ctl = cluster.controller()
+        try:
+            await ctl.start()
+            server = await start_server(ctl, "127.0.0.1", 0)
+            try:
+                return await soak.soak(
+                    ctl, server.url, name, requests=48, clients=8, max_tokens=8, distinct=8
+                )
+            finally:
+                await server.close()
+        finally:
+            await ctl.close()
+
+    result = asyncio.run(run())
+    print(result.figures())
+    assert result.errors == []
+    assert result.answered == 48 and result.lost == 0 and result.mixed == 0
+    assert len(result.rss_mb_end) == 7, result.rss_mb_end  # 3 agents, 3 runners, us
+    # Flat after warm-up, with room for the allocator's and the caches' ups and downs.
+    assert max(result.growth_mb.values()) < 64, result.growth_mb
 
 
 # ---- restarting nodes --------------------------------------------------------------------

@@ -380,7 +380,10 @@ class Runner:
                 self._for_request(msg["rid"], lambda: self.stage.submit(client, msg), client)
             )
         elif kind == "cancel":
-            self.stage.cancel(msg["rid"])
+            # Queued behind the request's own submit: a cancel that overtook it would
+            # find nothing to cancel and the request would run (and hold caches) on.
+            rid = msg["rid"]
+            self.work.append(lambda: self.stage.cancel(rid))
         elif kind == "stats":
             reply = messages.encode("stats_reply", re=msg.get("id"), **self._stats())
             self.send_client(client, reply)

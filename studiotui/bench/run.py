@@ -392,3 +392,78 @@ def run_bench(quick: bool, as_json: bool) -> int:
             table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
         Console().print(table)
     return 0 if figures["tokens_match"] else 1
+
+
+# ---- soak -----------------------------------------------------------------------------
+
+
+def run_soak(quick: bool, as_json: bool) -> int:
+    """`studiotui bench --soak`: a cancel storm, then many requests over concurrent
+    OpenAI clients, on a cluster of its own; figures on lost, mixed and memory."""
+    from worker.shared.demo_model import DemoSpec, write_demo_model
+
+    requests, storm = (48, 20) if quick else (200, 50)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="studiotui-soak-") as tmp:
+        home = Path(tmp)
+        model_dir = write_demo_model(
+            home / "models" / "soak",
+            DemoSpec(arch="qwen2", layers=8, hidden=128, heads=8, kv_heads=4, dtype="float32"),
+        )
+        inv = local_inventory(
+            3, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
+        )
+        pids = [local_cluster.start_agent(home, node, inv) for node in inv.nodes]
+        try:
+            figures = asyncio.run(_soak_cluster(home, inv, model_dir, requests, storm))
+        except Exception as exc:  # report it as a figure-less run, not a traceback
+            raise BenchError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            for pid in pids:
+                local_cluster.kill_pid(pid)
+    figures["soak_seconds"] = round(time.monotonic() - started, 1)
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        table = Table(title="studiotui bench --soak")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in figures.items():
+            table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+        Console().print(table)
+    ok = figures["soak_lost"] == 0 and figures["soak_mixed"] == 0
+    return 0 if ok and not any(figures["storm_caches_after"]) else 1
+
+
+async def _soak_cluster(
+    home: Path, inv: Inventory, model_dir: Path, requests: int, storm: int
+) -> dict[str, Any]:
+    from studiotui.api.server import start_server
+    from studiotui.bench import soak
+    from studiotui.cluster.session import wait_until_up
+
+    ctl = Controller(home, inv)
+    try:
+        missing = await wait_until_up(ctl, list(inv.names), 30.0)
+        if missing:
+            raise RuntimeError(f"soak agents {missing} did not start")
+        await ctl.place(model_dir, list(inv.names), "soak", prefill_chunk=128)
+        tokens = prompt_tokens(64)
+        began = time.monotonic()
+        stormed = await soak.cancel_storm(ctl, "soak", tokens, n=storm, at_once=10)
+        figures: dict[str, Any] = {
+            "storm_requests": stormed.started,
+            "storm_failed": len(stormed.failed),
+            "storm_caches_after": stormed.caches_after,
+            "storm_seconds": round(time.monotonic() - began, 1),
+        }
+        server = await start_server(ctl, "127.0.0.1", 0)
+        try:
+            result = await soak.soak(ctl, server.url, "soak", requests=requests, clients=8)
+        finally:
+            await server.close()
+        figures.update(result.figures())
+        figures["soak_errors"] = result.errors[:5]
+        return figures
+    finally:
+        await ctl.close()

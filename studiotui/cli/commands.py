@@ -463,9 +463,11 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.bench.run import BenchError, run_bench
+    from studiotui.bench.run import BenchError, run_bench, run_soak
 
     try:
+        if getattr(args, "soak", False):
+            return run_soak(quick=args.quick, as_json=args.json)
         return run_bench(quick=args.quick, as_json=args.json)
     except BenchError as exc:
         raise UserError(f"bench failed: {exc}") from None

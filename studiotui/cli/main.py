@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure the pipeline and print figures")
     bench.add_argument("--quick", action="store_true", help="finish in under a minute")
     bench.add_argument("--json", action="store_true", help="one JSON object")
+    bench.add_argument(
+        "--soak",
+        action="store_true",
+        help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
+    )
     from studiotui.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
