@@ -622,3 +622,79 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
     }
     assert after_one[2][middle] != before[2][middle]
     assert after_all[0] == "ready" and after_all[1] == before[1] and after_all[3] == expected
+
+
+# ---- the TUI and CLI re-attach -------------------------------------------------------------
+
+
+def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    """Quit the app and start it again: the placement is shown and answers the same,
+    from the same runner processes; the CLI, a new process each time, too."""
+    from textual.widgets import DataTable, Input
+
+    from studiotui.app.app import StudioApp
+    from studiotui.app.chat import ChatScreen
+    from studiotui.app.placements import PlacementsPane
+
+    name, _, _ = placed
+
+    async def until(pilot: Any, check: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+            await pilot.pause(0.05)
+
+    async def session() -> tuple[str, str, dict[str, int]]:
+        app = StudioApp(cluster.home, cluster.inventory)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(
+                pilot,
+                lambda: (
+                    app.controller is not None
+                    and any(
+                        p.name == name and p.state == "ready"
+                        for p in app.controller.state.placements
+                    )
+                ),
+                20,
+                "the placement is known",
+            )
+            await pilot.pause(0.3)
+            table = app.query_one(PlacementsPane).query_one("#placements-table", DataTable)
+            shown = " ".join(
+                str(cell) for row in range(table.row_count) for cell in table.get_row_at(row)
+            )
+            pids = await runner_pids(app.controller, name)
+            await pilot.press("c")
+            await until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "chat screen")
+            screen = app.screen
+            screen.action_new_conversation()  # the app reopens the last one; ask afresh
+            await pilot.pause(0.1)
+            screen.query_one("#chat-temperature", Input).value = "0"
+            screen.query_one("#chat-max-tokens", Input).value = "12"
+            prompt = screen.query_one("#chat-prompt", Input)
+            prompt.focus()
+            prompt.value = "are you still there?"
+            app.simulate_key("enter")
+            await until(
+                pilot, lambda: screen._turn is not None and screen._turn.finished, 60, "answer"
+            )
+            turn = screen._turn
+            assert turn.error is None, turn.error
+            return shown, turn.text, pids
+
+    first = asyncio.run(session())
+    second = asyncio.run(session())
+    status = studiotui_cli(cluster, "status")
+    said = studiotui_cli(
+        cluster, "chat", "--placement", name, "--max-tokens", "12", "are you still there?"
+    )
+    third = asyncio.run(session())
+    assert name in first[0] and name in second[0]
+    assert first[1] and first[1] == second[1] == third[1]
+    assert first[2] == second[2] == third[2], "a runner was restarted: something reloaded"
+    assert status.returncode == 0 and name in status.stdout and "ready" in status.stdout
+    assert said.returncode == 0, said.stderr
+    assert said.stdout.strip() == first[1]
