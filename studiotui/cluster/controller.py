@@ -303,7 +303,7 @@ class Controller:
                     # keep them, marked, so the placement reads as waiting for this
                     # node rather than gone, and comes back by itself with it.
                     shards = tuple(
-                        replace(s, state="silent", message=f"node {node.name} {silent}")
+                        replace(s, state="silent", message=f"silent: node {node.name} {silent}")
                         for s in node.shards
                     )
                     self._update_node(node.name, state="down", shards=shards, message=silent)
@@ -324,7 +324,7 @@ class Controller:
                 known = self.state.node(node.name)
                 # Shards it was known to hold are kept, marked: they may be serving.
                 shards = tuple(
-                    replace(s, state="silent", message=f"node {node.name} does not answer")
+                    replace(s, state="silent", message=f"silent: node {node.name} does not answer")
                     for s in (known.shards if known else ())
                 )
                 self._update_node(node.name, state="down", shards=shards, message=str(result))
