@@ -251,7 +251,30 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
                 code = code if result.ok else 1
         finally:
             await ctl.close()
-    return 1 if lost else code
+    return 1 if lost else code + await _say_broken(home, inv, {n.name for n in selected})
+
+
+async def _say_broken(home: Path, inv: Inventory, restarted: set[str]) -> int:
+    """Name every placement on the restarted nodes that is not whole after all."""
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        broken = [
+            p
+            for p in ctl.state.placements
+            if p.state != "ready"
+            and (restarted & set(p.nodes) or len(p.shards) != p.shards[0].count)
+        ]
+    finally:
+        await ctl.close()
+    for p in broken:
+        commands.errors.print(
+            f"placement {p.name!r} is {p.state} after the restart: unload it and place it "
+            "again (studiotui unload, then studiotui place)",
+            markup=False,
+            highlight=False,
+        )
+    return 1 if broken else 0
 
 
 async def _restart_local(home: Path, inv: Inventory, node: NodeSpec, started: float) -> Outcome:

@@ -891,8 +891,7 @@ class Controller:
                 )
                 continue
             for shard in mine:
-                reply = await self.peer(shard.node).request("list_shards", timeout=5.0)
-                raw = next(r for r in reply["shards"] if r.get("placement") == placement.name)
+                raw = await self._shard_report(shard)
                 nxt = placement.shards[(shard.index + 1) % shard.count]
                 saved.append(
                     SavedShard(
@@ -904,6 +903,26 @@ class Controller:
                     )
                 )
         return saved, dropped
+
+    async def _shard_report(self, shard: ShardState) -> dict[str, Any]:
+        """What the shard's agent says about it; what the controller last knew when the
+        agent does not answer (a dead agent's shards are reloaded all the same)."""
+        with contextlib.suppress(AgentError, AgentUnreachable):
+            reply = await self.peer(shard.node).request("list_shards", timeout=5.0)
+            for raw in reply["shards"]:
+                if raw.get("placement") == shard.placement:
+                    return dict(raw)
+        return {
+            "model_dir": shard.model_dir,
+            "start": shard.start,
+            "end": shard.end,
+            "index": shard.index,
+            "count": shard.count,
+            "data_port": shard.data_port,
+            "client_port": shard.client_port,
+            "context_tokens": shard.context_tokens,
+            "kv_bytes": shard.kv_bytes,
+        }
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
         """Load again, on the same nodes, layers and ports, shards a restart stopped.

@@ -98,6 +98,21 @@ async def runner_pids(ctl: Controller, placement: str) -> dict[str, int]:
     return out
 
 
+async def listed_models(ctl: Controller) -> list[str]:
+    """What `/v1/models` of `studiotui serve`'s app offers, asked with the openai client."""
+    import openai
+
+    server = await start_server(ctl, "127.0.0.1", 0)
+    try:
+        client = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        try:
+            return [m.id for m in (await client.models.list()).data]
+        finally:
+            await client.close()
+    finally:
+        await server.close()
+
+
 async def wait_for(check: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -147,10 +162,12 @@ def test_a_hung_stage_is_found_in_seconds_and_comes_back_by_itself(
                     seen["mid"] = (str(exc), time.monotonic() - began)
                 await wait_for(lambda: ctl.state.placement(name).state == "broken", 10, "broken")
                 seen["state"] = ctl.state.placement(name).state
+                seen["models"] = await listed_models(ctl)
                 # 2. a new request is refused at once, saying what is known.
                 seen["new"] = await fail_time(ctl, name, tokens)
             # 3. resumed: the placement is ready again by itself, nothing reloaded.
             await wait_for(lambda: ctl.state.placement(name).state == "ready", 15, "ready")
+            seen["models_after"] = await listed_models(ctl)
             seen["after"] = (await collect(ctl, name, tokens, N))[0]
             seen["pids"] = (pids, await runner_pids(ctl, name))
             seen["log"] = [e.text for e in ctl.state.log]
@@ -164,6 +181,7 @@ def test_a_hung_stage_is_found_in_seconds_and_comes_back_by_itself(
     assert middle in message and "stage 2 of 3" in message and "silent" in message
     assert took < 8.0, f"the silent stage took {took:.1f} s to surface"
     assert seen["state"] == "broken"
+    assert seen["models"] == [] and seen["models_after"] == [name]
     refused, took = seen["new"]
     assert "silent since" in refused and middle in refused and took < 1.0
     assert "unload it" not in refused
