@@ -460,7 +460,7 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
     cluster: LocalCluster, model: Path, placed: tuple[str, list[int], list[int]]
 ) -> None:
     name, tokens, _ = placed
-    long_prompt = (tokens * 40)[:1000]  # a prefill long enough to blip inside it
+    long_prompt = (tokens * 80)[:2500]  # a prefill long enough to blip inside it
     expected = reference_tokens(model, long_prompt, N)
 
     async def run() -> dict[str, Any]:
