@@ -64,6 +64,8 @@ def exit_reason(code: int | None, *, loading: bool, fatal: str = "") -> str:
     if code == -signal.SIGKILL:
         return f"shard process exited with code {code} (killed by SIGKILL: out of memory?)"
     return f"shard process exited with code {code}"
+
+
 # A runner beats twice a second (worker.runner.BEAT_EVERY_S); a ready one heard from
 # for this long is "silent" (stopped or frozen) until it speaks again.
 SILENT_AFTER_S = 3.0

@@ -21,17 +21,18 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from studiotui import keys, soak
-from studiotui.agents import Peer
-from studiotui.api import start_server
-from studiotui.controller import Controller, GenerationError
-from studiotui.inventory import dump_inventory, local_inventory
+from studiotui.api.server import start_server
+from studiotui.bench import soak
+from studiotui.cluster import keys
+from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.cluster.peers import Peer
+from studiotui.core.inventory import dump_inventory, local_inventory
 from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.test_engine import collect, prompt_tokens, reference_tokens
+from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
 from worker import agent as agent_mod
-from worker.demo_model import DemoSpec, write_demo_model
-from worker.protocol import curve, messages
-from worker.protocol.frames import RingHeader, encode_ring_header
+from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import curve, messages
+from worker.shared.protocol.frames import RingHeader, encode_ring_header
 
 BASE, PORT = 111, 59100  # 127.0.0.111-113: far from the other test modules
 N = 24
@@ -653,8 +654,8 @@ def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
     from textual.widgets import DataTable, Input
 
     from studiotui.app.app import StudioApp
-    from studiotui.app.chat import ChatScreen
-    from studiotui.app.placements import PlacementsPane
+    from studiotui.app.panes.placements import PlacementsPane
+    from studiotui.app.screens.chat import ChatScreen
 
     name, _, _ = placed
 
