@@ -164,7 +164,7 @@ class Agent:
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         # The controller reconnects under its session's identity: the new connection
-        # takes it over at once, so replies reach it (see studiotui.agents.Peer).
+        # takes it over at once, so replies reach it (see studiotui.cluster.peers.Peer).
         self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.control.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.control.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4000)

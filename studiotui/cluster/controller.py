@@ -140,7 +140,7 @@ class Controller:
         self._subs: dict[str, zmq.asyncio.Socket] = {}
         self.telemetry_dropped = 0
         # One routing identity per peer for this session: after a reconnect the agent
-        # or head knows the socket as the same client (see agents.Peer).
+        # or head knows the socket as the same client (see peers.Peer).
         self.session = uuid.uuid4().hex[:16]
 
     # ---- state --------------------------------------------------------------------------
