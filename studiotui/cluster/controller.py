@@ -165,7 +165,7 @@ class Controller:
         self._set(replace(self.state, nodes=nodes, placements=placements))
         for placement, why in broken:
             if self._unloading.get(placement.name, 0.0) < time.monotonic():
-                hint = _not_ready_hint(placement)
+                hint = _not_ready_hint(placement, self.state.nodes)
                 self.record(
                     f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
                 )
@@ -300,13 +300,8 @@ class Controller:
                     since = _clock(node.last_seen)
                     silent = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
                     # Its shards may well be serving still (a stopped agent, a blip):
-                    # keep them, marked, so the placement reads as waiting for this
-                    # node rather than gone, and comes back by itself with it.
-                    shards = tuple(
-                        replace(s, state="silent", message=f"silent: node {node.name} {silent}")
-                        for s in node.shards
-                    )
-                    self._update_node(node.name, state="down", shards=shards, message=silent)
+                    # the planned ring keeps the placement, and the words say so.
+                    self._update_node(node.name, state="down", shards=(), message=silent)
                     self.record(
                         f"{node.name} is down: {silent}; it is used again as soon as it "
                         f"answers; if it stays silent, restart it "
@@ -321,13 +316,7 @@ class Controller:
         )
         for node, result in zip(self.inventory.nodes, results, strict=True):
             if isinstance(result, BaseException):
-                known = self.state.node(node.name)
-                # Shards it was known to hold are kept, marked: they may be serving.
-                shards = tuple(
-                    replace(s, state="silent", message=f"silent: node {node.name} does not answer")
-                    for s in (known.shards if known else ())
-                )
-                self._update_node(node.name, state="down", shards=shards, message=str(result))
+                self._update_node(node.name, state="down", shards=(), message=str(result))
         return self.state
 
     async def _hello(self, name: str, timeout: float) -> None:
@@ -652,7 +641,7 @@ class Controller:
                     raise GenerationError(
                         "no placement is ready: "
                         + "; ".join(f"{p.name!r} is {p.state}" for p in placements)
-                        + f"; {_not_ready_hint(placements[0])}"
+                        + f"; {_not_ready_hint(placements[0], self.state.nodes)}"
                     )
                 raise GenerationError(
                     "no placement is ready: place a model first (studiotui place)"
@@ -667,7 +656,8 @@ class Controller:
             raise GenerationError(f"no placement named {name!r} (known: {known})")
         if placement.state != "ready":
             raise GenerationError(
-                f"placement {name!r} is {placement.state}, not ready: {_not_ready_hint(placement)}"
+                f"placement {name!r} is {placement.state}, not ready: "
+                f"{_not_ready_hint(placement, self.state.nodes)}"
             )
         return placement
 
@@ -1004,7 +994,7 @@ def _stage(shard: ShardState) -> str:
     return f"stage {shard.index + 1} of {shard.count}, layers {shard.start}-{shard.end - 1}"
 
 
-def _not_ready_hint(placement: PlacementState) -> str:
+def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()) -> str:
     """What an operator can do about a placement that cannot answer yet."""
     if placement.state in ("loading", "prepared"):
         return f"wait until {placement.name!r} is ready"
@@ -1017,6 +1007,17 @@ def _not_ready_hint(placement: PlacementState) -> str:
             f"{placement.name!r} is used again by itself as soon as it answers; if it "
             f"stays silent, restart {s.node} (studiotui restart {s.node}, which reloads "
             "its shards)"
+        )
+    # A node that fell silent may come back with its shards (a stopped agent, a blip):
+    # say what is known first, and reloading only as what to do if it stays away.
+    away = [n for n in nodes if n.name in placement.missing and n.state == "down"]
+    if away:
+        n = away[0]
+        return (
+            f"node {n.name}: {n.message or 'down'}; {placement.name!r} is used again by "
+            f"itself if {n.name} comes back with its shard; if it stays silent, restart it "
+            f"(studiotui restart {n.name}) or place {placement.name!r} again (R on the "
+            "dashboard)"
         )
     return (
         f"unload it and place the model again (studiotui unload {placement.name}, then "

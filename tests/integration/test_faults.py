@@ -250,7 +250,7 @@ def test_a_stopped_agent_hangs_nothing_and_its_node_comes_back_by_itself(
     seen = asyncio.run(run())
     message, took = seen["new"]
     print(message)
-    assert victim in message and "silent since" in message
+    assert victim in message and "silent since" in message and "used again by itself" in message
     assert "unload it" not in message and "place the model again" not in message
     assert took < 1.0 and seen["refresh_s"] < 5.0
     assert seen["node"] == "up"
