@@ -665,7 +665,7 @@ def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
             assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
             await pilot.pause(0.05)
 
-    async def session() -> tuple[str, str, dict[str, int]]:
+    async def session() -> tuple[list[tuple[str, str]], str, dict[str, int]]:
         app = StudioApp(cluster.home, cluster.inventory)
         async with app.run_test(size=(160, 48)) as pilot:
             await until(
@@ -680,11 +680,14 @@ def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
                 20,
                 "the placement is known",
             )
-            await pilot.pause(0.3)
             table = app.query_one(PlacementsPane).query_one("#placements-table", DataTable)
-            shown = " ".join(
-                str(cell) for row in range(table.row_count) for cell in table.get_row_at(row)
-            )
+
+            def shown() -> list[tuple[str, str]]:
+                """Each row's placement name and state, as the table shows them."""
+                rows = [table.get_row_at(row) for row in range(table.row_count)]
+                return [(str(r[0]), str(r[1])) for r in rows]
+
+            await until(pilot, lambda: (name, "ready") in shown(), 10, "the placement is shown")
             pids = await runner_pids(app.controller, name)
             await pilot.press("c")
             await until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "chat screen")
@@ -702,7 +705,7 @@ def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
             )
             turn = screen._turn
             assert turn.error is None, turn.error
-            return shown, turn.text, pids
+            return shown(), turn.text, pids
 
     first = asyncio.run(session())
     second = asyncio.run(session())
@@ -711,7 +714,7 @@ def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
         cluster, "chat", "--placement", name, "--max-tokens", "12", "are you still there?"
     )
     third = asyncio.run(session())
-    assert name in first[0] and name in second[0]
+    assert (name, "ready") in first[0] and (name, "ready") in second[0]
     assert first[1] and first[1] == second[1] == third[1]
     assert first[2] == second[2] == third[2], "a runner was restarted: something reloaded"
     assert status.returncode == 0 and name in status.stdout and "ready" in status.stdout
