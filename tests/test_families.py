@@ -1,0 +1,255 @@
+"""Every family a shard runs, split into 1, 2 and 3 shards, token for token against mlx-lm.
+
+The matrix runs in-process: real shards (mlx-lm's own model classes, loaded from
+demo directories that `mlx_lm.load` loads unchanged) driven by real `Stage`s whose
+frames pass through a work queue instead of ZeroMQ, as in tests/test_stage.py.
+Every frame still crosses as bytes. A subset goes through real agents and runner
+processes at the end of the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_tokenizer
+
+from tests.cluster_fixture import LocalCluster
+from worker.demo_model import FAMILIES, DemoSpec, write_demo_model
+from worker.model_support import FAMILIES as SUPPORTED
+from worker.model_support import unsupported_reason
+from worker.protocol.frames import RingHeader
+from worker.shard import load_shard
+from worker.stage import Stage
+
+LAYERS = 5
+CHUNK = 8
+N_TOKENS = 12
+PROMPT = list(range(40, 62))  # 22 tokens: three prefill chunks, past the 8-token windows
+SPLITS = {1: [(0, 5)], 2: [(0, 2), (2, 5)], 3: [(0, 1), (1, 4), (4, 5)]}
+# The 3-shard split runs on a subset: one of each kind of attention and cache.
+THREE_SHARDS = ("deepseek_v3", "deepseek_v32", "gpt_oss", "qwen3_next", "gemma3_text", "llama")
+
+
+def spec(arch: str, quantize: str | None = None, **kw: Any) -> DemoSpec:
+    base: dict[str, Any] = {"layers": LAYERS, "hidden": 64, "heads": 4, "kv_heads": 2}
+    return DemoSpec(arch=arch, dtype="float32", seed=11, quantize=quantize, **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    root = tmp_path_factory.mktemp("families")
+    made: dict[str, Path] = {}
+
+    def get(arch: str, quantize: str | None = None, **kw: Any) -> Path:
+        key = "-".join([arch, str(quantize), *(f"{k}{v}" for k, v in sorted(kw.items()))])
+        if key not in made:
+            made[key] = write_demo_model(root / key, spec(arch, quantize, **kw))
+        return made[key]
+
+    return get
+
+
+def reference(model: Path, n: int = N_TOKENS, sampler: Any = None) -> list[int]:
+    loaded, _ = mlx_lm.load(str(model))
+    steps = generate_step(
+        mx.array(PROMPT), loaded, max_tokens=n, prefill_step_size=CHUNK, sampler=sampler
+    )
+    return [int(tok) for tok, _ in steps]
+
+
+class Ring:
+    """N stages of one placement in one process; frames go through a work queue as bytes."""
+
+    def __init__(self, model: Path, ranges: list[tuple[int, int]]) -> None:
+        self.work: deque[Callable[[], None]] = deque()
+        self.client: list[tuple[str, dict[str, Any]]] = []
+        tok = load_tokenizer(model)
+        self.stages = [
+            Stage(
+                load_shard(model, a, b),
+                tok,
+                _Links(self, i),
+                schedule=self.work.append,
+                prefill_chunk=CHUNK,
+                hops=len(ranges),
+            )
+            for i, (a, b) in enumerate(ranges)
+        ]
+
+    def submit(self, rid: str, params: dict[str, Any], tokens: list[int] = PROMPT) -> None:
+        self.stages[0].submit(b"c", {"rid": rid, "params": params, "tokens": tokens})
+
+    def drain(self, steps: int | None = None) -> None:
+        done = 0
+        while self.work and (steps is None or done < steps):
+            self.work.popleft()()
+            done += 1
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for k, f in self.client if k == "delta" and f["rid"] == rid for t in f["tokens"]]
+
+    def answer(self, params: dict[str, Any], rid: str = "r") -> list[int]:
+        self.submit(rid, params)
+        self.drain()
+        return self.tokens(rid)
+
+    def held(self) -> list[int]:
+        """Per-request state each stage still keeps."""
+        return [len(s.caches) + len(s.prebuilt) + len(s.tail_requests) for s in self.stages]
+
+
+class _Links:
+    def __init__(self, ring: Ring, index: int) -> None:
+        self.ring, self.index = ring, index
+
+    def to_next(self, header: RingHeader, activation: mx.array | None) -> None:
+        payload = bytes(memoryview(activation)) if activation is not None else b""
+        nxt = self.ring.stages[self.index + 1]
+        self.ring.work.append(lambda: nxt.on_frame(header, payload))
+
+    def to_head(self, header: RingHeader) -> None:
+        head = self.ring.stages[0]
+        self.ring.work.append(lambda: head.on_frame(header, b""))
+
+    def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
+        self.ring.client.append((kind, fields))
+
+
+GREEDY = {"max_tokens": N_TOKENS, "temperature": 0.0, "ignore_eos": True}
+SAMPLED = {"max_tokens": N_TOKENS, "temperature": 1.5, "top_p": 0.98, "seed": 5, "ignore_eos": True}
+
+
+def test_every_demo_family_is_in_the_support_table() -> None:
+    assert set(FAMILIES) == set(SUPPORTED)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_family_split_into_shards_matches_mlx_lm(models: Callable[..., Path], arch: str) -> None:
+    model = models(arch)
+    assert unsupported_reason(mlx_lm.utils.load_config(model)) is None
+    expected = reference(model)
+    counts = (1, 2, 3) if arch in THREE_SHARDS else (1, 2)
+    sampled: dict[int, list[int]] = {}
+    for n in counts:
+        ring = Ring(model, SPLITS[n])
+        assert ring.answer(GREEDY) == expected, f"{arch} over {n} shards diverged"
+        sampled[n] = ring.answer(SAMPLED, rid="s")
+        assert ring.held() == [0] * n
+    # Seeded sampling gives the same tokens whatever the split.
+    assert len({tuple(s) for s in sampled.values()}) == 1, sampled
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_4bit_family_split_into_shards_matches_mlx_lm(
+    models: Callable[..., Path], arch: str
+) -> None:
+    model = models(arch, "4")
+    config = mlx_lm.utils.load_config(model)
+    assert config["quantization"]["bits"] == 4
+    expected = reference(model)
+    for n in (1, 2):
+        assert Ring(model, SPLITS[n]).answer(GREEDY) == expected, f"4-bit {arch}, {n} shards"
+
+
+@pytest.mark.parametrize(
+    ("quantize", "group"),
+    [
+        ("8", None),
+        ("4", 32),
+        ("4", 128),
+        ("mixed", None),
+        ("mxfp4", None),
+        ("mxfp8", None),
+        ("nvfp4", None),
+    ],
+)
+def test_every_quantization_runs_split(
+    models: Callable[..., Path], quantize: str, group: int | None
+) -> None:
+    arch = "gpt_oss" if quantize == "mxfp4" else "qwen3_moe"  # gpt-oss ships in mxfp4
+    # A group of 128 needs rows of 128: the demo is twice as wide then.
+    kw = {"group_size": group, "hidden": max(64, group)} if group else {}
+    model = models(arch, quantize, **kw)
+    quant = mlx_lm.utils.load_config(model)["quantization"]
+    assert unsupported_reason(mlx_lm.utils.load_config(model)) is None
+    if quantize == "mixed":
+        # Per-module overrides, as mlx-lm's mixed_4_6 recipe writes them.
+        assert {q["bits"] for q in quant.values() if isinstance(q, dict)} == {4, 6}
+    else:
+        assert quant["mode"] == ("affine" if quantize in "48" else quantize)
+    assert Ring(model, SPLITS[3]).answer(GREEDY) == reference(model)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
+def test_concurrent_requests_match_alone_and_cancel_frees_every_cache(
+    models: Callable[..., Path], arch: str
+) -> None:
+    model = models(arch)
+    ring = Ring(model, SPLITS[2])
+    prompts = [PROMPT[: 10 + 4 * i] for i in range(3)]
+    params = [{**SAMPLED, "seed": i} for i in range(3)]
+    alone = []
+    for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
+        ring.submit(f"alone{i}", q, p)
+        ring.drain()
+        alone.append(ring.tokens(f"alone{i}"))
+    for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
+        ring.submit(f"together{i}", q, p)
+    ring.drain()
+    assert [ring.tokens(f"together{i}") for i in range(3)] == alone
+    assert len({tuple(a) for a in alone}) == 3
+
+    ring.submit("cancelled", {**GREEDY, "max_tokens": 500})
+    ring.drain(steps=20)
+    assert all(ring.held()), "the request should be in flight on every shard"
+    ring.stages[0].cancel("cancelled")
+    ring.drain()
+    assert ring.held() == [0, 0]
+
+
+# ---- through real agents and runner processes ------------------------------------------
+
+
+async def _collect(ctl: Any, placement: str, n: int) -> list[int]:
+    out: list[int] = []
+    params = {"max_tokens": n, "ignore_eos": True}
+    async for msg in ctl.generate(placement, {"tokens": PROMPT}, params):
+        if msg["type"] == "delta":
+            out += msg["tokens"]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "quantize"), [("deepseek_v3", None), ("qwen3_moe", "4"), ("qwen3_next", "mxfp4")]
+)
+def test_real_agents_run_moe_and_hybrid_families(
+    engine_cluster: LocalCluster, models: Callable[..., Path], arch: str, quantize: str | None
+) -> None:
+    model = models(arch, quantize)
+    expected = reference(model, 16)
+    names = list(engine_cluster.inventory.names)
+
+    async def run() -> dict[int, list[int]]:
+        ctl = engine_cluster.controller()
+        got = {}
+        try:
+            await ctl.refresh()
+            for n in (2, 3):
+                name = f"{arch}-{n}"
+                await ctl.place(model, names[:n], name, prefill_chunk=CHUNK)
+                got[n] = await _collect(ctl, name, 16)
+                await ctl.unload(name)
+        finally:
+            await ctl.close()
+        return got
+
+    for n, tokens in asyncio.run(run()).items():
+        assert tokens == expected, f"{arch} ({quantize}) over {n} nodes diverged"
