@@ -26,7 +26,7 @@ from worker.demo_model import FAMILIES, DemoSpec, write_demo_model
 from worker.model_support import FAMILIES as SUPPORTED
 from worker.model_support import unsupported_reason
 from worker.protocol.frames import RingHeader
-from worker.shard import load_shard
+from worker.shard import ShardLoadError, load_shard
 from worker.stage import Stage
 
 LAYERS = 5
@@ -253,3 +253,18 @@ def test_real_agents_run_moe_and_hybrid_families(
 
     for n, tokens in asyncio.run(run()).items():
         assert tokens == expected, f"{arch} ({quantize}) over {n} nodes diverged"
+
+
+def test_unquantized_half_precision_experts_are_refused_on_the_cpu(tmp_path: Path) -> None:
+    # MLX's CPU gather_mm multiplies float32 only: the shard says so before reading weights,
+    # rather than failing at the first token. Quantized experts run in any dtype.
+    model = write_demo_model(
+        tmp_path / "bf16", DemoSpec(arch="qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2)
+    )
+    with pytest.raises(ShardLoadError, match=r"unquantized bfloat16 experts.*float32"):
+        load_shard(model, 0, 2)
+    quantized = write_demo_model(
+        tmp_path / "q",
+        DemoSpec(arch="qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2, quantize="4"),
+    )
+    assert Ring(quantized, [(0, 1), (1, 2)]).answer(GREEDY) == reference(quantized)

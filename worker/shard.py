@@ -125,6 +125,7 @@ def load_shard(
     owned = _owned_modules(model, inner_path, layers, start, end, n_layers)
     if partial:
         _check_present(model_dir, owned)
+    _check_backend(owned)
     param_bytes = _evaluate(owned, progress)
     if fuse:
         fuse_for_cpu([inner])  # a no-op where MLX computes on a GPU
@@ -162,6 +163,26 @@ def _owned_modules(
     if end == n_layers:
         owned += [(n, m) for n, m in outer if n.rsplit(".", 1)[-1] != "embed_tokens"]
     return owned
+
+
+def _check_backend(owned: list[tuple[str, Any]]) -> None:
+    """Refuse, before reading a byte, experts MLX's CPU backend cannot multiply: its
+    gather_mm takes float32 only, so unquantized float16/bfloat16 experts would fail at
+    the first token. (Quantized experts use gather_qmm, which takes every dtype; on an
+    Apple GPU all of them run.)"""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+    for name, module in owned:
+        for path, sub in module.named_modules():
+            if type(sub) is SwitchLinear and sub.weight.dtype != mx.float32:
+                dtype = _dtype_name(sub.weight.dtype)
+                raise ShardLoadError(
+                    f"{name}.{path} holds unquantized {dtype} experts, which "
+                    "MLX's CPU backend multiplies only in float32: on this node use a "
+                    "quantized (4-bit, 8-bit, mxfp4...) or float32 conversion of the model"
+                )
 
 
 def _missing_weight_files(model_dir: Path) -> list[str]:
@@ -212,3 +233,7 @@ def _first_dtype(layers: list[Any]) -> Any:
         if mx.issubdtype(p.dtype, mx.floating):
             return p.dtype
     return mx.float32
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
