@@ -370,8 +370,11 @@ def _new_lines_start(seen: list[str], lines: list[str]) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
-    from worker.demo_model import DemoSpec, write_demo_model
+    from worker.demo_model import HAS_EXPERTS, DemoModelError, DemoSpec, write_demo_model
 
+    dtype = args.dtype or (
+        "float32" if args.arch in HAS_EXPERTS and not args.quantize else "bfloat16"
+    )
     try:
         spec = DemoSpec(
             arch=args.arch,
@@ -379,14 +382,24 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
             hidden=args.hidden,
             heads=args.heads,
             kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            experts=args.experts,
             seed=args.seed,
-            dtype=args.dtype,
+            dtype=dtype,
+            quantize=args.quantize,
+            group_size=args.group_size,
+            files=args.files,
             recite=args.recite,
         )
-    except ValueError as exc:
+        path = write_demo_model(args.dir.expanduser(), spec)
+    except DemoModelError as exc:
         raise UserError(str(exc)) from None
-    path = write_demo_model(args.dir.expanduser(), spec)
-    console.print(f"wrote {spec.arch} demo model ({spec.layers} layers) to {path}")
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    packed = f", {args.quantize}" + ("-bit" if args.quantize in ("4", "8") else "")
+    console.print(
+        f"wrote {spec.arch} demo model ({spec.layers} layers, {dtype}"
+        f"{packed if args.quantize else ''}, {format_bytes(size)}) to {path}"
+    )
     return 0
 
 

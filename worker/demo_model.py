@@ -60,6 +60,8 @@ MOE = (
     "gemma3_text",
 )
 FAMILIES = DENSE + MOE
+# Those whose experts are SwitchLinear (mlx-lm's gather_mm): all of MOE but two dense hybrids.
+HAS_EXPERTS = tuple(f for f in MOE if f not in ("qwen3_5", "gemma3_text"))
 # --quantize: affine 4 or 8 bits, MLX's float formats, or mlx-lm's "mixed_4_6" recipe.
 QUANTIZE = ("4", "8", "mxfp4", "mxfp8", "nvfp4", "mixed")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
