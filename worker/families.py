@@ -65,6 +65,18 @@ class Relay:
     def __init__(self, start: int, end: int) -> None:
         self.start, self.end = start, end
         self.incoming: mx.array | None = None
+        self._ids: dict[tuple[int, ...], mx.array] = {}
+
+    def placeholder_ids(self, shape: tuple[int, ...]) -> mx.array:
+        """Token ids for the model to embed on a shard that is not the first: it never
+        evaluates them (the stand-in before the shard hands over the activation), so
+        one array per shape serves every step."""
+        ids = self._ids.get(shape)
+        if ids is None:
+            if len(self._ids) > 64:  # prefill chunks of many lengths: start over
+                self._ids.clear()
+            ids = self._ids[shape] = mx.zeros(shape, dtype=mx.int32)
+        return ids
 
     def at(self, index: int, h: mx.array) -> mx.array:
         if index == self.start - 1:
@@ -172,9 +184,7 @@ def run(model: nn.Module, relay: Relay, first: bool, h: mx.array, caches: LayerC
     if first:
         inputs = h
     else:
-        # The model embeds these, lazily, and never evaluates them: the stand-in before
-        # the shard hands over `h` instead.
-        inputs = mx.zeros(h.shape[:2], dtype=mx.int32)
+        inputs = relay.placeholder_ids(tuple(h.shape[:2]))
         relay.incoming = h
     try:
         out = model(inputs, cache=caches.full)
