@@ -10,6 +10,8 @@ processes at the end of the file.
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -268,3 +270,71 @@ def test_unquantized_half_precision_experts_are_refused_on_the_cpu(tmp_path: Pat
         DemoSpec(arch="qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2, quantize="4"),
     )
     assert Ring(quantized, [(0, 1), (1, 2)]).answer(GREEDY) == reference(quantized)
+
+
+def test_gpt_oss_as_it_ships_its_quantization_config_runs(
+    models: Callable[..., Path], tmp_path: Path
+) -> None:
+    # gpt-oss's config.json names only {"quant_method": "mxfp4"}; mlx-lm works out the
+    # modes from the tensors. Same weights, that config: the same tokens, split.
+    source = models("gpt_oss", "mxfp4")
+    model = tmp_path / "gpt-oss"
+    shutil.copytree(source, model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("quantization")
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (model / "config.json").write_text(json.dumps(config))
+    assert unsupported_reason(config) is None
+    assert Ring(model, SPLITS[2]).answer(GREEDY) == reference(source)
+
+
+def _config(**quant: Any) -> dict[str, Any]:
+    return {"model_type": "qwen3_moe", "quantization": quant}
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"model_type": "deepseek_v3"}, None),
+        ({"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2"}}, None),
+        ({"model_type": "bert"}, "model family 'bert' is not supported"),
+        (_config(bits=4, group_size=64, mode="affine"), None),
+        (_config(bits=4, group_size=32, mode="mxfp4"), None),
+        (_config(bits=4, group_size=16, mode="nvfp4"), None),
+        (_config(bits=8, group_size=32, mode="mxfp8"), None),
+        (_config(bits=4, group_size=64, mode="mxfp4"), "mxfp4 is group size 32, 4 bits"),
+        (_config(bits=7, group_size=64), "7-bit affine quantization is not supported"),
+        (_config(bits=4, group_size=48), "group size 48 is not supported"),
+        (_config(bits=4, group_size=64, mode="fp3"), "quantization mode 'fp3' is not"),
+        (
+            _config(
+                bits=4, group_size=64, **{"model.layers.0.mlp.gate": {"bits": 9, "group_size": 64}}
+            ),
+            "9-bit affine quantization for model.layers.0.mlp.gate is not supported",
+        ),
+        (
+            _config(
+                bits=4,
+                group_size=64,
+                **{"lm_head": {"bits": 6, "group_size": 64}, "model.embed_tokens": False},
+            ),
+            None,
+        ),
+        (
+            {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}},
+            None,
+        ),
+        (
+            {"model_type": "gpt_oss", "quantization_config": {"quant_method": "awq2"}},
+            "quantization method 'awq2' is not supported",
+        ),
+    ],
+)
+def test_the_support_table_names_what_it_refuses(
+    config: dict[str, Any], reason: str | None
+) -> None:
+    got = unsupported_reason(config)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got
