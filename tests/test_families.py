@@ -248,31 +248,38 @@ async def _collect(ctl: Any, placement: str, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "quantize"), [("deepseek_v3", None), ("qwen3_moe", "4"), ("qwen3_next", "mxfp4")]
+    ("arch", "quantize", "nodes"),
+    [
+        ("deepseek_v3", None, 3),
+        ("qwen3_moe", "4", 2),
+        ("qwen3_next", "mxfp4", 3),
+        ("gpt_oss", "mxfp4", 2),
+    ],
 )
 def test_real_agents_run_moe_and_hybrid_families(
-    engine_cluster: LocalCluster, models: Callable[..., Path], arch: str, quantize: str | None
+    engine_cluster: LocalCluster,
+    models: Callable[..., Path],
+    arch: str,
+    quantize: str | None,
+    nodes: int,
 ) -> None:
     model = models(arch, quantize)
     expected = reference(model, 16)
-    names = list(engine_cluster.inventory.names)
 
-    async def run() -> dict[int, list[int]]:
+    async def run() -> list[int]:
         ctl = engine_cluster.controller()
-        got = {}
         try:
             await ctl.refresh()
-            for n in (2, 3):
-                name = f"{arch}-{n}"
-                await ctl.place(model, names[:n], name, prefill_chunk=CHUNK)
-                got[n] = await _collect(ctl, name, 16)
-                await ctl.unload(name)
+            names = list(engine_cluster.inventory.names)[:nodes]
+            await ctl.place(model, names, arch, prefill_chunk=CHUNK)
+            assert len(ctl.state.placement(arch).shards) == nodes
+            got = await _collect(ctl, arch, 16)
+            await ctl.unload(arch)
+            return got
         finally:
             await ctl.close()
-        return got
 
-    for n, tokens in asyncio.run(run()).items():
-        assert tokens == expected, f"{arch} ({quantize}) over {n} nodes diverged"
+    assert asyncio.run(run()) == expected, f"{arch} ({quantize}) over {nodes} nodes diverged"
 
 
 def test_unquantized_half_precision_experts_are_refused_on_the_cpu(tmp_path: Path) -> None:
