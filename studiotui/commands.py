@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -391,7 +392,7 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
             files=args.files,
             recite=args.recite,
         )
-        path = write_demo_model(args.dir.expanduser(), spec)
+        path = _interruptible(lambda stop: write_demo_model(args.dir.expanduser(), spec, stop))
     except DemoModelError as exc:
         raise UserError(str(exc)) from None
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -401,6 +402,24 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
         f"{packed if args.quantize else ''}, {format_bytes(size)}) to {path}"
     )
     return 0
+
+
+def _interruptible(work: Callable[[Callable[[], bool]], Path]) -> Path:
+    """Run `work(stop)` with Ctrl-C and SIGTERM turned into `stop()` being True: the
+    work ends at its next check (and cleans up) instead of wherever the signal lands."""
+    import signal
+    import threading
+
+    requested = threading.Event()
+    handlers = {
+        sig: signal.signal(sig, lambda *_: requested.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        return work(requested.is_set)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def cmd_bench(args: argparse.Namespace, home: Path) -> int:

@@ -115,12 +115,13 @@ def test_a_model_too_big_for_the_disk_is_refused_before_writing(tmp_path: Path) 
         DemoSpec(hidden=96, heads=8, quantize="4", group_size=64)
 
 
-def test_an_interrupted_write_leaves_no_directory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_write_leaves_no_directory(tmp_path: Path, sig: signal.Signals) -> None:
     target = tmp_path / "big"
     partial = tmp_path / ".big.partial"
     env = {**os.environ, "STUDIOTUI_HOME": str(tmp_path / "home")}
     proc = subprocess.Popen(
-        [*CLI, "demo-model", str(target), "--layers", "40", "--hidden", "1024"],
+        [*CLI, "demo-model", str(target), "--layers", "40", "--hidden", "512"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -132,7 +133,7 @@ def test_an_interrupted_write_leaves_no_directory(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert (partial / "model.safetensors").exists(), "the write never started"
         assert not target.exists(), "the directory appears only when complete"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:

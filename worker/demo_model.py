@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -683,12 +684,16 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
-def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
+def write_demo_model(
+    directory: Path, spec: DemoSpec, stop: Callable[[], bool] | None = None
+) -> Path:
     """Write the model; the same spec always gives byte-identical files.
 
     Refuses (DemoModelError) before writing anything when the disk or memory cannot
     hold it. Nothing half-written is left behind: the files go to a hidden sibling
-    directory that becomes `directory` only when complete."""
+    directory that becomes `directory` only when complete. `stop` is asked before each
+    module: True ends the write with KeyboardInterrupt (the CLI's signal handlers set
+    it, so an interrupt is honoured between modules, never lost inside C code)."""
     config = make_config(spec)
     parts, config = _plan(spec, config)
     check_room(directory, _needs(parts))
@@ -697,7 +702,7 @@ def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
     shutil.rmtree(partial, ignore_errors=True)  # what a killed earlier run left
     partial.mkdir()
     try:
-        _write_all(partial, spec, config, parts)
+        _write_all(partial, spec, config, parts, stop or (lambda: False))
         _move_into_place(partial, directory)
     except BaseException:  # an interrupt too: no half-written model stays behind
         shutil.rmtree(partial, ignore_errors=True)
@@ -705,9 +710,17 @@ def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
     return directory
 
 
-def _write_all(directory: Path, spec: DemoSpec, config: dict, parts: list[_Part]) -> None:
+def _write_all(
+    directory: Path, spec: DemoSpec, config: dict, parts: list[_Part], stop: Callable[[], bool]
+) -> None:
     values = _Values(spec, config, parts)
-    _save_weights(directory, parts, values, spec.files, spec.layers)
+
+    def made(part: _Part) -> dict[str, mx.array]:
+        if stop():
+            raise KeyboardInterrupt
+        return values(part)
+
+    _save_weights(directory, parts, made, spec.files, spec.layers)
     _write_json(directory / "config.json", config)
     (directory / "tokenizer.json").write_text(tokenizer_json(spec.recite))
     _write_json(directory / "tokenizer_config.json", tokenizer_config())
@@ -746,7 +759,11 @@ def _move_into_place(partial: Path, directory: Path) -> None:
 
 
 def _save_weights(
-    directory: Path, parts: list[_Part], values: _Values, files: int, layers: int
+    directory: Path,
+    parts: list[_Part],
+    values: Callable[[_Part], dict[str, mx.array]],
+    files: int,
+    layers: int,
 ) -> None:
     groups: list[list[_Part]] = [[] for _ in range(max(1, files))]
     for part in parts:
@@ -764,7 +781,9 @@ def _save_weights(
     _write_json(directory / "model.safetensors.index.json", index)
 
 
-def _write_safetensors(path: Path, parts: list[_Part], values: _Values) -> list[str]:
+def _write_safetensors(
+    path: Path, parts: list[_Part], values: Callable[[_Part], dict[str, mx.array]]
+) -> list[str]:
     """A safetensors file written one module at a time: the header from the plan, then
     each module's tensors as they are made."""
     header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
