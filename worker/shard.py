@@ -104,6 +104,9 @@ def load_shard(
         family = families.check_family(config)
     except families.UnsupportedFamily as exc:
         raise ShardLoadError(str(exc)) from None
+    declared = decoder_config(config).get("num_hidden_layers")
+    if isinstance(declared, int):
+        _check_range(start, end, declared)  # before building anything
     partial = _missing_weight_files(model_dir)
     try:
         # A node may hold only the files of its own layers: then missing tensors are
@@ -116,10 +119,7 @@ def load_shard(
     except families.UnsupportedFamily as exc:
         raise ShardLoadError(str(exc)) from None
     n_layers = len(inner.layers)
-    if not 0 <= start < end <= n_layers:
-        raise ShardLoadError(
-            f"layer range [{start}, {end}) is outside the model's {n_layers} layers"
-        )
+    _check_range(start, end, n_layers)
     # The layers other shards run become stand-ins, so nothing can evaluate (read) them.
     layers, relay = families.place_stand_ins(inner, start, end)
     owned = _owned_modules(model, inner_path, layers, start, end, n_layers)
@@ -144,6 +144,13 @@ def load_shard(
         relay=relay,
         owned=[name for name, _ in owned],
     )
+
+
+def _check_range(start: int, end: int, n_layers: int) -> None:
+    if not 0 <= start < end <= n_layers:
+        raise ShardLoadError(
+            f"layer range [{start}, {end}) is outside the model's {n_layers} layers"
+        )
 
 
 def _owned_modules(
