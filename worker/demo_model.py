@@ -59,6 +59,8 @@ MOE = (
     "qwen3_5_moe",
     "mixtral",
     "gemma3_text",
+    "glm4_moe_lite",
+    "qwen2_moe",
 )
 FAMILIES = DENSE + MOE
 # Those whose experts are SwitchLinear (mlx-lm's gather_mm): all of MOE but two dense hybrids.
@@ -306,6 +308,13 @@ def _family_fields(spec: DemoSpec) -> dict[str, Any]:
                 "partial_rotary_factor": 0.25,
             },
         },
+        "glm4_moe_lite": {**mla, "num_nextn_predict_layers": 0},
+        "qwen2_moe": {
+            "num_experts": spec.experts,
+            "moe_intermediate_size": expert_width,
+            "shared_expert_intermediate_size": expert_width,
+            **experts,
+        },
         "gemma3_text": {
             "query_pre_attn_scalar": head_dim,
             "sliding_window": window,
@@ -315,7 +324,7 @@ def _family_fields(spec: DemoSpec) -> dict[str, Any]:
         },
     }
     out = dict(fields.get(spec.arch, {}))
-    if spec.arch in ("deepseek_v3", "kimi_k25", "deepseek_v32", "glm4_moe"):
+    if spec.arch in ("deepseek_v3", "kimi_k25", "deepseek_v32", "glm4_moe", "glm4_moe_lite"):
         out["intermediate_size"] = 2 * spec.hidden  # the dense first layer
     return out
 
@@ -337,6 +346,8 @@ _ARCH_CLASS = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 

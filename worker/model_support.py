@@ -34,6 +34,8 @@ FAMILY_NOTES: dict[str, str] = {
     "qwen3_5_moe": "linear attention mixed with full + experts (Qwen3.5 MoE)",
     "mixtral": "mixture of experts (Mixtral)",
     "gemma3_text": "sliding/global attention pattern, scaled embedding (Gemma 3 text)",
+    "glm4_moe_lite": "MLA attention + mixture of experts (GLM-4.7-Flash)",
+    "qwen2_moe": "mixture of experts with a shared expert (Qwen1.5/2 MoE)",
 }
 FAMILIES: tuple[str, ...] = tuple(FAMILY_NOTES)
 
