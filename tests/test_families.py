@@ -402,3 +402,19 @@ def test_shards_run_from_directories_holding_only_their_files(tmp_path: Path, ar
     assert all(len(list(p.glob("model-*.safetensors"))) < LAYERS for p in parts)
     ring = Ring.from_parts(parts, ranges)
     assert ring.answer(GREEDY) == reference(model)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_next"])
+def test_tied_embeddings_serve_as_the_head_on_the_last_shard(
+    models: Callable[..., Path], arch: str
+) -> None:
+    model = models(arch, tie_embeddings=True)
+    assert "lm_head.weight" not in mx.load(str(model / "model.safetensors"))
+    expected = reference(model)
+    for n in (2, 3):
+        ring = Ring(model, SPLITS[n])
+        # The last shard reads the embedding (its head); a middle one does not.
+        owned = [" ".join(stage.shard.owned) for stage in ring.stages]
+        assert "embed_tokens" in owned[0] and "embed_tokens" in owned[-1]
+        assert all("embed_tokens" not in o for o in owned[1:-1])
+        assert ring.answer(GREEDY) == expected, f"tied {arch} over {n} shards"
