@@ -418,3 +418,54 @@ def test_tied_embeddings_serve_as_the_head_on_the_last_shard(
         assert "embed_tokens" in owned[0] and "embed_tokens" in owned[-1]
         assert all("embed_tokens" not in o for o in owned[1:-1])
         assert ring.answer(GREEDY) == expected, f"tied {arch} over {n} shards"
+
+
+def _hugging_face_layout(mlx_dir: Path, out: Path) -> Path:
+    """The same qwen3_moe weights as the original checkpoints lay them out: one tensor per
+    expert, split over one file per layer with an index. mlx-lm's sanitize stacks them."""
+    out.mkdir()
+    for f in mlx_dir.iterdir():
+        if not f.name.startswith("model"):
+            shutil.copy(f, out / f.name)
+    weights = mx.load(str(mlx_dir / "model.safetensors"))
+    files: dict[str, dict[str, mx.array]] = {}
+    for key, value in weights.items():
+        parts = key.split(".")
+        layer = parts[2] if key.startswith("model.layers.") else "rest"
+        group = files.setdefault(f"model-{layer}.safetensors", {})
+        if ".switch_mlp." in key:
+            for e in range(value.shape[0]):
+                group[key.replace(".switch_mlp.", f".experts.{e}.")] = value[e]
+        else:
+            group[key] = value
+    for name, group in files.items():
+        mx.save_safetensors(str(out / name), group)
+    weight_map = {k: name for name, group in files.items() for k in group}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_a_download_in_hugging_face_layout_runs_from_partial_directories(
+    models: Callable[..., Path], tmp_path: Path
+) -> None:
+    from studiotui.model_files import needed_files
+
+    source = models("qwen3_moe")
+    model = _hugging_face_layout(source, tmp_path / "hf")
+    ranges = SPLITS[2]
+    parts = []
+    for i, (a, b) in enumerate(ranges):
+        parts.append(tmp_path / f"part{i}")
+        parts[-1].mkdir()
+        for f in needed_files(model, a, b, LAYERS):
+            shutil.copy(model / f.name, parts[-1] / f.name)
+    # The experts' names in the files are not the module's: the shard checks what it
+    # owns under the names mlx-lm's sanitize gives them.
+    assert Ring.from_parts(parts, ranges).answer(GREEDY) == reference(source)
+    shutil.rmtree(parts[1])
+    parts[1].mkdir()
+    for f in needed_files(model, 0, 2, LAYERS):  # the wrong shard's files
+        shutil.copy(model / f.name, parts[1] / f.name)
+    with pytest.raises(ShardLoadError, match=r"lacks model\.layers\.2\."):
+        load_shard(parts[1], 2, 5)

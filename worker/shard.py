@@ -11,6 +11,7 @@ so masks, caches and embedding scales are the family's own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ def load_shard(
     layers, relay = families.place_stand_ins(inner, start, end)
     owned = _owned_modules(model, inner_path, layers, start, end, n_layers)
     if partial:
-        _check_present(model_dir, owned)
+        _check_present(model_dir, model, owned)
     _check_backend(owned)
     param_bytes = _evaluate(owned, progress)
     if fuse:
@@ -203,13 +204,19 @@ def _missing_weight_files(model_dir: Path) -> list[str]:
     return sorted(f for f in files if not (model_dir / f).is_file())
 
 
-def _check_present(model_dir: Path, owned: list[tuple[str, Any]]) -> None:
-    from safetensors import safe_open
-
-    present: set[str] = set()
+def _check_present(model_dir: Path, model: Any, owned: list[tuple[str, Any]]) -> None:
+    """Every tensor this shard owns is in the files the node holds. A download in the
+    original Hugging Face layout names its tensors otherwise (experts one by one,
+    gpt-oss's packed blocks...): the model's own `sanitize` renames them, lazily (no byte
+    is read), as loading does, and both sets of names count."""
+    present_arrays: dict[str, Any] = {}
     for file in model_dir.glob("*.safetensors"):
-        with safe_open(str(file), framework="numpy") as f:
-            present |= set(f.keys())
+        present_arrays.update(mx.load(str(file)))  # lazy: nothing is read
+    present = set(present_arrays)
+    if hasattr(model, "sanitize"):
+        # A partial set sanitize cannot take leaves the names as they are.
+        with contextlib.suppress(Exception):
+            present |= set(model.sanitize(dict(present_arrays)))
     for prefix, module in owned:
         for name, _ in tree_flatten(module.parameters()):
             if f"{prefix}.{name}" not in present:
