@@ -404,7 +404,7 @@ def test_shards_run_from_directories_holding_only_their_files(tmp_path: Path, ar
     assert ring.answer(GREEDY) == reference(model)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_next", "gemma3_text"])
 def test_tied_embeddings_serve_as_the_head_on_the_last_shard(
     models: Callable[..., Path], arch: str
 ) -> None:

@@ -418,6 +418,8 @@ def _plan(spec: DemoSpec, config: dict) -> tuple[list[_Part], dict]:
     parts = []
     for path, module in model.named_modules():
         own = {k: v for k, v in module.items() if isinstance(v, mx.array) and k[0] != "_"}
+        if spec.tie_embeddings and path.rsplit(".", 1)[-1] == "lm_head":
+            continue  # a class that builds a head anyway (gemma3) drops it when it is absent
         if own:
             parts.append(_Part(path, module, quant_of.get(path), own))
     parts.sort(key=lambda p: _natural(p.path))
