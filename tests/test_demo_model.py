@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import mlx_lm
 import pytest
 
 from worker.demo_model import DemoModelError, DemoSpec, write_demo_model
@@ -129,3 +131,23 @@ def test_an_interrupted_write_leaves_no_directory(tmp_path: Path, sig: signal.Si
             proc.wait()
     assert proc.returncode == 130
     assert not target.exists() and not partial.exists()
+
+
+def test_the_command_writes_a_quantized_moe_model_mlx_lm_loads(tmp_path: Path) -> None:
+    model = tmp_path / "oss"
+    out = run_cli(
+        tmp_path, str(model), "--arch", "gpt_oss", "--quantize", "mxfp4", "--layers", "2",
+        "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "wrote gpt_oss demo model (2 layers, bfloat16, mxfp4" in " ".join(out.stdout.split())
+    config = json.loads((model / "config.json").read_text())
+    assert config["quantization"]["mode"] == "mxfp4"
+    loaded, _ = mlx_lm.load(str(model))
+    assert len(loaded.layers) == 2
+    # An unquantized mixture of experts defaults to float32: MLX's CPU backend runs it.
+    moe = tmp_path / "moe"
+    out = run_cli(tmp_path, str(moe), "--arch", "qwen3_moe", "--layers", "1", "--hidden", "32",
+                  "--heads", "2", "--kv-heads", "1")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads((moe / "config.json").read_text())["torch_dtype"] == "float32"
