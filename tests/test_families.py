@@ -469,3 +469,47 @@ def test_a_download_in_hugging_face_layout_runs_from_partial_directories(
         shutil.copy(model / f.name, parts[1] / f.name)
     with pytest.raises(ShardLoadError, match=r"lacks model\.layers\.2\."):
         load_shard(parts[1], 2, 5)
+
+
+def test_a_placement_of_experts_the_cpu_cannot_run_fails_with_the_reason(
+    engine_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    from studiotui.controller import PlacementError
+
+    model = write_demo_model(
+        tmp_path / "bf16-moe",
+        DemoSpec(arch="deepseek_v3", layers=3, hidden=64, heads=4, kv_heads=2),
+    )
+
+    async def run() -> tuple[str, list[str]]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            try:
+                await ctl.place(model, list(engine_cluster.inventory.names)[:2], "bf16-moe")
+                error = "placed?!"
+            except PlacementError as exc:
+                error = str(exc)
+            await ctl.refresh()
+            return error, [p.name for p in ctl.state.placements]
+        finally:
+            await ctl.close()
+
+    error, left = asyncio.run(run())
+    assert "unquantized bfloat16 experts" in error and "quantized" in error, error
+    assert "bf16-moe" not in left
+
+
+def test_decoder_config_finds_a_nested_decoder() -> None:
+    from worker.model_support import decoder_config
+
+    kimi = {
+        "model_type": "kimi_k25",
+        "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61},
+    }
+    merged = decoder_config(kimi)
+    assert merged["num_hidden_layers"] == 61 and merged["model_type"] == "kimi_k25"
+    assert decoder_config({"model_type": "llama", "num_hidden_layers": 8}) == {
+        "model_type": "llama",
+        "num_hidden_layers": 8,
+    }
