@@ -1,5 +1,5 @@
 """`python -m studiotui`: the same as the `studiotui` command."""
 
-from studiotui.cli import main
+from studiotui.cli.main import main
 
 raise SystemExit(main())

@@ -6,8 +6,8 @@ on every run and every machine.
 
 from __future__ import annotations
 
-from studiotui.app.models import ModelRow
-from studiotui.state import ClusterState, LogEntry, NodeState, ShardState
+from studiotui.app.panes.models import ModelRow
+from studiotui.core.state import ClusterState, LogEntry, NodeState, ShardState
 
 GB = 1024**3
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
@@ -40,6 +40,32 @@ def _mac(name: str, octet: int, total_gb: int, used_gb: float, **kw) -> NodeStat
     rdma = kw.pop("rdma", None)
     if rdma is not None:
         macos["rdma"] = rdma
+    # Agents bound on the Thunderbolt bridge, as `networksetup` names it.
+    macos["link_end"] = {
+        "address": f"10.0.0.{octet}",
+        "interface": "bridge0",
+        "port": "Thunderbolt Bridge",
+        "prefix": 24,
+        "kind": "thunderbolt",
+    }
+    # As an agent with macmon reports them: sys_power is the whole Mac, the parts are
+    # macmon's CPU/GPU/ANE rails (the rest is memory, fabric, fans, ports).
+    watts = kw.pop("watts", (6.2, 41.5, 0.0, 58.4))
+    power: dict = {}
+    if watts is not None:
+        cpu_w, gpu_w, ane_w, total_w = watts
+        power = {
+            "source": "macmon",
+            "host": f"{name}.local",
+            "scope": "system",
+            "total_w": total_w,
+            "cpu_w": cpu_w,
+            "gpu_w": gpu_w,
+            "ane_w": ane_w,
+        }
+    used = used_gb / total_gb
+    # memory_pressure counts inactive and purgeable pages as free: below the used share.
+    pressure_pct = kw.pop("pressure", round(used * 85))
     return NodeState(
         name=name,
         address=f"10.0.0.{octet}",
@@ -51,7 +77,13 @@ def _mac(name: str, octet: int, total_gb: int, used_gb: float, **kw) -> NodeStat
         memory_used=int(used_gb * GB),
         cpu_pct=kw.pop("cpu", 12.0),
         gpu_pct=kw.pop("gpu", 40.0),
-        power_w=kw.pop("power", 95.0),
+        power_w=power.get("total_w"),
+        power=power,
+        power_history=_history(power["total_w"] * 0.4, power["total_w"]) if power else (),
+        pressure={"source": "memory_pressure", "pct": float(pressure_pct), "label": "pressure"}
+        if pressure_pct is not None
+        else {},
+        pressure_history=_history(pressure_pct * 0.6, pressure_pct) if pressure_pct else (),
         chip="Apple M3 Ultra",
         os="Darwin",
         last_seen=T0,
@@ -79,7 +111,7 @@ def fixed_state() -> ClusterState:
         497.0,
         cpu=71.0,
         gpu=96.0,
-        power=212.0,
+        watts=(18.7, 97.3, 0.0, 131.9),
         shards=(_shard(ds, "studio-2", 1, 2, 31, 61, tokens=1834, in_flight=2),),
         rdma={"status": "enabled", "usable": True, "devices": ["rdma_en3"]},
     )
@@ -89,6 +121,8 @@ def fixed_state() -> ClusterState:
         256,
         70.0,
         os_version="15.6",
+        gpu=15.0,
+        watts=(4.1, 12.6, 0.0, 31.2),
         shards=(_shard(qw, "studio-3", 0, 2, 0, 40, tokens=220, in_flight=1),),
     )
     studio4 = _mac(
@@ -99,13 +133,14 @@ def fixed_state() -> ClusterState:
         state="down",
         cpu=0.0,
         gpu=None,
-        power=None,
+        watts=None,
+        pressure=None,
         message="no telemetry for 3 s",
         history=_history(0.05, 0.05),
     )
     studio4 = NodeState(**{**studio4.__dict__, "shards": ()})
     nodes = (studio1, studio2, studio3, studio4)
-    from studiotui.state import placements_from_shards
+    from studiotui.core.state import placements_from_shards
 
     log = (
         LogEntry(T0 + 1, "info", "studio-1 is up (0.1.0)"),

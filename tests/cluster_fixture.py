@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from studiotui import local_cluster
-from studiotui.controller import Controller
-from studiotui.inventory import Inventory, local_inventory
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import Controller
+from studiotui.core.inventory import Inventory, local_inventory
 
 
 @dataclass(frozen=True)

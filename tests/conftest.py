@@ -1,13 +1,27 @@
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from studiotui.bench.provision import python_with_deps
+from studiotui.provision.deploy import CheckoutWheel
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import sshd_factory, sshd_server  # noqa: F401 - fixtures
-from worker.demo_model import DemoSpec, write_demo_model
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start agents or sshd are `integration`: `pytest -m "not integration"`
+    runs the fast part (pure functions, the app on fixed states) in under a minute."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        live = any("cluster" in name or "sshd" in name for name in fixtures)
+        if live or "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)
+
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -29,3 +43,17 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         for arch in FAMILIES
     }
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> CheckoutWheel:
+    """The worker wheel, built once for the whole session (the slow part)."""
+    source = CheckoutWheel(tmp_path_factory.mktemp("wheels"))
+    asyncio.run(source.path())
+    return source
+
+
+@pytest.fixture(scope="session")
+def node_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A venv's python with the worker's dependencies: used as is, nothing to pip install."""
+    return python_with_deps(tmp_path_factory.mktemp("venv") / "v")

@@ -25,16 +25,45 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from worker import __version__, node_probe, telemetry
-from worker.protocol import curve, messages
+from worker import __version__, files, node_probe, telemetry
+from worker.shared.manifest import FileId
+from worker.shared.protocol import curve, messages
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
 SHARD_PORT_OFFSET = 10
 LINK_PINGS = 21
-LINK_BULK_BYTES = 1 << 20
-LINK_BULK_COUNT = 16
+# Bandwidth the way the ring moves activations: CURVE PUSH -> PULL, several large
+# messages in flight (the PUSH queues up to LINK_IN_FLIGHT while one is on the wire),
+# for a short while, timed at the receiver from the first message to the last.
+LINK_CHUNK_BYTES = 4 << 20
+LINK_IN_FLIGHT = 4
+LINK_BULK_SECONDS = 0.3
+LINK_BULK_MAX_BYTES = 1 << 30
 LINK_TIMEOUT_S = 5.0
+# While a shard loads, the controller hears from this agent at least this often (the
+# bytes loaded so far): a big layer on a slow disk gives no progress for minutes.
+LOAD_HEARTBEAT_S = 2.0
+
+
+def exit_reason(code: int | None, *, loading: bool, fatal: str = "") -> str:
+    """Why a shard process ended, in words the operator can act on.
+
+    macOS (jetsam) and Linux (the OOM killer) end a process that exhausts memory with
+    SIGKILL and no word of its own; a runner that could not allocate says so itself
+    ("out of memory while loading", see worker.runner)."""
+    if fatal:
+        return fatal
+    if code == -signal.SIGKILL and loading:
+        # Loading is when memory fills up; a served shard's SIGKILL may as well be a hand.
+        return (
+            "out of memory while loading: the shard process was killed by SIGKILL, which is "
+            "how macOS and Linux end a process when memory runs out; free memory on this "
+            "node or give it fewer layers"
+        )
+    if code == -signal.SIGKILL:
+        return f"shard process exited with code {code} (killed by SIGKILL: out of memory?)"
+    return f"shard process exited with code {code}"
 
 
 @dataclass
@@ -97,7 +126,11 @@ class Agent:
         self.pub: zmq.asyncio.Socket | None = None
         self.auth: AsyncioAuthenticator | None = None
         self.dropped = 0
+        self.file_server: files.FileServer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
+        self.live: dict[str, Any] = {}
+        self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks only weakly.
@@ -125,6 +158,7 @@ class Agent:
     async def run(self) -> None:
         self.bind()
         self._spawn(self._probe())
+        self._spawn(self._meter())
         (self.config.home / "agent.pid").write_text(str(os.getpid()))
         log.info(
             "agent %s %s listening on %s:%d",
@@ -138,6 +172,8 @@ class Agent:
         for task in tasks:
             task.cancel()
         await self._stop_all_shards()
+        if self.file_server is not None:
+            await self.file_server.close()
         self.close()
 
     def close(self) -> None:
@@ -191,7 +227,7 @@ class Agent:
         pids = [s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None]
         sample = telemetry.sample(self.config.memory_gb, pids)
         sample.pop("time", None)
-        return sample
+        return {**sample, **self.live}
 
     async def _on_hello(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(
@@ -269,8 +305,27 @@ class Agent:
         self._spawn(self._read_stderr(shard))
         await self._follow(ident, re, shard)
 
+    async def _heartbeat(self, ident: bytes, re: Any, shard: ShardProc) -> None:
+        """Say "still loading" with the bytes so far while the shard process lives."""
+        while True:
+            await asyncio.sleep(LOAD_HEARTBEAT_S)
+            if shard.state != "loading" or shard.proc is None or shard.proc.returncode is not None:
+                return
+            done, total = shard.progress
+            await self._reply(
+                ident, re, "progress", placement=shard.placement, done=done, total=total
+            )
+
     async def _follow(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         """Relay the runner's progress until it is ready or gone, then keep reading stats."""
+        assert shard.proc is not None and shard.proc.stdout is not None
+        heartbeat = asyncio.create_task(self._heartbeat(ident, re, shard))
+        try:
+            await self._relay(ident, re, shard)
+        finally:
+            heartbeat.cancel()
+
+    async def _relay(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         assert shard.proc is not None and shard.proc.stdout is not None
         answered = False
         while True:
@@ -294,6 +349,7 @@ class Agent:
                         total=shard.progress[1],
                     )
             elif kind == "ready":
+                answered = True  # from here on no heartbeat may follow shard_ready
                 shard.state, shard.param_bytes = "ready", int(event["param_bytes"])
                 log.info("shard %s ready, %d bytes", shard.placement, shard.param_bytes)
                 await self._reply(
@@ -313,7 +369,7 @@ class Agent:
         code = await shard.proc.wait()
         if shard.state != "stopped":
             tail = "\n".join(shard.stderr_tail[-8:])
-            shard.message = shard.message or f"shard process exited with code {code}"
+            shard.message = exit_reason(code, loading=not answered, fatal=shard.message)
             if tail and not shard.message.endswith(tail):
                 shard.message += f"\n{tail}"
             shard.state = "failed"
@@ -345,8 +401,12 @@ class Agent:
     async def _probe(self) -> None:
         """Gather RDMA and link facts off the loop: probes may take seconds on a Mac."""
         rdma = await asyncio.to_thread(node_probe.rdma_facts)
-        kind = await asyncio.to_thread(node_probe.link_kind, self.config.address)
-        self.facts = {**self.facts, "rdma": rdma, "link_kind": kind}
+        end = await asyncio.to_thread(node_probe.link_end, self.config.address)
+        self.facts = {**self.facts, "rdma": rdma, "link_end": end, "link_kind": end["kind"]}
+
+    async def _meter(self) -> None:
+        meter = await asyncio.to_thread(telemetry.Meter.for_this_machine)
+        await telemetry.keep_reading(meter, self.live)
 
     async def _on_ping_peer(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
@@ -358,31 +418,226 @@ class Agent:
         await self._reply(ident, re, "links", links=results)
 
     async def _measure(self, peer: dict[str, Any]) -> dict[str, Any]:
-        """Latency from small pings, bandwidth from 1 MiB ones, over the real CURVE path."""
+        """Latency from small pings over the control socket; bandwidth from a
+        stream of large messages over a CURVE PUSH to a PULL the peer opens."""
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+        server_key = str(peer["key"]).encode()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        curve.make_client(sock, keys, str(peer["key"]).encode())
+        curve.make_client(sock, keys, server_key)
         sock.connect(str(peer["endpoint"]))
         out: dict[str, Any] = {"peer": peer["name"], "kind": self.facts.get("link_kind", "unknown")}
         try:
             rtts = [await _ping(sock, i, b"") for i in range(LINK_PINGS)]
-            payload = b"\0" * LINK_BULK_BYTES
-            began = time.perf_counter()
-            for i in range(LINK_BULK_COUNT):
-                await _ping(sock, 1000 + i, payload)
-            bulk = time.perf_counter() - began
             out["latency_us"] = statistics.median(rtts[1:]) / 2 * 1e6
-            out["gbps"] = LINK_BULK_BYTES * LINK_BULK_COUNT * 8 / bulk / 1e9
+            token = os.urandom(8).hex()
+            opened = await _ask(sock, "open_sink", token=token)
+            host = str(peer["endpoint"]).rsplit(":", 1)[0]
+            sent = await self._stream(keys, server_key, f"{host}:{opened['port']}")
+            got = await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S)
+            if got["seconds"] > 0 and got["bytes"] > 0:
+                out["gbps"] = got["bytes"] * 8 / got["seconds"] / 1e9
+            out.update(
+                method="curve push-pull",
+                chunk_bytes=LINK_CHUNK_BYTES,
+                in_flight=LINK_IN_FLIGHT,
+                sent_bytes=sent,
+                received_bytes=got["bytes"],
+            )
         except TimeoutError:
-            out["error"] = f"{peer['name']} did not answer pings"
+            out["error"] = f"{peer['name']} did not answer in time"
+        except (AgentLinkError, zmq.ZMQError, messages.MessageError) as exc:
+            out["error"] = f"{peer['name']}: {exc}"
         finally:
             sock.close(linger=0)
         return out
 
+    async def _stream(self, keys: curve.CurveKeys, server_key: bytes, endpoint: str) -> int:
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, LINK_IN_FLIGHT)
+        curve.make_client(push, keys, server_key)
+        payload = bytes(LINK_CHUNK_BYTES)
+        sent = 0
+        try:
+            push.connect(endpoint)
+            # A small message first: a large first message on a new CURVE pipe to an
+            # asyncio PULL stalled here (4 MiB hung, 64 KiB did not; seen with pyzmq's
+            # asyncio sockets), and the receiver starts its clock at the first data.
+            await asyncio.wait_for(push.send_multipart([b"warm"]), LINK_TIMEOUT_S)
+            began = time.perf_counter()
+            while time.perf_counter() - began < LINK_BULK_SECONDS and sent < LINK_BULK_MAX_BYTES:
+                # copy=False: zero-copy, as the runner sends large activations.
+                await asyncio.wait_for(
+                    push.send_multipart([b"data", payload], copy=False), LINK_TIMEOUT_S
+                )
+                sent += len(payload)
+            await asyncio.wait_for(push.send_multipart([b"end"]), LINK_TIMEOUT_S)
+        finally:
+            push.close(linger=LINK_TIMEOUT_S * 1000)
+        return sent
+
+    async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+        sink = self.ctx.socket(zmq.PULL)
+        sink.setsockopt(zmq.LINGER, 0)
+        sink.setsockopt(zmq.RCVHWM, LINK_IN_FLIGHT)
+        curve.make_server(sink, keys)
+        sink.bind(f"tcp://{self.config.address}:*")
+        port = int(sink.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        token = msg["token"]
+        task = self._sinks[token] = asyncio.create_task(_drain(sink))
+        # A measurer that never comes back for its result must not leave it here.
+        task.add_done_callback(
+            lambda _: asyncio.get_running_loop().call_later(
+                LINK_TIMEOUT_S * 4, self._sinks.pop, token, None
+            )
+        )
+        await self._reply(ident, re, "sink_open", port=port)
+
+    async def _on_close_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        task = self._sinks.pop(msg["token"], None)
+        if task is None:
+            await self._reply(ident, re, "error", message="no such link sink")
+            return
+        await self._reply(ident, re, "sink_result", **await task)
+
     async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
         self.stopping.set()
+
+    # ---- model files (worker/files.py) ------------------------------------------------------
+
+    def _progress_to(self, ident: bytes, re: Any, stage: str, total: int) -> files.Progress:
+        """A callback, safe from any thread, relaying byte progress as `progress` replies
+        (also what keeps a long hash or copy from looking like a silent agent)."""
+        loop = asyncio.get_running_loop()
+        last = [0.0]
+
+        def send(done: int, _total: int = total) -> None:
+            now = time.monotonic()
+            if now - last[0] < files.PROGRESS_EVERY_S and done < _total:
+                return
+            last[0] = now
+            reply = self._reply(ident, re, "file_progress", stage=stage, done=done, total=_total)
+            loop.call_soon_threadsafe(lambda: self._spawn(reply))
+
+        return send
+
+    def _hashed_to(self, ident: bytes, re: Any, total: int) -> files.Progress:
+        send = self._progress_to(ident, re, "hashing", total)
+        seen = [0]
+
+        def add(n: int) -> None:
+            seen[0] += n
+            send(seen[0])
+
+        return add
+
+    async def _on_files_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        on_bytes = self._hashed_to(ident, re, sum(f.size for f in wanted))
+        found = []
+        for name in msg["dirs"]:
+            directory = files.resolve_dir(self.config.home, str(name))
+            found.append(
+                {"dir": name, **await asyncio.to_thread(files.status, directory, wanted, on_bytes)}
+            )
+        await self._reply(ident, re, "ok", dirs=found)
+
+    async def _on_files_commit(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
+        landed = [FileId.from_dict(f) for f in msg["files"]]
+        on_bytes = self._hashed_to(ident, re, sum(f.size for f in landed))
+        for f in landed:
+            await asyncio.to_thread(files.commit, directory, f, on_bytes)
+            log.info("verified and placed %s in %s", f.name, directory)
+        await self._reply(ident, re, "ok")
+
+    async def _on_serve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
+        wanted = {str(f["name"]): int(f["size"]) for f in msg["files"]}
+        for name, size in wanted.items():
+            path = directory / name
+            if not files.plain_name(name) or not path.is_file() or path.stat().st_size != size:
+                await self._reply(ident, re, "error", message=f"{path} is not here at {size} B")
+                return
+        if self.file_server is None:
+            keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+            port = self._free_ports(1)[0]
+            self.file_server = files.FileServer(self.ctx, keys, self.config.address, port)
+            self.file_server.start()
+        token = self.file_server.grant(directory, wanted)
+        log.info("serving %d files of %s on port %d", len(wanted), directory, self.file_server.port)
+        await self._reply(ident, re, "ok", port=self.file_server.port, token=token)
+
+    async def _on_unserve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        sent = 0
+        if self.file_server is not None:
+            sent = self.file_server.revoke(str(msg["token"]))
+            if not self.file_server.grants:
+                await self.file_server.close()
+                self.file_server = None
+        await self._reply(ident, re, "ok", sent=sent)
+
+    async def _on_fetch_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
+        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
+        total = sum(f.size for f in wanted)
+        began = time.monotonic()
+        result = await files.fetch(
+            self.ctx,
+            keys,
+            str(msg["endpoint"]),
+            str(msg["key"]).encode(),
+            str(msg["token"]),
+            directory,
+            wanted,
+            self._progress_to(ident, re, "copying", total),
+        )
+        log.info(
+            "fetched %d B into %s from %s in %.1f s (%d B resumed)",
+            result["received"],
+            directory,
+            msg["endpoint"],
+            time.monotonic() - began,
+            result["resumed"],
+        )
+        await self._reply(ident, re, "ok", path=str(directory.resolve()), **result)
+
+    async def _on_hub_download(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        from worker import hub
+
+        names = [str(n) for n in msg["files"]]
+        bad = [n for n in names if not files.plain_name(n)]
+        if bad:
+            await self._reply(ident, re, "error", message=f"{bad[0]!r} is not a plain file name")
+            return
+        cache = msg.get("cache_dir")
+        where = files.resolve_dir(self.config.home, str(cache)) if cache else hub.default_cache()
+        need, free = int(msg.get("total", 0)), files.free_bytes(where)
+        if need > free:
+            await self._reply(
+                ident,
+                re,
+                "error",
+                message=f"{self.config.name} has {files.human_bytes(free)} free at {where} but "
+                f"its share needs {files.human_bytes(need)}: free disk space there or fetch to "
+                "other nodes",
+            )
+            return
+        result = await hub.download(
+            str(msg["repo"]),
+            str(msg["revision"]),
+            names,
+            files.resolve_dir(self.config.home, str(cache)) if cache else None,
+            msg.get("endpoint") or None,
+            int(msg.get("total", 0)),
+            self._progress_to(ident, re, "downloading", int(msg.get("total", 0))),
+        )
+        log.info("downloaded %s of %s into %s", len(names), msg["repo"], result["path"])
+        await self._reply(ident, re, "ok", **result)
 
     # ---- shards ----------------------------------------------------------------------------
 
@@ -421,7 +676,7 @@ class Agent:
             pids = [
                 s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None
             ]
-            sample = telemetry.sample(self.config.memory_gb, pids)
+            sample = {**telemetry.sample(self.config.memory_gb, pids), **self.live}
             sample.pop("time", None)
             msg = messages.encode(
                 "telemetry",
@@ -435,6 +690,44 @@ class Agent:
             )
             await self.pub.send_multipart([b"telemetry", msg])
             await asyncio.sleep(TELEMETRY_EVERY_S)
+
+
+class AgentLinkError(RuntimeError):
+    """A peer refused a link-measurement step."""
+
+
+async def _ask(
+    sock: zmq.asyncio.Socket, kind: str, timeout: float = LINK_TIMEOUT_S, **fields: Any
+) -> dict[str, Any]:
+    await sock.send(messages.encode(kind, **fields))
+    reply = messages.decode(await asyncio.wait_for(sock.recv(), timeout))
+    if reply["type"] == "error":
+        raise AgentLinkError(str(reply.get("message")))
+    return reply
+
+
+async def _drain(sink: zmq.asyncio.Socket) -> dict[str, Any]:
+    """Receive a measurement stream until its end marker (or silence); the bytes
+    after the first message over the time from the first to the last."""
+    first = last = 0.0
+    count = received = 0
+    try:
+        # poll, not wait_for around recv: a cancelled recv can lose a message.
+        while await sink.poll(LINK_TIMEOUT_S * 1000, zmq.POLLIN):
+            frames = await sink.recv_multipart(copy=False)
+            if frames[0].bytes == b"warm":
+                continue
+            if frames[0].bytes != b"data":
+                break
+            now = time.perf_counter()
+            if count:
+                received += len(frames[1])
+            else:
+                first = now
+            last, count = now, count + 1
+    finally:
+        sink.close(linger=0)
+    return {"bytes": received, "seconds": last - first, "messages": count}
 
 
 async def _ping(sock: zmq.asyncio.Socket, n: int, pad: bytes) -> float:

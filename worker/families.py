@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from worker.model_support import unsupported_reason
+from worker.shared.model_support import unsupported_reason
 
 
 class UnsupportedFamily(ValueError):

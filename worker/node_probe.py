@@ -6,6 +6,9 @@ note: a probe must never keep the agent from starting.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import ipaddress
 import platform
 import subprocess
 from pathlib import Path
@@ -13,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from worker import probes
+from worker.shared import probes
 
 TIMEOUT_S = 8.0
 
@@ -75,30 +78,22 @@ def _infiniband_dir() -> Path:
     return Path("/sys/class/infiniband")
 
 
-def interface_for(address: str) -> str | None:
+def link_end(address: str) -> dict[str, Any]:
+    """The interface the agent's bind address sits on, its prefix and (macOS) its
+    hardware port label: the facts `probes.pair_link_kind` needs from this end."""
+    interface, prefix = None, None
     for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == address for a in addrs):
-            return name
-    return None
-
-
-def link_kind(address: str) -> str:
-    """What kind of link the agent's bind address sits on."""
-    if address.startswith("127.") or address == "::1":
-        return "loopback"
-    name = interface_for(address) or ""
-    if platform.system() == "Darwin":
+        for a in addrs:
+            if a.address == address:
+                interface = name
+                with contextlib.suppress(ValueError, TypeError):
+                    if a.netmask:
+                        prefix = ipaddress.ip_network(f"0.0.0.0/{a.netmask}").prefixlen
+    port = None
+    if interface and platform.system() == "Darwin":
         ports = _parse(
             probes.parse_networksetup_ports, _run(["networksetup", "-listallhardwareports"]), ()
         )
-        label = next((p.port for p in ports if p.device == name), "")
-        if name.startswith("bridge") or "Thunderbolt" in label:
-            return "thunderbolt"
-        if "Wi-Fi" in label:
-            return "wifi"
-        return "ethernet" if name else "unknown"
-    if name.startswith(("wl", "wlan")):
-        return "wifi"
-    if name.startswith("thunderbolt"):
-        return "thunderbolt"
-    return "ethernet" if name else "unknown"
+        port = next((p.port for p in ports if p.device == interface), None)
+    end = probes.LinkEnd(address, interface, port, prefix)
+    return {**dataclasses.asdict(end), "kind": probes.end_kind(end)}

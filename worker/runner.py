@@ -24,9 +24,14 @@ import mlx.core as mx
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from worker.protocol import curve, messages
-from worker.protocol.frames import FrameError, RingHeader, decode_ring_header, encode_ring_header
 from worker.shard import ShardLoadError, load_shard
+from worker.shared.protocol import curve, messages
+from worker.shared.protocol.frames import (
+    FrameError,
+    RingHeader,
+    decode_ring_header,
+    encode_ring_header,
+)
 from worker.stage import Stage
 
 STATS_EVERY_S = 1.0
@@ -118,6 +123,8 @@ class Runner:
 
     def load(self) -> None:
         from mlx_lm.utils import load_tokenizer
+
+        raise_wired_limit()
 
         def progress(done: int, total: int) -> None:
             emit("progress", done=done, total=total)
@@ -272,6 +279,35 @@ class Runner:
         self.ctx.term()
 
 
+def raise_wired_limit() -> None:
+    """As mlx-lm does for large models: let Metal keep the whole recommended working set
+    wired, for the shard's life, so a 100+ GB shard is not paged out between tokens.
+    A no-op where MLX has no Metal device (its device info has no recommended size)."""
+    try:
+        from mlx_lm.utils import maybe_set_recommended_wired_limit
+    except ImportError:  # an mlx-lm older than the helper: the same two calls
+        size = mx.device_info().get("max_recommended_working_set_size")
+        if size:
+            mx.set_wired_limit(size)
+        return
+    maybe_set_recommended_wired_limit()
+
+
+# What MLX and Python say when an allocation fails (CPU: std::bad_alloc → MemoryError;
+# Metal: "[metal::malloc] Attempting to allocate …" / "Unable to allocate").
+_OOM_WORDS = ("bad_alloc", "allocate", "out of memory")
+
+
+def fatal_message(exc: BaseException, *, loading: bool) -> str:
+    """The runner's last word; running out of memory is named as such. A failure while
+    reading weights arrives wrapped in ShardLoadError, the MemoryError as its context."""
+    text = str(exc) or type(exc).__name__
+    oom = isinstance(exc, MemoryError) or isinstance(exc.__context__, MemoryError)
+    if oom or any(word in text.lower() for word in _OOM_WORDS):
+        return f"out of memory {'while loading' if loading else 'while serving'}: {text}"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = RunnerSpec.from_file(Path(argv[0]))
@@ -294,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         if profiler:
             profiler.enable()
         runner.serve()
-    except (ShardLoadError, zmq.ZMQError, OSError) as exc:
-        emit("fatal", message=str(exc))
+    except (ShardLoadError, zmq.ZMQError, OSError, MemoryError) as exc:
+        emit("fatal", message=fatal_message(exc, loading=runner.stage is None))
         return 1
     finally:
         runner.close()

@@ -13,6 +13,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
 MAX_TOKENS_LIMIT = 1 << 20
+# OpenAI's ceiling for top_logprobs; each one costs the tail a sort of the vocabulary.
+MAX_TOP_LOGPROBS = 20
 
 
 class ParamError(ValueError):
@@ -27,6 +29,8 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # -1: none; 0: the chosen token's log-probability; k: that and the k likeliest.
+    logprobs: int = -1
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
@@ -38,6 +42,7 @@ class SamplingParams:
                 seed=int(raw.get("seed", 0)),
                 stop=tuple(str(s) for s in raw.get("stop", ()) if s),
                 ignore_eos=bool(raw.get("ignore_eos", False)),
+                logprobs=int(raw.get("logprobs", -1)),
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
@@ -49,6 +54,8 @@ class SamplingParams:
             raise ParamError(f"temperature must be 0..10, got {params.temperature}")
         if not 0.0 < params.top_p <= 1.0:
             raise ParamError(f"top_p must be in (0, 1], got {params.top_p}")
+        if not -1 <= params.logprobs <= MAX_TOP_LOGPROBS:
+            raise ParamError(f"logprobs must be -1..{MAX_TOP_LOGPROBS}, got {params.logprobs}")
         return params
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,6 +66,7 @@ class SamplingParams:
             "seed": self.seed,
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
         }
 
 
@@ -75,6 +83,20 @@ class Sampler:
             logprobs = apply_top_p(logprobs[None], self.params.top_p)[0]
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=sub)
+
+    def draw(self, logits: mx.array) -> mx.array | tuple[mx.array, ...]:
+        """The sampled token; with logprobs asked for, a tuple of the token, its
+        log-probability, and the ids and log-probabilities of the k likeliest. They are
+        the model's own (a log-softmax of the logits, before temperature and top_p), as
+        mlx-lm's server and OpenAI give them."""
+        token = self(logits)
+        k = self.params.logprobs
+        if k < 0:
+            return token
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits)
+        ids = mx.argpartition(-logprobs, kth=k - 1)[:k] if k else mx.zeros((0,), mx.int32)
+        return token, logprobs[token], ids, logprobs[ids]
 
 
 class TextStream:

@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 
 from worker import families
 from worker.cpu_fusion import fuse_for_cpu
-from worker.model_support import decoder_config
+from worker.shared.model_support import decoder_config
 
 Progress = Callable[[int, int], None]
 

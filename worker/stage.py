@@ -18,9 +18,10 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from worker.protocol.frames import RingHeader
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
 from worker.shard import Shard
+from worker.shared.protocol.frames import RingHeader
+from worker.tool_calls import ToolCallStream, supports_tools
 
 _NP_VIEW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -44,6 +45,7 @@ class HeadRequest:
     params: SamplingParams
     prompt: list[int]
     stream: TextStream
+    tools: ToolCallStream | None = None  # the request gave tools: calls are parsed out
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generated: int = 0
@@ -152,7 +154,8 @@ class Stage:
             if rid in self.head_requests:
                 raise RequestError(f"request id {rid!r} is already in flight")
             params = SamplingParams.from_dict(msg["params"])
-            prompt = self._prompt_tokens(msg)
+            tools = self._tools(msg)
+            prompt = self._prompt_tokens(msg, tools)
             params = self._fit_context(prompt, params)
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
@@ -162,6 +165,7 @@ class Stage:
             params=params,
             prompt=prompt,
             stream=TextStream(self.tokenizer.detokenizer, params.stop),
+            tools=ToolCallStream(self.tokenizer, tools) if tools else None,
         )
         self.links.to_client(client, "accepted", rid=rid, prompt_tokens=len(prompt))
         self.caches[rid] = self.shard.make_cache()
@@ -177,11 +181,28 @@ class Stage:
             )
         return replace(params, max_tokens=min(params.max_tokens, room))
 
-    def _prompt_tokens(self, msg: dict[str, Any]) -> list[int]:
+    def _tools(self, msg: dict[str, Any]) -> list[dict[str, Any]] | None:
+        tools = msg.get("tools")
+        if not tools:
+            return None
+        if not isinstance(tools, list) or not isinstance(msg.get("messages"), list):
+            raise RequestError("tools must be a list, given with messages")
+        if not supports_tools(self.tokenizer):
+            # The template would drop them or the answer could not be read back.
+            raise RequestError(
+                "tools are not supported by this model: mlx-lm knows no tool-call format "
+                "for its chat template; send the request without tools"
+            )
+        return tools
+
+    def _prompt_tokens(
+        self, msg: dict[str, Any], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if isinstance(msg.get("messages"), list):
             try:
+                # The model's own template lays the tools out in its own words.
                 tokens = self.tokenizer.apply_chat_template(
-                    msg["messages"], add_generation_prompt=True
+                    msg["messages"], tools=tools, add_generation_prompt=True
                 )
             except Exception as exc:
                 raise RequestError(f"cannot apply the chat template: {exc}") from None
@@ -280,7 +301,7 @@ class Stage:
             out = self.shard.forward(h, cache)
             if self.shard.is_last:
                 if header.kind == "decode":
-                    out = self._tail(header).sampler(self.shard.logits(out))
+                    out = self._tail(header).sampler.draw(self.shard.logits(out))
                 else:
                     out = [c.state for c in cache]  # a prefill chunk only fills the cache
         mx.async_eval(out)
@@ -353,7 +374,7 @@ class Stage:
         try:
             out = self.shard.forward(h, cache)
             if self.shard.is_last:
-                out = self.tail_requests[rid].sampler(self.shard.logits(out))
+                out = self.tail_requests[rid].sampler.draw(self.shard.logits(out))
         except Exception as exc:  # the cache may be half advanced: no step can follow
             error = _describe(exc)
         self.prebuilt[rid] = Prebuilt(offset=offset, slot=slot, out=out, error=error)
@@ -400,9 +421,12 @@ class Stage:
             self.tail_requests[header.rid] = req
         return req
 
-    def _sample(self, header: RingHeader, sampled: mx.array, began: float) -> None:
+    def _sample(
+        self, header: RingHeader, drawn: mx.array | tuple[mx.array, ...], began: float
+    ) -> None:
         rid = header.rid
         req = self._tail(header)
+        sampled = drawn[0] if isinstance(drawn, tuple) else drawn
         if req.generated + 1 < req.sampler.params.max_tokens:
             if self.lone:
                 self._speculate(header, req, sampled)
@@ -424,6 +448,8 @@ class Stage:
             self.prebuilt.pop(rid, None)  # built for a step that will not come
             self.slots.pop(rid, None)
         extra = _add_work(header.extra, began, not self.shard.is_first)
+        if isinstance(drawn, tuple):
+            extra["logprobs"] = _logprobs(drawn)
         self.links.to_head(
             RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra)
         )
@@ -437,7 +463,8 @@ class Stage:
         offset, error, out = header.offset + 1, "", None
         try:
             h = self.shard.embed(sampled.reshape(1, 1))
-            out = req.sampler(self.shard.logits(self.shard.forward(h, self.caches[header.rid])))
+            logits = self.shard.logits(self.shard.forward(h, self.caches[header.rid]))
+            out = req.sampler.draw(logits)
             mx.async_eval(out)
         except Exception as exc:  # the cache may be half advanced: no step can follow
             error = _describe(exc)
@@ -472,10 +499,18 @@ class Stage:
                 failure = _describe(exc)
         try:
             text, finish = _text_of(req.stream, header)
+            more = self._logprobs_of(header)
+            if req.tools is not None:
+                text, calls = req.tools.add(text)
+                if finish:
+                    rest, last = req.tools.finish()
+                    text, calls = text + rest, calls + last
+                if calls:
+                    more["tool_calls"] = calls
         except Exception as exc:  # a tokenizer that cannot decode its own token id
             self._fail(rid, f"cannot detokenise token {header.token}: {_describe(exc)}")
             return
-        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token])
+        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token], **more)
         if finish:
             self._finish(rid, finish)  # a started step is dropped; "free" clears the ring
         elif failure:
@@ -485,6 +520,25 @@ class Stage:
                 self._complete(step)
             except Exception as exc:
                 self._fail(rid, _describe(exc))
+
+    def _logprobs_of(self, header: RingHeader) -> dict[str, Any]:
+        """The token's log-probabilities, named, if the request asked for them. The
+        end-of-turn token is not part of the answer and gets none."""
+        drawn = header.extra.get("logprobs")
+        if drawn is None or header.finish == "stop":
+            return {}
+        chosen, top = drawn
+        decode = self.tokenizer.decode
+        entry = {
+            "id": header.token,
+            "token": decode([header.token]),
+            "logprob": chosen,
+            "top": [
+                {"id": i, "token": decode([i]), "logprob": lp}
+                for i, lp in sorted(top, key=lambda p: -p[1])
+            ],
+        }
+        return {"logprobs": [entry]}
 
     def _finish(self, rid: str, reason: str) -> None:
         req = self.head_requests.pop(rid)
@@ -558,6 +612,12 @@ def _text_of(stream: TextStream, header: RingHeader) -> tuple[str, str]:
     if header.finish:
         return text + stream.finish(), header.finish
     return text, ""
+
+
+def _logprobs(drawn: tuple[mx.array, ...]) -> tuple[float, list[tuple[int, float]]]:
+    """What the tail's sampler gave besides the token, as it travels to the head."""
+    _, chosen, ids, values = drawn
+    return float(chosen.item()), list(zip(ids.tolist(), values.tolist(), strict=True))
 
 
 def _fill(slot: mx.array, values: np.ndarray) -> None:

@@ -11,37 +11,79 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
+from textual.notifications import SeverityLevel
+from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
-from studiotui import local_cluster
+from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.guard import guard_actions
-from studiotui.app.log import LogPane
-from studiotui.app.models import ModelRow, ModelsPane, read_catalog
-from studiotui.app.nodes import SORT_KEYS, NodesPane
+from studiotui.app.host import Dashboard
 from studiotui.app.palette import StudioCommands
-from studiotui.app.place_flow import Placer
-from studiotui.app.placements import PlacementsPane
-from studiotui.app.rdma import RdmaPane
-from studiotui.app.screens import ConfirmScreen, HelpScreen, NodeLogScreen
+from studiotui.app.panes.log import LogPane
+from studiotui.app.panes.models import ModelRow, ModelsPane, read_catalog
+from studiotui.app.panes.nodes import SORT_KEYS, NodesPane
+from studiotui.app.panes.placements import PlacementsPane
+from studiotui.app.panes.rdma import RdmaPane
+from studiotui.app.panes.topology import TopologyPane
+from studiotui.app.place.flow import Placer
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
-from studiotui.app.topology import TopologyPane
-from studiotui.controller import Controller
-from studiotui.inventory import Inventory, NodeSpec
-from studiotui.state import ClusterState, LogEntry
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
+from studiotui.cluster.session import wait_until_up
+from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.placement import Plan, format_bytes
+from studiotui.core.state import ClusterState, LogEntry
+from studiotui.provision.deploy import provision_logged, restart_logged
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
 # once per burst keeps an idle dashboard cheap.
 COALESCE_S = 0.15
 UP_TIMEOUT_S = 30.0
+# One meaning of "memory" on every screen; said in the key help.
+MEMORY_HELP = (
+    "Memory in use is what each node reports: total minus available on a real Mac "
+    "(a simulated node counts its agent's and shards' own memory). The Nodes pane, "
+    'the place preview\'s "memory now" and `studiotui status` all show that figure; '
+    '"after loading" adds the shard\'s weights and KV cache, about '
+    f"{format_bytes(RUNNER_OVERHEAD_BYTES)} for its process and what shards still loading "
+    "will take."
+)
+
+
+# Keys bound in more than one place, said once for all of them.
+KEY_MEANINGS = {
+    "space": "Mark the selected node (from any pane): p places on the marked nodes",
+    "escape": "Back: close a dialog, leave the chat; on the dashboard, clear the marks",
+}
+
+# The app's own keys that mean something only on the dashboard.
+DASHBOARD_ACTIONS = frozenset(
+    {
+        "help",
+        "node_logs",
+        "restart_node",
+        "measure_links",
+        "place",
+        "unload",
+        "place_again",
+        "provision",
+        "next_theme",
+        "chat",
+        "refresh",
+        "show_tab",
+        "focus_nodes",
+        "mark_node",
+    }
+)
 
 
 @dataclass
@@ -54,16 +96,21 @@ class Startup:
     note: str = ""  # told first, so the operator knows why things start by themselves
 
 
+# Something run beside the dashboard once its controller is up (the API server, given by
+# the command line: the dashboard does not import the API); closed when it quits.
+ServiceStarter = Callable[[Controller], Awaitable[Any]]
+
+
 @guard_actions
-class StudioApp(App[None]):
+class StudioApp(Dashboard):
     TITLE = "studiotui"
-    CSS_PATH: ClassVar[list[str | Path]] = [  # type: ignore[misc]
+    CSS_PATH: ClassVar[list[str | Path]] = [  # type: ignore[assignment]
         "app.tcss",
-        "nodes.tcss",
-        "screens.tcss",
+        "panes/nodes.tcss",
+        "dialogs.tcss",
     ]
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (130, "-wide")]
-    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (40, "-tall")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (130, "-wide")]  # noqa: RUF012 - as Textual types it
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]  # noqa: RUF012 - as Textual types it
     COMMANDS: ClassVar[set[Any]] = App.COMMANDS | {StudioCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "quit", "Quit", id="quit"),
@@ -74,14 +121,26 @@ class StudioApp(App[None]):
         Binding("p", "place", "Place", id="place"),
         Binding("u", "unload", "Unload", id="unload"),
         Binding("R", "place_again", "Place again", key_display="R", show=False, id="place-again"),
+        Binding(
+            "F",
+            "fetch_model",
+            "Fetch model to nodes",
+            key_display="F",
+            show=False,
+            id="fetch-model",
+        ),
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
-        Binding("f5,ctrl+r", "refresh", "Refresh", id="refresh"),
+        # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
+        Binding("f5", "refresh", "Refresh", id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
         Binding("2", "show_tab('tab-rdma')", "RDMA", show=False, id="tab-rdma"),
         Binding("3", "show_tab('tab-placements')", "Placements", show=False, id="tab-placements"),
         Binding("4", "show_tab('tab-models')", "Models", show=False, id="tab-models"),
+        Binding("5", "focus_nodes", "Nodes", show=False, id="focus-nodes"),
+        # From any pane: the Nodes pane's own space binding, for the selected node.
+        Binding("space", "mark_node", "Mark node", show=False, id="mark-node-anywhere"),
     ]
 
     def __init__(
@@ -92,7 +151,7 @@ class StudioApp(App[None]):
         state: ClusterState | None = None,
         models: list[ModelRow] | None = None,
         startup: Startup | None = None,
-        serve: tuple[str, int, str | None] | None = None,
+        services: Sequence[ServiceStarter] = (),
     ) -> None:
         super().__init__()
         if inventory is None and state is None:
@@ -100,8 +159,8 @@ class StudioApp(App[None]):
         self.home = home
         self.inventory = inventory
         self.startup = startup
-        self.serve = serve  # (host, port, api key): also serve the API from this process
-        self.api_server: Any = None
+        self.starters = list(services)  # started beside the dashboard once nodes answer
+        self.services: list[Any] = []  # what they started (each has `close()`)
         self.controller: Controller | None = None
         self.cluster = state or ClusterState(name=inventory.name if inventory else "cluster")
         self.fixed = state is not None
@@ -117,6 +176,7 @@ class StudioApp(App[None]):
             self.register_theme(theme)
             self._studio_themes.append(theme.name)
         self._theme_problems = problems
+        self.exit_note = ""  # printed by `studiotui` once the terminal is back
         self.placer = Placer(self)
         wanted = self.ui.get("theme")
         if not isinstance(wanted, str) or wanted not in self.available_themes:
@@ -171,9 +231,9 @@ class StudioApp(App[None]):
         self.background(self._scan_models(), "reading models")
 
     async def on_unmount(self) -> None:
-        if self.api_server is not None:
+        for service in self.services:
             with contextlib.suppress(Exception):
-                await self.api_server.close()
+                await service.close()
         if self.controller is not None:
             controller, self.controller = self.controller, None
             # The app is gone: nobody is left to tell about a failed close.
@@ -245,7 +305,8 @@ class StudioApp(App[None]):
     def report(self, text: str, level: str = "info") -> None:
         """Tell the operator: a notification for warnings and errors, a Log entry always."""
         if level in ("warning", "error"):
-            self.notify(text, severity=level, timeout=8 if level == "error" else 5)
+            severity: SeverityLevel = "error" if level == "error" else "warning"
+            self.notify(text, severity=severity, timeout=8 if level == "error" else 5)
         else:
             self.notify(text, timeout=3)
         if self.controller is not None:
@@ -277,7 +338,7 @@ class StudioApp(App[None]):
 
         self.run_worker(guarded(), group=what, exit_on_error=False)
 
-    def _need_controller(self, what: str) -> Controller | None:
+    def need_controller(self, what: str) -> Controller | None:
         if self.controller is None:
             self.report(f"{what}: no cluster is connected (this is a fixed view)", "warning")
         return self.controller
@@ -306,20 +367,16 @@ class StudioApp(App[None]):
             self.report(f"{summary}; not answering: {', '.join(down)}", "warning")
         else:
             ctl.record(summary)
-        if self.serve is not None:
-            await self._serve_api(ctl, *self.serve)
+        for starter in self.starters:
+            await self._start_service(ctl, starter)
         if plan.demo_model is not None:
             await self._demo(ctl, plan.demo_model, plan.place_demo)
 
-    async def _serve_api(self, ctl: Controller, host: str, port: int, key: str | None) -> None:
-        from studiotui.api import start_server
-
+    async def _start_service(self, ctl: Controller, starter: ServiceStarter) -> None:
         try:
-            self.api_server = await start_server(ctl, host, port, key)
+            self.services.append(await starter(ctl))
         except OSError as exc:
-            self.report(f"cannot serve the API on {host}:{port}: {exc}", "error")
-            return
-        ctl.record(f"serving the OpenAI-compatible API on {self.api_server.url}")
+            self.report(f"cannot start a service beside the dashboard: {exc}", "error")
 
     async def _start_agents(self, ctl: Controller, nodes: list[NodeSpec]) -> None:
         assert self.inventory is not None
@@ -330,8 +387,6 @@ class StudioApp(App[None]):
             )
             started.append(f"{node.name} (pid {pid})")
         ctl.record(f"started local agent{'s' if len(started) > 1 else ''} {', '.join(started)}")
-        from studiotui.commands import wait_until_up
-
         missing = await wait_until_up(ctl, [n.name for n in nodes], timeout=UP_TIMEOUT_S)
         for name in missing:
             tail = local_cluster.agent_output_tail(self.inventory.node(name))
@@ -344,7 +399,7 @@ class StudioApp(App[None]):
     async def _demo(self, ctl: Controller, path: Path, place: bool) -> None:
         if not (path / "config.json").exists():
             ctl.record(f"writing the demo model to {path}")
-            from worker.demo_model import DemoSpec, write_demo_model
+            from worker.shared.demo_model import DemoSpec, write_demo_model
 
             # It recites a passage about itself, so the first chat reads as an answer.
             await asyncio.to_thread(write_demo_model, path, DemoSpec(recite=True))
@@ -355,10 +410,19 @@ class StudioApp(App[None]):
         if not up:
             self.report("no node is up, so the demo model was not placed", "warning")
             return
+        # Planned first, so the progress lists the nodes in ring order, as the log and
+        # the ring do; place() loads exactly this plan or refuses.
+        _info, the_plan = await asyncio.to_thread(ctl.preview, path, up)
+        ring = [s.node for s in the_plan.shards] if isinstance(the_plan, Plan) else up
         pane = self.query_one(PlacementsPane)
-        pane.start_progress(f"placing {path.name} on {', '.join(up)}", up)
+        pane.start_progress(f"placing {path.name} on {', '.join(ring)}", ring)
         try:
-            await ctl.place(path, up, progress=pane.progress)
+            await ctl.place(
+                path,
+                up,
+                progress=pane.progress,
+                expected=the_plan if isinstance(the_plan, Plan) else None,
+            )
         finally:
             pane.end_progress()
         self.notify(f"placement {path.name} is ready")
@@ -371,10 +435,64 @@ class StudioApp(App[None]):
             if self.controller is not None:
                 self.controller.record(f"model {row.name} skipped: {row.problem}", "warning")
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Dashboard keys act on the dashboard only: over the chat (and dialogs) they
+        neither fire nor crowd the footer, so each screen's footer shows its own keys."""
+        return not (action in DASHBOARD_ACTIONS and len(self.screen_stack) > 1)
+
+    # ---- quitting -------------------------------------------------------------------------
+
+    def local_agents_running(self) -> list[NodeSpec]:
+        """This cluster's agents that run on this machine and are still running."""
+        if self.inventory is None:
+            return []
+        return [n for n in self.inventory.nodes if n.is_local and local_cluster.running_pid(n)]
+
+    async def action_quit(self) -> None:
+        """Quit; with local agents running, say they stay (and offer to stop them)."""
+        running = self.local_agents_running()
+        if not running or isinstance(self.screen, QuitScreen):
+            # q again on the question: quit, keeping the cluster (and saying so).
+            self.exit_note = keep_note(len(running)) if running else ""
+            self.exit()
+            return
+        shards = sum(
+            len(n.shards) for n in self.cluster.nodes if n.name in {r.name for r in running}
+        )
+        held = f" holding {shards} shard{'s' if shards != 1 else ''}" if shards else ""
+        question = (
+            f"The local cluster keeps running after you quit: {len(running)} agent"
+            f"{'s' if len(running) != 1 else ''}{held}. `studiotui down` stops it later; "
+            "`studiotui` comes back to it."
+        )
+        self.push_screen(QuitScreen(question), self._quit_answered)
+
+    def _quit_answered(self, answer: str | None) -> None:
+        if answer == "keep":
+            self.exit_note = keep_note(len(self.local_agents_running()))
+            self.exit()
+        elif answer == "stop":
+            self.background(self._stop_cluster_and_quit(), "stopping the local cluster")
+
+    def action_quit_and_stop(self) -> None:
+        self.background(self._stop_cluster_and_quit(), "stopping the local cluster")
+
+    async def _stop_cluster_and_quit(self) -> None:
+        running = self.local_agents_running()
+        self.report(f"stopping {len(running)} local agent{'s' if len(running) != 1 else ''}…")
+        for node in running:
+            await asyncio.to_thread(local_cluster.stop_agent, node)
+        if self.controller is not None:
+            self.controller.forget_placements_on([n.name for n in running])
+        self.exit_note = (
+            f"stopped the local cluster ({len(running)} agents); `studiotui` starts it again"
+        )
+        self.exit()
+
     # ---- actions --------------------------------------------------------------------------
 
     def action_chat(self) -> None:
-        from studiotui.app.chat import ChatScreen
+        from studiotui.app.screens.chat import ChatScreen
 
         # One chat screen for the app's life: coming back is instant and finds it as left.
         if not self.is_screen_installed("chat"):
@@ -383,21 +501,28 @@ class StudioApp(App[None]):
             self.push_screen("chat")
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.key_rows()))
+        self.push_screen(HelpScreen(self.key_rows(), [MEMORY_HELP]))
 
     def key_rows(self) -> list[tuple[str, str]]:
-        keymap = self.ui.get("keymap") if isinstance(self.ui.get("keymap"), dict) else {}
-        rows = []
+        """One row per key, each with the one thing it does."""
+        found = self.ui.get("keymap")
+        keymap: dict[str, str] = found if isinstance(found, dict) else {}
+        rows: dict[str, str] = {}
         for binding in [*self.BINDINGS, *NodesPane.BINDINGS]:
             assert isinstance(binding, Binding)
             key = keymap.get(binding.id, binding.key) if binding.id else binding.key
-            rows.append((binding.key_display or key.replace(",", " / "), binding.description))
-        rows += [
-            ("ctrl+p", "Command palette: every action, theme switching"),
-            ("tab", "Move between panes"),
-            ("esc", "Close a dialog"),
-        ]
-        return rows
+            shown = binding.key_display or key.replace(",", " / ")
+            rows.setdefault(shown, KEY_MEANINGS.get(shown, binding.description))
+        rows.setdefault("ctrl+p", "Command palette: every action, theme switching")
+        rows.setdefault("tab", "Move between panes")
+        return list(rows.items())
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        # Textual's own Theme, Quit and Keys entries would stand next to ours (themes
+        # by name, Quit that asks about the cluster, Help: keys): list each once.
+        for command in super().get_system_commands(screen):
+            if command.title not in ("Theme", "Quit", "Keys"):
+                yield command
 
     def palette_actions(self) -> list[tuple[str, str, str]]:
         """(title, help, action) for the command palette."""
@@ -413,6 +538,11 @@ class StudioApp(App[None]):
                 "a broken or failed one: unload it, preview its model again",
                 "place_again",
             ),
+            (
+                "Fetch selected model to nodes",
+                "each marked (or up) node its share: from the hub for a hub model",
+                "fetch_model",
+            ),
             ("Mark selected node", "toggle: marked nodes are where p places", "mark_node"),
             ("Clear marks", "unmark every node", "clear_marks"),
             ("Rescan models", "read the model folders and the HF cache again", "rescan_models"),
@@ -424,7 +554,12 @@ class StudioApp(App[None]):
             ("Sort nodes", "cycle: name, memory, cpu, state", "sort_nodes"),
             ("Next theme", "cycle the studio themes", "next_theme"),
             ("Help: keys", "every key of the dashboard", "help"),
-            ("Quit", "leave the agents running", "quit"),
+            ("Quit", "the local cluster keeps running (asks first)", "quit"),
+            (
+                "Quit and stop the local cluster",
+                "stop this machine's agents, then quit",
+                "quit_and_stop",
+            ),
         ]
 
     def theme_names(self) -> list[str]:
@@ -452,12 +587,15 @@ class StudioApp(App[None]):
                     table.focus()
                     break
 
+    def action_focus_nodes(self) -> None:
+        self.query_one(NodesPane).focus()
+
     def action_sort_nodes(self) -> None:
         self.query_one(NodesPane).action_cycle_sort()
 
     def action_node_logs(self) -> None:
         name = self._selected_node("logs")
-        ctl = self._need_controller("logs") if name else None
+        ctl = self.need_controller("logs") if name else None
         if name and ctl:
             self.push_screen(NodeLogScreen(name, self._read_log))
 
@@ -474,7 +612,7 @@ class StudioApp(App[None]):
 
     def action_restart_node(self) -> None:
         name = self._selected_node("restart")
-        ctl = self._need_controller("restart") if name else None
+        ctl = self.need_controller("restart") if name else None
         if not (name and ctl):
             return
         node = ctl.state.node(name)
@@ -497,19 +635,11 @@ class StudioApp(App[None]):
         assert self.inventory is not None
         spec = self.inventory.node(name)
         if not spec.is_local:
-            restart = getattr(ctl, "restart", None)
-            if restart is None:
-                self.report(
-                    f"restarting {name} over SSH is not available yet (use provision)", "warning"
-                )
-                return
-            await _call(restart, [name])
+            await restart_logged(ctl, [name])
             return
         self.report(f"restarting {name}…")
         await asyncio.to_thread(local_cluster.stop_agent, spec)
         pid = await asyncio.to_thread(local_cluster.start_agent, self.home, spec, self.inventory)
-        from studiotui.commands import wait_until_up
-
         missing = await wait_until_up(ctl, [name], timeout=UP_TIMEOUT_S)
         if missing:
             tail = local_cluster.agent_output_tail(spec)
@@ -518,30 +648,18 @@ class StudioApp(App[None]):
             self.report(f"{name} restarted (pid {pid})")
 
     def action_provision(self) -> None:
-        self._optional_command("provision", "provisioning", with_node=True)
+        ctl = self.need_controller("provisioning")
+        name = self._selected_node("provisioning") if ctl is not None else None
+        if ctl is not None and name is not None:
+            self.background(provision_logged(ctl, [name]), f"provisioning {name}")
 
     def action_measure_links(self) -> None:
-        self._optional_command("measure_links", "measuring links", with_node=False)
-
-    def _optional_command(self, method: str, what: str, with_node: bool) -> None:
-        """Commands the controller may not have yet: call them if present, else say so."""
-        ctl = self._need_controller(what)
-        if ctl is None:
-            return
-        command: Callable[..., Any] | None = getattr(ctl, method, None)
-        if command is None:
-            self.report(f"{what} is not available yet", "warning")
-            return
-        if with_node:
-            name = self._selected_node(what)
-            if name is None:
-                return
-            self.background(_call(command, [name]), f"{what} {name}")
-        else:
-            self.background(_call(command), what)
+        ctl = self.need_controller("measuring links")
+        if ctl is not None:
+            self.background(ctl.measure_links(), "measuring links")
 
     def action_refresh(self) -> None:
-        ctl = self._need_controller("refresh")
+        ctl = self.need_controller("refresh")
         if ctl is not None:
             self.background(ctl.refresh(), "refreshing")
             self.background(self._scan_models(), "reading models")
@@ -564,6 +682,31 @@ class StudioApp(App[None]):
     def action_place_again(self) -> None:
         self.placer.place_again()
 
+    def action_fetch_model(self) -> None:
+        ctl = self.need_controller("fetch")
+        row = self.query_one(ModelsPane).selected_row
+        if ctl is None:
+            return
+        if row is None or not row.placeable:
+            self.report("fetch: select a model in the Models pane first", "warning")
+            return
+        marked = sorted(self.query_one(NodesPane).marked)
+        nodes = marked or [n.name for n in ctl.state.nodes if n.state == "up"]
+        self.background(self._fetch(ctl, row, nodes), f"fetching {row.name}")
+
+    async def _fetch(self, ctl: Controller, row: ModelRow, nodes: list[str]) -> None:
+        from studiotui.cluster.model_fetch import fetch_model
+
+        pane, key = self.query_one(PlacementsPane), f"fetch {row.path}"
+        pane.start_progress(f"fetching {row.name} to {', '.join(nodes)}", nodes, key=key)
+        try:
+            await fetch_model(
+                ctl, Path(row.path), nodes, lambda n, d, t: pane.progress(n, d, t, key)
+            )
+        finally:
+            pane.end_progress(key=key)
+        self.notify(f"{row.name}: each of {', '.join(nodes)} holds its share")
+
     def action_mark_node(self) -> None:
         self.query_one(NodesPane).action_toggle_mark()
 
@@ -575,9 +718,8 @@ class StudioApp(App[None]):
             self.background(self._scan_models(), "reading models")
 
 
-async def _call(command: Callable[..., Any], *args: Any) -> Any:
-    """Call a sync or async controller method inside the guarded worker."""
-    result = command(*args)
-    if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-        return await result
-    return result
+def keep_note(agents: int) -> str:
+    return (
+        f"the local cluster keeps running ({agents} agent{'s' if agents != 1 else ''}): "
+        "`studiotui down` stops it, `studiotui` comes back to it"
+    )

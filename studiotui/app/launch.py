@@ -11,14 +11,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from studiotui import local_cluster
-from studiotui.app.app import Startup, StudioApp
-from studiotui.inventory import (
+from studiotui.app.app import ServiceStarter, Startup, StudioApp
+from studiotui.cluster import local_cluster
+from studiotui.cluster.session import load_cluster
+from studiotui.core.errors import UserError
+from studiotui.core.inventory import (
     DEFAULT_CONTROL_PORT,
-    TELEMETRY_PORT_OFFSET,
+    LOCAL_BASE_OCTET,
     Inventory,
+    choose_local_layout,
     dump_inventory,
     find_inventory,
     local_inventory,
@@ -26,7 +31,6 @@ from studiotui.inventory import (
 
 LOCAL_NODES = 4
 LOCAL_MEMORY_GB = 16.0
-DEFAULT_BASE_OCTET = 11
 
 
 def _port_free(address: str, port: int) -> bool:
@@ -39,38 +43,49 @@ def _port_free(address: str, port: int) -> bool:
 
 
 def free_local_base(
-    n: int, control_port: int = DEFAULT_CONTROL_PORT, first: int = DEFAULT_BASE_OCTET
+    n: int, control_port: int = DEFAULT_CONTROL_PORT, first: int = LOCAL_BASE_OCTET
 ) -> int:
-    """The first loopback range 127.0.0.B… whose agent ports are all free.
+    """The first loopback range 127.0.0.B… (Linux) whose agent ports are all free."""
+    try:
+        return choose_local_layout(n, "linux", _port_free, control_port, first).base_octet
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from exc
 
-    Another simulated cluster (another user, another home) may hold the default
-    range; binding there would fail, so a first run steps aside by tens.
-    """
-    for base in range(first, 255 - n, 10):
-        addresses = [f"127.0.0.{base + k}" for k in range(n)]
-        ports = (control_port, control_port + TELEMETRY_PORT_OFFSET)
-        if all(_port_free(a, p) for a in addresses for p in ports):
-            return base
-    raise RuntimeError(f"no free loopback range for {n} local nodes on port {control_port}")
+
+def where(inventory: Inventory) -> str:
+    """The simulated nodes' addresses, short: a range of addresses or of ports."""
+    first, last = inventory.nodes[0], inventory.nodes[-1]
+    if first.address == last.address:
+        return f"{first.address} ports {first.control_port}–{last.control_port}"
+    return f"{first.address}–{last.address.rsplit('.', 1)[-1]}"
 
 
 def first_run(
-    home: Path, n: int = LOCAL_NODES, memory_gb: float = LOCAL_MEMORY_GB
+    home: Path,
+    n: int | None = None,
+    memory_gb: float = LOCAL_MEMORY_GB,
+    platform: str = sys.platform,
 ) -> tuple[Inventory, Startup]:
     """A new simulated cluster here, with the demo model placed on it."""
-    base = free_local_base(n)
-    if base == DEFAULT_BASE_OCTET:
-        inventory = local_cluster.write_local_inventory(home, n, memory_gb)
-    else:
-        inventory = local_inventory(n, home=home, memory_gb=memory_gb, base_octet=base)
-        path = local_cluster.local_inventory_path(home)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dump_inventory(inventory))
-    first, last = inventory.nodes[0], inventory.nodes[-1]
+    n = n or LOCAL_NODES
+    try:
+        layout = choose_local_layout(n, platform, _port_free)
+    except ValueError as exc:
+        raise UserError(f"{exc}; stop another simulated cluster (studiotui down)") from exc
+    inventory = local_inventory(
+        n,
+        home=home,
+        memory_gb=memory_gb,
+        base_octet=layout.base_octet,
+        control_port=layout.control_port,
+        platform=platform,
+    )
+    path = local_cluster.local_inventory_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_inventory(inventory))
     note = (
         f"no cluster.toml found: starting a simulated cluster of {n} nodes on "
-        f"{first.address}–{last.address.rsplit('.', 1)[-1]} and placing the demo model "
-        "(`studiotui down` stops it)"
+        f"{where(inventory)} and placing the demo model (`studiotui down` stops it)"
     )
     return inventory, Startup(
         start_agents=list(inventory.nodes),
@@ -87,22 +102,27 @@ def existing(inventory: Inventory) -> Startup:
     return Startup(start_agents=stopped, note=note if stopped else "")
 
 
-def launch(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.commands import load_cluster
-
+def build_app(
+    args: argparse.Namespace,
+    home: Path,
+    services: Sequence[ServiceStarter] = (),
+    platform: str = sys.platform,
+) -> StudioApp:
+    """The dashboard `studiotui` opens: on a cluster.toml if one is found, else on a
+    new simulated cluster (the first run)."""
     explicit = getattr(args, "inventory", None)
     found = find_inventory(explicit, Path.cwd(), home)
     if found is None and not local_cluster.local_inventory_path(home).exists():
-        inventory, startup = first_run(home)
+        inventory, startup = first_run(home, platform=platform)
     else:
-        inventory = load_cluster(args, home)
+        inventory = load_cluster(args.inventory, home)
         startup = existing(inventory)
-    serve = getattr(args, "serve", None)
-    app = StudioApp(
-        home,
-        inventory,
-        startup=startup,
-        serve=(serve[0], serve[1], getattr(args, "api_key", None)) if serve else None,
-    )
+    return StudioApp(home, inventory, startup=startup, services=services)
+
+
+def launch(args: argparse.Namespace, home: Path, services: Sequence[ServiceStarter] = ()) -> int:
+    app = build_app(args, home, services)
     app.run()
+    if app.exit_note:
+        print(app.exit_note)
     return app.return_code or 0

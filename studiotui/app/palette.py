@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-if TYPE_CHECKING:
-    from studiotui.app.app import StudioApp
+from studiotui.app.host import Dashboard
 
 
 class StudioCommands(Provider):
     def _commands(self) -> list[tuple[str, str, Callable[[], object]]]:
-        app = cast("StudioApp", self.app)
+        app = cast(Dashboard, self.app)
         commands: list[tuple[str, str, Callable[[], object]]] = [
             (title, help_text, partial(app.run_action, action))
             for title, help_text, action in app.palette_actions()

@@ -6,14 +6,17 @@ including the 16-colour one, without re-rendering by hand on a theme switch.
 
 from __future__ import annotations
 
+import os
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from textual.content import Content
 from textual.geometry import Size
 from textual.widget import Widget
+
+from studiotui.core.state import PlacementState
 
 WARN_AT = 0.80
 CRITICAL_AT = 0.95
@@ -146,7 +149,8 @@ class Drawing(Widget):
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         # Measured the way Textual will draw it, so a line that still folds counts twice.
-        return self.content_for(width).get_height(self.styles, width)
+        # (Textual's own widgets pass their styles here too; its stubs name a narrower type.)
+        return self.content_for(width).get_height(self.styles, width)  # type: ignore[arg-type]
 
 
 def wrapped(text: str, width: int, indent: int, style: str = "") -> Content:
@@ -154,3 +158,84 @@ def wrapped(text: str, width: int, indent: int, style: str = "") -> Content:
     room = width - indent
     lines = textwrap.wrap(text, room, break_on_hyphens=False) if room >= 12 else [text]
     return Content.styled(("\n" + " " * indent).join(lines or [""]), style)
+
+
+# --------------------------------------------------------------------------- rings
+
+_SEPARATORS = "-_."
+
+
+def node_abbreviations(names: Sequence[str]) -> dict[str, str]:
+    """Short node names for tight rings: 'local-3' → 'l3', 'studio-12' → 's12'.
+
+    The first letter and what follows the names' shared prefix (cut back to a
+    separator, so local-10 and local-11 stay l10 and l11); names sharing nothing,
+    or shortening to the same thing, stay whole.
+    """
+    unique = list(dict.fromkeys(names))
+    same = {n: n for n in unique}
+    if len(unique) < 2:
+        return same
+    prefix = os.path.commonprefix(unique)  # noqa: RUF071 - names, not paths
+    cut = max(prefix.rfind(c) for c in _SEPARATORS)
+    prefix = prefix[: cut + 1] if cut >= 0 else prefix.rstrip("0123456789")
+    if not prefix or any(len(n) == len(prefix) for n in unique):
+        return same
+    short = {n: n[0] + n[len(prefix) :] for n in unique}
+    return short if len(set(short.values())) == len(short) else same
+
+
+def ring_hops(
+    placement: PlacementState, short: bool = False, closed: bool = False
+) -> list[Content]:
+    """One piece per shard in ring order, `node[start:end]`; a planned shard whose node
+    reports nothing is marked ✗ in the error colour. `closed` repeats the first node."""
+    ring = placement.ring
+    names = node_abbreviations([p.node for p in ring]) if short else {}
+    missing = set(placement.missing)
+    hops = []
+    for p in ring:
+        text = f"{names.get(p.node, p.node)}[{p.start}:{p.end}]"
+        hops.append(Content.styled(f"✗{text}", "$error") if p.node in missing else Content(text))
+    if closed and len(ring) > 1:
+        hops.append(Content(names.get(ring[0].node, ring[0].node)))
+    return hops
+
+
+def join_hops(hops: Sequence[Content], arrow: str = " → ") -> Content:
+    return Content(arrow).join(hops)
+
+
+def fit_hops(hops: Sequence[Content], width: int, arrow: str = "→") -> Content:
+    """As many whole hops as fit in `width` cells, then '…' (never half a hop)."""
+    out = Content("")
+    for i, hop in enumerate(hops):
+        piece = hop if i == 0 else Content.assemble(arrow, hop)
+        rest = 1 if i < len(hops) - 1 else 0
+        if out.cell_length + piece.cell_length + rest > width and i > 0:
+            return Content.assemble(out, "…")
+        out = Content.assemble(out, piece)
+    return out
+
+
+def wrap_hops(head: Content, hops: Sequence[Content], width: int, tail: Content) -> list[Content]:
+    """`head` then the hops joined by arrows and `tail` two cells on, folded between
+    hops (never inside one or an arrow), continuation lines indented under the first
+    hop."""
+    indent = head.cell_length
+    lines: list[Content] = []
+    line = head
+    for i, hop in enumerate(hops):
+        piece = hop if i == 0 else Content.assemble(" → ", hop)
+        if i > 0 and line.cell_length + piece.cell_length > width:
+            lines.append(line)
+            line = Content.assemble(" " * max(0, indent - 2), "→ ", hop)
+        else:
+            line = Content.assemble(line, piece)
+    if tail.cell_length and line.cell_length + 2 + tail.cell_length > width:
+        lines.append(line)
+        line = Content.assemble(" " * indent, tail)
+    elif tail.cell_length:
+        line = Content.assemble(line, "  ", tail)
+    lines.append(line)
+    return lines

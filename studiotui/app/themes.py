@@ -16,6 +16,8 @@ from typing import Any
 
 from textual.theme import Theme
 
+from studiotui.core.errors import StudioError
+
 DEFAULT_THEME = "studio-dark"
 UI_FILE = "ui.json"
 
@@ -35,7 +37,7 @@ _COLOURS = (
 _ALLOWED = {f.name for f in fields(Theme)}
 
 
-class ThemeFileError(ValueError):
+class ThemeFileError(StudioError, ValueError):
     pass
 
 

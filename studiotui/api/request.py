@@ -1,0 +1,437 @@
+"""An OpenAI chat-completions or completions body, checked and turned into the
+cluster's request.
+
+Everything a client can get wrong is caught here and answered with a 400 that
+names the parameter, so the head shard never sees a request it would refuse: a
+refusal there costs a round trip and comes back as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+# The runners refuse more than this (worker/sampling.py); studiotui may not import it.
+MAX_TOKENS_LIMIT = 1 << 20
+# OpenAI means "until the context is full" when max_tokens is absent; a placement's
+# context is not known here, so a long but finite answer stands in for it.
+DEFAULT_MAX_TOKENS = 2048
+# /v1/completions: OpenAI's default there is 16.
+DEFAULT_COMPLETION_TOKENS = 16
+# OpenAI's documented defaults, so clients that leave them out get what they expect.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+MAX_STOP_STRINGS = 16
+# Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SEED_MASK = (1 << 64) - 1
+# OpenAI's ceilings: top_logprobs on chat, logprobs on completions (the runners take 20).
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+# OpenAI's own limits: a function name of letters, digits, _ and -, up to 64; 128 tools.
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape, with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, Any]]
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    tools: list[dict[str, Any]] | None = None
+    # -1: none; else how many of the likeliest tokens to give with each chosen one.
+    logprobs: int = -1
+
+    def cluster_request(self) -> dict[str, Any]:
+        return {"messages": self.messages, **({"tools": self.tools} if self.tools else {})}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompt: str | list[int]
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    logprobs: int = -1
+
+    def cluster_request(self) -> dict[str, Any]:
+        return {"prompt": self.prompt} if isinstance(self.prompt, str) else {"tokens": self.prompt}
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    model, stream, include_usage = _common(body)
+    logprobs = _chat_logprobs(body)
+    params = _params(body)
+    if logprobs >= 0:
+        params["logprobs"] = logprobs
+    return ChatRequest(
+        model=model,
+        messages=_messages(body.get("messages")),
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        tools=_parse_tools(body),
+        logprobs=logprobs,
+    )
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    model, stream, include_usage = _common(body)
+    if body.get("echo") is not None and body.get("echo") is not False:
+        raise bad("echo is not supported: the answer comes without its prompt", "echo")
+    if body.get("suffix"):
+        raise bad("suffix is not supported: no model here fills in the middle", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != 1):
+        raise bad("only best_of=1 is supported", "best_of")
+    logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    params = _params(body, DEFAULT_COMPLETION_TOKENS)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    return CompletionRequest(
+        model=model,
+        prompt=_prompt(body.get("prompt")),
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=-1 if logprobs is None else logprobs,
+    )
+
+
+def _common(body: Any) -> tuple[str | None, bool, bool]:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    _reject_unsupported(body)
+    stream = _boolean(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    include_usage = _boolean(options or {}, "include_usage", False, "stream_options.include_usage")
+    return model or None, stream, include_usage
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    # Silently ignoring these would hand the client something other than it asked for.
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise bad("only n=1 is supported: ask several times for several answers", "n")
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int:
+    wanted = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else -1
+
+
+def _prompt(raw: Any) -> str | list[int]:
+    """A string or token ids; OpenAI's batch forms with one prompt in them too."""
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+        raw = raw[0]
+    if isinstance(raw, str):
+        if not raw:
+            raise bad("prompt is empty: give the text to continue", "prompt")
+        return raw
+    if isinstance(raw, list) and raw and all(_is_int(t) for t in raw):
+        return list(raw)
+    if isinstance(raw, list) and len(raw) > 1:
+        raise bad("one prompt per request: send several requests for several prompts", "prompt")
+    if raw is None:
+        raise bad("prompt is required", "prompt")
+    raise bad("prompt must be a string or an array of token ids", "prompt")
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        raise bad("messages is required", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty array", "messages")
+    out = []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad(f"{where} must be an object", where)
+        role = msg.get("role")
+        if role == "function":
+            raise bad(
+                f"{where}: function messages are OpenAI's retired form: send role tool "
+                "with the tool_call_id it answers",
+                f"{where}.role",
+            )
+        if role == "tool":
+            out.append(_tool_message(msg, _content(msg.get("content"), role, where), where))
+            continue
+        if role not in ROLES:
+            allowed = ", ".join([*ROLES, "tool"])
+            raise bad(f"{where}.role must be one of {allowed}; got {role!r}", f"{where}.role")
+        turn: dict[str, Any] = {
+            "role": ROLES[role],
+            "content": _content(msg.get("content"), role, where),
+        }
+        if role == "assistant" and msg.get("tool_calls"):
+            turn["tool_calls"] = _assistant_tool_calls(msg["tool_calls"], where)
+        out.append(turn)
+    return out
+
+
+def _content(raw: Any, role: str, where: str) -> str:
+    if isinstance(raw, str):
+        return raw
+    if raw is None and role == "assistant":
+        return ""  # OpenAI allows an assistant turn without content (it had tool calls)
+    if isinstance(raw, list):
+        texts = []
+        for j, part in enumerate(raw):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise bad(
+                    f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
+                    f"{where}.content",
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+
+
+def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
+    temperature = _number(body, "temperature", 0.0, 2.0, DEFAULT_TEMPERATURE)
+    top_p = _number(body, "top_p", 0.0, 1.0, DEFAULT_TOP_P)
+    if top_p == 0.0:
+        # Nucleus sampling over no mass keeps only the likeliest token: greedy. The
+        # runners want top_p > 0, so say the same thing their way.
+        temperature, top_p = 0.0, 1.0
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    max_tokens = _integer(body, name, 1, MAX_TOKENS_LIMIT)
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad("seed must be an integer", "seed")
+    return {
+        "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        # Without a seed OpenAI samples afresh each time. Negative int64 seeds are
+        # legal there; the runners' PRNG takes 0..2**64-1, so wrap instead of refusing.
+        "seed": secrets.randbits(63) if seed is None else seed & SEED_MASK,
+        "stop": _stop(body.get("stop")),
+        # vLLM's extension, for benchmarks that need a fixed number of tokens.
+        "ignore_eos": _boolean(body, "ignore_eos", False),
+    }
+
+
+def _stop(raw: Any) -> list[str]:
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not all(isinstance(s, str) for s in raw):
+        raise bad("stop must be a string or an array of strings", "stop")
+    if len(raw) > MAX_STOP_STRINGS:
+        raise bad(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
+    return [s for s in raw if s]
+
+
+def _is_int(value: Any) -> bool:
+    # JSON true/false arrive as bool, which Python counts as int.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not (_is_int(value) or isinstance(value, float)) or not lo <= value <= hi:
+        raise bad(f"{name} must be a number from {lo:g} to {hi:g}; got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or not lo <= value <= hi:
+        raise bad(f"{name} must be an integer from {lo} to {hi}; got {value!r}", name)
+    return int(value)
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"{param or name} must be true or false", param or name)
+    return value
+
+
+# ---- tools -------------------------------------------------------------------------
+# The head shard passes `tools` to the model's own chat template
+# (`apply_chat_template(messages, tools=...)`) and reads calls back with mlx-lm's
+# parser for the family. A template reads the Hugging Face convention: tools as
+# OpenAI writes them, and in an assistant turn `tool_calls` whose `arguments` are an
+# object, not OpenAI's JSON string (mlx-lm's server converts them the same way).
+
+
+def _parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools to lay before the model, or None: none given, or tool_choice "none"."""
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise bad(
+            "functions and function_call are OpenAI's retired form: send tools and tool_choice",
+            "functions",
+        )
+    raw = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice needs tools: give the tools it may call", "tool_choice")
+        return None
+    if not isinstance(raw, list):
+        raise bad("tools must be an array of {type: function, function: {...}}", "tools")
+    if len(raw) > MAX_TOOLS:
+        raise bad(f"tools takes at most {MAX_TOOLS} tools; got {len(raw)}", "tools")
+    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(raw)]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise bad(f"tools: each function name once; repeated: {', '.join(twice)}", "tools")
+    if choice is None or choice == "auto":
+        return tools
+    if choice == "none":
+        # The model is not to call any: it does not see them.
+        return None
+    if choice == "required" or isinstance(choice, dict):
+        # Honouring these takes constrained decoding, which the cluster does not do;
+        # answering with a plain reply instead would break the caller's contract.
+        raise bad(
+            "tool_choice 'required' or a named function cannot be enforced here: the "
+            "model decides whether to call a tool; send tool_choice 'auto' (or leave it out)",
+            "tool_choice",
+        )
+    raise bad(f"tool_choice must be 'auto', 'none' or 'required'; got {choice!r}", "tool_choice")
+
+
+def _tool(raw: Any, where: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise bad(f"{where} must be an object {{type: function, function: {{...}}}}", where)
+    if raw.get("type") != "function":
+        raise bad(
+            f"{where}.type must be 'function' (the only kind of tool a model's template "
+            f"knows); got {raw.get('type')!r}",
+            f"{where}.type",
+        )
+    fn = raw.get("function")
+    if not isinstance(fn, dict):
+        raise bad(f"{where}.function must be an object with a name", f"{where}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise bad(
+            f"{where}.function.name must be 1-64 letters, digits, _ or -; got {name!r}",
+            f"{where}.function.name",
+        )
+    out: dict[str, Any] = {"name": name}
+    description = fn.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad(f"{where}.function.description must be a string", f"{where}.function")
+        out["description"] = description
+    parameters = fn.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise bad(
+                f"{where}.function.parameters must be a JSON Schema object",
+                f"{where}.function.parameters",
+            )
+        out["parameters"] = parameters
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad(f"{where}.function.strict must be true or false", f"{where}.function.strict")
+    return {"type": "function", "function": out}
+
+
+def _tool_message(msg: dict[str, Any], content: str, where: str) -> dict[str, Any]:
+    """A tool's result, going back to the model."""
+    call_id = msg.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(
+            f"{where}: a tool message needs tool_call_id, the id of the call it answers",
+            f"{where}.tool_call_id",
+        )
+    out = {"role": "tool", "content": content, "tool_call_id": call_id}
+    if isinstance(msg.get("name"), str):
+        out["name"] = msg["name"]
+    return out
+
+
+def _assistant_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's calls, with their arguments as objects for the template."""
+    if not isinstance(raw, list):
+        raise bad(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
+    calls = []
+    for j, call in enumerate(raw):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{at} must be {{id, type: function, function: {{name, arguments}}}}", at)
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as exc:
+                raise bad(
+                    f"{at}.function.arguments is not valid JSON: {exc}", f"{at}.function.arguments"
+                ) from None
+        call_id = call.get("id")
+        calls.append(
+            {
+                "id": call_id if isinstance(call_id, str) else f"call_{j}",
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": arguments},
+            }
+        )
+    return calls

@@ -1,0 +1,611 @@
+"""The OpenAI-compatible HTTP API: every client other than the TUI talks to the cluster here.
+
+One aiohttp server in the controller's own event loop. Each request is one
+`Controller.generate()` call and nothing else is shared between requests, so as
+many requests as clients send are in flight across the shards at once. A client
+that goes away cancels its handler (aiohttp's handler cancellation), which closes
+the generate() iterator, which sends the cancel that frees every shard's KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from studiotui.api import shapes
+from studiotui.api.defaults import DEFAULT_HOST, DEFAULT_PORT
+from studiotui.api.request import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    bad,
+    parse_chat_request,
+    parse_completion_request,
+)
+from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.core.state import ClusterState, PlacementState
+
+__all__ = ["ApiServer", "build_app", "serve", "start_server"]
+
+log = logging.getLogger("studiotui.api.server")
+# Quiet unless the host program configures logging: inside the TUI, Python's
+# last-resort stderr handler would write over the screen.
+log.addHandler(logging.NullHandler())
+
+# Long documents go into prompts; aiohttp's 1 MiB default would cut them off.
+MAX_BODY_BYTES = 16 << 20
+SHUTDOWN_GRACE_S = 2.0
+# The head shard's own refusals (worker/stage.py, worker/sampling.py) arrive as text
+# before "accepted"; they are the client's fault, everything else is the cluster's.
+REFUSALS = (
+    "cannot apply the chat template",
+    "bad sampling parameter",
+    "max_tokens must",
+    "temperature must",
+    "top_p must",
+    "the prompt is empty",
+    "prompt tokens must",
+    "logprobs must",
+    "tools are not supported",
+    "tools must",
+)
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    # Proxies such as nginx would otherwise hold tokens back until their buffer fills.
+    "X-Accel-Buffering": "no",
+}
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+# ---- placements as models ------------------------------------------------------------
+
+
+@dataclass
+class ApiStats:
+    """What the server is doing, for tests and the bench: requests in flight now and at most."""
+
+    in_flight: Counter[str] = field(default_factory=Counter)
+    peak: int = 0
+    served: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.in_flight.values())
+
+
+class Models:
+    """Maps a request's `model` onto a placement of the controller."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.ctl = controller
+        # Placements ever seen: asking for one that was unloaded or lost its nodes is
+        # "the service is down" (503), not "no such model" (404).
+        self.first_seen: dict[str, int] = {}
+        self.stats = ApiStats()
+        self._seen(controller.state)
+        controller.subscribe(self._seen)
+
+    def _seen(self, state: ClusterState) -> None:
+        for p in state.placements:
+            if p.name not in self.first_seen:
+                self.first_seen[p.name] = int(time.time())
+
+    def ready(self) -> list[PlacementState]:
+        return [p for p in self.ctl.state.placements if p.state == "ready"]
+
+    def card(self, p: PlacementState) -> dict[str, Any]:
+        return {
+            "id": p.name,
+            "object": "model",
+            "created": self.first_seen.get(p.name, int(time.time())),
+            "owned_by": "studiotui",
+        }
+
+    def resolve(self, model: str | None) -> PlacementState:
+        placements = self.ctl.state.placements
+        if model is None:
+            ready = self.ready()
+            if len(ready) == 1:
+                return ready[0]
+            if ready:
+                names = ", ".join(p.name for p in ready)
+                raise bad(f"model is required: several are served ({names})", "model")
+            raise _unavailable("no model is ready: place one first (studiotui place)")
+        named = [p for p in placements if p.name == model]
+        # The model directory's name works too, so a client configured with the
+        # model's own name finds it whatever the placement was called.
+        matches = named or [p for p in placements if p.model == model]
+        ready = [p for p in matches if p.state == "ready"]
+        if ready:
+            # Two placements of one model on disjoint groups: send each request to
+            # the one with the fewest requests of ours in flight.
+            return min(ready, key=lambda p: self.stats.in_flight[p.name])
+        if matches:
+            states = ", ".join(f"{p.name} is {p.state}" for p in matches)
+            raise _unavailable(f"model {model!r} is not ready ({states})")
+        if model in self.first_seen:
+            raise _unavailable(
+                f"model {model!r} is no longer loaded (unloaded, or its nodes went down)"
+            )
+        known = ", ".join(p.name for p in self.ready()) or "none"
+        raise ApiError(
+            404,
+            f"The model {model!r} does not exist; ready models: {known}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _unavailable(message: str, code: str = "model_not_ready") -> ApiError:
+    return ApiError(503, message, type_="server_error", code=code)
+
+
+# ---- the app -------------------------------------------------------------------------
+
+CONTROLLER = web.AppKey("controller", Controller)
+MODELS = web.AppKey("models", Models)
+API_KEY = web.AppKey("api_key", str)
+
+
+def build_app(controller: Controller, api_key: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY_BYTES)
+    app[CONTROLLER] = controller
+    app[MODELS] = Models(controller)
+    app[API_KEY] = api_key or ""
+    app.router.add_get("/v1/models", _list_models)
+    app.router.add_get("/v1/models/{model:.+}", _get_model)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    return app
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Checks every request, and turns every failure into OpenAI's error shape."""
+    try:
+        _check_origin(request)
+        _check_key(request, request.app[API_KEY])
+        return await handler(request)
+    except ApiError as exc:
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        # aiohttp's own: unknown route, wrong method, body too large.
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return _error_response(ApiError(exc.status, exc.reason, type_=kind))
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error_response(
+            ApiError(500, "internal error in studiotui (see its log)", type_="server_error")
+        )
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers, dumps=_dumps)
+
+
+def _check_key(request: web.Request, key: str) -> None:
+    if not key:
+        return
+    given = request.headers.get("Authorization", "")
+    scheme, _, token = given.partition(" ")
+    # compare_digest: the time taken must not tell how much of a guess was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        what = "missing" if not given else "incorrect"
+        raise ApiError(
+            401,
+            f"API key {what}: send 'Authorization: Bearer <key>' with the key given to serve",
+            code="invalid_api_key",
+        )
+
+
+def _check_origin(request: web.Request) -> None:
+    """Keep web pages in the operator's browser from driving the cluster.
+
+    A page can POST to localhost without a CORS preflight (a "simple" request), and
+    a DNS-rebound name can make that same-origin; browsers always name the origin
+    of such requests, while API clients send no Origin header at all.
+    """
+    origin = request.headers.get("Origin")
+    if origin is not None and origin != f"{request.scheme}://{request.host}":
+        raise ApiError(403, f"requests from web pages ({origin}) are refused", code="origin")
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    if sock and is_loopback(sock[0]) and not is_loopback(_hostname(request.host)):
+        raise ApiError(403, f"host {request.host!r} is not this machine", code="host")
+
+
+def _hostname(host: str) -> str:
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _list_models(request: web.Request) -> web.Response:
+    models = request.app[MODELS]
+    data = [models.card(p) for p in models.ready()]
+    return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+
+async def _get_model(request: web.Request) -> web.Response:
+    models = request.app[MODELS]
+    return web.json_response(models.card(models.resolve(request.match_info["model"])))
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    chat = parse_chat_request(await _read_json(request))
+    return await _answer(request, chat, _ChatAnswer)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    plain = parse_completion_request(await _read_json(request))
+    return await _answer(request, plain, _TextAnswer)
+
+
+async def _answer(
+    request: web.Request, parsed: ChatRequest | CompletionRequest, shape: type[_Shape]
+) -> web.StreamResponse:
+    models = request.app[MODELS]
+    placement = models.resolve(parsed.model)
+    ctl = request.app[CONTROLLER]
+    stats = models.stats
+    stats.in_flight[placement.name] += 1
+    stats.peak = max(stats.peak, stats.total)
+    started = time.perf_counter()
+    gen = ctl.generate(placement.name, parsed.cluster_request(), parsed.params)
+    try:
+        await _accepted(gen, placement.name, shape.prompt_param)
+        answer = shape(placement.name, parsed.logprobs, parsed.include_usage)
+        if parsed.stream:
+            return await _stream(request, gen, answer)
+        return await _complete(gen, answer)
+    finally:
+        # Closing before "done" is what sends the cancel that frees the KV caches.
+        await gen.aclose()
+        stats.in_flight[placement.name] -= 1
+        stats.served += 1
+        log.info(
+            "%s %s %.2f s",
+            placement.name,
+            "stream" if parsed.stream else "complete",
+            time.perf_counter() - started,
+        )
+
+
+async def _accepted(
+    gen: AsyncIterator[dict[str, Any]], name: str, param: str = "messages"
+) -> dict[str, Any]:
+    """Wait for the head shard to take the request, before any status is sent."""
+    try:
+        return await anext(gen)
+    except GenerationError as exc:
+        text = str(exc)
+        if text.startswith(REFUSALS):
+            blamed = "tools" if text.startswith("tools") else param
+            raise bad(f"the model refused the request: {text}", blamed) from None
+        raise _unavailable(f"placement {name!r} cannot answer: {text}", "cluster_error") from None
+    except StopAsyncIteration:
+        raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
+
+
+def _usage(done: dict[str, Any]) -> dict[str, int]:
+    usage = done.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens", 0))
+    completion = int(usage.get("completion_tokens", 0))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+class _Shape:
+    """One answer in the making, in one of OpenAI's two shapes (chat or text).
+
+    Without streaming it gathers the deltas and gives the body; streaming it turns
+    each delta into a chunk. One token is one chunk, so the common chunk (text
+    only) is the parts shared by every chunk, encoded once, around its text.
+    """
+
+    object = ""
+    prompt_param = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, logprobs: int, include_usage: bool) -> None:
+        self.model = model
+        self.wants_logprobs = logprobs >= 0
+        self.top = max(logprobs, 0)
+        self.include_usage = include_usage
+        self.parts: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.entries: list[dict[str, Any]] = []
+        self.head: dict[str, Any] = {
+            "id": f"{self.id_prefix}{uuid.uuid4().hex}",
+            "object": self.object,
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": None,
+        }
+
+    def add(self, msg: dict[str, Any]) -> None:
+        self.parts.append(msg["text"])
+        self.calls.extend(msg.get("tool_calls") or ())
+        self.entries.extend(msg.get("logprobs") or ())
+
+    def finish_reason(self, done: dict[str, Any]) -> str:
+        return shapes.finish_reason(
+            FINISH.get(done.get("finish_reason", "stop"), "stop"), bool(self.calls)
+        )
+
+    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def start(self) -> bytes:
+        return b""
+
+    def chunk(self, msg: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def finish(self, done: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return _event({**self.head, "choices": [], "usage": usage})
+
+
+class _ChatAnswer(_Shape):
+    object = "chat.completion.chunk"
+    prompt_param = "messages"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, model: str, logprobs: int, include_usage: bool) -> None:
+        super().__init__(model, logprobs, include_usage)
+        if include_usage:
+            self.head["usage"] = None  # OpenAI: null on every chunk but the last
+        self._prefix = "data: " + _dumps(self.head)[:-1] + ',"choices":[{"index":0,"delta":'
+        self._suffix = ',"logprobs":null,"finish_reason":null}]}\n\n'
+        self.sent_calls = 0
+
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return shapes.chat_logprobs(entries, self.top) if self.wants_logprobs else None
+
+    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+        text = "".join(self.parts)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            # OpenAI: null content beside tool calls when the model wrote nothing else.
+            "content": text if text or not self.calls else None,
+            "refusal": None,
+        }
+        if self.calls:
+            message["tool_calls"] = shapes.tool_calls(self.calls, 0, streaming=False)
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": self._logprobs(self.entries),
+            "finish_reason": self.finish_reason(done),
+        }
+        head = {k: v for k, v in self.head.items() if k != "usage"}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(done)}
+
+    def start(self) -> bytes:
+        return (self._prefix + '{"role":"assistant","content":""}' + self._suffix).encode()
+
+    def chunk(self, msg: dict[str, Any]) -> bytes:
+        text, calls, entries = msg["text"], msg.get("tool_calls"), msg.get("logprobs")
+        self.calls.extend(calls or ())
+        if not calls and not (entries and self.wants_logprobs):
+            if not text:
+                return b""
+            return (self._prefix + '{"content":' + _dumps(text) + "}" + self._suffix).encode()
+        delta: dict[str, Any] = {"content": text} if text or not calls else {}
+        if calls:
+            delta["tool_calls"] = shapes.tool_calls(calls, self.sent_calls, streaming=True)
+            self.sent_calls += len(calls)
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self._logprobs(entries or []),
+            "finish_reason": None,
+        }
+        return _event({**self.head, "choices": [choice]})
+
+    def finish(self, done: dict[str, Any]) -> bytes:
+        reason = self.finish_reason(done)
+        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+        return _event({**self.head, "choices": [choice]})
+
+
+class _TextAnswer(_Shape):
+    object = "text_completion"
+    prompt_param = "prompt"
+    id_prefix = "cmpl-"
+
+    def __init__(self, model: str, logprobs: int, include_usage: bool) -> None:
+        super().__init__(model, logprobs, include_usage)
+        self.offset = 0  # characters of text already streamed, for text_offset
+
+    def _logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any] | None:
+        if not self.wants_logprobs:
+            return None
+        return shapes.completion_logprobs(entries, self.top, offset)
+
+    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "text": "".join(self.parts),
+            "logprobs": self._logprobs(self.entries, 0),
+            "finish_reason": self.finish_reason(done),
+        }
+        return {**self.head, "choices": [choice], "usage": _usage(done)}
+
+    def chunk(self, msg: dict[str, Any]) -> bytes:
+        text, entries = msg["text"], msg.get("logprobs") or []
+        if not text and not (entries and self.wants_logprobs):
+            return b""
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(entries, self.offset),
+            "finish_reason": None,
+        }
+        self.offset += sum(len(e["token"]) for e in entries)
+        return _event({**self.head, "choices": [choice]})
+
+    def finish(self, done: dict[str, Any]) -> bytes:
+        choice = {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": self.finish_reason(done),
+        }
+        return _event({**self.head, "choices": [choice]})
+
+
+async def _complete(gen: AsyncIterator[dict[str, Any]], answer: _Shape) -> web.Response:
+    done: dict[str, Any] = {}
+    try:
+        async for msg in gen:
+            if msg["type"] == "delta":
+                answer.add(msg)
+            elif msg["type"] == "done":
+                done = msg
+    except GenerationError as exc:
+        raise _unavailable(
+            f"placement {answer.model!r} failed mid-answer: {exc}", "cluster_error"
+        ) from None
+    return web.json_response(answer.body(done), dumps=_dumps)
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return f"data: {_dumps(obj)}\n\n".encode()
+
+
+async def _stream(
+    request: web.Request, gen: AsyncIterator[dict[str, Any]], answer: _Shape
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    try:
+        if first := answer.start():
+            await resp.write(first)
+        async for msg in gen:
+            if msg["type"] == "delta":
+                if chunk := answer.chunk(msg):
+                    await resp.write(chunk)
+            elif msg["type"] == "done":
+                await resp.write(answer.finish(msg))
+                if answer.include_usage:
+                    await resp.write(answer.usage(_usage(msg)))
+                await resp.write(b"data: [DONE]\n\n")
+    except GenerationError as exc:
+        # The status line is long gone; OpenAI's clients raise on an error event.
+        # No [DONE] after it, so no client mistakes the cut answer for a whole one.
+        err = _unavailable(f"placement {answer.model!r} failed mid-answer: {exc}", "cluster_error")
+        log.warning("%s", err.message)
+        with contextlib.suppress(ConnectionError):
+            await resp.write(_event(err.body()))
+    except ConnectionError:
+        return resp  # the client left; the caller's aclose() cancels on the cluster
+    with contextlib.suppress(ConnectionError):
+        await resp.write_eof()
+    return resp
+
+
+# ---- running it ----------------------------------------------------------------------
+
+
+@dataclass
+class ApiServer:
+    runner: web.AppRunner
+    app: web.Application
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    @property
+    def stats(self) -> ApiStats:
+        return self.app[MODELS].stats
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(
+    controller: Controller,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+) -> ApiServer:
+    """Listen in the running loop; port 0 takes a free port (see `.port`)."""
+    app = build_app(controller, api_key)
+    # handler_cancellation: a client that hangs up cancels its handler at once,
+    # not at the next token written, so a stalled generation is cancelled too.
+    # shutdown_timeout: an answer can run for minutes; stopping the server must not
+    # wait for it. Cancelled handlers still send their cancels to the cluster.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return ApiServer(runner=runner, app=app, host=host, port=int(bound))
+
+
+async def serve(
+    controller: Controller,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+) -> None:
+    """Serve until cancelled."""
+    server = await start_server(controller, host, port, api_key)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.close()

@@ -1,0 +1,218 @@
+"""The Models pane: the catalog's models (folders and the Hugging Face cache).
+
+Reading safetensors headers touches the disk, so the catalog is read in a thread
+(`read_catalog`); the pane only shows rows it is given, which also lets snapshot
+tests give fixed ones. A row is where a placement starts: `p` places the row under
+the cursor on the marked nodes, and a row can be dragged onto a node card, a group
+chip or the marked nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual.events import Key, MouseDown, MouseMove, MouseRelease, MouseUp
+from textual.message import Message
+from textual.widgets import DataTable
+
+from studiotui.app.drag import DragSession, DropSurface, DropTarget
+from studiotui.app.panes.nodes import NodesPane
+from studiotui.app.render import short_count
+from studiotui.core.catalog import Catalog, scan_home
+from studiotui.core.placement import format_bytes
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    name: str
+    path: str
+    family: str = ""
+    params: int = 0
+    layers: int = 0
+    size: int = 0
+    dtype: str = ""  # the quantisation ("4-bit") or, unquantised, the weights' dtype
+    problem: str = ""
+    source: str = ""
+    # Readable, but no shard can run it (family, quantization): said in the row, and
+    # the preview refuses it with the same words.
+    unsupported: str = ""
+
+    @property
+    def placeable(self) -> bool:
+        return not self.problem
+
+
+def rows_from_catalog(catalog: Catalog) -> list[ModelRow]:
+    """Placeable models first (by name), then what was skipped and why."""
+    rows = [
+        ModelRow(
+            name=info.name,
+            path=str(info.path),
+            family=info.family,
+            params=info.params,
+            layers=info.n_layers,
+            size=info.disk_bytes,
+            dtype=info.quantization or info.dtype.lower(),
+            source=catalog.source(info),
+            unsupported=info.unsupported or "",
+        )
+        for info in catalog.models
+    ]
+    rows += [
+        ModelRow(s.name, str(s.path), problem=s.reason, source=s.source) for s in catalog.skipped
+    ]
+    return rows
+
+
+def read_catalog(home: Path) -> tuple[list[ModelRow], str]:
+    """Rows for the pane and where they were looked for (said when there are none)."""
+    catalog = scan_home(home)
+    return rows_from_catalog(catalog), ", ".join(catalog.searched)
+
+
+class ModelsPane(DataTable[Any]):
+    class Dropped(Message):
+        """A model row was dragged onto nodes."""
+
+        def __init__(self, model: ModelRow, target: DropTarget) -> None:
+            super().__init__()
+            self.model = model
+            self.target = target
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
+        self.border_title = "Models"
+        self.rows_shown: list[ModelRow] = []
+        self.drag: DragSession | None = None
+        self._told: set[tuple[str, str]] = set()
+
+    def on_mount(self) -> None:
+        self._add_columns()
+
+    def _add_columns(self) -> None:
+        self.add_column("model", key="model")
+        self.add_column("family", key="family")
+        self.add_column("params", key="params")
+        self.add_column("layers", key="layers")
+        self.add_column("quant", key="quant")
+        self.add_column("size", key="size")
+        self.add_column("from", key="source")  # or why a model was skipped
+
+    def show(self, rows: list[ModelRow], where: Path | str | None = None) -> None:
+        if rows == self.rows_shown and self.row_count and self.columns:
+            return
+        selected = self.selected_row
+        self.rows_shown = list(rows)
+        # Rebuild the columns too: widths stick to the widest cell ever shown.
+        self.clear(columns=True)
+        self._add_columns()
+        if not rows:
+            said = f" in {where}" if where else ""
+            self.add_row(Text(f"no models{said}", style="dim"), *[""] * 6)
+            return
+        for row in rows:
+            if row.problem:
+                # The reason goes last: a long sentence in a middle column would push
+                # every figure of every other row off to the right.
+                self.add_row(
+                    Text(row.name, style="dim"),
+                    *[""] * 5,
+                    Text(f"skipped: {row.problem}", style="red"),
+                    key=row.path,
+                )
+                continue
+            self.add_row(
+                row.name,
+                row.family,
+                Text(short_count(row.params), justify="right"),
+                Text(str(row.layers), justify="right"),
+                row.dtype,
+                Text(format_bytes(row.size), justify="right"),
+                Text(f"✗ {row.unsupported}", style="red")
+                if row.unsupported
+                else Text(row.source, style="dim"),
+                key=row.path,
+            )
+        # A rescan must not move the operator's choice to another model.
+        if selected is not None and selected in self.rows_shown:
+            self.move_cursor(row=self.rows_shown.index(selected), animate=False)
+
+    def new_problems(self, rows: list[ModelRow]) -> list[ModelRow]:
+        """Skipped rows not told before: the Log gets the whole reason once, the table
+        only has room for its start."""
+        fresh = [r for r in rows if r.problem and (r.path, r.problem) not in self._told]
+        self._told |= {(r.path, r.problem) for r in fresh}
+        return fresh
+
+    @property
+    def selected_row(self) -> ModelRow | None:
+        if not self.rows_shown or not 0 <= self.cursor_row < len(self.rows_shown):
+            return None
+        return self.rows_shown[self.cursor_row]
+
+    def select_model(self, name: str) -> bool:
+        for i, row in enumerate(self.rows_shown):
+            if row.name == name:
+                self.move_cursor(row=i, animate=False)
+                return True
+        return False
+
+    # ---- dragging a row onto nodes -----------------------------------------------------
+
+    def _row_under(self, event: MouseDown) -> int | None:
+        row = event.style.meta.get("row") if event.style else None
+        if not isinstance(row, int):
+            # The style carries no row where a cell's text does not reach; count lines.
+            row = event.y + int(self.scroll_y) - (self.header_height if self.show_header else 0)
+        return row if 0 <= row < len(self.rows_shown) else None
+
+    def _drop_surface(self) -> DropSurface | None:
+        try:
+            return self.screen.query_one(NodesPane)
+        except Exception:  # no Nodes pane on this screen (a dialog is up)
+            return None
+
+    def on_mouse_down(self, event: MouseDown) -> None:
+        if event.button != 1:
+            return
+        row = self._row_under(event)
+        if row is None or not self.rows_shown[row].placeable:
+            return
+        self.move_cursor(row=row, animate=False)
+        self.drag = DragSession(
+            self, self.rows_shown[row].name, event.screen_offset, self._drop_surface
+        )
+        # Captured, the pane keeps receiving the pointer over other panes until the drop.
+        self.capture_mouse()
+
+    def on_mouse_move(self, event: MouseMove) -> None:
+        if self.drag is not None:
+            self.drag.move(event.screen_offset)
+
+    def on_mouse_up(self, event: MouseUp) -> None:
+        if self.drag is None:
+            return
+        drag, self.drag = self.drag, None
+        self.release_mouse()
+        target = drag.drop(event.screen_offset)
+        row = self.selected_row
+        if target is not None and row is not None:
+            self.post_message(self.Dropped(row, target))
+
+    def on_mouse_release(self, event: MouseRelease) -> None:
+        # Capture taken away (another widget captured, the app lost the pointer).
+        self._cancel_drag()
+
+    def on_key(self, event: Key) -> None:
+        if event.key == "escape" and self.drag is not None:
+            event.stop()
+            self.release_mouse()
+            self._cancel_drag()
+
+    def _cancel_drag(self) -> None:
+        if self.drag is not None:
+            drag, self.drag = self.drag, None
+            drag.end()

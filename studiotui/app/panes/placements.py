@@ -1,0 +1,302 @@
+"""The Placements pane: every placement's group, ring, state and traffic.
+
+Above the table a progress block appears while placements load, fed by the
+controller's progress callback (bytes loaded per node); several loads can run at
+once, each with its own block. Tokens per second are derived here from the change
+in the shards' token counts between telemetry updates: the agents report totals,
+and a rate is what an operator compares.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.content import Content
+from textual.widgets import DataTable, Static
+
+from studiotui.app.render import bar, fit_hops, join_hops, rich_colour, ring_hops, wrap_hops
+from studiotui.core.placement import format_bytes
+from studiotui.core.rates import Rates
+from studiotui.core.state import PlacementState
+
+# The ring comes last and gets what room is left, abbreviated (l3[0:2]→l2[2:4]…);
+# the line under the table spells out the ring of the placement under the cursor.
+_COLUMNS = (
+    "placement",
+    "state",
+    "model",
+    "group",
+    "in flight",
+    "tok/s",
+    "tokens",
+    "ring",
+)
+_RING_MIN = 16
+_STATE_COLOUR = {"ready": "success", "failed": "error", "broken": "error"}
+RATE_WINDOW_S = 5.0
+
+
+def ring_text(placement: PlacementState) -> str:
+    """The whole ring in words, a missing shard marked ✗."""
+    return join_hops(ring_hops(placement)).plain
+
+
+def short_ring(placement: PlacementState, width: int) -> str:
+    """The ring in at most `width` cells: short names, whole hops, then '…'."""
+    return fit_hops(ring_hops(placement, short=True), width).plain
+
+
+def placement_tokens(placement: PlacementState) -> int:
+    # Only the tail counts sampled tokens, so the busiest shard's count is the total.
+    return max((s.tokens for s in placement.shards), default=0)
+
+
+def group_label(placement: PlacementState, groups: Mapping[str, Sequence[str]]) -> str:
+    """The inventory group holding exactly its ring's nodes, else how many there are."""
+    nodes = {p.node for p in placement.ring}
+    for name, members in groups.items():
+        if set(members) == nodes:
+            return name
+    count = len(nodes)
+    return f"{count} node{'s' if count != 1 else ''}"
+
+
+def state_label(placement: PlacementState) -> str:
+    state = placement.state
+    if state == "loading":
+        done = sum(s.progress[0] for s in placement.shards)
+        total = sum(s.progress[1] for s in placement.shards)
+        if total:
+            return f"loading {done * 100 // total}%"
+    return state
+
+
+class RateMeter:
+    """Tokens per second from totals sampled at irregular times.
+
+    The rate is taken over the last `window` seconds of samples, so one late
+    telemetry message does not make it jump, and it falls to 0 once the count has
+    stood still for a window.
+    """
+
+    def __init__(self, window: float = RATE_WINDOW_S) -> None:
+        self.window = window
+        self._samples: dict[str, deque[tuple[float, int]]] = {}
+
+    def update(self, key: str, total: int, now: float) -> float:
+        samples = self._samples.setdefault(key, deque())
+        if samples and total < samples[-1][1]:
+            samples.clear()  # the shard restarted and counts from zero again
+        samples.append((now, total))
+        # Keep one sample at least a window old as the baseline.
+        while len(samples) > 2 and now - samples[1][0] >= self.window:
+            samples.popleft()
+        first_t, first_n = samples[0]
+        return (total - first_n) / (now - first_t) if now > first_t else 0.0
+
+    def forget(self, keep: set[str]) -> None:
+        for key in [k for k in self._samples if k not in keep]:
+            del self._samples[key]
+
+
+def placements_signature(placements: tuple[PlacementState, ...]) -> tuple:
+    return tuple(
+        (
+            p.name,
+            p.model,
+            p.state,
+            tuple(
+                (s.node, s.start, s.end, s.state, s.tokens, s.in_flight, s.progress)
+                for s in p.shards
+            ),
+        )
+        for p in placements
+    )
+
+
+class PlacementsPane(Vertical):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "Placements"
+        self._signature: tuple | None = None
+        self._loads: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
+        self._rates: dict[str, Rates] = {}
+        self.rates = RateMeter()
+        self.groups: Mapping[str, Sequence[str]] = {}
+        self.shown: tuple[PlacementState, ...] = ()
+        self._wanted: str | None = None
+        self._last: tuple[tuple[PlacementState, ...], str, dict[str, str]] | None = None
+        self.clock: Callable[[], float] = time.monotonic
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="place-progress")
+        yield Static(
+            Content.styled(
+                "no placements yet: pick a model (4), mark nodes (5, ↑↓, space), press p "
+                "— or drag a model onto a node",
+                "$text-muted",
+            ),
+            id="placements-empty",
+        )
+        table: DataTable[Any] = DataTable(cursor_type="row", id="placements-table")
+        yield table
+        yield Static(id="placement-ring")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        for column in _COLUMNS:
+            table.add_column(column, key=column.split()[0])
+        self.query_one("#place-progress").display = False
+
+    def show(
+        self, placements: tuple[PlacementState, ...], theme: str, colours: dict[str, str]
+    ) -> None:
+        self._last = (placements, theme, colours)
+        now = self.clock()
+        rates = {p.name: self.rates.update(p.name, placement_tokens(p), now) for p in placements}
+        self.rates.forget(set(rates))
+        shown_rates = tuple(round(r, 1) for r in rates.values())
+        signature = (placements_signature(placements), theme, shown_rates)
+        if signature == self._signature:
+            return
+        self._signature = signature
+        self.shown = placements
+        table = self.query_one(DataTable)
+        keep = self._wanted if self._wanted in {p.name for p in placements} else self.selected
+        if keep == self._wanted:
+            self._wanted = None
+        table.clear()
+        # An empty table says nothing; a sentence says what to do.
+        table.display = bool(placements)
+        self.query_one("#placements-empty").display = not placements
+        cells = [
+            (
+                Text(p.name, style="bold"),
+                Text(
+                    state_label(p),
+                    style=rich_colour(colours, _STATE_COLOUR.get(p.state, "warning")),
+                ),
+                p.model,
+                group_label(p, self.groups),
+                Text(str(max((s.in_flight for s in p.shards), default=0)), justify="right"),
+                Text(f"{rates[p.name]:.1f}" if rates[p.name] else "–", justify="right"),
+                Text(str(placement_tokens(p)), justify="right"),
+            )
+            for p in placements
+        ]
+        room = self._ring_room(cells)
+        for p, row in zip(placements, cells, strict=True):
+            # ✗ marks a shard that is gone; the state column says what that means.
+            table.add_row(*row, short_ring(p, room), key=p.name)
+        # Redrawing every second must not throw the cursor back to the first row.
+        names = [p.name for p in placements]
+        if keep in names:
+            table.move_cursor(row=names.index(keep), animate=False)
+        self._show_ring()
+
+    def _ring_room(self, cells: list[tuple[Any, ...]]) -> int:
+        """What the table's width leaves the ring column after the others (each
+        column pads a cell either side)."""
+        widths = [
+            max([len(_COLUMNS[i]), *(len(str(row[i])) for row in cells)]) + 2
+            for i in range(len(_COLUMNS) - 1)
+        ]
+        available = self.query_one(DataTable).size.width or self.size.width
+        return max(_RING_MIN, available - sum(widths) - 2 - 1)
+
+    def on_resize(self) -> None:
+        # The ring column gets what the width leaves: redraw for the new width.
+        if self._last is not None:
+            self._signature = None
+            self.show(*self._last)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._show_ring()
+
+    def _show_ring(self) -> None:
+        """The full ring of the placement under the cursor, folded between hops."""
+        line = self.query_one("#placement-ring", Static)
+        name = self.selected
+        placement = next((p for p in self.shown if p.name == name), None)
+        line.display = placement is not None
+        if placement is None:
+            return
+        head = Content.assemble(("ring ", "$text-muted"), (placement.name, "bold"), "  ")
+        width = self.query_one(DataTable).size.width or 80
+        hops = ring_hops(placement, closed=True)
+        line.update(Content("\n").join(wrap_hops(head, hops, width, Content(""))))
+
+    @property
+    def selected(self) -> str | None:
+        """The placement under the table's cursor (what `u` unloads)."""
+        table = self.query_one(DataTable)
+        if not self.shown or not 0 <= table.cursor_row < len(self.shown):
+            return None
+        return self.shown[table.cursor_row].name
+
+    def select(self, name: str) -> None:
+        """Put the cursor on `name`, now or when it first shows (a new placement)."""
+        names = [p.name for p in self.shown]
+        if name in names:
+            self._wanted = None
+            self.query_one(DataTable).move_cursor(row=names.index(name), animate=False)
+        else:
+            self._wanted = name
+
+    # ---- progress of placements being loaded ------------------------------------------
+
+    def start_progress(self, title: str, nodes: Sequence[str], key: str = "") -> None:
+        self._loads[key] = (title, {n: (0, 0) for n in nodes})
+        self._render_progress()
+
+    def progress(self, node: str, done: int, total: int, key: str = "") -> None:
+        load = self._loads.get(key)
+        if load is not None:
+            load[1][node] = (done, total)
+            self._rates.setdefault(key, Rates()).update(node, done, total, time.monotonic())
+            self._render_progress()
+
+    def end_progress(self, key: str = "") -> None:
+        self._loads.pop(key, None)
+        self._rates.pop(key, None)
+        self._render_progress()
+
+    @property
+    def progress_text(self) -> str:
+        return self.query_one("#place-progress", Static).render().plain  # type: ignore[union-attr]
+
+    def _render_progress(self) -> None:
+        block = self.query_one("#place-progress", Static)
+        block.display = bool(self._loads)
+        if not self._loads:
+            return
+        lines: list[Content] = []
+        for key, (title, nodes) in self._loads.items():
+            lines.append(Content.styled(title, "$accent bold"))
+            lines.extend(progress_lines(nodes, rates=self._rates.get(key)))
+        block.update(Content("\n").join(lines))
+
+
+def progress_lines(
+    nodes: Mapping[str, tuple[int, int]], width: int = 20, rates: Rates | None = None
+) -> list[Content]:
+    """One gauge per node: bytes copied or loaded of the bytes its layers need, with
+    the speed and time left when `rates` has seen enough."""
+    now = time.monotonic()
+    name_width = max((len(n) for n in nodes), default=4)
+    lines = []
+    for node, (done, total) in nodes.items():
+        frac = done / total if total else 0.0
+        figures = f"{format_bytes(done)} / {format_bytes(total)}" if total else "waiting"
+        pace = rates.text(node, done, total, now) if rates else ""
+        figures += f"  {pace}" if pace else ""
+        lines.append(
+            Content.assemble(f"{node:<{name_width}} ", bar(frac, width, "$primary"), f" {figures}")
+        )
+    return lines

@@ -1,0 +1,1 @@
+"""Placing a model: preview, drag, the flow between them."""

@@ -1,0 +1,410 @@
+"""The placement preview: what would load where, before anything loads.
+
+The screen asks the controller for a preview (model facts + the planner's plan or
+refusal, computed from the memory the nodes report right now) and shows per node
+its layer range, memory before and after, whether it fits, the ring order and its
+slowest link, or the planner's reason in words. Enter deploys; the same screen then
+shows each node's loading progress, closes itself when the placement is ready and
+keeps the controller's message on screen when loading fails (it was rolled back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.screen import ModalScreen
+
+from studiotui.app.guard import guard_actions
+from studiotui.app.panes.placements import progress_lines
+from studiotui.app.render import Drawing, bar, short_count, state_style, usage_style
+from studiotui.core.model_facts import ModelInfo
+from studiotui.core.placement import Plan, Refusal, format_bytes, plan_to_dict, render_plan
+from studiotui.core.rates import Rates
+from studiotui.core.state import ClusterState
+
+
+class Previewing(Protocol):
+    """What the screen needs of the controller: its state and its preview."""
+
+    @property
+    def state(self) -> ClusterState: ...
+
+    def preview(
+        self, model_dir: Path, nodes: list[str], context_tokens: int = ...
+    ) -> tuple[ModelInfo, Plan | Refusal]: ...
+
+
+MIN_CONTEXT = 256
+MAX_CONTEXT = 1 << 20
+
+
+@dataclass(frozen=True)
+class PlaceRequest:
+    """A model, the nodes picked for it and how they were picked."""
+
+    model: Path
+    model_name: str
+    nodes: tuple[str, ...]
+    target: str  # "node local-1", "group left", "marked nodes", "all up nodes"
+    name: str  # the placement's name
+    context_tokens: int = 4096
+
+
+Deploy = Callable[["PreviewScreen"], None]
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def _table(rows: Sequence[Sequence[Content]], right: set[int]) -> list[Content]:
+    """Cells padded into columns; `right` holds the columns aligned right."""
+    widths = [max(row[i].cell_length for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.right(widths[i]) if i in right else cell.pad_right(widths[i] - cell.cell_length)
+            for i, cell in enumerate(row)
+        ]
+        lines.append(Content("  ").join(cells).rstrip())
+    return lines
+
+
+def _model_line(info: ModelInfo) -> Content:
+    quant = info.quantization or info.dtype.lower()
+    facts = [
+        info.family,
+        f"{short_count(info.params)} params",
+        f"{info.n_layers} layers",
+        quant,
+        f"{format_bytes(info.disk_bytes)} on disk",
+    ]
+    # Said before any byte moves: the shards' own table of families and quantizations.
+    support = (
+        ("  ✗ not supported", "bold $error") if info.unsupported else ("  ✓ supported", "$success")
+    )
+    return Content.assemble((info.name, "bold"), ("  " + " · ".join(facts), "$text-muted"), support)
+
+
+def _holds(state: ClusterState, node: str, skip: str) -> str:
+    held = state.node(node)
+    if held is None:
+        return ""
+    names = sorted({s.placement for s in held.shards if s.placement != skip})
+    return ", ".join(names)
+
+
+def _memory_cell(used: int, total: int, width: int) -> Content:
+    frac = used / total if total else 0.0
+    figures = Content.styled(f"{format_bytes(used):>8}", usage_style(frac))
+    return Content.assemble(bar(frac, width), " ", figures) if width else figures
+
+
+# Richest first: the first layout that fits the dialog's width is drawn, so a narrow
+# terminal loses the gauges and the "holds" column rather than getting wrapped rows.
+# (gauge cells, "holds" column, weights and KV columns)
+_LAYOUTS = (
+    (10, True, True),
+    (10, False, True),
+    (5, False, True),
+    (0, False, True),
+    (0, False, False),
+)
+
+
+def _fitting(build: Callable[[int, bool, bool], list[Content]], width: int) -> list[Content]:
+    lines: list[Content] = []
+    for gauge, holds, sizes in _LAYOUTS:
+        lines = build(gauge, holds, sizes)
+        if max(line.cell_length for line in lines) <= width:
+            break
+    return lines
+
+
+def plan_lines(the_plan: Plan, state: ClusterState, name: str, width: int = 200) -> list[Content]:
+    """One row per node in ring order: layers, sizes, memory now and after, fits."""
+    data = plan_to_dict(the_plan)
+    count = len(data["shards"])
+    any_held = any(_holds(state, s["node"], name) for s in data["shards"])
+
+    def build(gauge: int, holds: bool, sizes: bool) -> list[Content]:
+        titles = ["node", "layers", "weights", "KV cache", "memory now", "after loading", ""]
+        if not sizes:
+            titles[2:4] = []
+        if holds and any_held:
+            titles.append("holds")
+        rows = [[Content.styled(h, "bold $text-muted") for h in titles]]
+        for i, shard in enumerate(data["shards"]):
+            node = state.node(shard["node"])
+            total = node.memory_total if node else 0
+            span = f"{shard['start']}–{shard['end'] - 1}"
+            ends = [x for x, held in (("embed", i == 0), ("head", i == count - 1)) if held]
+            row = [
+                Content.styled(shard["node"], "bold"),
+                Content.assemble(
+                    f"{span} ({shard['end'] - shard['start']})",
+                    (f" +{'+'.join(ends)}" if ends else "", "$text-muted"),
+                ),
+                Content(format_bytes(shard["weight_bytes"])),
+                Content(format_bytes(shard["kv_bytes"])),
+                # What the node reports in use, the figure its card shows; the plan's
+                # "free before" also holds back what loading shards and a runner take.
+                _memory_cell(node.memory_used if node else 0, total, gauge),
+                _memory_cell(total - shard["free_after"], total, gauge),
+                Content.styled("✓ fits", "$success")
+                if shard["free_after"] >= 0
+                else Content.styled("✗ short", "$error"),
+            ]
+            if not sizes:
+                row[2:4] = []
+            if len(titles) > len(row):
+                row.append(Content.styled(_holds(state, shard["node"], name), "$text-muted"))
+            rows.append(row)
+        return _table(rows, right={2, 3} if sizes else set())
+
+    lines = _fitting(build, width)
+    # The planner's own words for the ring and its slowest link, as `studiotui place`.
+    caption = render_plan(the_plan).caption  # type: ignore[union-attr]
+    return [*lines, Content(""), Content.styled(str(caption), "$text-muted")]
+
+
+def refusal_lines(
+    refusal: Refusal, state: ClusterState, nodes: Sequence[str], name: str, width: int = 200
+) -> list[Content]:
+    """The reason first, then each node's memory now, so the reason can be checked."""
+
+    def build(gauge: int, _with_holds: bool, _with_sizes: bool) -> list[Content]:
+        titles = ("node", "state", "memory now", "free", "holds")
+        rows = [[Content.styled(h, "bold $text-muted") for h in titles]]
+        for node_name in nodes:
+            node = state.node(node_name)
+            if node is None:
+                rows.append(
+                    [Content(node_name), Content.styled("unknown", "$error")] + [Content("")] * 3
+                )
+                continue
+            rows.append(
+                [
+                    Content.styled(node.name, "bold"),
+                    Content.styled(node.state, state_style(node.state)),
+                    _memory_cell(node.memory_used, node.memory_total, gauge),
+                    Content(format_bytes(node.memory_free)),
+                    Content.styled(_holds(state, node.name, name), "$text-muted"),
+                ]
+            )
+        return _table(rows, right={3})
+
+    reason = Content.assemble(("✗ cannot place: ", "bold $error"), (refusal.reason, "$error"))
+    return [reason, Content(""), *_fitting(build, width)]
+
+
+def unmeasured(state: ClusterState, nodes: Sequence[str]) -> bool:
+    """Some pair of these nodes has no measured link (none saved, or never measured)."""
+    return any(
+        (link := state.link(a, b)) is None or link.latency_us is None
+        for i, a in enumerate(nodes)
+        for b in nodes[i + 1 :]
+    )
+
+
+def warnings_for(state: ClusterState, nodes: Sequence[str], name: str) -> list[str]:
+    """What the numbers above cannot know yet."""
+    out = []
+    for placement in state.placements:
+        if placement.name == name or placement.state not in ("loading", "prepared"):
+            continue
+        shared = [n for n in placement.nodes if n in nodes]
+        if shared:
+            out.append(
+                f"{', '.join(shared)} {'is' if len(shared) == 1 else 'are'} loading "
+                f"'{placement.name}' now: the memory it will take is not counted yet"
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- screen
+
+
+@guard_actions
+class PreviewScreen(ModalScreen[None]):
+    CSS_PATH = "preview.tcss"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter,y", "deploy", "Deploy", id="preview-deploy"),
+        Binding("escape,n,q", "close", "Close", id="preview-close"),
+        Binding("plus,equals_sign", "context(2)", "Context ×2", id="preview-context-up"),
+        Binding("minus", "context(0.5)", "Context ÷2", id="preview-context-down"),
+    ]
+
+    def __init__(self, request: PlaceRequest, controller: Previewing, deploy: Deploy) -> None:
+        super().__init__(id="preview-screen")
+        self.request = request
+        self.controller = controller
+        self.deploy = deploy
+        self.context_tokens = request.context_tokens
+        # measuring, planning, plan, refused, error, loading, ready, failed
+        self.phase = "planning"
+        self.info: ModelInfo | None = None
+        self.verdict: Plan | Refusal | None = None
+        self.message = ""
+        self.loads: dict[str, tuple[int, int]] = {}
+        self.rates = Rates()
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="preview-dialog") as dialog:
+            dialog.border_title = f"Place {self.request.model_name}"
+            with VerticalScroll(id="preview-scroll"):
+                yield Drawing(
+                    lambda _: Content.styled("planning…", "$text-muted"), id="preview-body"
+                )
+
+    def on_mount(self) -> None:
+        self.replan()
+
+    # ---- planning ---------------------------------------------------------------------
+
+    def replan(self) -> None:
+        self.phase = "planning"
+        self._draw()
+        self.run_worker(self._plan(), exclusive=True, group="preview", exit_on_error=False)
+
+    async def _plan(self) -> None:
+        request = self.request
+        measure = getattr(self.controller, "measure_links", None)
+        if measure is not None and unmeasured(self.controller.state, request.nodes):
+            # A plan's slowest link is only worth showing measured: measure first
+            # (about a second on loopback), the way `m` does, saved for next time.
+            self.phase = "measuring"
+            self._draw()
+            try:
+                await measure()
+            except Exception as exc:  # the plan is still worth showing without links
+                self.app.notify(f"links not measured: {exc}", severity="warning")
+            self.phase = "planning"
+            self._draw()
+        try:
+            # Reading safetensors headers of a large model takes a moment: off the loop.
+            self.info, self.verdict = await asyncio.to_thread(
+                self.controller.preview, request.model, list(request.nodes), self.context_tokens
+            )
+        except Exception as exc:  # a model directory gone or unreadable since the scan
+            self.phase, self.message = "error", f"cannot read {request.model}: {exc}"
+        else:
+            self.phase = "refused" if isinstance(self.verdict, Refusal) else "plan"
+        self._draw()
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan on screen: what Enter deploys, exactly."""
+        return self.verdict if isinstance(self.verdict, Plan) else None
+
+    @property
+    def refusal(self) -> str | None:
+        return self.verdict.reason if isinstance(self.verdict, Refusal) else None
+
+    @property
+    def text(self) -> str:
+        """What the body shows, as plain text (for tests and screen readers alike)."""
+        return self.query_one("#preview-body", Drawing).content.plain
+
+    # ---- actions ----------------------------------------------------------------------
+
+    def action_deploy(self) -> None:
+        if self.phase != "plan":
+            if self.phase in ("refused", "error"):
+                self.app.bell()
+            return
+        self.phase = "loading"
+        self.loads = {s.node: (0, 0) for s in self.verdict.shards}  # type: ignore[union-attr]
+        self._draw()
+        self.deploy(self)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+    def action_context(self, factor: float) -> None:
+        if self.phase not in ("plan", "refused"):
+            return
+        wanted = int(self.context_tokens * factor)
+        self.context_tokens = max(MIN_CONTEXT, min(MAX_CONTEXT, wanted))
+        self.replan()
+
+    # ---- told by the deploying worker -------------------------------------------------
+
+    def progress(self, node: str, done: int, total: int) -> None:
+        self.loads[node] = (done, total)
+        self.rates.update(node, done, total, time.monotonic())
+        if self.is_attached:
+            self._draw()
+
+    def finished(self, error: str | None) -> None:
+        if error is None:
+            self.phase = "ready"
+            if self.is_attached and self.app.screen is self:
+                self.dismiss(None)
+            return
+        self.phase, self.message = "failed", error
+        if self.is_attached:
+            self._draw()
+
+    # ---- drawing ----------------------------------------------------------------------
+
+    def _draw(self) -> None:
+        if not self.is_mounted:
+            return
+        # Drawn for the width the dialog really has (see Drawing): the table picks
+        # the richest layout that fits it.
+        self.query_one("#preview-body", Drawing).redraw(self._lines)
+        dialog = self.query_one("#preview-dialog")
+        dialog.border_subtitle = {
+            "plan": "enter deploy · +/- context · esc cancel",
+            "refused": "+/- context · esc close",
+            "loading": "esc hide (loading goes on; see Placements)",
+        }.get(self.phase, "esc close")
+        dialog.set_class(self.phase in ("refused", "error", "failed"), "-refused")
+
+    def _lines(self, width: int) -> Content:
+        request = self.request
+        state = self.controller.state
+        lines: list[Content] = []
+        if self.info is not None:
+            lines.append(_model_line(self.info))
+        # "node local-1" names its node already; a group or the marks are spelled out.
+        members = "" if request.target.startswith("node ") else f" ({', '.join(request.nodes)})"
+        lines.append(
+            Content.assemble(
+                ("on ", "$text-muted"),
+                (request.target, "bold"),
+                (members, "$text-muted"),
+                ("  as ", "$text-muted"),
+                (f"'{request.name}'", "bold"),
+                ("  ·  ", "$text-muted"),
+                f"{self.context_tokens} tokens of context",
+            )
+        )
+        lines.append(Content(""))
+        if self.phase == "measuring":
+            lines.append(Content.styled("measuring the links between these nodes…", "$text-muted"))
+        elif self.phase == "planning":
+            lines.append(Content.styled("planning…", "$text-muted"))
+        elif self.phase == "error":
+            lines.append(Content.styled(self.message, "$error"))
+        elif isinstance(self.verdict, Refusal):
+            lines += refusal_lines(self.verdict, state, request.nodes, request.name, width)
+        elif isinstance(self.verdict, Plan):
+            lines += plan_lines(self.verdict, state, request.name, width)
+        for warning in warnings_for(state, request.nodes, request.name):
+            lines.append(Content.styled(f"⚠ {warning}", "$warning"))
+        if self.phase in ("loading", "ready", "failed"):
+            lines += [Content(""), Content.styled("loading", "bold $accent")]
+            lines += progress_lines(self.loads, rates=self.rates)
+        if self.phase == "failed":
+            lines += [Content(""), Content.styled(self.message, "bold $error")]
+        return Content("\n").join(lines)

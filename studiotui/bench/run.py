@@ -1,0 +1,455 @@
+"""`studiotui bench`: how fast the pipeline runs, next to a single process and mlx-lm's own.
+
+It generates a model, starts its own local cluster (own STUDIOTUI_HOME, own
+loopback addresses), measures, and stops every agent it started by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import Controller
+from studiotui.core.errors import StudioError
+from studiotui.core.inventory import Inventory, local_inventory
+
+BENCH_OCTET = 71
+BENCH_PORT = 56500
+
+
+class BenchError(StudioError, RuntimeError):
+    pass
+
+
+PHASES: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time one part of the run, so a slow bench says where its time went."""
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        PHASES[name] = round(PHASES.get(name, 0.0) + time.monotonic() - began, 1)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    layers: int
+    hidden: int
+    tokens: int
+    ttft_prompt: int = 512
+    prefill_chunk: int = 128
+    ttft_runs: int = 3
+    # A shared 2-vCPU machine slows whole seconds down now and then by 10-20%, so each
+    # pipeline decode run is paired with a single-process run right next to it and a
+    # ratio is the median of the pairs' own ratios, as the API figure does.
+    decode_rounds: int = 3
+    api_clients: int = 8
+    # The engine on one node (no hop): separates what the shard's own speed brings from
+    # what the pipeline costs. Only in the full run: --quick has no minute to spare.
+    lone: bool = True
+
+    @classmethod
+    def make(cls, quick: bool) -> BenchConfig:
+        if quick:
+            return cls(
+                layers=8,
+                hidden=256,
+                tokens=48,
+                ttft_runs=1,
+                decode_rounds=2,
+                api_clients=4,
+                lone=False,
+            )
+        return cls(layers=8, hidden=256, tokens=256)
+
+
+def prompt_tokens(n: int) -> list[int]:
+    return [(7 * i) % 200 + 32 for i in range(n)]
+
+
+# ---- single process -----------------------------------------------------------------
+
+
+class SingleProcess:
+    """mlx-lm's own generate loop on the whole model, in this process."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import mlx_lm
+
+        self.model = mlx_lm.load(str(model_dir))[0]
+
+    def decode(self, n: int) -> dict[str, Any]:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        tokens, stamps = [], []
+        for tok, _ in generate_step(mx.array(prompt_tokens(16)), self.model, max_tokens=n):
+            tokens.append(int(tok))
+            stamps.append(time.perf_counter())
+        return {"tokens": tokens, "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0])}
+
+    def ttft_ms(self, prompt_len: int, runs: int) -> float:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        ttfts = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            for _tok, _ in generate_step(
+                mx.array(prompt_tokens(prompt_len)), self.model, max_tokens=1
+            ):
+                pass
+            ttfts.append((time.perf_counter() - start) * 1000)
+        return min(ttfts)
+
+
+# ---- the pipeline -------------------------------------------------------------------
+
+
+async def stream(ctl: Controller, name: str, tokens: list[int], n: int) -> dict[str, Any]:
+    got: list[int] = []
+    stamps: list[float] = []
+    start = time.perf_counter()
+    params = {"max_tokens": n, "ignore_eos": True}
+    async for msg in ctl.generate(name, {"tokens": tokens}, params):
+        if msg["type"] == "delta":
+            got += msg["tokens"]
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return {
+        "tokens": got,
+        "tps": (len(got) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0,
+        "gap_p50": statistics.median(gaps) if gaps else 0.0,
+        "ttft_ms": (stamps[0] - start) * 1000 if stamps else 0.0,
+        "start": start,
+        "end": stamps[-1] if stamps else start,
+    }
+
+
+async def paired_decode(
+    ctl: Controller, name: str, single: SingleProcess, cfg: BenchConfig
+) -> dict[str, Any]:
+    """Pipeline and single-process decode runs side by side, in alternating order."""
+    pipe_runs, single_runs = [], []
+    for r in range(cfg.decode_rounds):
+        for side in ("pipe", "single") if r % 2 else ("single", "pipe"):
+            if side == "pipe":
+                pipe_runs.append(await stream(ctl, name, prompt_tokens(16), cfg.tokens))
+            else:
+                # In a thread, so the controller keeps hearing its nodes meanwhile.
+                single_runs.append(await asyncio.to_thread(single.decode, cfg.tokens))
+    ratios = [p["tps"] / s["tps"] for p, s in zip(pipe_runs, single_runs, strict=True)]
+    return {
+        "tps": statistics.median(r["tps"] for r in pipe_runs),
+        "ratio": statistics.median(ratios),
+        "tokens": [r["tokens"] for r in pipe_runs],
+        "single": single_runs,
+    }
+
+
+async def pipeline_figures(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
+) -> dict[str, Any]:
+    ctl = Controller(home, inv)
+    out: dict[str, Any] = {}
+    names = list(inv.names)
+    try:
+        await ctl.refresh()
+        for n in (1, 2, 4) if cfg.lone else (2, 4):
+            name = f"pipe{n}"
+            with phase(f"place{n}"):
+                await ctl.place(model_dir, names[:n], name, prefill_chunk=cfg.prefill_chunk)
+            with phase(f"decode{n}"):
+                await stream(ctl, name, prompt_tokens(16), 8)  # warm up
+                out[name] = await paired_decode(ctl, name, single, cfg)
+            stats = await ctl.head_peer(ctl.pick_placement(name)).request("stats")
+            out[f"{name}_hop_us"] = stats.get("hop_us_p50")
+            if n == 2:
+                with phase("ttft_pipe2"):
+                    ttfts = [
+                        await stream(ctl, name, prompt_tokens(cfg.ttft_prompt), 1)
+                        for _ in range(cfg.ttft_runs)
+                    ]
+                out["ttft_pipe2_ms"] = min(t["ttft_ms"] for t in ttfts)
+                out["streams"] = {}
+                for k in (1, 2, 4):
+                    with phase("streams"):
+                        runs = await asyncio.gather(
+                            *(stream(ctl, name, prompt_tokens(16), cfg.tokens) for _ in range(k))
+                        )
+                    wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+                    out["streams"][str(k)] = sum(len(r["tokens"]) for r in runs) / wall
+                    out[f"streams{k}_tokens"] = [r["tokens"] for r in runs]
+                from studiotui.bench.api_bench import bench_api
+
+                quick = cfg.ttft_runs == 1
+                with phase("api"):
+                    out["api"] = await bench_api(
+                        ctl,
+                        name,
+                        clients=cfg.api_clients,
+                        max_tokens=8 if quick else 32,
+                        rounds=1 if quick else 3,
+                    )
+            await ctl.unload(name)
+    finally:
+        await ctl.close()
+    return out
+
+
+# ---- a mixture of experts -----------------------------------------------------------
+
+
+def moe_spec(cfg: BenchConfig) -> Any:
+    """A 4-bit qwen3_moe demo the size of the dense bench model, 8 experts (2 active).
+    Scales and norms in float32 like the dense model: on MLX's CPU backend the bfloat16
+    quantized expert kernel runs ~15x slower, and the figure would measure that kernel
+    rather than the pipeline (on an Apple GPU both are fast)."""
+    from worker.shared.demo_model import DemoSpec
+
+    return DemoSpec(
+        arch="qwen3_moe",
+        layers=cfg.layers,
+        hidden=cfg.hidden,
+        heads=8,
+        kv_heads=4,
+        experts=8,
+        quantize="4",
+        dtype="float32",
+    )
+
+
+async def moe_figures(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
+) -> dict[str, Any]:
+    """The MoE model over 2 shards, paired with mlx-lm's loop on it, as pipe2 is."""
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        with phase("place_moe2"):
+            await ctl.place(model_dir, list(inv.names)[:2], "moe2", prefill_chunk=cfg.prefill_chunk)
+        with phase("decode_moe2"):
+            await stream(ctl, "moe2", prompt_tokens(16), 8)  # warm up
+            out = await paired_decode(ctl, "moe2", single, cfg)
+        await ctl.unload("moe2")
+    finally:
+        await ctl.close()
+    return out
+
+
+# ---- mlx-lm's own pipeline ----------------------------------------------------------
+
+
+def mlx_ring(model_dir: Path, cfg: BenchConfig) -> float | None:
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        return None
+    script = Path(__file__).with_name("ring.py")
+    cmd = [
+        str(launcher),
+        "--backend",
+        "ring",
+        "--hosts",
+        "127.0.0.1",
+        "-n",
+        "2",
+        "--starting-port",
+        str(BENCH_PORT + 900),
+        "--",
+        sys.executable,
+        str(script),
+        str(model_dir),
+        "16",
+        str(cfg.tokens),
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return None
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            return float(json.loads(line)["tps"])
+    return None
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    from worker.shared.demo_model import DemoSpec, write_demo_model
+
+    cfg = BenchConfig.make(quick)
+    moe: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="studiotui-bench-") as tmp:
+        home = Path(tmp)
+        # qwen2 is one of the families whose mlx-lm class has pipeline(), so the
+        # same model runs on both pipelines.
+        model_dir = write_demo_model(
+            home / "models" / "bench",
+            DemoSpec(
+                arch="qwen2",
+                layers=cfg.layers,
+                hidden=cfg.hidden,
+                heads=8,
+                kv_heads=4,
+                dtype="float32",
+            ),
+        )
+        moe_dir = write_demo_model(home / "models" / "bench-moe", moe_spec(cfg))
+        inv = local_inventory(
+            4, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
+        )
+        # The agents boot while the single process loads its model; everything is timed
+        # only once they are up and idle.
+        pids = [local_cluster.start_agent(home, node, inv) for node in inv.nodes]
+        try:
+            with phase("single"):
+                single = SingleProcess(model_dir)
+            pipe = asyncio.run(_with_cluster(home, inv, model_dir, cfg, single))
+            with phase("single"):
+                single_moe = SingleProcess(moe_dir)
+            moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
+            del single_moe
+        except Exception as exc:  # report it as a figure-less run, not a traceback
+            raise BenchError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            for pid in pids:
+                local_cluster.kill_pid(pid)
+        with phase("mlx_ring"):
+            ring = mlx_ring(model_dir, cfg)
+    pipe["moe2"] = moe
+    return summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+
+
+async def _with_cluster(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
+) -> dict[str, Any]:
+    from studiotui.cluster.session import wait_until_up
+
+    ctl = Controller(home, inv)
+    try:
+        missing = await wait_until_up(ctl, list(inv.names), 30.0)
+    finally:
+        await ctl.close()
+    if missing:
+        raise RuntimeError(f"bench agents {missing} did not start")
+    with phase("single"):
+        ttft_single = single.ttft_ms(cfg.ttft_prompt, cfg.ttft_runs)
+    figures = await pipeline_figures(home, inv, model_dir, cfg, single)
+    figures["ttft_single_ms"] = ttft_single
+    with phase("tui"):
+        figures["tui_idle_cpu_pct"] = await tui_idle_cpu(
+            home, inv, 3.0 if cfg.tokens < 100 else 10.0
+        )
+    return figures
+
+
+async def tui_idle_cpu(home: Path, inv: Inventory, seconds: float) -> float:
+    """CPU the dashboard itself uses, idle, with every node sending telemetry at 1 Hz."""
+    from studiotui.app.app import StudioApp
+
+    app = StudioApp(home, inv)
+    async with app.run_test(size=(160, 48)) as pilot:
+        deadline = time.monotonic() + 20
+        want = f"{len(inv.nodes)}/{len(inv.nodes)} nodes up"
+        while want not in str(app.sub_title) and time.monotonic() < deadline:
+            await pilot.pause(0.2)
+        await pilot.pause(1.0)
+        wall, cpu = time.monotonic(), time.process_time()
+        await pilot.pause(seconds)
+        return 100.0 * (time.process_time() - cpu) / (time.monotonic() - wall)
+
+
+def summarize(
+    ttft_single_ms: float, pipe: dict[str, Any], ring: float | None, cfg: BenchConfig
+) -> dict[str, Any]:
+    singles = [r for n in (1, 2, 4) for r in pipe.get(f"pipe{n}", {}).get("single", [])]
+    s = statistics.median(r["tps"] for r in singles)
+    expected = singles[0]["tokens"]
+    streams = pipe["streams"]
+    produced = [r["tokens"] for r in singles] + pipe["pipe2"]["tokens"] + pipe["pipe4"]["tokens"]
+    produced += pipe["streams1_tokens"] + pipe["streams2_tokens"] + pipe["streams4_tokens"]
+    lone = pipe.get("pipe1")
+    if lone:
+        produced += lone["tokens"]
+    hop_us = pipe["pipe2_hop_us"] or 0.0
+    moe = pipe.get("moe2")
+    moe_match = True
+    if moe:
+        # Its own reference: every MoE run, either side, gives the same tokens.
+        moe_runs = [r["tokens"] for r in moe["single"]] + moe["tokens"]
+        moe_match = all(t == moe_runs[0] for t in moe_runs)
+    return {
+        "model": f"qwen2 demo, {cfg.layers} layers, hidden {cfg.hidden}, float32",
+        "tokens": cfg.tokens,
+        "single_tps": round(s, 2),
+        "pipe1_tps": round(lone["tps"], 2) if lone else None,
+        "pipe1_ratio": round(lone["ratio"], 3) if lone else None,
+        "pipe2_tps": round(pipe["pipe2"]["tps"], 2),
+        "pipe4_tps": round(pipe["pipe4"]["tps"], 2),
+        "pipe2_ratio": round(pipe["pipe2"]["ratio"], 3),
+        "pipe4_ratio": round(pipe["pipe4"]["ratio"], 3),
+        "streams": {k: round(v, 2) for k, v in streams.items()},
+        "streams4_ratio": round(streams["4"] / s, 3),
+        "mlx_ring2_tps": round(ring, 2) if ring is not None else None,
+        "hop_us_p50": round(hop_us, 1),
+        "ttft_single_ms": round(ttft_single_ms, 1),
+        "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
+        "moe_model": f"qwen3_moe demo, {cfg.layers} layers, hidden {cfg.hidden}, 8 experts, 4-bit"
+        if moe
+        else None,
+        "moe_single_tps": round(statistics.median(r["tps"] for r in moe["single"]), 2)
+        if moe
+        else None,
+        "moe_pipe2_tps": round(moe["tps"], 2) if moe else None,
+        "moe_pipe2_ratio": round(moe["ratio"], 3) if moe else None,
+        "tokens_match": all(p == expected for p in produced) and moe_match,
+        "tui_idle_cpu_pct": round(pipe["tui_idle_cpu_pct"], 2),
+        "api_tps": round(pipe["api"]["api_tps"], 2),
+        "api_direct_tps": round(pipe["api"]["direct_tps"], 2),
+        "api_overhead_ratio": round(pipe["api"]["api_overhead_ratio"], 3),
+    }
+
+
+def run_bench(quick: bool, as_json: bool) -> int:
+    from studiotui.bench.provision import bench_provision
+
+    started = time.monotonic()
+    figures = measure(quick)
+    if quick:
+        # Provisioning is measured by the full bench: with it, --quick overruns a minute.
+        figures["provision4_ratio"] = figures["reprovision_s"] = None
+    else:
+        with tempfile.TemporaryDirectory(prefix="studiotui-bench-ssh-") as tmp, phase("provision"):
+            figures.update(asyncio.run(bench_provision(Path(tmp))))
+    figures["bench_seconds"] = round(time.monotonic() - started, 1)
+    figures["phases_s"] = dict(PHASES)
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        table = Table(title="studiotui bench")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in figures.items():
+            table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
+        Console().print(table)
+    return 0 if figures["tokens_match"] else 1

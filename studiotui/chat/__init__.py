@@ -1,0 +1,1 @@
+"""Conversations: history in SQLite, documents and passages."""

@@ -1,0 +1,512 @@
+"""What each command-line verb does, on top of the Controller."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import Controller, GenerationError, PlacementError
+from studiotui.cluster.session import load_cluster, wait_until_up
+from studiotui.core.errors import UserError
+from studiotui.core.inventory import (
+    Inventory,
+    SelectionError,
+    resolve_group,
+)
+from studiotui.core.model_facts import ModelDirError, read_model
+from studiotui.core.placement import Refusal, format_bytes, render_plan
+
+console = Console(stderr=False, highlight=False)
+errors = Console(stderr=True, highlight=False)
+
+
+# ---- up / down -----------------------------------------------------------------------
+
+
+async def cmd_up(args: argparse.Namespace, home: Path) -> int:
+    if args.local:
+        try:
+            inv = local_cluster.write_local_inventory(home, args.local, args.memory_gb, args.port)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    else:
+        inv = load_cluster(args.inventory, home)
+    local = [n for n in inv.nodes if n.is_local]
+    remote = [n for n in inv.nodes if not n.is_local]
+    for node in local:
+        local_cluster.start_agent(home, node, inv)
+    ctl = Controller(home, inv)
+    try:
+        missing = await wait_until_up(ctl, [n.name for n in local], timeout=30.0)
+        print_nodes(ctl)
+    finally:
+        await ctl.close()
+    if remote:
+        names = ", ".join(n.name for n in remote)
+        console.print(f"SSH nodes ({names}) are started by `studiotui provision`.")
+    if missing:
+        for name in missing:
+            tail = local_cluster.agent_output_tail(inv.node(name))
+            errors.print(f"[red]{name} did not answer within 30 s.[/] Last lines of its output:")
+            errors.print(tail or "(nothing)")
+        return 1
+    return 0
+
+
+async def cmd_down(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    names = args.nodes or list(inv.names)
+    unknown = [n for n in names if n not in inv.names]
+    if unknown:
+        raise UserError(f"unknown node(s) {', '.join(unknown)}; known: {', '.join(inv.names)}")
+    ctl = Controller(home, inv)
+    try:
+        results = await ctl.shutdown(names)
+        ctl.forget_placements_on(names)
+    finally:
+        await ctl.close()
+    for name in names:
+        node = inv.node(name)
+        if node.is_local:
+            await asyncio.to_thread(_wait_local_stop, node)
+        console.print(f"{name}: {results[name]}")
+    return 0
+
+
+def _wait_local_stop(node: Any) -> None:
+    pid = local_cluster.running_pid(node)
+    if pid is not None and not local_cluster.wait_gone(pid, 10.0):
+        local_cluster.stop_agent(node)
+
+
+# ---- status --------------------------------------------------------------------------
+
+
+def start_hint(inv: Inventory) -> str:
+    """How to start this cluster's agents, in commands."""
+    local = any(n.is_local for n in inv.nodes)
+    remote = any(not n.is_local for n in inv.nodes)
+    if local and remote:
+        return "`studiotui up` (local nodes) and `studiotui provision` (SSH nodes)"
+    return "`studiotui provision`" if remote else "`studiotui up` (or `studiotui`, the dashboard)"
+
+
+def _nobody_home(inv: Inventory) -> bool:
+    """Every node is local and none has a running agent: no need to wait for answers."""
+    return all(n.is_local and local_cluster.running_pid(n) is None for n in inv.nodes)
+
+
+async def cmd_status(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    ctl = Controller(home, inv)
+    try:
+        # No agent process here to answer: ask briefly rather than wait the full timeout.
+        await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
+        if args.json:
+            console.print_json(json.dumps(status_json(ctl)))
+        else:
+            print_nodes(ctl)
+    finally:
+        await ctl.close()
+    if not any(n.state == "up" for n in ctl.state.nodes):
+        errors.print(f"no node of cluster {inv.name} is up: start it with {start_hint(inv)}")
+        return 1
+    return 0
+
+
+def status_json(ctl: Controller) -> dict[str, Any]:
+    st = ctl.state
+    return {
+        "cluster": st.name,
+        "nodes": [
+            {
+                "name": n.name,
+                "address": n.endpoint,
+                "transport": n.transport,
+                "state": n.state,
+                "version": n.version,
+                "memory_total": n.memory_total,
+                "memory_used": n.memory_used,
+                "chip": n.chip,
+                "message": n.message,
+            }
+            for n in st.nodes
+        ],
+        "placements": [
+            {
+                "name": p.name,
+                "model": p.model,
+                "model_dir": p.model_dir,
+                "state": p.state,
+                "nodes": list(p.nodes),
+                "layers": p.layers,
+            }
+            for p in st.placements
+        ],
+    }
+
+
+def print_nodes(ctl: Controller) -> None:
+    table = Table(title=f"cluster {ctl.state.name}")
+    # Names, addresses and figures stay whole on a narrow terminal (or a pipe, 80
+    # columns); the shards column folds instead.
+    for col in ("node", "address", "state", "version", "memory"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("shards", overflow="fold", ratio=1)
+    for n in ctl.state.nodes:
+        mem = (
+            f"{format_bytes(n.memory_used)} / {format_bytes(n.memory_total)}"
+            if n.memory_total
+            else ""
+        )
+        shards = ", ".join(f"{s.placement}[{s.start}:{s.end}] {s.state}" for s in n.shards)
+        colour = {"up": "green", "down": "red"}.get(n.state, "yellow")
+        table.add_row(n.name, n.endpoint, f"[{colour}]{n.state}[/]", n.version, mem, shards)
+    console.print(table)
+    for p in ctl.state.placements:
+        gone = set(p.missing)
+        ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
+        console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}: {ring}")
+
+
+# ---- place / unload ------------------------------------------------------------------
+
+
+def resolve_model(spec: Path, home: Path) -> Path:
+    """A model directory, or the catalog's model of that name (models folders, HF cache)."""
+    if spec.expanduser().exists():
+        return spec.expanduser()
+    from studiotui.core.catalog import scan_home
+
+    catalog = scan_home(home)
+    named = [m.path for m in catalog.models if m.name == str(spec) or m.path.name == str(spec)]
+    if len(named) == 1:
+        return named[0]
+    known = ", ".join(sorted(m.name for m in catalog.models)) or "none"
+    if named:
+        raise UserError(f"several models are named {spec}: give its directory")
+    raise UserError(
+        f"model directory {spec} does not exist and no model has that name (models found: {known})"
+    )
+
+
+async def cmd_place(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    args.model_dir = resolve_model(args.model_dir, home)
+    try:
+        info = read_model(args.model_dir)
+    except ModelDirError as exc:
+        raise UserError(str(exc)) from None
+    if info.unsupported:
+        # Before asking any node anything: a model no shard can run is refused outright.
+        console.print(
+            render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}"))
+        )
+        return 1
+    try:
+        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
+    except SelectionError as exc:
+        raise UserError(str(exc)) from None
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
+        if not group:
+            raise UserError(
+                f"no node is up: start the cluster with {start_hint(inv)}, then place again"
+            )
+        name = args.name or args.model_dir.expanduser().resolve().name
+        if (existing := ctl.state.placement(name)) is not None:
+            # Before the plan and progress bars: nothing would be loaded.
+            raise UserError(
+                f"a placement named {name!r} exists ({existing.state}): unload it first "
+                f"(studiotui unload {name}) or pick another --name"
+            )
+        try:
+            info, the_plan = ctl.preview(args.model_dir.expanduser(), group, args.context)
+        except ModelDirError as exc:
+            raise UserError(str(exc)) from None
+        console.print(render_plan(the_plan))
+        if isinstance(the_plan, Refusal):
+            return 1
+        if args.dry_run:
+            return 0
+        with Progress(
+            TextColumn("{task.description:>12}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        ) as bar:
+            tasks = {s.node: bar.add_task(s.node, total=None) for s in the_plan.shards}
+
+            def progress(node: str, done: int, total: int) -> None:
+                task = bar.tasks[tasks[node]]
+                if task.total != total or done < task.completed:
+                    # A new phase (files copied, then the shard loaded): a new clock.
+                    bar.reset(tasks[node], total=total)
+                bar.update(tasks[node], completed=done, total=total)
+
+            try:
+                result = await ctl.place(
+                    args.model_dir,
+                    group,
+                    args.name,
+                    progress,
+                    prefill_chunk=args.prefill_chunk,
+                    context_tokens=args.context,
+                )
+            except (PlacementError, ModelDirError) as exc:
+                raise UserError(str(exc)) from None
+        console.print(f"placement [bold]{result.placement.name}[/] is ready ({info.name})")
+    finally:
+        await ctl.close()
+    return 0
+
+
+async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
+    from studiotui.cluster import model_fetch
+    from studiotui.cluster import peers as agents
+    from studiotui.cluster.model_sync import SyncRefused
+
+    inv = load_cluster(args.inventory, home)
+    source = Path(args.source).expanduser()
+    if not source.is_dir() and not model_fetch.is_repo_id(args.source):
+        raise UserError(
+            f"{args.source!r} is neither a model directory nor a Hugging Face repo id (org/name)"
+        )
+    try:
+        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
+    except SelectionError as exc:
+        raise UserError(str(exc)) from None
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
+        down = [n for n in group if (s := ctl.state.node(n)) is None or s.state != "up"]
+        if down or not group:
+            raise UserError(f"{', '.join(down) or 'no node'} is not up: start it first")
+        with Progress(
+            TextColumn("{task.description:>12}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as bar:
+            tasks = {n: bar.add_task(n, total=None) for n in group}
+
+            def progress(node: str, done: int, total: int) -> None:
+                bar.update(tasks[node], completed=done, total=total)
+
+            try:
+                if source.is_dir():
+                    where = await model_fetch.fetch_dir(ctl, source.resolve(), group, progress)
+                else:
+                    where = await model_fetch.fetch_repo(
+                        ctl, args.source, group, args.revision, progress, args.cache_dir
+                    )
+            except (model_fetch.FetchError, SyncRefused, ModelDirError) as exc:
+                raise UserError(str(exc)) from None
+            except (agents.AgentError, agents.AgentUnreachable) as exc:
+                raise UserError(f"fetch failed: {exc}") from None
+        for entry in ctl.state.log:
+            if "downloaded its share" in entry.text or "copied " in entry.text:
+                console.print(entry.text)
+        for node, path in where.items():
+            console.print(f"{node}: {path}")
+    finally:
+        await ctl.close()
+    return 0
+
+
+async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.unload(args.name)
+    except PlacementError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        await ctl.close()
+    console.print(f"placement {args.name} unloaded")
+    return 0
+
+
+# ---- chat ----------------------------------------------------------------------------
+
+
+async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    if args.raw:
+        request: dict[str, Any] = {"prompt": args.prompt}
+    else:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        request = {"messages": [*msgs, {"role": "user", "content": args.prompt}]}
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
+        # The whole way to an answer, once, rather than one step per failed command.
+        place = "place a model (`studiotui place MODEL_DIR`; `studiotui demo-model DIR` writes one)"
+        if not any(n.state == "up" for n in ctl.state.nodes):
+            raise UserError(
+                f"no node is up: start the cluster with {start_hint(inv)}, {place}, then chat"
+            )
+        if not ctl.state.placements:
+            raise UserError(f"no placement yet: {place}, then chat")
+        done: dict[str, Any] = {}
+        async for msg in ctl.generate(args.placement, request, params):
+            if msg["type"] == "delta":
+                sys.stdout.write(msg["text"])
+                sys.stdout.flush()
+            elif msg["type"] == "done":
+                done = msg
+        sys.stdout.write("\n")
+        t = done.get("timings", {})
+        u = done.get("usage", {})
+        errors.print(
+            f"[dim]{u.get('prompt_tokens', 0)} tokens in, {u.get('completion_tokens', 0)} out, "
+            f"first token {t.get('ttft_ms', 0):.0f} ms, {t.get('decode_tps', 0):.1f} tok/s, "
+            f"finish: {done.get('finish_reason', '?')}[/]"
+        )
+    except GenerationError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        await ctl.close()
+    return 0
+
+
+# ---- logs ----------------------------------------------------------------------------
+
+
+async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
+    inv = load_cluster(args.inventory, home)
+    if args.node not in inv.names:
+        raise UserError(f"unknown node {args.node!r}; known: {', '.join(inv.names)}")
+    ctl = Controller(home, inv)
+    try:
+        seen: list[str] = []
+        while True:
+            try:
+                lines = await ctl.read_log(args.node, args.lines)
+            except Exception as exc:
+                raise UserError(f"{args.node}: cannot read its log: {exc}") from None
+            start = _new_lines_start(seen, lines)
+            for line in lines[start:]:
+                print(line)
+            seen = lines
+            if not args.follow:
+                return 0
+            await asyncio.sleep(1.0)
+    finally:
+        await ctl.close()
+
+
+def _new_lines_start(seen: list[str], lines: list[str]) -> int:
+    if not seen:
+        return 0
+    last = seen[-1]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i] == last:
+            return i + 1
+    return 0
+
+
+# ---- demo model / bench / tui --------------------------------------------------------
+
+
+def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
+    from worker.shared.demo_model import HAS_EXPERTS, DemoModelError, DemoSpec, write_demo_model
+
+    dtype = args.dtype or (
+        "float32" if args.arch in HAS_EXPERTS and not args.quantize else "bfloat16"
+    )
+    try:
+        spec = DemoSpec(
+            arch=args.arch,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            experts=args.experts,
+            seed=args.seed,
+            dtype=dtype,
+            quantize=args.quantize,
+            group_size=args.group_size,
+            files=args.files,
+            recite=args.recite,
+        )
+        path = _interruptible(lambda stop: write_demo_model(args.dir.expanduser(), spec, stop))
+    except DemoModelError as exc:
+        raise UserError(str(exc)) from None
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    packed = f", {args.quantize}" + ("-bit" if args.quantize in ("4", "8") else "")
+    console.print(
+        f"wrote {spec.arch} demo model ({spec.layers} layers, {dtype}"
+        f"{packed if args.quantize else ''}, {format_bytes(size)}) to {path}"
+    )
+    return 0
+
+
+def _interruptible(work: Callable[[Callable[[], bool]], Path]) -> Path:
+    """Run `work(stop)` with Ctrl-C and SIGTERM turned into `stop()` being True: the
+    work ends at its next check (and cleans up) instead of wherever the signal lands."""
+    import signal
+    import threading
+
+    requested = threading.Event()
+    handlers = {
+        sig: signal.signal(sig, lambda *_: requested.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        return work(requested.is_set)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def cmd_bench(args: argparse.Namespace, home: Path) -> int:
+    from studiotui.bench.run import BenchError, run_bench
+
+    try:
+        return run_bench(quick=args.quick, as_json=args.json)
+    except BenchError as exc:
+        raise UserError(f"bench failed: {exc}") from None
+
+
+def cmd_tui(args: argparse.Namespace, home: Path) -> int:
+    from studiotui.app.launch import launch
+    from studiotui.cli.serve import api_service
+
+    serve = getattr(args, "serve", None)
+    services = [api_service(serve[0], serve[1], getattr(args, "api_key", None))] if serve else []
+    return launch(args, home, services)

@@ -1,0 +1,265 @@
+"""The command line: every verb drives the same Controller the TUI uses."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from studiotui import __version__
+from studiotui.core.errors import StudioError
+from studiotui.core.inventory import DEFAULT_CONTROL_PORT
+
+DEFAULT_LOCAL_NODES = 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="studiotui",
+        description="Cluster manager and chat client for desk clusters of Apple Silicon Macs.",
+    )
+    p.add_argument("--version", action="version", version=f"studiotui {__version__}")
+    add_global_options(p, on_verb=False)
+    sub = p.add_subparsers(dest="verb")
+    from studiotui.cli import provision_cmd
+
+    provision_cmd.add_parsers(sub)  # provision, restart
+
+    up = sub.add_parser("up", help="start agents (with --local N: a simulated cluster here)")
+    up.add_argument(
+        "--local", type=int, metavar="N", help="start N simulated nodes on this machine"
+    )
+    up.add_argument(
+        "--memory-gb", type=float, default=None, help="memory each local node advertises"
+    )
+    up.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_CONTROL_PORT,
+        help="control port of the local nodes, to run a second simulated cluster beside one "
+        f"(default {DEFAULT_CONTROL_PORT})",
+    )
+
+    down = sub.add_parser("down", help="stop agents")
+    down.add_argument("nodes", nargs="*", help="nodes to stop (default: all)")
+
+    status = sub.add_parser("status", help="nodes and placements")
+    status.add_argument("--json", action="store_true")
+
+    place = sub.add_parser("place", help="split a model over nodes and load it")
+    place.add_argument(
+        "model_dir", type=Path, help="a model directory, or a model's name in the catalog"
+    )
+    place.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
+    place.add_argument("--name", help="placement name (default: the model directory's name)")
+    place.add_argument("--prefill-chunk", type=int, default=512)
+    place.add_argument("--context", type=int, default=4096, help="context tokens to reserve KV for")
+    place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
+
+    fetch = sub.add_parser(
+        "fetch", help="put a model's files on nodes ahead of placing it, each node its share"
+    )
+    fetch.add_argument("source", help="a Hugging Face repo id (org/name) or a model directory")
+    fetch.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
+    fetch.add_argument("--revision", default="main", help="hub branch, tag or commit")
+    fetch.add_argument(
+        "--cache-dir", help="hub cache on the nodes (default: each node's own Hugging Face cache)"
+    )
+
+    unload = sub.add_parser("unload", help="unload a placement and free its memory")
+    unload.add_argument("name")
+
+    chat = sub.add_parser("chat", help="send one prompt and stream the answer")
+    chat.add_argument("prompt")
+    chat.add_argument("--placement")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    chat.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
+
+    logs = sub.add_parser("logs", help="a node agent's log")
+    logs.add_argument("node")
+    logs.add_argument("--lines", type=int, default=100)
+    logs.add_argument("--follow", action="store_true")
+
+    _add_demo_parser(sub)
+
+    bench = sub.add_parser("bench", help="measure the pipeline and print figures")
+    bench.add_argument("--quick", action="store_true", help="finish in under a minute")
+    bench.add_argument("--json", action="store_true", help="one JSON object")
+    from studiotui.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
+    from studiotui.cli.web import add_web_parser
+
+    add_web_parser(sub)
+    for verb_parser in sub.choices.values():
+        add_global_options(verb_parser, on_verb=True)
+    return p
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    from worker.shared.demo_model import FAMILIES, QUANTIZE
+
+    demo = sub.add_parser(
+        "demo-model",
+        help="write a deterministic demo model directory",
+        description="Write a tiny model of a real mlx-lm family with random weights from a "
+        "fixed seed: the same options always give byte-identical files, and mlx_lm.load "
+        "loads the directory unchanged. It writes noise (or, with --recite, one passage); "
+        "it exists to try placing, sharding and chatting without a download. The files are "
+        "written one module at a time, after checking free disk and memory; an interrupted "
+        "write leaves nothing behind.",
+    )
+    demo.add_argument("dir", type=Path, help="directory to write (created; files replaced)")
+    demo.add_argument(
+        "--arch",
+        default="llama",
+        choices=FAMILIES,
+        metavar="FAMILY",
+        help=f"model family, as config.json's model_type: {', '.join(FAMILIES)} (default llama)",
+    )
+    demo.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    demo.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    demo.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    demo.add_argument(
+        "--kv-heads", type=int, default=4, help="key/value heads, dividing --heads (default 4)"
+    )
+    demo.add_argument(
+        "--intermediate",
+        type=int,
+        default=None,
+        help="width of the dense MLP (default 8/3 of --hidden)",
+    )
+    demo.add_argument(
+        "--experts",
+        type=int,
+        default=4,
+        help="routed experts of a mixture-of-experts family, 2 active a token (default 4)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
+    demo.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the unquantized weights (default bfloat16; float32 for a mixture of "
+        "experts left unquantized, which MLX's CPU backend multiplies only in float32)",
+    )
+    demo.add_argument(
+        "--quantize",
+        choices=QUANTIZE,
+        default=None,
+        help="pack the weights as mlx-lm's convert does: 4 or 8 (affine bits), mxfp4, "
+        "mxfp8, nvfp4, or mixed (mlx-lm's mixed_4_6 recipe, per-module overrides); "
+        "default: not quantized",
+    )
+    demo.add_argument(
+        "--group-size",
+        type=int,
+        choices=[32, 64, 128],
+        default=None,
+        help="group size of affine quantization (default 64); --hidden must be a multiple",
+    )
+    demo.add_argument(
+        "--files",
+        type=int,
+        default=1,
+        help="safetensors files, split by layer with an index as big downloads are (default 1)",
+    )
+    demo.add_argument(
+        "--recite",
+        action="store_true",
+        help="write a fixed passage instead of noise (the first-run demo does)",
+    )
+
+
+def add_global_options(p: argparse.ArgumentParser, on_verb: bool) -> None:
+    """The options that are not a verb's own, accepted before or after the verb.
+
+    On a verb they default to SUPPRESS, so a value given before the verb is not
+    overwritten by the verb's default when argparse merges the two namespaces.
+    A verb with its own option of the same name (serve's --api-key) keeps its own.
+    """
+    group = p.add_argument_group("global options (before or after the verb)") if on_verb else p
+    suppress = {"default": argparse.SUPPRESS} if on_verb else {}
+    options: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+        (("-i", "--inventory"), {"type": Path, "help": "cluster.toml to use", **suppress}),
+        (
+            ("--serve",),
+            {
+                "type": _host_port,
+                "metavar": "[HOST:]PORT",
+                "help": "with the dashboard: also serve the OpenAI-compatible API from it",
+                **suppress,
+            },
+        ),
+        (
+            ("--api-key",),
+            {
+                "help": "with --serve: require this bearer key (default: $STUDIOTUI_API_KEY)",
+                "default": os.environ.get("STUDIOTUI_API_KEY"),
+                **suppress,
+            },
+        ),
+    ]
+    if on_verb:
+        version = {"action": "version", "version": f"studiotui {__version__}"}
+        options.append((("--version",), version))
+    for flags, kwargs in options:
+        # argparse refuses an option string a verb already has: the verb's own wins.
+        with contextlib.suppress(argparse.ArgumentError):
+            group.add_argument(*flags, **kwargs)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"--serve wants [HOST:]PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def home_dir() -> Path:
+    from studiotui.core.inventory import studiotui_home
+
+    home = studiotui_home(os.environ)
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from studiotui.cli import commands, provision_cmd
+
+    verb = args.verb or "tui"
+    if verb != "tui" and getattr(args, "serve", None):
+        parser.error(
+            f"--serve works with the dashboard only (studiotui --serve PORT); "
+            f"for the API on its own run `studiotui serve`, not with `{verb}`"
+        )
+    # SSH-aware versions of these verbs; they hand local nodes to `commands`.
+    module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    if verb == "web":
+        from studiotui.cli import web as module
+    handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
+    try:
+        result = handler(args, home_dir())
+        if asyncio.iscoroutine(result):
+            result = asyncio.run(result)
+        return int(result or 0)
+    except StudioError as exc:
+        print(f"studiotui: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""`studiotui serve`: the API verb, kept apart so that building the parser stays cheap."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from studiotui.api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+
+if TYPE_CHECKING:  # the dashboard and the controller load only when they run
+    from studiotui.app.app import ServiceStarter
+    from studiotui.cluster.controller import Controller
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the placements over an OpenAI-compatible API")
+    p.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
+        "the environment keeps the key out of `ps`)",
+    )
+    return p
+
+
+def cmd_serve(args: argparse.Namespace, home: Path) -> int:
+    # Ctrl-C is how serve is meant to end, not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve_main(args, home))
+    print("studiotui serve: stopped")
+    return 0
+
+
+async def _serve_main(args: argparse.Namespace, home: Path) -> None:
+    # Imported here: aiohttp is only worth loading when the server runs.
+    from studiotui.api.server import MODELS, is_loopback, start_server
+    from studiotui.cluster.session import load_cluster
+    from studiotui.core.errors import UserError
+
+    inv = load_cluster(args.inventory, home)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.start(telemetry=True)
+        try:
+            server = await start_server(ctl, args.host, args.port, args.api_key)
+        except OSError as exc:
+            raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        ready = ", ".join(p.name for p in server.app[MODELS].ready()) or "none ready yet"
+        print(f"studiotui serve: {server.url} (models: {ready}); Ctrl-C stops")
+        if not args.api_key and not is_loopback(args.host):
+            print(f"warning: {args.host} without --api-key: anyone on the network can use it")
+        task = asyncio.current_task()
+        if task is not None:
+            # SIGTERM (systemd, launchd, kill) stops it as cleanly as Ctrl-C.
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await server.close()
+    finally:
+        await ctl.close()
+
+
+def api_service(host: str, port: int, api_key: str | None) -> ServiceStarter:
+    """The API served from the dashboard's own process (`studiotui --serve PORT`)."""
+
+    async def start(ctl: Controller) -> Any:
+        from studiotui.api.server import start_server
+
+        server = await start_server(ctl, host, port, api_key)
+        ctl.record(f"serving the OpenAI-compatible API on {server.url}")
+        return server
+
+    return start

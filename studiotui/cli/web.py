@@ -1,0 +1,211 @@
+"""`studiotui web`: the dashboard in a browser, served by textual-serve.
+
+textual-serve starts one dashboard process per browser tab (the same `studiotui`
+with the same cluster file) and relays its screen over a websocket to xterm.js in
+the page. It has no authentication of its own, and whoever reaches it gets the
+dashboard, which can place and unload models and stop nodes. So every request
+passes a token check first: the token printed at start, given once as `?token=`,
+then kept by the browser in an HttpOnly, SameSite=Strict cookie so that the
+page's own static files and websocket carry it. It binds to localhost unless told
+otherwise, and on a loopback bind refuses other Host names (DNS rebinding) and
+websockets opened by other origins.
+
+Importing this module is cheap; aiohttp and textual-serve load when it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import secrets
+import shlex
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 52416
+COOKIE = "studiotui_web"
+REFUSED = (
+    "studiotui web: this page needs the token printed when `studiotui web` started; "
+    "open the whole address it printed (…/?token=…)"
+)
+
+
+def add_web_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("web", help="serve the dashboard in a browser (textual-serve)")
+    p.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    return p
+
+
+def dashboard_command(inventory: Path | None, python: str = sys.executable) -> str:
+    """The shell command textual-serve runs for each browser tab: this dashboard."""
+    argv = [python, "-m", "studiotui"]
+    if inventory is not None:
+        argv += ["-i", str(Path(inventory).expanduser().resolve())]
+    return shlex.join(argv)
+
+
+def token_ok(given: str | None, token: str) -> bool:
+    # compare_digest: the time taken must not tell how much of a guess was right.
+    return bool(given) and hmac.compare_digest(str(given).encode(), token.encode())
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port."""
+    if host_header.startswith("["):
+        return host_header[1:].split("]", 1)[0]
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+
+
+@dataclass
+class WebServer:
+    runner: web.AppRunner
+    host: str
+    port: int
+    token: str
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if host in ("0.0.0.0", "[::]"):
+            host = "127.0.0.1"  # what to type on this machine; others use its name
+        return f"http://{host}:{self.port}/?token={self.token}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+def _guard(token: str, loopback_bind: bool) -> Callable[..., Awaitable[web.StreamResponse]]:
+    from aiohttp import web
+
+    @web.middleware
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if loopback_bind and not is_loopback(host_name(request.host)):
+            return web.Response(status=403, text=f"host {request.host!r} is not this machine")
+        given = request.query.get("token")
+        if not (token_ok(given, token) or token_ok(request.cookies.get(COOKIE), token)):
+            return web.Response(status=403, text=REFUSED)
+        origin = request.headers.get("Origin")
+        # A page elsewhere could open the websocket with the operator's cookie.
+        if request.path == "/ws" and origin not in (None, f"{request.scheme}://{request.host}"):
+            return web.Response(status=403, text=f"websocket from {origin} refused")
+        if given is not None and request.path == "/":
+            # Keep the token out of the address bar (and history): a cookie from now on.
+            # Other parameters (textual-serve's fontsize) stay.
+            rest = request.rel_url.without_query_params("token")
+            resp = web.HTTPSeeOther(str(rest))
+            resp.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/")
+            return resp
+        return await handler(request)
+
+    return guard
+
+
+def _server_class() -> type:
+    from textual_serve.server import Server
+
+    class TokenServer(Server):
+        """textual-serve's server behind the token check."""
+
+        def __init__(self, command: str, token: str, loopback_bind: bool) -> None:
+            super().__init__(command, title="studiotui")
+            self.token = token
+            self.loopback_bind = loopback_bind
+
+        async def _make_app(self) -> web.Application:
+            # textual-serve's own app factory: its routes, with the guard in front.
+            app = await super()._make_app()
+            app.middlewares.append(_guard(self.token, self.loopback_bind))
+            return app
+
+        async def on_startup(self, app: web.Application) -> None:
+            pass  # textual-serve prints its logo and an address without the token
+
+        async def handle_index(self, request: web.Request) -> web.StreamResponse:
+            # The page names its websocket and files by absolute address: use the one
+            # the browser reached (textual-serve would write the bind address, which
+            # is 0.0.0.0 for a server open to the network).
+            self.public_url = f"{request.scheme}://{request.host}"
+            return await super().handle_index(request)
+
+    return TokenServer
+
+
+async def start_web(
+    command: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None
+) -> WebServer:
+    """Listen in the running loop; port 0 takes a free port."""
+    from aiohttp import web
+
+    token = token or secrets.token_urlsafe(24)
+    server = _server_class()(command, token, is_loopback(host))
+    app = await server._make_app()
+    # A closed tab ends its dashboard; stopping must not wait on open ones.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return WebServer(runner=runner, host=host, port=int(bound), token=token)
+
+
+def cmd_web(args: argparse.Namespace, home: Path) -> int:
+    # Ctrl-C is how it is meant to end, not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_web_main(args))
+    print("studiotui web: stopped")
+    return 0
+
+
+async def _web_main(args: argparse.Namespace) -> None:
+    from studiotui.core.errors import UserError
+
+    command = dashboard_command(getattr(args, "inventory", None))
+    try:
+        server = await start_web(command, args.host, args.port)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    print(f"studiotui web: open {server.url} (Ctrl-C stops)", flush=True)
+    if not is_loopback(args.host):
+        print(
+            f"warning: on {args.host} anyone who has the token can drive the cluster; "
+            "the page is plain HTTP, so use it on a network you trust",
+            flush=True,
+        )
+    task = asyncio.current_task()
+    if task is not None:
+        # SIGTERM (systemd, launchd, kill) stops it as cleanly as Ctrl-C.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await server.close()

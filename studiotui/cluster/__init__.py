@@ -1,0 +1,2 @@
+"""The running cluster: the controller (state store and commands), peers, keys, local
+agents, model files."""

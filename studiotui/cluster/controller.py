@@ -1,0 +1,797 @@
+"""The one owner of cluster state and of all I/O with the nodes.
+
+Command-line verbs and the TUI drive the same Controller. It keeps a frozen
+`ClusterState`, replaces it on every change and tells its listeners. Commands are
+methods named in the imperative (`place`, `unload`, `generate`); what happened
+is recorded in the state's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from studiotui.cluster import keys, model_files, model_sync
+from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
+from studiotui.core.errors import StudioError
+from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.load_watch import LoadWatch
+from studiotui.core.model_facts import ModelInfo, read_model
+from studiotui.core.placement import Link, NodeBudget, Plan, Refusal, format_bytes, plan
+from studiotui.core.state import (
+    ClusterState,
+    LinkState,
+    LogEntry,
+    NodeState,
+    PlacementState,
+    PlannedPlacement,
+    PlannedShard,
+    newly_broken,
+    placements_from_shards,
+    pushed,
+    shard_from_report,
+)
+from worker.shared import probes
+from worker.shared.protocol import messages
+
+DOWN_AFTER_S = 3.0
+UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are expected
+# What a shard process holds before any weight (Python, MLX, tokenizer): measured ~80 MB.
+RUNNER_OVERHEAD_BYTES = 100 * 1024**2
+HEALTH_CHECK_S = 2.0
+LINKS_FIRST_S = 30.0
+LINKS_EVERY_S = 300.0
+LOG_KEEP = 500
+Listener = Callable[[ClusterState], None]
+Progress = Callable[[str, int, int], None]
+
+
+def committed_bytes(node: NodeState) -> int:
+    """Memory a node has promised but not yet used: the KV caches its placements may
+    still grow to, and the weights of shards that are still loading."""
+    total = 0
+    for shard in node.shards:
+        total += shard.kv_bytes
+        if shard.state in ("prepared", "loading"):
+            done, size = shard.progress
+            total += max(0, size - done)
+    return total
+
+
+def _tied(model_dir: Path) -> bool:
+    try:
+        return bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings"))
+    except (OSError, ValueError):
+        return False
+
+
+class PlacementError(StudioError, RuntimeError):
+    pass
+
+
+class GenerationError(StudioError, RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PlaceResult:
+    plan: Plan
+    placement: PlacementState
+
+
+class Controller:
+    def __init__(self, home: Path, inventory: Inventory) -> None:
+        self.home = home
+        self.inventory = inventory
+        self.ctx = zmq.asyncio.Context()
+        self.keys = keys.controller_keys(home)
+        self.peers: dict[str, Peer] = {}
+        self.state = ClusterState(
+            name=inventory.name,
+            nodes=tuple(
+                NodeState(n.name, n.address, n.control_port, n.transport) for n in inventory.nodes
+            ),
+        )
+        self.state = replace(self.state, links=self._load_links())
+        # The ring each placement was planned on, kept until it is unloaded (and saved,
+        # so a restarted TUI still knows a broken placement's nodes).
+        self._planned: dict[str, PlannedPlacement] = self._read_planned()
+        self._placing: set[str] = set()  # being loaded by this controller: not broken yet
+        self._listeners: list[Listener] = []
+        # Placements going away on purpose (unload, rollback), until when: their shards
+        # vanish one node at a time, which must not read as "broken".
+        self._unloading: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._sub: zmq.asyncio.Socket | None = None
+
+    # ---- state --------------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _set(self, state: ClusterState) -> None:
+        self.state = state
+        for listener in list(self._listeners):
+            listener(state)
+
+    def _update_node(self, name: str, **changes: Any) -> None:
+        nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
+        placements = placements_from_shards(nodes, self._planned, self._placing)
+        broken = newly_broken(self.state.placements, placements)
+        self._set(replace(self.state, nodes=nodes, placements=placements))
+        for placement, why in broken:
+            if self._unloading.get(placement.name, 0.0) < time.monotonic():
+                hint = _not_ready_hint(placement)
+                self.record(
+                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
+                )
+
+    def mark_provisioning(self, names: list[str]) -> None:
+        """Show `names` as being provisioned until the next refresh says otherwise."""
+        for name in names:
+            self._update_node(name, state="provisioning")
+
+    def record(self, text: str, level: str = "info") -> None:
+        entry = LogEntry(time=time.time(), level=level, text=text)
+        self._set(replace(self.state, log=(*self.state.log[-(LOG_KEEP - 1) :], entry)))
+
+    # ---- connections ---------------------------------------------------------------------
+
+    def spec(self, name: str) -> NodeSpec:
+        return self.inventory.node(name)
+
+    def peer(self, name: str) -> Peer:
+        if name not in self.peers:
+            node = self.spec(name)
+            self.peers[name] = Peer(
+                self.ctx,
+                node.control_endpoint,
+                self.keys,
+                keys.node_public_key(self.home, name),
+                name,
+            )
+        return self.peers[name]
+
+    async def start(self, telemetry: bool = True) -> None:
+        await self.refresh()
+        if telemetry:
+            self._start_telemetry()
+
+    def _start_telemetry(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"telemetry")
+        for node in self.inventory.nodes:
+            # The server key is read at connect time, so one SUB serves every agent.
+            from worker.shared.protocol.curve import make_client
+
+            make_client(sub, self.keys, keys.node_public_key(self.home, node.name))
+            sub.connect(node.telemetry_endpoint)
+        self._sub = sub
+        self._tasks.append(asyncio.create_task(self._read_telemetry()))
+        self._tasks.append(asyncio.create_task(self._watch_liveness()))
+        self._tasks.append(asyncio.create_task(self._measure_periodically()))
+
+    async def _measure_periodically(self) -> None:
+        await asyncio.sleep(LINKS_FIRST_S)
+        while True:
+            try:
+                await self.measure_links()
+            except Exception as exc:  # a failed measurement must not stop the loop
+                self.record(f"link measurement failed: {exc}", "warning")
+            await asyncio.sleep(LINKS_EVERY_S)
+
+    async def _read_telemetry(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            if len(frames) != 2:
+                continue
+            try:
+                msg = messages.decode(frames[1])
+            except messages.MessageError:
+                continue
+            self._apply_telemetry(msg)
+
+    def _apply_telemetry(self, msg: dict[str, Any]) -> None:
+        name = msg["name"]
+        node = self.state.node(name)
+        if node is None:
+            return
+        was = node.state
+        node = node.with_sample(
+            int(msg.get("memory_used", 0)), int(msg.get("memory_total", 0)), time.time()
+        )
+        facts = msg.get("facts") or {}
+        shards = tuple(shard_from_report(name, s) for s in msg.get("shards", []))
+        power = msg.get("power") if isinstance(msg.get("power"), dict) else {}
+        pressure = msg.get("pressure") if isinstance(msg.get("pressure"), dict) else {}
+        self._update_node(
+            name,
+            state="up",
+            version=str(msg.get("version", node.version)),
+            power=power,
+            power_history=pushed(node.power_history, power.get("total_w")),
+            pressure=pressure,
+            pressure_history=pushed(node.pressure_history, pressure.get("pct")),
+            memory_used=node.memory_used,
+            memory_total=node.memory_total,
+            memory_history=node.memory_history,
+            last_seen=node.last_seen,
+            cpu_pct=float(msg.get("cpu_pct", 0.0)),
+            gpu_pct=msg.get("gpu_pct"),
+            power_w=power.get("total_w"),
+            chip=str(facts.get("chip", node.chip)),
+            os=str(facts.get("os", node.os)),
+            facts=facts,
+            shards=shards,
+            message="",
+        )
+        if was != "up":
+            self.record(f"{name} is up ({msg.get('version', '?')})")
+
+    async def _watch_liveness(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for node in self.state.nodes:
+                if node.state == "up" and now - node.last_seen > DOWN_AFTER_S:
+                    silent = f"no telemetry for {DOWN_AFTER_S:g} s"
+                    self._update_node(node.name, state="down", shards=(), message=silent)
+                    self.record(
+                        f"{node.name} is down: {silent}; once it is reachable, restart it "
+                        f"(r, or studiotui restart {node.name})",
+                        "error",
+                    )
+
+    async def refresh(self, timeout: float = 2.0) -> ClusterState:
+        """Ask every agent who it is and what it runs."""
+        results = await asyncio.gather(
+            *(self._hello(n.name, timeout) for n in self.inventory.nodes), return_exceptions=True
+        )
+        for node, result in zip(self.inventory.nodes, results, strict=True):
+            if isinstance(result, BaseException):
+                self._update_node(node.name, state="down", shards=(), message=str(result))
+        return self.state
+
+    async def _hello(self, name: str, timeout: float) -> None:
+        reply = await self.peer(name).request("hello", timeout=timeout)
+        before = self.state.node(name)
+        if before is not None and before.state != "up":
+            self.record(f"{name} is up ({reply['version']})")
+        facts = reply.get("facts") or {}
+        shards = tuple(shard_from_report(name, s) for s in reply.get("shards", []))
+        self._update_node(
+            name,
+            state="up",
+            version=reply["version"],
+            memory_total=int(reply.get("memory_total", facts.get("memory_total", 0))),
+            memory_used=int(reply.get("memory_used", 0)),
+            chip=str(facts.get("chip", "")),
+            os=str(facts.get("os", "")),
+            facts=facts,
+            shards=shards,
+            last_seen=time.time(),
+            message="",
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for peer in self.peers.values():
+            await peer.aclose()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self.ctx.term()
+
+    # ---- placement -----------------------------------------------------------------------
+
+    def preview(
+        self, model_dir: Path, nodes: list[str], context_tokens: int = 4096
+    ) -> tuple[ModelInfo, Plan | Refusal]:
+        from studiotui.cluster.model_files import check_model_dir
+
+        check_model_dir(model_dir)  # before any header is read: nothing outside it is
+        info = read_model(model_dir)
+        if info.unsupported:
+            # Refused here, before the plan and so before any file is copied to a node.
+            return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
+        budgets = []
+        for name in nodes:
+            node = self.state.node(name)
+            if node is None:
+                return info, Refusal(f"unknown node {name!r}")
+            if node.state != "up":
+                return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
+            free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
+            budgets.append(NodeBudget(name, free, node.memory_total))
+        links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind) for x in self.state.links]
+        return info, plan(info.facts, budgets, links, context_tokens=context_tokens)
+
+    async def place(
+        self,
+        model_dir: Path,
+        nodes: list[str] | None = None,
+        name: str | None = None,
+        progress: Progress | None = None,
+        prefill_chunk: int = 512,
+        context_tokens: int = 4096,
+        expected: Plan | None = None,
+    ) -> PlaceResult:
+        """Plan and load; with `expected` (the plan a preview showed), load exactly that
+        plan if it still fits, else refuse rather than load something else."""
+        model_dir = model_dir.expanduser().resolve()
+        await self.refresh()
+        nodes = nodes or [n.name for n in self.state.nodes if n.state == "up"]
+        name = name or model_dir.name
+        if self.state.placement(name) is not None:
+            raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
+        info, the_plan = self.preview(model_dir, nodes, context_tokens)
+        if expected is not None:
+            problem = self._no_longer_fits(expected)
+            if problem:
+                raise PlacementError(f"the cluster changed since the preview: {problem}")
+            the_plan = expected
+        if isinstance(the_plan, Refusal):
+            raise PlacementError(f"cannot place {info.name}: {the_plan.reason}")
+        self.record(
+            f"placing {info.name} as {name!r} on {', '.join(s.node for s in the_plan.shards)}"
+        )
+        self._unloading.pop(name, None)  # placed again under a name just unloaded
+        ring = tuple(PlannedShard(s.node, s.start, s.end) for s in the_plan.shards)
+        self._placing.add(name)
+        self._remember_plan(name, PlannedPlacement(str(model_dir), ring))
+        try:
+            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk)
+            self._placing.discard(name)
+            placed = await self._deployed(the_plan, name)
+        except (AgentError, AgentUnreachable, PlacementError) as exc:
+            self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
+            await self._unload_everywhere(name, [s.node for s in the_plan.shards])
+            self._remember_plan(name, None)
+            raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
+        finally:
+            self._placing.discard(name)
+        self.record(f"placement {name!r} is ready")
+        return PlaceResult(plan=the_plan, placement=placed)
+
+    async def _deployed(self, the_plan: Plan, name: str) -> PlacementState:
+        """The placement as the nodes now report it, if every planned shard is there.
+
+        A node can die after its shard said ready and before the others finished,
+        faster than the load watchdog notices: ask them all once more."""
+        await self.refresh()
+        placed = self.state.placement(name)
+        lost = [s.node for s in the_plan.shards if placed is None or s.node not in placed.nodes]
+        if lost or placed is None:
+            raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
+        return placed
+
+    def _no_longer_fits(self, expected: Plan) -> str | None:
+        for shard in expected.shards:
+            node = self.state.node(shard.node)
+            if node is None or node.state != "up":
+                return f"{shard.node} is not up"
+            adds = shard.free_before - shard.free_after
+            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            if adds > room:
+                return (
+                    f"{shard.node} now has {format_bytes(max(room, 0))} free, the plan needs "
+                    f"{format_bytes(adds)} there; preview again"
+                )
+        return None
+
+    async def _deploy(
+        self,
+        the_plan: Plan,
+        model_dir: Path,
+        name: str,
+        progress: Progress | None,
+        prefill_chunk: int,
+    ) -> None:
+        shards = the_plan.shards
+        prepared = await asyncio.gather(
+            *(self.peer(s.node).request("prepare_shard", placement=name) for s in shards)
+        )
+        count = len(shards)
+        dirs = await self._model_dirs(shards, model_dir, progress)
+
+        async def load(i: int) -> None:
+            shard = shards[i]
+            nxt = shards[(i + 1) % count]
+            node_dir = dirs[shard.node]
+            endpoint = (
+                f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
+            )
+            # No fixed wait: the agent heartbeats while the shard loads, and only its
+            # silence (see LoadWatch) ends a load, however slow the disk.
+            quiet = LoadWatch(shard.node, time.monotonic())
+            stream = self.peer(shard.node).stream(
+                "load_shard",
+                timeout=quiet.silence_s,
+                placement=name,
+                model_dir=node_dir,
+                start=shard.start,
+                end=shard.end,
+                index=i,
+                count=count,
+                data_port=prepared[i]["data_port"],
+                client_port=prepared[i]["client_port"],
+                next_endpoint=endpoint,
+                next_key=keys.node_public_key(self.home, nxt.node).decode(),
+                prefill_chunk=prefill_chunk,
+                context_tokens=the_plan.context_tokens,
+                kv_bytes=shard.kv_bytes,
+            )
+            try:
+                async for msg in stream:
+                    quiet = quiet.hear(time.monotonic(), msg.get("done"), msg.get("total"))
+                    if progress and msg["type"] == "progress":
+                        progress(shard.node, int(msg["done"]), int(msg["total"]))
+                    if progress and msg["type"] == "shard_ready":
+                        size = int(msg.get("param_bytes", 1))
+                        progress(shard.node, size, size)
+            except AgentUnreachable:
+                silent = quiet.overdue(time.monotonic())
+                raise PlacementError(silent or f"{shard.node} stopped answering") from None
+
+        loads = asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
+        watch = asyncio.create_task(self._watch_nodes([s.node for s in shards]))
+        racing: set[asyncio.Future[Any]] = {loads, watch}
+        done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if watch in done:
+            loads.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loads
+            raise PlacementError(watch.result())
+        watch.cancel()
+        errors = [r for r in loads.result() if isinstance(r, BaseException)]
+        if errors:
+            raise PlacementError("; ".join(str(e) for e in errors))
+
+    async def _model_dirs(
+        self, shards: Any, model_dir: Path, progress: Progress | None
+    ) -> dict[str, str]:
+        """Where each node finds the model: the operator's path on this machine, else a
+        folder holding (by content) the files its layers need, reused where it already
+        is, copied from another node that has them, or from the operator
+        (`model_sync`)."""
+        where = {s.node: str(model_dir) for s in shards if self.spec(s.node).is_local}
+        config = read_model(model_dir)
+        tied = config.facts.head_bytes > 0 and _tied(model_dir)
+        needs: dict[str, dict[str, model_files.NeededFile]] = {}
+        for s in shards:
+            if s.node not in where:
+                found = model_files.needed_files(model_dir, s.start, s.end, config.n_layers, tied)
+                needs.setdefault(s.node, {}).update({f.name: f for f in found})
+        if needs:
+            wanted = {node: list(files.values()) for node, files in needs.items()}
+            try:
+                where |= await model_sync.provide(self, model_dir, wanted, progress)
+            except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
+                raise PlacementError(str(exc)) from None
+        return where
+
+    async def _watch_nodes(self, nodes: list[str]) -> str:
+        """Return (only) when one of `nodes` stops answering, saying which."""
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_S)
+            replies = await asyncio.gather(
+                *(self.peer(n).request("hello", timeout=HEALTH_CHECK_S) for n in nodes),
+                return_exceptions=True,
+            )
+            for node, reply in zip(nodes, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    return f"node {node} stopped answering while loading"
+
+    async def unload(self, name: str) -> None:
+        await self.refresh()
+        placement = self.state.placement(name)
+        if placement is None:
+            raise PlacementError(f"no placement named {name!r}")
+        await self._unload_everywhere(name, list(placement.nodes))
+        self._remember_plan(name, None)
+        await self.refresh()
+        self.record(f"placement {name!r} unloaded")
+
+    def forget_placements_on(self, stopped: list[str]) -> list[str]:
+        """After `down`: placements whose every node was stopped are gone, not broken."""
+        gone = [
+            name
+            for name, plan in self._planned.items()
+            if all(s.node in stopped for s in plan.shards)
+        ]
+        for name in gone:
+            self._remember_plan(name, None)
+        return gone
+
+    def _planned_file(self) -> Path:
+        return self.home / f"placements-{self.inventory.name}.json"
+
+    def _read_planned(self) -> dict[str, PlannedPlacement]:
+        try:
+            raw = json.loads(self._planned_file().read_text())
+            return {str(k): PlannedPlacement.from_json(v) for k, v in raw.items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return {}  # none saved yet, or damaged: placements show as reported
+
+    def _remember_plan(self, name: str, plan: PlannedPlacement | None) -> None:
+        """Record (or forget) a placement's ring, merging with what other processes
+        (the CLI, another dashboard) saved since, and show the result."""
+        planned = self._read_planned()
+        if plan is None:
+            planned.pop(name, None)
+        else:
+            planned[name] = plan
+        self._planned = planned
+        path = self._planned_file()
+        with contextlib.suppress(OSError):
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_text(json.dumps({k: v.to_json() for k, v in planned.items()}))
+            tmp.replace(path)
+        placements = placements_from_shards(self.state.nodes, planned, self._placing)
+        self._set(replace(self.state, placements=placements))
+
+    async def _unload_everywhere(self, name: str, nodes: list[str]) -> None:
+        self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
+        await asyncio.gather(
+            *(self.peer(n).request("unload", timeout=10.0, placement=name) for n in nodes),
+            return_exceptions=True,
+        )
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def head_peer(self, placement: PlacementState) -> Peer:
+        head = placement.shards[0]
+        key = f"head:{placement.name}:{head.node}:{head.client_port}"
+        if key not in self.peers:
+            spec = self.spec(head.node)
+            self.peers[key] = Peer(
+                self.ctx,
+                f"tcp://{spec.address}:{head.client_port}",
+                self.keys,
+                keys.node_public_key(self.home, head.node),
+                f"{placement.name} head on {head.node}",
+            )
+        return self.peers[key]
+
+    def pick_placement(self, name: str | None) -> PlacementState:
+        placements = self.state.placements
+        if name is None:
+            ready = [p for p in placements if p.state == "ready"]
+            if len(ready) == 1:
+                return ready[0]
+            if not ready:
+                if placements:
+                    raise GenerationError(
+                        "no placement is ready: "
+                        + "; ".join(f"{p.name!r} is {p.state}" for p in placements)
+                        + f"; {_not_ready_hint(placements[0])}"
+                    )
+                raise GenerationError(
+                    "no placement is ready: place a model first (studiotui place)"
+                )
+            names = ", ".join(p.name for p in ready)
+            raise GenerationError(
+                f"several placements are ready ({names}): pick one with --placement"
+            )
+        placement = self.state.placement(name)
+        if placement is None:
+            known = ", ".join(p.name for p in placements) or "none"
+            raise GenerationError(f"no placement named {name!r} (known: {known})")
+        if placement.state != "ready":
+            raise GenerationError(
+                f"placement {name!r} is {placement.state}, not ready: {_not_ready_hint(placement)}"
+            )
+        return placement
+
+    async def generate(
+        self,
+        placement: str | None,
+        request: dict[str, Any],
+        params: dict[str, Any],
+        first_timeout: float = 900.0,
+        step_timeout: float = 60.0,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Yield accepted, delta… and done messages; raise GenerationError on failure.
+
+        `request` holds one of messages / prompt / tokens.
+        """
+        chosen = self.pick_placement(placement)
+        peer = self.head_peer(chosen)
+        rid = uuid.uuid4().hex
+        queue = peer.open(rid)
+        finished = False
+        try:
+            await peer.send("generate", rid=rid, params=params, **request)
+            # A long prompt's prefill may take minutes: until the first token the limit
+            # is long, and the health check, not the clock, catches a dead node.
+            limit, waited = first_timeout, 0.0
+            while True:
+                try:
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancel that lands as a message arrives, and Esc must stop at once.
+                    async with asyncio.timeout(HEALTH_CHECK_S):
+                        msg = await queue.get()
+                except TimeoutError:
+                    waited += HEALTH_CHECK_S
+                    problem = await self.placement_problem(chosen)
+                    if problem:
+                        raise GenerationError(problem) from None
+                    if waited >= limit:
+                        raise GenerationError(self._silence_reason(chosen, limit)) from None
+                    continue
+                kind = msg["type"]
+                if kind == "delta":
+                    limit = step_timeout
+                waited = 0.0
+                if kind == "failed":
+                    finished = True
+                    raise GenerationError(msg["message"])
+                yield msg
+                if kind == "done":
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await peer.send("cancel", rid=rid)
+            peer.close_queue(rid)
+
+    async def placement_problem(self, placement: PlacementState) -> str | None:
+        """Why a placement cannot answer, in words, or None if every shard is serving."""
+        replies = await asyncio.gather(
+            *(self.peer(n).request("list_shards", timeout=1.5) for n in placement.nodes),
+            return_exceptions=True,
+        )
+        for node, reply in zip(placement.nodes, replies, strict=True):
+            again = f"unload {placement.name!r} and place it again"
+            if isinstance(reply, BaseException):
+                return (
+                    f"node {node} of placement {placement.name!r} stopped answering: restart "
+                    f"it (studiotui restart {node}, or r on the dashboard), then {again}"
+                )
+            mine = [s for s in reply["shards"] if s.get("placement") == placement.name]
+            if not mine:
+                return f"node {node} no longer holds its shard of {placement.name!r}: {again}"
+            if mine[0].get("state") != "ready":
+                why = mine[0].get("message") or mine[0].get("state")
+                return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
+        return None
+
+    def _silence_reason(self, placement: PlacementState, timeout: float) -> str:
+        down = [n for n in placement.nodes if (s := self.state.node(n)) and s.state != "up"]
+        if down:
+            return (
+                f"node {', '.join(down)} of placement {placement.name!r} is down: restart it, "
+                f"then unload {placement.name!r} and place it again"
+            )
+        return f"placement {placement.name!r} sent nothing for {timeout:g} s"
+
+    async def cancel(self, placement: str, rid: str) -> None:
+        chosen = self.pick_placement(placement)
+        await self.head_peer(chosen).send("cancel", rid=rid)
+
+    # ---- links ---------------------------------------------------------------------------
+
+    async def measure_links(self) -> tuple[LinkState, ...]:
+        """Every up node measures every other, one node at a time so that
+        measurements do not share the wire."""
+        up = [n for n in self.state.nodes if n.state == "up"]
+        found: dict[frozenset[str], list[dict[str, Any]]] = {}
+        for node in up:
+            peers = [
+                {
+                    "name": p.name,
+                    "endpoint": self.spec(p.name).control_endpoint,
+                    "key": keys.node_public_key(self.home, p.name).decode(),
+                }
+                for p in up
+                if p.name != node.name
+            ]
+            if not peers:
+                continue
+            try:
+                reply = await self.peer(node.name).request(
+                    "measure_links", timeout=60.0, peers=peers
+                )
+            except (AgentError, AgentUnreachable) as exc:
+                self.record(f"{node.name} could not measure its links: {exc}", "warning")
+                continue
+            for result in reply["links"]:
+                found.setdefault(frozenset((node.name, result["peer"])), []).append(result)
+        links = tuple(
+            self._link(pair, results)
+            for pair, results in sorted(found.items(), key=lambda kv: sorted(kv[0]))
+        )
+        self._set(replace(self.state, links=links))
+        self._save_links(links)
+        self.record(f"measured {len(links)} links")
+        return links
+
+    def _links_file(self) -> Path:
+        return self.home / f"links-{self.inventory.name}.json"
+
+    def _save_links(self, links: tuple[LinkState, ...]) -> None:
+        """Keep the last measurement, so a restarted TUI or CLI plans with it."""
+        with contextlib.suppress(OSError):
+            self._links_file().write_text(json.dumps([asdict(x) for x in links]))
+
+    def _load_links(self) -> tuple[LinkState, ...]:
+        names = set(self.inventory.names)
+        try:
+            raw = json.loads(self._links_file().read_text())
+            links = tuple(LinkState(**x) for x in raw)
+        except (OSError, ValueError, TypeError):
+            return ()
+        return tuple(x for x in links if x.a in names and x.b in names)
+
+    def _link(self, pair: frozenset[str], results: list[dict[str, Any]]) -> LinkState:
+        a, b = sorted(pair)
+        good = [r for r in results if "latency_us" in r]
+        rdma = all(
+            (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
+            for n in (a, b)
+        )
+        # The kind from both ends' interfaces; an agent's own end is the fallback.
+        ends = [
+            probes.LinkEnd.from_facts(
+                (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("link_end")
+            )
+            for n in (a, b)
+        ]
+        kind = probes.pair_link_kind(*ends) if all(ends) else str(results[0].get("kind", "unknown"))
+        if not good:
+            return LinkState(a, b, None, None, kind, time.time())
+        return LinkState(
+            a,
+            b,
+            latency_us=min(r["latency_us"] for r in good),
+            gbps=max((r["gbps"] for r in good if "gbps" in r), default=None),
+            kind=kind,
+            measured_at=time.time(),
+            rdma=bool(rdma),
+        )
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    async def shutdown(self, names: list[str]) -> dict[str, str]:
+        results = await asyncio.gather(
+            *(self.peer(n).request("shutdown", timeout=5.0) for n in names),
+            return_exceptions=True,
+        )
+        return {
+            n: ("stopped" if not isinstance(r, BaseException) else f"not answering: {r}")
+            for n, r in zip(names, results, strict=True)
+        }
+
+    async def read_log(self, name: str, lines: int = 200) -> list[str]:
+        reply = await self.peer(name).request("read_log", lines=lines)
+        return [str(line) for line in reply["lines"]]
+
+
+def _not_ready_hint(placement: PlacementState) -> str:
+    """What an operator can do about a placement that cannot answer yet."""
+    if placement.state in ("loading", "prepared"):
+        return f"wait until {placement.name!r} is ready"
+    return (
+        f"unload it and place the model again (studiotui unload {placement.name}, then "
+        "studiotui place; R on the dashboard does both)"
+    )

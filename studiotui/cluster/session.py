@@ -1,0 +1,49 @@
+"""Opening the cluster a command or the dashboard works on: find the inventory, start a
+controller, wait for agents. Shared by the CLI, the dashboard and the benchmark."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from studiotui.cluster import local_cluster
+from studiotui.cluster.controller import Controller
+from studiotui.core.errors import UserError
+from studiotui.core.inventory import Inventory, InventoryError, find_inventory, load_inventory
+
+
+def load_cluster(inventory: Path | None, home: Path) -> Inventory:
+    """The inventory named by `-i`, else ./cluster.toml, $STUDIOTUI_HOME, the local cluster."""
+    path = find_inventory(inventory, Path.cwd(), home)
+    if path is None:
+        path = local_cluster.local_inventory_path(home)
+        if not path.exists():
+            raise UserError(
+                "no cluster.toml found (looked in -i, ./cluster.toml, $STUDIOTUI_HOME) and no "
+                "local cluster",
+                "run `studiotui up --local 4` or write a cluster.toml",
+            )
+    if not path.exists():
+        raise UserError(f"inventory {path} does not exist")
+    try:
+        return load_inventory(path)
+    except InventoryError as exc:
+        raise UserError(str(exc)) from None
+
+
+async def open_controller(inv: Inventory, home: Path, telemetry: bool = False) -> Controller:
+    ctl = Controller(home, inv)
+    await ctl.start(telemetry=telemetry)
+    return ctl
+
+
+async def wait_until_up(ctl: Controller, names: list[str], timeout: float) -> list[str]:
+    """The names among `names` still not up after `timeout` seconds (empty when all are)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await ctl.refresh(timeout=1.0)
+        missing = [n for n in names if (s := ctl.state.node(n)) is None or s.state != "up"]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        await asyncio.sleep(0.2)

@@ -1,0 +1,1 @@
+"""Pure facts and decisions: typed state, inventory, model facts, placement, errors."""

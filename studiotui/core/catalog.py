@@ -1,0 +1,318 @@
+"""The models this operator can place: model folders and the Hugging Face cache.
+
+Controller side, no Textual: the Models pane, and any verb that wants a list of
+models, read it from here. Everything is read from `config.json` and the
+safetensors headers (through `model_facts`), never the weights, so scanning a
+disk holding a 700 GB model takes milliseconds.
+
+Where models are looked for:
+
+* `STUDIOTUI_HOME/models` and every folder in `models_dirs = [...]` of an optional
+  `STUDIOTUI_HOME/config.toml` (`~` expanded, relative paths taken from the home).
+  A model is a directory holding `config.json`; one level of nesting is followed
+  so that `models/mlx-community/Qwen3-8B-4bit` works as well as `models/demo`.
+* the Hugging Face hub cache (`$HF_HUB_CACHE`, `$HF_HOME/hub` or
+  `~/.cache/huggingface/hub`): `models--org--name/snapshots/<rev>/`, the revision
+  `refs/main` names (else the newest), when it holds `config.json` and safetensors.
+
+A directory that looks like a model but cannot be read is not dropped silently:
+it comes back as `Skipped` with the reason, for the pane to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model, safetensors_tensors
+
+CONFIG_FILE = "config.toml"
+HF_SOURCE = "hf cache"
+# The default cache argument; resolved at call time so $HF_HUB_CACHE / $HF_HOME count.
+DEFAULT_HF_CACHE = Path("~/.cache/huggingface/hub")
+# Causal language models by their transformers class name; a cached BERT or Whisper
+# also has config.json and safetensors but nothing here can serve it.
+_GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A directory that looked like a model but cannot be offered, and why."""
+
+    name: str
+    path: Path
+    reason: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Catalog:
+    models: tuple[ModelInfo, ...] = ()
+    skipped: tuple[Skipped, ...] = ()
+    # Where each model was found ("~/.studiotui/models", "hf cache"), by its path.
+    sources: dict[Path, str] = field(default_factory=dict)
+    # What was looked at, for an empty pane to say where it looked.
+    searched: tuple[str, ...] = ()
+
+    def source(self, info: ModelInfo) -> str:
+        return self.sources.get(info.path, "")
+
+
+@dataclass(frozen=True)
+class Settings:
+    folders: tuple[Path, ...]
+    hf_cache: Path | None
+    problems: tuple[Skipped, ...] = ()
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def default_hf_cache() -> Path:
+    """Where huggingface_hub itself puts downloads, honouring its environment."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path("~/.cache/huggingface/hub").expanduser()
+
+
+def settings(home: Path) -> Settings:
+    """The folders to scan for `home`: its `models/` plus `models_dirs` from config.toml.
+
+    A broken config.toml is reported (as a Skipped entry) rather than raised: the
+    default folders still work and the pane says what is wrong with the file.
+    """
+    folders = [home / "models"]
+    hf_cache: Path | None = default_hf_cache()
+    problems: list[Skipped] = []
+    path = home / CONFIG_FILE
+    config: dict = {}
+    if path.is_file():
+        try:
+            config = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            problems.append(Skipped(CONFIG_FILE, path, f"cannot read {path}: {exc}", "config"))
+    dirs = config.get("models_dirs", [])
+    if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+        problems.append(
+            Skipped(CONFIG_FILE, path, f"{path}: models_dirs must be a list of paths", "config")
+        )
+        dirs = []
+    for entry in dirs:
+        folder = Path(entry).expanduser()
+        folders.append(folder if folder.is_absolute() else home / folder)
+    cache = config.get("hf_cache")
+    if cache is False or cache == "":
+        hf_cache = None  # the operator opted out of listing the cache
+    elif isinstance(cache, str):
+        hf_cache = Path(cache).expanduser()
+    return Settings(tuple(dict.fromkeys(folders)), hf_cache, tuple(problems))
+
+
+def scan_home(home: Path) -> Catalog:
+    found = settings(home)
+    catalog = scan(found.folders, found.hf_cache)
+    return replace(catalog, skipped=(*found.problems, *catalog.skipped))
+
+
+# --------------------------------------------------------------------------- scanning
+
+
+def scan_models(
+    folders: Iterable[Path], hf_cache: Path | None = DEFAULT_HF_CACHE
+) -> list[ModelInfo]:
+    """Every readable model under `folders` and in the Hugging Face cache (None: not it)."""
+    return list(scan(folders, hf_cache).models)
+
+
+def scan(folders: Iterable[Path], hf_cache: Path | None = DEFAULT_HF_CACHE) -> Catalog:
+    """Models and the directories skipped with their reasons; `hf_cache=None` skips the cache."""
+    if hf_cache is DEFAULT_HF_CACHE:
+        hf_cache = default_hf_cache()
+    models: list[ModelInfo] = []
+    skipped: list[Skipped] = []
+    sources: dict[Path, str] = {}
+    searched: list[str] = []
+    seen: set[Path] = set()
+
+    def take(path: Path, name: str, source: str) -> None:
+        real = path.resolve()
+        if real in seen:  # the same folder configured twice, or a symlink to one
+            return
+        seen.add(real)
+        outcome = _read(path, name)
+        if isinstance(outcome, str):
+            skipped.append(Skipped(name, path, outcome, source))
+        else:
+            models.append(outcome)
+            sources[outcome.path] = source
+
+    for folder in folders:
+        label = _tilde(folder)
+        searched.append(label)
+        for path, name in _folder_models(folder, skipped, label):
+            take(path, name, label)
+    if hf_cache is not None:
+        searched.append(HF_SOURCE)
+        for path, name in _hf_models(hf_cache, skipped):
+            take(path, name, HF_SOURCE)
+    models.sort(key=lambda m: (m.name.lower(), str(m.path)))
+    return Catalog(tuple(models), tuple(skipped), sources, tuple(searched))
+
+
+def _folder_models(folder: Path, skipped: list[Skipped], label: str) -> list[tuple[Path, str]]:
+    if not folder.exists():
+        return []
+    if (folder / "config.json").is_file():
+        return [(folder, folder.name)]  # models_dirs may name a model directly
+    found: list[tuple[Path, str]] = []
+    for child in _subdirs(folder, skipped, label):
+        if (child / "config.json").exists():
+            found.append((child, child.name))
+            continue
+        nested = [d for d in _subdirs(child, skipped, label) if (d / "config.json").exists()]
+        if nested:
+            found.extend((d, f"{child.name}/{d.name}") for d in nested)
+        else:
+            # Whatever sits in a models folder was meant to be a model: say why it is not.
+            skipped.append(
+                Skipped(child.name, child, "no config.json: not an mlx-lm model directory", label)
+            )
+    return found
+
+
+def _subdirs(folder: Path, skipped: list[Skipped], label: str) -> list[Path]:
+    try:
+        return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError as exc:
+        skipped.append(Skipped(folder.name, folder, f"cannot list {folder}: {exc}", label))
+        return []
+
+
+def _hf_models(cache: Path, skipped: list[Skipped]) -> list[tuple[Path, str]]:
+    if not cache.is_dir():
+        return []
+    found: list[tuple[Path, str]] = []
+    for repo in sorted(_subdirs(cache, skipped, HF_SOURCE)):
+        if not repo.name.startswith("models--"):
+            continue  # datasets--…, spaces--…
+        name = "/".join(repo.name.split("--")[1:]) if "--" in repo.name else repo.name
+        snapshot = _snapshot(repo)
+        if snapshot is None:
+            continue
+        # Only what mlx-lm could load is offered; a cached tokenizer or a PyTorch-only
+        # repo is not a model for this tool, and listing it as broken would be noise.
+        if not (snapshot / "config.json").exists():
+            continue
+        if not any(snapshot.glob("*.safetensors")):
+            if any(snapshot.glob("*.bin")) or any(snapshot.glob("*.pth")):
+                skipped.append(
+                    Skipped(
+                        name,
+                        snapshot,
+                        "PyTorch weights only; convert it with mlx_lm.convert",
+                        HF_SOURCE,
+                    )
+                )
+            continue
+        found.append((snapshot, name))
+    return found
+
+
+def _snapshot(repo: Path) -> Path | None:
+    """The revision `refs/main` points at, else the most recently written one."""
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    try:
+        if ref.is_file():
+            wanted = snapshots / ref.read_text(encoding="utf-8").strip()
+            if wanted.is_dir():
+                return wanted
+        revisions = [p for p in snapshots.iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    return max(revisions, key=lambda p: (p.stat().st_mtime, p.name), default=None)
+
+
+# --------------------------------------------------------------------------- one model
+
+
+def _read(path: Path, name: str) -> ModelInfo | str:
+    """The model's facts under its catalog name, or why it cannot be placed."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"cannot read config.json: {exc}"
+    if not isinstance(config, dict):
+        return "config.json is not a JSON object"
+    architectures = config.get("architectures") or []
+    if (
+        isinstance(architectures, list)
+        and architectures
+        and not any(str(a).endswith(_GENERATIVE_SUFFIXES) for a in architectures)
+    ):
+        return f"not a text-generation model ({', '.join(map(str, architectures))})"
+    try:
+        info = read_model(path)
+    except ModelDirError as exc:
+        return str(exc)
+    except Exception as exc:  # a damaged or half-downloaded file must not end the scan
+        return f"{type(exc).__name__}: {exc}"
+    bits = _quant_bits(config)
+    params = info.params
+    if bits:
+        # On a header we cannot parse keep model_facts' figure: an undercount beats no row.
+        with contextlib.suppress(OSError, ValueError):
+            params = true_params(sorted(path.glob("*.safetensors")), bits)
+    return replace(info, name=name, params=params, facts=replace(info.facts, name=name))
+
+
+def _quant_bits(config: dict) -> int | None:
+    quant = config.get("quantization") or config.get("quantization_config")
+    if isinstance(quant, dict) and isinstance(quant.get("bits"), int) and quant["bits"] > 0:
+        return int(quant["bits"])
+    return None
+
+
+def true_params(files: Sequence[Path], bits: int) -> int:
+    """Parameters of an MLX-quantised model, counting packed weights unpacked.
+
+    MLX packs `32 // bits` values into each uint32 of a quantised `.weight` and keeps
+    `.scales` / `.biases` beside it; counting tensor elements, as for a float model,
+    gives a 4-bit model an eighth of its parameters.
+    """
+    tensors: dict[str, tuple[str, int]] = {}
+    for file in files:
+        for key, (dtype, count) in safetensors_header(file).items():
+            tensors[key] = (dtype, count)
+    quantised = {
+        key.removesuffix(".weight")
+        for key, (dtype, _) in tensors.items()
+        if key.endswith(".weight") and dtype == "U32" and f"{key[:-7]}.scales" in tensors
+    }
+    total = 0
+    for key, (_dtype, count) in tensors.items():
+        stem, _, leaf = key.rpartition(".")
+        if stem in quantised and leaf in ("scales", "biases"):
+            continue
+        total += count * (32 // bits) if stem in quantised and leaf == "weight" else count
+    return total
+
+
+def safetensors_header(file: Path) -> dict[str, tuple[str, int]]:
+    """Tensor name → (dtype, element count), from the JSON header alone."""
+    return {key: (t.dtype, t.count) for key, t in safetensors_tensors(file).items()}
+
+
+def _tilde(path: Path) -> str:
+    """A path as the operator would type it: under the home directory as `~/…`."""
+    try:
+        return "~/" + str(path.expanduser().relative_to(Path.home()))
+    except ValueError:
+        return str(path)

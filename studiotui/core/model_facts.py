@@ -1,0 +1,221 @@
+"""What the planner needs to know about a model directory, read without loading it.
+
+Sizes come from the safetensors headers alone (the JSON at the start of each file
+gives every tensor's byte range), so reading a 700 GB download takes milliseconds
+and a header-only copy of one reads the same. Names are mapped to layers the way
+mlx-lm names them: `…layers.N.…` belongs to layer N — experts (`switch_mlp`,
+`experts.M`), quantized `.scales`/`.biases` and all — the embedding to the first
+shard, the final norm and `lm_head` to the last. Caches are sized per layer and
+per family by `kv_sizes`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from studiotui.core.errors import StudioError
+from studiotui.core.kv_sizes import text_config
+from studiotui.core.placement import ModelFacts, facts_from_config
+from worker.shared.model_support import unsupported_reason
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_HEADER_LIMIT = 100 * 1024 * 1024  # a safetensors header is JSON; larger is corrupt
+_INDEX = "model.safetensors.index.json"
+# safetensors dtype names → the names config.json and the planner use
+_FLOAT_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+class ModelDirError(StudioError, ValueError):
+    pass
+
+
+_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
+
+
+def allowed_root(model_dir: Path) -> Path:
+    """Where a model's files may really live: the directory itself, or for a hub
+    snapshot (whose files link to `../../blobs/<hash>`) its repository folder."""
+    if _SNAPSHOT.search(model_dir.as_posix().rstrip("/")):
+        return model_dir.parent.parent
+    return model_dir
+
+
+def outside_links(model_dir: Path, names: list[str] | set[str]) -> list[str]:
+    """The named files whose real path (symlinks followed) is outside `allowed_root`."""
+    root = allowed_root(model_dir).resolve()
+    return sorted(n for n in names if not (model_dir / n).resolve().is_relative_to(root))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    name: str
+    family: str
+    n_layers: int
+    params: int
+    disk_bytes: int
+    dtype: str
+    quantization: str | None
+    facts: ModelFacts
+    # Why a shard could not run this model (family, quantization), from the table the
+    # worker itself checks; None: it can. Known before any byte is copied.
+    unsupported: str | None = None
+
+
+@dataclass(frozen=True)
+class Tensor:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def count(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def safetensors_tensors(file: Path) -> dict[str, Tensor]:
+    """Tensor name → dtype, shape and bytes, from the file's JSON header alone."""
+    with file.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{file} is too short to be safetensors")
+        (length,) = struct.unpack("<Q", raw)
+        if length > _HEADER_LIMIT:
+            raise ValueError(f"{file} has an implausible header of {length} bytes")
+        header = json.loads(f.read(length))
+    out: dict[str, Tensor] = {}
+    for key, meta in header.items():
+        if key == "__metadata__" or not isinstance(meta, dict):
+            continue
+        begin, end = meta.get("data_offsets", (0, 0))
+        out[key] = Tensor(str(meta.get("dtype", "")), tuple(meta.get("shape", ())), end - begin)
+    return out
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model; an index naming files that are not there is an
+    unfinished download, said so rather than planned as a smaller model."""
+    files = sorted(path.glob("*.safetensors"))
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            listed = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelDirError(f"{index} is not a safetensors index: {exc}") from None
+        missing = sorted(f for f in listed if not (path / f).is_file())
+        if missing:
+            raise ModelDirError(
+                f"{path} lacks {len(missing)} of the {len(listed)} weight files its index "
+                f"lists ({missing[0]}…): finish the download"
+            )
+    if not files:
+        raise ModelDirError(f"{path} has no *.safetensors weight files")
+    # Nothing outside the model's folder is read on its behalf, not even a header.
+    outside = outside_links(path, {f.name for f in files})
+    if outside:
+        raise ModelDirError(
+            f"{path / outside[0]} links to {(path / outside[0]).resolve()}, outside the model "
+            "directory; copy the file into the model folder instead of linking it"
+        )
+    return files
+
+
+def _activation_dtype(tensors: dict[str, Tensor]) -> str | None:
+    """The dtype activations (and caches) take: the embedding's, or its scales' when it
+    is quantized, else the most common float among the tensors."""
+    for key, t in tensors.items():
+        if (
+            "embed_tokens" in key
+            and key.endswith((".scales", ".weight"))
+            and t.dtype in (_FLOAT_NAMES)
+        ):
+            return _FLOAT_NAMES[t.dtype]
+    floats: dict[str, int] = {}
+    for t in tensors.values():
+        if t.dtype in _FLOAT_NAMES:
+            floats[t.dtype] = floats.get(t.dtype, 0) + t.nbytes
+    return _FLOAT_NAMES[max(floats, key=lambda k: floats[k])] if floats else None
+
+
+def read_model(path: Path) -> ModelInfo:
+    path = path.expanduser()
+    config = _config(path)
+    cfg = text_config(config)
+    files = weight_files(path)
+    unsupported = unsupported_reason(config)
+    n_layers = int(cfg.get("num_hidden_layers") or 0)
+    if n_layers < 1:
+        if not unsupported:
+            raise ModelDirError(f"{path}/config.json has no num_hidden_layers")
+        n_layers = 1  # listed only to say why it cannot run: its sizes do not matter
+    tensors: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(safetensors_tensors(file))
+        except (OSError, ValueError) as exc:
+            raise ModelDirError(f"cannot read {file}: {exc}") from None
+    per_layer = [0] * n_layers
+    embed = head = params = 0
+    dtypes: dict[str, int] = {}
+    for key, t in tensors.items():
+        params += t.count
+        dtypes[t.dtype] = dtypes.get(t.dtype, 0) + t.nbytes
+        if m := _LAYER.search(key):
+            layer = int(m.group(1))
+            # Layers past num_hidden_layers (DeepSeek's multi-token-prediction layer)
+            # are dropped by mlx-lm's sanitize: no shard holds them.
+            if layer < n_layers:
+                per_layer[layer] += t.nbytes
+        elif "embed_tokens" in key:
+            embed += t.nbytes
+        else:
+            head += t.nbytes
+    if bool(cfg.get("tie_word_embeddings", False)):
+        head += embed
+    dtype = max(dtypes, key=lambda k: dtypes[k]) if dtypes else "?"
+    try:
+        facts = facts_from_config(
+            config, per_layer, embed, head, path.name, _activation_dtype(tensors)
+        )
+    except (ValueError, TypeError) as exc:
+        if not unsupported:
+            raise ModelDirError(f"{path}/config.json: {exc}") from None
+        # A family without attention fields (Mamba…): the reason it cannot run is
+        # what the operator needs, not that its cache cannot be sized.
+        family = str(config.get("model_type") or "unknown")
+        facts = ModelFacts(path.name, family, n_layers, tuple(per_layer), embed, head, 0)
+    return ModelInfo(
+        path=path,
+        name=path.name,
+        family=facts.family,
+        n_layers=n_layers,
+        params=params,
+        disk_bytes=sum(f.stat().st_size for f in files),
+        dtype=dtype,
+        quantization=facts.quantization,
+        facts=facts,
+        unsupported=unsupported,
+    )
+
+
+def _config(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} does not exist")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise ModelDirError(f"{path} has no config.json: not an mlx-lm model directory")
+    try:
+        data = json.loads(cfg.read_text())
+    except ValueError as exc:
+        raise ModelDirError(f"{cfg} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{cfg} is not a JSON object")
+    return data

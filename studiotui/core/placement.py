@@ -1,0 +1,731 @@
+"""The pure placement planner: which node runs which contiguous range of a model's layers.
+
+No I/O here. The controller gathers the facts (model sizes, free memory, measured
+links) and this module turns them into a `Plan` or a `Refusal` a human can read, so
+the preview the operator sees is exactly what will be deployed and every rule can be
+tested without a cluster.
+
+Sizes are shown in binary units labelled "GB"/"MB", as macOS reports unified memory
+(a "512 GB" Mac Studio has 512 GiB).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from studiotui.core.kv_sizes import (
+    DTYPE_BYTES,
+    LayerKV,
+    activation_bytes,
+    layer_caches,
+    standard_per_token,
+    text_config,
+)
+
+_GB = 1024**3
+_MB = 1024**2
+_KB = 1024
+
+# 8 nodes give 7! = 5040 rings to score, still instant; 9 would be 40320.
+_EXHAUSTIVE_LIMIT = 8
+
+# Links are compared by the time to move one prefill-chunk-sized activation, so both
+# latency (dominant while decoding) and bandwidth (dominant while prefilling) count.
+_PROBE_BITS = 64 * 1024 * 8
+
+# Only for ranking links that were not measured yet: rough figures for TCP over each
+# medium. "unknown" has none on purpose, so such a link ranks slowest.
+_KIND_DEFAULTS: dict[str, tuple[float, float]] = {
+    "loopback": (30.0, 100.0),
+    "thunderbolt": (100.0, 40.0),
+    "ethernet": (300.0, 10.0),
+    "wifi": (3000.0, 0.5),
+}
+
+# Scores that differ by less than this (relative) are ties, so the tie-break rules decide
+# rather than float rounding noise.
+_TIE = 1e-9
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    family: str
+    n_layers: int
+    layer_bytes: tuple[int, ...]  # weight bytes of each layer
+    embed_bytes: int  # held by the first shard
+    head_bytes: int  # final norm + lm_head (tied embeddings: the caller counts them here too)
+    kv_bytes_per_token: int  # per layer, K+V, for one token (when layer_kv is empty)
+    dtype: str = "float32"
+    quantization: str | None = None
+    # Each layer's cache as the family keeps it (MLA latent, sliding window, linear
+    # state); empty: every layer keeps kv_bytes_per_token for every token.
+    layer_kv: tuple[LayerKV, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Bad facts are a bug in the caller, not something to explain to the operator.
+        if self.n_layers < 1:
+            raise ValueError(f"{self.name}: a model needs at least one layer")
+        if len(self.layer_bytes) != self.n_layers:
+            raise ValueError(
+                f"{self.name}: {len(self.layer_bytes)} layer sizes for {self.n_layers} layers"
+            )
+        if self.layer_kv and len(self.layer_kv) != self.n_layers:
+            raise ValueError(
+                f"{self.name}: {len(self.layer_kv)} layer caches for {self.n_layers} layers"
+            )
+        sizes = (*self.layer_bytes, self.embed_bytes, self.head_bytes, self.kv_bytes_per_token)
+        if min(sizes) < 0:
+            raise ValueError(f"{self.name}: sizes cannot be negative")
+
+    def kv_bytes(self, tokens: int, streams: int = 1) -> list[int]:
+        """Each layer's cache bytes once `streams` requests hold `tokens` tokens each."""
+        if not self.layer_kv:
+            return [self.kv_bytes_per_token * tokens * streams] * self.n_layers
+        return [kv.bytes_for(tokens) * streams for kv in self.layer_kv]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes
+
+
+@dataclass(frozen=True)
+class NodeBudget:
+    name: str
+    free_bytes: int
+    total_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.free_bytes < 0 or self.total_bytes < 0:
+            raise ValueError(f"{self.name}: memory cannot be negative")
+
+
+@dataclass(frozen=True)
+class Link:
+    a: str
+    b: str
+    latency_us: float | None
+    gbps: float | None
+    kind: str  # "thunderbolt", "ethernet", "wifi", "loopback", "unknown"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    node: str
+    start: int  # layers [start, end)
+    end: int
+    weight_bytes: int
+    kv_bytes: int
+    free_before: int
+    free_after: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    shards: tuple[ShardPlan, ...]  # in ring order: the first holds the embedding
+    context_tokens: int
+    slowest_link: Link | None  # None only for a single node
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def format_bytes(n: int) -> str:
+    """A size for people: "1.5 GB", "512 MB", "3 KB", "12 B"."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n >= _GB:
+        return f"{sign}{n / _GB:.1f} GB"
+    if n >= _MB:
+        return f"{sign}{n / _MB:.0f} MB"
+    if n >= _KB:
+        return f"{sign}{n / _KB:.0f} KB"
+    return f"{sign}{n} B"
+
+
+def _gb(n: int) -> str:
+    """Refusals always speak GB so the numbers in one sentence compare at a glance;
+    below 1 GB with two significant digits, so small nodes' figures still differ."""
+    x = n / _GB
+    if x == 0 or abs(x) >= 1:
+        return f"{x:.1f} GB"
+    decimals = 1 - math.floor(math.log10(abs(x)))
+    return f"{x:.{decimals}f}".rstrip("0").rstrip(".") + " GB"
+
+
+def reserve_bytes(node: NodeBudget, reserve_fraction: float) -> int:
+    """Memory kept free on a node for the OS and the runner itself."""
+    return math.ceil(node.total_bytes * reserve_fraction)
+
+
+def _usable(node: NodeBudget, reserve_fraction: float) -> int:
+    return node.free_bytes - reserve_bytes(node, reserve_fraction)
+
+
+def _fixed(index: int, count: int, model: ModelFacts) -> int:
+    """Bytes a shard holds besides its layers, by its place in the ring."""
+    first = model.embed_bytes if index == 0 else 0
+    last = model.head_bytes if index == count - 1 else 0
+    return first + last
+
+
+# --------------------------------------------------------------------------- links
+
+_Pair = tuple[str, str]
+
+
+def _pair(a: str, b: str) -> _Pair:
+    return (a, b) if a <= b else (b, a)
+
+
+def _known(x: float | None, default: float | None) -> float | None:
+    if x is None or math.isnan(x):
+        return default
+    return x
+
+
+def _hop_us(link: Link | None) -> float:
+    """Estimated microseconds to move one activation over the link; inf if unknown."""
+    if link is None:
+        return math.inf
+    lat_default, gbps_default = _KIND_DEFAULTS.get(link.kind, (None, None))
+    latency = _known(link.latency_us, lat_default)
+    gbps = _known(link.gbps, gbps_default)
+    if latency is None or gbps is None or gbps <= 0 or latency < 0:
+        return math.inf
+    return latency + _PROBE_BITS / (gbps * 1e3)  # 1 Gb/s moves 1e3 bits per µs
+
+
+def _link_rank(link: Link) -> tuple[float, str, str, str, float, float]:
+    # Every field takes part, so which of two links for one pair wins never depends
+    # on the order the caller listed them in.
+    return (
+        _hop_us(link),
+        link.kind,
+        link.a,
+        link.b,
+        _sortable(link.latency_us),
+        _sortable(link.gbps),
+    )
+
+
+def _sortable(x: float | None) -> float:
+    # NaN and None would make the sort order depend on the input order.
+    return -1.0 if x is None or math.isnan(x) else x
+
+
+def _best_links(links: Sequence[Link], names: frozenset[str]) -> dict[_Pair, Link]:
+    best: dict[_Pair, Link] = {}
+    for link in sorted(links, key=_link_rank):
+        if link.a != link.b and link.a in names and link.b in names:
+            best.setdefault(_pair(link.a, link.b), link)
+    return best
+
+
+def _hops(order: Sequence[str]) -> list[_Pair]:
+    """The hops of the ring, including the tail's token going back to the head."""
+    if len(order) < 2:
+        return []
+    return list(zip(order, [*order[1:], order[0]], strict=True))
+
+
+def _ring_key(order: Sequence[str], links: Mapping[_Pair, Link]) -> tuple[float, int, float]:
+    """Smaller is better: slowest hop, then how many hops are unknown, then total time."""
+    times = [_hop_us(links.get(_pair(a, b))) for a, b in _hops(order)]
+    if not times:
+        return (0.0, 0, 0.0)
+    finite = [t for t in times if math.isfinite(t)]
+    # fsum is exact, so a ring and its reverse score the same and names break the tie.
+    return (max(times), len(times) - len(finite), math.fsum(finite))
+
+
+def _exhaustive_ring(names: Sequence[str], links: Mapping[_Pair, Link]) -> tuple[str, ...]:
+    # Rotations of a ring are the same ring, so the first node is fixed; permutations of
+    # sorted names come in lexicographic order, so a strict "<" keeps the smallest on ties.
+    first, *rest = names
+    best_order = tuple(names)
+    best_key = _ring_key(best_order, links)
+    for perm in itertools.permutations(rest):
+        order = (first, *perm)
+        key = _ring_key(order, links)
+        if key < best_key:
+            best_key, best_order = key, order
+    return best_order
+
+
+def _nearest(here: str, left: set[str], links: Mapping[_Pair, Link]) -> str:
+    return min(left, key=lambda name: (_hop_us(links.get(_pair(here, name))), name))
+
+
+def _greedy_ring(names: Sequence[str], links: Mapping[_Pair, Link]) -> tuple[str, ...]:
+    order = [names[0]]
+    left = set(names[1:])
+    while left:
+        step = _nearest(order[-1], left, links)
+        order.append(step)
+        left.remove(step)
+    return tuple(order)
+
+
+def _ring_order(names: Sequence[str], links: Mapping[_Pair, Link]) -> tuple[str, ...]:
+    if len(names) <= _EXHAUSTIVE_LIMIT:
+        return _exhaustive_ring(names, links)
+    return _greedy_ring(names, links)
+
+
+def _orientations(ring: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every rotation of the ring in both directions: same links, different head and tail."""
+    out: list[tuple[str, ...]] = []
+    for seq in (ring, ring[::-1]):
+        for i in range(len(seq)):
+            turned = seq[i:] + seq[:i]
+            if turned not in out:
+                out.append(turned)
+    return out
+
+
+def _slowest_link(order: Sequence[str], links: Mapping[_Pair, Link]) -> Link | None:
+    slowest: Link | None = None
+    worst = -1.0
+    for a, b in _hops(order):
+        link = links.get(_pair(a, b)) or Link(a, b, None, None, "unknown")
+        if _hop_us(link) > worst:
+            slowest, worst = link, _hop_us(link)
+    return slowest
+
+
+# --------------------------------------------------------------------------- split
+
+
+def _better(candidate: float, incumbent: float) -> bool:
+    return candidate < incumbent - _TIE * max(abs(candidate), abs(incumbent), 1.0)
+
+
+def _targets(caps: Sequence[int], total: int) -> list[float]:
+    """Each node's proportional share of the layer bytes, by its room after fixed costs."""
+    room = [max(c, 0) for c in caps]
+    whole = sum(room)
+    if whole == 0:
+        return [total / len(caps)] * len(caps)
+    return [total * r / whole for r in room]
+
+
+def _split(caps: Sequence[int], costs: Sequence[int]) -> tuple[float, tuple[int, ...]] | None:
+    """Cut layers into one contiguous, non-empty range per node, each within its cap.
+
+    Among the cuts that fit, picks the one closest to the proportional targets
+    (chi-square: squared miss over the node's room), so a node that cannot take its
+    proportional share pushes the rest to nodes with room. Returns (score, cut points)
+    or None when nothing fits. Dynamic programming over (node, end layer): O(n · L²),
+    exact rather than a heuristic, because a refusal must mean nothing fits.
+    """
+    n, total_layers = len(caps), len(costs)
+    prefix = list(itertools.accumulate(costs, initial=0))
+    targets = _targets(caps, prefix[-1])
+    scores = [0.0] + [math.inf] * total_layers  # best score with layers [0, end) placed
+    parents: list[list[int]] = []
+    for i in range(n):
+        scores, parent = _extend(i, n, scores, caps[i], targets[i], prefix)
+        parents.append(parent)
+    if scores[total_layers] == math.inf:
+        return None
+    return scores[total_layers], _cuts(parents, total_layers)
+
+
+def _extend(
+    i: int, n: int, scores: Sequence[float], cap: int, target: float, prefix: Sequence[int]
+) -> tuple[list[float], list[int]]:
+    """One DP step: give node i the layers [start, end) after every reachable start."""
+    total_layers = len(prefix) - 1
+    # Later nodes need at least one layer each; the last node must take all that is left.
+    last_end = total_layers - (n - 1 - i)
+    weight = max(cap, 1)
+    nxt = [math.inf] * (total_layers + 1)
+    # What a score must beat to replace nxt[end]: kept beside it because this loop is
+    # the planner's hot spot. Starts are visited in order and near-ties keep the first,
+    # so the extra layers of an uneven split go to later nodes, whatever the rounding.
+    bar = [math.inf] * (total_layers + 1)
+    parent = [-1] * (total_layers + 1)
+    for start, base in enumerate(scores):
+        if base == math.inf:
+            continue
+        first_end = total_layers if i == n - 1 else start + 1
+        for end in range(first_end, last_end + 1):
+            load = prefix[end] - prefix[start]
+            if load > cap:
+                break  # costs are non-negative: longer ranges only get heavier
+            score = base + (load - target) ** 2 / weight
+            if score < bar[end]:
+                nxt[end], parent[end] = score, start
+                bar[end] = score - _TIE * max(score, 1.0)
+    return nxt, parent
+
+
+def _cuts(parents: Sequence[Sequence[int]], end: int) -> tuple[int, ...]:
+    cuts = [end]
+    for parent in reversed(parents):
+        cuts.append(parent[cuts[-1]])
+    return tuple(reversed(cuts))
+
+
+def _fit_orientation(
+    order: tuple[str, ...], usable: Mapping[str, int], costs: Sequence[int], model: ModelFacts
+) -> tuple[float, tuple[int, ...]] | None:
+    caps = [usable[name] - _fixed(i, len(order), model) for i, name in enumerate(order)]
+    return _split(caps, costs)
+
+
+def _best_fit(
+    ring: tuple[str, ...], usable: Mapping[str, int], costs: Sequence[int], model: ModelFacts
+) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The head/tail/direction of the ring whose split is most even; names break ties."""
+    best: tuple[float, tuple[str, ...], tuple[int, ...]] | None = None
+    for order in _orientations(ring):
+        fit = _fit_orientation(order, usable, costs, model)
+        if fit is None:
+            continue
+        score, cuts = fit
+        if (
+            best is None
+            or _better(score, best[0])
+            or (not _better(best[0], score) and order < best[1])
+        ):
+            best = (score, order, cuts)
+    return None if best is None else (best[1], best[2])
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _group_refusal(model: ModelFacts, nodes: Sequence[NodeBudget]) -> Refusal | None:
+    if not nodes:
+        return Refusal("the group is empty; pick at least one node")
+    names = [n.name for n in nodes]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        return Refusal(
+            f"the group names {', '.join(repeated)} more than once; "
+            "a node can hold only one shard of a model"
+        )
+    if len(nodes) > model.n_layers:
+        return Refusal(
+            f"{model.name} has {model.n_layers} layers but the group has {len(nodes)} nodes "
+            f"and each node needs at least one layer; use at most {model.n_layers} nodes"
+        )
+    return None
+
+
+def _bits(model: ModelFacts) -> int | None:
+    if model.quantization:
+        found = re.search(r"\d+", model.quantization)
+        return int(found.group()) if found else None
+    size = DTYPE_BYTES.get(model.dtype)
+    return None if size is None else size * 8
+
+
+def _joined(parts: Sequence[str], word: str) -> str:
+    if len(parts) == 1:
+        return parts[0]
+    return ", ".join(parts[:-1]) + f" {word} " + parts[-1]
+
+
+def _suggest(model: ModelFacts, short: int, context_fit: int | None) -> str:
+    parts = [f"add a node with at least {_gb(short)} free"]
+    bits = _bits(model)
+    if bits is None or bits > 4:
+        parts.append("use a 4-bit copy")
+    if context_fit:
+        parts.append(f"shorten the context to {context_fit} tokens")
+    return _joined(parts, "or")
+
+
+def _context_that_fits(
+    model: ModelFacts, available: int, weights: int, context_tokens: int, streams: int
+) -> int | None:
+    """The longest context below `context_tokens` whose caches fit beside the weights.
+
+    Caches grow with the context but not linearly (windows stop, linear states do not
+    grow at all), so this searches the real per-layer function rather than dividing."""
+
+    def fits(tokens: int) -> bool:
+        return weights + sum(model.kv_bytes(tokens, streams)) <= available
+
+    if available <= weights or not fits(1):
+        return None
+    low, high = 1, context_tokens  # fits(low); not fits(high), or this is no refusal for KV
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low if low < context_tokens and sum(model.kv_bytes(low, streams)) > 0 else None
+
+
+def _total_refusal(
+    model: ModelFacts,
+    usable: Sequence[int],
+    kv_total: int,
+    context_tokens: int,
+    streams: int,
+    reserve_fraction: float,
+) -> Refusal | None:
+    weights = model.weight_bytes
+    need = weights + kv_total
+    available = sum(max(u, 0) for u in usable)
+    if need <= available:
+        return None
+    fit = _context_that_fits(model, available, weights, context_tokens, streams)
+    return Refusal(
+        f"{model.name} needs {_gb(need)} ({_gb(weights)} weights + {_gb(kv_total)} KV cache "
+        f"for {context_tokens} tokens × {streams} stream{'s' if streams > 1 else ''}), "
+        f"the group has {_gb(available)} free after a {reserve_fraction:.0%} reserve per node; "
+        f"{_suggest(model, need - available, fit)}"
+    )
+
+
+def _small_node_refusal(usable: Mapping[str, int], costs: Sequence[int]) -> Refusal | None:
+    # Any shard holds at least one layer and its KV cache, wherever it sits in the ring.
+    smallest = min(costs)
+    tiny = sorted(name for name, room in usable.items() if room < smallest)
+    if not tiny:
+        return None
+    rooms = ", ".join(f"{name} {_gb(max(usable[name], 0))}" for name in tiny)
+    return Refusal(
+        f"one layer with its KV cache needs at least {_gb(smallest)} but "
+        f"{_joined(tiny, 'and')} {'has' if len(tiny) == 1 else 'have'} less free "
+        f"after the reserve ({rooms}); "
+        f"drop {'it' if len(tiny) == 1 else 'them'} from the group or free memory there"
+    )
+
+
+def _cut_refusal(model: ModelFacts, usable: Sequence[int], costs: Sequence[int]) -> Refusal:
+    need = sum(costs) + model.embed_bytes + model.head_bytes
+    return Refusal(
+        f"{model.name} needs {_gb(need)} and the group has {_gb(sum(max(u, 0) for u in usable))} "
+        f"free, but its {model.n_layers} layers (the largest {_gb(max(costs))} with KV cache) "
+        "cannot be cut into contiguous ranges that fit every node; add a node, "
+        "free memory on the smallest node or use a 4-bit copy"
+    )
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _check_args(context_tokens: int, streams: int, reserve_fraction: float) -> None:
+    if context_tokens < 1 or streams < 1:
+        raise ValueError("context_tokens and streams must be at least 1")
+    if not 0.0 <= reserve_fraction < 1.0:
+        raise ValueError("reserve_fraction must be in [0, 1)")
+
+
+def _shard(
+    node: NodeBudget, index: int, cuts: Sequence[int], model: ModelFacts, kv_layers: Sequence[int]
+) -> ShardPlan:
+    start, end = cuts[index], cuts[index + 1]
+    weights = sum(model.layer_bytes[start:end]) + _fixed(index, len(cuts) - 1, model)
+    kv = sum(kv_layers[start:end])
+    return ShardPlan(
+        node.name, start, end, weights, kv, node.free_bytes, node.free_bytes - weights - kv
+    )
+
+
+def plan(
+    model: ModelFacts,
+    nodes: Sequence[NodeBudget],
+    links: Sequence[Link] = (),
+    *,
+    context_tokens: int = 4096,
+    streams: int = 1,
+    reserve_fraction: float = 0.05,
+) -> Plan | Refusal:
+    """Place `model` on `nodes` as a ring of contiguous layer ranges, or say why not.
+
+    The ring follows the fastest links; layers go in proportion to each node's usable
+    memory (free minus `reserve_fraction` of its total) after the head pays the
+    embedding, the tail the head, and every node the KV cache of its layers for
+    `context_tokens` × `streams`. Which node heads the ring (and so pays the embedding)
+    and which way round it runs is chosen for the most even split, since that changes
+    no link. The same input always gives the same plan, whatever order the nodes and
+    links are listed in.
+    """
+    _check_args(context_tokens, streams, reserve_fraction)
+    refusal = _group_refusal(model, nodes)
+    if refusal:
+        return refusal
+    by_name = {node.name: node for node in nodes}
+    usable = {name: _usable(node, reserve_fraction) for name, node in by_name.items()}
+    # Each layer costs its own weights (experts included) plus its own cache, so the
+    # split follows bytes: DeepSeek's 3 dense layers weigh a fraction of its MoE ones.
+    kv_layers = model.kv_bytes(context_tokens, streams)
+    costs = [size + kv for size, kv in zip(model.layer_bytes, kv_layers, strict=True)]
+    refusal = _total_refusal(
+        model,
+        list(usable.values()),
+        sum(kv_layers),
+        context_tokens,
+        streams,
+        reserve_fraction,
+    ) or _small_node_refusal(usable, costs)
+    if refusal:
+        return refusal
+    best_links = _best_links(links, frozenset(by_name))
+    found = _best_fit(_ring_order(sorted(by_name), best_links), usable, costs, model)
+    if found is None:
+        return _cut_refusal(model, list(usable.values()), costs)
+    order, cuts = found
+    shards = tuple(_shard(by_name[name], i, cuts, model, kv_layers) for i, name in enumerate(order))
+    return Plan(
+        model=model.name,
+        shards=shards,
+        context_tokens=context_tokens,
+        slowest_link=_slowest_link(order, best_links),
+        total_bytes=sum(s.weight_bytes + s.kv_bytes for s in shards),
+    )
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _layer_label(shard: ShardPlan, index: int, count: int) -> str:
+    span = f"{shard.start}" if shard.end - shard.start == 1 else f"{shard.start}–{shard.end - 1}"
+    extras = [
+        label for label, held in (("embed", index == 0), ("head", index == count - 1)) if held
+    ]
+    suffix = f" +{'+'.join(extras)}" if extras else ""
+    return f"{span} ({shard.end - shard.start}){suffix}"
+
+
+def _describe_link(link: Link) -> str:
+    facts = [link.kind]
+    if link.latency_us is not None:
+        facts.append(f"{link.latency_us:.0f} µs")
+    if link.gbps is not None:
+        facts.append(f"{link.gbps:.1f} Gb/s")
+    return f"{link.a} ↔ {link.b} ({', '.join(facts)})"
+
+
+def _footer(p: Plan) -> str:
+    names = [s.node for s in p.shards]
+    if len(names) == 1:
+        return f"ring: {names[0]} alone, no links · total {format_bytes(p.total_bytes)}"
+    ring = " → ".join([*names, names[0]])
+    slowest = _describe_link(p.slowest_link) if p.slowest_link else "none"
+    return f"ring: {ring} · slowest link: {slowest} · total {format_bytes(p.total_bytes)}"
+
+
+def render_plan(p: Plan | Refusal) -> Table | Text:
+    """The placement preview: one row per shard in ring order, ring and slowest link below."""
+    if isinstance(p, Refusal):
+        return Text.assemble(("cannot place: ", "bold red"), p.reason)
+    table = Table(
+        title=f"{p.model} · {p.context_tokens} tokens of context",
+        caption=_footer(p),
+        caption_justify="left",
+    )
+    table.add_column("node")
+    for column in ("layers", "weights", "KV cache", "free before", "free after"):
+        table.add_column(column, justify="right")
+    for i, s in enumerate(p.shards):
+        table.add_row(
+            s.node,
+            _layer_label(s, i, len(p.shards)),
+            format_bytes(s.weight_bytes),
+            format_bytes(s.kv_bytes),
+            format_bytes(s.free_before),
+            format_bytes(s.free_after),
+        )
+    return table
+
+
+def plan_to_dict(p: Plan | Refusal) -> dict[str, Any]:
+    """A JSON-able view for `studiotui place --json` and the controller's events."""
+    if isinstance(p, Refusal):
+        return {"ok": False, "reason": p.reason}
+    return {
+        "ok": True,
+        "model": p.model,
+        "context_tokens": p.context_tokens,
+        "total_bytes": p.total_bytes,
+        "ring": [s.node for s in p.shards],
+        "slowest_link": asdict(p.slowest_link) if p.slowest_link else None,
+        "shards": [asdict(s) for s in p.shards],
+    }
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _quantization(config: Mapping[str, Any]) -> str | None:
+    q = config.get("quantization") or config.get("quantization_config")
+    if isinstance(q, Mapping):
+        mode = q.get("mode", "affine")
+        if mode != "affine":  # mxfp4, mxfp8, nvfp4: the name says the bits
+            return str(mode)
+        if "bits" in q:
+            # Mixed conversions override bits per module ("model.layers.0.mlp": {...}).
+            bits = {q["bits"]} | {
+                v["bits"] for v in q.values() if isinstance(v, Mapping) and "bits" in v
+            }
+            if len(bits) > 1:
+                return f"mixed {'/'.join(str(b) for b in sorted(bits))}-bit"
+            return f"{q['bits']}-bit"
+        method = q.get("quant_method")
+        return str(method) if method else None
+    return None
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], act_dtype: str | None = None) -> int:
+    """K and V of one token in one standard-attention layer, from a config.json.
+
+    The cache is kept in the activation dtype (`act_dtype`, else the config's), not the
+    weights' quantized one; an unknown dtype counts as float32 because overestimating
+    KV is the safe side."""
+    cfg = text_config(config)
+    act = DTYPE_BYTES.get(act_dtype, 4) if act_dtype else activation_bytes(config)
+    return standard_per_token(cfg, act)
+
+
+def facts_from_config(
+    config: Mapping[str, Any],
+    weight_bytes_by_layer: Sequence[int],
+    embed_bytes: int,
+    head_bytes: int,
+    name: str,
+    act_dtype: str | None = None,
+) -> ModelFacts:
+    """ModelFacts from a config.json dict and the tensor sizes read from safetensors.
+
+    `act_dtype` is the dtype activations (and so caches) will have, when the caller
+    knows it from the weights better than config.json says."""
+    cfg = text_config(config)
+    dtype = act_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    try:
+        n_layers = int(cfg["num_hidden_layers"])
+        caches = layer_caches({**config, "torch_dtype": dtype, "dtype": dtype})
+    except KeyError as missing:
+        raise ValueError(f"{name}: config.json lacks {missing}") from None
+    return ModelFacts(
+        name=name,
+        family=str(config.get("model_type") or cfg.get("model_type") or "unknown"),
+        n_layers=n_layers,
+        layer_bytes=tuple(int(b) for b in weight_bytes_by_layer),
+        embed_bytes=int(embed_bytes),
+        head_bytes=int(head_bytes),
+        kv_bytes_per_token=max(kv.per_token for kv in caches),
+        dtype=dtype,
+        quantization=_quantization(config),
+        layer_kv=caches,
+    )

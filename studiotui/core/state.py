@@ -1,0 +1,297 @@
+"""The cluster as the controller knows it: frozen values, replaced, never mutated.
+
+Views read these; only the controller makes new ones. Nothing here imports
+from elsewhere in the project.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+HISTORY = 120  # samples of memory history kept per node (2 minutes at 1 Hz)
+
+
+@dataclass(frozen=True)
+class ShardState:
+    placement: str
+    node: str
+    index: int
+    count: int
+    start: int
+    end: int
+    state: str  # prepared, loading, ready, failed, stopped
+    model_dir: str = ""
+    progress: tuple[int, int] = (0, 0)
+    param_bytes: int = 0
+    client_port: int = 0
+    data_port: int = 0
+    tokens: int = 0
+    in_flight: int = 0
+    message: str = ""
+    context_tokens: int = 0
+    kv_bytes: int = 0  # KV cache the plan reserved for this shard
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    address: str
+    control_port: int
+    transport: str
+    state: str = "unknown"  # unknown, up, down, provisioning
+    version: str = ""
+    memory_total: int = 0
+    memory_used: int = 0
+    cpu_pct: float = 0.0
+    gpu_pct: float | None = None
+    power_w: float | None = None
+    chip: str = ""
+    os: str = ""
+    last_seen: float = 0.0
+    memory_history: tuple[float, ...] = ()
+    shards: tuple[ShardState, ...] = ()
+    facts: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+    # The agent's last power and memory-pressure reports as sent (source, watts
+    # by part, or the reason there is no figure), and their histories at 1 Hz.
+    power: dict[str, Any] = field(default_factory=dict)
+    power_history: tuple[float, ...] = ()
+    pressure: dict[str, Any] = field(default_factory=dict)
+    pressure_history: tuple[float, ...] = ()
+
+    @property
+    def pressure_pct(self) -> float | None:
+        pct = self.pressure.get("pct")
+        return float(pct) if isinstance(pct, int | float) else None
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_total - self.memory_used)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.control_port}"
+
+    def with_sample(self, used: int, total: int, now: float) -> NodeState:
+        frac = used / total if total else 0.0
+        history = (*self.memory_history[-(HISTORY - 1) :], frac)
+        return replace(
+            self, memory_used=used, memory_total=total, last_seen=now, memory_history=history
+        )
+
+
+def pushed(history: tuple[float, ...], value: Any) -> tuple[float, ...]:
+    """`history` with `value` appended (kept to HISTORY); a missing value adds nothing."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return history
+    return (*history[-(HISTORY - 1) :], float(value))
+
+
+@dataclass(frozen=True)
+class PlannedShard:
+    """Where the operator put a shard: kept until the placement is unloaded, so a
+    placement whose node died still knows its whole ring."""
+
+    node: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PlacementState:
+    name: str
+    model: str
+    model_dir: str
+    shards: tuple[ShardState, ...]
+    planned: tuple[PlannedShard, ...] = ()  # () when this operator did not place it
+    placing: bool = False  # this operator is loading it right now
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The nodes holding a shard now (what unload and the health check ask)."""
+        return tuple(s.node for s in self.shards)
+
+    @property
+    def ring(self) -> tuple[PlannedShard, ...]:
+        """The whole ring in order: as planned where known, else as reported."""
+        return self.planned or tuple(PlannedShard(s.node, s.start, s.end) for s in self.shards)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Planned nodes that report no shard of this placement."""
+        return tuple(p.node for p in self.planned if p.node not in self.nodes)
+
+    @property
+    def expected(self) -> int:
+        """How many shards the ring has: planned, else what a loaded shard reports."""
+        return len(self.planned) or max((s.count for s in self.shards), default=0)
+
+    @property
+    def state(self) -> str:
+        """failed once a shard failed; loading while any shard loads (the others may
+        not have reported yet); broken when a shard is missing; else ready."""
+        states = {s.state for s in self.shards}
+        if "failed" in states:
+            return "failed"
+        if self.placing:  # shards appear one node at a time, or not yet at all
+            return "loading"
+        for s in ("loading", "prepared"):
+            if s in states:
+                return s
+        if not self.shards or len(self.shards) != self.expected:
+            return "broken"
+        return "ready" if states == {"ready"} else "broken"
+
+    @property
+    def context_tokens(self) -> int:
+        return self.shards[0].context_tokens if self.shards else 0
+
+    @property
+    def layers(self) -> list[list[int]]:
+        return [[s.start, s.end] for s in self.shards]
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """A measured link between two nodes (the same fields as placement.Link)."""
+
+    a: str
+    b: str
+    latency_us: float | None
+    gbps: float | None
+    kind: str  # thunderbolt, ethernet, wifi, loopback, unknown
+    measured_at: float = 0.0
+    rdma: bool = False
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    time: float
+    level: str  # info, warning, error
+    text: str
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    name: str = "cluster"
+    nodes: tuple[NodeState, ...] = ()
+    placements: tuple[PlacementState, ...] = ()
+    log: tuple[LogEntry, ...] = ()
+    links: tuple[LinkState, ...] = ()
+
+    def link(self, a: str, b: str) -> LinkState | None:
+        return next((x for x in self.links if {x.a, x.b} == {a, b}), None)
+
+    def node(self, name: str) -> NodeState | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def placement(self, name: str) -> PlacementState | None:
+        return next((p for p in self.placements if p.name == name), None)
+
+
+@dataclass(frozen=True)
+class PlannedPlacement:
+    model_dir: str
+    shards: tuple[PlannedShard, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_dir": self.model_dir,
+            "shards": [[s.node, s.start, s.end] for s in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PlannedPlacement:
+        """Raises ValueError (or TypeError) for anything but what to_json wrote."""
+        shards = tuple(PlannedShard(str(n), int(a), int(b)) for n, a, b in raw["shards"])
+        if not shards:
+            raise ValueError("a planned placement without shards")
+        return cls(model_dir=str(raw["model_dir"]), shards=shards)
+
+
+def placements_from_shards(
+    nodes: tuple[NodeState, ...],
+    planned: Mapping[str, PlannedPlacement] | None = None,
+    placing: frozenset[str] | set[str] = frozenset(),
+) -> tuple[PlacementState, ...]:
+    """Group the shards the agents report into placements, in ring order.
+
+    A placement this operator planned is listed with its plan even when no node
+    reports a shard of it any more (its nodes died): it is broken, not gone, until
+    it is unloaded.
+    """
+    planned = planned or {}
+    groups: dict[str, list[ShardState]] = {name: [] for name in planned}
+    for node in nodes:
+        for shard in node.shards:
+            groups.setdefault(shard.placement, []).append(shard)
+    out = []
+    for name, shards in sorted(groups.items()):
+        plan = planned.get(name)
+        if plan is not None:
+            # A shard still preparing reports no index yet: order by the plan's ring.
+            ring = [p.node for p in plan.shards]
+            shards.sort(key=lambda s: ring.index(s.node) if s.node in ring else len(ring))
+        else:
+            shards.sort(key=lambda s: s.index)
+        model_dir = (plan.model_dir if plan else "") or next(
+            (s.model_dir for s in shards if s.model_dir), ""
+        )
+        model = model_dir.rstrip("/").rsplit("/", 1)[-1]
+        out.append(
+            PlacementState(
+                name=name,
+                model=model,
+                model_dir=model_dir,
+                shards=tuple(shards),
+                planned=plan.shards if plan else (),
+                placing=name in placing,
+            )
+        )
+    return tuple(out)
+
+
+def newly_broken(
+    before: tuple[PlacementState, ...], after: tuple[PlacementState, ...]
+) -> list[tuple[PlacementState, str]]:
+    """Placements that were ready and are broken or failed now, each with why, in words."""
+    was = {p.name: p for p in before if p.state == "ready"}
+    out = []
+    for p in after:
+        if p.name not in was or p.state not in ("broken", "failed"):
+            continue
+        bad = [s for s in p.shards if s.state != "ready"]
+        gone = [s.node for s in was[p.name].ring if s.node not in p.nodes]
+        if bad:
+            why = f"its shard on {bad[0].node} is {bad[0].state}"
+            why += f" ({bad[0].message})" if bad[0].message else ""
+        else:
+            why = f"its shard on {', '.join(gone) or 'a node'} is gone"
+        out.append((p, why))
+    return out
+
+
+def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
+    stats = raw.get("stats") or {}
+    progress = raw.get("progress") or (0, 0)
+    return ShardState(
+        placement=str(raw.get("placement", "")),
+        node=node,
+        index=int(raw.get("index", 0)),
+        count=int(raw.get("count", 0)),
+        start=int(raw.get("start", 0)),
+        end=int(raw.get("end", 0)),
+        state=str(raw.get("state", "unknown")),
+        model_dir=str(raw.get("model_dir", "")),
+        progress=(int(progress[0]), int(progress[1])),
+        param_bytes=int(raw.get("param_bytes", 0)),
+        client_port=int(raw.get("client_port", 0)),
+        data_port=int(raw.get("data_port", 0)),
+        tokens=int(stats.get("tokens", 0)),
+        in_flight=int(stats.get("in_flight", 0)),
+        message=str(raw.get("message", "")),
+        context_tokens=int(raw.get("context_tokens", 0) or 0),
+        kv_bytes=int(raw.get("kv_bytes", 0) or 0),
+    )

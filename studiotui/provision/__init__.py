@@ -1,0 +1,1 @@
+"""Provisioning nodes over SSH: the pure plan, the remote commands, the run."""

@@ -1,0 +1,1 @@
+"""SSH transport: connections with real host-key checks."""

@@ -1,0 +1,548 @@
+"""The OpenAI-compatible API, driven by the real `openai` client against a real cluster.
+
+Two real agents on 127.0.0.81-82:57500 hold one placement of a demo model; the
+server runs in this test's event loop on a free localhost port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from studiotui.api.request import parse_chat_request
+from studiotui.api.server import ApiServer, build_app, start_server
+from studiotui.bench.api_bench import bench_api
+from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.core.state import ClusterState, NodeState, ShardState, placements_from_shards
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PLACEMENT = "demo"
+MODEL_DIR_NAME = "tiny-llama"
+KEY = "sk-test-studiotui"
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What runs on the cluster tonight?"},
+]
+
+
+@dataclass
+class Served:
+    ctl: Controller
+    server: ApiServer
+    keyed: ApiServer
+    model_dir: Path
+
+    def client(self, **kw: Any) -> openai.AsyncOpenAI:
+        # No retries: a 503 must reach the test, not be retried away.
+        kw = {"timeout": 60.0, **kw}
+        return openai.AsyncOpenAI(base_url=self.server.url, api_key="unused", max_retries=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def api_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from cluster_fixture(tmp_path_factory.mktemp("api-home"), 2, 81, 57500)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(
+        tmp_path_factory.mktemp("api-models") / MODEL_DIR_NAME,
+        DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32"),
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(api_cluster: LocalCluster, model_dir: Path) -> AsyncIterator[Served]:
+    ctl = api_cluster.controller()
+    servers: list[ApiServer] = []
+    try:
+        await ctl.start(telemetry=True)
+        await ctl.place(model_dir, list(api_cluster.inventory.names), PLACEMENT, prefill_chunk=16)
+        servers.append(await start_server(ctl, "127.0.0.1", 0))
+        servers.append(await start_server(ctl, "127.0.0.1", 0, api_key=KEY))
+        yield Served(ctl, servers[0], servers[1], model_dir)
+    finally:
+        for server in servers:
+            await server.close()
+        await ctl.close()
+
+
+async def direct(ctl: Controller, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
+    """The same request straight through the engine: what the API must give back."""
+    text, tokens, done = "", 0, {}
+    async for msg in ctl.generate(PLACEMENT, {"messages": messages}, params):
+        if msg["type"] == "delta":
+            text += msg["text"]
+            tokens += len(msg["tokens"])
+        elif msg["type"] == "done":
+            done = msg
+    return {"text": text, "tokens": tokens, "usage": done["usage"], "finish": done["finish_reason"]}
+
+
+async def stream_text(client: openai.AsyncOpenAI, **kw: Any) -> tuple[str, list[Any]]:
+    stream = await client.chat.completions.create(stream=True, **kw)
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+# ---- answers -------------------------------------------------------------------------
+
+
+async def test_models_lists_ready_placements_and_accepts_the_directory_name(
+    served: Served,
+) -> None:
+    client = served.client()
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [PLACEMENT]
+    assert (await client.models.retrieve(PLACEMENT)).id == PLACEMENT
+    reply = await client.chat.completions.create(
+        model=MODEL_DIR_NAME, messages=MESSAGES, max_tokens=4, temperature=0
+    )
+    assert reply.model == PLACEMENT
+
+
+async def test_completion_equals_the_engine(served: Served) -> None:
+    want = await direct(served.ctl, MESSAGES, max_tokens=24, temperature=0.0, seed=0)
+    reply = await served.client().chat.completions.create(
+        model=PLACEMENT, messages=MESSAGES, max_tokens=24, temperature=0
+    )
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want["text"]
+    assert choice.finish_reason == want["finish"]
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == want["usage"]["completion_tokens"] == want["tokens"]
+    assert reply.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+async def test_stream_equals_the_engine(served: Served) -> None:
+    want = await direct(served.ctl, MESSAGES, max_tokens=24, temperature=0.0)
+    text, chunks = await stream_text(
+        served.client(),
+        model=PLACEMENT,
+        messages=MESSAGES,
+        max_completion_tokens=24,
+        temperature=0,
+        stream_options={"include_usage": True},
+    )
+    assert text == want["text"]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == want["finish"] and not any(finish[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == want["tokens"]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_stream_without_usage_ends_with_done(served: Served) -> None:
+    body = {"model": PLACEMENT, "messages": MESSAGES, "max_tokens": 6, "stream": True}
+    async with httpx.AsyncClient(base_url=served.server.url) as http:
+        resp = await http.post("/chat/completions", json=body)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in resp.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert '"usage"' not in resp.text
+
+
+async def test_sampling_parameters_are_honoured(served: Served) -> None:
+    client = served.client()
+    free = await direct(served.ctl, MESSAGES, max_tokens=40, temperature=0.0, ignore_eos=True)
+    text = free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text[: text.index(stop)]
+    for given in (stop, [stop, "\x00never"]):
+        reply = await client.chat.completions.create(
+            model=PLACEMENT,
+            messages=MESSAGES,
+            max_tokens=40,
+            temperature=0,
+            stop=given,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].message.content == cut
+        assert reply.choices[0].finish_reason == "stop"
+
+    async def sample(seed: int, top_p: float = 1.0) -> str:
+        reply = await client.chat.completions.create(
+            model=PLACEMENT,
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=1.3,
+            top_p=top_p,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and reply.usage.completion_tokens == 24
+        return reply.choices[0].message.content or ""
+
+    want = await direct(
+        served.ctl, MESSAGES, max_tokens=24, temperature=1.3, top_p=0.5, seed=3, ignore_eos=True
+    )
+    assert await sample(3, 0.5) == want["text"]
+    assert await sample(5) == await sample(5)
+    assert await sample(5) != await sample(6)
+    # A transcript with an assistant turn goes through the chat template as given.
+    turns = [
+        *MESSAGES,
+        {"role": "assistant", "content": "Nothing."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    want = await direct(served.ctl, turns, max_tokens=8, temperature=0.0)
+    reply = await client.chat.completions.create(
+        model=PLACEMENT, messages=turns, max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == want["text"]
+
+
+async def test_eight_clients_at_once_get_their_answers_alone(served: Served) -> None:
+    prompts = [f"request {i}: " + "tell the layers apart " * (1 + i % 3) for i in range(8)]
+
+    # Made beforehand: building a client takes long enough to stagger the starts.
+    clients = [served.client() for _ in range(8)]
+
+    async def ask(i: int) -> str:
+        reply = await clients[i].chat.completions.create(
+            model=PLACEMENT,
+            messages=[{"role": "user", "content": prompts[i]}],
+            max_tokens=20,
+            temperature=0.7,
+            seed=i,
+        )
+        return reply.choices[0].message.content or ""
+
+    try:
+        alone = [await ask(i) for i in range(8)]
+        served.server.stats.peak = 0
+        start = time.perf_counter()
+        together = await asyncio.gather(*(ask(i) for i in range(8)))
+        took = time.perf_counter() - start
+    finally:
+        for client in clients:
+            await client.close()
+    assert together == alone
+    assert len(set(alone)) == 8, "different prompts and seeds should answer differently"
+    # One generate() per request and no lock: all eight were in the pipeline together.
+    assert served.server.stats.peak == 8, (
+        f"peak in flight {served.server.stats.peak} ({took:.1f} s)"
+    )
+
+
+async def test_bench_hook_measures_both_sides(served: Served) -> None:
+    result = await bench_api(served.ctl, PLACEMENT, clients=2, max_tokens=4, rounds=1)
+    assert result["api_tps"] > 0 and result["direct_tps"] > 0
+    assert result["api_overhead_ratio"] == result["api_tps"] / result["direct_tps"]
+
+
+async def test_openai_parameters_map_onto_the_cluster() -> None:
+    chat = parse_chat_request(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None},
+            ],
+            "top_p": 0,
+            "seed": -1,
+            "stop": "END",
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+        }
+    )
+    assert chat.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+    ]
+    assert chat.params["temperature"] == 0.0 and chat.params["top_p"] == 1.0
+    assert chat.params["seed"] == 2**64 - 1
+    assert chat.params["stop"] == ["END"]
+    assert chat.params["max_tokens"] == 7
+    assert not chat.stream
+    free = parse_chat_request({"messages": [{"role": "user", "content": "x"}]})
+    assert free.model is None and free.params["temperature"] == 1.0
+    assert free.params["seed"] != parse_chat_request({"messages": free.messages}).params["seed"]
+
+
+# ---- errors --------------------------------------------------------------------------
+
+
+async def raw_post(server: ApiServer, body: Any, **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        if isinstance(body, bytes):
+            return await http.post("/chat/completions", content=body, **kw)
+        return await http.post("/chat/completions", json=body, **kw)
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"\xff\xfe", None),
+        ([1, 2], None),
+        ({"model": PLACEMENT}, "messages"),
+        ({"model": PLACEMENT, "messages": []}, "messages"),
+        ({"model": PLACEMENT, "messages": "hi"}, "messages"),
+        (
+            {"model": PLACEMENT, "messages": [{"role": "wizard", "content": "x"}]},
+            "messages[0].role",
+        ),
+        ({"model": PLACEMENT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "temperature": 3}, "temperature"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "temperature": "hot"}, "temperature"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "top_p": 1.5}, "top_p"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "max_tokens": 2.5}, "max_tokens"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "seed": "x"}, "seed"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "stop": [1]}, "stop"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "stream": "yes"}, "stream"),
+        ({"model": PLACEMENT, "messages": MESSAGES, "n": 2}, "n"),
+        ({"model": 7, "messages": MESSAGES}, "model"),
+    ],
+)
+async def test_bad_bodies_are_400(served: Served, body: Any, param: str | None) -> None:
+    assert_openai_error(await raw_post(served.server, body), 400, param)
+
+
+async def test_bad_request_through_the_client(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await served.client().chat.completions.create(
+            model=PLACEMENT, messages=MESSAGES, temperature=2.5
+        )
+    assert caught.value.status_code == 400
+    assert "temperature" in caught.value.message
+
+
+async def test_api_key_is_required_when_given(served: Served) -> None:
+    def keyed(key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=served.keyed.url, api_key=key, max_retries=0)
+
+    with pytest.raises(openai.AuthenticationError):
+        await keyed("sk-wrong").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        await keyed("sk-wrong").chat.completions.create(
+            model=PLACEMENT, messages=MESSAGES, max_tokens=2
+        )
+    async with httpx.AsyncClient(base_url=served.keyed.url) as http:
+        missing = await http.get("/models")
+    assert_openai_error(missing, 401)
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert [m.id for m in (await keyed(KEY).models.list()).data] == [PLACEMENT]
+    reply = await keyed(KEY).chat.completions.create(
+        model=PLACEMENT, messages=MESSAGES, max_tokens=2
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
+
+
+async def test_unknown_model_is_404(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        await served.client().chat.completions.create(
+            model="gpt-17", messages=MESSAGES, max_tokens=2
+        )
+    assert caught.value.status_code == 404
+    assert "gpt-17" in caught.value.message and PLACEMENT in caught.value.message
+    with pytest.raises(openai.NotFoundError):
+        await served.client().models.retrieve("gpt-17")
+    async with httpx.AsyncClient(base_url=served.server.url) as http:
+        assert_openai_error(await http.get("/no/such/route"), 404)
+        assert_openai_error(await http.get("/chat/completions"), 405)
+
+
+async def test_placement_not_ready_or_unloaded_is_503(
+    served: Served, api_cluster: LocalCluster
+) -> None:
+    ctl, client = served.ctl, served.client()
+    node = api_cluster.inventory.names[0]
+    # A shard prepared but never loaded: the placement exists and is not ready.
+    await ctl.peer(node).request("prepare_shard", placement="half")
+    await ctl.refresh()
+    assert ctl.state.placement("half").state != "ready"
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="half", messages=MESSAGES, max_tokens=2)
+        assert caught.value.status_code == 503 and "not ready" in caught.value.message
+    finally:
+        await ctl.unload("half")
+    # A placement that was served and then unloaded: down, not unknown.
+    await ctl.place(served.model_dir, [node], "brief", prefill_chunk=16)
+    assert await client.chat.completions.create(model="brief", messages=MESSAGES, max_tokens=2)
+    await ctl.unload("brief")
+    with pytest.raises(openai.InternalServerError) as caught:
+        await client.chat.completions.create(model="brief", messages=MESSAGES, max_tokens=2)
+    assert caught.value.status_code == 503
+    assert "no longer loaded" in caught.value.message
+    assert [m.id for m in (await client.models.list()).data] == [PLACEMENT]
+
+
+async def test_web_pages_cannot_drive_the_cluster(served: Served) -> None:
+    body = {"model": PLACEMENT, "messages": MESSAGES, "max_tokens": 2}
+    evil = await raw_post(served.server, body, headers={"Origin": "http://evil.example"})
+    assert_openai_error(evil, 403)
+    rebound = await raw_post(served.server, body, headers={"Host": "evil.example"})
+    assert_openai_error(rebound, 403)
+    assert (await raw_post(served.server, body)).status_code == 200
+
+
+# ---- cancel --------------------------------------------------------------------------
+
+
+async def test_disconnect_mid_stream_frees_every_shard(served: Served) -> None:
+    ctl = served.ctl
+    stream = await served.client().chat.completions.create(
+        model=PLACEMENT,
+        messages=MESSAGES,
+        max_tokens=100_000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = 0
+    held: list[int] = []
+    deadline = time.monotonic() + 10
+    # Read until every shard's stats (sent once a second) show the request's KV cache.
+    async for _ in stream:
+        chunks += 1
+        if chunks % 20 == 0:
+            await ctl.refresh()
+            held = [s.in_flight for s in ctl.state.placement(PLACEMENT).shards]
+            if all(held) or time.monotonic() > deadline:
+                break
+    assert all(held), f"the shards never showed the request in flight: {held}"
+    await stream.close()
+    counts = await wait_caches_freed(ctl)
+    assert counts == [0, 0], f"KV caches still held after the client left: {counts}"
+    assert served.server.stats.total == 0
+
+
+async def test_client_giving_up_on_a_completion_frees_every_shard(served: Served) -> None:
+    ctl = served.ctl
+    client = served.client(timeout=2.5)
+    ask = asyncio.ensure_future(
+        client.chat.completions.create(
+            model=PLACEMENT,
+            messages=MESSAGES,
+            max_tokens=100_000,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    held: list[int] = []
+    while not ask.done() and not all(held):
+        await asyncio.sleep(0.25)
+        await ctl.refresh()
+        held = [s.in_flight for s in ctl.state.placement(PLACEMENT).shards]
+    with pytest.raises(openai.APITimeoutError):
+        await ask
+    assert all(held), f"the shards never showed the request in flight: {held}"
+    counts = await wait_caches_freed(ctl)
+    assert counts == [0, 0], f"KV caches still held after the client left: {counts}"
+
+
+async def wait_caches_freed(ctl: Controller, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        await ctl.refresh()
+        counts = [s.in_flight for s in ctl.state.placement(PLACEMENT).shards]
+        if not any(counts) or time.monotonic() > deadline:
+            return counts
+        await asyncio.sleep(0.25)
+
+
+# ---- failures the real cluster cannot be made to produce on cue -----------------------
+
+
+class FailingController:
+    """Just enough of a Controller, whose generate() fails the way a cluster does."""
+
+    def __init__(self, fail_after: int, message: str) -> None:
+        shard = ShardState("flaky", "n1", 0, 1, 0, 4, "ready", model_dir="/m/flaky")
+        self.state = ClusterState(
+            nodes=(node := NodeState("n1", "127.0.0.1", 1, "local", state="up", shards=(shard,)),),
+            placements=placements_from_shards((node,)),
+        )
+        self.fail_after = fail_after
+        self.message = message
+        self.closed = False
+
+    def subscribe(self, listener: Any) -> None:
+        pass
+
+    async def generate(
+        self, placement: str, request: dict[str, Any], params: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            if self.fail_after < 0:
+                raise GenerationError(self.message)
+            yield {"type": "accepted", "prompt_tokens": 3}
+            for _ in range(self.fail_after):
+                yield {"type": "delta", "text": "ok ", "tokens": [1]}
+            raise GenerationError(self.message)
+        finally:
+            self.closed = True
+
+
+async def serve_fake(fake: FailingController) -> tuple[Any, str]:
+    from aiohttp import web
+
+    runner = web.AppRunner(build_app(fake, None))  # type: ignore[arg-type]
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+
+
+@pytest.mark.parametrize(
+    ("fail_after", "message", "status"),
+    [
+        (-1, "cannot apply the chat template: roles must alternate", 400),
+        (-1, "node n2 of placement 'flaky' is down", 503),
+        (2, "placement 'flaky' sent nothing for 30 s", 503),
+    ],
+)
+async def test_cluster_failures_map_to_statuses(fail_after: int, message: str, status: int) -> None:
+    fake = FailingController(fail_after, message)
+    runner, url = await serve_fake(fake)
+    try:
+        client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="flaky", messages=MESSAGES)
+        assert caught.value.status_code == status
+        assert message in caught.value.message
+        if fail_after >= 0:
+            # Mid-stream the status is already 200: the failure comes as an error event.
+            with pytest.raises(openai.APIError, match="sent nothing"):
+                await stream_text(client, model="flaky", messages=MESSAGES)
+        assert fake.closed
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,99 @@
+"""`studiotui bench`: the quick run end to end, and how it turns runs into figures.
+
+The quick bench starts its own four agents on 127.0.0.71-74:56500 and stops them by
+pid when it ends, also when it fails. Its speed figures are printed, not asserted:
+this machine's speed comes and goes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from studiotui.bench.run import BenchConfig, run_bench, summarize
+
+FIGURES = {
+    "single_tps",
+    "pipe2_tps",
+    "pipe4_tps",
+    "pipe2_ratio",
+    "pipe4_ratio",
+    "streams",
+    "streams4_ratio",
+    "mlx_ring2_tps",
+    "hop_us_p50",
+    "ttft_single_ms",
+    "ttft_pipe2_ms",
+    "tokens_match",
+    "moe_pipe2_ratio",
+}
+
+
+@pytest.mark.timeout(300)
+def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench(quick=True, as_json=True) == 0
+    figures = json.loads(capsys.readouterr().out)
+    print(json.dumps(figures, indent=1))  # shown with -s: the figures of this run
+    assert figures.keys() >= FIGURES
+    assert figures["tokens_match"] is True
+    assert set(figures["streams"]) == {"1", "2", "4"}
+    rates = [figures[k] for k in ("single_tps", "pipe2_tps", "pipe4_tps", "mlx_ring2_tps")]
+    assert all(r > 0 for r in rates + list(figures["streams"].values()))
+    assert figures["hop_us_p50"] > 0 and figures["ttft_pipe2_ms"] > 0
+    assert figures["moe_pipe2_tps"] > 0 and figures["moe_pipe2_ratio"] > 0
+    assert figures["provision4_ratio"] is None  # --quick leaves provisioning out
+    assert sum(figures["phases_s"].values()) <= figures["bench_seconds"] + 1
+
+
+def _run(tps: float, tokens: list[int]) -> dict[str, Any]:
+    return {"tps": tps, "tokens": tokens}
+
+
+def _pipe(single: list[float], pipe: list[float], tokens: list[int]) -> dict[str, Any]:
+    ratios = sorted(p / s for p, s in zip(pipe, single, strict=True))
+    return {
+        "tps": sorted(pipe)[len(pipe) // 2],
+        "ratio": ratios[len(ratios) // 2],
+        "tokens": [tokens for _ in pipe],
+        "single": [_run(s, [1, 2, 3]) for s in single],
+    }
+
+
+def _figures(pipe4_tokens: list[int]) -> dict[str, Any]:
+    return {
+        "pipe2": _pipe([50.0, 60.0, 70.0], [45.0, 54.0, 70.0], [1, 2, 3]),
+        "pipe4": _pipe([50.0, 60.0, 70.0], [40.0, 48.0, 56.0], pipe4_tokens),
+        "streams": {"1": 40.0, "2": 70.0, "4": 90.0},
+        "streams1_tokens": [[1, 2, 3]],
+        "streams2_tokens": [[1, 2, 3]] * 2,
+        "streams4_tokens": [[1, 2, 3]] * 4,
+        "pipe2_hop_us": 500.0,
+        "ttft_pipe2_ms": 100.0,
+        "tui_idle_cpu_pct": 1.0,
+        "api": {"api_tps": 10.0, "direct_tps": 10.0, "api_overhead_ratio": 1.0},
+    }
+
+
+def test_summary_takes_ratios_from_pairs_and_checks_every_run() -> None:
+    cfg = BenchConfig.make(quick=True)
+    out = summarize(120.0, _figures([1, 2, 3]), None, cfg)
+    assert out["single_tps"] == 60.0  # the median of all six single-process runs
+    assert out["pipe2_ratio"] == 0.9 and out["pipe4_ratio"] == 0.8
+    assert out["streams4_ratio"] == 1.5
+    assert out["tokens_match"] is True and out["mlx_ring2_tps"] is None
+    assert summarize(120.0, _figures([1, 2, 4]), None, cfg)["tokens_match"] is False
+
+
+def test_the_full_run_reports_the_engine_on_one_node_and_checks_its_tokens() -> None:
+    cfg = BenchConfig.make(quick=False)
+    assert cfg.lone and not BenchConfig.make(quick=True).lone
+    figures = _figures([1, 2, 3])
+    figures["pipe1"] = _pipe([50.0, 60.0, 70.0], [55.0, 66.0, 77.0], [1, 2, 3])
+    out = summarize(120.0, figures, None, cfg)
+    assert out["pipe1_tps"] == 66.0 and out["pipe1_ratio"] == 1.1
+    assert out["single_tps"] == 60.0  # its single-process runs count too
+    assert summarize(120.0, _figures([1, 2, 3]), None, cfg)["pipe1_tps"] is None
+    figures["pipe1"] = _pipe([50.0], [55.0], [9, 9, 9])
+    assert summarize(120.0, figures, None, cfg)["tokens_match"] is False

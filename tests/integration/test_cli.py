@@ -1,0 +1,205 @@
+"""The headless command line, end to end, as a script would drive it: real
+processes, a real local cluster on its own port, real shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from studiotui.cluster import local_cluster
+from studiotui.core.inventory import load_inventory
+
+PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
+
+
+def run(
+    home: Path, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "STUDIOTUI_HOME": str(home),
+        "NO_COLOR": "1",
+        "COLUMNS": "160",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "studiotui", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    home = tmp_path / "home"
+    yield home
+    # Whatever the test did, stop the agents it started, by the pids they recorded.
+    path = local_cluster.local_inventory_path(home)
+    if path.exists():
+        for node in load_inventory(path).nodes:
+            if (pid := local_cluster.running_pid(node)) is not None:
+                local_cluster.kill_pid(pid)
+
+
+def status(home: Path) -> dict:
+    out = run(home, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_up_place_chat_status_down(home: Path) -> None:
+    up = run(home, "up", "--local", "2", "--port", str(PORT))
+    assert up.returncode == 0, up.stderr
+    nodes = status(home)["nodes"]
+    assert [n["name"] for n in nodes] == ["local-1", "local-2"]
+    assert {n["state"] for n in nodes} == {"up"}
+    assert all(n["address"].endswith(f":{PORT}") for n in nodes)
+    assert all(0 < n["memory_used"] < n["memory_total"] for n in nodes)
+    pids = [
+        local_cluster.running_pid(node)
+        for node in load_inventory(local_cluster.local_inventory_path(home)).nodes
+    ]
+    assert all(pids)
+
+    # Global options work after the verb as well as before it.
+    path = str(local_cluster.local_inventory_path(home))
+    before = run(home, "-i", path, "status", "--json")
+    after = run(home, "status", "--json", "-i", path)
+    assert before.returncode == after.returncode == 0, before.stderr + after.stderr
+    seen = [
+        [(n["name"], n["address"]) for n in json.loads(o.stdout)["nodes"]] for o in (before, after)
+    ]
+    assert seen[0] == seen[1] and [name for name, _ in seen[1]] == ["local-1", "local-2"]
+
+    model = home / "tiny"
+    made = run(home, "demo-model", str(model), "--layers", "4", "--hidden", "64")
+    assert made.returncode == 0, made.stderr
+    placed = run(home, "place", str(model), "--name", "tiny")
+    assert placed.returncode == 0, placed.stderr
+    assert "placement tiny is ready" in placed.stdout
+    [placement] = status(home)["placements"]
+    assert placement["name"] == "tiny" and placement["nodes"] == ["local-1", "local-2"]
+    assert placement["layers"] == [[0, 2], [2, 4]]
+
+    # The same name again is refused before any plan or progress is shown.
+    again = run(home, "place", str(model), "--name", "tiny")
+    assert again.returncode == 2
+    assert "'tiny' exists (ready): unload it first (studiotui unload tiny)" in again.stderr
+    assert "ring:" not in again.stdout
+
+    chat = run(home, "chat", "--placement", "tiny", "--max-tokens", "12", "hello")
+    assert chat.returncode == 0, chat.stderr
+    figures = re.search(r"(\d+) tokens in, (\d+) out, .* finish: (\w+)", chat.stderr)
+    assert figures, chat.stderr
+    out, finish = int(figures[2]), figures[3]
+    assert finish in ("length", "stop") and 1 <= out <= 12
+    assert (out == 12) == (finish == "length")
+
+    # Piped at 80 columns: addresses and memory figures stay whole, one line each.
+    narrow = run(home, "status", env={"COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stderr
+    lines = narrow.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, narrow.stdout
+    for node in status(home)["nodes"]:
+        [row] = [line for line in lines if node["name"] in line and node["address"] in line]
+        assert re.search(r"\d+(\.\d+)? [KMG]B / \d+\.\d GB", row), row
+
+    missing = run(home, "chat", "--placement", "nope", "hi")
+    assert missing.returncode == 2 and "no placement named 'nope' (known: tiny)" in missing.stderr
+
+    down = run(home, "down")
+    assert down.returncode == 0, down.stderr
+    assert not any(psutil.pid_exists(pid) and _is_agent(pid) for pid in pids if pid)
+    # Every node of 'tiny' was stopped: it is gone, not a broken placement to repair.
+    after = run(home, "status", "--json")
+    assert after.returncode == 1 and "start it with `studiotui up`" in after.stderr
+    assert json.loads(after.stdout)["placements"] == []
+
+
+def _is_agent(pid: int) -> bool:
+    try:
+        return "worker" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
+def test_global_options_after_any_verb(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every verb's --help lists the global options, and every verb takes -i after it."""
+    from studiotui.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    verbs = re.search(r"\{([a-z,-]+)\}", capsys.readouterr().out)
+    assert verbs, "the top-level help lists the verbs"
+    names = verbs[1].split(",")
+    assert {"up", "status", "place", "chat", "serve", "down"} <= set(names)
+    for verb in names:
+        with pytest.raises(SystemExit) as done:
+            main([verb, "--help"])
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert "global options" in text and "-i INVENTORY, --inventory INVENTORY" in text, verb
+        assert "--serve [HOST:]PORT" in text and "--api-key" in text, verb
+
+    missing = tmp_path / "nowhere.toml"
+    for argv in (["status", "-i", str(missing)], ["-i", str(missing), "status"]):
+        out = run(tmp_path / "home", *argv)
+        assert out.returncode == 2, (argv, out.stderr)
+        assert f"inventory {missing} does not exist" in out.stderr, argv
+
+    # The value before the verb is kept when the verb does not repeat it.
+    from studiotui.cli.main import build_parser
+
+    args = build_parser().parse_args(["-i", "a.toml", "place", "m", "--dry-run"])
+    assert args.inventory == Path("a.toml") and args.serve is None
+    args = build_parser().parse_args(["place", "m", "--inventory", "b.toml"])
+    assert args.inventory == Path("b.toml")
+
+    # --serve belongs to the dashboard: with a verb it is refused, saying what to do.
+    with pytest.raises(SystemExit) as refused:
+        main(["status", "--serve", "8000"])
+    assert refused.value.code == 2
+    assert "--serve works with the dashboard only" in capsys.readouterr().err
+
+
+def test_with_no_agent_running_each_verb_says_the_whole_way(home: Path) -> None:
+    local_cluster.write_local_inventory(home, 2, 8.0, control_port=PORT + 10)
+    status = run(home, "status")
+    assert status.returncode == 1
+    assert "no node of cluster local is up: start it with `studiotui up`" in status.stderr
+    chat = run(home, "chat", "hello")
+    assert chat.returncode == 2
+    for step in ("`studiotui up`", "`studiotui place MODEL_DIR`", "then chat"):
+        assert step in chat.stderr, chat.stderr
+    (home / "some-model").mkdir()  # any directory: the cluster is checked first
+    place = run(home, "place", str(home / "some-model"))
+    assert place.returncode == 2
+    assert "no node is up: start the cluster with `studiotui up`" in place.stderr
+
+
+def test_demo_model_help_describes_every_option(tmp_path: Path) -> None:
+    out = run(tmp_path, "demo-model", "--help")
+    assert out.returncode == 0, out.stderr
+    for option, words in (
+        ("--arch", "model family"),
+        ("--layers", "what shards split"),
+        ("--hidden", "hidden size"),
+        ("--heads", "attention heads"),
+        ("--kv-heads", "key/value heads"),
+        ("--seed", "same weights"),
+        ("--dtype", "weight data type"),
+        ("--recite", "fixed passage"),
+    ):
+        assert option in out.stdout and words in out.stdout, (option, out.stdout)
+    assert "(default: 8)" in out.stdout

@@ -1,0 +1,25 @@
+"""Command-line helpers that need no cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from studiotui.cli.commands import resolve_model
+from studiotui.core.errors import UserError
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+
+def test_place_takes_a_directory_or_a_catalog_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hf-cache"))
+    home = tmp_path / "home"
+    model = write_demo_model(
+        home / "models" / "tiny", DemoSpec(layers=2, hidden=32, heads=4, kv_heads=2)
+    )
+    assert resolve_model(model, home) == model
+    assert resolve_model(Path("tiny"), home) == model
+    with pytest.raises(UserError, match=r"no model has that name \(models found: tiny\)"):
+        resolve_model(Path("huge"), home)

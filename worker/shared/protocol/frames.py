@@ -1,0 +1,114 @@
+"""Data-plane frames: `[msgpack header, raw payload]` between the shards of a ring.
+
+The payload is the evaluated activation's bytes in its own dtype (bfloat16
+travels as its 16-bit pattern). The header says how to view those bytes back, and
+`decode_ring_header` checks the two agree before any shard touches them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from worker.shared.protocol.packing import pack
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KINDS = ("prefill", "decode", "free", "error", "token")
+MAX_DIMS = 4
+
+
+class FrameError(ValueError):
+    """A data-plane frame that cannot be used; `rid` is set when it is known."""
+
+    def __init__(self, message: str, rid: str | None = None) -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
+@dataclass(frozen=True)
+class RingHeader:
+    rid: str
+    kind: str
+    offset: int = 0
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    params: dict[str, Any] | None = None
+    token: int = -1
+    finish: str = ""
+    message: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def expected_bytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype] if self.dtype else 0
+
+
+def encode_ring_header(h: RingHeader) -> bytes:
+    out: dict[str, Any] = {"rid": h.rid, "kind": h.kind}
+    if h.kind in ("prefill", "decode"):
+        out.update(offset=h.offset, dtype=h.dtype, shape=list(h.shape))
+        if h.params is not None:
+            out["params"] = h.params
+    if h.kind == "token":
+        out.update(token=h.token, finish=h.finish)
+    if h.message:
+        out["message"] = h.message
+    if h.extra:
+        out["extra"] = h.extra
+    return pack(out)
+
+
+def decode_ring_header(data: bytes, payload_len: int) -> RingHeader:
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise FrameError(f"ring header is not msgpack: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("rid"), str):
+        raise FrameError("ring header must be a map with a string 'rid'")
+    rid = raw["rid"]
+    kind = raw.get("kind")
+    if kind not in KINDS:
+        raise FrameError(f"unknown ring message kind {kind!r}", rid)
+    try:
+        header = RingHeader(
+            rid=rid,
+            kind=kind,
+            offset=_int(raw.get("offset", 0)),
+            dtype=str(raw.get("dtype", "")),
+            shape=tuple(_int(d) for d in raw.get("shape", ())),
+            params=raw.get("params"),
+            token=_int(raw.get("token", -1)),
+            finish=str(raw.get("finish", "")),
+            message=str(raw.get("message", "")),
+            extra=dict(raw.get("extra") or {}),
+        )
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"bad ring header field: {exc}", rid) from None
+    if kind in ("prefill", "decode"):
+        _check_activation(header, payload_len)
+    return header
+
+
+def _check_activation(h: RingHeader, payload_len: int) -> None:
+    if h.dtype not in DTYPE_SIZES:
+        raise FrameError(f"activation dtype {h.dtype!r} is not one of {sorted(DTYPE_SIZES)}", h.rid)
+    if not 1 <= len(h.shape) <= MAX_DIMS or any(d <= 0 for d in h.shape):
+        raise FrameError(f"activation shape {list(h.shape)} is not a valid shape", h.rid)
+    if h.expected_bytes() != payload_len:
+        raise FrameError(
+            f"payload has {payload_len} bytes but header says {h.dtype}{list(h.shape)} "
+            f"= {h.expected_bytes()} bytes",
+            h.rid,
+        )
+    if h.params is not None and not isinstance(h.params, dict):
+        raise FrameError("params must be a map", h.rid)
+    if h.offset < 0:
+        raise FrameError(f"negative cache offset {h.offset}", h.rid)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
