@@ -273,6 +273,7 @@ async def _collect(ctl: Any, placement: str, n: int) -> list[int]:
         ("qwen3_moe", "4", 2),
         ("qwen3_next", "mxfp4", 3),
         ("gpt_oss", "mxfp4", 2),
+        ("kimi_k25", "4", 2),
     ],
 )
 def test_real_agents_run_moe_and_hybrid_families(

@@ -7,7 +7,8 @@ naming what is not supported and what is.
 
 A shard runs a family through mlx-lm's own model class and forward (see
 `worker/families.py`), so a family is listed here once a test has run it split
-into shards token for token against `mlx_lm.generate` (tests/test_families.py).
+into shards token for token against `mlx_lm.generate`
+(tests/integration/test_families.py).
 """
 
 from __future__ import annotations
