@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from studiotui.bench.copy import copy_rates
+from studiotui.bench.copy_rates import copy_rates
 from studiotui.bench.sshd import start_sshd
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.provision.deploy import BuildError, CheckoutWheel, project_root, provision
@@ -130,7 +130,7 @@ async def bench_provision(home: Path) -> dict[str, Any]:
 
 
 async def _copy_rates(home: Path, inventory: Inventory, work: Path) -> dict[str, Any]:
-    """Model files to these nodes three ways (`bench.copy`); a failure is a figure."""
+    """Model files to these nodes three ways (`bench.copy_rates`); a failure is a figure."""
     try:
         return await copy_rates(home, inventory, work)
     except Exception as exc:  # the provisioning figures stand on their own

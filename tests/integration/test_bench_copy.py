@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from studiotui.bench import copy as bench_copy
+from studiotui.bench import copy_rates as bench_copy
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import load_inventory
+from worker.shared.demo_model import DemoSpec, write_demo_model
 
 PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
 
@@ -136,7 +137,7 @@ def _is_agent(pid: int) -> bool:
 
 def test_global_options_after_any_verb(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Every verb's --help lists the global options, and every verb takes -i after it."""
-    from studiotui.cli import main
+    from studiotui.cli.main import main
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -182,8 +183,11 @@ def test_with_no_agent_running_each_verb_says_the_whole_way(home: Path) -> None:
     assert chat.returncode == 2
     for step in ("`studiotui up`", "`studiotui place MODEL_DIR`", "then chat"):
         assert step in chat.stderr, chat.stderr
-    (home / "some-model").mkdir()  # any directory: the cluster is checked first
-    place = run(home, "place", str(home / "some-model"))
+    # A model a shard can run (one that cannot is refused before any node is asked).
+    model = write_demo_model(
+        home / "some-model", DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2)
+    )
+    place = run(home, "place", str(model))
     assert place.returncode == 2
     assert "no node is up: start the cluster with `studiotui up`" in place.stderr
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from studiotui.cli import main
+from studiotui.cli.main import main
 from studiotui.cluster.model_fetch import is_repo_id, share_names
 from studiotui.cluster.model_files import even_shares, needed_names
 from studiotui.core.inventory import dump_inventory

@@ -75,7 +75,7 @@ def mlx_share_rate(model: Path, keep: Path | None = None) -> float | None:
     launcher = Path(sys.executable).with_name("mlx.launch")
     if not launcher.exists():
         return None
-    script = Path(__file__).with_name("bench_share.py")
+    script = Path(__file__).with_name("share.py")
     with tempfile.TemporaryDirectory(prefix="studiotui-share-") as tmp:
         cmd = [
             str(launcher),
