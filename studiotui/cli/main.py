@@ -124,32 +124,37 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         default="llama",
         choices=FAMILIES,
         metavar="FAMILY",
-        help=f"model family, as config.json's model_type: {', '.join(FAMILIES)} (default llama)",
+        help=f"model family, as config.json's model_type: {', '.join(FAMILIES)} (default: llama)",
     )
-    demo.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    demo.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    demo.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     demo.add_argument(
-        "--kv-heads", type=int, default=4, help="key/value heads, dividing --heads (default 4)"
+        "--layers", type=int, default=8, help="decoder layers: what shards split (default: 8)"
+    )
+    demo.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
+    demo.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
+    demo.add_argument(
+        "--kv-heads", type=int, default=4, help="key/value heads, dividing --heads (default: 4)"
     )
     demo.add_argument(
         "--intermediate",
         type=int,
         default=None,
-        help="width of the dense MLP (default 8/3 of --hidden)",
+        help="width of the dense MLP (default: 8/3 of --hidden)",
     )
     demo.add_argument(
         "--experts",
         type=int,
         default=4,
-        help="routed experts of a mixture-of-experts family, 2 active a token (default 4)",
+        help="routed experts of a mixture-of-experts family, 2 active a token (default: 4)",
     )
-    demo.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
+    demo.add_argument(
+        "--seed", type=int, default=0, help="random seed: same seed, same weights (default: 0)"
+    )
     demo.add_argument(
         "--dtype",
         default=None,
         choices=["bfloat16", "float16", "float32"],
-        help="dtype of the unquantized weights (default bfloat16; float32 for a mixture of "
+        help="weight data type, of what is not quantized (default: bfloat16; float32 for a "
+        "mixture of "
         "experts left unquantized, which MLX's CPU backend multiplies only in float32)",
     )
     demo.add_argument(
@@ -165,13 +170,13 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         choices=[32, 64, 128],
         default=None,
-        help="group size of affine quantization (default 64); --hidden must be a multiple",
+        help="group size of affine quantization (default: 64); --hidden must be a multiple",
     )
     demo.add_argument(
         "--files",
         type=int,
         default=1,
-        help="safetensors files, split by layer with an index as big downloads are (default 1)",
+        help="safetensors files, split by layer with an index as big downloads are (default: 1)",
     )
     demo.add_argument(
         "--recite",
