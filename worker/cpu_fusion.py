@@ -14,7 +14,7 @@ on the CPU a shard swaps, for one-token steps:
 - Linear for one that keeps its weight's transpose.
 
 Measured on the 8-layer bench model: 1121 ops a token become 547, and every output
-is bit-identical (tests/test_cpu_fusion.py), so greedy tokens still equal
+is bit-identical (tests/unit/test_cpu_fusion.py), so greedy tokens still equal
 mlx-lm's. Only steps of one token per sequence take the fused path: their shapes
 never change, so each compiled function is traced once, where prefill chunks of
 every length would each leave a trace behind.

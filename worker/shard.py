@@ -2,13 +2,16 @@
 
 `mlx_lm.utils.load_model(lazy=True)` builds the family's own model class and
 maps the safetensors files without reading them; MLX reads a tensor only when it
-is evaluated. The shard keeps references to its own layers (plus the embedding on
-the first shard and the norm and head on the last) and evaluates just those, so
-the bytes a node reads and holds are its share of the model.
+is evaluated. The shard replaces the layers it does not run by stand-ins (see
+`families`), keeps its own (plus the embedding on the first shard and the norm
+and head on the last) and evaluates just those, so the bytes a node reads and
+holds are its share of the model. It computes through the model's own forward,
+so masks, caches and embedding scales are the family's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,10 +20,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
 
 from worker import families
 from worker.cpu_fusion import fuse_for_cpu
+from worker.shared.model_support import decoder_config
 
 Progress = Callable[[int, int], None]
 
@@ -35,12 +38,13 @@ class Shard:
     end: int
     n_layers: int
     family: str
-    config: dict[str, Any]
+    config: dict[str, Any]  # the decoder's settings (a nested text_config merged in)
     inner: Any
     model: Any
     layers: list[Any]
     param_bytes: int
     dtype: Any
+    relay: families.Relay
     owned: list[str] = field(default_factory=list)
 
     @property
@@ -51,27 +55,26 @@ class Shard:
     def is_last(self) -> bool:
         return self.end == self.n_layers
 
-    def make_cache(self) -> list[Any]:
-        if hasattr(self.model, "make_cache"):
-            return list(self.model.make_cache())
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> families.LayerCaches:
+        """mlx-lm's own caches (`make_cache()`) for this shard's layers only."""
+        return families.make_caches(self.model, self.start, self.end, self.n_layers)
+
+    @staticmethod
+    def cache_offset(caches: families.LayerCaches) -> int:
+        """Tokens the caches hold (linear-attention state has no offset of its own)."""
+        return caches.offset
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens)
+        """The head shard's input: token ids. The model's own forward embeds them (and
+        scales the embedding where the family does)."""
+        return tokens
 
-    def forward(self, h: mx.array, caches: list[Any]) -> mx.array:
-        masks = families.layer_masks(self.inner, self.layers, caches, h)
-        for layer, mask, cache in zip(self.layers, masks, caches, strict=True):
-            h = layer(h, mask, cache=cache)
-        return h
+    def forward(self, h: mx.array, caches: families.LayerCaches) -> mx.array:
+        return families.run(self.model, self.relay, self.is_first, h, caches)
 
-    def logits(self, h: mx.array) -> mx.array:
-        """Logits of the last position, from the last shard's output."""
-        h = self.inner.norm(h[:, -1:, :])
-        if families.tied_embeddings(self.model):
-            out = self.inner.embed_tokens.as_linear(h)
-        else:
-            out = self.model.lm_head(h)
+    def logits(self, out: mx.array) -> mx.array:
+        """Logits of the last position, from the last shard's output (the model's own
+        head ran in `forward`: norm, tied embeddings, soft-capping as the family has)."""
         return out[0, -1, :]
 
 
@@ -102,11 +105,9 @@ def load_shard(
         family = families.check_family(config)
     except families.UnsupportedFamily as exc:
         raise ShardLoadError(str(exc)) from None
-    n_layers = int(config.get("num_hidden_layers", 0))
-    if not 0 <= start < end <= n_layers:
-        raise ShardLoadError(
-            f"layer range [{start}, {end}) is outside the model's {n_layers} layers"
-        )
+    declared = decoder_config(config).get("num_hidden_layers")
+    if isinstance(declared, int):
+        _check_range(start, end, declared)  # before building anything
     partial = _missing_weight_files(model_dir)
     try:
         # A node may hold only the files of its own layers: then missing tensors are
@@ -114,44 +115,82 @@ def load_shard(
         model, config = load_model(model_dir, lazy=True, strict=not partial)
     except Exception as exc:  # mlx-lm raises many types for a broken directory
         raise ShardLoadError(f"cannot load {model_dir}: {type(exc).__name__}: {exc}") from None
-    inner = model.model
-    layers = list(inner.layers[start:end])
-    # Drop the other layers so nothing can evaluate (read) them by accident.
-    inner.layers = layers
-    owned = _owned_modules(model, start, end, n_layers)
+    try:
+        inner_path, inner = families.decoder(model)
+    except families.UnsupportedFamily as exc:
+        raise ShardLoadError(str(exc)) from None
+    n_layers = len(inner.layers)
+    _check_range(start, end, n_layers)
+    # The layers other shards run become stand-ins, so nothing can evaluate (read) them.
+    layers, relay = families.place_stand_ins(inner, start, end)
+    owned = _owned_modules(model, inner_path, layers, start, end, n_layers)
     if partial:
-        _check_present(model_dir, owned)
+        _check_present(model_dir, model, owned)
+    _check_backend(owned)
     param_bytes = _evaluate(owned, progress)
     if fuse:
         fuse_for_cpu([inner])  # a no-op where MLX computes on a GPU
-    dtype = inner.embed_tokens.weight.dtype if start == 0 else _first_dtype(layers)
+    dtype = _first_dtype(layers)
     return Shard(
         start=start,
         end=end,
         n_layers=n_layers,
         family=family,
-        config=config,
+        config=decoder_config(config),
         inner=inner,
         model=model,
         layers=layers,
         param_bytes=param_bytes,
         dtype=dtype,
+        relay=relay,
         owned=[name for name, _ in owned],
     )
 
 
-def _owned_modules(model: Any, start: int, end: int, n_layers: int) -> list[tuple[str, Any]]:
-    inner = model.model
+def _check_range(start: int, end: int, n_layers: int) -> None:
+    if not 0 <= start < end <= n_layers:
+        raise ShardLoadError(
+            f"layer range [{start}, {end}) is outside the model's {n_layers} layers"
+        )
+
+
+def _owned_modules(
+    model: Any, inner_path: str, layers: list[Any], start: int, end: int, n_layers: int
+) -> list[tuple[str, Any]]:
+    """What this shard reads: its layers; the embedding on the first shard; the norm and
+    head (and the embedding, when the head is tied to it) on the last."""
+    prefix = f"{inner_path}." if inner_path else ""
+    outer = list(families.outer_modules(model, inner_path))
+    tied = not any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in outer)
     owned: list[tuple[str, Any]] = []
-    tied = families.tied_embeddings(model)
-    if start == 0 or (end == n_layers and tied):
-        owned.append(("model.embed_tokens", inner.embed_tokens))
-    owned += [(f"model.layers.{start + i}", layer) for i, layer in enumerate(inner.layers)]
+    for name, module in outer:
+        embedding = name.rsplit(".", 1)[-1] == "embed_tokens"
+        if embedding and (start == 0 or (end == n_layers and tied)):
+            owned.append((name, module))
+    owned += [(f"{prefix}layers.{start + i}", layer) for i, layer in enumerate(layers)]
     if end == n_layers:
-        owned.append(("model.norm", inner.norm))
-        if not tied:
-            owned.append(("lm_head", model.lm_head))
+        owned += [(n, m) for n, m in outer if n.rsplit(".", 1)[-1] != "embed_tokens"]
     return owned
+
+
+def _check_backend(owned: list[tuple[str, Any]]) -> None:
+    """Refuse, before reading a byte, experts MLX's CPU backend cannot multiply: its
+    gather_mm takes float32 only, so unquantized float16/bfloat16 experts would fail at
+    the first token. (Quantized experts use gather_qmm, which takes every dtype; on an
+    Apple GPU all of them run.)"""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+    for name, module in owned:
+        for path, sub in module.named_modules():
+            if type(sub) is SwitchLinear and sub.weight.dtype != mx.float32:
+                dtype = _dtype_name(sub.weight.dtype)
+                raise ShardLoadError(
+                    f"{name}.{path} holds unquantized {dtype} experts, which "
+                    "MLX's CPU backend multiplies only in float32: on this node use a "
+                    "quantized (4-bit, 8-bit, mxfp4...) or float32 conversion of the model"
+                )
 
 
 def _missing_weight_files(model_dir: Path) -> list[str]:
@@ -165,13 +204,19 @@ def _missing_weight_files(model_dir: Path) -> list[str]:
     return sorted(f for f in files if not (model_dir / f).is_file())
 
 
-def _check_present(model_dir: Path, owned: list[tuple[str, Any]]) -> None:
-    from safetensors import safe_open
-
-    present: set[str] = set()
+def _check_present(model_dir: Path, model: Any, owned: list[tuple[str, Any]]) -> None:
+    """Every tensor this shard owns is in the files the node holds. A download in the
+    original Hugging Face layout names its tensors otherwise (experts one by one,
+    gpt-oss's packed blocks...): the model's own `sanitize` renames them, lazily (no byte
+    is read), as loading does, and both sets of names count."""
+    present_arrays: dict[str, Any] = {}
     for file in model_dir.glob("*.safetensors"):
-        with safe_open(str(file), framework="numpy") as f:
-            present |= set(f.keys())
+        present_arrays.update(mx.load(str(file)))  # lazy: nothing is read
+    present = set(present_arrays)
+    if hasattr(model, "sanitize"):
+        # A partial set sanitize cannot take leaves the names as they are.
+        with contextlib.suppress(Exception):
+            present |= set(model.sanitize(dict(present_arrays)))
     for prefix, module in owned:
         for name, _ in tree_flatten(module.parameters()):
             if f"{prefix}.{name}" not in present:
@@ -202,3 +247,7 @@ def _first_dtype(layers: list[Any]) -> Any:
         if mx.issubdtype(p.dtype, mx.floating):
             return p.dtype
     return mx.float32
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]

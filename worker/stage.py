@@ -361,7 +361,7 @@ class Stage:
         request fails when that step is due, so the frame in hand still goes out."""
         rid, offset = done.rid, done.offset + 1
         cache = self.caches.get(rid)
-        if cache is None or rid in self.prebuilt or cache[0].offset != offset:
+        if cache is None or rid in self.prebuilt or self.shard.cache_offset(cache) != offset:
             return  # freed, finished or already built
         error, out = "", None
         if self.shard.is_first:
@@ -401,7 +401,7 @@ class Stage:
         cache = self.caches.get(rid)
         if cache is None:
             raise RequestError(f"request {rid!r} is unknown on this shard (was it freed?)")
-        have = cache[0].offset if cache else 0
+        have = self.shard.cache_offset(cache)
         if have != header.offset:
             raise RequestError(
                 f"request {rid!r}: frame is for cache offset {header.offset}, shard is at {have}"

@@ -215,6 +215,46 @@ async def pipeline_figures(
     return out
 
 
+# ---- a mixture of experts -----------------------------------------------------------
+
+
+def moe_spec(cfg: BenchConfig) -> Any:
+    """A 4-bit qwen3_moe demo the size of the dense bench model, 8 experts (2 active).
+    Scales and norms in float32 like the dense model: on MLX's CPU backend the bfloat16
+    quantized expert kernel runs ~15x slower, and the figure would measure that kernel
+    rather than the pipeline (on an Apple GPU both are fast)."""
+    from worker.shared.demo_model import DemoSpec
+
+    return DemoSpec(
+        arch="qwen3_moe",
+        layers=cfg.layers,
+        hidden=cfg.hidden,
+        heads=8,
+        kv_heads=4,
+        experts=8,
+        quantize="4",
+        dtype="float32",
+    )
+
+
+async def moe_figures(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
+) -> dict[str, Any]:
+    """The MoE model over 2 shards, paired with mlx-lm's loop on it, as pipe2 is."""
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        with phase("place_moe2"):
+            await ctl.place(model_dir, list(inv.names)[:2], "moe2", prefill_chunk=cfg.prefill_chunk)
+        with phase("decode_moe2"):
+            await stream(ctl, "moe2", prompt_tokens(16), 8)  # warm up
+            out = await paired_decode(ctl, "moe2", single, cfg)
+        await ctl.unload("moe2")
+    finally:
+        await ctl.close()
+    return out
+
+
 # ---- mlx-lm's own pipeline ----------------------------------------------------------
 
 
@@ -258,6 +298,7 @@ def measure(quick: bool) -> dict[str, Any]:
     from worker.shared.demo_model import DemoSpec, write_demo_model
 
     cfg = BenchConfig.make(quick)
+    moe: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="studiotui-bench-") as tmp:
         home = Path(tmp)
         # qwen2 is one of the families whose mlx-lm class has pipeline(), so the
@@ -273,6 +314,7 @@ def measure(quick: bool) -> dict[str, Any]:
                 dtype="float32",
             ),
         )
+        moe_dir = write_demo_model(home / "models" / "bench-moe", moe_spec(cfg))
         inv = local_inventory(
             4, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
         )
@@ -283,6 +325,10 @@ def measure(quick: bool) -> dict[str, Any]:
             with phase("single"):
                 single = SingleProcess(model_dir)
             pipe = asyncio.run(_with_cluster(home, inv, model_dir, cfg, single))
+            with phase("single"):
+                single_moe = SingleProcess(moe_dir)
+            moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
+            del single_moe
         except Exception as exc:  # report it as a figure-less run, not a traceback
             raise BenchError(f"{type(exc).__name__}: {exc}") from exc
         finally:
@@ -290,6 +336,7 @@ def measure(quick: bool) -> dict[str, Any]:
                 local_cluster.kill_pid(pid)
         with phase("mlx_ring"):
             ring = mlx_ring(model_dir, cfg)
+    pipe["moe2"] = moe
     return summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
 
 
@@ -345,6 +392,12 @@ def summarize(
     if lone:
         produced += lone["tokens"]
     hop_us = pipe["pipe2_hop_us"] or 0.0
+    moe = pipe.get("moe2")
+    moe_match = True
+    if moe:
+        # Its own reference: every MoE run, either side, gives the same tokens.
+        moe_runs = [r["tokens"] for r in moe["single"]] + moe["tokens"]
+        moe_match = all(t == moe_runs[0] for t in moe_runs)
     return {
         "model": f"qwen2 demo, {cfg.layers} layers, hidden {cfg.hidden}, float32",
         "tokens": cfg.tokens,
@@ -361,7 +414,15 @@ def summarize(
         "hop_us_p50": round(hop_us, 1),
         "ttft_single_ms": round(ttft_single_ms, 1),
         "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
-        "tokens_match": all(p == expected for p in produced),
+        "moe_model": f"qwen3_moe demo, {cfg.layers} layers, hidden {cfg.hidden}, 8 experts, 4-bit"
+        if moe
+        else None,
+        "moe_single_tps": round(statistics.median(r["tps"] for r in moe["single"]), 2)
+        if moe
+        else None,
+        "moe_pipe2_tps": round(moe["tps"], 2) if moe else None,
+        "moe_pipe2_ratio": round(moe["ratio"], 3) if moe else None,
+        "tokens_match": all(p == expected for p in produced) and moe_match,
         "tui_idle_cpu_pct": round(pipe["tui_idle_cpu_pct"], 2),
         "api_tps": round(pipe["api"]["api_tps"], 2),
         "api_direct_tps": round(pipe["api"]["direct_tps"], 2),

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -442,8 +443,11 @@ def _new_lines_start(seen: list[str], lines: list[str]) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
-    from worker.shared.demo_model import DemoSpec, write_demo_model
+    from worker.shared.demo_model import HAS_EXPERTS, DemoModelError, DemoSpec, write_demo_model
 
+    dtype = args.dtype or (
+        "float32" if args.arch in HAS_EXPERTS and not args.quantize else "bfloat16"
+    )
     try:
         spec = DemoSpec(
             arch=args.arch,
@@ -451,15 +455,43 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
             hidden=args.hidden,
             heads=args.heads,
             kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            experts=args.experts,
             seed=args.seed,
-            dtype=args.dtype,
+            dtype=dtype,
+            quantize=args.quantize,
+            group_size=args.group_size,
+            files=args.files,
             recite=args.recite,
         )
-    except ValueError as exc:
+        path = _interruptible(lambda stop: write_demo_model(args.dir.expanduser(), spec, stop))
+    except DemoModelError as exc:
         raise UserError(str(exc)) from None
-    path = write_demo_model(args.dir.expanduser(), spec)
-    console.print(f"wrote {spec.arch} demo model ({spec.layers} layers) to {path}")
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    packed = f", {args.quantize}" + ("-bit" if args.quantize in ("4", "8") else "")
+    console.print(
+        f"wrote {spec.arch} demo model ({spec.layers} layers, {dtype}"
+        f"{packed if args.quantize else ''}, {format_bytes(size)}) to {path}"
+    )
     return 0
+
+
+def _interruptible(work: Callable[[Callable[[], bool]], Path]) -> Path:
+    """Run `work(stop)` with Ctrl-C and SIGTERM turned into `stop()` being True: the
+    work ends at its next check (and cleans up) instead of wherever the signal lands."""
+    import signal
+    import threading
+
+    requested = threading.Event()
+    handlers = {
+        sig: signal.signal(sig, lambda *_: requested.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        return work(requested.is_set)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def cmd_bench(args: argparse.Namespace, home: Path) -> int:

@@ -89,36 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--lines", type=int, default=100)
     logs.add_argument("--follow", action="store_true")
 
-    demo = sub.add_parser(
-        "demo-model",
-        help="write a deterministic demo model directory",
-        description="Write a small model of a real mlx-lm family with seeded random "
-        "weights, a tokenizer and a config: placeable and chattable like a downloaded one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    demo.add_argument("dir", type=Path, help="the directory to write (created)")
-    demo.add_argument(
-        "--arch",
-        default="llama",
-        choices=["llama", "qwen2", "qwen3", "mistral"],
-        help="the mlx-lm model family",
-    )
-    demo.add_argument("--layers", type=int, default=8, help="transformer layers: what shards split")
-    demo.add_argument("--hidden", type=int, default=256, help="hidden size (sets the model size)")
-    demo.add_argument("--heads", type=int, default=8, help="attention heads")
-    demo.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped query)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed: same seed, same weights")
-    demo.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float16", "float32"],
-        help="weight data type",
-    )
-    demo.add_argument(
-        "--recite",
-        action="store_true",
-        help="write a fixed passage instead of noise (the first-run demo does)",
-    )
+    _add_demo_parser(sub)
 
     bench = sub.add_parser("bench", help="measure the pipeline and print figures")
     bench.add_argument("--quick", action="store_true", help="finish in under a minute")
@@ -137,6 +108,86 @@ def build_parser() -> argparse.ArgumentParser:
     for verb_parser in sub.choices.values():
         add_global_options(verb_parser, on_verb=True)
     return p
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    from worker.shared.demo_model import FAMILIES, QUANTIZE
+
+    demo = sub.add_parser(
+        "demo-model",
+        help="write a deterministic demo model directory",
+        description="Write a tiny model of a real mlx-lm family with random weights from a "
+        "fixed seed: the same options always give byte-identical files, and mlx_lm.load "
+        "loads the directory unchanged. It writes noise (or, with --recite, one passage); "
+        "it exists to try placing, sharding and chatting without a download. The files are "
+        "written one module at a time, after checking free disk and memory; an interrupted "
+        "write leaves nothing behind.",
+    )
+    demo.add_argument("dir", type=Path, help="directory to write (created; files replaced)")
+    demo.add_argument(
+        "--arch",
+        default="llama",
+        choices=FAMILIES,
+        metavar="FAMILY",
+        help=f"model family, as config.json's model_type: {', '.join(FAMILIES)} (default: llama)",
+    )
+    demo.add_argument(
+        "--layers", type=int, default=8, help="decoder layers: what shards split (default: 8)"
+    )
+    demo.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
+    demo.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
+    demo.add_argument(
+        "--kv-heads", type=int, default=4, help="key/value heads, dividing --heads (default: 4)"
+    )
+    demo.add_argument(
+        "--intermediate",
+        type=int,
+        default=None,
+        help="width of the dense MLP (default: 8/3 of --hidden)",
+    )
+    demo.add_argument(
+        "--experts",
+        type=int,
+        default=4,
+        help="routed experts of a mixture-of-experts family, 2 active a token (default: 4)",
+    )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="random seed: same seed, same weights (default: 0)"
+    )
+    demo.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="weight data type, of what is not quantized (default: bfloat16; float32 for a "
+        "mixture of "
+        "experts left unquantized, which MLX's CPU backend multiplies only in float32)",
+    )
+    demo.add_argument(
+        "--quantize",
+        choices=QUANTIZE,
+        default=None,
+        help="pack the weights as mlx-lm's convert does: 4 or 8 (affine bits), mxfp4, "
+        "mxfp8, nvfp4, or mixed (mlx-lm's mixed_4_6 recipe, per-module overrides); "
+        "default: not quantized",
+    )
+    demo.add_argument(
+        "--group-size",
+        type=int,
+        choices=[32, 64, 128],
+        default=None,
+        help="group size of affine quantization (default: 64); --hidden must be a multiple",
+    )
+    demo.add_argument(
+        "--files",
+        type=int,
+        default=1,
+        help="safetensors files, split by layer with an index as big downloads are (default: 1)",
+    )
+    demo.add_argument(
+        "--recite",
+        action="store_true",
+        help="write a fixed passage instead of noise (the first-run demo does)",
+    )
 
 
 def add_global_options(p: argparse.ArgumentParser, on_verb: bool) -> None:

@@ -1,12 +1,21 @@
 """Deterministic demo models that `mlx_lm.load` loads unchanged.
 
 No model can be downloaded here, so the project writes its own: the real mlx-lm
-model class of the chosen family decides the tensor names and shapes, numpy's
-PCG64 generator (stable across versions and platforms) fills them from the seed,
-and the tokenizer is a real byte-level BPE `tokenizer.json` with a ChatML
-template. The weights are random: the text a demo model writes is noise, but
-every code path (loading, sharding, KV caches, sampling, detokenising) is the
-one a real model takes.
+model class of the chosen family decides the tensor names and shapes (experts,
+latent attention, linear-attention state and all), numpy's PCG64 generator
+(stable across versions and platforms) fills each tensor from the seed and the
+tensor's name, and the tokenizer is a real byte-level BPE `tokenizer.json` with a
+ChatML template. The weights are random: the text a demo model writes is noise,
+but every code path (loading, sharding, KV caches, sampling, detokenising) is the
+one a real model takes. `quantize` packs the weights with mlx-lm's own
+`quantize_model` (which modules, which bits, the config it records) and each
+module's own `to_quantized`, as `mlx_lm.convert` does.
+
+The files are written one module at a time straight into safetensors files whose
+header is planned first (shapes and dtypes of lazy, never evaluated arrays), so
+the memory a write needs is that of the largest module, not of the model. The
+directory appears only when complete: everything goes to a hidden `.NAME.partial`
+sibling first, removed on any failure or interrupt.
 
 With `recite`, the model writes a fixed passage instead of noise, so a newcomer's
 first chat reads as an answer. Nothing is trained: the tokenizer gets one BPE
@@ -18,16 +27,46 @@ last word to end-of-turn). Every layer still runs on every token.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import itertools
 import json
+import os
+import shutil
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE = ("llama", "qwen2", "qwen3", "mistral")
+# Mixture-of-experts and hybrid families; each demo keeps a few experts and a small width.
+MOE = (
+    "qwen3_moe",
+    "deepseek_v3",
+    "kimi_k25",
+    "deepseek_v32",
+    "glm4_moe",
+    "gpt_oss",
+    "minimax",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "mixtral",
+    "gemma3_text",
+    "glm4_moe_lite",
+    "qwen2_moe",
+)
+FAMILIES = DENSE + MOE
+# Those whose experts are SwitchLinear (mlx-lm's gather_mm): all of MOE but two dense hybrids.
+HAS_EXPERTS = tuple(f for f in MOE if f not in ("qwen3_5", "gemma3_text"))
+# --quantize: affine 4 or 8 bits, MLX's float formats, or mlx-lm's "mixed_4_6" recipe.
+QUANTIZE = ("4", "8", "mxfp4", "mxfp8", "nvfp4", "mixed")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PASSAGE = (
     "Hello from studiotui! This demo model grew out of a fixed seed, so its weights "
@@ -76,6 +115,10 @@ CHAT_TEMPLATE = (
 )
 
 
+class DemoModelError(ValueError):
+    """The demo model cannot be written (bad spec, no room); the message says why."""
+
+
 @dataclass(frozen=True)
 class DemoSpec:
     arch: str = "llama"
@@ -89,18 +132,51 @@ class DemoSpec:
     tie_embeddings: bool = False
     files: int = 1  # safetensors files; above 1, split by layer with an index, as big models are
     recite: bool = False  # write PASSAGE instead of noise (the first-run demo does)
+    experts: int = 4  # routed experts of a mixture-of-experts family (2 active per token)
+    quantize: str | None = None  # one of QUANTIZE
+    group_size: int | None = None  # affine quantization group (default 64)
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
-            raise ValueError(f"unknown arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
+            raise DemoModelError(f"unknown arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
         if self.layers < 1 or self.hidden < 8 or self.hidden % self.heads:
-            raise ValueError("need layers >= 1 and hidden a multiple of heads")
+            raise DemoModelError("need layers >= 1 and hidden a multiple of heads")
         if self.heads % self.kv_heads:
-            raise ValueError("heads must be a multiple of kv_heads")
+            raise DemoModelError("heads must be a multiple of kv_heads")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+            raise DemoModelError(f"unknown dtype {self.dtype!r}")
         if self.recite and self.tie_embeddings:
-            raise ValueError("a reciting demo needs its own output head (no tied embeddings)")
+            raise DemoModelError("a reciting demo needs its own output head (no tied embeddings)")
+        if self.experts < 2:
+            raise DemoModelError("a mixture-of-experts demo needs at least 2 experts")
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise DemoModelError(
+                f"unknown quantization {self.quantize!r}; choose one of {', '.join(QUANTIZE)}"
+            )
+        if self.group_size is not None and self.group_size not in (32, 64, 128):
+            raise DemoModelError("the quantization group size must be 32, 64 or 128")
+        if self.group_size is not None and self.quantize not in ("4", "8", "mixed"):
+            raise DemoModelError(
+                "--group-size applies to affine quantization (--quantize 4, 8 or mixed); "
+                "mxfp4, mxfp8 and nvfp4 have fixed groups"
+            )
+        if self.quantize and self.hidden % self.quant_params()["group_size"]:
+            raise DemoModelError(
+                f"hidden size {self.hidden} is not a multiple of the quantization group "
+                f"{self.quant_params()['group_size']}: nothing would be quantized"
+            )
+
+    def quant_params(self) -> dict[str, Any]:
+        """group_size, bits and mode for mlx-lm's quantize_model."""
+        q = self.quantize
+        if q in _FLOAT_FORMATS:
+            group, bits = _FLOAT_FORMATS[q]
+            return {"group_size": group, "bits": bits, "mode": q}
+        return {"group_size": self.group_size or 64, "bits": 8 if q == "8" else 4, "mode": "affine"}
+
+
+# MLX's float formats have one group size and width each.
+_FLOAT_FORMATS = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 
 
 def vocab_size(recite: bool = False) -> int:
@@ -128,7 +204,161 @@ def make_config(spec: DemoSpec) -> dict:
         "eos_token_id": 256 + SPECIAL_TOKENS.index("<|im_end|>"),
         "studiotui_demo": {"seed": spec.seed, **({"recite": True} if spec.recite else {})},
     }
+    config.update(_family_fields(spec))
+    if spec.arch == "kimi_k25":
+        # Kimi K2.5 nests its DeepSeek-V3 decoder under text_config, as it ships.
+        text = {**config, "model_type": "kimi_k2"}
+        for key in ("architectures", "studiotui_demo", "torch_dtype"):
+            text.pop(key)
+        config = {
+            key: config[key]
+            for key in (
+                "architectures",
+                "model_type",
+                "vocab_size",
+                "eos_token_id",
+                "bos_token_id",
+                "tie_word_embeddings",
+                "torch_dtype",
+                "studiotui_demo",
+            )
+        }
+        config["text_config"] = text
     return config
+
+
+def _family_fields(spec: DemoSpec) -> dict[str, Any]:
+    """What a family's config.json has beyond the dense decoder's fields, at demo size."""
+    head_dim = spec.hidden // spec.heads
+    experts = {"num_experts_per_tok": 2}
+    expert_width = spec.hidden  # a multiple of the quantization group, so experts quantize
+    mla = {
+        "n_routed_experts": spec.experts,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": expert_width,
+        "kv_lora_rank": spec.hidden,
+        "q_lora_rank": spec.hidden,
+        "qk_rope_head_dim": head_dim // 2,
+        "qk_nope_head_dim": head_dim,
+        "v_head_dim": head_dim,
+        "first_k_dense_replace": 1,  # DeepSeek's first layers are dense, the rest MoE
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "num_key_value_heads": spec.heads,
+        "rope_scaling": None,
+        **experts,
+    }
+    linear = {
+        "linear_num_value_heads": spec.heads,
+        "linear_num_key_heads": spec.kv_heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 3,  # every third layer attends over the whole context
+    }
+    qwen_moe = {
+        "num_experts": spec.experts,
+        "moe_intermediate_size": expert_width,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        **experts,
+    }
+    window = 8  # short, so a test's prompt already slides past it
+    fields: dict[str, dict[str, Any]] = {
+        "qwen3_moe": qwen_moe,
+        "mixtral": {"num_local_experts": spec.experts, "rope_traditional": False, **experts},
+        "deepseek_v3": mla,
+        "kimi_k25": mla,
+        "deepseek_v32": {
+            **mla,
+            "index_head_dim": 2 * head_dim,
+            "index_n_heads": 2,
+            "index_topk": 8,  # a prompt longer than this takes the sparse path
+        },
+        "glm4_moe": {
+            **mla,
+            **{k: None for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")},
+            "num_key_value_heads": spec.kv_heads,
+            "partial_rotary_factor": 0.5,
+            "use_qk_norm": True,
+            "attention_bias": True,
+        },
+        "gpt_oss": {
+            "num_local_experts": spec.experts,
+            "intermediate_size": expert_width,
+            "sliding_window": window,
+            "layer_types": [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)
+            ],
+            "rope_theta": 150000,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+            **experts,
+        },
+        "minimax": {
+            "num_local_experts": spec.experts,
+            "intermediate_size": expert_width,
+            "shared_intermediate_size": 0,
+            "rotary_dim": head_dim // 2,
+            "use_qk_norm": True,
+            "scoring_func": "sigmoid",
+            **experts,
+        },
+        "qwen3_next": {
+            **linear,
+            **qwen_moe,
+            "shared_expert_intermediate_size": expert_width,
+            "partial_rotary_factor": 0.25,
+        },
+        "qwen3_5": {
+            **linear,
+            "rope_parameters": {
+                "type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+        "qwen3_5_moe": {
+            **linear,
+            **qwen_moe,
+            "shared_expert_intermediate_size": expert_width,
+            "rope_parameters": {
+                "type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+        "glm4_moe_lite": {**mla, "num_nextn_predict_layers": 0},
+        "qwen2_moe": {
+            "num_experts": spec.experts,
+            "moe_intermediate_size": expert_width,
+            "shared_expert_intermediate_size": expert_width,
+            **experts,
+        },
+        "gemma3_text": {
+            "query_pre_attn_scalar": head_dim,
+            "sliding_window": window,
+            "sliding_window_pattern": 3,
+            "rope_local_base_freq": 10000.0,
+            "rope_theta": 1000000.0,
+        },
+    }
+    out = dict(fields.get(spec.arch, {}))
+    if spec.arch in ("deepseek_v3", "kimi_k25", "deepseek_v32", "glm4_moe", "glm4_moe_lite"):
+        out["intermediate_size"] = 2 * spec.hidden  # the dense first layer
+    return out
 
 
 _ARCH_CLASS = {
@@ -136,6 +366,20 @@ _ARCH_CLASS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k25": "KimiK25ForConditionalGeneration",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "minimax": "MiniMaxM2ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "mixtral": "MixtralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 
@@ -143,30 +387,150 @@ def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
-def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Names and shapes exactly as the family's mlx-lm class declares them."""
-    from mlx.utils import tree_flatten
+def build_model(config: dict) -> nn.Module:
+    """The family's mlx-lm model class, built lazily: no weight memory is touched."""
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    # Construction is lazy in MLX: no weight memory is touched here.
-    return {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    return model_class(args_class.from_dict(config))
 
 
-def make_weights(config: dict, seed: int, dtype: str, recite: bool = False) -> dict[str, mx.array]:
-    rng = np.random.Generator(np.random.PCG64(seed))
-    weights: dict[str, np.ndarray] = {}
-    out_name = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
-    for name, shape in sorted(parameter_shapes(config).items()):
-        values = _init(name, shape, rng)
-        if name == out_name and not recite:
+def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes exactly as the family's mlx-lm class declares them."""
+    from mlx.utils import tree_flatten
+
+    return {name: tuple(p.shape) for name, p in tree_flatten(build_model(config).parameters())}
+
+
+# ---- planning: which arrays, of which shapes and dtypes, without computing any --------
+
+
+@dataclass
+class _Part:
+    """A module with arrays of its own, and how it is written."""
+
+    path: str
+    module: nn.Module
+    quant: dict[str, Any] | None
+    lazy: dict[str, mx.array]  # its arrays as built: placeholders, never evaluated
+
+
+def _plan(spec: DemoSpec, config: dict) -> tuple[list[_Part], dict]:
+    """The model's modules in writing order, and the config to write (quantization
+    recorded as mlx-lm's quantize_model records it)."""
+    model = _cast(build_model(config), spec.dtype)
+    quant_of: dict[str, dict[str, Any]] = {}
+    if spec.quantize:
+        from mlx_lm.convert import mixed_quant_predicate_builder
+        from mlx_lm.utils import quantize_model
+
+        q = spec.quant_params()
+        shadow = _cast(build_model(config), spec.dtype)
+        predicate = (
+            mixed_quant_predicate_builder("mixed_4_6", shadow, q["group_size"])
+            if spec.quantize == "mixed"
+            else None
+        )
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
+            shadow, config = quantize_model(
+                shadow,
+                config,
+                q["group_size"],
+                q["bits"],
+                mode=q["mode"],
+                quant_predicate=predicate,
+            )
+        for path, module in shadow.named_modules():
+            if hasattr(module, "bits") and hasattr(module, "group_size"):
+                quant_of[path] = {
+                    "group_size": module.group_size,
+                    "bits": module.bits,
+                    "mode": getattr(module, "mode", "affine"),
+                }
+    parts = []
+    for path, module in model.named_modules():
+        own = {k: v for k, v in module.items() if isinstance(v, mx.array) and k[0] != "_"}
+        if spec.tie_embeddings and path.rsplit(".", 1)[-1] == "lm_head":
+            continue  # a class that builds a head anyway (gemma3) drops it when it is absent
+        if own:
+            parts.append(_Part(path, module, quant_of.get(path), own))
+    parts.sort(key=lambda p: _natural(p.path))
+    return parts, config
+
+
+def _cast(model: nn.Module, dtype: str) -> nn.Module:
+    """Floating parameters in `dtype`, but those the family keeps in float32 (mlx-lm's
+    cast_predicate, e.g. DeepSeek's expert score bias), as mlx_lm.convert does."""
+    from mlx.utils import tree_map_with_path
+
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    target = getattr(mx, dtype)
+
+    def cast(name: str, v: mx.array) -> mx.array:
+        return v.astype(target) if keep(name) and mx.issubdtype(v.dtype, mx.floating) else v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    return model
+
+
+def _natural(path: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
+def _written(part: _Part, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The tensors a module is stored as, given its arrays: as they are, or packed by
+    the module's own to_quantized."""
+    module = part.module
+    module.update(arrays)
+    try:
+        if part.quant:
+            module = module.to_quantized(**part.quant)
+        own = {k: v for k, v in module.items() if isinstance(v, mx.array) and k[0] != "_"}
+        prefix = f"{part.path}." if part.path else ""
+        return {prefix + k: own[k] for k in sorted(own)}
+    finally:
+        part.module.update(part.lazy)  # drop the values: the model must not keep them
+
+
+# ---- values ----------------------------------------------------------------------------
+
+
+class _Values:
+    """Each tensor's values from the seed and its own name, so any tensor can be made
+    alone, in any order, and always the same."""
+
+    def __init__(self, spec: DemoSpec, config: dict, parts: list[_Part]) -> None:
+        self.spec = spec
+        self.dtype = getattr(mx, spec.dtype)
+        names = {
+            (f"{p.path}.{k}" if p.path else k): v.shape for p in parts for k, v in p.lazy.items()
+        }
+        self.embed = next(n for n in names if n.endswith("embed_tokens.weight"))
+        head = [n for n in names if n.endswith("lm_head.weight")]
+        self.head = head[0] if head else None
+        # Random logits put the best score on any byte: the output rows are made readable.
+        self.out = self.head or self.embed
+        self.embed_shape = names[self.embed]
+
+    def __call__(self, part: _Part) -> dict[str, mx.array]:
+        out = {}
+        for key, lazy in part.lazy.items():
+            name = f"{part.path}.{key}" if part.path else key
+            values = self._numpy(name, tuple(lazy.shape))
+            out[key] = mx.array(values).astype(lazy.dtype)
+        return out
+
+    def _numpy(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if self.spec.recite and name in (self.embed, self.head):
+            embed, head = _reciting(_init(self.embed, self.embed_shape, self._rng(self.embed)))
+            return embed if name == self.embed else head
+        values = _init(name, shape, self._rng(name))
+        if name == self.out:
             values = _readable_rows(values)
-        weights[name] = values
-    if recite:
-        embed, head = _reciting(weights["model.embed_tokens.weight"])
-        weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
-    return {name: mx.array(v).astype(getattr(mx, dtype)) for name, v in weights.items()}
+        return values
+
+    def _rng(self, name: str) -> np.random.Generator:
+        return np.random.Generator(np.random.PCG64([self.spec.seed, zlib.crc32(name.encode())]))
 
 
 # Embeddings this many times their random size dwarf what 8 random layers add to the
@@ -232,14 +596,16 @@ def _readable_rows(head: np.ndarray) -> np.ndarray:
 
 
 def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    # float32 straight from the generator, scaled in place: a tensor costs its own size once.
+    values = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("norm.weight"):
-        return (1.0 + 0.02 * rng.standard_normal(shape)).astype(np.float32)
-    if name.endswith(".bias"):
-        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
-    if "embed_tokens" in name:
-        return rng.standard_normal(shape).astype(np.float32)
-    fan_in = shape[-1]
-    return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+        values *= 0.02
+        values += 1.0
+    elif name.endswith(".bias"):
+        values *= 0.02
+    elif "embed_tokens" not in name:
+        values /= np.float32(np.sqrt(shape[-1]))
+    return values
 
 
 def tokenizer_json(recite: bool = False) -> str:
@@ -302,12 +668,104 @@ def tokenizer_config() -> dict:
     }
 
 
-def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
-    """Write the model; the same spec always gives byte-identical files."""
-    directory.mkdir(parents=True, exist_ok=True)
+# ---- writing -------------------------------------------------------------------------
+
+_ST_DTYPE = {
+    mx.float32: "F32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.uint32: "U32",
+    mx.uint8: "U8",
+    mx.int32: "I32",
+}
+# Bytes of working memory per element of the largest module while it is made: float32
+# from the generator, its MLX copy, the cast and the packed result, with room to spare.
+_WORK_BYTES_PER_ELEMENT = 16
+_BASE_MEMORY = 300 << 20  # MLX and mlx-lm themselves
+
+
+@dataclass(frozen=True)
+class Needs:
+    disk: int  # bytes of the files
+    memory: int  # peak bytes of working memory
+
+
+def needs(spec: DemoSpec) -> Needs:
+    """What writing the model takes, from the plan alone (nothing computed)."""
+    parts, _ = _plan(spec, make_config(spec))
+    return _needs(parts)
+
+
+def _needs(parts: list[_Part]) -> Needs:
+    disk = sum(t.nbytes for p in parts for t in _written(p, p.lazy).values())
+    largest = max(sum(v.size for v in p.lazy.values()) for p in parts)
+    return Needs(disk=disk + (1 << 20), memory=_BASE_MEMORY + largest * _WORK_BYTES_PER_ELEMENT)
+
+
+def check_room(directory: Path, need: Needs) -> None:
+    """Refuse before writing when the disk or the memory cannot hold the job."""
+    import psutil
+
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if need.disk > free:
+        raise DemoModelError(
+            f"the demo model needs {_size(need.disk)} of disk at {directory} and only "
+            f"{_size(free)} is free: choose fewer --layers, a smaller --hidden or another "
+            "directory"
+        )
+    available = psutil.virtual_memory().available
+    if need.memory > available:
+        raise DemoModelError(
+            f"writing the demo model needs about {_size(need.memory)} of memory (its largest "
+            f"module) and {_size(available)} is available: choose a smaller "
+            "--hidden"
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def write_demo_model(
+    directory: Path, spec: DemoSpec, stop: Callable[[], bool] | None = None
+) -> Path:
+    """Write the model; the same spec always gives byte-identical files.
+
+    Refuses (DemoModelError) before writing anything when the disk or memory cannot
+    hold it. Nothing half-written is left behind: the files go to a hidden sibling
+    directory that becomes `directory` only when complete. `stop` is asked before each
+    module: True ends the write with KeyboardInterrupt (the CLI's signal handlers set
+    it, so an interrupt is honoured between modules, never lost inside C code)."""
     config = make_config(spec)
-    weights = make_weights(config, spec.seed, spec.dtype, spec.recite)
-    _save_weights(directory, weights, spec.files, spec.layers)
+    parts, config = _plan(spec, config)
+    check_room(directory, _needs(parts))
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.parent / f".{directory.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)  # what a killed earlier run left
+    partial.mkdir()
+    try:
+        _write_all(partial, spec, config, parts, stop or (lambda: False))
+        _move_into_place(partial, directory)
+    except BaseException:  # an interrupt too: no half-written model stays behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return directory
+
+
+def _write_all(
+    directory: Path, spec: DemoSpec, config: dict, parts: list[_Part], stop: Callable[[], bool]
+) -> None:
+    values = _Values(spec, config, parts)
+
+    def made(part: _Part) -> dict[str, mx.array]:
+        if stop():
+            raise KeyboardInterrupt
+        return values(part)
+
+    _save_weights(directory, parts, made, spec.files, spec.layers)
     _write_json(directory / "config.json", config)
     (directory / "tokenizer.json").write_text(tokenizer_json(spec.recite))
     _write_json(directory / "tokenizer_config.json", tokenizer_config())
@@ -328,35 +786,84 @@ def write_demo_model(directory: Path, spec: DemoSpec) -> Path:
         "a model.\n\n"
         f"Spec: `{json.dumps(spec.__dict__, sort_keys=True)}`\n"
     )
-    return directory
 
 
-def _save_weights(directory: Path, weights: dict[str, mx.array], files: int, layers: int) -> None:
-    if files <= 1:
-        mx.save_safetensors(
-            str(directory / "model.safetensors"), weights, metadata={"format": "mlx"}
-        )
+def _move_into_place(partial: Path, directory: Path) -> None:
+    if not directory.exists():
+        partial.rename(directory)
         return
-    groups: list[dict[str, mx.array]] = [{} for _ in range(files)]
-    for name, value in weights.items():
-        groups[_file_index(name, files, layers)][name] = value
-    weight_map = {}
+    # Written over an earlier model: weight files it had and this one lacks would be
+    # loaded with it (mlx-lm reads every model*.safetensors), so they go.
+    fresh = {f.name for f in partial.iterdir()}
+    for old in directory.glob("model*.safetensors*"):
+        if old.name not in fresh:
+            old.unlink()
+    for f in partial.iterdir():
+        os.replace(f, directory / f.name)
+    partial.rmdir()
+
+
+def _save_weights(
+    directory: Path,
+    parts: list[_Part],
+    values: Callable[[_Part], dict[str, mx.array]],
+    files: int,
+    layers: int,
+) -> None:
+    groups: list[list[_Part]] = [[] for _ in range(max(1, files))]
+    for part in parts:
+        groups[_file_index(part.path, len(groups), layers)].append(part)
+    if len(groups) == 1:
+        _write_safetensors(directory / "model.safetensors", groups[0], values)
+        return
+    weight_map, total = {}, 0
     for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
-        mx.save_safetensors(str(directory / fname), group, metadata={"format": "mlx"})
-        weight_map.update({name: fname for name in group})
-    total = sum(v.nbytes for v in weights.values())
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        names = _write_safetensors(directory / fname, group, values)
+        weight_map.update({name: fname for name in names})
+        total += sum(t.nbytes for p in group for t in _written(p, p.lazy).values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(directory / "model.safetensors.index.json", index)
 
 
-def _file_index(name: str, files: int, layers: int) -> int:
+def _write_safetensors(
+    path: Path, parts: list[_Part], values: Callable[[_Part], dict[str, mx.array]]
+) -> list[str]:
+    """A safetensors file written one module at a time: the header from the plan, then
+    each module's tensors as they are made."""
+    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for part in parts:
+        for name, t in _written(part, part.lazy).items():
+            header[name] = {
+                "dtype": _ST_DTYPE[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
+            offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for part in parts:
+            for name, t in _written(part, values(part)).items():
+                mx.eval(t)
+                data = memoryview(t).cast("B")
+                if len(data) != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                    raise DemoModelError(f"{name} came out with a size other than planned")
+                f.write(data)
+            mx.clear_cache()
+    return [n for n in header if n != "__metadata__"]
+
+
+def _file_index(path: str, files: int, layers: int) -> int:
     """Layers spread evenly over the files; the embedding in the first, the head in the last."""
-    parts = name.split(".")
+    parts = path.split(".")
     if "layers" in parts:
         layer = int(parts[parts.index("layers") + 1])
         return min(files - 1, layer * files // layers)
-    return 0 if "embed_tokens" in name else files - 1
+    return 0 if "embed_tokens" in path else files - 1
 
 
 def _write_json(path: Path, data: dict) -> None:
