@@ -98,6 +98,9 @@ def placement_state(app: StudioApp, name: str) -> str | None:
     return found.state if found else None
 
 
+OVERLAP_TOKENS = 400
+
+
 async def chat(app: StudioApp, placement: str, n: int = 24) -> tuple[list[int], float, float]:
     """Tokens from the placement, and when the first and the last arrived."""
     assert app.controller is not None
@@ -315,14 +318,16 @@ async def test_keys_two_placements_at_once_and_an_overcommit_refused(setup: Setu
             await deploy(pilot, app, screen, "gamma")
 
             # Two placements on disjoint groups answer at the same time.
+            # Long enough that one cannot end before the other starts on a fast engine
+            # (48 tokens took ~0.1 s each and sometimes ran one after the other).
             (a, a0, a1), (b, b0, b1) = await asyncio.gather(
-                chat(app, "gamma", 48), chat(app, "beta", 48)
+                chat(app, "gamma", OVERLAP_TOKENS), chat(app, "beta", OVERLAP_TOKENS)
             )
-            assert len(a) == len(b) == 48
+            assert len(a) == len(b) == OVERLAP_TOKENS
             assert a0 < b1 and b0 < a1, "the two streams did not overlap"
             await until(
                 pilot,
-                lambda: table_rows(app).get("gamma", [""] * 8)[6] == "48",
+                lambda: table_rows(app).get("gamma", [""] * 8)[6] == str(OVERLAP_TOKENS),
                 5,
                 "gamma's token count in the Placements pane",
             )
