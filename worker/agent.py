@@ -17,6 +17,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -553,7 +554,7 @@ class Agent:
                 sent += len(payload)
             await asyncio.wait_for(push.send_multipart([b"end"]), LINK_TIMEOUT_S)
         finally:
-            push.close(linger=LINK_TIMEOUT_S * 1000)
+            push.close(linger=int(LINK_TIMEOUT_S * 1000))
         return sent
 
     async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
@@ -563,7 +564,7 @@ class Agent:
         sink.setsockopt(zmq.RCVHWM, LINK_IN_FLIGHT)
         curve.make_server(sink, keys)
         sink.bind(f"tcp://{self.config.address}:*")
-        port = int(sink.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        port = int(sink.get_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         token = msg["token"]
         task = self._sinks[token] = asyncio.create_task(_drain(sink))
         # A measurer that never comes back for its result must not leave it here.
@@ -603,13 +604,14 @@ class Agent:
 
         return send
 
-    def _hashed_to(self, ident: bytes, re: Any, total: int) -> files.Progress:
+    def _hashed_to(self, ident: bytes, re: Any, total: int) -> Callable[[int], None]:
+        """A callback adding bytes hashed, relayed as progress towards `total`."""
         send = self._progress_to(ident, re, "hashing", total)
         seen = [0]
 
         def add(n: int) -> None:
             seen[0] += n
-            send(seen[0])
+            send(seen[0], total)
 
         return add
 
@@ -796,7 +798,7 @@ async def _drain(sink: zmq.asyncio.Socket) -> dict[str, Any]:
     count = received = 0
     try:
         # poll, not wait_for around recv: a cancelled recv can lose a message.
-        while await sink.poll(LINK_TIMEOUT_S * 1000, zmq.POLLIN):
+        while await sink.poll(int(LINK_TIMEOUT_S * 1000)):  # POLLIN, the default
             frames = await sink.recv_multipart(copy=False)
             if frames[0].bytes == b"warm":
                 continue

@@ -97,10 +97,11 @@ def _rows(
     rows = _row_cache.get((key, offset))
     if rows is not None:
         return rows
-    cos, sin = _tables.get(key, (None, None))
-    if cos is None or offset >= cos.shape[0]:
+    table = _tables.get(key)
+    if table is None or offset >= table[0].shape[0]:
         size = max(1024, 1 << offset.bit_length())  # grows by doubling, rarely rebuilt
-        cos, sin = _tables[key] = angle_table(dims, base, scale, size, dtype)
+        table = _tables[key] = angle_table(dims, base, scale, size, dtype)
+    cos, sin = table
     if len(_row_cache) > 256:  # rows of steps long past: every request moved on
         _row_cache.clear()
     rows = _row_cache[(key, offset)] = (cos[offset : offset + 1], sin[offset : offset + 1])

@@ -197,12 +197,14 @@ class Runner:
             return
         assert self.ring_out is not None
         frames: list[Any] = [encode_ring_header(header)]
-        frames.append(memoryview(activation) if activation is not None else b"")
+        # mx.array has the buffer protocol; its stub does not declare it.
+        view = memoryview(activation) if activation is not None else b""  # type: ignore[arg-type]
+        frames.append(view)
         self.ring_out.send_multipart(frames, copy=activation is None or activation.nbytes < 65536)
 
     def _local_frame(self, header: RingHeader, activation: mx.array | None) -> None:
         assert self.stage is not None
-        payload = bytes(memoryview(activation)) if activation is not None else b""
+        payload = bytes(memoryview(activation)) if activation is not None else b""  # type: ignore[arg-type]
         self.stage.on_frame(header, payload)
 
     def send_client(self, client: bytes, data: bytes) -> None:
@@ -330,7 +332,7 @@ class Runner:
             emit("beat", step_s=round(time.monotonic() - began, 3) if began else 0.0)
             time.sleep(BEAT_EVERY_S)
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[memoryview]], None]) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -345,6 +347,7 @@ class Runner:
 
     def _on_ring(self, frames: list[Any]) -> None:
         assert self.stage is not None
+        stage = self.stage
         if len(frames) != 2:
             self.stage.stats.dropped += 1
             return
@@ -356,14 +359,13 @@ class Runner:
             print(f"dropped ring frame: {exc}", file=sys.stderr)
             if exc.rid is not None:
                 bad = RingHeader(rid=exc.rid, kind="error", message=f"bad frame: {exc}")
-                self.work.append(lambda: self.stage.on_frame(bad, b""))
+                self.work.append(lambda: stage.on_frame(bad, b""))
             return
-        self.work.append(
-            self._for_request(header.rid, lambda: self.stage.on_frame(header, payload))
-        )
+        self.work.append(self._for_request(header.rid, lambda: stage.on_frame(header, payload)))
 
     def _on_client(self, frames: list[Any]) -> None:
         assert self.stage is not None
+        stage = self.stage
         if len(frames) != 2:
             self.stage.stats.dropped += 1
             return
@@ -377,13 +379,13 @@ class Runner:
         kind = msg["type"]
         if kind == "generate":
             self.work.append(
-                self._for_request(msg["rid"], lambda: self.stage.submit(client, msg), client)
+                self._for_request(msg["rid"], lambda: stage.submit(client, msg), client)
             )
         elif kind == "cancel":
             # Queued behind the request's own submit: a cancel that overtook it would
             # find nothing to cancel and the request would run (and hold caches) on.
             rid = msg["rid"]
-            self.work.append(lambda: self.stage.cancel(rid))
+            self.work.append(lambda: stage.cancel(rid))
         elif kind == "stats":
             reply = messages.encode("stats_reply", re=msg.get("id"), **self._stats())
             self.send_client(client, reply)
@@ -427,7 +429,7 @@ def raise_wired_limit() -> None:
         from mlx_lm.utils import maybe_set_recommended_wired_limit
     except ImportError:  # an mlx-lm older than the helper: the same two calls
         size = mx.device_info().get("max_recommended_working_set_size")
-        if size:
+        if isinstance(size, int) and size:
             mx.set_wired_limit(size)
         return
     maybe_set_recommended_wired_limit()

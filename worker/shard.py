@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from worker import families
 from worker.cpu_fusion import fuse_for_cpu
 from worker.shared.model_support import decoder_config
+from worker.shared.tensors import named_arrays
 
 Progress = Callable[[int, int], None]
 
@@ -211,14 +211,16 @@ def _check_present(model_dir: Path, model: Any, owned: list[tuple[str, Any]]) ->
     is read), as loading does, and both sets of names count."""
     present_arrays: dict[str, Any] = {}
     for file in model_dir.glob("*.safetensors"):
-        present_arrays.update(mx.load(str(file)))  # lazy: nothing is read
+        loaded = mx.load(str(file))  # lazy: nothing is read
+        assert isinstance(loaded, dict)  # a .safetensors file loads as named arrays
+        present_arrays.update(loaded)
     present = set(present_arrays)
     if hasattr(model, "sanitize"):
         # A partial set sanitize cannot take leaves the names as they are.
         with contextlib.suppress(Exception):
             present |= set(model.sanitize(dict(present_arrays)))
     for prefix, module in owned:
-        for name, _ in tree_flatten(module.parameters()):
+        for name, _ in named_arrays(module.parameters()):
             if f"{prefix}.{name}" not in present:
                 raise ShardLoadError(
                     f"{model_dir} lacks {prefix}.{name}: copy the model's files for this "
@@ -227,7 +229,7 @@ def _check_present(model_dir: Path, model: Any, owned: list[tuple[str, Any]]) ->
 
 
 def _evaluate(owned: list[tuple[str, Any]], progress: Progress | None) -> int:
-    sizes = [sum(p.nbytes for _, p in tree_flatten(m.parameters())) for _, m in owned]
+    sizes = [sum(p.nbytes for _, p in named_arrays(m.parameters())) for _, m in owned]
     total, done = sum(sizes), 0
     if progress:
         progress(0, total)
@@ -243,7 +245,7 @@ def _evaluate(owned: list[tuple[str, Any]], progress: Progress | None) -> int:
 
 
 def _first_dtype(layers: list[Any]) -> Any:
-    for _, p in tree_flatten(layers[0].parameters()):
+    for _, p in named_arrays(layers[0].parameters()):
         if mx.issubdtype(p.dtype, mx.floating):
             return p.dtype
     return mx.float32

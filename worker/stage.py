@@ -13,17 +13,22 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
 
+from worker.families import LayerCaches
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
 from worker.shard import Shard
 from worker.shared.protocol.frames import RingHeader
 from worker.tool_calls import ToolCallStream, supports_tools
 
-_NP_VIEW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_NP_VIEW: dict[str, type[np.generic]] = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+}
 _MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _DTYPE_NAME = {v: k for k, v in _MX_DTYPE.items()}
 _MX_OF = {np.int32: mx.int32, np.float32: mx.float32, np.float16: mx.float16, np.uint16: mx.uint16}
@@ -85,7 +90,8 @@ class Prebuilt:
     # Token ids (head) or the activation's bits (others), in place. None when the
     # step is built on the lazy token of the step before (a lone stage): no input to write.
     slot: mx.array | None
-    out: mx.array | None  # lazy; the activation to pass on, or the sampled token (tail)
+    # lazy; the activation to pass on, or what the tail's sampler drew
+    out: mx.array | tuple[mx.array, ...] | None
     error: str = ""  # building it failed: the request ends when the step is due
 
 
@@ -130,7 +136,7 @@ class Stage:
         self.links = links
         self.prefill_chunk = prefill_chunk
         self.schedule = schedule
-        self.caches: dict[str, list[Any]] = {}
+        self.caches: dict[str, LayerCaches] = {}
         self.head_requests: dict[str, HeadRequest] = {}
         self.tail_requests: dict[str, TailRequest] = {}
         self.stats = Stats()
@@ -363,7 +369,7 @@ class Stage:
         cache = self.caches.get(rid)
         if cache is None or rid in self.prebuilt or self.shard.cache_offset(cache) != offset:
             return  # freed, finished or already built
-        error, out = "", None
+        error, out = "", cast(mx.array | tuple[mx.array, ...] | None, None)
         if self.shard.is_first:
             slot = self._slot(rid, offset, (1, 1), np.int32)
             h = self.shard.embed(slot)
@@ -394,7 +400,7 @@ class Stage:
             )
         return pair[offset % 2]
 
-    def _cache_for(self, header: RingHeader) -> list[Any]:
+    def _cache_for(self, header: RingHeader) -> LayerCaches:
         rid = header.rid
         if header.offset == 0 and rid not in self.caches:
             self.caches[rid] = self.shard.make_cache()
@@ -432,7 +438,7 @@ class Stage:
                 self._speculate(header, req, sampled)
             elif self.prebuild:
                 self._build_ahead(header)
-        token = int(sampled.item())
+        token = int(cast(int, sampled.item()))
         req.generated += 1
         self.stats.tokens += 1
         # The token goes back at once; the head turns it into text (and looks for stop
@@ -460,7 +466,8 @@ class Stage:
         (end of turn, a stop string, a cancel) the step is dropped with the cache.
         If building fails, this token still reaches the caller; the request fails
         when the head takes the step."""
-        offset, error, out = header.offset + 1, "", None
+        offset, error = header.offset + 1, ""
+        out: mx.array | tuple[mx.array, ...] | None = None
         try:
             h = self.shard.embed(sampled.reshape(1, 1))
             logits = self.shard.logits(self.shard.forward(h, self.caches[header.rid]))
@@ -617,7 +624,8 @@ def _text_of(stream: TextStream, header: RingHeader) -> tuple[str, str]:
 def _logprobs(drawn: tuple[mx.array, ...]) -> tuple[float, list[tuple[int, float]]]:
     """What the tail's sampler gave besides the token, as it travels to the head."""
     _, chosen, ids, values = drawn
-    return float(chosen.item()), list(zip(ids.tolist(), values.tolist(), strict=True))
+    pairs = zip(cast(list[int], ids.tolist()), cast(list[float], values.tolist()), strict=True)
+    return float(cast(float, chosen.item())), list(pairs)
 
 
 def _fill(slot: mx.array, values: np.ndarray) -> None:

@@ -265,8 +265,9 @@ class Controller:
         )
         facts = msg.get("facts") or {}
         shards = tuple(shard_from_report(name, s) for s in msg.get("shards", []))
-        power = msg.get("power") if isinstance(msg.get("power"), dict) else {}
-        pressure = msg.get("pressure") if isinstance(msg.get("pressure"), dict) else {}
+        found_power, found_pressure = msg.get("power"), msg.get("pressure")
+        power: dict[str, Any] = found_power if isinstance(found_power, dict) else {}
+        pressure: dict[str, Any] = found_pressure if isinstance(found_pressure, dict) else {}
         self._update_node(
             name,
             state="up",

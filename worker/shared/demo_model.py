@@ -44,6 +44,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from worker.shared.tensors import named_arrays
+
 DENSE = ("llama", "qwen2", "qwen3", "mistral")
 # Mixture-of-experts and hybrid families; each demo keeps a few experts and a small width.
 MOE = (
@@ -397,9 +399,7 @@ def build_model(config: dict) -> nn.Module:
 
 def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Names and shapes exactly as the family's mlx-lm class declares them."""
-    from mlx.utils import tree_flatten
-
-    return {name: tuple(p.shape) for name, p in tree_flatten(build_model(config).parameters())}
+    return {name: tuple(p.shape) for name, p in named_arrays(build_model(config).parameters())}
 
 
 # ---- planning: which arrays, of which shapes and dtypes, without computing any --------
@@ -438,7 +438,8 @@ def _plan(spec: DemoSpec, config: dict) -> tuple[list[_Part], dict]:
                 q["group_size"],
                 q["bits"],
                 mode=q["mode"],
-                quant_predicate=predicate,
+                # mlx-lm's own 3-argument predicate; quantize_model's annotation is older.
+                quant_predicate=predicate,  # type: ignore[arg-type]
             )
         for path, module in shadow.named_modules():
             if hasattr(module, "bits") and hasattr(module, "group_size"):
@@ -849,7 +850,8 @@ def _write_safetensors(
         for part in parts:
             for name, t in _written(part, values(part)).items():
                 mx.eval(t)
-                data = memoryview(t).cast("B")
+                # mx.array has the buffer protocol; its stub does not declare it.
+                data = memoryview(t).cast("B")  # type: ignore[arg-type]
                 if len(data) != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
                     raise DemoModelError(f"{name} came out with a size other than planned")
                 f.write(data)
