@@ -78,7 +78,7 @@ WATCH_EVERY_S = 0.5
 # Control requests handled at once; past it a request is answered "busy" at once, so a
 # flood of requests cannot grow the agent without bound.
 MAX_CONTROL_TASKS = 256
-# What a node's key may ask of another node's agent: the pings of measure_links. All
+# What a node's key may ask of another node's agent: what measure_links needs. All
 # else (load_shard, shutdown, read_log, measure_links ...) is the controller's alone.
 PEER_REQUESTS = frozenset({"ping_peer", "open_sink", "close_sink"})
 LOG_BYTES = 10 << 20
