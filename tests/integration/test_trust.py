@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from studiotui.chat.history import History
-from studiotui.cli import main as cli
+from studiotui.cli.main import home_dir
 from studiotui.cluster import keys, local_cluster
 from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory
 from studiotui.core.trust import HOME_MARK, home_mark, inventory_doubts
@@ -45,9 +45,9 @@ def test_studiotui_home_is_the_operators_alone(
 ) -> None:
     home = tmp_path / "fresh"
     monkeypatch.setenv("STUDIOTUI_HOME", str(home))
-    assert cli.home_dir() == home and mode(home) == 0o700
+    assert home_dir() == home and mode(home) == 0o700
     home.chmod(0o755)  # made by an older version
-    cli.home_dir()
+    home_dir()
     assert mode(home) == 0o700
 
 
