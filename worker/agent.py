@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import logging.handlers
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from worker import __version__, files, node_probe, telemetry
 from worker.shared.manifest import FileId
 from worker.shared.protocol import curve, messages
+from worker.shared.protocol.limits import DEFAULT_STREAMS, tail_lines
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
@@ -74,6 +76,14 @@ SILENT_AFTER_S = 3.0
 # to a few seconds for a long prefill chunk.
 STUCK_AFTER_S = 60.0
 WATCH_EVERY_S = 0.5
+# Control requests handled at once; past it a request is answered "busy" at once, so a
+# flood of requests cannot grow the agent without bound.
+MAX_CONTROL_TASKS = 256
+# What a node's key may ask of another node's agent: what measure_links needs. All
+# else (load_shard, shutdown, read_log, measure_links ...) is the controller's alone.
+PEER_REQUESTS = frozenset({"ping_peer", "open_sink", "close_sink"})
+LOG_BYTES = 10 << 20
+LOG_BACKUPS = 3
 
 
 @dataclass
@@ -116,6 +126,7 @@ class ShardProc:
             "index": self.spec.get("index", 0),
             "count": self.spec.get("count", 0),
             "context_tokens": self.spec.get("context_tokens", 0),
+            "streams": self.spec.get("streams", 1),
             "kv_bytes": self.spec.get("kv_bytes", 0),
             "prefill_chunk": self.spec.get("prefill_chunk", 512),
             "data_port": self.data_port,
@@ -143,7 +154,11 @@ class Agent:
         self.auth: AsyncioAuthenticator | None = None
         self.dropped = 0
         self.file_server: files.FileServer | None = None
+        self.refused = 0  # requests from a key that may not ask them
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.controller_key: str | None = None
+        self.allowed: frozenset[str] = frozenset()
+        self._keys_seen: tuple[tuple[str, int, int], ...] = ()
         # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
         self.live: dict[str, Any] = {}
         self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
@@ -161,7 +176,7 @@ class Agent:
         keys = curve.load_keypair(curve.key_dir(home) / "self.key_secret")
         self.auth = AsyncioAuthenticator(self.ctx)
         self.auth.start()
-        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(home)))
+        self.reload_keys()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         # The controller reconnects under its session's identity: the new connection
@@ -211,22 +226,55 @@ class Agent:
         with contextlib.suppress(FileNotFoundError):
             (self.config.home / "agent.pid").unlink()
 
+    def reload_keys(self) -> bool:
+        """Take up the authorized keys as they are on disk now, if they changed: a key
+        provision removed stops working, one it added starts, with no restart."""
+        home = self.config.home
+        seen = curve.keys_signature(home)
+        if seen == self._keys_seen and self.controller_key is not None:
+            return False
+        assert self.auth is not None
+        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(home)))
+        self.controller_key = curve.controller_key(home)
+        self.allowed = curve.authorized_z85(home)
+        self._keys_seen = seen
+        return True
+
     # ---- control --------------------------------------------------------------------------
 
     async def _serve(self) -> None:
         assert self.control is not None
         while True:
-            frames = await self.control.recv_multipart()
-            if len(frames) != 2:
+            parts = await self.control.recv_multipart(copy=False)
+            if len(parts) != 2:
                 self.dropped += 1
                 continue
-            ident, data = frames
+            ident, data = parts[0].bytes, parts[1].bytes
             try:
                 msg = messages.decode(data)
             except messages.MessageError as exc:
                 self.dropped += 1
                 log.warning("bad control message: %s", exc)
                 await self._reply(ident, None, "error", message=f"bad message: {exc}")
+                continue
+            who = curve.sender(parts[1])
+            if who not in self.allowed or (
+                msg["type"] not in PEER_REQUESTS and who != self.controller_key
+            ):
+                # Another node's key may ping, never drive this node; a key revoked
+                # since its connection was made gets nothing either.
+                self.refused += 1
+                why = (
+                    "this key is no longer authorized here"
+                    if who not in self.allowed
+                    else f"{msg['type']} is for the controller's key only"
+                )
+                log.warning("refused %s: %s", msg["type"], why)
+                await self._reply(ident, msg.get("id"), "error", message=why)
+                continue
+            if len(self._tasks) >= MAX_CONTROL_TASKS:
+                self.dropped += 1
+                await self._reply(ident, msg.get("id"), "error", message="agent busy: try again")
                 continue
             self._spawn(self._handle(ident, msg))
 
@@ -315,6 +363,7 @@ class Agent:
             "next_key": msg["next_key"],
             "prefill_chunk": int(msg.get("prefill_chunk", 512)),
             "context_tokens": int(msg.get("context_tokens", 4096)),
+            "streams": max(1, int(msg.get("streams", DEFAULT_STREAMS))),
             "kv_bytes": int(msg.get("kv_bytes", 0)),
         }
         shard.spec = spec
@@ -474,9 +523,12 @@ class Agent:
         await self._reply(ident, re, "shards", shards=[s.describe() for s in self.shards.values()])
 
     async def _on_read_log(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        path = self.config.home / "agent.log"
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        await self._reply(ident, re, "log", lines=lines[-int(msg.get("lines", 200)) :])
+        # Off the loop and bounded: a slow disk or a huge log must not stall every
+        # other request, nor grow the agent by the log's size.
+        wanted = msg.get("lines", 200)
+        wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 200
+        lines = await asyncio.to_thread(tail_lines, self.config.home / "agent.log", wanted)
+        await self._reply(ident, re, "log", lines=lines)
 
     async def _probe(self) -> None:
         """Gather RDMA and link facts off the loop: probes may take seconds on a Mac."""
@@ -758,6 +810,8 @@ class Agent:
     async def _publish(self) -> None:
         assert self.pub is not None
         while True:
+            if self.reload_keys():
+                log.info("authorized keys reloaded (%d)", len(self._keys_seen))
             pids = [
                 s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None
             ]
@@ -771,6 +825,7 @@ class Agent:
                 facts=self.facts,
                 shards=[s.describe() for s in self.shards.values()],
                 dropped=self.dropped,
+                refused=self.refused,
                 **sample,
             )
             await self.pub.send_multipart([b"telemetry", msg])
@@ -868,12 +923,27 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
+def log_handlers(home: Path) -> list[logging.Handler]:
+    """The agent's log: agent.log rotated at LOG_BYTES with LOG_BACKUPS kept, so a
+    chatty shard cannot fill the disk; only warnings go to stderr (agent.out, which
+    cannot be rotated under the process holding it)."""
+    to_file = logging.handlers.RotatingFileHandler(
+        home / "agent.log", maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS
+    )
+    to_stderr = logging.StreamHandler()
+    to_stderr.setLevel(logging.WARNING)
+    return [to_file, to_stderr]
+
+
 def run_agent(config: AgentConfig) -> int:
+    # Everything the agent and its shards write (logs, shard specs) is the operator's
+    # alone: model paths and prompts in error messages are private.
+    os.umask(0o077)
     config.home.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",
-        handlers=[logging.FileHandler(config.home / "agent.log"), logging.StreamHandler()],
+        handlers=log_handlers(config.home),
     )
     agent = Agent(config)
 

@@ -26,7 +26,7 @@ import mlx.core as mx
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from worker.shard import ShardLoadError, load_shard
+from worker.shard import ShardLoadError, load_shard, read_config
 from worker.shared.protocol import curve, messages
 from worker.shared.protocol.frames import (
     FrameError,
@@ -34,7 +34,8 @@ from worker.shared.protocol.frames import (
     decode_ring_header,
     encode_ring_header,
 )
-from worker.stage import Stage
+from worker.shared.protocol.limits import DEFAULT_STREAMS, MAX_QUEUED_WORK, ring_frame_limit
+from worker.stage import Stage, hidden_size
 
 STATS_EVERY_S = 1.0
 # The agent declares a runner silent when it hears nothing for a few of these: a
@@ -64,6 +65,7 @@ class RunnerSpec:
     next_key: str
     prefill_chunk: int = 512
     context_tokens: int = 4096
+    streams: int = DEFAULT_STREAMS  # requests run at once; the plan reserved KV for them
     kv_bytes: int = 0
 
     @classmethod
@@ -126,6 +128,10 @@ class Runner:
         self.pending: dict[bytes, deque[bytes]] = {}
         self.gone_since: dict[bytes, float] = {}
         self.abandoned: set[bytes] = set()
+        self.controller_key: str | None = None
+        self.ring_keys: frozenset[str] = frozenset()
+        self._keys_seen: tuple[tuple[str, int, int], ...] = ()
+        self.refused = 0
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -133,10 +139,14 @@ class Runner:
         keys = curve.load_keypair(curve.key_dir(self.home) / "self.key_secret")
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
-        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(self.home)))
+        self.reload_keys()
         if not self.single:
+            # A frame bigger than this model's prefill chunk can be is refused by
+            # ZeroMQ before it is buffered (the sender is disconnected).
+            config = read_config(Path(self.spec.model_dir).expanduser())
+            limit = ring_frame_limit(hidden_size(config), self.spec.prefill_chunk)
             self.ring_in = self.ctx.socket(zmq.PULL)
-            curve.make_server(self.ring_in, keys)
+            curve.make_server(self.ring_in, keys, max_bytes=limit)
             self.ring_in.bind(f"tcp://{self.spec.address}:{self.spec.data_port}")
             self.ring_out = self.ctx.socket(zmq.PUSH)
             self.ring_out.setsockopt(zmq.LINGER, 0)
@@ -155,6 +165,18 @@ class Runner:
             self.client.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4000)
             curve.make_server(self.client, keys)
             self.client.bind(f"tcp://{self.spec.address}:{self.spec.client_port}")
+
+    def reload_keys(self) -> None:
+        """As the agent does: keys provision added or removed count without a restart."""
+        seen = curve.keys_signature(self.home)
+        if seen == self._keys_seen and self.controller_key is not None:
+            return
+        assert self.auth is not None
+        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(self.home)))
+        self.controller_key = curve.controller_key(self.home)
+        # The ring is the nodes': the controller never sends activations.
+        self.ring_keys = curve.authorized_z85(self.home) - {self.controller_key}
+        self._keys_seen = seen
 
     def load(self) -> None:
         from mlx_lm.utils import load_tokenizer
@@ -178,6 +200,7 @@ class Runner:
             prefill_chunk=self.spec.prefill_chunk,
             hops=self.spec.count,
             context_tokens=self.spec.context_tokens,
+            streams=self.spec.streams,
             schedule=self.work.append,
         )
         emit(
@@ -289,6 +312,7 @@ class Runner:
             if now - last_stats >= STATS_EVERY_S:
                 self._emit_stats(now - last_stats)
                 last_stats = now
+                self.reload_keys()
                 if os.getppid() != parent:
                     # The agent is gone (killed hard): a shard without it serves no one.
                     self.running = False
@@ -332,26 +356,29 @@ class Runner:
             emit("beat", step_s=round(time.monotonic() - began, 3) if began else 0.0)
             time.sleep(BEAT_EVERY_S)
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[memoryview]], None]) -> None:
-        while True:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
+        # Bounded: past MAX_QUEUED_WORK what is unread waits in ZeroMQ's queue, whose
+        # high-water mark pushes back on the sender, instead of in this process.
+        while len(self.work) < MAX_QUEUED_WORK:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                handle([f.buffer for f in frames])
+                handle(frames)
             except Exception:  # one bad message must not end the runner
                 assert self.stage is not None
                 self.stage.stats.dropped += 1
                 print(f"dropped a message:\n{traceback.format_exc()}", file=sys.stderr)
 
-    def _on_ring(self, frames: list[Any]) -> None:
+    def _on_ring(self, frames: list[zmq.Frame]) -> None:
         assert self.stage is not None
         stage = self.stage
-        if len(frames) != 2:
+        if len(frames) != 2 or curve.sender(frames[0]) not in self.ring_keys:
+            # Malformed, or from a key revoked since its connection was made.
             self.stage.stats.dropped += 1
             return
-        header_bytes, payload = frames
+        header_bytes, payload = frames[0].buffer, frames[1].buffer
         try:
             header = decode_ring_header(bytes(header_bytes), len(payload))
         except FrameError as exc:
@@ -363,15 +390,21 @@ class Runner:
             return
         self.work.append(self._for_request(header.rid, lambda: stage.on_frame(header, payload)))
 
-    def _on_client(self, frames: list[Any]) -> None:
+    def _on_client(self, frames: list[zmq.Frame]) -> None:
         assert self.stage is not None
         stage = self.stage
         if len(frames) != 2:
             self.stage.stats.dropped += 1
             return
-        client = bytes(frames[0])
+        client = frames[0].bytes
+        if self.controller_key is None or curve.sender(frames[1]) != self.controller_key:
+            # Requests are the controller's to make: a node's key (or a stolen one of a
+            # removed node) gets nothing out of a head shard.
+            self.refused += 1
+            self.send_client(client, messages.encode("error", message="only the controller"))
+            return
         try:
-            msg = messages.decode(bytes(frames[1]))
+            msg = messages.decode(frames[1].bytes)
         except messages.MessageError as exc:
             self.stage.stats.dropped += 1
             self.send_client(client, messages.encode("error", message=str(exc)))
@@ -398,10 +431,12 @@ class Runner:
         return {
             "placement": self.spec.placement,
             "in_flight": len(self.stage.caches),
+            "waiting": len(self.stage.waiting),
             "tokens": s.tokens,
             "finished": s.finished,
             "dropped": s.dropped,
             "errors": s.errors,
+            "refused": self.refused,
             "prebuilt_steps": s.prebuilt,
             "active_bytes": mx.get_active_memory(),
             "hop_us_p50": statistics.median(self.stage.hop_us) if self.stage.hop_us else None,

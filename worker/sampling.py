@@ -12,7 +12,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
-MAX_TOKENS_LIMIT = 1 << 20
+from worker.shared.protocol.limits import (
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS_LIMIT,
+)
+
 # OpenAI's ceiling for top_logprobs; each one costs the tail a sort of the vocabulary.
 MAX_TOP_LOGPROBS = 20
 
@@ -34,19 +40,26 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
+        stop = raw.get("stop") or ()
+        if not isinstance(stop, list | tuple) or not all(isinstance(x, str) for x in stop):
+            raise ParamError("stop strings must be a list of strings")
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stop):
+            raise ParamError(
+                f"stop strings: at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters"
+            )
         try:
             params = cls(
                 max_tokens=int(raw.get("max_tokens", 256)),
                 temperature=float(raw.get("temperature", 0.0)),
                 top_p=float(raw.get("top_p", 1.0)),
                 seed=int(raw.get("seed", 0)),
-                stop=tuple(str(s) for s in raw.get("stop", ()) if s),
+                stop=tuple(x for x in stop if x),
                 ignore_eos=bool(raw.get("ignore_eos", False)),
                 logprobs=int(raw.get("logprobs", -1)),
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
-        if not 0 <= params.seed < 2**63:
+        if not 0 <= params.seed <= MAX_SEED:
             raise ParamError(f"seed must be 0..2**63-1, got {params.seed}")
         if not 1 <= params.max_tokens <= MAX_TOKENS_LIMIT:
             raise ParamError(f"max_tokens must be 1..{MAX_TOKENS_LIMIT}, got {params.max_tokens}")
@@ -103,56 +116,87 @@ class TextStream:
     """Detokenises token by token and cuts the text at the first stop string.
 
     Text that could still turn into a stop string is held back, so a caller never
-    sees the beginning of a stop string that is then taken away.
+    sees the beginning of a stop string that is then taken away. Each stop string
+    is followed by a KMP matcher fed only the text a token adds, and only the held
+    back text is kept: a token costs O(its text x stop strings), not a rescan of
+    the answer, however long the answer grows.
     """
 
     def __init__(self, detokenizer: Any, stop: tuple[str, ...]) -> None:
         self._detok = detokenizer
-        self._stop = stop
-        self._emitted = 0
-        self._text = ""
+        self._matchers = [_StopMatcher(s) for s in stop if s]
+        self._pending = ""  # text not yet given out: at most the longest stop string
         self.stopped = False
+
+    @property
+    def work(self) -> int:
+        """Matcher steps so far, for tests that check the cost per token."""
+        return sum(m.steps for m in self._matchers)
 
     def add(self, token: int) -> str:
         self._detok.add_token(token)
-        self._text += self._detok.last_segment
-        return self._release(final=False)
+        return self._release(self._detok.last_segment, final=False)
 
     def finish(self) -> str:
         if self.stopped:
             return ""
         self._detok.finalize()
-        self._text += self._detok.last_segment
-        return self._release(final=True)
+        return self._release(self._detok.last_segment, final=True)
 
-    def _release(self, final: bool) -> str:
+    def _release(self, segment: str, final: bool) -> str:
         if self.stopped:
             return ""
-        cut = _first_stop(self._text, self._stop, self._emitted)
-        if cut is not None:
+        base = len(self._pending)
+        self._pending += segment
+        # A match can only start in text still held back: anything given out was not
+        # the start of any stop string (the hold below is the longest such tail).
+        cuts = [base + end - len(m.stop) for m in self._matchers if (end := m.feed(segment)) >= 0]
+        if cuts:
             self.stopped = True
-            return self._take(cut)
-        hold = 0 if final else _held_back(self._text, self._stop)
-        return self._take(len(self._text) - hold)
-
-    def _take(self, upto: int) -> str:
-        upto = max(upto, self._emitted)
-        out = self._text[self._emitted : upto]
-        self._emitted = upto
+            out, self._pending = self._pending[: max(0, min(cuts))], ""
+            return out
+        hold = (
+            0
+            if final
+            else min(len(self._pending), max((m.state for m in self._matchers), default=0))
+        )
+        cut = len(self._pending) - hold
+        out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
 
 
-def _first_stop(text: str, stops: tuple[str, ...], since: int) -> int | None:
-    found = [i for s in stops if (i := text.find(s, max(0, since - len(s) + 1))) >= 0]
-    return min(found) if found else None
+class _StopMatcher:
+    """Knuth-Morris-Pratt over a stream: `state` is the length of the longest tail of
+    the text so far that begins the stop string."""
 
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        self.steps = 0
+        # fail[i]: the longest proper prefix of stop[: i + 1] that is also its suffix.
+        fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if s.startswith(text[-n:]):
-                best = max(best, n)
-                break
-    return best
+    def feed(self, text: str) -> int:
+        """Advance over `text`; the end of the first match in it, or -1."""
+        stop, fail, k = self.stop, self._fail, self.state
+        steps = 0
+        for i, ch in enumerate(text):
+            while k and ch != stop[k]:
+                k = fail[k - 1]
+                steps += 1
+            if ch == stop[k]:
+                k += 1
+            steps += 1
+            if k == len(stop):
+                self.state, self.steps = k, self.steps + steps
+                return i + 1
+        self.state, self.steps = k, self.steps + steps
+        return -1

@@ -22,6 +22,7 @@ from worker.families import LayerCaches
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
 from worker.shard import Shard
 from worker.shared.protocol.frames import RingHeader
+from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
 from worker.tool_calls import ToolCallStream, supports_tools
 
 _NP_VIEW: dict[str, type[np.generic]] = {
@@ -42,6 +43,11 @@ class Links(Protocol):
 
 class RequestError(ValueError):
     pass
+
+
+# Requests that may wait for a stream, per stream the placement serves: enough to
+# smooth a burst, few enough that a client is told "busy" in time to go elsewhere.
+WAITING_PER_STREAM = 4
 
 
 @dataclass
@@ -128,6 +134,7 @@ class Stage:
         prefill_chunk: int = 512,
         hops: int = 1,
         context_tokens: int = 4096,
+        streams: int = DEFAULT_STREAMS,
         schedule: Callable[[Callable[[], None]], None],
         prebuild: bool = True,
     ) -> None:
@@ -142,9 +149,17 @@ class Stage:
         self.stats = Stats()
         self.hops = hops
         self.context_tokens = context_tokens
+        # Admission: the plan reserved KV memory for `streams` requests of a whole
+        # context, so the head runs at most that many; a few more wait, in order.
+        self.streams = max(1, streams)
+        self.waiting: dict[
+            str, tuple[bytes, SamplingParams, list[int], list[dict[str, Any]] | None]
+        ] = {}
+        self.max_waiting = WAITING_PER_STREAM * self.streams
         self.sent_at: dict[str, float] = {}
         self.hop_us: deque[float] = deque(maxlen=512)
         self.vocab = int(shard.config.get("vocab_size", 0))
+        self.hidden = hidden_size(shard.config)
         # A lone stage is never idle between steps: it builds each step on the lazy
         # token of the one before (`_speculate`), as mlx-lm's loop does, instead.
         self.lone = shard.is_first and shard.is_last
@@ -157,15 +172,35 @@ class Stage:
     def submit(self, client: bytes, msg: dict[str, Any]) -> None:
         rid = msg["rid"]
         try:
-            if rid in self.head_requests:
+            if rid in self.head_requests or rid in self.waiting:
                 raise RequestError(f"request id {rid!r} is already in flight")
             params = SamplingParams.from_dict(msg["params"])
             tools = self._tools(msg)
+            if len(self.head_requests) >= self.streams and len(self.waiting) >= self.max_waiting:
+                # Before tokenising: a busy head should not spend time on a refusal.
+                raise RequestError(
+                    f"{BUSY} this placement serves {self.streams} request(s) at once and "
+                    f"{len(self.waiting)} more are waiting; try again shortly, or place the "
+                    "model with more --streams"
+                )
             prompt = self._prompt_tokens(msg, tools)
             params = self._fit_context(prompt, params)
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
+        if len(self.head_requests) >= self.streams:
+            self.waiting[rid] = (client, params, prompt, tools)  # "accepted" on its turn
+            return
+        self._admit(rid, client, params, prompt, tools)
+
+    def _admit(
+        self,
+        rid: str,
+        client: bytes,
+        params: SamplingParams,
+        prompt: list[int],
+        tools: list[dict[str, Any]] | None,
+    ) -> None:
         self.head_requests[rid] = HeadRequest(
             client=client,
             params=params,
@@ -204,6 +239,14 @@ class Stage:
     def _prompt_tokens(
         self, msg: dict[str, Any], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
+        # Counted before tokenising: megabytes of text would hold this thread (and
+        # every other stream on it) for seconds, and grow the process by gigabytes.
+        if isinstance(msg.get("messages"), list):
+            chars = prompt_chars(msg["messages"])
+        else:
+            chars = len(msg["prompt"]) if isinstance(msg.get("prompt"), str) else 0
+        if problem := prompt_too_long(chars, self.context_tokens):
+            raise RequestError(problem)
         if isinstance(msg.get("messages"), list):
             try:
                 # The model's own template lays the tools out in its own words.
@@ -278,6 +321,10 @@ class Stage:
                 # The head makes activations from tokens; one arriving here is misrouted.
                 self.stats.dropped += 1
                 return
+            if problem := self._frame_problem(header):
+                self.stats.dropped += 1
+                self._fail(header.rid, problem)
+                return
             try:
                 pre = self._take_prebuilt(header) if kind == "decode" else None
                 if pre is not None and pre.slot is not None:
@@ -293,6 +340,23 @@ class Stage:
             self._free(header.rid, forward=not self.shard.is_last)
         elif kind == "error":
             self._on_error(header)
+
+    def _frame_problem(self, header: RingHeader) -> str | None:
+        """Why an activation cannot be this model's for this request, checked before
+        anything is allocated for it: (1, tokens, hidden), at most a prefill chunk
+        (one token to decode), inside the context the KV cache was planned for."""
+        shape = header.shape
+        if len(shape) != 3 or shape[0] != 1 or (self.hidden and shape[2] != self.hidden):
+            return f"activation shape {list(shape)} is not [1, tokens, {self.hidden or 'hidden'}]"
+        most = 1 if header.kind == "decode" else self.prefill_chunk
+        if not 1 <= shape[1] <= most:
+            return f"a {header.kind} frame of {shape[1]} tokens (at most {most})"
+        if header.offset + shape[1] > self.context_tokens:
+            return (
+                f"a frame for tokens {header.offset}..{header.offset + shape[1]} is past the "
+                f"context of {self.context_tokens}"
+            )
+        return None
 
     def _launch(
         self, header: RingHeader, h: mx.array | None = None, pre: Prebuilt | None = None
@@ -547,6 +611,12 @@ class Stage:
         }
         return {"logprobs": [entry]}
 
+    def _admit_waiting(self) -> None:
+        """A stream came free: the oldest waiting request takes it."""
+        while self.waiting and len(self.head_requests) < self.streams:
+            rid = next(iter(self.waiting))
+            self._admit(rid, *self.waiting.pop(rid))
+
     def _finish(self, rid: str, reason: str) -> None:
         req = self.head_requests.pop(rid)
         self.stats.finished += 1
@@ -563,10 +633,15 @@ class Stage:
             req.client, "done", rid=rid, finish_reason=reason, usage=usage, timings=timings
         )
         self._free(rid, forward=True)
+        self._admit_waiting()
 
     def cancel(self, rid: str) -> None:
         if rid in self.head_requests:
             self._finish(rid, "cancelled")
+        elif rid in self.waiting:
+            client, _, prompt, _ = self.waiting.pop(rid)
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": 0}
+            self.links.to_client(client, "done", rid=rid, finish_reason="cancelled", usage=usage)
 
     def _free(self, rid: str, forward: bool) -> None:
         self.caches.pop(rid, None)
@@ -601,12 +676,20 @@ class Stage:
             if req is not None:
                 self.links.to_client(req.client, "failed", rid=rid, message=header.message)
                 self._free(rid, forward=True)
+                self._admit_waiting()
             return
         self._free(rid, forward=False)
         if self.shard.is_last:
             self.links.to_head(header)
         else:
             self.links.to_next(header, None)
+
+
+def hidden_size(config: dict[str, Any]) -> int:
+    """The width of the activations between layers (0 if the config does not say)."""
+    text = config.get("text_config")
+    raw = config.get("hidden_size") or (text.get("hidden_size") if isinstance(text, dict) else 0)
+    return int(raw or 0)
 
 
 def _text_of(stream: TextStream, header: RingHeader) -> tuple[str, str]:

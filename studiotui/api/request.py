@@ -14,8 +14,16 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-# The runners refuse more than this (worker/sampling.py); studiotui may not import it.
-MAX_TOKENS_LIMIT = 1 << 20
+# The runners refuse past these too (worker/sampling.py); one table, so both agree.
+from worker.shared.protocol.limits import (
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS_LIMIT,
+    prompt_chars,
+    prompt_too_long,
+)
+
 # OpenAI means "until the context is full" when max_tokens is absent; a placement's
 # context is not known here, so a long but finite answer stands in for it.
 DEFAULT_MAX_TOKENS = 2048
@@ -24,10 +32,8 @@ DEFAULT_COMPLETION_TOKENS = 16
 # OpenAI's documented defaults, so clients that leave them out get what they expect.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
-MAX_STOP_STRINGS = 16
 # Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-SEED_MASK = (1 << 64) - 1
 # OpenAI's ceilings: top_logprobs on chat, logprobs on completions (the runners take 20).
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -247,16 +253,15 @@ def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
     max_tokens = _integer(body, name, 1, MAX_TOKENS_LIMIT)
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad("seed must be an integer", "seed")
+    # The runners' PRNG takes 0..2**63-1. Wrapping other values silently made 2**64
+    # the same answer as 0 and a negative seed a 503: refuse them instead.
+    seed = _integer(body, "seed", 0, MAX_SEED)
     return {
         "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
         "temperature": temperature,
         "top_p": top_p,
-        # Without a seed OpenAI samples afresh each time. Negative int64 seeds are
-        # legal there; the runners' PRNG takes 0..2**64-1, so wrap instead of refusing.
-        "seed": secrets.randbits(63) if seed is None else seed & SEED_MASK,
+        # Without a seed OpenAI samples afresh each time.
+        "seed": secrets.randbits(63) if seed is None else seed,
         "stop": _stop(body.get("stop")),
         # vLLM's extension, for benchmarks that need a fixed number of tokens.
         "ignore_eos": _boolean(body, "ignore_eos", False),
@@ -272,7 +277,30 @@ def _stop(raw: Any) -> list[str]:
         raise bad("stop must be a string or an array of strings", "stop")
     if len(raw) > MAX_STOP_STRINGS:
         raise bad(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in raw):
+        longest = max(len(s) for s in raw)
+        raise bad(
+            f"a stop string may have at most {MAX_STOP_CHARS} characters; got {longest}", "stop"
+        )
     return [s for s in raw if s]
+
+
+def check_prompt_size(parsed: ChatRequest | CompletionRequest, context_tokens: int) -> None:
+    """Refuse a prompt that cannot fit the placement's context, by counting characters:
+    tokenising megabytes would hold the head shard's serving thread for seconds."""
+    if isinstance(parsed, ChatRequest):
+        param, problem = "messages", prompt_too_long(prompt_chars(parsed.messages), context_tokens)
+    elif isinstance(parsed.prompt, str):
+        param, problem = "prompt", prompt_too_long(len(parsed.prompt), context_tokens)
+    else:
+        param, problem = "prompt", None
+        if context_tokens > 0 and len(parsed.prompt) >= context_tokens:
+            problem = (
+                f"the prompt has {len(parsed.prompt)} tokens but this placement holds a context "
+                f"of {context_tokens}: shorten it, or place the model with a larger --context"
+            )
+    if problem:
+        raise bad(problem, param, "context_length_exceeded")
 
 
 def _is_int(value: Any) -> bool:

@@ -31,11 +31,13 @@ from studiotui.api.request import (
     ChatRequest,
     CompletionRequest,
     bad,
+    check_prompt_size,
     parse_chat_request,
     parse_completion_request,
 )
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
+from worker.shared.protocol.limits import BUSY
 
 __all__ = ["ApiServer", "build_app", "serve", "start_server"]
 
@@ -56,10 +58,13 @@ REFUSALS = (
     "temperature must",
     "top_p must",
     "the prompt is empty",
+    "the prompt has",
     "prompt tokens must",
     "logprobs must",
     "tools are not supported",
     "tools must",
+    "seed must",
+    "stop strings",
 )
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE_HEADERS = {
@@ -201,6 +206,8 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 def _error_response(exc: ApiError) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    if exc.status == 429:
+        headers = {"Retry-After": "1"}
     return web.json_response(exc.body(), status=exc.status, headers=headers, dumps=_dumps)
 
 
@@ -283,6 +290,7 @@ async def _answer(
 ) -> web.StreamResponse:
     models = request.app[MODELS]
     placement = models.resolve(parsed.model)
+    check_prompt_size(parsed, placement.context_tokens)
     ctl = request.app[CONTROLLER]
     stats = models.stats
     stats.in_flight[placement.name] += 1
@@ -316,6 +324,12 @@ async def _accepted(
         return await anext(gen)
     except GenerationError as exc:
         text = str(exc)
+        if text.startswith(BUSY):
+            # Every stream the placement was planned for is taken and the queue is
+            # full: a 429 is what OpenAI clients back off and retry on.
+            raise ApiError(
+                429, f"placement {name!r} is {text}", type_="rate_limit_error", code="busy"
+            ) from None
         if text.startswith(REFUSALS):
             blamed = "tools" if text.startswith("tools") else param
             raise bad(f"the model refused the request: {text}", blamed) from None

@@ -115,7 +115,9 @@ def build_app(
     if found is None and not local_cluster.local_inventory_path(home).exists():
         inventory, startup = first_run(home, platform=platform)
     else:
-        inventory = load_cluster(args.inventory, home)
+        inventory = load_cluster(
+            args.inventory, home, trust=getattr(args, "trust_inventory", False)
+        )
         startup = existing(inventory)
     return StudioApp(home, inventory, startup=startup, services=services)
 

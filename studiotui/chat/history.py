@@ -14,7 +14,9 @@ few rows per answer, which costs well under a millisecond of the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sqlite3
 import time
@@ -147,6 +149,11 @@ class History:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        on_disk = str(path) != ":memory:"
+        if on_disk:
+            # Created 0600 before SQLite opens it: SQLite gives its -wal and -shm the
+            # database's mode, and conversations are private whatever the umask.
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
         try:
             self.db = sqlite3.connect(path, isolation_level=None)
             self.db.row_factory = sqlite3.Row
@@ -163,6 +170,10 @@ class History:
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
             raise HistoryError(f"cannot open the chat history {path}: {exc}") from None
+        if on_disk:
+            _make_private(
+                path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
+            )
 
     @classmethod
     def open(cls, home: Path) -> History:
@@ -371,8 +382,18 @@ class History:
         conv = self.get(conversation_id)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{conv.id:04d}-{slug(conv.display_title)}.md"
-        path.write_text(self.export_markdown(conversation_id), encoding="utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(self.export_markdown(conversation_id))
+        _make_private(path)  # an export written before, with a wider mode
         return path
+
+
+def _make_private(*paths: Path) -> None:
+    """Mode 0600 for those of `paths` that exist (a database made by an older version)."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.chmod(0o600)
 
 
 def slug(text: str) -> str:

@@ -48,7 +48,7 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
         except ValueError as exc:
             raise UserError(str(exc)) from None
     else:
-        inv = load_cluster(args.inventory, home)
+        inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     local = [n for n in inv.nodes if n.is_local]
     remote = [n for n in inv.nodes if not n.is_local]
     for node in local:
@@ -72,7 +72,7 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     names = args.nodes or list(inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
@@ -115,7 +115,7 @@ def _nobody_home(inv: Inventory) -> bool:
 
 
 async def cmd_status(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     ctl = Controller(home, inv)
     try:
         # No agent process here to answer: ask briefly rather than wait the full timeout.
@@ -158,6 +158,8 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "state": p.state,
                 "nodes": list(p.nodes),
                 "layers": p.layers,
+                "context_tokens": p.context_tokens,
+                "streams": p.streams,
             }
             for p in st.placements
         ],
@@ -209,7 +211,7 @@ def resolve_model(spec: Path, home: Path) -> Path:
 
 
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     args.model_dir = resolve_model(args.model_dir, home)
     try:
         info = read_model(args.model_dir)
@@ -241,7 +243,9 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 f"(studiotui unload {name}) or pick another --name"
             )
         try:
-            info, the_plan = ctl.preview(args.model_dir.expanduser(), group, args.context)
+            info, the_plan = ctl.preview(
+                args.model_dir.expanduser(), group, args.context, args.streams
+            )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
         console.print(render_plan(the_plan))
@@ -275,6 +279,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     progress,
                     prefill_chunk=args.prefill_chunk,
                     context_tokens=args.context,
+                    streams=args.streams,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
@@ -289,7 +294,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
     from studiotui.cluster import peers as agents
     from studiotui.cluster.model_sync import SyncRefused
 
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     source = Path(args.source).expanduser()
     if not source.is_dir() and not model_fetch.is_repo_id(args.source):
         raise UserError(
@@ -341,7 +346,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     ctl = Controller(home, inv)
     try:
         await ctl.unload(args.name)
@@ -357,7 +362,7 @@ async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     if args.raw:
         request: dict[str, Any] = {"prompt": args.prompt}
     else:
@@ -407,7 +412,7 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     if args.node not in inv.names:
         raise UserError(f"unknown node {args.node!r}; known: {', '.join(inv.names)}")
     ctl = Controller(home, inv)

@@ -13,6 +13,7 @@ from typing import Any
 from studiotui import __version__
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import DEFAULT_CONTROL_PORT
+from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 DEFAULT_LOCAL_NODES = 4
 
@@ -58,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     place.add_argument("--name", help="placement name (default: the model directory's name)")
     place.add_argument("--prefill-chunk", type=int, default=512)
     place.add_argument("--context", type=int, default=4096, help="context tokens to reserve KV for")
+    place.add_argument(
+        "--streams",
+        type=_positive,
+        default=None,
+        help="requests served at once, each with the whole context (KV is reserved for all; "
+        f"default: as many as fit, up to {DEFAULT_STREAMS}); more wait in a short queue or "
+        "are refused as busy",
+    )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
 
     fetch = sub.add_parser(
@@ -202,6 +211,15 @@ def add_global_options(p: argparse.ArgumentParser, on_verb: bool) -> None:
     options: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         (("-i", "--inventory"), {"type": Path, "help": "cluster.toml to use", **suppress}),
         (
+            ("--trust-inventory",),
+            {
+                "action": "store_true",
+                "help": "use a ./cluster.toml whose local nodes run another python or write "
+                "outside STUDIOTUI_HOME",
+                **suppress,
+            },
+        ),
+        (
             ("--serve",),
             {
                 "type": _host_port,
@@ -235,11 +253,19 @@ def _host_port(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"wants a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
 def home_dir() -> Path:
     from studiotui.core.inventory import studiotui_home
 
     home = studiotui_home(os.environ)
     home.mkdir(parents=True, exist_ok=True)
+    # Conversations, keys and inventories live here: the operator's alone.
+    home.chmod(0o700)
     return home
 
 

@@ -47,7 +47,7 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
     from studiotui.cluster.session import load_cluster
     from studiotui.core.errors import UserError
 
-    inv = load_cluster(args.inventory, home)
+    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
     ctl = Controller(home, inv)
     try:
         await ctl.start(telemetry=True)

@@ -44,6 +44,7 @@ from studiotui.core.state import (
 )
 from worker.shared import probes
 from worker.shared.protocol import messages
+from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 DOWN_AFTER_S = 3.0
 UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are expected
@@ -356,8 +357,14 @@ class Controller:
     # ---- placement -----------------------------------------------------------------------
 
     def preview(
-        self, model_dir: Path, nodes: list[str], context_tokens: int = 4096
+        self,
+        model_dir: Path,
+        nodes: list[str],
+        context_tokens: int = 4096,
+        streams: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
+        """The plan for `streams` requests at once; None: as many as fit, up to
+        DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one."""
         from studiotui.cluster.model_files import check_model_dir
 
         check_model_dir(model_dir)  # before any header is read: nothing outside it is
@@ -375,7 +382,12 @@ class Controller:
             free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
             budgets.append(NodeBudget(name, free, node.memory_total))
         links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind) for x in self.state.links]
-        return info, plan(info.facts, budgets, links, context_tokens=context_tokens)
+        tried = [streams] if streams is not None else range(DEFAULT_STREAMS, 0, -1)
+        for n in tried:
+            verdict = plan(info.facts, budgets, links, context_tokens=context_tokens, streams=n)
+            if isinstance(verdict, Plan):
+                break
+        return info, verdict
 
     async def place(
         self,
@@ -386,6 +398,7 @@ class Controller:
         prefill_chunk: int = 512,
         context_tokens: int = 4096,
         expected: Plan | None = None,
+        streams: int | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else."""
@@ -395,7 +408,7 @@ class Controller:
         name = name or model_dir.name
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
-        info, the_plan = self.preview(model_dir, nodes, context_tokens)
+        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams)
         if expected is not None:
             problem = self._no_longer_fits(expected)
             if problem:
@@ -490,6 +503,7 @@ class Controller:
                 next_key=keys.node_public_key(self.home, nxt.node).decode(),
                 prefill_chunk=prefill_chunk,
                 context_tokens=the_plan.context_tokens,
+                streams=the_plan.streams,
                 kv_bytes=shard.kv_bytes,
             )
             try:

@@ -14,6 +14,8 @@ from pathlib import Path
 from worker.shared.protocol import curve
 from worker.shared.protocol.curve import CurveKeys
 
+AUTHORIZED = "keys/authorized/"
+
 
 @dataclass(frozen=True)
 class NodeKeyFiles:
@@ -49,6 +51,11 @@ def node_key_files(home: Path, node: str, all_nodes: list[str]) -> NodeKeyFiles:
     return NodeKeyFiles(files=files)
 
 
+def authorized_names(bundle: NodeKeyFiles) -> list[str]:
+    """The file names under keys/authorized/ a node should have: any other is revoked."""
+    return sorted(rel.split("/")[-1] for rel in bundle.files if rel.startswith(AUTHORIZED))
+
+
 def install_locally(workdir: Path, bundle: NodeKeyFiles) -> None:
     for rel, data in bundle.files.items():
         path = workdir / rel
@@ -56,3 +63,9 @@ def install_locally(workdir: Path, bundle: NodeKeyFiles) -> None:
         path.parent.chmod(0o700)
         path.write_bytes(data)
         path.chmod(0o600)
+    # A node removed from the inventory loses its access here; the agent and its
+    # shards notice the change on disk and reload their keys (worker/protocol/curve.py).
+    keep = set(authorized_names(bundle))
+    for old in (workdir / AUTHORIZED).glob("*.key"):
+        if old.name not in keep:
+            old.unlink()

@@ -7,6 +7,7 @@ started it; its pid is kept in its work dir and used, and only it, to stop it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from studiotui.core.inventory import (
     dump_inventory,
     local_inventory,
 )
+from worker.shared.protocol.limits import tail_lines
 
 
 def local_inventory_path(home: Path) -> Path:
@@ -44,29 +46,54 @@ def pid_file(node: NodeSpec) -> Path:
     return Path(node.workdir).expanduser() / "agent.pid"
 
 
+# psutil's start times are counted from a boot time known to the second.
+PID_CLOCK_SLACK_S = 2.0
+
+
 def running_pid(node: NodeSpec) -> int | None:
-    """The pid of this node's agent if it is alive and really is that agent."""
+    """The pid of this node's agent if it is alive and really is that agent.
+
+    A pid file outlives its agent when the agent is killed hard, and its pid may be
+    given to any later process, one that may even look like an agent of ours. The
+    file is written after its agent started (by the starter, then by the agent), so
+    a process that started after the file was written is not the one it names.
+    """
+    path = pid_file(node)
     try:
-        pid = int(pid_file(node).read_text().strip())
+        pid = int(path.read_text().strip())
+        written = path.stat().st_mtime
     except (OSError, ValueError):
         return None
     try:
-        cmdline = psutil.Process(pid).cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        proc = psutil.Process(pid)
+        cmdline, started = proc.cmdline(), proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
-    workdir = str(Path(node.workdir).expanduser().resolve())
-    return pid if "worker" in " ".join(cmdline) and workdir in cmdline else None
+    if started > written + PID_CLOCK_SLACK_S:
+        return None
+    return pid if is_agent_command(cmdline, Path(node.workdir)) else None
+
+
+def is_agent_command(cmdline: list[str], workdir: Path) -> bool:
+    """`python -m worker ... --home WORKDIR`: the argv start_agent gives an agent."""
+    home = str(workdir.expanduser().resolve())
+    pairs = list(itertools.pairwise(cmdline))
+    return ("-m", "worker") in pairs and ("--home", home) in pairs
 
 
 def start_agent(home: Path, node: NodeSpec, inventory: Inventory) -> int:
     workdir = Path(node.workdir).expanduser().resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    if not workdir.exists():
+        workdir.mkdir(parents=True, mode=0o700)  # keys, logs with prompts, model paths
     keys.install_locally(workdir, keys.node_key_files(home, node.name, list(inventory.names)))
     pid = running_pid(node)
     if pid is not None:
         return pid
+    # Only an absolute path is taken: a bare name would be looked up in the directory
+    # the command runs from (a ./python3 beside a downloaded cluster.toml).
+    python = Path(node.python).expanduser() if node.python else None
     argv = [
-        node.python if node.python and Path(node.python).exists() else sys.executable,
+        str(python) if python and python.is_absolute() and python.exists() else sys.executable,
         "-m",
         "worker",
         "--bind",
@@ -78,7 +105,8 @@ def start_agent(home: Path, node: NodeSpec, inventory: Inventory) -> int:
     ]
     if node.memory_gb:
         argv += ["--memory-gb", str(node.memory_gb)]
-    with open(workdir / "agent.out", "ab") as out:
+    fd = os.open(workdir / "agent.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as out:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -87,16 +115,14 @@ def start_agent(home: Path, node: NodeSpec, inventory: Inventory) -> int:
             start_new_session=True,
             cwd=workdir,
         )
-    pid_file(node).write_text(str(proc.pid))
+    fd = os.open(pid_file(node), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(proc.pid))
     return proc.pid
 
 
 def agent_output_tail(node: NodeSpec, lines: int = 10) -> str:
-    path = Path(node.workdir).expanduser() / "agent.out"
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+    return "\n".join(tail_lines(Path(node.workdir).expanduser() / "agent.out", lines))
 
 
 def stop_agent(node: NodeSpec, timeout: float = 5.0) -> bool:

@@ -4,6 +4,7 @@ controller, wait for agents. Shared by the CLI, the dashboard and the benchmark.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 
@@ -11,10 +12,14 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, InventoryError, find_inventory, load_inventory
+from studiotui.core.trust import inventory_doubts
 
 
-def load_cluster(inventory: Path | None, home: Path) -> Inventory:
-    """The inventory named by `-i`, else ./cluster.toml, $STUDIOTUI_HOME, the local cluster."""
+def load_cluster(inventory: Path | None, home: Path, *, trust: bool = False) -> Inventory:
+    """The inventory named by `-i`, else ./cluster.toml, $STUDIOTUI_HOME, the local cluster.
+
+    A ./cluster.toml whose local nodes are not studiotui's own needs `trust`
+    (--trust-inventory); the path used is always printed."""
     path = find_inventory(inventory, Path.cwd(), home)
     if path is None:
         path = local_cluster.local_inventory_path(home)
@@ -27,9 +32,21 @@ def load_cluster(inventory: Path | None, home: Path) -> Inventory:
     if not path.exists():
         raise UserError(f"inventory {path} does not exist")
     try:
-        return load_inventory(path)
+        inv = load_inventory(path)
     except InventoryError as exc:
         raise UserError(str(exc)) from None
+    # Which cluster a command acts on is never a guess: the file is always named.
+    print(f"studiotui: inventory {path}", file=sys.stderr)
+    if inventory is None and path.parent.resolve() == Path.cwd().resolve():
+        doubts = inventory_doubts(inv, home, sys.executable)
+        if doubts and not trust:
+            lines = "\n  ".join(doubts)
+            raise UserError(
+                f"{path} is in the current directory and its local nodes are not studiotui's "
+                f"own:\n  {lines}",
+                "if you trust this file, rerun with --trust-inventory (or name it with -i)",
+            )
+    return inv
 
 
 async def open_controller(inv: Inventory, home: Path, telemetry: bool = False) -> Controller:

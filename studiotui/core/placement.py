@@ -135,6 +135,9 @@ class Plan:
     context_tokens: int
     slowest_link: Link | None  # None only for a single node
     total_bytes: int
+    # Requests served at once, each with the whole context: the KV cache is reserved for
+    # all of them, and the head shard queues or refuses ("busy") any beyond.
+    streams: int = 1
 
 
 @dataclass(frozen=True)
@@ -593,6 +596,7 @@ def plan(
         context_tokens=context_tokens,
         slowest_link=_slowest_link(order, best_links),
         total_bytes=sum(s.weight_bytes + s.kv_bytes for s in shards),
+        streams=streams,
     )
 
 
@@ -626,12 +630,16 @@ def _footer(p: Plan) -> str:
     return f"ring: {ring} · slowest link: {slowest} · total {format_bytes(p.total_bytes)}"
 
 
+def _streams(n: int) -> str:
+    return f"{n} stream{'s' if n != 1 else ''} at once"
+
+
 def render_plan(p: Plan | Refusal) -> Table | Text:
     """The placement preview: one row per shard in ring order, ring and slowest link below."""
     if isinstance(p, Refusal):
         return Text.assemble(("cannot place: ", "bold red"), p.reason)
     table = Table(
-        title=f"{p.model} · {p.context_tokens} tokens of context",
+        title=f"{p.model} · {p.context_tokens} tokens of context × {_streams(p.streams)}",
         caption=_footer(p),
         caption_justify="left",
     )
@@ -658,6 +666,7 @@ def plan_to_dict(p: Plan | Refusal) -> dict[str, Any]:
         "ok": True,
         "model": p.model,
         "context_tokens": p.context_tokens,
+        "streams": p.streams,
         "total_bytes": p.total_bytes,
         "ring": [s.node for s in p.shards],
         "slowest_link": asdict(p.slowest_link) if p.slowest_link else None,

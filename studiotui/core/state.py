@@ -32,6 +32,7 @@ class ShardState:
     message: str = ""
     context_tokens: int = 0
     kv_bytes: int = 0  # KV cache the plan reserved for this shard
+    streams: int = 1  # requests the head runs at once (the plan reserved KV for them)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ class PlacementState:
     @property
     def context_tokens(self) -> int:
         return self.shards[0].context_tokens if self.shards else 0
+
+    @property
+    def streams(self) -> int:
+        return self.shards[0].streams if self.shards else 1
 
     @property
     def layers(self) -> list[list[int]]:
@@ -294,4 +299,5 @@ def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
         message=str(raw.get("message", "")),
         context_tokens=int(raw.get("context_tokens", 0) or 0),
         kv_bytes=int(raw.get("kv_bytes", 0) or 0),
+        streams=int(raw.get("streams", 1) or 1),
     )

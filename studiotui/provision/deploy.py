@@ -41,6 +41,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.peers import AgentError, AgentUnreachable
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.trust import home_mark
 from studiotui.provision import remote
 from studiotui.provision.plan import (
     MIN_FREE_BYTES,
@@ -80,6 +81,17 @@ LOG_TAIL_LINES = 15
 PIP_TIMEOUT_S = 1800.0
 START_MARKER = "=== studiotui: starting agent"
 LOG_WINDOW_BYTES = 256 * 1024
+# $1 a node's keys/authorized dir, $2... the key files it keeps: removes the others.
+REVOKE_SCRIPT = r"""
+dir=$1; shift
+cd "$dir" 2>/dev/null || exit 0
+for f in *.key; do
+  [ -e "$f" ] || continue
+  keep=0
+  for k in "$@"; do [ "$f" = "$k" ] && keep=1; done
+  [ "$keep" = 1 ] || rm -f -- "$f"
+done
+"""
 
 
 # --------------------------------------------------------------------------- outcomes
@@ -353,6 +365,8 @@ class _Run:
         self.on_event = on_event
         self.ctl = Controller(home, inventory)
         self.hellos: dict[str, dict[str, Any]] = {}
+        # Made before any node is probed, so a probe of this very home sees it.
+        self.home_mark = home_mark(home)
 
     def emit(self, node: str, step: str, status: str, detail: str = "") -> None:
         if self.on_event is None:
@@ -454,6 +468,7 @@ class _Run:
             upgrade=self.options.upgrade,
             hello=hello,
             min_free_bytes=self.options.min_free_bytes,
+            operator_mark=self.home_mark,
         )
         if isinstance(plan, Refusal):
             self.emit(name, "plan", "fail", plan.message)
@@ -474,7 +489,8 @@ class _Run:
                 facts=probe.summary(),
             )
 
-        reply: dict[str, Any] = {}
+        # A re-key leaves the agent running: what it said on hello still holds.
+        reply: dict[str, Any] = dict(self.hellos.get(name, {})) if plan.status == "rekey" else {}
         pid = 0
         for step in plan.steps:
             self.emit(name, step.kind, "start", step.detail)
@@ -622,6 +638,21 @@ class _Run:
                     for rel, data in bundle.files.items()
                 }
                 await ssh.put_files(conn, key_files, mode=0o600, dir_mode=0o700)
+                # Keys of nodes no longer in the inventory are revoked; the agent
+                # reloads its keys when they change on disk.
+                await ssh.run(
+                    conn,
+                    [
+                        "sh",
+                        "-c",
+                        REVOKE_SCRIPT,
+                        "sh",
+                        nodes.remote_join(probe.workdir, keys.AUTHORIZED.rstrip("/")),
+                        *keys.authorized_names(bundle),
+                    ],
+                    timeout=30,
+                    check=False,
+                )
                 record = json.dumps(dict(step.record), indent=2).encode() + b"\n"
                 await ssh.put_files(
                     conn, {nodes.remote_join(probe.workdir, "node.json"): record}, mode=0o600

@@ -116,6 +116,8 @@ class NodeProbe:
     deployed: Mapping[str, Any] | None = None
     builds: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # The token in the workdir's HOME_MARK file, if any: the operator's own home has one.
+    home_mark: str = ""
 
     @property
     def is_macos(self) -> bool:
@@ -379,6 +381,7 @@ def parse_probe(node: str, text: str) -> NodeProbe:
         deployed=_deployed(sections.get("deployed", "")),
         builds=tuple(b for b in sections.get("builds", "").split() if not b.startswith(".")),
         notes=tuple(notes),
+        home_mark=sections.get("home_mark", "").strip(),
     )
 
 
@@ -470,6 +473,9 @@ def deployment_record(node: NodeSpec, wanted: Wanted, python: str, workdir: str)
     }
 
 
+KEYS_CHANGED = "CURVE keys changed"
+
+
 def deployment_changes(deployed: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> list[str]:
     """Human-readable differences between what is deployed and what we want."""
     if deployed is None:
@@ -478,7 +484,7 @@ def deployment_changes(deployed: Mapping[str, Any] | None, wanted: Mapping[str, 
     for key in ("build", "name", "address", "control_port", "memory_gb", "python", "keys"):
         if deployed.get(key) != wanted.get(key):
             if key == "keys":
-                changes.append("CURVE keys changed")
+                changes.append(KEYS_CHANGED)
             else:
                 changes.append(f"{key} {deployed.get(key)!r} -> {wanted.get(key)!r}")
     return changes
@@ -592,7 +598,7 @@ Step = (
     MakeVenv | InstallDeps | CheckMlx | InstallWheel | StopAgent | InstallFiles | StartAgent | Prune
 )
 
-PlanStatus = Literal["install", "start", "replace", "unchanged", "kept"]
+PlanStatus = Literal["install", "start", "replace", "unchanged", "kept", "rekey"]
 
 
 @dataclass(frozen=True)
@@ -730,8 +736,20 @@ def plan_node(
     upgrade: bool = False,
     hello: AgentHello | None = None,
     min_free_bytes: int = MIN_FREE_BYTES,
+    operator_mark: str = "",
 ) -> NodePlan | Refusal:
-    """Decide what to do on `node` given its probe and what its agent said (if it did)."""
+    """Decide what to do on `node` given its probe and what its agent said (if it did).
+
+    `operator_mark` is the token in the operator's STUDIOTUI_HOME: a workdir holding
+    the same one is that home (this machine over SSH, or a shared home directory)."""
+    if operator_mark and probe.home_mark == operator_mark:
+        return Refusal(
+            node.name,
+            f"{node.name}'s workdir {probe.workdir} is this studiotui's own STUDIOTUI_HOME: "
+            "a node there would share (and prune) the operator's keys, history and builds",
+            f"Set `workdir` for {node.name} in cluster.toml to another directory "
+            "(for example ~/studiotui-node).",
+        )
     checked = _check_python(node, probe)
     if isinstance(checked, Refusal):
         return checked
@@ -755,6 +773,17 @@ def plan_node(
                 node.name, "unchanged", f"agent {wanted.build} is up", python, (), record
             )
         changes = [f"agent reports version {hello.version}, want {wanted.version}"]
+    if (
+        ours_running
+        and answering
+        and changes == [KEYS_CHANGED]
+        and hello is not None
+        and hello.version == wanted.version
+    ):
+        # Only the cluster's keys changed (a node joined or left): the running agent and
+        # its shards reload them from disk, so nothing is restarted and nothing unloaded.
+        reason = "installing the cluster's new keys"
+        return NodePlan(node.name, "rekey", reason, python, (InstallFiles(record),), record)
     if ours_running and not upgrade:
         why = "; ".join(changes) if changes else "it does not answer on its control socket"
         running = (probe.deployed or {}).get("build", "of unknown build")

@@ -23,6 +23,9 @@ from studiotui.ssh import client as ssh
 
 # Shared by every script: `~` expansion and a liveness test that does not take
 # a zombie for a running agent (a container's pid 1 may never reap it).
+# Left in every build studiotui unpacks into a workdir's lib/: only those are pruned.
+BUILD_MARKER = ".studiotui-build"
+
 _PRELUDE = r"""
 expand() {
   case $1 in
@@ -104,7 +107,13 @@ if [ -f "$wd/agent.pid" ]; then
   esac
 fi
 m deployed; cat "$wd/node.json" 2>/dev/null
-m builds; [ -d "$wd/lib" ] && ls -1 "$wd/lib" 2>/dev/null
+m home_mark; cat "$wd/.studiotui-home" 2>/dev/null
+m builds
+# Only what studiotui unpacked (it leaves .studiotui-build inside): a workdir pointed at
+# ~ or /opt/homebrew must never have ~/lib or /opt/homebrew/lib taken for old builds.
+for d in "$wd"/lib/*/; do
+  [ -f "$d.studiotui-build" ] && basename "$d"
+done
 m end
 exit 0
 """
@@ -203,6 +212,7 @@ tmp = "%s.tmp-%d" % (target, os.getpid())
 shutil.rmtree(tmp, ignore_errors=True)
 with zipfile.ZipFile(wheel) as z:
     z.extractall(tmp)
+open(os.path.join(tmp, ".studiotui-build"), "w").close()
 if os.path.isdir(target):
     shutil.rmtree(target)
 os.rename(tmp, target)
@@ -262,9 +272,11 @@ pid=$(cat "$f" 2>/dev/null)
 case $pid in ''|*[!0-9]*) rm -f "$f"; echo state=not_running; exit 0 ;; esac
 if ! alive "$pid"; then rm -f "$f"; echo state=not_running; printf 'pid=%s\n' "$pid"; exit 0; fi
 cmd=$(ps -ww -o command= -p "$pid" 2>/dev/null)
+# The agent's own argv (python -m worker ... --home WORKDIR --name ...), not just any
+# command with "worker" in it: a stale pid file may name anybody's process by now.
 case $cmd in
   '') ;;
-  *worker*) ;;
+  *" -m worker"*" --home $wd "*) ;;
   *) echo state=foreign; printf 'pid=%s\ncommand=%s\n' "$pid" "$cmd"; exit 0 ;;
 esac
 kill -TERM "$pid" 2>/dev/null

@@ -39,6 +39,7 @@ from studiotui.core.state import (
     placements_from_shards,
 )
 from tests.app_fixtures import fixed_models, fixed_state
+from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 GB = 1024**3
 
@@ -77,7 +78,11 @@ class FixedPreview:
         self.info = info
 
     def preview(
-        self, model_dir: Path, nodes: list[str], context_tokens: int = 4096
+        self,
+        model_dir: Path,
+        nodes: list[str],
+        context_tokens: int = 4096,
+        streams: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         budgets = []
         for name in nodes:
@@ -86,7 +91,12 @@ class FixedPreview:
             if node.state != "up":
                 return self.info, Refusal(f"{name} is {node.state}: start it first")
             budgets.append(NodeBudget(name, node.memory_free, node.memory_total))
-        return self.info, plan(self.info.facts, budgets, context_tokens=context_tokens)
+        # As the controller does: as many streams as fit, up to the default, else one.
+        for n in [streams] if streams else range(DEFAULT_STREAMS, 0, -1):
+            verdict = plan(self.info.facts, budgets, context_tokens=context_tokens, streams=n)
+            if isinstance(verdict, Plan):
+                break
+        return self.info, verdict
 
 
 # --------------------------------------------------------------------------- pure parts

@@ -98,6 +98,12 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert again.returncode == 2
     assert "'tiny' exists (ready): unload it first (studiotui unload tiny)" in again.stderr
     assert "ring:" not in again.stdout
+    # Planned for 3 requests at once: the preview says so; the placed one serves 1.
+    dry = run(home, "place", str(model), "--name", "t3", "--streams", "3", "--dry-run")
+    assert dry.returncode == 0 and "3 streams at once" in dry.stdout, dry.stdout
+    zero = run(home, "place", str(model), "--streams", "0", "--dry-run")
+    assert zero.returncode == 2 and "--streams" in zero.stderr
+    assert placement["streams"] == 4 and placement["context_tokens"] == 4096
 
     chat = run(home, "chat", "--placement", "tiny", "--max-tokens", "12", "hello")
     assert chat.returncode == 0, chat.stderr

@@ -37,6 +37,7 @@ from studiotui.provision.deploy import (
     PrebuiltWheel,
     provision,
 )
+from studiotui.provision.remote import BUILD_MARKER
 from tests.sshd import SshdServer, sshd_factory, sshd_server  # noqa: F401
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
@@ -198,6 +199,10 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
     inv = Inventory(name="desk", nodes=nodes)
     home = tmp_path / "home"
     common: dict[str, Any] = {"wheel": wheel, "user_known_hosts": None}
+    # The operator's own files under a workdir's lib/ (as under ~/lib): never pruned.
+    theirs = Path(nodes[0].workdir) / "lib" / "not-studiotuis"
+    theirs.mkdir(parents=True)
+    (theirs / "keep.txt").write_text("mine")
 
     # Unknown hosts are refused, with the fingerprint and the flag that accepts them.
     refused = await provision(home, inv, **common)
@@ -305,7 +310,20 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
         assert not psutil.pid_exists(pids[node.name]) or (
             psutil.Process(pids[node.name]).status() == psutil.STATUS_ZOMBIE
         )
-        assert sorted(p.name for p in (Path(node.workdir) / "lib").iterdir()) == [newer.build]
+        builds = sorted(p.name for p in (Path(node.workdir) / "lib").iterdir())
+        assert builds == sorted([newer.build, *(["not-studiotuis"] if node == nodes[0] else [])])
+        assert (Path(node.workdir) / "lib" / newer.build / BUILD_MARKER).is_file()
+    assert (theirs / "keep.txt").read_text() == "mine"
+
+    # The third node leaves the inventory: the next provision revokes its key on the others.
+    kept_nodes = nodes[:2]
+    fewer = await provision(home, Inventory(name="desk", nodes=kept_nodes), wheel=newer,
+                            user_known_hosts=None)  # fmt: skip
+    for node in kept_nodes:
+        assert fewer[node.name].status in ("up", "unchanged"), str(fewer[node.name])
+        authorized = Path(node.workdir) / "keys" / "authorized"
+        held = sorted(p.name for p in authorized.glob("*.key"))
+        assert held == sorted(["controller.key", *(f"{n.name}.key" for n in kept_nodes)])
 
 
 # --------------------------------------------------------------------------- failures
@@ -364,6 +382,8 @@ async def test_each_failure_names_its_node_and_the_others_still_come_up(
         ),
         node("portbusy", address=busy_addr),
         node("elsewhere", address=FOREIGN_ADDRESS),
+        # This very machine over SSH, with the operator's STUDIOTUI_HOME as its workdir.
+        node("myself", workdir=str(tmp_path / "home")),
     )
     agents.extend(Path(n.workdir) for n in nodes)
     trust(server, tmp_path / "home")
@@ -400,6 +420,10 @@ async def test_each_failure_names_its_node_and_the_others_still_come_up(
     assert "logs dies" in dies.hint
     failed("portbusy", f"port {port} on {busy_addr} is already in use", "lsof")
     failed("elsewhere", f"address {FOREIGN_ADDRESS} is not an address of elsewhere", "`address`")
+    failed("myself", "is this studiotui's own STUDIOTUI_HOME", "`workdir` for myself")
+    assert (
+        not (tmp_path / "home" / "lib").exists() and not (tmp_path / "home" / "node.json").exists()
+    )
 
 
 async def test_missing_mlx_that_pip_cannot_install(

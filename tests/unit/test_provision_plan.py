@@ -353,9 +353,14 @@ def test_a_venv_is_not_rebuilt_under_a_running_agent() -> None:
     assert kinds(plan)[:2] == [StopAgent, MakeVenv]
 
 
-def test_new_keys_or_silent_agent_need_upgrade_too() -> None:
+def test_new_keys_are_installed_under_the_running_agent_a_silent_one_needs_upgrade() -> None:
     probe = parse_probe("studio-1", _running(keys="k0"))
-    kept = plan_node(probe, node_with_venv(), wanted(), hello=AgentHello("0.1.0", 4242))
+    # The agent reloads its keys from disk: only the files change, nothing restarts.
+    rekey = plan_node(probe, node_with_venv(), wanted(), hello=AgentHello("0.1.0", 4242))
+    assert isinstance(rekey, NodePlan) and rekey.status == "rekey"
+    assert kinds(rekey) == [InstallFiles]
+    # Keys and version both changed: that is still an upgrade to ask for.
+    kept = plan_node(probe, node_with_venv(), wanted(), hello=AgentHello("0.0.9", 4242))
     assert isinstance(kept, NodePlan) and kept.status == "kept"
     assert "CURVE keys changed" in kept.reason
     silent = plan_node(parse_probe("studio-1", _running()), node_with_venv(), wanted(), hello=None)

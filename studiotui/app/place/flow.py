@@ -118,6 +118,7 @@ class Placer:
                 progress=progress,
                 context_tokens=screen.context_tokens,
                 expected=screen.plan,
+                streams=screen.planned_streams,
             )
         except Exception as exc:  # PlacementError says it was rolled back; say it as is
             screen.finished(str(exc))

@@ -39,12 +39,17 @@ class Previewing(Protocol):
     def state(self) -> ClusterState: ...
 
     def preview(
-        self, model_dir: Path, nodes: list[str], context_tokens: int = ...
+        self,
+        model_dir: Path,
+        nodes: list[str],
+        context_tokens: int = ...,
+        streams: int | None = ...,
     ) -> tuple[ModelInfo, Plan | Refusal]: ...
 
 
 MIN_CONTEXT = 256
 MAX_CONTEXT = 1 << 20
+MAX_STREAMS = 256
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,8 @@ class PreviewScreen(ModalScreen[None]):
         Binding("escape,n,q", "close", "Close", id="preview-close"),
         Binding("plus,equals_sign", "context(2)", "Context ×2", id="preview-context-up"),
         Binding("minus", "context(0.5)", "Context ÷2", id="preview-context-down"),
+        Binding("s", "streams(1)", "Streams +1", id="preview-streams-up"),
+        Binding("S", "streams(-1)", "Streams -1", id="preview-streams-down"),
     ]
 
     def __init__(self, request: PlaceRequest, controller: Previewing, deploy: Deploy) -> None:
@@ -249,6 +256,9 @@ class PreviewScreen(ModalScreen[None]):
         self.controller = controller
         self.deploy = deploy
         self.context_tokens = request.context_tokens
+        # Requests served at once (KV is reserved for each): None lets the planner take
+        # as many as fit, up to DEFAULT_STREAMS; s/S then set it.
+        self.streams: int | None = None
         # measuring, planning, plan, refused, error, loading, ready, failed
         self.phase = "planning"
         self.info: ModelInfo | None = None
@@ -292,7 +302,11 @@ class PreviewScreen(ModalScreen[None]):
         try:
             # Reading safetensors headers of a large model takes a moment: off the loop.
             self.info, self.verdict = await asyncio.to_thread(
-                self.controller.preview, request.model, list(request.nodes), self.context_tokens
+                self.controller.preview,
+                request.model,
+                list(request.nodes),
+                self.context_tokens,
+                self.streams,
             )
         except Exception as exc:  # a model directory gone or unreadable since the scan
             self.phase, self.message = "error", f"cannot read {request.model}: {exc}"
@@ -336,6 +350,19 @@ class PreviewScreen(ModalScreen[None]):
         self.context_tokens = max(MIN_CONTEXT, min(MAX_CONTEXT, wanted))
         self.replan()
 
+    def action_streams(self, delta: int) -> None:
+        if self.phase not in ("plan", "refused"):
+            return
+        self.streams = max(1, min(MAX_STREAMS, self.planned_streams + delta))
+        self.replan()
+
+    @property
+    def planned_streams(self) -> int:
+        """The streams the plan on screen is for (a refusal in auto mode is for one)."""
+        if isinstance(self.verdict, Plan):
+            return self.verdict.streams
+        return self.streams or 1
+
     # ---- told by the deploying worker -------------------------------------------------
 
     def progress(self, node: str, done: int, total: int) -> None:
@@ -364,8 +391,8 @@ class PreviewScreen(ModalScreen[None]):
         self.query_one("#preview-body", Drawing).redraw(self._lines)
         dialog = self.query_one("#preview-dialog")
         dialog.border_subtitle = {
-            "plan": "enter deploy · +/- context · esc cancel",
-            "refused": "+/- context · esc close",
+            "plan": "enter deploy · +/- context · s/S streams · esc cancel",
+            "refused": "+/- context · s/S streams · esc close",
             "loading": "esc hide (loading goes on; see Placements)",
         }.get(self.phase, "esc close")
         dialog.set_class(self.phase in ("refused", "error", "failed"), "-refused")
@@ -387,6 +414,8 @@ class PreviewScreen(ModalScreen[None]):
                 (f"'{request.name}'", "bold"),
                 ("  ·  ", "$text-muted"),
                 f"{self.context_tokens} tokens of context",
+                f" × {self.planned_streams} stream{'s' if self.planned_streams != 1 else ''}"
+                " at once",
             )
         )
         lines.append(Content(""))

@@ -10,12 +10,19 @@ peer without a key the controller installed gets nothing at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
+
+from worker.shared.protocol.limits import MAX_CONTROL_BYTES, SOCKET_HWM
+
+# The controller's public key is authorized/CONTROLLER.key on every node; the others
+# there are the nodes'. Only the controller may drive an agent or a head shard.
+CONTROLLER = "controller"
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,46 @@ def load_public_key(path: Path) -> bytes:
     return public
 
 
+def controller_key(home: Path) -> str | None:
+    """The controller's public key (Z85 text, as ZeroMQ names a peer in a message's
+    User-Id), or None if this node was given none."""
+    path = authorized_dir(home) / f"{CONTROLLER}.key"
+    try:
+        return load_public_key(path).decode("ascii")
+    except (OSError, ValueError):
+        return None
+
+
+def authorized_z85(home: Path) -> frozenset[str]:
+    """Every authorized public key, as Z85 text (what a message's User-Id holds)."""
+    out = set()
+    for path in sorted(authorized_dir(home).glob("*.key")):
+        with contextlib.suppress(OSError, ValueError):
+            out.add(load_public_key(path).decode("ascii"))
+    return frozenset(out)
+
+
+def keys_signature(home: Path) -> tuple[tuple[str, int, int], ...]:
+    """What the authorized keys look like on disk: changes when one is added, removed
+    or rewritten, so a process can reload them without a restart."""
+    directory = authorized_dir(home)
+    out = []
+    for path in sorted(directory.glob("*.key")) if directory.is_dir() else []:
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            out.append((path.name, st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+def sender(frame: zmq.Frame) -> str | None:
+    """The CURVE public key (Z85) of the peer a received message part came from."""
+    try:
+        value = frame.get("User-Id")
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def load_public_keys(directory: Path) -> list[bytes]:
     if not directory.is_dir():
         return []
@@ -77,13 +124,25 @@ def write_public_key(directory: Path, name: str, public: bytes) -> Path:
     return path
 
 
-def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+def bound(sock: zmq.Socket, max_bytes: int = MAX_CONTROL_BYTES, hwm: int = SOCKET_HWM) -> None:
+    """Limit what the socket reads: a message part over `max_bytes` disconnects its
+    sender before it is buffered, and at most `hwm` messages queue each way."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+
+
+def make_server(sock: zmq.Socket, keys: CurveKeys, max_bytes: int = MAX_CONTROL_BYTES) -> None:
+    bound(sock, max_bytes)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_server = True
 
 
-def make_client(sock: zmq.Socket, keys: CurveKeys, server_public: bytes) -> None:
+def make_client(
+    sock: zmq.Socket, keys: CurveKeys, server_public: bytes, max_bytes: int = MAX_CONTROL_BYTES
+) -> None:
+    bound(sock, max_bytes)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = server_public

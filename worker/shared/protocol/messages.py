@@ -12,10 +12,11 @@ from typing import Any
 
 import msgpack
 
+from worker.shared.protocol.limits import MAX_CONTROL_BYTES
 from worker.shared.protocol.packing import pack
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = MAX_CONTROL_BYTES
 
 _NUM = (int, float)
 _STR_LIST = (list, tuple)

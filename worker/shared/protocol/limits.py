@@ -1,0 +1,102 @@
+"""Limits both sides enforce: the API refuses past them with a 400, the shards again.
+
+Pure constants and arithmetic, so the operator side can import them (it may not
+import `worker.sampling`, which needs MLX) and the two sides never disagree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+MAX_TOKENS_LIMIT = 1 << 20
+# The runners' PRNG keys take a non-negative int64 (mx.random.key).
+MAX_SEED = (1 << 63) - 1
+# OpenAI takes 4 stop strings; a few more cost little. Each is matched only against
+# the text a token adds (worker/sampling.py), so their total length bounds the work.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+# No tokenizer studiotui serves has a token longer than this many characters (the
+# longest are runs of spaces or dashes in code vocabularies, 20-60). A prompt with
+# more characters than context x this cannot fit the context whatever its text, so
+# it is refused by counting characters, before anyone spends seconds and gigabytes
+# tokenising it (a 10 MB prompt took 27 s and 2.5 GB on a head shard).
+MAX_CHARS_PER_TOKEN = 64
+# Requests a placement serves at once unless told otherwise (`place --streams`): the
+# plan reserves a whole context of KV cache for each, and the head runs no more.
+DEFAULT_STREAMS = 4
+# How a head shard's refusal for want of a free stream begins: the API answers 429.
+BUSY = "busy:"
+
+
+# Every socket refuses (disconnects) a peer whose message part is over its limit, so
+# nothing a peer sends is buffered unbounded: control and client sockets carry msgpack
+# messages of at most this (messages.MAX_MESSAGE_BYTES), the ring an activation.
+MAX_CONTROL_BYTES = 16 * 1024 * 1024
+# Messages a socket queues each way before ZeroMQ pushes back (ZeroMQ's own default,
+# stated, so that it is a decision and not an accident).
+SOCKET_HWM = 1000
+# Work items a runner queues from its sockets before it stops reading them: what is
+# left unread waits in ZeroMQ's queue, which pushes back on the sender. Admission keeps
+# a healthy ring far below it.
+MAX_QUEUED_WORK = 4096
+# A ring frame's header: a request id, a shape, sampling parameters with their stop
+# strings (16 x 1024 characters, up to 4 bytes each in UTF-8), and some slack.
+RING_HEADER_BYTES = 256 * 1024
+
+
+def ring_frame_limit(hidden: int, prefill_chunk: int) -> int:
+    """The largest ring message part: a prefill chunk's activation in float32, the
+    widest dtype that travels, or the header, whichever is larger."""
+    return max(RING_HEADER_BYTES, max(1, prefill_chunk) * max(1, hidden) * 4)
+
+
+# A log tail asked for over the control socket (read_log): lines and bytes read at most,
+# however long the log or the request.
+MAX_LOG_LINES = 2000
+MAX_LOG_TAIL_BYTES = 1 << 20
+
+
+def tail_lines(path: Path, lines: int, max_bytes: int = MAX_LOG_TAIL_BYTES) -> list[str]:
+    """The last `lines` lines of a file, reading at most `max_bytes` from its end."""
+    lines = max(0, min(lines, MAX_LOG_LINES))
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            data = f.read(size - start)
+    except OSError:
+        return []
+    text = data.decode(errors="replace").splitlines()
+    if start > 0 and text:
+        text = text[1:]  # the first line read is probably cut
+    return text[-lines:] if lines else []
+
+
+def max_prompt_chars(context_tokens: int) -> int:
+    """The most characters a prompt for a context of `context_tokens` may have."""
+    return max(0, context_tokens) * MAX_CHARS_PER_TOKEN
+
+
+def prompt_chars(messages: Iterable[object]) -> int:
+    """Characters of text in chat messages (their contents and roles), junk counted as 0."""
+    total = 0
+    for msg in messages:
+        if isinstance(msg, dict):
+            for value in msg.values():
+                if isinstance(value, str):
+                    total += len(value)
+    return total
+
+
+def prompt_too_long(chars: int, context_tokens: int) -> str | None:
+    """Why a prompt of `chars` characters cannot fit, or None if it may."""
+    if context_tokens <= 0 or chars <= max_prompt_chars(context_tokens):
+        return None
+    return (
+        f"the prompt has {chars} characters: more than a context of {context_tokens} tokens "
+        f"can hold (at most {MAX_CHARS_PER_TOKEN} characters a token); shorten it, or place "
+        "the model with a larger --context"
+    )
