@@ -12,14 +12,12 @@ Run by the full bench on the SSH nodes it provisions (a real sshd on loopback).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from studiotui.bench.launch import ring_of_two
 from studiotui.cluster import model_files, model_sync
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory
@@ -72,33 +70,9 @@ async def _timed(
 def mlx_share_rate(model: Path, keep: Path | None = None) -> float | None:
     """MB/s of mlx-lm's broadcaster between two ranks on this machine, or None.
     `keep`: where rank 1's copy goes (else a temporary folder, removed)."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    if not launcher.exists():
-        return None
     script = Path(__file__).with_name("share.py")
     with tempfile.TemporaryDirectory(prefix="studiotui-share-") as tmp:
-        cmd = [
-            str(launcher),
-            "--backend",
-            "ring",
-            "--hosts",
-            "127.0.0.1",
-            "-n",
-            "2",
-            "--starting-port",
-            str(SHARE_PORT),
-            "--",
-            sys.executable,
-            str(script),
-            str(model),
-            str(keep or Path(tmp) / "dest"),
-        ]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            return None
-    for line in proc.stdout.splitlines():
-        if line.strip().startswith("{"):
-            out = json.loads(line)
-            return float(out["bytes"]) / 1e6 / float(out["seconds"])
-    return None
+        out = ring_of_two(script, SHARE_PORT, [str(model), str(keep or Path(tmp) / "dest")])
+    if out is None:
+        return None
+    return float(out["bytes"]) / 1e6 / float(out["seconds"])

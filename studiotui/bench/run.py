@@ -11,8 +11,6 @@ import contextlib
 import itertools
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from studiotui.bench.launch import ring_of_two
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.errors import StudioError
@@ -259,36 +258,9 @@ async def moe_figures(
 
 
 def mlx_ring(model_dir: Path, cfg: BenchConfig) -> float | None:
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    if not launcher.exists():
-        return None
     script = Path(__file__).with_name("ring.py")
-    cmd = [
-        str(launcher),
-        "--backend",
-        "ring",
-        "--hosts",
-        "127.0.0.1",
-        "-n",
-        "2",
-        "--starting-port",
-        str(BENCH_PORT + 900),
-        "--",
-        sys.executable,
-        str(script),
-        str(model_dir),
-        "16",
-        str(cfg.tokens),
-    ]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return None
-    for line in proc.stdout.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            return float(json.loads(line)["tps"])
-    return None
+    out = ring_of_two(script, BENCH_PORT + 900, [str(model_dir), "16", str(cfg.tokens)])
+    return float(out["tps"]) if out is not None else None
 
 
 # ---- the run ------------------------------------------------------------------------

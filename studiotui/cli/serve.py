@@ -60,18 +60,23 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
         print(f"studiotui serve: {server.url} (models: {ready}); Ctrl-C stops")
         if not args.api_key and not is_loopback(args.host):
             print(f"warning: {args.host} without --api-key: anyone on the network can use it")
-        task = asyncio.current_task()
-        if task is not None:
-            # SIGTERM (systemd, launchd, kill) stops it as cleanly as Ctrl-C.
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            pass
-        finally:
-            await server.close()
+        await until_stopped(server)
     finally:
         await ctl.close()
+
+
+async def until_stopped(server: Any) -> None:
+    """Serve until Ctrl-C or SIGTERM (systemd, launchd, kill: as clean as Ctrl-C), then
+    close `server` (anything with an async `close()`)."""
+    task = asyncio.current_task()
+    if task is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await server.close()
 
 
 def api_service(host: str, port: int, api_key: str | None) -> ServiceStarter:

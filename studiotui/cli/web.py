@@ -22,12 +22,13 @@ import hmac
 import ipaddress
 import secrets
 import shlex
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from studiotui.cli.serve import until_stopped
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -199,13 +200,4 @@ async def _web_main(args: argparse.Namespace) -> None:
             "the page is plain HTTP, so use it on a network you trust",
             flush=True,
         )
-    task = asyncio.current_task()
-    if task is not None:
-        # SIGTERM (systemd, launchd, kill) stops it as cleanly as Ctrl-C.
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    try:
-        await asyncio.Event().wait()
-    except asyncio.CancelledError:
-        pass
-    finally:
-        await server.close()
+    await until_stopped(server)
