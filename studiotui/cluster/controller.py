@@ -365,9 +365,7 @@ class Controller:
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
         DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one."""
-        from studiotui.cluster.model_files import check_model_dir
-
-        check_model_dir(model_dir)  # before any header is read: nothing outside it is
+        model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
         if info.unsupported:
             # Refused here, before the plan and so before any file is copied to a node.

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from studiotui.core.model_facts import ModelDirError, outside_links
+from studiotui.core.placement import format_bytes
 from worker.shared.manifest import FileId, manifest, part_name, plain_name
 
 SMALL_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".md"}
@@ -237,8 +238,6 @@ def disk_refusal(node: str, path: str, needed: int, free: int) -> str | None:
     """A sentence with the numbers when `node` lacks the room for a copy, else None."""
     if needed <= free:
         return None
-    from studiotui.core.placement import format_bytes
-
     return (
         f"{node} has {format_bytes(free)} free at {path} but the model's files need "
         f"{format_bytes(needed)} more there: free disk space on {node} or place on other nodes"
