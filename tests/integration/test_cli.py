@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,6 +115,10 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert finish in ("length", "stop") and 1 <= out <= 12
     assert (out == 12) == (finish == "length")
 
+    # The `serve` verb as a user runs it: its own process, the official client, then
+    # SIGTERM stops it cleanly.
+    serve_it(home, "tiny")
+
     # Piped at 80 columns: addresses and memory figures stay whole, one line each.
     narrow = run(home, "status", env={"COLUMNS": "80"})
     assert narrow.returncode == 0, narrow.stderr
@@ -132,6 +138,41 @@ def test_up_place_chat_status_down(home: Path) -> None:
     after = run(home, "status", "--json")
     assert after.returncode == 1 and "start it with `studiotui up`" in after.stderr
     assert json.loads(after.stdout)["placements"] == []
+
+
+def serve_it(home: Path, placement: str) -> None:
+    from openai import OpenAI
+
+    port = PORT + 50
+    env = {**os.environ, "STUDIOTUI_HOME": str(home), "STUDIOTUI_API_KEY": "s3cret"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "studiotui", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                models = [m.id for m in client.models.list().data]
+                break
+            except Exception:
+                assert proc.poll() is None, proc.communicate()[1]
+                assert time.monotonic() < deadline, "serve did not answer within 30 s"
+                time.sleep(0.2)
+        assert models == [placement]
+        answer = client.chat.completions.create(
+            model=placement, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
+        assert answer.usage is not None and 1 <= answer.usage.completion_tokens <= 5
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "studiotui serve: stopped" in out, out + err
 
 
 def _is_agent(pid: int) -> bool:
