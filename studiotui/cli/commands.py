@@ -21,10 +21,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
-from studiotui.cluster.session import load_cluster, wait_until_up
+from studiotui.cluster.session import wait_until_up
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import (
     Inventory,
@@ -48,7 +49,7 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
         except ValueError as exc:
             raise UserError(str(exc)) from None
     else:
-        inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+        inv = inventory_of(args, home)
     local = [n for n in inv.nodes if n.is_local]
     remote = [n for n in inv.nodes if not n.is_local]
     for node in local:
@@ -72,7 +73,7 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     names = args.nodes or list(inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
@@ -115,7 +116,7 @@ def _nobody_home(inv: Inventory) -> bool:
 
 
 async def cmd_status(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     ctl = Controller(home, inv)
     try:
         # No agent process here to answer: ask briefly rather than wait the full timeout.
@@ -211,7 +212,7 @@ def resolve_model(spec: Path, home: Path) -> Path:
 
 
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     args.model_dir = resolve_model(args.model_dir, home)
     try:
         info = read_model(args.model_dir)
@@ -294,7 +295,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
     from studiotui.cluster import peers as agents
     from studiotui.cluster.model_sync import SyncRefused
 
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     source = Path(args.source).expanduser()
     if not source.is_dir() and not model_fetch.is_repo_id(args.source):
         raise UserError(
@@ -346,7 +347,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     ctl = Controller(home, inv)
     try:
         await ctl.unload(args.name)
@@ -362,7 +363,7 @@ async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     if args.raw:
         request: dict[str, Any] = {"prompt": args.prompt}
     else:
@@ -412,7 +413,7 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     if args.node not in inv.names:
         raise UserError(f"unknown node {args.node!r}; known: {', '.join(inv.names)}")
     ctl = Controller(home, inv)

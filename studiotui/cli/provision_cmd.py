@@ -21,9 +21,10 @@ from rich.table import Table
 from rich.text import Text
 
 from studiotui.cli import commands
+from studiotui.cli.args import inventory_of
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
-from studiotui.cluster.session import load_cluster, wait_until_up
+from studiotui.cluster.session import wait_until_up
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import format_bytes
@@ -185,7 +186,7 @@ def print_outcomes(console: Console, errors: Console, outcomes: Sequence[Outcome
 
 
 async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     selected = _select(inv, getattr(args, "nodes", []) or [])
     names = [n.name for n in selected]
     console, errors = commands.console, commands.errors
@@ -209,7 +210,7 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
 async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     """Restart agents, then load again the shards they held (same layers and ports), so
     placements stay whole; what cannot be reloaded is named."""
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     selected = _select(inv, getattr(args, "nodes", []) or [])
     ctl = Controller(home, inv)
     try:
@@ -302,7 +303,7 @@ async def _restart_local(home: Path, inv: Inventory, node: NodeSpec, started: fl
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     """Stop agents: SSH nodes by the pid in their pid file, over SSH; local ones as before."""
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     names = list(getattr(args, "nodes", []) or inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
@@ -328,7 +329,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
 
 async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
     """An agent's log: over SSH (SFTP) for SSH nodes, from the agent for local ones."""
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     if args.node not in inv.names:
         raise UserError(f"unknown node {args.node!r}; known: {', '.join(inv.names)}")
     node = inv.node(args.node)

@@ -44,11 +44,11 @@ def cmd_serve(args: argparse.Namespace, home: Path) -> int:
 async def _serve_main(args: argparse.Namespace, home: Path) -> None:
     # Imported here: aiohttp is only worth loading when the server runs.
     from studiotui.api.server import MODELS, is_loopback, start_server
+    from studiotui.cli.args import inventory_of
     from studiotui.cluster.controller import Controller
-    from studiotui.cluster.session import load_cluster
     from studiotui.core.errors import UserError
 
-    inv = load_cluster(args.inventory, home, trust=getattr(args, "trust_inventory", False))
+    inv = inventory_of(args, home)
     ctl = Controller(home, inv)
     try:
         await ctl.start(telemetry=True)

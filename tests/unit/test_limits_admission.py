@@ -6,33 +6,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
+from tests.unit.test_stage import Loopback, answer
 from worker.shard import load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS
 from worker.stage import WAITING_PER_STREAM, Stage
-
-
-class Loopback:
-    def __init__(self, work: deque[Callable[[], None]]) -> None:
-        self.work = work
-        self.stage: Stage | None = None
-        self.client: list[tuple[str, dict[str, Any]]] = []
-
-    def to_next(self, header: RingHeader, activation: mx.array | None) -> None:
-        payload = bytes(memoryview(activation)) if activation is not None else b""
-        self.work.append(lambda: self.stage.on_frame(header, payload))  # type: ignore[union-attr]
-
-    def to_head(self, header: RingHeader) -> None:
-        self.work.append(lambda: self.stage.on_frame(header, b""))  # type: ignore[union-attr]
-
-    def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
-        self.client.append((kind, fields))
 
 
 def stage_of(model: Path, streams: int) -> tuple[Stage, Loopback, deque[Callable[[], None]]]:
@@ -43,12 +24,6 @@ def stage_of(model: Path, streams: int) -> tuple[Stage, Loopback, deque[Callable
     )
     links.stage = stage
     return stage, links, work
-
-
-def answer(links: Loopback, rid: str) -> tuple[str, str]:
-    text = "".join(f["text"] for k, f in links.client if k == "delta" and f["rid"] == rid)
-    done = [f["finish_reason"] for k, f in links.client if k == "done" and f["rid"] == rid]
-    return text, done[0] if done else ""
 
 
 def test_a_head_runs_its_streams_queues_a_few_and_refuses_the_rest(tmp_path: Path) -> None:

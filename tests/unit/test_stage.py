@@ -91,7 +91,7 @@ def _lone_stage(tmp_path: Path) -> tuple[Stage, Loopback, deque[Callable[[], Non
     return stage, links, work
 
 
-def _answer(links: Loopback, rid: str) -> tuple[str, str]:
+def answer(links: Loopback, rid: str) -> tuple[str, str]:
     text = "".join(f["text"] for k, f in links.client if k == "delta" and f["rid"] == rid)
     done = [f for k, f in links.client if k == "done" and f["rid"] == rid]
     return text, done[0]["finish_reason"] if done else ""
@@ -105,7 +105,7 @@ def test_a_lone_stage_drops_the_step_it_built_ahead_when_the_answer_ends(
     stage.submit(b"c", {"rid": "whole", "params": params, "prompt": "Hello"})
     while work:
         work.popleft()()
-    whole, finish = _answer(links, "whole")
+    whole, finish = answer(links, "whole")
     assert finish == "length" and len(whole) > 40
     assert stage.stats.prebuilt >= 38  # every step after the first was built ahead
     stop = whole[len(whole) // 2 : len(whole) // 2 + 6]
@@ -118,8 +118,8 @@ def test_a_lone_stage_drops_the_step_it_built_ahead_when_the_answer_ends(
     stage.cancel("cancelled")
     while work:
         work.popleft()()
-    assert _answer(links, "cut") == (whole[: len(whole) // 2], "stop")
-    assert _answer(links, "cancelled")[1] == "cancelled"
+    assert answer(links, "cut") == (whole[: len(whole) // 2], "stop")
+    assert answer(links, "cancelled")[1] == "cancelled"
     # Both had a step built ahead when they ended: it went with the request.
     assert not stage.prebuilt and not stage.caches
     assert not stage.head_requests and not stage.tail_requests
