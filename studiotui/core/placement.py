@@ -126,6 +126,13 @@ class ShardPlan:
     kv_bytes: int
     free_before: int
     free_after: int
+    # A stage run by a tensor-parallel group: every node in it (rank order, `node` first)
+    # holds a 1/N slice of layers [start, end) and they talk over `mx.distributed` with
+    # `backend` ("ring" or "jaccl"), chosen for `backend_reason`. () for a one-node stage;
+    # the byte figures above are then per node of the group.
+    group: tuple[str, ...] = ()
+    backend: str | None = None
+    backend_reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,81 @@
+"""worker.group: the files and environment a rank of an mx.distributed group is launched with."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.group import GroupError, rank_env, ring_hostfile, write_json
+
+RANK = """
+import os, sys
+import mlx.core as mx
+from worker.group import join
+group = join("ring", os.environ)
+total = mx.distributed.all_sum(mx.array([float(group.rank() + 1)]), group=group)
+print(group.rank(), group.size(), total.item())
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_ring_hostfile_is_one_list_per_rank() -> None:
+    assert ring_hostfile(["10.0.0.1", "10.0.0.2"], [5000, 5001]) == [
+        ["10.0.0.1:5000"],
+        ["10.0.0.2:5001"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("addresses", "ports", "word"),
+    [(["10.0.0.1"], [1], "at least 2"), (["a", "a"], [1, 1], "share"), (["a"], [1, 2], "ports")],
+)
+def test_ring_hostfile_refuses_bad_groups(
+    addresses: list[str], ports: list[int], word: str
+) -> None:
+    with pytest.raises(GroupError, match=word):
+        ring_hostfile(addresses, ports)
+
+
+def test_rank_env_names_what_is_missing(tmp_path: Path) -> None:
+    assert rank_env(1, 2, "ring", hostfile=tmp_path / "h.json")["MLX_RANK"] == "1"
+    with pytest.raises(GroupError, match="outside"):
+        rank_env(2, 2, "ring", hostfile=tmp_path / "h.json")
+    with pytest.raises(GroupError, match="hostfile"):
+        rank_env(0, 2, "ring")
+    with pytest.raises(GroupError, match="coordinator"):
+        rank_env(0, 2, "jaccl")
+
+
+def test_two_ranks_join_a_ring_and_sum(tmp_path: Path) -> None:
+    """Two real processes on loopback form a ring group from what the module writes."""
+    hostfile = write_json(
+        tmp_path / "hosts.json", ring_hostfile(["127.0.0.1"] * 2, [_free_port(), _free_port()])
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK],
+            env={**os.environ, **rank_env(rank, 2, "ring", hostfile=hostfile)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=60)[0].split() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert sorted(outs) == [["0", "2", "3.0"], ["1", "2", "3.0"]]
+    assert json.loads(hostfile.read_text())[0][0].startswith("127.0.0.1:")
