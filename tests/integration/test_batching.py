@@ -294,7 +294,10 @@ def test_batched_decode_over_two_real_shards_matches_each_answer_alone(
             await ctl.place(model, names, name, prefill_chunk=CHUNK, streams=8)
             one = [await answer(ctl, name, p, q, 0.0) for p, q in jobs]
             four = await asyncio.gather(
-                *(answer(ctl, name, p, q, d) for (p, q), d in zip(jobs[:4], delays, strict=True))
+                *(
+                    answer(ctl, name, p, q, d)
+                    for (p, q), d in zip(jobs[:4], delays[:4], strict=True)
+                )
             )
             eight = await asyncio.gather(
                 *(
