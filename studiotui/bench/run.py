@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from studiotui.bench import batching
 from studiotui.bench.launch import ring_of_two
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
@@ -301,6 +302,12 @@ def measure(quick: bool) -> dict[str, Any]:
                 single_moe = SingleProcess(moe_dir)
             moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
             del single_moe
+            with phase("batch8"):
+                batch = asyncio.run(
+                    batching.batch_figures(
+                        home, inv, model_dir, cfg.tokens, cfg.decode_rounds, cfg.prefill_chunk
+                    )
+                )
         except Exception as exc:  # report it as a figure-less run, not a traceback
             raise BenchError(f"{type(exc).__name__}: {exc}") from exc
         finally:
@@ -308,8 +315,14 @@ def measure(quick: bool) -> dict[str, Any]:
                 local_cluster.kill_pid(pid)
         with phase("mlx_ring"):
             ring = mlx_ring(model_dir, cfg)
+        with phase("bare_hop"):  # the agents are gone: two otherwise idle processes
+            bare = batching.bare_hop_us(f"127.0.0.{BENCH_OCTET}", BENCH_PORT + 950, cfg.hidden)
     pipe["moe2"] = moe
-    return summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+    figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+    figures.update(batch, bare_hop_us=round(bare, 1) if bare else None)
+    figures["hop_over_bare"] = round(figures["hop_us_p50"] / bare, 2) if bare else None
+    figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
+    return figures
 
 
 async def _with_cluster(
