@@ -654,6 +654,7 @@ class Stage:
         # Start the next step first: detokenising and telling the client then overlap
         # with the shard's compute instead of standing in front of it.
         step: Launched | None = None
+        lane_step: Launched | None = None
         failure = ""
         lane = self._lane(rid) if self.lanes else None
         if not header.finish:
@@ -668,16 +669,18 @@ class Stage:
                 # Its lane decodes together: it goes with the lane's next step.
                 lane.flying.discard(rid)
                 lane.ready[rid] = header.token
-                step = self._lane_launch(lane)
+                lane_step = self._lane_launch(lane)
         finish = self._deliver(rid, req, header)
-        if finish is None:
-            return  # failed
         if finish:
             self._finish(rid, finish)  # a started step is dropped; "free" clears the ring
+        elif finish is None:
+            pass  # it failed: its step is dropped with it
         elif failure:
             self._fail(rid, failure)
         elif step is not None:
             self._complete_or_fail(step)
+        if lane_step is not None:
+            self._complete_lane(lane_step)  # the others' step goes on in any case
 
     def _deliver(self, rid: str, req: HeadRequest, header: RingHeader) -> str | None:
         """Turn a token into text for the client; why the answer ends ("" if it goes on),
@@ -731,7 +734,7 @@ class Stage:
     def _lane_step(self, lane: Lane) -> None:
         step = self._lane_launch(lane)
         if step is not None:
-            self._complete_or_fail(step)
+            self._complete_lane(step)
 
     def _lane_launch(self, lane: Lane) -> Launched | None:
         """Start the lane's next step for every member whose token has come, once none
@@ -798,6 +801,12 @@ class Stage:
             if finish:
                 self._finish(rid, finish)
         if step is not None:
+            self._complete_lane(step)
+
+    def _complete_lane(self, step: Launched) -> None:
+        """Send a lane's step on, unless it was one request's that has ended since it
+        started (a batch leaves out the rows that ended, `_complete_batch`)."""
+        if step.header.batch or step.header.rid in self.head_requests:
             self._complete_or_fail(step)
 
     # ---- every stage: batched steps ----------------------------------------------------
