@@ -1113,6 +1113,13 @@ class Stage:
     def _on_error(self, header: RingHeader) -> None:
         rid = header.rid
         if self.shard.is_first:
+            lane = next((each for each in self.lanes if each.gid == rid), None)
+            if lane is not None:
+                # A batch's frame itself was unusable (a bad frame names the batch):
+                # every request in that step fails, rather than waiting for ever.
+                for member in sorted(lane.flying):
+                    self._on_error(replace(header, rid=member))
+                return
             req = self.head_requests.pop(rid, None)
             if req is not None:
                 self.links.to_client(req.client, "failed", rid=rid, message=header.message)

@@ -14,6 +14,7 @@ import asyncio
 import random
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,12 @@ from tests.cluster_fixture import LocalCluster
 from worker.families import batch_reason
 from worker.shard import load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.protocol.frames import RingHeader
+from worker.shared.protocol.frames import (
+    FrameError,
+    RingHeader,
+    decode_ring_header,
+    encode_ring_header,
+)
 from worker.stage import Stage
 
 SEED = 15
@@ -335,3 +341,45 @@ async def _caches_freed(ctl: Controller, name: str) -> list[int]:
         if not any(counts):
             break
     return counts
+
+
+def test_a_batch_frame_that_cannot_be_read_fails_its_rows_only(
+    models: Callable[..., Path],
+) -> None:
+    # A runner that cannot read a frame reports an error under the name the frame gave,
+    # here a lane's batch: the requests of that step fail, the other lane's go on.
+    ring = Ring(models("llama"), [(0, 2), (2, 5)])
+    jobs = [(PROMPT[: 10 + i], {"max_tokens": 30, "ignore_eos": True}) for i in range(4)]
+    expected = alone(ring, jobs)
+    for i, (prompt, params) in enumerate(jobs):
+        ring.submit(f"t{i}", prompt, params)
+    head = ring.stages[0]
+    while not any(len(lane.flying) > 1 and lane.gid in head.groups for lane in head.lanes):
+        ring.drain(1)
+    lane = next(lane for lane in head.lanes if len(lane.flying) > 1 and lane.gid in head.groups)
+    broken = set(lane.flying)
+    bad = RingHeader(rid=lane.gid, kind="error", message="bad frame: payload cut short")
+    ring.stages[1].on_frame(bad, b"")
+    ring.drain()
+    failed = {f["rid"] for k, f in ring.client if k == "failed"}
+    assert failed == broken and "payload cut short" in str(ring.client)
+    for i in range(4):
+        if f"t{i}" not in broken:
+            assert ring.tokens(f"t{i}") == expected[i]
+    assert [s.held() for s in ring.stages] == [0, 0]
+
+
+def test_batch_rows_cross_the_wire_and_bad_ones_are_refused() -> None:
+    rows = (("a", 17), ("b", 9))
+    header = RingHeader(rid="batch0", kind="decode", dtype="float32", shape=(2, 1, 4), batch=rows)
+    back = decode_ring_header(encode_ring_header(header), 2 * 4 * 4)
+    assert back.batch == rows and back.rid == "batch0"
+    tokens = RingHeader(
+        rid="batch0", kind="token", batch=(("a", 5, "", None), ("b", 6, "stop", None))
+    )
+    assert decode_ring_header(encode_ring_header(tokens), 0).batch == tokens.batch
+    for bad in ((("a", 1), ("a", 2)), (("a",),), ((3, 1),), (("a", "x"),)):
+        raw = encode_ring_header(replace(header, batch=bad))
+        with pytest.raises(FrameError, match="batch") as caught:
+            decode_ring_header(raw, 2 * 4 * 4)
+        assert caught.value.rid == "batch0"

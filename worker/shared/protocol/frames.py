@@ -126,7 +126,8 @@ def _batch(raw: Any) -> tuple[tuple[Any, ...], ...]:
     for row in raw:
         if not isinstance(row, list) or not 2 <= len(row) <= 4 or not isinstance(row[0], str):
             raise TypeError(f"batch row {row!r} is not [rid, ...]")
-        _int(row[1])
+        if isinstance(row[1], bool) or not isinstance(row[1], int):
+            raise TypeError(f"batch row {row!r}: {row[1]!r} is not an offset or token")
         rows.append(tuple(row))
     if len({row[0] for row in rows}) != len(rows):
         raise TypeError("a request appears twice in one batch")
