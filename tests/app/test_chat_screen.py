@@ -123,17 +123,17 @@ async def ask(pilot: Any, screen: ChatScreen, text: str) -> None:
     prompt = screen.query_one("#chat-prompt", Input)
     prompt.focus()
     prompt.value = text
-    previous = screen._turn
+    previous = screen.turn
     # Not pilot.press: it waits for every widget to be idle, which a streaming
     # answer never is. A terminal sends the key without waiting either.
     screen.app.simulate_key("enter")
-    await until(pilot, lambda: screen._turn is not previous, 5, f"{text!r} is asked")
+    await until(pilot, lambda: screen.turn is not previous, 5, f"{text!r} is asked")
 
 
 async def answered(pilot: Any, screen: ChatScreen, timeout: float = 30) -> AnswerView:
     await until(
         pilot,
-        lambda: screen._turn is not None and screen._turn.finished,
+        lambda: screen.turn is not None and screen.turn.finished,
         timeout,
         "the answer ends",
     )
@@ -186,13 +186,13 @@ async def test_an_answer_streams_with_its_figures(
         # Pilot.press waits until every widget is idle, which is never while tokens
         # stream: the keys during the answer are sent as a terminal would send them.
         app.simulate_key("enter")
-        await until(pilot, lambda: screen._turn is not None, 5, "streaming starts")
+        await until(pilot, lambda: screen.turn is not None, 5, "streaming starts")
         # Keys are answered while tokens stream, not queued behind the answer. (How
         # quickly is a figure for a benchmark, not a timed assertion here.) Polled with
         # plain sleeps: `pilot.pause` first waits for every widget to take its queued
         # messages, which under a stream on a loaded machine can outlast a fast answer.
         deadline = time.monotonic() + 15
-        while screen._turn is None or screen._turn.tokens <= 5:
+        while screen.turn is None or screen.turn.tokens <= 5:
             assert time.monotonic() < deadline, "no tokens within 15 s"
             await asyncio.sleep(0.005)
         prompt = screen.query_one("#chat-prompt", Input)
@@ -201,18 +201,18 @@ async def test_an_answer_streams_with_its_figures(
             app.simulate_key(key)
             while not prompt.value.endswith(key):
                 await asyncio.sleep(0.005)
-            tokens_when_echoed.append(screen._turn.tokens)
+            tokens_when_echoed.append(screen.turn.tokens)
         assert prompt.value == "xyz"
         assert max(tokens_when_echoed) < ANSWER, "the keys waited for the whole answer"
         # The live figures are redrawn FLUSH_HZ times a second while tokens come: polled
         # (not read once) so a redraw still pending on a busy machine is waited for.
         live = content(screen, "#chat-figures")
-        while "answering" not in live and not screen._turn.finished:
+        while "answering" not in live and not screen.turn.finished:
             await asyncio.sleep(0.01)
             live = content(screen, "#chat-figures")
         assert "answering" in live and "tok/s" in live, live
         view = await answered(pilot, screen)
-        turn = screen._turn
+        turn = screen.turn
         assert turn is not None and turn.error is None and not turn.stopped
 
         assert [v.text for v in screen.query(UserView)] == ["hello there"]
@@ -259,12 +259,12 @@ async def test_escape_stops_at_once_and_frees_every_cache(
         await pilot.press("ctrl+n")
         settings(screen, "0", "2000")
         await ask(pilot, screen, LONG)
-        await until(pilot, lambda: screen._turn is not None and screen._turn.tokens >= 8, 20, "t")
+        await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
         await pilot.press("escape")
         # The question is back to edit at once; the answer ends within a moment.
         assert screen.query_one("#chat-prompt", Input).value == LONG
         await until(pilot, lambda: not screen.streaming, 2, "the answer stops")
-        turn = screen._turn
+        turn = screen.turn
         assert turn is not None and turn.stopped and turn.error is None
         partial = turn.text
         assert partial and turn.tokens < 2000
@@ -291,9 +291,9 @@ async def test_escape_stops_at_once_and_frees_every_cache(
         # Asking again (edited or not) replaces the stopped turn.
         settings(screen, "0", "8")
         screen.query_one("#chat-prompt", Input).focus()
-        stopped = screen._turn
+        stopped = screen.turn
         await pilot.press("enter")
-        await until(pilot, lambda: screen._turn is not stopped, 5, "asked again")
+        await until(pilot, lambda: screen.turn is not stopped, 5, "asked again")
         await answered(pilot, screen)
         again = stored(home, conv.id)
         assert [m.role for m in again] == ["user", "assistant"]
@@ -303,9 +303,9 @@ async def test_escape_stops_at_once_and_frees_every_cache(
 
         # Regenerate: the last answer is made again, the question stays.
         settings(screen, "0", "12")
-        previous = screen._turn
+        previous = screen.turn
         await pilot.press("ctrl+r")
-        await until(pilot, lambda: screen._turn is not previous, 5, "regenerating")
+        await until(pilot, lambda: screen.turn is not previous, 5, "regenerating")
         view = await answered(pilot, screen)
         after = stored(home, conv.id)
         assert [m.role for m in after] == ["user", "assistant"]
@@ -459,7 +459,7 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         await pilot.press("ctrl+n")
         settings(screen, "0", "2000")
         await ask(pilot, screen, LONG)
-        await until(pilot, lambda: screen._turn is not None and screen._turn.tokens >= 8, 20, "t")
+        await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
         ctl = app.controller
         assert ctl is not None
         placement = ctl.state.placement("demo")
@@ -470,7 +470,7 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         os.kill(int(runner["pid"]), signal.SIGKILL)
 
         view = await answered(pilot, screen, timeout=20)
-        turn = screen._turn
+        turn = screen.turn
         assert turn is not None and turn.error and not turn.stopped
         assert "place it again" in turn.error, "the error should say what to do"
         assert turn.text and view.text == turn.text
@@ -485,9 +485,9 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         # The placement is gone now: asking says so in the conversation.
         await ask(pilot, screen, "are you there?")
         view = await answered(pilot, screen, timeout=20)
-        assert screen._turn is not None and screen._turn.error
-        assert "demo" in screen._turn.error and "no text arrived" in str(view.note.content)
-        assert "unload it" in screen._turn.error
+        assert screen.turn is not None and screen.turn.error
+        assert "demo" in screen.turn.error and "no text arrived" in str(view.note.content)
+        assert "unload it" in screen.turn.error
 
 
 async def test_settings_fields_say_what_is_wrong_where_one_looks(tmp_path: Path) -> None:
