@@ -36,6 +36,7 @@ class HistoryStore:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-history")
         self._history: History | None = None
         self._closed = False
+        self._closing: Future[None] | None = None
         self.on_error = on_error
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -115,15 +116,13 @@ class HistoryStore:
         return self._closed
 
     def close(self) -> Future[None]:
-        """Close the history after every call queued so far; returns at once."""
-        if self._closed:
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
-        future = self._pool.submit(self._close)
-        self._closed = True
-        self._pool.shutdown(wait=False)
-        return future
+        """Close the history after every call queued so far; returns at once, with a
+        future that is done when the history is closed (the same one each time)."""
+        if self._closing is None:
+            self._closing = self._pool.submit(self._close)
+            self._closed = True
+            self._pool.shutdown(wait=False)
+        return self._closing
 
     def _close(self) -> None:
         if self._history is not None:

@@ -449,6 +449,28 @@ async def test_a_question_about_a_document_uses_the_related_passages(
         assert [v.text for v in screen.query(UserView)] == ["What is the vault code?"]
 
 
+async def test_quitting_mid_answer_keeps_what_arrived(cluster: tuple[Path, Inventory]) -> None:
+    home, inv = cluster
+    app = StudioApp(home, inv)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot, app)
+        await pilot.press("ctrl+n")
+        settings(screen, "0", "2000")
+        await ask(pilot, screen, LONG)
+        await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
+        turn = screen.turn
+        assert turn is not None and not turn.finished
+        session = screen.session
+    # The app quit with the answer coming: the screen kept it as it was, then closed
+    # the history once every write was done.
+    session.store.close().result(timeout=10)
+    assert turn.finished and turn.stopped and turn.text and turn.tokens < 2000
+    assert session.conversation is not None
+    [question, answer] = stored(home, session.conversation.id)
+    assert question.content == LONG
+    assert answer.content == turn.text and answer.meta["stopped"] is True
+
+
 async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
     cluster: tuple[Path, Inventory],
 ) -> None:
