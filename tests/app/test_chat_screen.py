@@ -12,7 +12,6 @@ runs to max_tokens, which is what the stop and error tests need.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -30,12 +29,10 @@ from studiotui.app.screens.chat import AnswerView, ChatScreen, UserView
 from studiotui.app.screens.conversations import ConversationsScreen
 from studiotui.chat.documents import split_passages
 from studiotui.chat.history import History, Settings
-from studiotui.cluster import local_cluster
-from studiotui.cluster.controller import Controller
-from studiotui.cluster.session import wait_until_up
-from studiotui.core.inventory import Inventory, local_inventory
+from studiotui.core.inventory import Inventory
+from tests.cluster_fixture import placed_cluster
 from tests.pilot_helpers import run_from_palette
-from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.demo_model import DemoSpec
 
 BASE = 221
 PORT = 59500
@@ -47,38 +44,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Inventory]]:
+    spec = DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32")
     home = tmp_path_factory.mktemp("chat-home")
-    inv = local_inventory(2, base_octet=BASE, control_port=PORT, home=home, memory_gb=8.0)
-    pids: list[int] = []
-    try:
-        for node in inv.nodes:
-            pids.append(local_cluster.start_agent(home, node, inv))
-        model = write_demo_model(
-            home / "models" / "demo",
-            DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32"),
-        )
-        asyncio.run(_up_and_place(home, inv, model))
-        yield home, inv
-    finally:
-        for node in inv.nodes:
-            with contextlib.suppress(Exception):
-                local_cluster.stop_agent(node)
-        for pid in pids:
-            local_cluster.kill_pid(pid)
-
-
-async def _up_and_place(home: Path, inv: Inventory, model: Path) -> None:
-    ctl = Controller(home, inv)
-    try:
-        missing = await wait_until_up(ctl, list(inv.names), timeout=30.0)
-        assert not missing, f"agents did not come up: {missing}"
-        await ctl.place(model)
-        # The first request compiles MLX kernels in every runner; do it here, once.
-        request = {"messages": [{"role": "user", "content": "warm up"}]}
-        async for _ in ctl.generate(None, request, {"max_tokens": 2}):
-            pass
-    finally:
-        await ctl.close()
+    for local in placed_cluster(home, 2, BASE, PORT, spec):
+        yield local.home, local.inventory
 
 
 # --------------------------------------------------------------------------- helpers
@@ -128,6 +97,16 @@ async def ask(pilot: Any, screen: ChatScreen, text: str) -> None:
     # answer never is. A terminal sends the key without waiting either.
     screen.app.simulate_key("enter")
     await until(pilot, lambda: screen.turn is not previous, 5, f"{text!r} is asked")
+
+
+async def long_answer_under_way(pilot: Any, app: StudioApp) -> ChatScreen:
+    """The chat, a new conversation, and an answer of up to 2000 tokens 8 tokens in."""
+    screen = await open_chat(pilot, app)
+    await pilot.press("ctrl+n")
+    settings(screen, "0", "2000")
+    await ask(pilot, screen, LONG)
+    await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
+    return screen
 
 
 async def answered(pilot: Any, screen: ChatScreen, timeout: float = 30) -> AnswerView:
@@ -255,11 +234,7 @@ async def test_escape_stops_at_once_and_frees_every_cache(
     home, inv = cluster
     app = StudioApp(home, inv)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await open_chat(pilot, app)
-        await pilot.press("ctrl+n")
-        settings(screen, "0", "2000")
-        await ask(pilot, screen, LONG)
-        await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
+        screen = await long_answer_under_way(pilot, app)
         await pilot.press("escape")
         # The question is back to edit at once; the answer ends within a moment.
         assert screen.query_one("#chat-prompt", Input).value == LONG
@@ -453,11 +428,7 @@ async def test_quitting_mid_answer_keeps_what_arrived(cluster: tuple[Path, Inven
     home, inv = cluster
     app = StudioApp(home, inv)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await open_chat(pilot, app)
-        await pilot.press("ctrl+n")
-        settings(screen, "0", "2000")
-        await ask(pilot, screen, LONG)
-        await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
+        screen = await long_answer_under_way(pilot, app)
         turn = screen.turn
         assert turn is not None and not turn.finished
         session = screen.session
@@ -477,11 +448,7 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
     home, inv = cluster
     app = StudioApp(home, inv)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await open_chat(pilot, app)
-        await pilot.press("ctrl+n")
-        settings(screen, "0", "2000")
-        await ask(pilot, screen, LONG)
-        await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
+        screen = await long_answer_under_way(pilot, app)
         ctl = app.controller
         assert ctl is not None
         placement = ctl.state.placement("demo")

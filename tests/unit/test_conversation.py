@@ -29,11 +29,11 @@ from studiotui.chat.commands import COMMANDS, Command, parse_command, suggest
 from studiotui.chat.conversation import NO_CLUSTER, ChatSession, Target, Turn
 from studiotui.chat.history import History, HistoryError, Message, Settings
 from studiotui.chat.store import HistoryStore
-from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.session import wait_until_up
-from studiotui.core.inventory import Inventory, local_inventory
-from worker.shared.demo_model import DemoSpec, write_demo_model
+from studiotui.core.inventory import Inventory
+from tests.cluster_fixture import placed_cluster
+from worker.shared.demo_model import DemoSpec
 
 BASE, PORT = 241, 59700
 LONG = "tell me a long story"
@@ -193,6 +193,16 @@ async def session_in(home: Path) -> AsyncIterator[ChatSession]:
         await asyncio.wrap_future(store.close())
 
 
+@contextlib.contextmanager
+def history_in(home: Path) -> Iterator[History]:
+    """The history as another process would read it."""
+    history = History.open(home)
+    try:
+        yield history
+    finally:
+        history.close()
+
+
 async def test_commands_and_documents_without_a_cluster(tmp_path: Path) -> None:
     doc = tmp_path / "notes.md"
     doc.write_text("# Notes\n\nThe vault code is tangerine.\n")
@@ -225,8 +235,7 @@ async def test_commands_and_documents_without_a_cluster(tmp_path: Path) -> None:
         assert "exported 'My notes' to" in reply.report
         conv_id = session.conversation.id
 
-    history = History.open(tmp_path)
-    try:
+    with history_in(tmp_path) as history:
         conv = history.get(conv_id)
         assert conv.title == "My notes" and conv.settings.system_prompt == "Be terse."
         assert history.documents(conv_id) == []
@@ -235,8 +244,6 @@ async def test_commands_and_documents_without_a_cluster(tmp_path: Path) -> None:
         assert question.sent is not None and "tangerine" in question.sent
         assert answer.meta["error"] == NO_CLUSTER
         assert list((tmp_path / "exports").glob("*-my-notes.md"))
-    finally:
-        history.close()
 
 
 # ---- a session answering from a real agent ----------------------------------------
@@ -244,38 +251,10 @@ async def test_commands_and_documents_without_a_cluster(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def conv_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Inventory]]:
+    spec = DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32")
     home = tmp_path_factory.mktemp("conversation-home")
-    inv = local_inventory(1, base_octet=BASE, control_port=PORT, home=home, memory_gb=8.0)
-    pids: list[int] = []
-    try:
-        for node in inv.nodes:
-            pids.append(local_cluster.start_agent(home, node, inv))
-        model = write_demo_model(
-            home / "models" / "demo",
-            DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32"),
-        )
-        asyncio.run(_up_and_place(home, inv, model))
-        yield home, inv
-    finally:
-        for node in inv.nodes:
-            with contextlib.suppress(Exception):
-                local_cluster.stop_agent(node)
-        for pid in pids:
-            local_cluster.kill_pid(pid)
-
-
-async def _up_and_place(home: Path, inv: Inventory, model: Path) -> None:
-    ctl = Controller(home, inv)
-    try:
-        missing = await wait_until_up(ctl, list(inv.names), timeout=30.0)
-        assert not missing, f"the agent did not come up: {missing}"
-        await ctl.place(model)
-        # The first request compiles MLX kernels in the runner; do it here, once.
-        request = {"messages": [{"role": "user", "content": "warm up"}]}
-        async for _ in ctl.generate(None, request, {"max_tokens": 2}):
-            pass
-    finally:
-        await ctl.close()
+    for local in placed_cluster(home, 1, BASE, PORT, spec):
+        yield local.home, local.inventory
 
 
 @contextlib.asynccontextmanager
@@ -295,6 +274,19 @@ async def controller_of(home: Path, inv: Inventory) -> AsyncIterator[Controller]
 
 def target(ctl: Controller) -> Target:
     return Target("demo", ctl.state.placement("demo"))
+
+
+async def long_answer_under_way(session: ChatSession, ctl: Controller) -> tuple[Turn, Any]:
+    """An answer of up to 2000 tokens, some tokens in, and the task making it."""
+    session.use_settings(Settings(temperature=0.0, max_tokens=2000))
+    turn = await session.ask(LONG, target(ctl))
+    task = asyncio.create_task(session.run(turn, ctl))
+    for _ in range(400):
+        if turn.tokens >= 8:
+            break
+        await asyncio.sleep(0.05)
+    assert turn.tokens >= 8, "no tokens came"
+    return turn, task
 
 
 async def test_an_answer_is_streamed_and_kept_with_its_checkpoints_in_order(
@@ -328,13 +320,10 @@ async def test_an_answer_is_streamed_and_kept_with_its_checkpoints_in_order(
     assert len(writes) >= 3 and all(thread != loop_thread for thread, _, _ in writes)
     lengths = [n for _, n, _ in writes]
     assert lengths == sorted(lengths) and writes[-1][2] and not any(m for *_, m in writes[:-1])
-    history = History.open(tmp_path)
-    try:
+    with history_in(tmp_path) as history:
         [question, answer] = history.messages(conv_id)
         assert question.content == "hello" and answer.content == turn.text
         assert answer.meta["completion_tokens"] == 24
-    finally:
-        history.close()
 
 
 async def test_closing_mid_answer_keeps_what_arrived(
@@ -344,14 +333,7 @@ async def test_closing_mid_answer_keeps_what_arrived(
     async with controller_of(home, inv) as ctl:
         store, _ = await HistoryStore.open(tmp_path)
         session = ChatSession(store, tmp_path / "exports")
-        session.use_settings(Settings(temperature=0.0, max_tokens=2000))
-        turn = await session.ask(LONG, target(ctl))
-        task = asyncio.create_task(session.run(turn, ctl))
-        for _ in range(400):
-            if turn.tokens >= 8:
-                break
-            await asyncio.sleep(0.05)
-        assert turn.tokens >= 8, "no tokens came"
+        turn, task = await long_answer_under_way(session, ctl)
         # What the screen does when it goes away: close, then cancel the answer's task.
         session.close()
         task.cancel()
@@ -368,15 +350,12 @@ async def test_closing_mid_answer_keeps_what_arrived(
                 break
             await asyncio.sleep(0.1)
         assert not any(s.in_flight for n in state.nodes for s in n.shards)
-    history = History.open(tmp_path)
-    try:
+    with history_in(tmp_path) as history:
         [conv] = history.conversations()
         [question, answer] = history.messages(conv.id)
         assert question.content == LONG
         assert answer.content == kept and answer.meta["stopped"] is True
         assert answer.meta["finish_reason"] == "stopped"
-    finally:
-        history.close()
 
 
 async def test_stop_leaves_a_draft_that_asking_replaces_and_regenerate_remakes(
@@ -384,13 +363,7 @@ async def test_stop_leaves_a_draft_that_asking_replaces_and_regenerate_remakes(
 ) -> None:
     home, inv = conv_cluster
     async with controller_of(home, inv) as ctl, session_in(tmp_path) as session:
-        session.use_settings(Settings(temperature=0.0, max_tokens=2000))
-        turn = await session.ask(LONG, target(ctl))
-        task = asyncio.create_task(session.run(turn, ctl))
-        for _ in range(400):
-            if turn.tokens >= 4:
-                break
-            await asyncio.sleep(0.05)
+        turn, task = await long_answer_under_way(session, ctl)
         assert session.stop() is turn
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -412,13 +385,10 @@ async def test_stop_leaves_a_draft_that_asking_replaces_and_regenerate_remakes(
         assert remade.text == first_text
         assert [m.id for m in session.messages] == [again.user.id, remade.answer.id]
         conv_id = session.conversation.id  # type: ignore[union-attr]
-    history = History.open(tmp_path)
-    try:
+    with history_in(tmp_path) as history:
         stored = history.messages(conv_id)
         assert [m.id for m in stored] == [again.user.id, remade.answer.id]
         assert stored[1].content == first_text and stored[1].meta["completion_tokens"] == 6
-    finally:
-        history.close()
 
 
 async def test_a_long_prompt_teaches_the_placement_its_characters_per_token(
