@@ -14,7 +14,6 @@ import asyncio
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +21,14 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
 from mlx_lm.utils import load_tokenizer
 
 from studiotui.cluster.controller import Controller
 from tests.cluster_fixture import LocalCluster
-from worker.families import batch_reason
 from worker.shard import load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol.frames import (
-    FrameError,
     RingHeader,
-    decode_ring_header,
-    encode_ring_header,
 )
 from worker.stage import Stage
 
@@ -255,14 +242,6 @@ def test_a_stage_that_does_not_batch_decodes_each_request_alone(
     assert all(s.stats.batched == 0 for s in ring.stages)
 
 
-def test_which_caches_mlx_lm_can_batch() -> None:
-    batched = [KVCache(), RotatingKVCache(8), ArraysCache(2), CacheList(KVCache(), KVCache())]
-    assert batch_reason(batched) == ""
-    assert "QuantizedKVCache" in batch_reason([KVCache(), QuantizedKVCache()])
-    assert "ChunkedKVCache" in batch_reason([ChunkedKVCache(16)])
-    assert "QuantizedKVCache" in batch_reason([CacheList(KVCache(), QuantizedKVCache())])
-
-
 # ---- through real agents and ZeroMQ ----------------------------------------------------
 
 
@@ -367,19 +346,3 @@ def test_a_batch_frame_that_cannot_be_read_fails_its_rows_only(
         if f"t{i}" not in broken:
             assert ring.tokens(f"t{i}") == expected[i]
     assert [s.held() for s in ring.stages] == [0, 0]
-
-
-def test_batch_rows_cross_the_wire_and_bad_ones_are_refused() -> None:
-    rows = (("a", 17), ("b", 9))
-    header = RingHeader(rid="batch0", kind="decode", dtype="float32", shape=(2, 1, 4), batch=rows)
-    back = decode_ring_header(encode_ring_header(header), 2 * 4 * 4)
-    assert back.batch == rows and back.rid == "batch0"
-    tokens = RingHeader(
-        rid="batch0", kind="token", batch=(("a", 5, "", None), ("b", 6, "stop", None))
-    )
-    assert decode_ring_header(encode_ring_header(tokens), 0).batch == tokens.batch
-    for bad in ((("a", 1), ("a", 2)), (("a",),), ((3, 1),), (("a", "x"),)):
-        raw = encode_ring_header(replace(header, batch=bad))
-        with pytest.raises(FrameError, match="batch") as caught:
-            decode_ring_header(raw, 2 * 4 * 4)
-        assert caught.value.rid == "batch0"
