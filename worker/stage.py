@@ -126,8 +126,8 @@ class Lane:
 
 @dataclass(frozen=True)
 class BatchDraw:
-    """(tail) What a batched step sampled: one array of every greedy row's token (the
-    rows in `greedy`), and the others' own draws."""
+    """(tail) What a batched step sampled, per row of `rows`: either its own draw (in
+    `draws`), or its place in `greedy`, one argmax over the rows without a draw."""
 
     rows: tuple[str, ...]
     greedy: mx.array | None
