@@ -37,9 +37,9 @@ CHUNK = 8
 PROMPT = list(range(40, 70))
 
 
-def spec(arch: str, quantize: str | None = None) -> DemoSpec:
+def spec(arch: str, quantize: str | None = None, dtype: str = "float32") -> DemoSpec:
     return DemoSpec(
-        arch=arch, layers=5, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=11,
+        arch=arch, layers=5, hidden=64, heads=4, kv_heads=2, dtype=dtype, seed=11,
         quantize=quantize,
     )  # fmt: skip
 
@@ -49,10 +49,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     root = tmp_path_factory.mktemp("batching")
     made: dict[str, Path] = {}
 
-    def get(arch: str, quantize: str | None = None) -> Path:
-        key = f"{arch}-{quantize}"
+    def get(arch: str, quantize: str | None = None, dtype: str = "float32") -> Path:
+        key = f"{arch}-{quantize}-{dtype}"
         if key not in made:
-            made[key] = write_demo_model(root / key, spec(arch, quantize))
+            made[key] = write_demo_model(root / key, spec(arch, quantize, dtype))
         return made[key]
 
     return get
@@ -172,6 +172,7 @@ def together(
     [
         ("llama", [(0, 2), (2, 5)]),
         ("llama", [(0, 5)]),
+        ("qwen3-bfloat16", [(0, 2), (2, 5)]),  # bfloat16 rows travel as their bits
         ("qwen3_moe", [(0, 2), (2, 5)]),
         ("gpt_oss", [(0, 3), (3, 5)]),  # sliding layers: RotatingKVCache
         ("qwen3_next", [(0, 2), (2, 5)]),  # linear attention: ArraysCache
@@ -185,7 +186,8 @@ def test_requests_joining_and_leaving_a_batch_match_each_alone(
     n = 8 if len(ranges) == 2 and arch == "llama" else 5
     jobs = workload(n, rng)
     jobs[2][1]["max_tokens"] = 40  # the one cancelled: long enough to meet the others
-    ring = Ring(models(arch), ranges)
+    family, _, dtype = arch.partition("-")
+    ring = Ring(models(family, dtype=dtype or "float32"), ranges)
     expected = alone(ring, jobs)
     assert all(s.stats.batched == 0 for s in ring.stages), "one at a time: nothing to batch"
     got, others_on = together(ring, jobs, rng, cancel=2)
