@@ -44,6 +44,20 @@ LINK_IN_FLIGHT = 4
 LINK_BULK_SECONDS = 0.3
 LINK_BULK_MAX_BYTES = 1 << 30
 LINK_TIMEOUT_S = 5.0
+# What `measure_links` may be asked to change (the benchmark measures longer, tests
+# shorter): each field's bounds, so a request cannot make an agent stream for minutes or
+# allocate gigabytes.
+LINK_SIZE_BOUNDS: dict[str, tuple[float, float]] = {
+    "pings": (3, 1000),
+    "pad_bytes": (0, 1 << 20),
+    "bulk_seconds": (0.01, 10.0),
+    "chunk_bytes": (4096, 16 << 20),
+    "in_flight": (1, 64),
+}
+# A device measurement (worker/device_bench.py) runs seconds; one running past this is
+# stopped and its request fails.
+BENCH_TIMEOUT_S = 300.0
+BENCH_STDERR_LINES = 20
 # While a shard loads, the controller hears from this agent at least this often (the
 # bytes loaded so far): a big layer on a slow disk gives no progress for minutes.
 LOAD_HEARTBEAT_S = 2.0
@@ -162,6 +176,7 @@ class Agent:
         # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
         self.live: dict[str, Any] = {}
         self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self._benches: set[asyncio.subprocess.Process] = set()
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks only weakly.
@@ -212,6 +227,7 @@ class Agent:
         for task in tasks:
             task.cancel()
         await self._stop_all_shards()
+        await self._stop_benches()
         if self.file_server is not None:
             await self.file_server.close()
         self.close()
@@ -541,15 +557,22 @@ class Agent:
         await telemetry.keep_reading(meter, self.live)
 
     async def _on_ping_peer(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        await self._reply(ident, re, "ok")
+        # An activation-sized ping is sent back whole, so its round trip carries it both ways.
+        echo = msg.get("pad", b"") if msg.get("echo") else b""
+        await self._reply(ident, re, "ok", pad=echo)
 
     async def _on_measure_links(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        try:
+            sizes = link_sizes(msg.get("sizes") or {})
+        except ValueError as exc:
+            await self._reply(ident, re, "error", message=str(exc))
+            return
         results = []
         for peer in msg["peers"]:
-            results.append(await self._measure(peer))
+            results.append(await self._measure(peer, sizes))
         await self._reply(ident, re, "links", links=results)
 
-    async def _measure(self, peer: dict[str, Any]) -> dict[str, Any]:
+    async def _measure(self, peer: dict[str, Any], sizes: LinkSizes) -> dict[str, Any]:
         """Latency from small pings over the control socket; bandwidth from a
         stream of large messages over a CURVE PUSH to a PULL the peer opens."""
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
@@ -560,21 +583,29 @@ class Agent:
         sock.connect(str(peer["endpoint"]))
         out: dict[str, Any] = {"peer": peer["name"], "kind": self.facts.get("link_kind", "unknown")}
         try:
-            rtts = [await _ping(sock, i, b"") for i in range(LINK_PINGS)]
+            rtts = [await _ping(sock, i, b"") for i in range(sizes.pings)]
+            # The first ping makes the connection (CURVE handshake): not a latency.
             out["latency_us"] = statistics.median(rtts[1:]) / 2 * 1e6
+            out["latency_p90_us"] = _quantile(rtts[1:], 0.9) / 2 * 1e6
+            if sizes.pad_bytes:
+                pad = bytes(sizes.pad_bytes)
+                padded = [await _ping(sock, i, pad) for i in range(sizes.pings)]
+                out["latency_pad_us"] = statistics.median(padded[1:]) / 2 * 1e6
+                out["pad_bytes"] = sizes.pad_bytes
             token = os.urandom(8).hex()
-            opened = await _ask(sock, "open_sink", token=token)
+            opened = await _ask(sock, "open_sink", token=token, in_flight=sizes.in_flight)
             host = str(peer["endpoint"]).rsplit(":", 1)[0]
-            sent = await self._stream(keys, server_key, f"{host}:{opened['port']}")
+            sent = await self._stream(keys, server_key, f"{host}:{opened['port']}", sizes)
             got = await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S)
             if got["seconds"] > 0 and got["bytes"] > 0:
                 out["gbps"] = got["bytes"] * 8 / got["seconds"] / 1e9
             out.update(
                 method="curve push-pull",
-                chunk_bytes=LINK_CHUNK_BYTES,
-                in_flight=LINK_IN_FLIGHT,
+                chunk_bytes=sizes.chunk_bytes,
+                in_flight=sizes.in_flight,
                 sent_bytes=sent,
                 received_bytes=got["bytes"],
+                seconds=got["seconds"],
             )
         except TimeoutError:
             out["error"] = f"{peer['name']} did not answer in time"
@@ -584,12 +615,14 @@ class Agent:
             sock.close(linger=0)
         return out
 
-    async def _stream(self, keys: curve.CurveKeys, server_key: bytes, endpoint: str) -> int:
+    async def _stream(
+        self, keys: curve.CurveKeys, server_key: bytes, endpoint: str, sizes: LinkSizes
+    ) -> int:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDHWM, LINK_IN_FLIGHT)
+        push.setsockopt(zmq.SNDHWM, sizes.in_flight)
         curve.make_client(push, keys, server_key)
-        payload = bytes(LINK_CHUNK_BYTES)
+        payload = bytes(sizes.chunk_bytes)
         sent = 0
         try:
             push.connect(endpoint)
@@ -598,7 +631,7 @@ class Agent:
             # asyncio sockets), and the receiver starts its clock at the first data.
             await asyncio.wait_for(push.send_multipart([b"warm"]), LINK_TIMEOUT_S)
             began = time.perf_counter()
-            while time.perf_counter() - began < LINK_BULK_SECONDS and sent < LINK_BULK_MAX_BYTES:
+            while time.perf_counter() - began < sizes.bulk_seconds and sent < LINK_BULK_MAX_BYTES:
                 # copy=False: zero-copy, as the runner sends large activations.
                 await asyncio.wait_for(
                     push.send_multipart([b"data", payload], copy=False), LINK_TIMEOUT_S
@@ -610,10 +643,15 @@ class Agent:
         return sent
 
     async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        try:
+            in_flight = link_sizes({"in_flight": msg.get("in_flight", LINK_IN_FLIGHT)}).in_flight
+        except ValueError as exc:
+            await self._reply(ident, re, "error", message=str(exc))
+            return
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
         sink = self.ctx.socket(zmq.PULL)
         sink.setsockopt(zmq.LINGER, 0)
-        sink.setsockopt(zmq.RCVHWM, LINK_IN_FLIGHT)
+        sink.setsockopt(zmq.RCVHWM, in_flight)
         curve.make_server(sink, keys)
         sink.bind(f"tcp://{self.config.address}:*")
         port = int(sink.get_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
@@ -633,6 +671,130 @@ class Agent:
             await self._reply(ident, re, "error", message="no such link sink")
             return
         await self._reply(ident, re, "sink_result", **await task)
+
+    # ---- the device benchmark (worker/device_bench.py) --------------------------------------
+
+    async def _on_device_bench(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Matrix-multiply and memory figures of this node's device, measured in a process
+        of its own; each step is said as it starts."""
+        busy = self._bench_running()
+        if busy:
+            await self._reply(ident, re, "error", message=busy)
+            return
+        sizes = msg.get("sizes")
+        if not isinstance(sizes, dict):
+            await self._reply(ident, re, "error", message="device_bench needs its sizes")
+            return
+        try:
+            figures = await self._measurement(
+                ident, re, ["-m", "worker.device_bench", json.dumps(sizes)]
+            )
+        except BenchError as exc:
+            await self._reply(ident, re, "error", message=str(exc))
+            return
+        await self._reply(ident, re, "ok", figures=figures)
+
+    async def _measurement(
+        self,
+        ident: bytes,
+        re: Any,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = BENCH_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """Run `python ARGV` (a worker.device_bench program), relay its steps as
+        `bench_step` replies and return its figures; raise BenchError with its words, or
+        how it ended, when it gives none."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        )
+        self._benches.add(proc)
+        log.info("benchmark pid %d: %s", proc.pid, " ".join(argv[:2]))
+        assert proc.stdout is not None and proc.stderr is not None
+        tail: list[str] = []
+        drain = asyncio.create_task(_tail(proc.stderr, tail, BENCH_STDERR_LINES))
+        figures: dict[str, Any] | None = None
+        fatal = ""
+        try:
+            async with asyncio.timeout(timeout):
+                async for line in proc.stdout:
+                    event = _json_object(line)
+                    kind = event.get("event")
+                    if kind == "step":
+                        await self._reply(ident, re, "bench_step", step=str(event.get("step")))
+                    elif kind == "figures" and isinstance(event.get("figures"), dict):
+                        figures = event["figures"]
+                    elif kind == "fatal":
+                        fatal = str(event.get("message", ""))
+                code = await proc.wait()
+        except TimeoutError:
+            raise BenchError(
+                f"the benchmark on {self.config.name} ran over {timeout:g} s and was stopped"
+            ) from None
+        finally:
+            if proc.returncode is None:  # timed out or the request was cancelled
+                proc.kill()
+                await proc.wait()
+            await drain
+            self._benches.discard(proc)
+        if figures is not None:
+            return figures
+        why = fatal or bench_exit_reason(code)
+        words = "\n".join(tail[-8:])
+        raise BenchError(
+            f"the benchmark on {self.config.name} failed: {why}" + (f"\n{words}" if words else "")
+        )
+
+    def _bench_running(self) -> str:
+        running = [p.pid for p in self._benches if p.returncode is None]
+        if not running:
+            return ""
+        return f"a benchmark already runs on {self.config.name} (pid {running[0]}): wait for it"
+
+    async def _on_bench_port(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """A free port on this node's address for a rank of the benchmark's group."""
+        await self._reply(ident, re, "ok", port=self._free_ports(1)[0])
+
+    async def _on_bench_rank(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Run one rank of the group's distributed product (worker.device_bench --rank)
+        over MLX's ring backend, from the hostfile the controller made of every rank's
+        address and port; answer with the rank's figures."""
+        busy = self._bench_running()
+        hosts, rank, spec = msg.get("hosts"), msg.get("rank"), msg.get("spec")
+        timeout = msg.get("timeout_s", BENCH_TIMEOUT_S)
+        problem = busy or rank_problem(hosts, rank, spec, timeout)
+        if problem:
+            await self._reply(ident, re, "error", message=problem)
+            return
+        assert isinstance(spec, dict)
+        # The rank writes its hostfile and environment itself (worker.group), so this
+        # agent never loads MLX.
+        asked = {**spec, "backend": "ring", "rank": rank, "hosts": hosts}
+        asked["dir"] = str(self.config.home / "bench")
+        try:
+            figures = await self._measurement(
+                ident, re, ["-m", "worker.device_bench", "--rank", json.dumps(asked)], None, timeout
+            )
+        except BenchError as exc:
+            await self._reply(ident, re, "error", message=str(exc))
+            return
+        await self._reply(ident, re, "ok", figures=figures)
+
+    async def _on_bench_stop(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Stop this node's benchmark processes (a rank whose group will never form)."""
+        stopped = [p.pid for p in self._benches if p.returncode is None]
+        await self._stop_benches()
+        await self._reply(ident, re, "ok", stopped=stopped)
+
+    async def _stop_benches(self) -> None:
+        for proc in list(self._benches):
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
     async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
@@ -832,6 +994,81 @@ class Agent:
             await asyncio.sleep(TELEMETRY_EVERY_S)
 
 
+@dataclass(frozen=True)
+class LinkSizes:
+    """How `measure_links` measures: pings (and their padding), and the bulk stream."""
+
+    pings: int = LINK_PINGS
+    pad_bytes: int = 0
+    bulk_seconds: float = LINK_BULK_SECONDS
+    chunk_bytes: int = LINK_CHUNK_BYTES
+    in_flight: int = LINK_IN_FLIGHT
+
+
+def link_sizes(asked: dict[str, Any]) -> LinkSizes:
+    """The sizes a `measure_links` request asks for, the defaults for the rest; a field
+    out of its bounds (LINK_SIZE_BOUNDS) or unknown is refused, naming it."""
+    unknown = sorted(set(asked) - set(LINK_SIZE_BOUNDS))
+    if unknown:
+        raise ValueError(f"unknown link measurement field(s): {', '.join(unknown)}")
+    values: dict[str, Any] = {}
+    for name, value in asked.items():
+        lo, hi = LINK_SIZE_BOUNDS[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+            raise ValueError(f"link measurement {name} must be between {lo:g} and {hi:g}")
+        values[name] = float(value) if name == "bulk_seconds" else int(value)
+    return LinkSizes(**values)
+
+
+def rank_problem(hosts: Any, rank: Any, spec: Any, timeout: Any) -> str:
+    """What is wrong with a `bench_rank` request, in words, or "" when nothing is."""
+    if not isinstance(hosts, list) or not all(
+        isinstance(h, list) and len(h) == 1 and isinstance(h[0], str) for h in hosts
+    ):
+        return 'bench_rank needs hosts: one ["address:port"] per rank'
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(hosts):
+        return f"bench_rank: rank {rank!r} is not one of the {len(hosts)} ranks"
+    if not isinstance(spec, dict):
+        return "bench_rank needs its spec (n, reps)"
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        return "bench_rank: timeout_s must be a number of seconds"
+    if not 0 < timeout <= BENCH_TIMEOUT_S:
+        return f"bench_rank: timeout_s must be in (0, {BENCH_TIMEOUT_S:g}]"
+    return ""
+
+
+class BenchError(RuntimeError):
+    """A device or group measurement that gave no figures, in words."""
+
+
+def bench_exit_reason(code: int | None) -> str:
+    if code == -signal.SIGKILL:
+        return "its process was killed by SIGKILL (out of memory? ask for smaller sizes)"
+    if code is not None and code < 0:
+        return f"its process was ended by signal {-code}"
+    return f"its process exited with code {code} without figures"
+
+
+def _json_object(line: bytes) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
+
+
+async def _tail(stream: asyncio.StreamReader, into: list[str], keep: int) -> None:
+    """Keep the last `keep` lines of a pipe (read to its end, so the writer never blocks)."""
+    while line := await stream.readline():
+        into.append(line.decode(errors="replace").rstrip())
+        del into[:-keep]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 class AgentLinkError(RuntimeError):
     """A peer refused a link-measurement step."""
 
@@ -872,7 +1109,7 @@ async def _drain(sink: zmq.asyncio.Socket) -> dict[str, Any]:
 
 async def _ping(sock: zmq.asyncio.Socket, n: int, pad: bytes) -> float:
     began = time.perf_counter()
-    await sock.send(messages.encode("ping_peer", id=n, pad=pad))
+    await sock.send(messages.encode("ping_peer", id=n, pad=pad, echo=bool(pad)))
     await asyncio.wait_for(sock.recv(), LINK_TIMEOUT_S)
     return time.perf_counter() - began
 

@@ -66,6 +66,12 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "read": {"token": (str,), "name": (str,), "offset": (int,), "length": (int,)},
     "chunk": {"offset": (int,)},
     "file_progress": {"stage": (str,), "done": _NUM, "total": _NUM},
+    # the cluster benchmark (worker/device_bench.py): controller -> agent, then replies
+    "device_bench": {"sizes": (dict,)},
+    "bench_port": {},
+    "bench_rank": {"rank": (int,), "hosts": (list,), "spec": (dict,)},
+    "bench_stop": {},
+    "bench_step": {"step": (str,)},
     # agent -> controller
     "hello_reply": {"name": (str,), "version": (str,), "pid": (int,)},
     "prepared": {"placement": (str,), "data_port": (int,), "client_port": (int,)},

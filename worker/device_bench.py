@@ -1,0 +1,268 @@
+"""What one node's own device does, measured with MLX: matrix-multiply throughput per
+dtype and memory bandwidth; and the rank program of the group's distributed product.
+
+The agent runs this in a process of its own (`python -m worker.device_bench SPEC`), so a
+measurement that takes seconds never blocks the agent's loop and a crash (an MLX abort,
+the OOM killer) ends this process, not the agent. It prints one JSON object a line: a
+`step` as each figure starts, then `figures` (or `fatal`). With `--rank` it is one rank
+of an `mx.distributed` group (launched with worker.group's environment) multiplying a
+matrix whose inner dimension is split over the ranks, summed with `all_sum`.
+
+Each figure is timed on the node's default device (the GPU on a Mac, the CPU here) for
+about `seconds` after one warm-up, and is the work over the median time of one
+repetition. Matrices are sized to the device: a quick probe at `PROBE_N` tells how long
+a product takes, and the largest power of two up to `matmul_n` that keeps a repetition
+near `seconds / TARGET_REPS` is used (a slow kernel, such as a CPU's bfloat16 product,
+gets a smaller matrix instead of a minute-long run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from worker.group import GroupError, join, rank_env, ring_hostfile, write_json
+
+DTYPES = ("float32", "bfloat16", "float16")
+PROBE_N = 128
+MIN_N = 64
+TARGET_REPS = 5
+MIN_REPS = 3
+COPY_ELEMENT_BYTES = 4  # float32
+
+
+class SpecError(ValueError):
+    """A measurement asked with sizes this program will not run."""
+
+
+def matmul_flops(m: int, k: int, n: int) -> float:
+    """Floating-point operations of an (m x k) @ (k x n) product: a multiply and an add
+    per term."""
+    return 2.0 * m * k * n
+
+
+def rate(amount: float, seconds: Sequence[float]) -> float:
+    """`amount` of work per second, over the median time of one repetition."""
+    if not seconds:
+        raise ValueError("no timed repetition")
+    middle = statistics.median(seconds)
+    return amount / middle if middle > 0 else math.inf
+
+
+def pick_n(probe_s: float, probe_n: int, max_n: int, budget_s: float) -> int:
+    """The largest power of two from MIN_N up to `max_n` (at least MIN_N) whose product is
+    expected to take at most `budget_s`, scaling by n³ from one timed at `probe_n`."""
+    n = MIN_N
+    while n * 2 <= max_n and probe_s * ((n * 2) / probe_n) ** 3 <= budget_s:
+        n *= 2
+    return n
+
+
+def timed(work: Callable[[], None], seconds: float, min_reps: int = MIN_REPS) -> list[float]:
+    """One warm-up, then repetitions of `work` (which evaluates) for about `seconds`."""
+    work()
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - began < seconds:
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _matrix(shape: tuple[int, int], dtype: mx.Dtype, seed: int) -> mx.array:
+    a = mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+    mx.eval(a)
+    return a
+
+
+def matmul_figure(dtype_name: str, max_n: int, seconds: float) -> dict[str, Any]:
+    """GFLOP/s of square products in `dtype_name` on the default device."""
+    dtype = getattr(mx, dtype_name)
+    probe = min(PROBE_N, max_n)
+    a, b = _matrix((probe, probe), dtype, 1), _matrix((probe, probe), dtype, 2)
+    probe_s = min(timed(lambda: mx.eval(a @ b), 0.0, min_reps=2))
+    n = pick_n(probe_s, probe, max_n, seconds / TARGET_REPS)
+    a, b = _matrix((n, n), dtype, 1), _matrix((n, n), dtype, 2)
+    times = timed(lambda: mx.eval(a @ b), seconds)
+    return {"n": n, "gflops": rate(matmul_flops(n, n, n), times) / 1e9, "reps": len(times)}
+
+
+def bandwidth_figures(mib: int, seconds: float) -> dict[str, Any]:
+    """GB/s copying a large float32 array (x + 1, one read and one write of every byte)
+    and reading it (a sum).
+
+    The copy writes into its input's own buffer: the old array is referenced by nothing
+    but the new one's graph, so MLX donates its memory to the result. A fresh array each
+    time would measure the kernel's page faults instead (~4 GB/s here against ~60 with
+    the buffer reused)."""
+    count = mib * (1 << 20) // COPY_ELEMENT_BYTES
+    nbytes = count * COPY_ELEMENT_BYTES
+    held = [mx.random.uniform(shape=(count,), key=mx.random.key(3))]
+    mx.eval(held[0])
+
+    def copy() -> None:
+        held[0] = held[0] + 1.0
+        mx.eval(held[0])
+
+    def read() -> None:
+        mx.eval(mx.sum(held[0]))
+
+    copies = timed(copy, seconds / 2)
+    reads = timed(read, seconds / 2)
+    return {
+        "bytes": nbytes,
+        "copy_gbs": rate(2 * nbytes, copies) / 1e9,
+        "read_gbs": rate(nbytes, reads) / 1e9,
+    }
+
+
+def check_spec(spec: dict[str, Any]) -> tuple[int, int, float, tuple[str, ...]]:
+    """The sizes of a device measurement, refused when they make no sense."""
+    try:
+        n, mib, seconds = int(spec["matmul_n"]), int(spec["copy_mib"]), float(spec["seconds"])
+        dtypes = tuple(str(d) for d in spec.get("dtypes", DTYPES))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecError(f"bad benchmark sizes {spec!r}: {exc}") from None
+    if not MIN_N <= n <= 1 << 15:
+        raise SpecError(f"matmul_n {n} is outside {MIN_N}..{1 << 15}")
+    if not 1 <= mib <= 1 << 16:
+        raise SpecError(f"copy_mib {mib} is outside 1..65536")
+    if not 0 < seconds <= 60:
+        raise SpecError(f"seconds {seconds} is outside (0, 60]")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown or not dtypes:
+        raise SpecError(f"dtypes {unknown or '[]'} are not among {', '.join(DTYPES)}")
+    return n, mib, seconds, dtypes
+
+
+def _say(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def device_run(spec: dict[str, Any]) -> dict[str, Any]:
+    n, mib, seconds, dtypes = check_spec(spec)
+    device = mx.default_device()
+    # "gpu" on a Mac (Metal), "cpu" here: which of the node's processors the figures are of.
+    figures: dict[str, Any] = {"device": device.type.name, "mlx": mx.__version__}
+    matmul: dict[str, Any] = {}
+    for name in dtypes:
+        _say("step", step=f"matmul {name}")
+        matmul[name] = matmul_figure(name, n, seconds)
+    figures["matmul"] = matmul
+    _say("step", step="memory bandwidth")
+    figures["memory"] = bandwidth_figures(mib, seconds)
+    return figures
+
+
+# ---- one rank of the group's distributed product ---------------------------------------
+
+
+def rank_blocks(n: int, size: int, rank: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """Rank `rank`'s share of A (n x n) and B (n x n): A's columns and B's rows of its
+    slice of the inner dimension, the same values whichever process makes them."""
+    k = n // size
+    return _matrix((n, k), dtype, 100 + rank), _matrix((k, n), dtype, 200 + rank)
+
+
+def rank_environment(spec: dict[str, Any]) -> dict[str, str]:
+    """The environment MLX reads to join the group: for the ring backend, a hostfile of
+    every rank's "address:port" written under spec["dir"] (worker.group's pieces)."""
+    backend = str(spec.get("backend", "ring"))
+    if backend != "ring":
+        raise SpecError(f"the benchmark launches ring groups only, not {backend!r}")
+    hosts, rank = spec["hosts"], int(spec["rank"])
+    ends = [str(h[0]).rsplit(":", 1) for h in hosts]
+    table = ring_hostfile([a for a, _ in ends], [int(p) for _, p in ends])
+    hostfile = write_json(Path(spec["dir"]) / f"hosts-{os.getpid()}.json", table)
+    return rank_env(rank, len(hosts), "ring", hostfile=hostfile)
+
+
+def group_run(spec: dict[str, Any]) -> dict[str, Any]:
+    """C = A @ B with the inner dimension split over the group: each rank multiplies its
+    slice and `all_sum` adds the partial products, as a row-parallel layer does."""
+    env = rank_environment(spec)
+    os.environ.update(env)
+    try:
+        group = join("ring", env)
+    finally:
+        Path(env["MLX_HOSTFILE"]).unlink(missing_ok=True)
+    size, rank = group.size(), group.rank()
+    n = int(spec["n"])
+    if n % size or n < size:
+        raise SpecError(f"n {n} is not a multiple of the group's {size} ranks")
+    dtype = getattr(mx, str(spec.get("dtype", "float32")))
+    a, b = rank_blocks(n, size, rank, dtype)
+
+    def step() -> None:
+        mx.eval(mx.distributed.all_sum(a @ b, group=group))
+
+    def alone() -> None:
+        mx.eval(a @ b)
+
+    # Every rank runs the same number of steps: all_sum waits for all of them.
+    reps = max(MIN_REPS, int(spec.get("reps", TARGET_REPS)))
+    step()
+    together = [_time_one(step) for _ in range(reps)]
+    own = [_time_one(alone) for _ in range(reps)]
+    out: dict[str, Any] = {
+        "rank": rank,
+        "size": size,
+        "n": n,
+        "reps": reps,
+        "step_s": statistics.median(together),
+        "compute_s": statistics.median(own),
+        "gflops": rate(matmul_flops(n, n, n), together) / 1e9,
+        "own_gflops": rate(matmul_flops(n, n // size, n), own) / 1e9,
+    }
+    if spec.get("check", True):
+        out["max_error"] = _check(a, b, n, size, rank, dtype, group)
+    # No rank may leave while another still has a step in flight over the ring.
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
+    return out
+
+
+def _time_one(work: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def _check(
+    a: mx.array, b: mx.array, n: int, size: int, rank: int, dtype: mx.Dtype, group: Any
+) -> float:
+    """The largest difference, relative to the largest value, between the group's
+    product and the same product made whole on this rank from every rank's blocks."""
+    got = mx.distributed.all_sum(a @ b, group=group).astype(mx.float32)
+    want = sum(
+        (x @ y for x, y in (rank_blocks(n, size, r, dtype) for r in range(size))),
+        start=mx.zeros((n, n), dtype=dtype),
+    ).astype(mx.float32)
+    scale = max(mx.abs(want).max().item(), 1e-12)
+    return float(mx.abs(got - want).max().item() / scale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    rank = bool(args) and args[0] == "--rank"
+    try:
+        spec = json.loads(args[-1]) if args else {}
+        figures = group_run(spec) if rank else device_run(spec)
+    except (SpecError, GroupError, ValueError, KeyError, RuntimeError, MemoryError) as exc:
+        _say("fatal", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    _say("figures", figures=figures)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
