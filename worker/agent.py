@@ -30,7 +30,12 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from worker import __version__, files, node_probe, telemetry
 from worker.shared.manifest import FileId
 from worker.shared.protocol import curve, messages
-from worker.shared.protocol.limits import DEFAULT_STREAMS, tail_lines
+from worker.shared.protocol.limits import (
+    DEFAULT_STREAMS,
+    LINK_MEASURE_BOUNDS,
+    out_of_bounds,
+    tail_lines,
+)
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
@@ -44,16 +49,6 @@ LINK_IN_FLIGHT = 4
 LINK_BULK_SECONDS = 0.3
 LINK_BULK_MAX_BYTES = 1 << 30
 LINK_TIMEOUT_S = 5.0
-# What `measure_links` may be asked to change (the benchmark measures longer, tests
-# shorter): each field's bounds, so a request cannot make an agent stream for minutes or
-# allocate gigabytes.
-LINK_SIZE_BOUNDS: dict[str, tuple[float, float]] = {
-    "pings": (3, 1000),
-    "pad_bytes": (0, 1 << 20),
-    "bulk_seconds": (0.01, 10.0),
-    "chunk_bytes": (4096, 16 << 20),
-    "in_flight": (1, 64),
-}
 # A device measurement (worker/device_bench.py) runs seconds; one running past this is
 # stopped and its request fails.
 BENCH_TIMEOUT_S = 300.0
@@ -1007,16 +1002,11 @@ class LinkSizes:
 
 def link_sizes(asked: dict[str, Any]) -> LinkSizes:
     """The sizes a `measure_links` request asks for, the defaults for the rest; a field
-    out of its bounds (LINK_SIZE_BOUNDS) or unknown is refused, naming it."""
-    unknown = sorted(set(asked) - set(LINK_SIZE_BOUNDS))
-    if unknown:
-        raise ValueError(f"unknown link measurement field(s): {', '.join(unknown)}")
-    values: dict[str, Any] = {}
-    for name, value in asked.items():
-        lo, hi = LINK_SIZE_BOUNDS[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-            raise ValueError(f"link measurement {name} must be between {lo:g} and {hi:g}")
-        values[name] = float(value) if name == "bulk_seconds" else int(value)
+    out of its bounds (limits.LINK_MEASURE_BOUNDS) or unknown is refused, naming it."""
+    problem = out_of_bounds(asked, LINK_MEASURE_BOUNDS)
+    if problem:
+        raise ValueError(f"link measurement: {problem}")
+    values = {k: float(v) if k == "bulk_seconds" else int(v) for k, v in asked.items()}
     return LinkSizes(**values)
 
 

@@ -31,10 +31,11 @@ from typing import Any
 import mlx.core as mx
 
 from worker.group import GroupError, join, rank_env, ring_hostfile, write_json
+from worker.shared.protocol.limits import DEVICE_BENCH_BOUNDS, out_of_bounds
 
 DTYPES = ("float32", "bfloat16", "float16")
 PROBE_N = 128
-MIN_N = 64
+MIN_N = int(DEVICE_BENCH_BOUNDS["matmul_n"][0])
 TARGET_REPS = 5
 MIN_REPS = 3
 COPY_ELEMENT_BYTES = 4  # float32
@@ -127,22 +128,16 @@ def bandwidth_figures(mib: int, seconds: float) -> dict[str, Any]:
 
 
 def check_spec(spec: dict[str, Any]) -> tuple[int, int, float, tuple[str, ...]]:
-    """The sizes of a device measurement, refused when they make no sense."""
-    try:
-        n, mib, seconds = int(spec["matmul_n"]), int(spec["copy_mib"]), float(spec["seconds"])
-        dtypes = tuple(str(d) for d in spec.get("dtypes", DTYPES))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SpecError(f"bad benchmark sizes {spec!r}: {exc}") from None
-    if not MIN_N <= n <= 1 << 15:
-        raise SpecError(f"matmul_n {n} is outside {MIN_N}..{1 << 15}")
-    if not 1 <= mib <= 1 << 16:
-        raise SpecError(f"copy_mib {mib} is outside 1..65536")
-    if not 0 < seconds <= 60:
-        raise SpecError(f"seconds {seconds} is outside (0, 60]")
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown or not dtypes:
-        raise SpecError(f"dtypes {unknown or '[]'} are not among {', '.join(DTYPES)}")
-    return n, mib, seconds, dtypes
+    """The sizes of a device measurement, refused when out of limits.DEVICE_BENCH_BOUNDS."""
+    sizes = {k: v for k, v in spec.items() if k != "dtypes"}
+    problem = out_of_bounds(sizes, DEVICE_BENCH_BOUNDS)
+    missing = [k for k in DEVICE_BENCH_BOUNDS if k not in spec]
+    if problem or missing:
+        raise SpecError(problem or f"missing size(s) {', '.join(missing)}")
+    dtypes = spec.get("dtypes", DTYPES)
+    if not isinstance(dtypes, list | tuple) or not dtypes or set(dtypes) - set(DTYPES):
+        raise SpecError(f"dtypes {dtypes!r} are not among {', '.join(DTYPES)}")
+    return int(spec["matmul_n"]), int(spec["copy_mib"]), float(spec["seconds"]), tuple(dtypes)
 
 
 def _say(event: str, **fields: Any) -> None:

@@ -821,7 +821,7 @@ class Controller:
     ) -> list[dict[str, Any]]:
         """What `node` measures towards each of `peers` (latency, and bandwidth over a
         CURVE PUSH to a PULL the peer opens), each result marked with `from`; `sizes`
-        changes how long and with what messages (worker.agent.LINK_SIZE_BOUNDS)."""
+        changes how long and with what messages (limits.LINK_MEASURE_BOUNDS)."""
         if not peers:
             return []
         targets = [

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from studiotui.core.errors import StudioError
+from worker.shared.protocol.limits import DEVICE_BENCH_BOUNDS, LINK_MEASURE_BOUNDS, out_of_bounds
 
 FORMAT = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -64,6 +65,43 @@ class Sizes:
             stream_tokens=24,
             prompt_tokens=32,
         )
+
+    def changed(self, overrides: Sequence[str]) -> Sizes:
+        """These sizes with `NAME=VALUE` overrides (`--size matmul_n=512`); a name that is
+        not a size or a value of the wrong kind is refused, naming it."""
+        known = {f.name: f for f in fields(self)}
+        values: dict[str, Any] = {}
+        for item in overrides:
+            name, sep, text = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in known:
+                raise BenchmarkError(
+                    f"--size {item!r} is not NAME=VALUE with a known name",
+                    f"sizes: {', '.join(known)}",
+                )
+            current = getattr(self, name)
+            try:
+                if isinstance(current, tuple):
+                    value: Any = tuple(int(x) for x in text.split(",") if x.strip())
+                    if not value or min(value) < 1:
+                        raise ValueError("wants whole numbers of at least 1")
+                else:
+                    value = type(current)(text)
+                    if (value <= 0 and name != "link_pad_bytes") or value < 0:
+                        raise ValueError("wants a positive number")
+            except ValueError as exc:
+                raise BenchmarkError(f"--size {name}={text!r}: {exc}") from None
+            values[name] = value
+        changed = replace(self, **values)
+        problem = changed.problem()
+        if problem:
+            raise BenchmarkError(f"--size: {problem}")
+        return changed
+
+    def problem(self) -> str:
+        """What the agents would refuse in these sizes, in words ("" if nothing)."""
+        device = out_of_bounds(self.device_spec(), DEVICE_BENCH_BOUNDS)
+        return device or out_of_bounds(self.link_spec(), LINK_MEASURE_BOUNDS)
 
     def device_spec(self) -> dict[str, Any]:
         """What an agent's `device_bench` request carries."""
