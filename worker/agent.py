@@ -1006,8 +1006,14 @@ def link_sizes(asked: dict[str, Any]) -> LinkSizes:
     problem = out_of_bounds(asked, LINK_MEASURE_BOUNDS)
     if problem:
         raise ValueError(f"link measurement: {problem}")
-    values = {k: float(v) if k == "bulk_seconds" else int(v) for k, v in asked.items()}
-    return LinkSizes(**values)
+    base = LinkSizes()
+    return LinkSizes(
+        pings=int(asked.get("pings", base.pings)),
+        pad_bytes=int(asked.get("pad_bytes", base.pad_bytes)),
+        bulk_seconds=float(asked.get("bulk_seconds", base.bulk_seconds)),
+        chunk_bytes=int(asked.get("chunk_bytes", base.chunk_bytes)),
+        in_flight=int(asked.get("in_flight", base.in_flight)),
+    )
 
 
 def rank_problem(hosts: Any, rank: Any, spec: Any, timeout: Any) -> str:
