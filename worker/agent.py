@@ -615,8 +615,11 @@ class Agent:
     ) -> int:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDHWM, sizes.in_flight)
         curve.make_client(push, keys, server_key)
+        # After make_client, which sets the usual high-water marks: set before it, this
+        # one was overwritten and the whole 1 GiB cap was queued at once (the stream then
+        # lasted ~3 s here, whatever bulk_seconds said).
+        push.setsockopt(zmq.SNDHWM, sizes.in_flight)
         payload = bytes(sizes.chunk_bytes)
         sent = 0
         try:
@@ -646,8 +649,8 @@ class Agent:
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
         sink = self.ctx.socket(zmq.PULL)
         sink.setsockopt(zmq.LINGER, 0)
-        sink.setsockopt(zmq.RCVHWM, in_flight)
         curve.make_server(sink, keys)
+        sink.setsockopt(zmq.RCVHWM, in_flight)  # after make_server, which sets its own
         sink.bind(f"tcp://{self.config.address}:*")
         port = int(sink.get_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         token = msg["token"]
