@@ -13,59 +13,14 @@ from studiotui.core import benchmark as bm
 from studiotui.core import benchmark_view as view
 from studiotui.core.benchmark import (
     BenchmarkError,
-    GroupFigures,
-    LinkFigures,
     NodeFigures,
-    PlacementFigures,
-    Run,
     Sizes,
     Step,
     StreamPoint,
 )
+from tests.benchmark_fixtures import sample_run
 from worker import device_bench
 from worker.agent import link_sizes, rank_problem
-
-
-def sample_run(run_id: str = "20260101-000000-desk", scale: float = 1.0) -> Run:
-    """A two-node run with every section filled (figures times `scale`)."""
-    return Run(
-        id=run_id,
-        date="2026-01-01T00:00:00Z",
-        cluster="desk",
-        machine={"host": "op", "system": "Darwin 25.2 arm64", "python": "3.12", "mlx": "0.32"},
-        build="0.1.0 (abc123)",
-        sizes=Sizes(),
-        nodes=(
-            NodeFigures(
-                "studio-1",
-                "Apple M3 Ultra",
-                "gpu",
-                {"float32": 20000 * scale, "bfloat16": 40000 * scale, "float16": 41000 * scale},
-                {"float32": 4096, "bfloat16": 4096, "float16": 4096},
-                700 * scale,
-                750 * scale,
-            ),
-            NodeFigures("studio-2", error="device_bench timed out"),
-        ),
-        links=(LinkFigures("studio-1", "studio-2", "thunderbolt", 40.0, 55.0, 60 * scale, 58.0),),
-        group=GroupFigures(
-            ("studio-1", "studio-2"), "ring", 4096, 30000 * scale, 40000, 0.02, 0.03, 0.0, "x"
-        ),
-        placements=(
-            PlacementFigures(
-                "qwen",
-                "qwen3-32b",
-                ("studio-1", "studio-2"),
-                4,
-                tuple(
-                    StreamPoint(k, 20.0 * k**0.5 * scale, 300.0 + 50 * k, 64 * k)
-                    for k in (1, 2, 4, 8)
-                ),
-            ),
-        ),
-        seconds=42.0,
-    )
-
 
 # ---- node side: the device program's arithmetic and refusals ------------------------------
 

@@ -30,13 +30,12 @@ from studiotui.core.benchmark_view import compare_markdown, compare_table, markd
 from studiotui.core.errors import StudioError
 
 
-def run_row(run: Run, marked: bool) -> tuple[Text, str, str, str, Text]:
-    """One saved run in the list: mark, date and time, cluster, nodes, failures."""
+def run_row(run: Run, marked: bool) -> tuple[Text, Text, str, Text]:
+    """One saved run in the list: mark, its id (UTC time and cluster), nodes, failures."""
     failed = len(run.errors)
     return (
         Text("◆" if marked else "", style="bold"),
-        run.date.replace("T", " ").removesuffix("Z"),
-        run.cluster,
+        Text(run.id),
         str(len(run.nodes)),
         Text(str(failed) if failed else "", style="red"),
     )
@@ -89,7 +88,7 @@ class BenchmarkScreen(Screen[None]):
         left.border_title = "Saved runs"
         self.query_one("#bench-results").border_title = "Figures"
         table = self.query_one("#bench-runs", DataTable)
-        table.add_columns("", "date (UTC)", "cluster", "nodes", "failed")
+        table.add_columns("", "run (UTC time, cluster)", "nodes", "failed")
         self.query_one("#bench-progress").display = False
         self.reload()
         table.focus()
@@ -103,7 +102,7 @@ class BenchmarkScreen(Screen[None]):
         table.clear()
         for run in self.runs:
             table.add_row(*run_row(run, run.id in self.marked), key=run.id)
-        where = figures.runs_dir(self.dashboard.home)
+        where = f"STUDIOTUI_HOME/{figures.BENCHMARKS_DIR}"
         hint = f"{len(self.runs)} saved in {where}" if self.runs else f"no run saved in {where}"
         self.query_one("#bench-hint", Static).update(Text(hint, style="dim"))
         ids = [r.id for r in self.runs]
