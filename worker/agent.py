@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from worker import __version__, files, node_probe, telemetry
+from worker import __version__, files, jobs, node_probe, telemetry
 from worker.shared.manifest import FileId
 from worker.shared.protocol import curve, messages
 from worker.shared.protocol.limits import (
@@ -91,6 +91,8 @@ MAX_CONTROL_TASKS = 256
 # What a node's key may ask of another node's agent: what measure_links needs. All
 # else (load_shard, shutdown, read_log, measure_links ...) is the controller's alone.
 PEER_REQUESTS = frozenset({"ping_peer", "open_sink", "close_sink"})
+# Followers of one job at once (a dashboard, a CLI, ...); an older one gives way.
+MAX_FOLLOWERS = 8
 LOG_BYTES = 10 << 20
 LOG_BACKUPS = 3
 
@@ -172,6 +174,8 @@ class Agent:
         self.live: dict[str, Any] = {}
         self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
         self._benches: set[asyncio.subprocess.Process] = set()
+        self.jobs = jobs.Jobs(config.home, config.address)
+        self._follows: dict[str, list[asyncio.Task[Any]]] = {}
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks only weakly.
@@ -223,6 +227,7 @@ class Agent:
             task.cancel()
         await self._stop_all_shards()
         await self._stop_benches()
+        await self.jobs.stop_all()
         if self.file_server is not None:
             await self.file_server.close()
         self.close()
@@ -309,6 +314,7 @@ class Agent:
 
     def _sample(self) -> dict[str, Any]:
         pids = [s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None]
+        pids += self.jobs.pids()
         sample = telemetry.sample(self.config.memory_gb, pids)
         sample.pop("time", None)
         return {**sample, **self.live}
@@ -326,6 +332,7 @@ class Agent:
             started=self.started,
             facts=self.facts,
             shards=[s.describe() for s in self.shards.values()],
+            jobs=[j.describe() for j in self.jobs.jobs.values()],
             **self._sample(),
         )
 
@@ -503,6 +510,7 @@ class Agent:
             last = now
             for shard in self.shards.values():
                 self._judge(shard, now)
+            self.jobs.judge(now)
 
     def _judge(self, shard: ShardProc, now: float) -> None:
         quiet = now - shard.last_heard
@@ -753,41 +761,6 @@ class Agent:
             return ""
         return f"a benchmark already runs on {self.config.name} (pid {running[0]}): wait for it"
 
-    async def _on_bench_port(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        """A free port on this node's address for a rank of the benchmark's group."""
-        await self._reply(ident, re, "ok", port=self._free_ports(1)[0])
-
-    async def _on_bench_rank(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        """Run one rank of the group's distributed product (worker.device_bench --rank)
-        over MLX's ring backend, from the hostfile the controller made of every rank's
-        address and port; answer with the rank's figures."""
-        busy = self._bench_running()
-        hosts, rank, spec = msg.get("hosts"), msg.get("rank"), msg.get("spec")
-        timeout = msg.get("timeout_s", BENCH_TIMEOUT_S)
-        problem = busy or rank_problem(hosts, rank, spec, timeout)
-        if problem:
-            await self._reply(ident, re, "error", message=problem)
-            return
-        assert isinstance(spec, dict)
-        # The rank writes its hostfile and environment itself (worker.group), so this
-        # agent never loads MLX.
-        asked = {**spec, "backend": "ring", "rank": rank, "hosts": hosts}
-        asked["dir"] = str(self.config.home / "bench")
-        try:
-            figures = await self._measurement(
-                ident, re, ["-m", "worker.device_bench", "--rank", json.dumps(asked)], None, timeout
-            )
-        except BenchError as exc:
-            await self._reply(ident, re, "error", message=str(exc))
-            return
-        await self._reply(ident, re, "ok", figures=figures)
-
-    async def _on_bench_stop(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        """Stop this node's benchmark processes (a rank whose group will never form)."""
-        stopped = [p.pid for p in self._benches if p.returncode is None]
-        await self._stop_benches()
-        await self._reply(ident, re, "ok", stopped=stopped)
-
     async def _stop_benches(self) -> None:
         for proc in list(self._benches):
             if proc.returncode is None:
@@ -951,10 +924,12 @@ class Agent:
 
     def _port_usable(self, port: int) -> bool:
         taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        taken |= self.jobs.ports_held()
         return 0 < port <= 65535 and port not in taken and _port_free(self.config.address, port)
 
     def _free_ports(self, count: int) -> list[int]:
         taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        taken |= self.jobs.ports_held()
         found: list[int] = []
         port = self.config.control_port + SHARD_PORT_OFFSET
         while len(found) < count:
@@ -964,6 +939,76 @@ class Agent:
                 found.append(port)
             port += 1
         return found
+
+    # ---- jobs (worker/jobs.py) --------------------------------------------------------------
+
+    async def _on_job_ports(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Free ports on this node's address, for a rank of a group job to listen on."""
+        count = msg.get("count", 1)
+        if not isinstance(count, int) or not 1 <= count <= 16:
+            await self._reply(ident, re, "error", message="job_ports wants a count of 1-16")
+            return
+        await self._reply(ident, re, "job_ports", ports=self._free_ports(count))
+
+    async def _on_start_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        try:
+            job = await self.jobs.start(msg)
+        except (jobs.JobError, KeyError, TypeError, ValueError) as exc:
+            await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
+            return
+        assert job.proc is not None
+        log.info(
+            "job %s rank %d/%d (%s) pid %d", job.job, job.rank, job.size, job.kind, job.proc.pid
+        )
+        await self._reply(ident, re, "job_started", **job.describe())
+
+    async def _on_follow_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Every event of a job's rank after `since`, a beat each second, then its end."""
+        since = msg.get("since", 0)
+        # A follower that went away (a closed TUI) is not told; its relay ends when the
+        # job does. Bounded: the oldest relays of a job give way to new followers.
+        relays = self._follows.setdefault(str(msg.get("job")), [])
+        relays[:] = [t for t in relays if not t.done()]
+        if (me := asyncio.current_task()) is not None:
+            relays.append(me)
+        while len(relays) > MAX_FOLLOWERS:
+            relays.pop(0).cancel()
+        try:
+            async for kind, body in self.jobs.follow(str(msg.get("job")), int(since)):
+                if kind == "event":
+                    # The job's own fields stay in `data`: they cannot clash with ours.
+                    await self._reply(
+                        ident,
+                        re,
+                        "job_event",
+                        node=self.config.name,
+                        event=str(body["event"]),
+                        seq=int(body["seq"]),
+                        data=body,
+                    )
+                else:
+                    reply = "job_beat" if kind == "beat" else "job_end"
+                    await self._reply(ident, re, reply, node=self.config.name, **body)
+        except jobs.JobError as exc:
+            await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
+
+    async def _on_job_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        found = [j.describe() for j in self.jobs.jobs.values()]
+        if msg.get("job"):
+            found = [j for j in found if j["job"] == msg["job"]]
+        await self._reply(ident, re, "jobs", node=self.config.name, jobs=found)
+
+    async def _on_stop_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        try:
+            job = await self.jobs.stop(str(msg.get("job")))
+        except jobs.JobError as exc:
+            await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
+            return
+        log.info("job %s stopped (%s)", job.job, job.state)
+        await self._reply(ident, re, "job_stopped", **job.describe())
+
+    async def _on_forget_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        await self._reply(ident, re, "ok", forgotten=self.jobs.forget(str(msg.get("job"))))
 
     # ---- telemetry ----------------------------------------------------------------------------
 
@@ -975,6 +1020,7 @@ class Agent:
             pids = [
                 s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None
             ]
+            pids += self.jobs.pids()
             sample = {**telemetry.sample(self.config.memory_gb, pids), **self.live}
             sample.pop("time", None)
             msg = messages.encode(
@@ -1017,23 +1063,6 @@ def link_sizes(asked: dict[str, Any]) -> LinkSizes:
         chunk_bytes=int(asked.get("chunk_bytes", base.chunk_bytes)),
         in_flight=int(asked.get("in_flight", base.in_flight)),
     )
-
-
-def rank_problem(hosts: Any, rank: Any, spec: Any, timeout: Any) -> str:
-    """What is wrong with a `bench_rank` request, in words, or "" when nothing is."""
-    if not isinstance(hosts, list) or not all(
-        isinstance(h, list) and len(h) == 1 and isinstance(h[0], str) for h in hosts
-    ):
-        return 'bench_rank needs hosts: one ["address:port"] per rank'
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(hosts):
-        return f"bench_rank: rank {rank!r} is not one of the {len(hosts)} ranks"
-    if not isinstance(spec, dict):
-        return "bench_rank needs its spec (n, reps)"
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        return "bench_rank: timeout_s must be a number of seconds"
-    if not 0 < timeout <= BENCH_TIMEOUT_S:
-        return f"bench_rank: timeout_s must be in (0, {BENCH_TIMEOUT_S:g}]"
-    return ""
 
 
 class BenchError(RuntimeError):

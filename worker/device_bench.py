@@ -1,12 +1,13 @@
 """What one node's own device does, measured with MLX: matrix-multiply throughput per
 dtype and memory bandwidth; and the rank program of the group's distributed product.
 
-The agent runs this in a process of its own (`python -m worker.device_bench SPEC`), so a
+The agent runs this in a process of its own (`python -m worker.device_bench SIZES`), so a
 measurement that takes seconds never blocks the agent's loop and a crash (an MLX abort,
 the OOM killer) ends this process, not the agent. It prints one JSON object a line: a
-`step` as each figure starts, then `figures` (or `fatal`). With `--rank` it is one rank
-of an `mx.distributed` group (launched with worker.group's environment) multiplying a
-matrix whose inner dimension is split over the ranks, summed with `all_sum`.
+`step` as each figure starts, then `figures` (or `fatal`). Given a job's spec file
+(`python -m worker.device_bench SPEC.json`, the `benchmark` kind of worker.jobs) it is
+one rank of an `mx.distributed` group multiplying a matrix whose inner dimension is
+split over the ranks, summed with `all_sum`.
 
 Each figure is timed on the node's default device (the GPU on a Mac, the CPU here) for
 about `seconds` after one warm-up, and is the work over the median time of one
@@ -31,7 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker.group import GroupError, join, rank_env, ring_hostfile, write_json
+from worker import jobs
+from worker.group import BACKENDS, GroupError, join
 from worker.shared.protocol.limits import DEVICE_BENCH_BOUNDS, out_of_bounds
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -170,28 +172,14 @@ def rank_blocks(n: int, size: int, rank: int, dtype: mx.Dtype) -> tuple[mx.array
     return _matrix((n, k), dtype, 100 + rank), _matrix((k, n), dtype, 200 + rank)
 
 
-def rank_environment(spec: dict[str, Any]) -> dict[str, str]:
-    """The environment MLX reads to join the group: for the ring backend, a hostfile of
-    every rank's "address:port" written under spec["dir"] (worker.group's pieces)."""
-    backend = str(spec.get("backend", "ring"))
-    if backend != "ring":
-        raise SpecError(f"the benchmark launches ring groups only, not {backend!r}")
-    hosts, rank = spec["hosts"], int(spec["rank"])
-    ends = [str(h[0]).rsplit(":", 1) for h in hosts]
-    table = ring_hostfile([a for a, _ in ends], [int(p) for _, p in ends])
-    hostfile = write_json(Path(spec["dir"]) / f"hosts-{os.getpid()}.json", table)
-    return rank_env(rank, len(hosts), "ring", hostfile=hostfile)
-
-
 def group_run(spec: dict[str, Any]) -> dict[str, Any]:
     """C = A @ B with the inner dimension split over the group: each rank multiplies its
-    slice and `all_sum` adds the partial products, as a row-parallel layer does."""
-    env = rank_environment(spec)
-    os.environ.update(env)
-    try:
-        group = join("ring", env)
-    finally:
-        Path(env["MLX_HOSTFILE"]).unlink(missing_ok=True)
+    slice and `all_sum` adds the partial products, as a row-parallel layer does. The
+    process was started as a job's rank (worker.jobs): its environment names the group."""
+    backend = str(spec.get("backend", "ring"))
+    if backend not in BACKENDS:
+        raise SpecError(f"unknown backend {backend!r}")
+    group = join("jaccl" if backend == "jaccl" else "ring", os.environ)
     size, rank = group.size(), group.rank()
     n = int(spec["n"])
     if n % size or n < size:
@@ -247,13 +235,27 @@ def _check(
     return float(ratio)
 
 
+def job_main(spec_path: str) -> int:
+    """One rank of a `benchmark` job (worker.jobs runs `python -m worker.device_bench
+    SPEC.json`): beats while it works, then its figures as the `result` event."""
+    jobs.own_stdout()
+    jobs.start_beating()
+    try:
+        figures = group_run(jobs.read_spec(spec_path))
+    except (SpecError, GroupError, jobs.JobError, ValueError, KeyError, RuntimeError) as exc:
+        jobs.emit("fatal", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    jobs.emit("result", figures=figures)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    rank = bool(args) and args[0] == "--rank"
+    if len(args) == 1 and args[0].endswith(".json") and Path(args[0]).is_file():
+        return job_main(args[0])
     try:
-        spec = json.loads(args[-1]) if args else {}
-        figures = group_run(spec) if rank else device_run(spec)
-    except (SpecError, GroupError, ValueError, KeyError, RuntimeError, MemoryError) as exc:
+        figures = device_run(json.loads(args[-1]) if args else {})
+    except (SpecError, ValueError, KeyError, RuntimeError, MemoryError) as exc:
         _say("fatal", message=f"{type(exc).__name__}: {exc}")
         return 1
     _say("figures", figures=figures)

@@ -15,6 +15,7 @@ import os
 import platform
 import subprocess
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from studiotui import __version__
+from studiotui.cluster import jobs
 from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.cluster.jobs import JobFailed, JobRecord
 from studiotui.cluster.peers import AgentError, AgentUnreachable
 from studiotui.cluster.streams import prompt_tokens, stream
 from studiotui.core.benchmark import (
@@ -43,14 +46,13 @@ from studiotui.core.benchmark import (
     plan_steps,
     stream_point,
 )
+from studiotui.core.jobs import choose_backend
 from studiotui.core.state import PlacementState
 from worker.shared import probes
 
 StepListener = Callable[[Step], None]
 # A device step's replies come as each figure starts; one figure takes seconds.
 DEVICE_SILENCE_S = 120.0
-# The ranks of the group wait for each other: one that never comes fails the rest.
-GROUP_TIMEOUT_S = 120.0
 WARM_UP_TOKENS = 4
 
 
@@ -235,16 +237,21 @@ class Benchmark:
         return "unknown"
 
     async def group(self, names: list[str], nodes: list[NodeFigures]) -> GroupFigures:
-        """The distributed product over the group, launched by the agents."""
+        """The distributed product over the group, a `benchmark` job on the agents."""
         self._next()
         n = group_n(nodes, names, self.sizes.matmul_n)
         parts = parts_gflops(nodes, names, "float32")
+        backend, why = choose_backend(names, self.ctl.state.links)
+        if backend == "jaccl":
+            # JACCL needs the group's RDMA device matrix, which nothing here builds yet.
+            self.notes.append(f"{why}, but the group was measured over ring")
+            backend = "ring"
         base = GroupFigures(
-            nodes=tuple(names), backend="ring", n=n, parts_gflops=parts, launcher="bench_rank"
+            nodes=tuple(names), backend=backend, n=n, parts_gflops=parts, launcher="jobs"
         )
         try:
-            ranks = await self._ranks(names, n)
-        except (AgentError, AgentUnreachable, BenchmarkError) as exc:
+            ranks = await self._ranks(names, n, backend)
+        except (AgentError, AgentUnreachable, JobFailed, BenchmarkError) as exc:
             self._say("failed", str(exc))
             return replace(base, error=str(exc))
         self._say("done")
@@ -257,38 +264,31 @@ class Benchmark:
             max_error=max(float(r.get("max_error", 0.0)) for r in ranks),
         )
 
-    async def _ranks(self, names: list[str], n: int) -> list[dict[str, Any]]:
-        """One rank per node over MLX's ring backend on the nodes' own addresses (the
-        address each agent is bound to: the Thunderbolt bridge's on a desk cluster)."""
-        ports = await asyncio.gather(*(self.ctl.peer(x).request("bench_port") for x in names))
-        hosts = [
-            [f"{self.ctl.spec(x).address}:{int(reply['port'])}"]
-            for x, reply in zip(names, ports, strict=True)
-        ]
-        spec = {"n": n, "reps": self.sizes.group_reps, "backend": "ring"}
+    async def _ranks(self, names: list[str], n: int, backend: str) -> list[dict[str, Any]]:
+        """One rank per node, started and followed as a job (cluster/jobs.py), on the
+        nodes' own addresses (the Thunderbolt bridge's on a desk cluster)."""
+        name = f"benchmark-{uuid.uuid4().hex[:8]}"
+        record = JobRecord(name, "benchmark", tuple(names), backend)
+        spec = {"n": n, "reps": self.sizes.group_reps}
+        found: dict[str, dict[str, Any]] = {}
 
-        async def rank(i: int) -> dict[str, Any]:
-            reply = await self.ctl.peer(names[i]).request(
-                "bench_rank",
-                timeout=GROUP_TIMEOUT_S + 10,
-                rank=i,
-                hosts=hosts,
-                spec=spec,
-                timeout_s=GROUP_TIMEOUT_S,
-            )
-            return dict(reply["figures"])
+        def on_event(node: str, event: dict[str, Any]) -> None:
+            if event.get("event") == "result":
+                found[node] = dict(event.get("figures") or {})
 
-        tasks = [asyncio.create_task(rank(i)) for i in range(len(names))]
+        await jobs.start_group(self.ctl, record, [spec] * len(names))
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            # One rank failed: the others wait for it in vain. Stop them now.
-            for task in tasks:
-                task.cancel()
+            end = await jobs.follow(self.ctl, name, names, on_event)
+        finally:
+            # Nothing to resume: the ranks' records go once they are read.
             await asyncio.gather(
-                *(self.ctl.peer(x).request("bench_stop") for x in names), return_exceptions=True
+                *(self.ctl.peer(x).request("forget_job", job=name) for x in names),
+                return_exceptions=True,
             )
-            raise
+        missing = [x for x in names if x not in found]
+        if end.state != "done" or missing:
+            raise BenchmarkError(end.message or f"no figures from {', '.join(missing)}")
+        return [found[x] for x in names]
 
     async def placement(self, p: PlacementState) -> PlacementFigures:
         """Decode tok/s and time to first token with 1, 2, 4, 8 streams at once."""

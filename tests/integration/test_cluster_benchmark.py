@@ -73,9 +73,13 @@ def test_a_run_measures_every_part_and_round_trips(
         try:
             await ctl.place(model, names, "tiny", prefill_chunk=64)
             try:
-                return await Benchmark(ctl, None, TINY, steps.append).run()
+                run = await Benchmark(ctl, None, TINY, steps.append).run()
             finally:
                 await ctl.unload("tiny")
+            # The group's ranks ended and their job records were forgotten.
+            for name in names:
+                assert (await ctl.peer(name).request("job_status"))["jobs"] == []
+            return run
         finally:
             await ctl.close()
 
@@ -91,6 +95,7 @@ def test_a_run_measures_every_part_and_round_trips(
     assert all(map(positive, (link.latency_us, link.latency_pad_us, link.gbps, link.gbps_back)))
     group = run.group
     assert group is not None and group.backend == "ring" and group.nodes == tuple(names)
+    assert group.launcher == "jobs"  # started and followed as a cluster job
     assert positive(group.gflops) and positive(group.step_s) and positive(group.compute_s)
     # The sum of parts is the nodes' own float32 figures; the product was checked whole.
     assert group.parts_gflops == pytest.approx(sum(n.gflops["float32"] for n in run.nodes))

@@ -20,7 +20,7 @@ from studiotui.core.benchmark import (
 )
 from tests.benchmark_fixtures import sample_run
 from worker import device_bench
-from worker.agent import link_sizes, rank_problem
+from worker.agent import link_sizes
 
 # ---- node side: the device program's arithmetic and refusals ------------------------------
 
@@ -61,14 +61,6 @@ def test_link_sizes_keep_defaults_and_refuse_out_of_bounds() -> None:
     for bad in ({"bulk_seconds": 600}, {"chunk_bytes": 1 << 30}, {"pings": True}, {"x": 1}):
         with pytest.raises(ValueError, match="link measurement"):
             link_sizes(bad)
-
-
-def test_rank_requests_are_checked() -> None:
-    hosts = [["10.0.0.1:5000"], ["10.0.0.2:5000"]]
-    assert rank_problem(hosts, 1, {"n": 64}, 30) == ""
-    assert "rank 2" in rank_problem(hosts, 2, {"n": 64}, 30)
-    assert "hosts" in rank_problem([["a", "b"]], 0, {}, 30)
-    assert "timeout_s" in rank_problem(hosts, 0, {}, 10_000)
 
 
 # ---- operator side: sizes, steps, arithmetic ------------------------------------------------

@@ -66,12 +66,22 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "read": {"token": (str,), "name": (str,), "offset": (int,), "length": (int,)},
     "chunk": {"offset": (int,)},
     "file_progress": {"stage": (str,), "done": _NUM, "total": _NUM},
-    # the cluster benchmark (worker/device_bench.py): controller -> agent, then replies
+    # a node's device benchmark (worker/device_bench.py): controller -> agent, then its steps
     "device_bench": {"sizes": (dict,)},
-    "bench_port": {},
-    "bench_rank": {"rank": (int,), "hosts": (list,), "spec": (dict,)},
-    "bench_stop": {},
     "bench_step": {"step": (str,)},
+    # cluster jobs (worker/jobs.py): controller -> agent, then agent -> controller
+    "job_ports": {},
+    "start_job": {"job": (str,), "job_kind": (str,), "rank": (int,), "size": (int,)},
+    "follow_job": {"job": (str,)},
+    "job_status": {},
+    "stop_job": {"job": (str,)},
+    "forget_job": {"job": (str,)},
+    "job_started": {"job": (str,), "rank": (int,)},
+    "job_event": {"event": (str,), "seq": (int,)},
+    "job_beat": {"job": (str,), "state": (str,)},
+    "job_end": {"job": (str,), "state": (str,)},
+    "jobs": {"jobs": (list,)},
+    "job_stopped": {"job": (str,), "state": (str,)},
     # agent -> controller
     "hello_reply": {"name": (str,), "version": (str,), "pid": (int,)},
     "prepared": {"placement": (str,), "data_port": (int,), "client_port": (int,)},
