@@ -237,25 +237,31 @@ def report(run: Run, width: int = 100) -> RenderableType:
 
 
 def compare_table(a: Run, b: Run, rows: Sequence[CompareRow] | None = None) -> Table:
+    """Two runs side by side, a row per figure under a line per section (node, link,
+    group, placement); the change is green when better, red when worse (past 2 %)."""
     rows = compare(a, b) if rows is None else rows
     table = Table(title=f"A {a.label}\nB {b.label}", title_justify="left")
-    for col in ("", "item", "figure"):
-        table.add_column(col, no_wrap=True)
+    table.add_column("item", no_wrap=True)
+    table.add_column("figure", overflow="fold")
+    table.add_column("unit", no_wrap=True)
     for col in ("A", "B", "B vs A"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
+    section = ""
     for row in rows:
-        moved = change(row)
+        if row.section != section:
+            section = row.section
+            table.add_row(Text(section, style="bold"))
         better = row.change is not None and (row.change > 0) == row.higher_is_better
         style = (
             "" if row.change is None or abs(row.change) < 0.02 else ("green" if better else "red")
         )
         table.add_row(
-            row.section,
             row.item,
             row.figure,
-            f"{number(row.a)} {row.unit}",
-            f"{number(row.b)} {row.unit}",
-            Text(moved, style=style),
+            row.unit,
+            number(row.a),
+            number(row.b),
+            Text(change(row), style=style),
         )
     return table
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from studiotui import __version__
 from studiotui.cli.main import main
 from studiotui.cluster.benchmark import Benchmark
 from studiotui.cluster.peers import AgentError
@@ -85,6 +86,7 @@ def test_a_run_measures_every_part_and_round_trips(
 
     run = asyncio.run(go())
     assert run.errors == [] and run.cluster == bench_cluster.inventory.name
+    assert run.build.startswith(__version__) and run.machine["host"] and run.date.endswith("Z")
     assert [n.name for n in run.nodes] == names
     for node in run.nodes:
         assert set(node.gflops) == set(DTYPES) and all(map(positive, node.gflops.values()))
