@@ -8,6 +8,7 @@ measurements (positive, finite, consistent), not how fast anything is."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import signal
@@ -60,7 +61,7 @@ def positive(value: float | None) -> bool:
 
 
 def test_a_run_measures_every_part_and_round_trips(
-    bench_cluster: LocalCluster, tmp_path: Path
+    bench_cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = write_demo_model(
         tmp_path / "tiny",
@@ -77,6 +78,10 @@ def test_a_run_measures_every_part_and_round_trips(
                 run = await Benchmark(ctl, None, TINY, steps.append).run()
             finally:
                 await ctl.unload("tiny")
+            # The bulk stream stops on time: at most a few messages are queued ahead
+            # (1 GiB, the cap, was queued at once when the marks were overwritten).
+            (quick,) = await ctl.link_results(names[0], [names[1]], {"bulk_seconds": 0.05})
+            assert 0 < quick["sent_bytes"] < 256 << 20 and quick["received_bytes"] > 0
             # The group's ranks ended and their job records were forgotten.
             for name in names:
                 assert (await ctl.peer(name).request("job_status"))["jobs"] == []
@@ -103,7 +108,8 @@ def test_a_run_measures_every_part_and_round_trips(
     assert group.parts_gflops == pytest.approx(sum(n.gflops["float32"] for n in run.nodes))
     assert group.max_error is not None and group.max_error < 1e-5
     (placed,) = run.placements
-    assert placed.name == "tiny" and placed.nodes == tuple(names) and placed.admitted >= 1
+    # The ring's order follows the measured links: either node may be the head.
+    assert placed.name == "tiny" and set(placed.nodes) == set(names) and placed.admitted >= 1
     assert [p.streams for p in placed.points] == [1, 2, 4, 8]
     for point in placed.points:
         assert point.tokens == point.streams * TINY.stream_tokens
@@ -124,8 +130,11 @@ def test_a_run_measures_every_part_and_round_trips(
     os.environ["STUDIOTUI_HOME"] = str(home)
     try:
         time.sleep(1.1)  # ids are to the second
-        assert main(["-i", str(inventory), "benchmark", *TINY_ARGS, "--markdown", str(md)]) == 0
+        capsys.readouterr()
+        argv = ["-i", str(inventory), "benchmark", *TINY_ARGS, "--json", "--markdown", str(md)]
+        assert main(argv) == 0
         second = bm.find(home, "latest")
+        assert bm.from_json(json.loads(capsys.readouterr().out)) == second  # stdout: the run
         assert second.id != run.id and second.placements == () and second.group is not None
         text = md.read_text()
         for heading in ("## Nodes", "## Links", "## Group", "| node | device | float32"):

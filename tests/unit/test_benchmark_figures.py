@@ -207,6 +207,18 @@ def test_markdown_has_every_table_and_the_failures() -> None:
     assert "| node | studio-1 | matmul float32 | GFLOP/s | 20,000 | 40,000 | +100.0 % |" in both
 
 
+def test_the_report_draws_every_section_and_marks_queued_streams() -> None:
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(view.report(sample_run(), 120))
+    text = console.export_text()
+    for word in ("GFLOP/s", "Gbit/s", "sum of parts", "0.750× the sum", "8 (queued)", "●"):
+        assert word in text, word
+    assert "4 (queued)" not in text  # 4 streams are what the placement admits
+    assert "failed: studio-2: device_bench timed out" in text
+
+
 def test_number_keeps_three_significant_digits() -> None:
     assert [view.number(v) for v in (0.0004567, 1.23456, 123.456, 98765.4)] == [
         "0.000457",
