@@ -279,6 +279,10 @@ class Benchmark:
         await jobs.start_group(self.ctl, record, [spec] * len(names))
         try:
             end = await jobs.follow(self.ctl, name, names, on_event)
+        except asyncio.CancelledError:
+            # The run was given up (Esc, Ctrl-C): its ranks go too.
+            await jobs.stop(self.ctl, name, names)
+            raise
         finally:
             # Nothing to resume: the ranks' records go once they are read.
             await asyncio.gather(

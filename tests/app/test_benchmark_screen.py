@@ -64,17 +64,19 @@ async def test_the_screen_runs_draws_saves_and_compares(screen_cluster: LocalClu
         screen = app.screen
         assert isinstance(screen, BenchmarkScreen)
         assert "No benchmark yet" in shown(screen)
-        steps: list[str] = []
-        original = screen.on_step
-        screen.on_step = lambda step: (steps.append(step.label), original(step))[1]  # type: ignore[method-assign]
         await pilot.press("r")
         progress = screen.query_one("#bench-progress")
         await until(pilot, lambda: progress.display, 5, "the progress shows")
+        # Each step is listed as it comes: the first node's device is measured first.
+        await until(pilot, lambda: "✓ local-1: device" in shown(screen), 60, "a step done")
+        assert "step " in str(screen.query_one("#bench-step", Static).render())
         await until(pilot, lambda: len(screen.runs) == 1, 90, "the run is saved")
         assert not progress.display
         run = screen.runs[0]
         assert run.errors == [] and [n.name for n in run.nodes] == list(inv.names)
-        assert steps[0] == f"{inv.names[0]}: device" and steps[-1].startswith("group of 2")
+        labels = list(screen.steps)
+        assert labels[0] == f"{inv.names[0]}: device" and labels[-1].startswith("group of 2")
+        assert {s.state for s in screen.steps.values()} == {"done"}
         text = shown(screen)
         for word in ("GFLOP/s", "Gbit/s", "sum of parts", *inv.names):
             assert word in text, word

@@ -41,6 +41,21 @@ def run_row(run: Run, marked: bool) -> tuple[Text, Text, str, Text]:
     )
 
 
+def step_lines(steps: list[Step]) -> Text:
+    """The steps of a running benchmark so far: ✓ done, ✗ failed (with why), ▸ running."""
+    text = Text()
+    for step in steps:
+        mark, style = {"done": ("✓", "green"), "failed": ("✗", "red")}.get(
+            step.state, ("▸", "bold")
+        )
+        text.append(f"{mark} ", style=style)
+        text.append(step.label)
+        if step.detail:
+            text.append(f" · {step.detail}", style="red" if step.state == "failed" else "dim")
+        text.append("\n")
+    return text
+
+
 @guard_actions
 class BenchmarkScreen(Screen[None]):
     CSS_PATH = "benchmark.tcss"
@@ -60,7 +75,7 @@ class BenchmarkScreen(Screen[None]):
         self.marked: list[str] = []  # run ids, oldest mark first
         self.shown: Run | tuple[Run, Run] | None = None
         self.running: Worker[None] | None = None
-        self.last_step: Step | None = None
+        self.steps: dict[str, Step] = {}  # the running benchmark's steps so far
 
     @property
     def dashboard(self) -> Dashboard:
@@ -204,6 +219,8 @@ class BenchmarkScreen(Screen[None]):
             return
         self.query_one("#bench-progress").display = True
         self.query_one("#bench-step", Static).update("asking the nodes…")
+        self.steps = {}
+        self.query_one("#bench-results").border_title = "Steps"
         self.query_one("#bench-bar", ProgressBar).update(total=None, progress=0)
         self.running = self.run_worker(self._run(), group="benchmark", exit_on_error=False)
 
@@ -226,14 +243,14 @@ class BenchmarkScreen(Screen[None]):
         self.reload(select=run.id)
 
     def on_step(self, step: Step) -> None:
-        """Each step as it starts, what its node says it is at, and when it ends."""
-        self.last_step = step
+        """Each step as it starts, what its node says it is at, and when it ends: on the
+        progress line and in the list of steps so far."""
+        self.steps[step.label] = step
         what = f"{step.label}: {step.detail}" if step.detail else step.label
-        mark = {"failed": "✗ ", "done": "✓ "}.get(step.state, "")
-        self.query_one("#bench-step", Static).update(
-            f"{mark}step {step.index} of {step.total} · {what}"
-        )
+        line = f"step {step.index} of {step.total} · {what}"
+        self.query_one("#bench-step", Static).update(line)
         done = step.index - (step.state == "running")
         self.query_one("#bench-bar", ProgressBar).update(total=step.total, progress=done)
+        self.query_one("#bench-view", Static).update(step_lines(list(self.steps.values())))
         if step.state == "failed":
             self.dashboard.report(f"benchmark: {step.label} failed: {step.detail}", "warning")
