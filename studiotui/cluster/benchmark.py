@@ -162,6 +162,8 @@ class Benchmark:
         links = await self.links(names)
         group = await self.group(names, nodes) if len(names) >= 2 else None
         measured = [await self.placement(p) for p in placements]
+        if len(names) < 2:
+            self.notes.append("one node: no link to measure and no group product")
         if not placements:
             self.notes.append("no placement is ready on these nodes: no stream figures")
         return Run(

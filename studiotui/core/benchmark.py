@@ -11,7 +11,6 @@ concurrent streams. Everything here is pure but the small file store at the end.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -533,7 +532,3 @@ def find(home: Path, ref: str) -> Run:
     if matches:
         raise BenchmarkError(f"{ref!r} names {len(matches)} runs", f"give more of the id ({known})")
     raise BenchmarkError(f"no saved benchmark run {ref!r} in {runs_dir(home)}", f"saved: {known}")
-
-
-def finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)

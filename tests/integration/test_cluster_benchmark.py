@@ -204,3 +204,19 @@ def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(
             await ctl.close()
 
     asyncio.run(go())
+
+
+def test_one_node_is_its_device_alone(bench_cluster: LocalCluster) -> None:
+    name = bench_cluster.inventory.names[1]
+
+    async def go() -> bm.Run:
+        ctl = bench_cluster.controller()
+        try:
+            return await Benchmark(ctl, [name], TINY).run()
+        finally:
+            await ctl.close()
+
+    run = asyncio.run(go())
+    assert [n.name for n in run.nodes] == [name] and run.errors == []
+    assert run.links == () and run.group is None and run.placements == ()
+    assert any("one node" in note for note in run.notes)
