@@ -8,12 +8,14 @@ measurements (positive, finite, consistent), not how fast anything is."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -220,3 +222,46 @@ def test_one_node_is_its_device_alone(bench_cluster: LocalCluster) -> None:
     assert [n.name for n in run.nodes] == [name] and run.errors == []
     assert run.links == () and run.group is None and run.placements == ()
     assert any("one node" in note for note in run.notes)
+
+
+def test_a_rank_killed_mid_product_fails_the_group_alone(bench_cluster: LocalCluster) -> None:
+    """The group's job fails naming the node whose rank died; the other rank is ended,
+    both agents carry on, and the run keeps its other figures."""
+    names = list(bench_cluster.inventory.names)
+    victim = psutil.Process(bench_cluster.pids[names[1]])
+
+    def ranks(agent: psutil.Process) -> list[psutil.Process]:
+        found = []
+        for p in agent.children():
+            with contextlib.suppress(psutil.Error):
+                if "spec.json" in " ".join(p.cmdline()):
+                    found.append(p)
+        return found
+
+    async def go() -> bm.Run:
+        ctl = bench_cluster.controller()
+        try:
+            # Enough steps of the product that it is still running when its rank dies.
+            long = replace(TINY, group_reps=100_000, stream_counts=())
+            task = asyncio.create_task(Benchmark(ctl, None, long).run())
+            deadline = time.monotonic() + 60
+            while not ranks(victim):
+                assert time.monotonic() < deadline and not task.done(), "no rank appeared"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            for rank in ranks(victim):
+                rank.send_signal(signal.SIGKILL)
+            run = await asyncio.wait_for(task, 60)
+            for name in names:  # both agents answer, no rank is left anywhere
+                assert (await ctl.peer(name).request("hello", timeout=3))["name"] == name
+            return run
+        finally:
+            await ctl.close()
+
+    run = asyncio.run(go())
+    group = run.group
+    assert group is not None and group.gflops is None
+    assert names[1] in group.error and "SIGKILL" in group.error, group.error
+    assert [n.name for n in run.nodes if not n.error] == names and len(run.links) == 1
+    for pid in bench_cluster.pids.values():
+        assert ranks(psutil.Process(pid)) == []
