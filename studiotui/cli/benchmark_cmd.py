@@ -104,11 +104,14 @@ def cmd_list(home: Path) -> int:
         errors.print(f"no saved run in {figures.runs_dir(home)}: run `studiotui benchmark`")
         return 0
     table = Table(title=f"saved runs ({figures.runs_dir(home)})")
-    for col in ("id", "date", "cluster", "nodes", "build", "failed"):
-        table.add_column(col)
+    # The id (UTC time and cluster) is what --compare takes: it is never folded.
+    table.add_column("id (UTC time, cluster)", no_wrap=True)
+    table.add_column("nodes", overflow="fold")
+    table.add_column("build", overflow="fold")
+    table.add_column("failed", justify="right")
     for run in runs:
         names = ", ".join(n.name for n in run.nodes)
-        table.add_row(run.id, run.date, run.cluster, names, run.build, str(len(run.errors)))
+        table.add_row(run.id, names, run.build, str(len(run.errors)))
     console.print(table)
     return 0
 

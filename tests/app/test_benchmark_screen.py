@@ -118,3 +118,10 @@ def test_benchmark_screen_snapshot(snap_compare, tmp_path: Path) -> None:
     bm.save(tmp_path, sample_run("20260102-000000-desk", scale=1.1))
     app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
     assert snap_compare(app, terminal_size=SIZE, press=["b"])
+
+
+def test_benchmark_compare_snapshot(snap_compare, tmp_path: Path) -> None:
+    bm.save(tmp_path, sample_run("20260101-000000-desk"))
+    bm.save(tmp_path, sample_run("20260102-000000-desk", scale=1.1))
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    assert snap_compare(app, terminal_size=SIZE, press=["b", "space", "down", "space", "c"])

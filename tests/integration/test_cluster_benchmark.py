@@ -141,6 +141,9 @@ def test_a_run_measures_every_part_and_round_trips(
         text = md.read_text()
         for heading in ("## Nodes", "## Links", "## Group", "| node | device | float32"):
             assert heading in text
+        assert main(["benchmark", "--list"]) == 0
+        listed = capsys.readouterr().out
+        assert run.id in listed and second.id in listed
         compared = tmp_path / "compare.md"
         assert main(["benchmark", "--compare", run.id, "latest", "--markdown", str(compared)]) == 0
         table = compared.read_text()
