@@ -28,6 +28,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from studiotui.cluster.controller import Controller
+from studiotui.cluster.streams import stream
 from studiotui.core.inventory import Inventory
 from worker.shared.protocol import curve
 from worker.shared.protocol.frames import RingHeader, encode_ring_header
@@ -82,20 +83,10 @@ class MlxBatch:
 # ---- ours: eight streams on two shards ------------------------------------------------
 
 
-async def _answer(ctl: Controller, name: str, prompt: list[int], n: int) -> dict[str, Any]:
-    """One request's tokens, when it was sent and when its last token came."""
-    tokens: list[int] = []
-    start = time.perf_counter()
-    async for msg in ctl.generate(name, {"tokens": prompt}, {"max_tokens": n, "ignore_eos": True}):
-        if msg["type"] == "delta":
-            tokens += msg["tokens"]
-    return {"tokens": tokens, "start": start, "end": time.perf_counter()}
-
-
 async def _ours(ctl: Controller, name: str, n: int) -> tuple[float, float, list[list[int]]]:
     batch = prompts()
-    one = await _answer(ctl, name, batch[0], n)
-    runs = await asyncio.gather(*(_answer(ctl, name, p, n) for p in batch))
+    one = await stream(ctl, name, batch[0], n)
+    runs = await asyncio.gather(*(stream(ctl, name, p, n) for p in batch))
     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     eight = sum(len(r["tokens"]) for r in runs) / wall
     return len(one["tokens"]) / (one["end"] - one["start"]), eight, [r["tokens"] for r in runs]
@@ -116,7 +107,7 @@ async def batch_figures(
         await ctl.refresh()
         names = list(inv.names)[:2]
         await ctl.place(model_dir, names, "batch2", prefill_chunk=prefill_chunk, streams=STREAMS)
-        await _answer(ctl, "batch2", batch[0], 8)  # warm up
+        await stream(ctl, "batch2", batch[0], 8)  # warm up
         for r in range(rounds):
             for side in ("ours", "mlx") if r % 2 else ("mlx", "ours"):
                 if side == "ours":
