@@ -1114,7 +1114,7 @@ class Stage:
         rid = header.rid
         if self.shard.is_first:
             lane = next((each for each in self.lanes if each.gid == rid), None)
-            if lane is not None:
+            if lane is not None and rid not in self.head_requests:
                 # A batch's frame itself was unusable (a bad frame names the batch):
                 # every request in that step fails, rather than waiting for ever.
                 for member in sorted(lane.flying):
