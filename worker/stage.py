@@ -828,7 +828,8 @@ class Stage:
             for rid in rows:
                 self._fail(rid, _describe(exc))
             return
-        self._complete_or_fail(step)
+        if step is not None:
+            self._complete_or_fail(step)
 
     def _batch_problem(self, header: RingHeader) -> str | None:
         shape = header.shape
@@ -846,7 +847,7 @@ class Stage:
                 )
         return None
 
-    def _launch_batch(self, header: RingHeader, flat: np.ndarray) -> Launched:
+    def _launch_batch(self, header: RingHeader, flat: np.ndarray) -> Launched | None:
         """Start one step for every row of a batched frame: the rows this stage already
         batches in one forward over their batched caches, and each request joining
         (decoded alone so far) on its own cache, with the step built ahead for it if
@@ -924,6 +925,8 @@ class Stage:
         group = self.groups.get(gid)
         if group is not None:
             group.offsets = [off + 1 for off in group.offsets]
+        if not done:
+            return None  # every row failed, each on its own: nothing goes on
         if len(done) > 1:
             self.stats.batched += 1
             self.stats.batched_rows += len(done)
