@@ -348,3 +348,32 @@ def test_a_batch_frame_that_cannot_be_read_fails_its_rows_only(
         if f"t{i}" not in broken:
             assert ring.tokens(f"t{i}") == expected[i]
     assert [s.held() for s in ring.stages] == [0, 0]
+
+
+def test_a_request_failing_as_it_joins_a_batch_fails_alone(models: Callable[..., Path]) -> None:
+    # The tail builds a request's next step ahead while its first decode step computes;
+    # that build fails (as MLX does out of memory) for "t1". When its lane next steps,
+    # "t1" fails there and then; the other rows of that step go on.
+    ring = Ring(models("llama"), [(0, 2), (2, 5)])
+    jobs = [(PROMPT[: 10 + i], {"max_tokens": 24, "ignore_eos": True}) for i in range(4)]
+    expected = alone(ring, jobs)
+    tail = ring.stages[1]
+    forward, calls = tail.shard.forward, {"n": 0}
+
+    def failing(h: mx.array, caches: Any) -> mx.array:
+        if caches is tail.caches.get("t1") and h.shape[1] == 1:
+            calls["n"] += 1
+            if calls["n"] == 2:  # its first decode step ran; the one built ahead fails
+                raise RuntimeError("[metal::malloc] out of memory")
+        return forward(h, caches)
+
+    tail.shard.forward = failing  # type: ignore[method-assign]
+    for i, (prompt, params) in enumerate(jobs):
+        ring.submit(f"t{i}", prompt, params)
+    ring.drain()
+    failed = [f for k, f in ring.client if k == "failed"]
+    assert [f["rid"] for f in failed] == ["t1"] and "out of memory" in failed[0]["message"]
+    for i in (0, 2, 3):
+        assert ring.tokens(f"t{i}") == expected[i]
+    assert ring.stages[0].stats.batched > 0
+    assert [s.held() for s in ring.stages] == [0, 0]
