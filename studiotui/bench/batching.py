@@ -186,9 +186,13 @@ def _echo(home: Path, bind: str, peer: str, rounds: int) -> None:
         end.close()
 
 
-def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 400) -> float | None:
+def bare_hop_us(
+    address: str, port: int, hidden: int, rounds: int = 300, gap_s: float = 0.005
+) -> float | None:
     """Half the median round trip of a decode frame out and a token frame back between
-    this process and a fresh one, both otherwise idle; None if the far end fails."""
+    this process and a fresh one, both otherwise idle, each round trip `gap_s` after the
+    last (a decode step's time: the receiver has gone to sleep, as a ring stage has);
+    None if the far end fails."""
     with tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-") as tmp:
         home = Path(tmp)
         keys = curve.key_dir(home)
@@ -206,6 +210,8 @@ def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 400) -> floa
             poller = zmq.Poller()
             poller.register(end.pull, zmq.POLLIN)
             for i in range(warm + rounds):
+                # Both ends asleep in between, as a stage is while the other computes.
+                time.sleep(gap_s)
                 began = time.perf_counter()
                 end.push.send_multipart(frame)
                 if not poller.poll(10_000):
