@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
@@ -35,6 +35,7 @@ from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.panes.rdma import RdmaPane
 from studiotui.app.panes.topology import TopologyPane
 from studiotui.app.place.flow import Placer
+from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
@@ -82,6 +83,8 @@ DASHBOARD_ACTIONS = frozenset(
         "show_tab",
         "focus_nodes",
         "mark_node",
+        "finetune",
+        "jobs",
     }
 )
 
@@ -132,6 +135,8 @@ class StudioApp(Dashboard):
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
+        Binding("f", "finetune", "Fine-tune", show=False, id="finetune"),
+        Binding("J", "jobs", "Jobs", key_display="J", show=False, id="jobs"),
         # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
         Binding("f5", "refresh", "Refresh", id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
@@ -500,6 +505,38 @@ class StudioApp(Dashboard):
         if not isinstance(self.screen, ChatScreen):
             self.push_screen("chat")
 
+    def jobs_screen(self) -> JobsScreen:
+        """The Jobs screen, made once: it keeps following jobs while it is not shown."""
+        if not self.is_screen_installed("jobs"):
+            self.install_screen(JobsScreen(), "jobs")
+        return cast(JobsScreen, self.get_screen("jobs"))
+
+    def action_jobs(self) -> None:
+        screen = self.jobs_screen()
+        if not isinstance(self.screen, JobsScreen):
+            self.push_screen(screen)
+
+    def action_finetune(self) -> None:
+        """The fine-tuning form for the model selected in the Models pane."""
+        ctl = self.need_controller("fine-tune")
+        row = self.query_one(ModelsPane).selected_row
+        if ctl is None:
+            return
+        if row is None or not row.placeable:
+            self.report("fine-tune: select a model in the Models pane (4) first", "warning")
+            return
+        marked = sorted(self.query_one(NodesPane).marked)
+        nodes = marked or [n.name for n in ctl.state.nodes if n.state == "up"]
+        name = f"{row.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+        def answered(req: Any) -> None:
+            if req is not None:
+                screen = self.jobs_screen()
+                self.push_screen(screen)
+                screen.start(req)
+
+        self.push_screen(FinetuneForm(row.name, row.path, nodes, name), answered)
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.key_rows(), [MEMORY_HELP]))
 
@@ -543,6 +580,12 @@ class StudioApp(Dashboard):
                 "each marked (or up) node its share: from the hub for a hub model",
                 "fetch_model",
             ),
+            (
+                "Fine-tune selected model",
+                "LoRA (QLoRA if quantized) on the marked (or up) nodes: a form first",
+                "finetune",
+            ),
+            ("Jobs", "fine-tuning jobs on the nodes: progress, loss, stop, resume", "jobs"),
             ("Mark selected node", "toggle: marked nodes are where p places", "mark_node"),
             ("Clear marks", "unmark every node", "clear_marks"),
             ("Rescan models", "read the model folders and the HF cache again", "rescan_models"),
