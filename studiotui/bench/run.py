@@ -403,10 +403,13 @@ def summarize(
 
 
 def run_bench(quick: bool, as_json: bool) -> int:
+    from studiotui.bench.finetune import finetune_figures
     from studiotui.bench.provision import bench_provision
 
     started = time.monotonic()
     figures = measure(quick)
+    with phase("finetune"):
+        figures.update(finetune_figures(quick))
     if quick:
         # Provisioning is measured by the full bench: with it, --quick overruns a minute.
         figures["provision4_ratio"] = figures["reprovision_s"] = None

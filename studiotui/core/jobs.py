@@ -78,7 +78,8 @@ class JobProgress:
     start_iteration: int = 0
     total: int = 0
     iterations_per_second: float | None = None
-    tokens_per_second: float | None = None
+    tokens_per_second: float | None = None  # over the last RATE_WINDOW reports
+    last_tokens_per_second: float | None = None  # the newest report's own
     trained_tokens: int = 0
     train_loss: tuple[Point, ...] = ()
     val_loss: tuple[Point, ...] = ()
@@ -183,6 +184,7 @@ class JobWatch:
             total=int(event.get("total", p.total)),
             iterations_per_second=sum(r[0] for r in self._rates) / len(self._rates),
             tokens_per_second=sum(r[1] for r in self._rates) / len(self._rates),
+            last_tokens_per_second=rate[1],
             trained_tokens=int(event.get("trained_tokens", p.trained_tokens)),
             train_loss=_added(p.train_loss, point),
         )
