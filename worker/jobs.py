@@ -185,18 +185,21 @@ class Jobs:
         spec.update(job=name, rank=rank, size=size, backend=backend, directory=str(directory))
         spec_path = group.write_json(directory / "spec.json", spec)
         job = JobProc(name, kind, rank, size, backend, directory, spec={**spec, "_ports": ports})
+        try:
+            job.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                KINDS[kind],
+                str(spec_path),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                # Its own process group: stopping a job reaches whatever it started too.
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise JobError(f"cannot start job {name!r}: {exc}") from None
         self.jobs[name] = job
-        job.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            KINDS[kind],
-            str(spec_path),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            # Its own process group: stopping a job reaches whatever it started too.
-            start_new_session=True,
-        )
         job.state = "running"
         job.add({"event": "started", "pid": job.proc.pid, "rank": rank})
         self._spawn(self._read(job))

@@ -188,7 +188,9 @@ def deal(rows: Sequence[dict[str, Any]], batch_size: int, size: int) -> list[lis
     """Each rank's examples: global batch b is examples [b*B, (b+1)*B) (sorted by length,
     as mlx-lm groups similar lengths to pad less), and rank r takes every size-th one of
     it. A last partial batch is dropped, as mlx-lm's batching drops it."""
-    ordered = sorted(rows, key=lambda r: len(json.dumps(r)))
+    # By number of keys first: mlx-lm's batching sorts a rank's examples by that (the
+    # len() of a raw example), so each rank's file must already be in that order.
+    ordered = sorted(rows, key=lambda r: (len(r), len(json.dumps(r))))
     whole = len(ordered) // batch_size * batch_size
     return [ordered[r:whole:size] for r in range(size)]
 

@@ -21,8 +21,10 @@ import psutil
 import pytest
 from mlx_lm import load
 
+from studiotui.cli.main import main
 from studiotui.cluster import jobs, local_cluster
 from studiotui.cluster.controller import Controller
+from studiotui.core.inventory import dump_inventory
 from studiotui.core.jobs import JobWatch
 from studiotui.tune import finetune as ft
 from studiotui.tune.data import DataError
@@ -280,3 +282,55 @@ def test_bad_input_is_refused_before_anything_runs(
         assert jobs.load_record(ctl.home, "bad") is None  # nothing was started or kept
 
     run(cluster, check)
+
+
+def test_qlora_on_a_quantized_model(cluster: LocalCluster, tmp_path: Path) -> None:
+    spec = DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, quantize="4", group_size=64, seed=6)
+    quantized = write_demo_model(tmp_path / "q4", spec)
+    data = write_data(tmp_path / "data.jsonl", n=24)
+    req = ft.FinetuneRequest(
+        str(quantized), str(data), NODES[:1], "qlora", iters=3, batch_size=4, learning_rate=1e-3
+    )
+
+    async def go(ctl: Controller) -> tuple[str, JobWatch]:
+        prepared = ft.prepare(ctl, req)
+        return prepared.method, await train(ctl, req)
+
+    method, watch = run(cluster, go)
+    assert method == "QLoRA" and watch.progress.iteration == 3
+    adapters = Path(cluster.inventory.node("local-1").workdir) / "jobs" / "qlora" / "adapters"
+    adapted, _ = load(str(quantized), adapter_path=str(adapters))
+    # mlx-lm put LoRA on the quantized layers themselves: the base stays 4-bit.
+    proj = adapted.layers[-1].self_attn.q_proj
+    assert type(proj).__name__ == "LoRALinear"
+    assert type(proj.linear).__name__ == "QuantizedLinear"
+
+
+def test_the_command_line(
+    cluster: LocalCluster, model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(cluster.inventory))
+    data = write_data(tmp_path / "data.jsonl", n=24)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "typo"}\n')
+    common = ["-i", str(inventory), "--nodes", "local-1,local-2", "--batch-size", "4"]
+    os.environ["STUDIOTUI_HOME"] = str(cluster.home)
+    try:
+        assert main(["finetune", str(model), "--data", str(bad), *common]) == 2
+        assert f"{bad}:2: not a training example" in capsys.readouterr().err
+        args = ["finetune", str(model), "--data", str(data), "--iters", "3", "--name", "cli"]
+        assert main([*args, *common, "--detach"]) == 0
+        out = capsys.readouterr().out
+        assert "LoRA of tiny as job cli on local-1, local-2" in out
+        assert "ring over the nodes' addresses" in out
+        assert main(["jobs", "follow", "cli", "-i", str(inventory)]) == 0
+        out = capsys.readouterr().out
+        assert "iter 3/3" in out and "job cli done" in out
+        assert main(["jobs", "-i", str(inventory)]) == 0
+        listed = capsys.readouterr().out
+        assert "cli" in listed and "done" in listed and "3/3" in listed
+        assert main(["jobs", "stop", "nope", "-i", str(inventory)]) == 2
+        assert "no job named 'nope'" in capsys.readouterr().err
+    finally:
+        del os.environ["STUDIOTUI_HOME"]
