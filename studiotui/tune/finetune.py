@@ -35,7 +35,7 @@ from studiotui.tune.data import (
     load_examples,
     write_shares,
 )
-from worker.shared.manifest import model_digest
+from worker.shared.adapters import identity_of
 
 KIND = "finetune"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -194,8 +194,8 @@ async def launch(
     # Each node gets only its own share of the data.
     shares = {n: share(i) for i, n in enumerate(nodes)}
     data_where = await _where(ctl, prepared.data_dir, shares, progress)
-    digest = await asyncio.to_thread(model_digest, model_dir)
-    base = {"model": model_dir.name, "digest": digest}
+    # The adapters' own identity of a base (worker.shared.adapters), checked when placed.
+    base = (await asyncio.to_thread(identity_of, model_dir)).as_dict()
     # A report (losses and rates summed over the group) every step of a short job, every
     # tenth at most on a long one: the plot's points, and how fast a save can follow.
     steps_per_report = max(1, min(10, req.iters // 100))

@@ -29,8 +29,8 @@ from studiotui.core.jobs import JobWatch
 from studiotui.tune import finetune as ft
 from studiotui.tune.data import DataError
 from tests.cluster_fixture import LocalCluster, cluster_fixture
+from worker.shared.adapters import check_identity, identity_of
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.manifest import model_digest
 
 pytestmark = pytest.mark.integration
 BASE, PORT = 161, 58800  # 127.0.0.161-162
@@ -120,7 +120,9 @@ def test_loss_goes_down_and_the_adapter_is_mlx_lms(
     for node in cluster.inventory.nodes:
         adapters = Path(node.workdir) / "jobs" / "down" / "adapters"
         config = json.loads((adapters / "adapter_config.json").read_text())
-        assert config["studiotui_base"] == {"model": "tiny", "digest": model_digest(model)}
+        assert config["studiotui_base"] == identity_of(model).as_dict()
+        assert config["studiotui_base"]["model"] == "tiny"
+        assert check_identity(adapters, model) is None  # what placing an adapter checks
         assert config["lora_parameters"]["rank"] == 8
         assert (adapters / "0000030_adapters.safetensors").is_file()
     # mlx-lm itself loads it onto the base, and it changes the model's output.
