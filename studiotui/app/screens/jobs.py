@@ -31,6 +31,7 @@ from studiotui.core.placement import format_bytes
 from studiotui.tune import finetune as ft
 
 PLOT_HEIGHT = 10
+REDRAW_EVERY_S = 0.25
 TRAIN_MARK, VAL_MARK = "•", "◆"
 
 
@@ -211,6 +212,7 @@ class JobsScreen(Screen[None]):
         self.records: dict[str, jobs.JobRecord] = {}
         self.following: dict[str, asyncio.Task[Any]] = {}
         self.selected: str | None = None
+        self._redraw_due = False
 
     @property
     def dash(self) -> Dashboard:
@@ -283,7 +285,11 @@ class JobsScreen(Screen[None]):
             watch.finish("running")
 
         async def run() -> None:
-            end = await ft.attach(ctl, record, watch, self.redraw)
+            try:
+                end = await ft.attach(ctl, record, watch, self.redraw)
+            except Exception as exc:  # said in the Log, never a traceback
+                self.dash.report(f"following job {record.name!r} failed: {exc}", "error")
+                return
             level = (
                 "info" if end.state == "done" else "error" if end.state == "failed" else "warning"
             )
@@ -344,13 +350,25 @@ class JobsScreen(Screen[None]):
         self.app.pop_screen()
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        if event.data_table.id == "jobs-list" and event.row_key.value is not None:
-            self.selected = str(event.row_key.value)
+        if event.data_table.id != "jobs-list" or event.row_key.value is None:
+            return
+        chosen = str(event.row_key.value)
+        if chosen != self.selected:  # a redraw puts the cursor back: that is no choice
+            self.selected = chosen
             self.redraw()
 
     # ---- drawing --------------------------------------------------------------------------
 
     def redraw(self) -> None:
+        """Draw soon: events come as fast as steps (many a second); drawn at most
+        REDRAW_EVERY_S apart, so the keys stay answered."""
+        if not self.is_mounted or self._redraw_due:
+            return
+        self._redraw_due = True
+        self.set_timer(REDRAW_EVERY_S, self._redraw_now)
+
+    def _redraw_now(self) -> None:
+        self._redraw_due = False
         if not self.is_mounted:
             return
         table = self.query_one("#jobs-list", DataTable)
