@@ -38,7 +38,13 @@ from typing import Any
 from worker import group
 
 # kind -> the module run as `python -m MODULE SPEC.json`; nothing else can be started.
-KINDS: dict[str, str] = {"finetune": "worker.finetune"}
+# Each kind of job adds its module here (and to the node's layers in pyproject.toml).
+KINDS: dict[str, str] = {
+    # LoRA / QLoRA fine-tuning with mlx-lm's trainer, data parallel
+    "finetune": "worker.finetune",
+    # the cluster benchmark's distributed matrix product, one rank per node
+    "benchmark": "worker.device_bench",
+}
 # What a follower hears at least this often while the job lives (a beat, or an event).
 FOLLOW_BEAT_S = 0.5
 # A running rank silent this long (its beat thread included) is "silent": stopped or frozen.

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from studiotui.cli import tune_cmd
 
     tune_cmd.add_parsers(sub)  # finetune, jobs
+    from studiotui.cli.benchmark_cmd import add_parser as add_benchmark_parser
+
+    add_benchmark_parser(sub)
     from studiotui.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
@@ -289,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         from studiotui.cli import tune_cmd as module
     if verb == "web":
         from studiotui.cli import web as module
+    if verb == "benchmark":
+        from studiotui.cli import benchmark_cmd as module
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())
