@@ -109,7 +109,7 @@ async def _pairs(
 
 def finetune_figures(quick: bool) -> dict[str, Any]:
     """Tokens/s of LoRA training on 1 and 2 nodes of a local cluster, and their ratio."""
-    iters, rounds = (8, 1) if quick else (20, 2)
+    iters, rounds = (6, 1) if quick else (20, 2)
     with tempfile.TemporaryDirectory(prefix="studiotui-bench-ft-") as tmp:
         home = Path(tmp)
         model = write_demo_model(
