@@ -333,6 +333,10 @@ def test_the_command_line(
         assert main(["jobs", "-i", str(inventory)]) == 0
         listed = capsys.readouterr().out
         assert "cli" in listed and "done" in listed and "3/3" in listed
+        # Resumed with more iterations: on from its last save (iteration 3) to 5.
+        assert main(["finetune", "--resume", "cli", "--iters", "5", "-i", str(inventory)]) == 0
+        out = capsys.readouterr().out
+        assert "iter 4/5" in out and "iter 5/5" in out and "iter 1/" not in out
         assert main(["jobs", "stop", "nope", "-i", str(inventory)]) == 2
         assert "no job named 'nope'" in capsys.readouterr().err
     finally:
