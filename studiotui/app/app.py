@@ -380,6 +380,8 @@ class StudioApp(Dashboard):
             ctl.record(summary)
         for starter in self.starters:
             await self._start_service(ctl, starter)
+        # Jobs outlive a dashboard: the ones still running are followed again at once.
+        self.background(self._reattach_jobs(), "finding jobs")
         if plan.demo_model is not None:
             await self._demo(ctl, plan.demo_model, plan.place_demo)
 
@@ -516,6 +518,12 @@ class StudioApp(Dashboard):
         if not self.is_screen_installed("jobs"):
             self.install_screen(JobsScreen(), "jobs")
         return cast(JobsScreen, self.get_screen("jobs"))
+
+    async def _reattach_jobs(self) -> None:
+        screen = self.jobs_screen()
+        running = await screen.find_jobs()
+        if running:
+            self.report(f"following job {', '.join(running)} again: J shows it")
 
     def action_jobs(self) -> None:
         screen = self.jobs_screen()

@@ -86,6 +86,13 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
             30,
             "nodes up",
         )
+        # Found and followed again as soon as the dashboard is up, said in the Log.
+        await until(
+            pilot,
+            lambda: any("following job earlier again" in e.text for e in app.cluster.log),
+            30,
+            "the job found again",
+        )
         await pilot.press("J")
         screen = app.screen
         assert isinstance(screen, JobsScreen)

@@ -247,9 +247,10 @@ class JobsScreen(Screen[None]):
     def action_refresh_jobs(self) -> None:
         self.dash.background(self.find_jobs(), "listing jobs")
 
-    async def find_jobs(self) -> None:
+    async def find_jobs(self) -> list[str]:
         """The jobs this operator started (records) and what the nodes say of them; a
-        job still running is followed (again, after a restart)."""
+        job still running is followed (again, after a restart). Those running, by name."""
+        running: list[str] = []
         ctl = self.dash.controller
         for record in jobs.all_records(self.dash.home):
             self.records[record.name] = record
@@ -264,11 +265,14 @@ class JobsScreen(Screen[None]):
                 if known is None:
                     continue
                 states = {r.get("state") for r in ranks.values()}
+                if states & {"running", "starting", "silent"}:
+                    running.append(name)
                 if states & {"running", "starting", "silent"} or any(
                     r.get("seq", 0) > self.watches[name].since(n) for n, r in ranks.items()
                 ):
                     self.follow(known)
         self.redraw()
+        return running
 
     def follow(self, record: jobs.JobRecord) -> None:
         running = self.following.get(record.name)
