@@ -42,7 +42,7 @@ def test_blame_falls_on_the_node_that_went_first() -> None:
 def test_outcome_names_the_blamed_node() -> None:
     ends = {
         "a": ("failed", "connection to a peer was lost"),
-        "b": ("failed", "b stopped answering (nothing for 2.5 s)"),
+        "b": ("failed", "b stopped answering (nothing for 2.6 s)"),
     }
     end = outcome("j", ["a", "b"], ends, ["b"])
     assert end.state == "failed" and end.blamed == ("b",)
