@@ -216,4 +216,8 @@ def _rank_cells(rank: dict[str, Any] | None) -> list[str]:
     it = f"{metrics.get('iteration', 0)}/{metrics.get('total', '?')}" if metrics else ""
     loss = f"{metrics['train_loss']:.3f}" if "train_loss" in metrics else ""
     rate = f"{metrics['tokens_per_second']:.0f}" if "tokens_per_second" in metrics else ""
-    return [str(rank.get("state", "")), it, loss, rate, str(rank.get("message", ""))]
+    note = str(rank.get("message", ""))
+    finished = (rank.get("latest") or {}).get("finished") or {}
+    if finished.get("adapter_dir") and not note:
+        note = f"adapter: {finished['adapter_dir']}"
+    return [str(rank.get("state", "")), it, loss, rate, note]

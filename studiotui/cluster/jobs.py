@@ -249,7 +249,9 @@ def outcome(
     if "failed" not in states:
         return JobEnd("stopped", "stopped", ends=ends)
     blamed = blame(ends, lost)
-    why = "; ".join(f"{n}: {ends.get(n, ('', 'no end heard'))[1]}" for n in blamed)
+    said = {n: ends.get(n, ("", "no end heard"))[1] for n in blamed}
+    # Each node named once: its own words may already start with its name.
+    why = "; ".join(m if m.startswith(n) else f"{n}: {m}" for n, m in said.items())
     return JobEnd(
         "failed", f"job {name!r} failed on {', '.join(blamed)}: {why}", tuple(blamed), ends
     )

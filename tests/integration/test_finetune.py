@@ -334,6 +334,7 @@ def test_the_command_line(
         assert main(["jobs", "-i", str(inventory)]) == 0
         listed = capsys.readouterr().out
         assert "cli" in listed and "done" in listed and "3/3" in listed
+        assert "adapter:" in listed  # where the finished job's adapter is (folded here)
         # Resumed with more iterations: on from its last save (iteration 3) to 5.
         assert main(["finetune", "--resume", "cli", "--iters", "5", "-i", str(inventory)]) == 0
         out = capsys.readouterr().out
