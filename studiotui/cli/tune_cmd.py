@@ -55,9 +55,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     tune.add_argument(
         "--detach", action="store_true", help="start the job and return (it runs on the nodes)"
     )
-    jobs_p = sub.add_parser("jobs", help="cluster jobs: list, follow or stop them")
-    jobs_p.add_argument("action", nargs="?", choices=["list", "stop", "follow"], default="list")
-    jobs_p.add_argument("name", nargs="?", help="the job to stop or follow")
+    jobs_p = sub.add_parser("jobs", help="cluster jobs: list, follow, stop or forget them")
+    jobs_p.add_argument(
+        "action", nargs="?", choices=["list", "stop", "follow", "forget"], default="list"
+    )
+    jobs_p.add_argument("name", nargs="?", help="the job to stop, follow or forget")
 
 
 def _nodes(inv: Inventory, spec: str | None, ctl: Controller) -> tuple[str, ...]:
@@ -180,13 +182,20 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
     try:
         await ctl.refresh()
         up = [n.name for n in ctl.state.nodes if n.state == "up"]
-        if args.action in ("stop", "follow"):
+        if args.action in ("stop", "follow", "forget"):
             record = jobs.load_record(home, args.name or "")
             if record is None:
                 known = ", ".join(r.name for r in jobs.all_records(home)) or "none"
                 raise UserError(f"no job named {args.name!r}", f"known: {known}")
             if args.action == "follow":
                 return await _follow(ctl, record)
+            if args.action == "forget":
+                await jobs.forget(ctl, record)
+                console.print(
+                    f"job {record.name} forgotten (its adapters stay on the nodes, under "
+                    f"jobs/{record.name}/adapters)"
+                )
+                return 0
             said = await jobs.stop(ctl, record.name, list(record.nodes))
             for node, what in said.items():
                 console.print(f"{node}: {what}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -267,6 +268,25 @@ async def stop(ctl: Cluster, name: str, nodes: list[str]) -> dict[str, str]:
     for node, reply in zip(nodes, replies, strict=True):
         said[node] = str(reply) if isinstance(reply, BaseException) else str(reply.get("state"))
     return said
+
+
+async def forget(ctl: Cluster, record: JobRecord) -> None:
+    """Drop an ended job: its nodes forget its events, the operator its record and
+    dealt data (so its name can be used again). Its adapters stay on the nodes."""
+    found = await status(ctl, list(record.nodes))
+    live = [n for n, rank in found.get(record.name, {}).items() if rank.get("ended") is None]
+    if live:
+        raise JobFailed(
+            f"job {record.name!r} still runs on {', '.join(live)}",
+            f"stop it first (studiotui jobs stop {record.name})",
+        )
+    await asyncio.gather(
+        *(ctl.peer(n).request("forget_job", job=record.name) for n in found.get(record.name, {})),
+        return_exceptions=True,
+    )
+    (records_dir(ctl.home) / f"{record.name}.json").unlink(missing_ok=True)
+    shutil.rmtree(records_dir(ctl.home) / f"{record.name}.training-data", ignore_errors=True)
+    ctl.record(f"job {record.name!r} forgotten")
 
 
 async def status(ctl: Cluster, nodes: list[str]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -339,6 +339,11 @@ def test_the_command_line(
         assert main(["finetune", "--resume", "cli", "--iters", "5", "-i", str(inventory)]) == 0
         out = capsys.readouterr().out
         assert "iter 4/5" in out and "iter 5/5" in out and "iter 1/" not in out
+        assert main(["jobs", "forget", "cli", "-i", str(inventory)]) == 0
+        assert "job cli forgotten" in capsys.readouterr().out
+        assert main(["jobs", "-i", str(inventory)]) == 0
+        assert "cli" not in capsys.readouterr().out
+        assert jobs.load_record(cluster.home, "cli") is None
         assert main(["jobs", "stop", "nope", "-i", str(inventory)]) == 2
         assert "no job named 'nope'" in capsys.readouterr().err
     finally:
