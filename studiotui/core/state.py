@@ -301,3 +301,14 @@ def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
         kv_bytes=int(raw.get("kv_bytes", 0) or 0),
         streams=int(raw.get("streams", 1) or 1),
     )
+
+
+def shape_label(stages: int, tensor: int, backend: str | None = None) -> str:
+    """A placement's shape in words: "4 stages", "2 stages × 2 (ring)", "1 node".
+
+    `tensor` is the nodes per stage (1: a pipeline of one-node stages); `backend` the
+    `mx.distributed` backend its tensor groups run, when known."""
+    if tensor <= 1:
+        return "1 node" if stages == 1 else f"{stages} stages"
+    words = f"{stages} stage{'s' if stages != 1 else ''} × {tensor}"
+    return f"{words} ({backend})" if backend else words
