@@ -927,7 +927,11 @@ def plan_to_dict(p: Plan | Refusal) -> dict[str, Any]:
         "total_bytes": p.total_bytes,
         "ring": [s.node for s in p.shards],
         "slowest_link": asdict(p.slowest_link) if p.slowest_link else None,
-        "shards": [{**asdict(s), "group": list(s.group)} for s in p.shards],
+        "shape": p.shape,
+        "shards": [
+            {**asdict(s), "group": list(s.group), "group_free": list(s.group_free)}
+            for s in p.shards
+        ],
     }
 
 
