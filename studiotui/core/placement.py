@@ -284,6 +284,18 @@ def _hop_us(link: Link | None) -> float:
     return latency + _PROBE_BITS / (gbps * 1e3)  # 1 Gb/s moves 1e3 bits per µs
 
 
+def link_figures(link: Link) -> tuple[float, float]:
+    """A link's one-way latency (µs) and Gb/s: measured, else the medium's rough TCP
+    figures, else (an unknown medium) a slow guess — 1 ms and 1 Gb/s."""
+    lat_default, gbps_default = _KIND_DEFAULTS.get(link.kind, (1000.0, 1.0))
+    latency = _known(link.latency_us, lat_default)
+    gbps = _known(link.gbps, gbps_default)
+    return (
+        latency if latency is not None and latency >= 0 else lat_default,
+        gbps if gbps is not None and gbps > 0 else gbps_default,
+    )
+
+
 def _link_rank(link: Link) -> tuple[float, str, str, str, float, float]:
     # Every field takes part, so which of two links for one pair wins never depends
     # on the order the caller listed them in.
