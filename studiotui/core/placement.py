@@ -907,9 +907,13 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
     """The placement preview: one row per shard in ring order, ring and slowest link below."""
     if isinstance(p, Refusal):
         return Text.assemble(("cannot place: ", "bold red"), p.reason)
+    backends = [
+        f"{s.backend} for {', '.join(s.group)}: {s.backend_reason}" for s in p.shards if s.group
+    ]
     table = Table(
-        title=f"{p.model} · {p.context_tokens} tokens of context × {_streams(p.streams)}",
-        caption=_footer(p),
+        title=f"{p.model} · {p.shape} · {p.context_tokens} tokens of context × "
+        f"{_streams(p.streams)}",
+        caption="\n".join([_footer(p), *backends]),
         caption_justify="left",
     )
     table.add_column("node")
@@ -917,7 +921,7 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
         table.add_column(column, justify="right")
     for i, s in enumerate(p.shards):
         table.add_row(
-            s.node,
+            " + ".join(s.nodes),
             _layer_label(s, i, len(p.shards)),
             format_bytes(s.weight_bytes),
             format_bytes(s.kv_bytes),
