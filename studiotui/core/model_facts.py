@@ -35,6 +35,13 @@ _SPLIT = re.compile(
     r"up_proj|down_proj|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|in_proj_qkvz|in_proj_ba|"
     r"out_proj|conv1d|sinks|dt_bias|A_log)(?:\.|$)|\.experts\.|\.switch_mlp\.|\.shared_experts?\."
 )
+
+
+def cut_by_shard(key: str) -> bool:
+    """Whether mlx-lm's `shard()` cuts this tensor (a layer's weight, by name) N ways."""
+    return bool(_SPLIT.search(key))
+
+
 # Routed experts: a token reads only the few its router picks (shared experts it always reads).
 _ROUTED = re.compile(r"\.switch_mlp\.|(?<!shared_)experts\.")
 # mlx-lm 0.32 model classes with a `shard()` method (tests/unit/test_shapes.py checks this

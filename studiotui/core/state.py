@@ -225,12 +225,13 @@ class PlannedPlacement:
     @classmethod
     def from_json(cls, raw: Any) -> PlannedPlacement:
         """Raises ValueError (or TypeError) for anything but what to_json wrote."""
+        rows = list(raw["shards"])
+        if any(len(row) not in (3, 4) for row in rows):
+            raise ValueError("a planned shard is [node, start, end] or [node, start, end, backend]")
         shards = tuple(
             PlannedShard(str(row[0]), int(row[1]), int(row[2]), str(row[3]) if len(row) > 3 else "")
-            for row in raw["shards"]
+            for row in rows
         )
-        if any(len(row) not in (3, 4) for row in raw["shards"]):
-            raise ValueError("a planned shard is [node, start, end] or [node, start, end, backend]")
         if not shards:
             raise ValueError("a planned placement without shards")
         return cls(model_dir=str(raw["model_dir"]), shards=shards)
