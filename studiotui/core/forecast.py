@@ -188,7 +188,7 @@ def _stage_bytes(model: ModelFacts, st: _Stage, batch: int, context: int) -> tup
     head = model.head_bytes if st.last else 0
     read += head
     used += head
-    kv = sum(model.kv_bytes(context)[st.start : st.end]) * batch
+    kv = float(sum(model.kv_bytes(context)[st.start : st.end]) * batch)
     if model.tensor and model.tensor.kv_split:
         kv /= n
     return read + kv, used
