@@ -891,9 +891,10 @@ def _describe_link(link: Link) -> str:
 
 
 def _footer(p: Plan) -> str:
-    names = [s.node for s in p.shards]
+    names = ["+".join(s.nodes) for s in p.shards]
     if len(names) == 1:
-        return f"ring: {names[0]} alone, no links · total {format_bytes(p.total_bytes)}"
+        alone = "alone, no links" if len(p.shards[0].nodes) == 1 else "as one tensor group"
+        return f"ring: {names[0]} {alone} · total {format_bytes(p.total_bytes)}"
     ring = " → ".join([*names, names[0]])
     slowest = _describe_link(p.slowest_link) if p.slowest_link else "none"
     return f"ring: {ring} · slowest link: {slowest} · total {format_bytes(p.total_bytes)}"
