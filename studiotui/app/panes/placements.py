@@ -227,10 +227,9 @@ class PlacementsPane(Vertical):
         line.display = placement is not None
         if placement is None:
             return
-        shape = f"{placement.shape}  " if "×" in placement.shape else ""
-        head = Content.assemble(
-            ("ring ", "$text-muted"), (placement.name, "bold"), "  ", (shape, "$text-muted")
-        )
+        head = Content.assemble(("ring ", "$text-muted"), (placement.name, "bold"), "  ")
+        if "×" in placement.shape:
+            head = Content.assemble(head, (f"{placement.shape}  ", "$text-muted"))
         width = self.query_one(DataTable).size.width or 80
         hops = ring_hops(placement, closed=True)
         line.update(Content("\n").join(wrap_hops(head, hops, width, Content(""))))
