@@ -467,15 +467,16 @@ class Controller:
         return placed
 
     def _no_longer_fits(self, expected: Plan) -> str | None:
-        for shard in expected.shards:
-            node = self.state.node(shard.node)
+        for shard, name in ((s, n) for s in expected.shards for n in s.nodes):
+            # Every node of a tensor group holds the same share (its byte figures).
+            node = self.state.node(name)
             if node is None or node.state != "up":
-                return f"{shard.node} is not up"
+                return f"{name} is not up"
             adds = shard.free_before - shard.free_after
             room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
             if adds > room:
                 return (
-                    f"{shard.node} now has {format_bytes(max(room, 0))} free, the plan needs "
+                    f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
                     f"{format_bytes(adds)} there; preview again"
                 )
         return None
