@@ -441,8 +441,21 @@ def chips_from_state(state: ClusterState, names: Sequence[str]) -> dict[str, Chi
 
 
 def links_from_state(state: ClusterState) -> list[Link]:
-    """The measured links as the planner takes them, RDMA included."""
-    return [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma) for x in state.links]
+    """The measured links as the planner takes them, RDMA included; a pair not measured
+    yet whose two agents both report RDMA usable (`facts["rdma"]["usable"]`, as the
+    controller judges a measured pair) is listed with no figures but its RDMA."""
+    links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma) for x in state.links]
+    seen = {frozenset((x.a, x.b)) for x in links}
+    usable = [
+        n.name
+        for n in state.nodes
+        if isinstance(rdma := n.facts.get("rdma"), dict) and rdma.get("usable") is True
+    ]
+    for i, a in enumerate(usable):
+        for b in usable[i + 1 :]:
+            if frozenset((a, b)) not in seen:
+                links.append(Link(a, b, None, None, "unknown", True))
+    return links
 
 
 def describe(f: Forecast) -> str:

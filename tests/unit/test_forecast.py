@@ -95,6 +95,16 @@ def test_state_gives_chips_and_links_with_rdma() -> None:
     assert chips["a"].bandwidth_gbs == 546.0 and chips["b"].bandwidth_gbs == 500.0
     assert "CPU-only" in chips["gone"].source
     assert links_from_state(state) == [Link("a", "b", 40.0, 60.0, "thunderbolt", True)]
+    # Not measured yet: RDMA from what both agents report, and nothing else known.
+    usable = {"rdma": {"status": "enabled", "usable": True}}
+    fresh = ClusterState(
+        nodes=(
+            NodeState("x", "", 1, "ssh", facts=usable),
+            NodeState("y", "", 1, "ssh", facts=usable),
+            NodeState("z", "", 1, "ssh"),
+        )
+    )
+    assert links_from_state(fresh) == [Link("x", "y", None, None, "unknown", True)]
 
 
 def test_decode_follows_bandwidth_and_more_nodes_on_one_machine_gain_nothing() -> None:
