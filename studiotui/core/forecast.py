@@ -56,11 +56,11 @@ CHIPS: dict[str, tuple[float, float]] = {
     "M5": (153.0, 5.7),
 }
 # A node that is not Apple Silicon runs MLX on its CPU: a stated default, calibrated on
-# this project's 2-vCPU development VM (README "Performance": the demo model's 24 MB at
-# 190 tok/s in one process is ~5.3 ms a token, of which the bandwidth explains 1.2 ms;
-# the rest is ~0.5 ms of op dispatch per layer).
-CPU_DEFAULT = (20.0, 0.05)
-CPU_LAYER_US = 500.0
+# this project's 2-vCPU development VM (README "Performance", the demo model): its
+# 512-token prompt in 1.74 s gives the compute (MLX's float32 matmuls here reach ~4
+# GFLOPS), its 190 tok/s in one process the fixed dispatch cost per layer per step.
+CPU_DEFAULT = (20.0, 0.008)
+CPU_LAYER_US = 280.0
 
 # Share of peak bandwidth a decode step reaches with MLX on Apple GPUs: mlx-lm's
 # published single-machine figures give 0.83 (Llama 3.1 70B bf16, M2 Ultra, 4.7 tok/s,

@@ -210,13 +210,13 @@ ROWS: list[Row] = [
      lambda s, d: _four(s["qwen3-235b-a22b"], False, 1).tps_1),
     ("exo, 4 stages, 16 streams (Qwen3-235B 8-bit assumed)", 69.1,
      lambda s, d: _four(s["qwen3-235b-a22b"], False, 1, streams=16).tps_8),
-    ("here: demo model, 1 node (calibrates the CPU default)", 189.8,
+    ("here: demo model, 1 node (calibrates the CPU dispatch cost)", 189.8,
      lambda s, d: _local(d, 1).tps_1),
     ("here: demo model, 2 stages", 190.2, lambda s, d: _local(d, 2).tps_1),
     ("here: demo model, 4 stages", 134.7, lambda s, d: _local(d, 4).tps_1),
-    ("here: demo model, 2 stages, 4 streams (not batched today)", 273.0,
+    ("here: demo model, 2 stages, 4 streams (interleaved, not batched)", 273.0,
      lambda s, d: _local(d, 2, streams=4).tps_8),
-    ("here: demo model, first token of 512, 1 process (ms, first request)", 1744.0,
+    ("here: demo model, first token of 512 (ms; calibrates the CPU compute)", 1744.0,
      lambda s, d: _local(d, 1, prompt=512).ttft_ms),
 ]  # fmt: skip
 
