@@ -218,7 +218,7 @@ def shape_lines(
     node_count: int,
 ) -> list[Content]:
     """Each shape that divides, with its forecast or why it does not fit; the one on
-    screen marked. Tensor groups say their backend and why."""
+    screen marked (its groups' backends and why are in the plan's caption above)."""
     lines = [Content(""), Content.styled("shapes (t cycles)  ·  forecast", "bold $text-muted")]
     for size, verdict, guess in shapes:
         here = shown is not None and shown.tensor == size
@@ -235,12 +235,6 @@ def shape_lines(
             lines.append(
                 Content.assemble(mark, f"{label:<22}", ("does not fit: " + reason, "$text-muted"))
             )
-    if shown is not None:
-        for shard in shown.shards:
-            if shard.group:
-                lines.append(
-                    Content.styled(f"{shard.backend}: {shard.backend_reason}", "$text-muted")
-                )
     return lines
 
 
