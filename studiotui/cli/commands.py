@@ -34,7 +34,15 @@ from studiotui.core.inventory import (
     resolve_group,
 )
 from studiotui.core.model_facts import ModelDirError, read_model
-from studiotui.core.placement import Plan, Refusal, format_bytes, render_plan, tensor_refusal
+from studiotui.core.placement import (
+    ModelFacts,
+    Plan,
+    Refusal,
+    format_bytes,
+    render_plan,
+    tensor_refusal,
+    tensor_sizes,
+)
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -264,9 +272,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         if isinstance(the_plan, Refusal):
             return 1
         if isinstance(the_plan, Plan):
-            chips = chips_from_state(ctl.state, group)
-            guess = forecast(info.facts, the_plan, chips, links_from_state(ctl.state))
-            console.print(f"forecast ({the_plan.shape}): {describe(guess)}")
+            print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:
             return 0
         with Progress(
@@ -304,6 +310,29 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     finally:
         await ctl.close()
     return 0
+
+
+def print_shapes(
+    ctl: Controller, facts: ModelFacts, the_plan: Plan, group: list[str], args: argparse.Namespace
+) -> None:
+    """The forecast of the plan shown, then of every other shape that divides (what
+    `--tensor N` would take), as the preview lists them."""
+    chips = chips_from_state(ctl.state, group)
+    links = links_from_state(ctl.state)
+    console.print(
+        f"forecast ({the_plan.shape}): {describe(forecast(facts, the_plan, chips, links))}"
+    )
+    for size in tensor_sizes(facts, len(group)):
+        if size == the_plan.tensor:
+            continue
+        _, other = ctl.preview(
+            args.model_dir.expanduser(), group, args.context, the_plan.streams, size
+        )
+        if isinstance(other, Plan):
+            said = describe(forecast(facts, other, chips, links))
+            console.print(f"  --tensor {size}, {other.shape}: {said}")
+        else:
+            console.print(f"  --tensor {size}: does not fit: {other.reason}")
 
 
 async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:

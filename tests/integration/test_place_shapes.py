@@ -31,6 +31,8 @@ def test_tensor_sizes_are_refused_in_words_previewed_with_a_forecast_and_shapes_
         assert "1 stage × 2 (ring)" in two.stdout and "local-1 + local-2" in two.stdout
         assert "local-1 ↔ local-2 has no RDMA at both ends: ring backend over" in two.stdout
         assert "forecast (1 stage × 2 (ring)):" in two.stdout and "tok/s" in two.stdout
+        # …and what the other shape would do.
+        assert "  --tensor 1, 2 stages: " in two.stdout
 
         # Unasked, two nodes of one machine: the pipeline (a group gains nothing there).
         chosen = run(home, "place", str(model), "--name", "tiny")
