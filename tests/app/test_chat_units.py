@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from studiotui.app.screens.chat import (
-    CONTEXT_TOKENS,
-    code_blocks,
-    complete_path,
-    printable,
-    prompt_budget_chars,
-    request_messages,
-    shard_role,
-)
+from studiotui.app.screens.chat import code_blocks, shard_role
+from studiotui.chat.budget import CONTEXT_TOKENS, prompt_budget_chars, request_messages
+from studiotui.chat.commands import complete_path
+from studiotui.chat.conversation import printable
 from studiotui.chat.documents import local_chars_per_token
 from studiotui.chat.history import Message
 from worker.shared.demo_model import DemoSpec, write_demo_model
