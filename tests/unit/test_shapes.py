@@ -279,3 +279,19 @@ def test_shape_labels_and_a_placements_shape_from_its_planned_ring() -> None:
     assert PlacementState("p", "m", "/m", (), planned=old.shards).shape == "2 stages"
     with pytest.raises(ValueError):
         PlannedPlacement.from_json({"model_dir": "/m", "shards": [["a", 0]]})
+
+
+def test_a_tensor_group_must_beat_the_pipeline_by_the_margin(
+    seeds: dict[str, ModelInfo], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from studiotui.core import forecast as forecast_module
+
+    qwen = seeds["qwen3-235b-a22b"].facts
+    fast = choose(qwen, FOUR, mesh(True), M3_ULTRA, context_tokens=8192)
+    speeds = {o.tensor: o.forecast.tps_1 for o in fast.options if o.forecast}
+    gain = speeds[4] / speeds[1]
+    assert gain > forecast_module.MARGIN  # so the group of four was taken above
+    # Asked for more than that gain, the pipeline stays.
+    monkeypatch.setattr(forecast_module, "MARGIN", gain * 1.01)
+    kept = choose(qwen, FOUR, mesh(True), M3_ULTRA, context_tokens=8192)
+    assert isinstance(kept.verdict, Plan) and kept.verdict.tensor == 1
