@@ -25,9 +25,14 @@ PASSAGE_SHARE = 0.75  # of the prompt budget, for passages; the rest for earlier
 MESSAGE_OVERHEAD_CHARS = 16  # a message's role and separators, in characters
 
 
-def prompt_budget_chars(max_tokens: int, chars_per_token: float) -> int:
-    """Characters of prompt that leave room for the answer in the context."""
-    tokens = max(CONTEXT_TOKENS - max_tokens - TEMPLATE_TOKENS, CONTEXT_TOKENS // 8)
+def prompt_budget_chars(
+    max_tokens: int, chars_per_token: float, context_tokens: int | None = None
+) -> int:
+    """Characters of prompt that leave room for the answer in the placement's context
+    (`context_tokens`, what its shards reserved KV memory for; the default when the
+    placement does not say)."""
+    context = context_tokens or CONTEXT_TOKENS
+    tokens = max(context - max_tokens - TEMPLATE_TOKENS, context // 8)
     return int(tokens * chars_per_token)
 
 

@@ -80,6 +80,11 @@ class Target:
     placement: PlacementState | None = None
 
 
+def _context(target: Target) -> int | None:
+    """The tokens the target placement's shards reserved room for, if it is known."""
+    return target.placement.context_tokens if target.placement else None
+
+
 @dataclass
 class Turn:
     """One answer being made: what was sent, and what has come back so far."""
@@ -295,7 +300,9 @@ class ChatSession:
         if not self.documents:
             return None, None
         passages = [p for d in self.documents for p in self._passages.get(d.id, [])]
-        budget = prompt_budget_chars(self.settings.max_tokens, await self.ratio(target))
+        budget = prompt_budget_chars(
+            self.settings.max_tokens, await self.ratio(target), _context(target)
+        )
         room = passage_room(budget, self.settings.system_prompt, question)
         # BM25 over a long document is CPU work: off the event loop too.
         selection = await asyncio.to_thread(select_passages, passages, question, room, context)
@@ -365,7 +372,7 @@ class ChatSession:
         assert self.conversation is not None
         s = self.settings
         messages = [m for m in self.messages if m.id <= user.id]
-        budget = prompt_budget_chars(s.max_tokens, await self.ratio(target))
+        budget = prompt_budget_chars(s.max_tokens, await self.ratio(target), _context(target))
         request, dropped = request_messages(s.system_prompt, messages, budget)
         seed = random.randrange(1 << 31)
         params = {

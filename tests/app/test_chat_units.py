@@ -56,6 +56,9 @@ def test_budget_leaves_room_for_the_answer() -> None:
     assert prompt_budget_chars(512, 4.0) == 4 * (CONTEXT_TOKENS - 512 - 64)
     # Asking for more tokens than the context still leaves a floor for the question.
     assert prompt_budget_chars(10_000, 1.0) == CONTEXT_TOKENS // 8
+    # A placement made with a smaller context gets prompts that fit it, not the default.
+    assert prompt_budget_chars(512, 1.0, 1024) == 1024 - 512 - 64
+    assert prompt_budget_chars(512, 1.0, 0) == prompt_budget_chars(512, 1.0)
 
 
 def test_code_blocks_fenced_and_indented() -> None:
