@@ -27,7 +27,7 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.errors import UserError
-from studiotui.core.forecast import chips_from_state, describe, forecast, links_from_state
+from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
     Inventory,
     SelectionError,
@@ -317,7 +317,7 @@ def print_shapes(
 ) -> None:
     """The forecast of the plan shown, then of every other shape that divides (what
     `--tensor N` would take), as the preview lists them."""
-    chips = chips_from_state(ctl.state, group)
+    chips = ctl.node_chips(group)
     links = links_from_state(ctl.state)
     console.print(
         f"forecast ({the_plan.shape}): {describe(forecast(facts, the_plan, chips, links))}"

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,15 @@ import zmq.asyncio
 
 from studiotui.cluster import keys, model_files, model_sync
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
+from studiotui.core import benchmark
 from studiotui.core.errors import StudioError
-from studiotui.core.forecast import chips_from_state, choose, links_from_state
+from studiotui.core.forecast import (
+    Chip,
+    chips_from_state,
+    choose,
+    links_from_state,
+    measured_bandwidths,
+)
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch
 from studiotui.core.model_facts import ModelInfo, read_model
@@ -383,7 +390,7 @@ class Controller:
             free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
             budgets.append(NodeBudget(name, free, node.memory_total))
         links = links_from_state(self.state)
-        chips = chips_from_state(self.state, nodes)
+        chips = self.node_chips(nodes)
         tried = [streams] if streams is not None else range(DEFAULT_STREAMS, 0, -1)
         for n in tried:
             verdict = choose(
@@ -398,6 +405,12 @@ class Controller:
             if isinstance(verdict, Plan):
                 break
         return info, verdict
+
+    def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
+        """What the forecast knows of each node's speed: its chip, or a bandwidth its
+        agent reports or the newest saved benchmark run of this cluster measured."""
+        measured = measured_bandwidths(benchmark.saved(self.home), self.inventory.name)
+        return chips_from_state(self.state, nodes, measured)
 
     async def place(
         self,

@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from studiotui.core.benchmark import Run
 from studiotui.core.placement import (
     Link,
     ModelFacts,
@@ -425,18 +426,34 @@ def choose(
     return Choice(best.verdict if best else options[0].verdict, tuple(options))
 
 
-def chips_from_state(state: ClusterState, names: Sequence[str]) -> dict[str, Chip]:
-    """Each node's figures from what its agent reports: a measured memory bandwidth
-    (`facts["memory_bandwidth_gbs"]`) when there is one, else its chip's row."""
+def chips_from_state(
+    state: ClusterState, names: Sequence[str], measured: Mapping[str, float] | None = None
+) -> dict[str, Chip]:
+    """Each node's figures: a memory bandwidth its agent reports
+    (`facts["memory_bandwidth_gbs"]`) or `studiotui benchmark` measured (`measured`,
+    see `measured_bandwidths`), else its chip's row."""
     out = {}
     for name in names:
         node = state.node(name)
         if node is None:
-            out[name] = chip_for("")
+            out[name] = chip_for("", measured_gbs=(measured or {}).get(name))
             continue
-        measured = node.facts.get("memory_bandwidth_gbs")
-        gbs = float(measured) if isinstance(measured, int | float) else None
-        out[name] = chip_for(node.chip, node.os, gbs)
+        reported = node.facts.get("memory_bandwidth_gbs")
+        gbs = float(reported) if isinstance(reported, int | float) else None
+        out[name] = chip_for(node.chip, node.os, gbs or (measured or {}).get(name))
+    return out
+
+
+def measured_bandwidths(runs: Sequence[Run], cluster: str) -> dict[str, float]:
+    """Each node's memory read GB/s from the newest saved `studiotui benchmark` run of
+    this cluster that measured it (`runs` newest first, as `benchmark.saved` gives them)."""
+    out: dict[str, float] = {}
+    for run in runs:
+        if run.cluster != cluster:
+            continue
+        for node in run.nodes:
+            if node.read_gbs and node.read_gbs > 0 and not node.error:
+                out.setdefault(node.name, node.read_gbs)
     return out
 
 

@@ -251,3 +251,30 @@ def test_the_chip_figures_are_positive_and_the_default_is_not_a_mac() -> None:
     assert all(gbs > 0 and tflops > 0 for gbs, tflops in CHIPS.values())
     assert not re.search(r"M\d", chip_for("").source)
     assert isinstance(chip_for(""), Chip)
+
+
+def test_a_saved_benchmarks_measured_bandwidth_replaces_the_chip_table() -> None:
+    from studiotui.core.benchmark import NodeFigures, Run, Sizes
+    from studiotui.core.forecast import measured_bandwidths
+
+    def run(cluster: str, *nodes: NodeFigures) -> Run:
+        return Run("r", "2026-12-01T00:00:00Z", cluster, {}, "b", Sizes(), nodes=nodes)
+
+    runs = [  # newest first, as benchmark.saved() lists them
+        run("desk", NodeFigures("a", read_gbs=700.0), NodeFigures("b", error="crashed")),
+        run("other", NodeFigures("b", read_gbs=1.0)),
+        run("desk", NodeFigures("a", read_gbs=650.0), NodeFigures("b", read_gbs=520.0)),
+    ]
+    measured = measured_bandwidths(runs, "desk")
+    assert measured == {"a": 700.0, "b": 520.0}
+    state = ClusterState(
+        nodes=(
+            NodeState("a", "", 1, "ssh", chip="Apple M3 Ultra"),
+            NodeState("b", "", 1, "ssh", chip="Apple M4 Max"),
+            NodeState("c", "", 1, "ssh", chip="Apple M4 Max"),
+        )
+    )
+    chips = chips_from_state(state, ["a", "b", "c"], measured)
+    assert chips["a"].bandwidth_gbs == 700.0 and chips["a"].source == "measured 700 GB/s"
+    assert chips["b"].bandwidth_gbs == 520.0
+    assert chips["c"].bandwidth_gbs == 546.0 and chips["c"].source == "M4 Max (table)"

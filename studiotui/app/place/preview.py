@@ -385,7 +385,9 @@ class PreviewScreen(ModalScreen[None]):
             return []
         state = self.controller.state
         nodes = list(self.request.nodes)
-        chips = chips_from_state(state, nodes)
+        # The controller's own figures (a saved benchmark's bandwidths) when it has them.
+        node_chips = getattr(self.controller, "node_chips", None)
+        chips = node_chips(nodes) if node_chips is not None else chips_from_state(state, nodes)
         links = links_from_state(state)
         out: list[tuple[int, Plan | Refusal, Forecast | None]] = []
         for size in tensor_sizes(self.info.facts, len(nodes)):
