@@ -327,7 +327,7 @@ def test_the_command_line(
         assert main([*args, *common, "--detach"]) == 0
         out = capsys.readouterr().out
         assert "LoRA of tiny as job cli on local-1, local-2" in out
-        assert "ring over the nodes' addresses" in out
+        assert "no RDMA at both ends: ring backend over TCP" in out
         assert main(["jobs", "follow", "cli", "-i", str(inventory)]) == 0
         out = capsys.readouterr().out
         assert "iter 3/3" in out and "job cli done" in out

@@ -24,7 +24,7 @@ def test_jaccl_only_when_every_pair_has_rdma() -> None:
     full = [_link("a", "b", True), _link("b", "c", True), _link("a", "c", True)]
     assert choose_backend(nodes, full)[0] == "jaccl"
     backend, why = choose_backend(nodes, [*full[:2], _link("a", "c", False)])
-    assert backend == "ring" and "a-c" in why
+    assert backend == "ring" and "a ↔ c" in why
     assert choose_backend(nodes, full[:2])[0] == "ring"  # a pair never measured
     assert choose_backend(["a"], [])[0] == "ring"
 
