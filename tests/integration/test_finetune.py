@@ -325,7 +325,7 @@ def test_the_command_line(
         assert f"{bad}:2: not a training example" in capsys.readouterr().err
         args = ["finetune", str(model), "--data", str(data), "--iters", "3", "--name", "cli"]
         assert main([*args, *common, "--detach"]) == 0
-        out = capsys.readouterr().out
+        out = " ".join(capsys.readouterr().out.split())  # as one line: rich folds it
         assert "LoRA of tiny as job cli on local-1, local-2" in out
         assert "no RDMA at both ends: ring backend over TCP" in out
         assert main(["jobs", "follow", "cli", "-i", str(inventory)]) == 0
