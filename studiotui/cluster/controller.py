@@ -26,6 +26,7 @@ from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch
+from studiotui.core.members import Member, jaccl_devices, members
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import Link, NodeBudget, Plan, Refusal, format_bytes, plan
 from studiotui.core.state import (
@@ -414,11 +415,14 @@ class Controller:
             the_plan = expected
         if isinstance(the_plan, Refusal):
             raise PlacementError(f"cannot place {info.name}: {the_plan.reason}")
-        self.record(
-            f"placing {info.name} as {name!r} on {', '.join(s.node for s in the_plan.shards)}"
-        )
+        try:
+            procs = members(the_plan)
+        except ValueError as exc:
+            raise PlacementError(f"cannot place {info.name}: {exc}") from None
+        self.record(f"placing {info.name} as {name!r} on {', '.join(m.node for m in procs)}")
         self._unloading.pop(name, None)  # placed again under a name just unloaded
-        ring = tuple(PlannedShard(s.node, s.start, s.end) for s in the_plan.shards)
+        # Every process of the placement, stage by stage, each tensor group's leader first.
+        ring = tuple(PlannedShard(m.node, m.start, m.end) for m in procs)
         self._placing.add(name)
         self._remember_plan(name, PlannedPlacement(str(model_dir), ring))
         try:
@@ -427,7 +431,7 @@ class Controller:
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError) as exc:
             self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
-            await self._unload_everywhere(name, [s.node for s in the_plan.shards])
+            await self._unload_everywhere(name, [m.node for m in procs])
             self._remember_plan(name, None)
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
         finally:
@@ -442,23 +446,25 @@ class Controller:
         faster than the load watchdog notices: ask them all once more."""
         await self.refresh()
         placed = self.state.placement(name)
-        lost = [s.node for s in the_plan.shards if placed is None or s.node not in placed.nodes]
+        lost = [m.node for m in members(the_plan) if placed is None or m.node not in placed.nodes]
         if lost or placed is None:
             raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
         return placed
 
     def _no_longer_fits(self, expected: Plan) -> str | None:
         for shard in expected.shards:
-            node = self.state.node(shard.node)
-            if node is None or node.state != "up":
-                return f"{shard.node} is not up"
-            adds = shard.free_before - shard.free_after
-            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
-            if adds > room:
-                return (
-                    f"{shard.node} now has {format_bytes(max(room, 0))} free, the plan needs "
-                    f"{format_bytes(adds)} there; preview again"
-                )
+            # A tensor group's figures are per node of the group.
+            for name in shard.group or (shard.node,):
+                node = self.state.node(name)
+                if node is None or node.state != "up":
+                    return f"{name} is not up"
+                adds = shard.free_before - shard.free_after
+                room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+                if adds > room:
+                    return (
+                        f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
+                        f"{format_bytes(adds)} there; preview again"
+                    )
         return None
 
     async def _deploy(
@@ -470,54 +476,57 @@ class Controller:
         prefill_chunk: int,
     ) -> None:
         shards = the_plan.shards
+        procs = members(the_plan)
         prepared = await asyncio.gather(
-            *(self.peer(s.node).request("prepare_shard", placement=name) for s in shards)
-        )
-        count = len(shards)
-        dirs = await self._model_dirs(shards, model_dir, progress)
-
-        async def load(i: int) -> None:
-            shard = shards[i]
-            nxt = shards[(i + 1) % count]
-            node_dir = dirs[shard.node]
-            endpoint = (
-                f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
+            *(
+                self.peer(m.node).request("prepare_shard", placement=name, tensor=bool(m.group))
+                for m in procs
             )
+        )
+        port = {m.node: p for m, p in zip(procs, prepared, strict=True)}
+        count = len(shards)
+        dirs = await self._model_dirs(procs, model_dir, progress)
+        leaders = [next(m for m in procs if m.stage == i and m.rank == 0) for i in range(count)]
+
+        async def load(m: Member) -> None:
+            nxt = leaders[(m.stage + 1) % count]
+            endpoint = f"tcp://{self.spec(nxt.node).address}:{port[nxt.node]['data_port']}"
             # No fixed wait: the agent heartbeats while the shard loads, and only its
             # silence (see LoadWatch) ends a load, however slow the disk.
-            quiet = LoadWatch(shard.node, time.monotonic())
-            stream = self.peer(shard.node).stream(
+            quiet = LoadWatch(m.node, time.monotonic())
+            stream = self.peer(m.node).stream(
                 "load_shard",
                 timeout=quiet.silence_s,
                 placement=name,
-                model_dir=node_dir,
-                start=shard.start,
-                end=shard.end,
-                index=i,
+                model_dir=dirs[m.node],
+                start=m.start,
+                end=m.end,
+                index=m.stage,
                 count=count,
-                data_port=prepared[i]["data_port"],
-                client_port=prepared[i]["client_port"],
+                data_port=port[m.node]["data_port"],
+                client_port=port[m.node]["client_port"],
                 next_endpoint=endpoint,
                 next_key=keys.node_public_key(self.home, nxt.node).decode(),
                 prefill_chunk=prefill_chunk,
                 context_tokens=the_plan.context_tokens,
                 streams=the_plan.streams,
-                kv_bytes=shard.kv_bytes,
+                kv_bytes=shards[m.stage].kv_bytes,
+                **self._group_fields(m, port),
             )
             try:
                 async for msg in stream:
                     quiet = quiet.hear(time.monotonic(), msg.get("done"), msg.get("total"))
                     if progress and msg["type"] == "progress":
-                        progress(shard.node, int(msg["done"]), int(msg["total"]))
+                        progress(m.node, int(msg["done"]), int(msg["total"]))
                     if progress and msg["type"] == "shard_ready":
                         size = int(msg.get("param_bytes", 1))
-                        progress(shard.node, size, size)
+                        progress(m.node, size, size)
             except AgentUnreachable:
                 silent = quiet.overdue(time.monotonic())
-                raise PlacementError(silent or f"{shard.node} stopped answering") from None
+                raise PlacementError(silent or f"{m.node} stopped answering") from None
 
-        loads = asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
-        watch = asyncio.create_task(self._watch_nodes([s.node for s in shards]))
+        loads = asyncio.gather(*(load(m) for m in procs), return_exceptions=True)
+        watch = asyncio.create_task(self._watch_nodes([m.node for m in procs]))
         racing: set[asyncio.Future[Any]] = {loads, watch}
         done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         if watch in done:
@@ -529,6 +538,40 @@ class Controller:
         errors = [r for r in loads.result() if isinstance(r, BaseException)]
         if errors:
             raise PlacementError("; ".join(str(e) for e in errors))
+
+    def _group_fields(self, m: Member, port: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """What a tensor group's member needs besides a shard's fields: the group (rank
+        order), every member's bridge address and mx.distributed port (the agent writes
+        the hostfile from them), the backend; the leader gets its followers' mirror
+        endpoints, a follower its leader's key. Nothing for a one-node stage."""
+        if not m.group:
+            return {}
+        fields: dict[str, Any] = {
+            "group": list(m.group),
+            "rank": m.rank,
+            "backend": m.backend or "ring",
+            "group_addresses": [self.spec(n).address for n in m.group],
+            "group_ports": [port[n]["group_port"] for n in m.group],
+        }
+        if m.backend == "jaccl":
+            rdma = {
+                n: (node.facts.get("rdma") or {}) for n in m.group if (node := self.state.node(n))
+            }
+            devices = jaccl_devices(m.group, rdma)
+            if isinstance(devices, str):
+                raise PlacementError(f"JACCL for {', '.join(m.group)}: {devices}")
+            fields["devices"] = devices
+        if m.rank == 0:
+            fields["followers"] = [
+                [f"tcp://{self.spec(n).address}:{port[n]['data_port']}", self._key(n)]
+                for n in m.group[1:]
+            ]
+        else:
+            fields["leader_key"] = self._key(m.group[0])
+        return fields
+
+    def _key(self, node: str) -> str:
+        return keys.node_public_key(self.home, node).decode()
 
     async def _model_dirs(
         self, shards: Any, model_dir: Path, progress: Progress | None
