@@ -46,6 +46,7 @@ from worker.tensor import (
     Outside,
     check_event,
     join_group,
+    lost_member,
 )
 
 STATS_EVERY_S = 1.0
@@ -84,6 +85,7 @@ class RunnerSpec:
     rank: int = 0
     group_size: int = 1
     backend: str = ""
+    group: tuple[str, ...] = ()
     followers: tuple[tuple[str, str], ...] = ()
     leader_key: str = ""
 
@@ -127,6 +129,9 @@ class SocketLinks:
             if kind not in ("done", "failed"):
                 self.runner.seqs[rid] = seq + 1
             fields["seq"] = seq
+        if kind == "failed" and self.runner.spec.group and lost_member(fields.get("message", "")):
+            # The controller then asks the group's agents which member is gone.
+            fields["group_lost"] = list(self.runner.spec.group)
         self.runner.send_client(client, messages.encode(kind, **fields))
 
 

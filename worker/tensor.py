@@ -99,6 +99,12 @@ class Mirror:
             sock.close(linger=0)
 
 
+def lost_member(message: str) -> bool:
+    """Whether a step failed because the group's `mx.distributed` link broke (a member
+    died): MLX's backends raise "[ring] ..." / "[jaccl] ..." from the all-reduce."""
+    return "[ring]" in message or "[jaccl]" in message
+
+
 def check_event(frames: Sequence[bytes]) -> bytes:
     """The kind of a mirrored item, or MirrorError for frames no leader sends."""
     if not frames or frames[0] not in KINDS:

@@ -52,6 +52,8 @@ UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are e
 # What a shard process holds before any weight (Python, MLX, tokenizer): measured ~80 MB.
 RUNNER_OVERHEAD_BYTES = 100 * 1024**2
 HEALTH_CHECK_S = 2.0
+# How long a tensor group's leader's "a member is gone" waits for the agents to say which.
+GROUP_LOST_WAIT_S = 2.0
 # Once a stream is quiet this long, its placement's health is asked every second.
 CHECK_EVERY_S = 1.0
 # A head connection down for longer than this fails its streams (it usually comes
@@ -772,7 +774,7 @@ class Controller:
                 waited = 0.0
                 if kind == "failed":
                     finished = True
-                    raise GenerationError(msg["message"])
+                    raise GenerationError(await self._failure(chosen, msg))
                 yield msg
                 if kind == "done":
                     finished = True
@@ -782,6 +784,20 @@ class Controller:
                 with contextlib.suppress(Exception):
                     await peer.send("cancel", rid=rid)
             peer.close_queue(rid)
+
+    async def _failure(self, placement: PlacementState, msg: dict[str, Any]) -> str:
+        """Why a request failed. A tensor group whose `mx.distributed` link broke knows
+        only that a member is gone; the members' agents say which, and why (they see its
+        process end within moments of the leader's all-reduce failing)."""
+        if not msg.get("group_lost"):
+            return str(msg["message"])
+        deadline = time.monotonic() + GROUP_LOST_WAIT_S
+        while True:
+            problem = await self.placement_problem(placement)
+            if problem or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        return f"{problem} ({msg['message']})" if problem else str(msg["message"])
 
     async def placement_problem(self, placement: PlacementState) -> str | None:
         """Why a placement cannot answer, in words, or None if every shard is serving."""
