@@ -527,19 +527,23 @@ class Controller:
                 silent = quiet.overdue(time.monotonic())
                 raise PlacementError(silent or f"{m.node} stopped answering") from None
 
-        loads = asyncio.gather(*(load(m) for m in procs), return_exceptions=True)
+        loads = [asyncio.ensure_future(load(m)) for m in procs]
         watch = asyncio.create_task(self._watch_nodes([m.node for m in procs]))
-        racing: set[asyncio.Future[Any]] = {loads, watch}
-        done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-        if watch in done:
-            loads.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loads
-            raise PlacementError(watch.result())
-        watch.cancel()
-        errors = [r for r in loads.result() if isinstance(r, BaseException)]
-        if errors:
-            raise PlacementError("; ".join(str(e) for e in errors))
+        waiting: set[asyncio.Future[Any]] = {*loads, watch}
+        problem = ""
+        while not problem and any(not t.done() for t in loads):
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                problem = watch.result()
+            elif errors := [t.exception() for t in done if t.exception() is not None]:
+                # Give up at the first failure: a tensor group's other members would wait
+                # for the failed one in mx.distributed's join for ever.
+                problem = "; ".join(str(e) for e in errors)
+        for task in (*loads, watch):
+            task.cancel()
+        await asyncio.gather(*loads, watch, return_exceptions=True)
+        if problem:
+            raise PlacementError(problem)
 
     def _group_fields(self, m: Member, port: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """What a tensor group's member needs besides a shard's fields: the group (rank
