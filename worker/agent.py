@@ -387,7 +387,7 @@ class Agent:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if msg.get("group"):
             try:
-                member, member_env = self._tensor_member(msg, run_dir / _safe(name))
+                member, member_env = tensor_member(msg, self.config.address, run_dir / _safe(name))
             except (group.GroupError, KeyError, TypeError, ValueError) as exc:
                 await self._reply(ident, re, "error", message=f"tensor group: {exc}")
                 return
@@ -411,39 +411,6 @@ class Agent:
         )
         self._spawn(self._read_stderr(shard))
         await self._follow(ident, re, shard)
-
-    def _tensor_member(
-        self, msg: dict[str, Any], base: Path
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        """The runner fields and the environment of one rank of a tensor-parallel stage:
-        the ring backend's hostfile (every rank's bridge address and group port, as
-        `mlx.launch` writes it) or JACCL's device file and coordinator, via worker.group."""
-        nodes = [str(n) for n in msg["group"]]
-        addresses = [str(a) for a in msg["group_addresses"]]
-        ports = [int(p) for p in msg["group_ports"]]
-        rank, size, backend = int(msg["rank"]), len(nodes), str(msg["backend"])
-        if len(addresses) != size or addresses[rank] != self.config.address:
-            raise ValueError(f"rank {rank}'s address is not this node's ({self.config.address})")
-        if backend == "ring":
-            hosts = group.write_json(
-                base.with_suffix(".hosts.json"), group.ring_hostfile(addresses, ports)
-            )
-            env = group.rank_env(rank, size, "ring", hostfile=hosts)
-        elif backend == "jaccl":
-            devices = group.write_json(base.with_suffix(".devices.json"), msg["devices"])
-            coordinator = f"{addresses[0]}:{ports[0]}"
-            env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
-        else:
-            raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(group.BACKENDS)}")
-        member = {
-            "rank": rank,
-            "group_size": size,
-            "group": nodes,
-            "backend": backend,
-            "followers": [[str(e), str(k)] for e, k in msg.get("followers", [])],
-            "leader_key": str(msg.get("leader_key", "")),
-        }
-        return member, env
 
     async def _heartbeat(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         """Say "still loading" with the bytes so far while the shard process lives."""
@@ -892,6 +859,40 @@ class Agent:
             )
             await self.pub.send_multipart([b"telemetry", msg])
             await asyncio.sleep(TELEMETRY_EVERY_S)
+
+
+def tensor_member(
+    msg: dict[str, Any], address: str, base: Path
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The runner fields and the environment of one rank of a tensor-parallel stage:
+    the ring backend's hostfile (every rank's bridge address and group port, as
+    `mlx.launch` writes it) or JACCL's device file and coordinator, via worker.group."""
+    nodes = [str(n) for n in msg["group"]]
+    addresses = [str(a) for a in msg["group_addresses"]]
+    ports = [int(p) for p in msg["group_ports"]]
+    rank, size, backend = int(msg["rank"]), len(nodes), str(msg["backend"])
+    if len(addresses) != size or addresses[rank] != address:
+        raise ValueError(f"rank {rank}'s address is not this node's ({address})")
+    if backend == "ring":
+        hosts = group.write_json(
+            base.with_suffix(".hosts.json"), group.ring_hostfile(addresses, ports)
+        )
+        env = group.rank_env(rank, size, "ring", hostfile=hosts)
+    elif backend == "jaccl":
+        devices = group.write_json(base.with_suffix(".devices.json"), msg["devices"])
+        coordinator = f"{addresses[0]}:{ports[0]}"
+        env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(group.BACKENDS)}")
+    member = {
+        "rank": rank,
+        "group_size": size,
+        "group": nodes,
+        "backend": backend,
+        "followers": [[str(e), str(k)] for e, k in msg.get("followers", [])],
+        "leader_key": str(msg.get("leader_key", "")),
+    }
+    return member, env
 
 
 class AgentLinkError(RuntimeError):
