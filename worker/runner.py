@@ -373,10 +373,14 @@ class Runner:
             if self.ring_in.poll(100):
                 for _ in range(64):  # then beat, stats and keys get their turn
                     try:
-                        frames = self.ring_in.recv_multipart(zmq.NOBLOCK)
+                        parts = self.ring_in.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._timed(self._mirrored(frames))
+                    if curve.sender(parts[0]) != self.spec.leader_key:
+                        # Only the group's leader decides what this rank computes.
+                        self.refused += 1
+                        continue
+                    self._timed(self._mirrored([part.bytes for part in parts]))
             now = time.monotonic()
             if now - last_stats >= STATS_EVERY_S:
                 self._emit_stats(now - last_stats)

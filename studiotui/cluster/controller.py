@@ -948,6 +948,15 @@ class Controller:
             mine = [s for s in placement.shards if s.node in names]
             if not mine:
                 continue
+            if any(s.group for s in placement.shards):
+                # Its members join one mx.distributed group together; one alone would
+                # wait in the join for the others for ever.
+                dropped.append(
+                    f"placement {placement.name!r} has a tensor-parallel stage, whose "
+                    "members load only together: it is not reloaded (unload it and place "
+                    "it again)"
+                )
+                continue
             if placement.state not in ("ready", "broken") or len(placement.shards) != (
                 placement.shards[0].count
             ):

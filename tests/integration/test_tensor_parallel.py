@@ -29,7 +29,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.core.placement import Plan
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -231,3 +231,52 @@ def test_a_member_killed_mid_answer_is_named_within_3_s(
     assert took < 3.0, f"reported after {took:.1f} s"
     assert state == "failed"
     assert left == [], f"processes left after unloading: {left}"
+
+
+def test_a_group_the_model_cannot_split_is_refused_and_rolled_back(
+    tp_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """mixtral's mlx-lm class has no shard(); a 4-bit qwen3 whose MLP width (704) is 11
+    quantization groups cannot be halved. Each load fails with its reason, every member
+    of the group is unloaded, and nothing of either placement stays."""
+    cases = {
+        "no-shard": (
+            DemoSpec(arch="mixtral", layers=2, hidden=128, heads=8, kv_heads=4),
+            "shard()",
+        ),
+        "odd": (
+            DemoSpec(arch="qwen3", layers=2, hidden=128, heads=8, kv_heads=4, quantize="4"),
+            "cannot be split 2 ways",
+        ),
+    }
+    models = {
+        name: write_demo_model(tmp_path / name, dataclasses.replace(spec, dtype="float32"))
+        for name, (spec, _) in cases.items()
+    }
+
+    async def run() -> tuple[dict[str, str], list[str]]:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            a, b, _, _ = tp_cluster.inventory.names
+
+            async def attempt(name: str) -> str:
+                _, one = ctl.preview(models[name], [a])
+                assert isinstance(one, Plan)
+                try:
+                    await ctl.place(models[name], [a, b], name, expected=_grouped(one, {a: b}))
+                except PlacementError as exc:
+                    return str(exc)
+                return "placed?!"
+
+            errors = dict(zip(cases, await asyncio.gather(*map(attempt, cases)), strict=True))
+            await ctl.refresh()
+            left = [p.name for p in ctl.state.placements if p.name in cases]
+            return errors, left
+        finally:
+            await ctl.close()
+
+    errors, left = asyncio.run(run())
+    for name, (_, words) in cases.items():
+        assert "rolled back" in errors[name] and words in errors[name], errors[name]
+    assert left == []
