@@ -22,7 +22,12 @@ from rich.console import Console
 from rich.table import Table
 
 from studiotui.bench.launch import ring_of_two
-from studiotui.bench.tensor import mlx_tp2_tps, summarize_tensor, tensor_figures
+from studiotui.bench.tensor import (
+    mlx_tp2_launch_tps,
+    mlx_tp2_tps,
+    summarize_tensor,
+    tensor_figures,
+)
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.errors import StudioError
@@ -318,9 +323,10 @@ def measure(quick: bool) -> dict[str, Any]:
             ring = mlx_ring(model_dir, cfg)
         with phase("mlx_tp2"):
             mlx_tp = mlx_tp2_tps(model_dir, BENCH_PORT, cfg.tokens)
+            launched = None if quick else mlx_tp2_launch_tps(model_dir, BENCH_PORT, cfg.tokens)
     pipe["moe2"] = moe
     figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
-    return {**figures, **summarize_tensor(tp, mlx_tp)}
+    return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
 
 async def _with_cluster(
