@@ -236,8 +236,8 @@ def test_a_member_killed_mid_answer_is_named_within_3_s(
 def test_a_group_the_model_cannot_split_is_refused_and_rolled_back(
     tp_cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """mixtral's mlx-lm class has no shard(); a 4-bit qwen3 whose MLP width (704) is 11
-    quantization groups cannot be halved. Each load fails with its reason, every member
+    """mixtral's mlx-lm class has no shard(); a 4-bit qwen3 whose MLP width (320) is 5
+    quantization groups of 64 cannot be halved. Each load fails with its reason, every member
     of the group is unloaded, and nothing of either placement stays."""
     cases = {
         "no-shard": (
@@ -245,7 +245,15 @@ def test_a_group_the_model_cannot_split_is_refused_and_rolled_back(
             "shard()",
         ),
         "odd": (
-            DemoSpec(arch="qwen3", layers=2, hidden=128, heads=8, kv_heads=4, quantize="4"),
+            DemoSpec(
+                arch="qwen3",
+                layers=2,
+                hidden=128,
+                heads=8,
+                kv_heads=4,
+                intermediate=320,
+                quantize="4",
+            ),
             "cannot be split 2 ways",
         ),
     }
@@ -278,5 +286,5 @@ def test_a_group_the_model_cannot_split_is_refused_and_rolled_back(
 
     errors, left = asyncio.run(run())
     for name, (_, words) in cases.items():
-        assert "rolled back" in errors[name] and words in errors[name], errors[name]
+        assert "rolled back" in errors[name] and words in errors[name], (name, errors[name])
     assert left == []
