@@ -41,10 +41,11 @@ from worker.tensor import (
     CANCEL,
     GENERATE,
     RING,
+    FollowerQueue,
+    LeaderQueue,
     Mirror,
     MirrorError,
     Outside,
-    check_event,
     join_group,
     lost_member,
 )
@@ -144,7 +145,8 @@ class Runner:
         self.ring_in: zmq.Socket | None = None
         self.ring_out: zmq.Socket | None = None
         self.client: zmq.Socket | None = None
-        self.work: deque[Callable[[], None]] = deque()
+        # A tensor group's members order their work with their leader (worker.tensor).
+        self.work: deque[Callable[[], None]] | LeaderQueue | FollowerQueue = deque()
         self.stage: Stage | None = None
         self.running = True
         self.single = spec.count == 1
@@ -171,6 +173,7 @@ class Runner:
         self.auth.start()
         self.reload_keys()
         if self.spec.follower:
+            self.work = FollowerQueue()  # before the stage is made: it schedules into it
             # A follower's only socket: the work its leader mirrors to it.
             self.ring_in = self.ctx.socket(zmq.PULL)
             curve.make_server(self.ring_in, keys, max_bytes=self._frame_limit() + 4096)
@@ -178,6 +181,7 @@ class Runner:
             return
         if self.spec.followers:
             self.mirror = Mirror(self.ctx, keys, self.spec.followers)
+            self.work = LeaderQueue(self.mirror)
         if not self.single:
             # A frame bigger than this model's prefill chunk can be is refused by
             # ZeroMQ before it is buffered (the sender is disconnected).
@@ -347,10 +351,8 @@ class Runner:
             if self.client is not None and self.client in ready:
                 self._drain(self.client, self._on_client)
             if self.work:
-                job = self.work.popleft()
-                if self.mirror is not None:
-                    self.mirror.before(job)  # the followers run the same item next
-                self._timed(job)
+                assert not isinstance(self.work, FollowerQueue)
+                self._timed(self.work.popleft())
             if self.pending:
                 self._flush_pending()
             now = time.monotonic()
@@ -364,23 +366,21 @@ class Runner:
 
     def serve_follower(self) -> None:
         """A tensor group's follower: run exactly the items the leader runs, in its
-        order (worker.tensor). Items the leader's stage scheduled itself were scheduled
-        here too, by the same items before: the oldest of them is the one meant."""
-        assert self.ring_in is not None
+        order (worker.tensor): the ones its own stage scheduled as far as the leader's
+        grant allows, each outside item where the leader ran it."""
+        assert self.ring_in is not None and isinstance(self.work, FollowerQueue)
+        queue = self.work
         last_stats = time.monotonic()
         parent = os.getppid()
         while self.running:
-            if self.ring_in.poll(100):
-                for _ in range(64):  # then beat, stats and keys get their turn
-                    try:
-                        parts = self.ring_in.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    if curve.sender(parts[0]) != self.spec.leader_key:
-                        # Only the group's leader decides what this rank computes.
-                        self.refused += 1
-                        continue
-                    self._timed(self._mirrored([part.bytes for part in parts]))
+            self._hear_leader(queue, wait=0)
+            step = queue.next()
+            if step is None:
+                self._hear_leader(queue, wait=100)
+            elif step[0] == "inside":
+                self._timed(step[1])
+            else:
+                self._timed(self._mirrored(step[1]))
             now = time.monotonic()
             if now - last_stats >= STATS_EVERY_S:
                 self._emit_stats(now - last_stats)
@@ -389,20 +389,29 @@ class Runner:
                 if os.getppid() != parent:
                     self.running = False
 
+    def _hear_leader(self, queue: FollowerQueue, wait: int) -> None:
+        assert self.ring_in is not None
+        if wait and not self.ring_in.poll(wait):
+            return
+        while True:
+            try:
+                parts = self.ring_in.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if curve.sender(parts[0]) != self.spec.leader_key:
+                # Only the group's leader decides what this rank computes.
+                self.refused += 1
+                continue
+            queue.hear([part.bytes for part in parts])
+
     def _mirrored(self, frames: list[bytes]) -> Callable[[], None]:
-        """The job a leader's mirrored item stands for."""
-        assert self.stage is not None
-        kind = check_event(frames)
+        """The job an outside item the leader ran stands for."""
+        kind = frames[0]
         if kind == RING:
             return self._ring_job(frames[1], frames[2])
         if kind == GENERATE:
             return self._generate_job(b"", messages.decode(frames[1]))
-        if kind == CANCEL:
-            return self._cancel_job(frames[1].decode())
-        if not self.work:
-            # Out of step with the leader: every all-reduce from here would pair wrongly.
-            raise MirrorError("the leader ran a scheduled item this follower does not have")
-        return self.work.popleft()
+        return self._cancel_job(frames[1].decode())
 
     def _timed(self, job: Callable[[], None]) -> None:
         began = time.perf_counter()

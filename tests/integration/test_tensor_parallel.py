@@ -135,10 +135,10 @@ def placed(
     return {name: (models[name], answers[name]) for name in models}
 
 
-async def _answer(ctl: Controller, placement: str) -> list[int]:
+async def _answer(ctl: Controller, placement: str, prompt: list[int] = PROMPT) -> list[int]:
     got: list[int] = []
     params = {"max_tokens": N_TOKENS, "ignore_eos": True}
-    async for msg in ctl.generate(placement, {"tokens": PROMPT}, params):
+    async for msg in ctl.generate(placement, {"tokens": prompt}, params):
         if msg["type"] == "delta":
             got += msg["tokens"]
     return got
@@ -172,6 +172,30 @@ def test_members_report_their_group(tp_cluster: LocalCluster, placed: dict[str, 
     # Stage by stage, each group's leader (rank 0) first: the head's leader serves clients.
     assert [(rank, index) for _, rank, _, index in shards] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert shards[0][2] == (shards[0][0], shards[1][0])
+
+
+@pytest.mark.parametrize("placement", ["dense-float-tp2", "moe-4bit-2x2"])
+def test_concurrent_requests_on_a_group_answer_as_alone(
+    tp_cluster: LocalCluster, placed: dict[str, object], placement: str
+) -> None:
+    """Requests arriving while others decode and prefill are where the followers must
+    put each outside item exactly where the leader ran it: three at once, each the same
+    as alone, greedy (bit-identical: the same group computes both)."""
+    prompts = [PROMPT, PROMPT[5:] * 2, list(range(90, 130))]
+
+    async def run() -> tuple[list[list[int]], list[list[int]]]:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            alone = [await _answer(ctl, placement, p) for p in prompts]
+            together = await asyncio.gather(*(_answer(ctl, placement, p) for p in prompts))
+            return alone, list(together)
+        finally:
+            await ctl.close()
+
+    alone, together = asyncio.run(run())
+    assert all(len(a) == N_TOKENS for a in alone)
+    assert together == alone
 
 
 def _alive(pid: int) -> bool:

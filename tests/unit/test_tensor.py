@@ -8,20 +8,124 @@ from pathlib import Path
 import pytest
 
 from worker.agent import tensor_member
-from worker.tensor import CANCEL, GENERATE, INTERNAL, RING, MirrorError, check_event, lost_member
+from worker.tensor import (
+    CANCEL,
+    GENERATE,
+    GRANT,
+    RING,
+    WINDOW,
+    FollowerQueue,
+    LeaderQueue,
+    MirrorError,
+    Outside,
+    check_event,
+    lost_member,
+)
 
 
 @pytest.mark.parametrize(
-    "frames", [[INTERNAL], [RING, b"h", b"p"], [GENERATE, b"m"], [CANCEL, b"rid"]]
+    "frames",
+    [[GRANT, b"3"], [RING, b"0", b"h", b"p"], [GENERATE, b"1", b"m"], [CANCEL, b"2", b"r"]],
 )
 def test_every_kind_the_leader_sends_is_accepted(frames: list[bytes]) -> None:
     assert check_event(frames) == frames[0]
 
 
-@pytest.mark.parametrize("frames", [[], [b"x"], [RING, b"h"], [INTERNAL, b"extra"], [CANCEL]])
+@pytest.mark.parametrize("frames", [[], [b"x"], [RING, b"0", b"h"], [GRANT], [CANCEL, b"1"]])
 def test_anything_else_is_refused(frames: list[bytes]) -> None:
     with pytest.raises(MirrorError):
         check_event(frames)
+
+
+class Wire:
+    """Stands in for the PUSH socket: what the leader sent, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sent.append([bytes(f) for f in frames])
+
+
+class Rank:
+    """A deterministic stand-in for a stage: an outside item "gX" schedules three inside
+    steps of X, each inside step of X schedules the next until three are done. Every
+    rank logs the order it ran things in."""
+
+    def __init__(self, queue: LeaderQueue | FollowerQueue) -> None:
+        self.queue, self.log = queue, []  # type: ignore[var-annotated]
+
+    def job(self, name: str, left: int) -> None:
+        self.log.append(f"{name}{left}")
+        if left > 1:
+            self.queue.append(lambda: self.job(name, left - 1))
+
+    def outside(self, name: str) -> Outside:
+        return Outside(lambda: self.job(name, 3), [GENERATE, name.encode()])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_follower_runs_the_leaders_order_whenever_its_messages_arrive(seed: int) -> None:
+    """The leader takes outside items at random moments; the follower hears the wire at
+    random moments and runs as far as it may in between. Both logs must be equal."""
+    import random
+
+    rng = random.Random(seed)
+    wire = Wire()
+    leader = Rank(LeaderQueue(wire))  # type: ignore[arg-type]
+    follower_queue = FollowerQueue()
+    follower = Rank(follower_queue)
+    heard = 0
+    arriving = [f"r{i}-" for i in range(6)]
+    for _ in range(400):
+        if arriving and rng.random() < 0.15:
+            leader.queue.append(leader.outside(arriving.pop(0)))
+        if len(leader.queue) and rng.random() < 0.6:
+            leader.queue.popleft()()  # type: ignore[union-attr]
+        while heard < len(wire.sent) and rng.random() < 0.5:
+            follower_queue.hear(wire.sent[heard])
+            heard += 1
+        for _ in range(rng.randrange(3)):
+            step = follower_queue.next()
+            if step is None:
+                break
+            if step[0] == "inside":
+                step[1]()
+            else:
+                follower.outside(step[1][1].decode())()
+    assert not arriving and not len(leader.queue)
+    for frames in wire.sent[heard:]:
+        follower_queue.hear(frames)
+    while (step := follower_queue.next()) is not None:
+        step[1]() if step[0] == "inside" else follower.outside(step[1][1].decode())()
+    assert follower.log == leader.log and len(leader.log) == 18
+
+
+def test_the_leader_keeps_the_grant_ahead_and_holds_outside_items_until_it_is_reached() -> None:
+    wire = Wire()
+    rank = Rank(LeaderQueue(wire))  # type: ignore[arg-type]
+    queue = rank.queue
+    assert isinstance(queue, LeaderQueue)
+    queue.append(rank.outside("a"))
+    queue.popleft()()
+    queue.popleft()()  # a's first inside step: a grant goes out, WINDOW ahead
+    assert wire.sent[-1] == [GRANT, str(1 + WINDOW).encode()]
+    queue.append(rank.outside("b"))
+    # b waits: a's inside steps run first, up to the grant or while any are left.
+    queue.popleft()()
+    queue.popleft()()
+    assert rank.log == ["a3", "a2", "a1", "b3"]
+    assert wire.sent[-1][:2] == [GENERATE, b"2"]  # b ran after 2 inside items
+
+
+def test_a_follower_past_an_outside_items_place_is_out_of_step() -> None:
+    queue = FollowerQueue()
+    queue.hear([GRANT, b"5"])
+    queue.append(lambda: None)
+    assert queue.next() is not None
+    queue.hear([CANCEL, b"0", b"rid"])
+    with pytest.raises(MirrorError, match="has run 1"):
+        queue.next()
 
 
 def test_a_lost_member_is_told_by_mlx_backends_words() -> None:
