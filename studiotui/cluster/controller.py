@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,12 +23,20 @@ import zmq.asyncio
 
 from studiotui.cluster import keys, model_files, model_sync
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
+from studiotui.core import benchmark
 from studiotui.core.errors import StudioError
+from studiotui.core.forecast import (
+    Chip,
+    chips_from_state,
+    choose,
+    links_from_state,
+    measured_bandwidths,
+)
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch
 from studiotui.core.members import Member, jaccl_devices, members
 from studiotui.core.model_facts import ModelInfo, read_model
-from studiotui.core.placement import Link, NodeBudget, Plan, Refusal, format_bytes, plan
+from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes
 from studiotui.core.state import (
     ClusterState,
     LinkState,
@@ -365,9 +373,11 @@ class Controller:
         nodes: list[str],
         context_tokens: int = 4096,
         streams: int | None = None,
+        tensor: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
-        DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one."""
+        DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one.
+        `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits."""
         model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
         if info.unsupported:
@@ -382,13 +392,28 @@ class Controller:
                 return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
             free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
             budgets.append(NodeBudget(name, free, node.memory_total))
-        links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind) for x in self.state.links]
+        links = links_from_state(self.state)
+        chips = self.node_chips(nodes)
         tried = [streams] if streams is not None else range(DEFAULT_STREAMS, 0, -1)
         for n in tried:
-            verdict = plan(info.facts, budgets, links, context_tokens=context_tokens, streams=n)
+            verdict = choose(
+                info.facts,
+                budgets,
+                links,
+                chips,
+                tensor=tensor,
+                context_tokens=context_tokens,
+                streams=n,
+            ).verdict
             if isinstance(verdict, Plan):
                 break
         return info, verdict
+
+    def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
+        """What the forecast knows of each node's speed: its chip, or a bandwidth its
+        agent reports or the newest saved benchmark run of this cluster measured."""
+        measured = measured_bandwidths(benchmark.saved(self.home), self.inventory.name)
+        return chips_from_state(self.state, nodes, measured)
 
     async def place(
         self,
@@ -400,6 +425,7 @@ class Controller:
         context_tokens: int = 4096,
         expected: Plan | None = None,
         streams: int | None = None,
+        tensor: int | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else."""
@@ -409,7 +435,7 @@ class Controller:
         name = name or model_dir.name
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
-        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams)
+        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor)
         if expected is not None:
             problem = self._no_longer_fits(expected)
             if problem:
@@ -423,8 +449,13 @@ class Controller:
             raise PlacementError(f"cannot place {info.name}: {exc}") from None
         self.record(f"placing {info.name} as {name!r} on {', '.join(m.node for m in procs)}")
         self._unloading.pop(name, None)  # placed again under a name just unloaded
-        # Every process of the placement, stage by stage, each tensor group's leader first.
-        ring = tuple(PlannedShard(m.node, m.start, m.end) for m in procs)
+        # Every node of a tensor-group stage is remembered with the stage's layers, so
+        # the placement's shape ("2 stages × 2") is known from its ring alone.
+        ring = tuple(
+            PlannedShard(node, s.start, s.end, s.backend or "")
+            for s in the_plan.shards
+            for node in s.nodes
+        )
         self._placing.add(name)
         self._remember_plan(name, PlannedPlacement(str(model_dir), ring))
         try:
@@ -454,19 +485,18 @@ class Controller:
         return placed
 
     def _no_longer_fits(self, expected: Plan) -> str | None:
-        for shard in expected.shards:
-            # A tensor group's figures are per node of the group.
-            for name in shard.group or (shard.node,):
-                node = self.state.node(name)
-                if node is None or node.state != "up":
-                    return f"{name} is not up"
-                adds = shard.free_before - shard.free_after
-                room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
-                if adds > room:
-                    return (
-                        f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
-                        f"{format_bytes(adds)} there; preview again"
-                    )
+        for shard, name in ((s, n) for s in expected.shards for n in s.nodes):
+            # Every node of a tensor group holds the same share (its byte figures).
+            node = self.state.node(name)
+            if node is None or node.state != "up":
+                return f"{name} is not up"
+            adds = shard.free_before - shard.free_after
+            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            if adds > room:
+                return (
+                    f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
+                    f"{format_bytes(adds)} there; preview again"
+                )
         return None
 
     async def _deploy(
