@@ -50,9 +50,11 @@ CASES = [(m, q) for m in MODELS for q in ("float", "4bit")]
 # Every case as one group of two; the 2 x 2 hybrid (four runners a placement) on a dense
 # float and a MoE 4-bit model, so each shape sees both families and both precisions and
 # the module stays within its time (each runner costs a second of imports on 2 vCPUs).
+# And one stage x 4 (a ring of four ranks), as the planner makes it (place(tensor=4)).
 SHAPED = [(case, "tp2") for case in CASES] + [
     (("dense", "float"), "2x2"),
     (("moe", "4bit"), "2x2"),
+    (("dense", "float"), "1x4"),
 ]
 
 
@@ -122,7 +124,12 @@ def placed(
                             prefill_chunk=8,
                         )
                     )
-            await asyncio.gather(*jobs)
+            # The planner's own group of four (its shapes; this engine runs them).
+            four = ctl.place(
+                models["dense-float"], [a, b, c, d], "dense-float-1x4", prefill_chunk=8, tensor=4
+            )
+            placed = await asyncio.gather(four, *jobs)
+            assert [len(s.group) for s in placed[0].plan.shards] == [4]
             answers: dict[str, dict[str, list[int]]] = {}
             for (kind, quant), shape in SHAPED:
                 name = f"{kind}-{quant}"
