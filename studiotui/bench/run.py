@@ -22,6 +22,12 @@ from rich.table import Table
 
 from studiotui.bench import batching
 from studiotui.bench.launch import ring_of_two
+from studiotui.bench.tensor import (
+    mlx_tp2_launch_tps,
+    mlx_tp2_tps,
+    summarize_tensor,
+    tensor_figures,
+)
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import prompt_tokens, stream
@@ -284,6 +290,13 @@ def measure(quick: bool) -> dict[str, Any]:
                         home, inv, model_dir, cfg.tokens, cfg.decode_rounds, cfg.prefill_chunk
                     )
                 )
+
+            async def paired(ctl: Controller, name: str) -> dict[str, Any]:
+                await stream(ctl, name, prompt_tokens(16), 8)  # warm up
+                return await paired_decode(ctl, name, single, cfg)
+
+            with phase("tp2"):
+                tp = asyncio.run(tensor_figures(home, inv, model_dir, cfg.prefill_chunk, paired))
         except Exception as exc:  # report it as a figure-less run, not a traceback
             raise BenchError(f"{type(exc).__name__}: {exc}") from exc
         finally:
@@ -291,6 +304,9 @@ def measure(quick: bool) -> dict[str, Any]:
                 local_cluster.kill_pid(pid)
         with phase("mlx_ring"):
             ring = mlx_ring(model_dir, cfg)
+        with phase("mlx_tp2"):
+            mlx_tp = mlx_tp2_tps(model_dir, BENCH_PORT, cfg.tokens)
+            launched = None if quick else mlx_tp2_launch_tps(model_dir, BENCH_PORT, cfg.tokens)
         with phase("bare_hop"):  # the agents are gone: two otherwise idle processes
             bare = batching.bare_hop_us(f"127.0.0.{BENCH_OCTET}", BENCH_PORT + 950, cfg.hidden)
     pipe["moe2"] = moe
@@ -298,7 +314,7 @@ def measure(quick: bool) -> dict[str, Any]:
     figures.update(batch, bare_hop_us=round(bare, 1) if bare else None)
     figures["hop_over_bare"] = round(figures["hop_us_p50"] / bare, 2) if bare else None
     figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
-    return figures
+    return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
 
 async def _with_cluster(
@@ -392,14 +408,19 @@ def summarize(
 
 
 def run_bench(quick: bool, as_json: bool) -> int:
+    from studiotui.bench.finetune import finetune_figures
     from studiotui.bench.provision import bench_provision
 
     started = time.monotonic()
     figures = measure(quick)
     if quick:
-        # Provisioning is measured by the full bench: with it, --quick overruns a minute.
+        # Provisioning and fine-tuning are measured by the full bench: with them, --quick
+        # overruns a minute.
         figures["provision4_ratio"] = figures["reprovision_s"] = None
+        figures["finetune2_ratio"] = None
     else:
+        with phase("finetune"):
+            figures.update(finetune_figures(quick=False))
         with tempfile.TemporaryDirectory(prefix="studiotui-bench-ssh-") as tmp, phase("provision"):
             figures.update(asyncio.run(bench_provision(Path(tmp))))
     figures["bench_seconds"] = round(time.monotonic() - started, 1)

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"default: as many as fit, up to {DEFAULT_STREAMS}); more wait in a short queue or "
         "are refused as busy",
     )
+    place.add_argument(
+        "--tensor",
+        type=_positive,
+        default=None,
+        help="nodes per stage: each stage a tensor group of N nodes (1: a pipeline; "
+        "default: the fastest shape that fits, by the forecast)",
+    )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
 
     fetch = sub.add_parser(
@@ -108,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
     )
+    from studiotui.cli import tune_cmd
+
+    tune_cmd.add_parsers(sub)  # finetune, jobs
     from studiotui.cli.benchmark_cmd import add_parser as add_benchmark_parser
 
     add_benchmark_parser(sub)
@@ -285,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     # SSH-aware versions of these verbs; they hand local nodes to `commands`.
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    if verb in {"finetune", "jobs"}:
+        from studiotui.cli import tune_cmd as module
     if verb == "web":
         from studiotui.cli import web as module
     if verb == "benchmark":
