@@ -67,6 +67,7 @@ class RunnerSpec:
     context_tokens: int = 4096
     streams: int = DEFAULT_STREAMS  # requests run at once; the plan reserved KV for them
     kv_bytes: int = 0
+    adapter_dir: str = ""  # an mlx-lm adapter for this shard's layers ("" none)
 
     @classmethod
     def from_file(cls, path: Path) -> RunnerSpec:
@@ -187,7 +188,8 @@ class Runner:
             emit("progress", done=done, total=total)
 
         model_dir = Path(self.spec.model_dir).expanduser()
-        shard = load_shard(model_dir, self.spec.start, self.spec.end, progress)
+        adapter = Path(self.spec.adapter_dir).expanduser() if self.spec.adapter_dir else None
+        shard = load_shard(model_dir, self.spec.start, self.spec.end, progress, adapter_dir=adapter)
         tokenizer = None
         if shard.is_first or shard.is_last:
             tokenizer = load_tokenizer(
@@ -208,6 +210,7 @@ class Runner:
             param_bytes=shard.param_bytes,
             start=shard.start,
             end=shard.end,
+            adapted=shard.adapted,
             active_bytes=mx.get_active_memory(),
         )
 

@@ -72,6 +72,11 @@ class Adapter:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def outside(self) -> tuple[str, ...]:
+        """Tensors of modules outside the decoder layers (an adapted lm_head, embedding)."""
+        return tuple(t for t in self.tensors if layer_of(t) is None)
+
     def touches(self, start: int, end: int) -> bool:
         """Whether a shard running layers [start, end) has any adapted layer."""
         return any(start <= n < end for n in self.layers)
@@ -176,6 +181,15 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         layers=layers,
         base=_base(config.get(BASE_KEY)),
         weight_bytes=weights.stat().st_size,
+    )
+
+
+def outside_layers_reason(adapter: Adapter) -> str:
+    """Why a placement cannot apply an adapter of modules outside the decoder layers."""
+    return (
+        f"adapter {adapter.name} adapts {adapter.outside[0]!r}, outside the decoder layers: "
+        "shards apply adapters to their layers only; fuse it into a model instead "
+        "(studiotui fuse MODEL --adapter DIR --out NEW_DIR) and place that"
     )
 
 
