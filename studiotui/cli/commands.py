@@ -26,6 +26,7 @@ from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.session import wait_until_up
+from studiotui.core.adapter_catalog import adapter_placement_name, check_adapter, resolve_adapter
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import (
     Inventory,
@@ -156,6 +157,7 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "name": p.name,
                 "model": p.model,
                 "model_dir": p.model_dir,
+                "adapter": p.adapter,
                 "state": p.state,
                 "nodes": list(p.nodes),
                 "layers": p.layers,
@@ -187,7 +189,7 @@ def print_nodes(ctl: Controller) -> None:
     for p in ctl.state.placements:
         gone = set(p.missing)
         ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
-        console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}: {ring}")
+        console.print(f"placement [bold]{p.name}[/] ({p.label}) {p.state}: {ring}")
 
 
 # ---- place / unload ------------------------------------------------------------------
@@ -224,6 +226,15 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}"))
         )
         return 1
+    adapter = None
+    if args.adapter:
+        # Before asking any node anything too: another model's or a malformed adapter.
+        args.adapter = resolve_adapter(args.adapter, home)
+        adapter = check_adapter(args.adapter, args.model_dir.expanduser().resolve(), info)
+        console.print(
+            f"adapter [bold]{adapter.name}[/] ({adapter.fine_tune_type}, rank {adapter.rank}, "
+            f"layers {adapter.layers[0]}-{adapter.layers[-1]}) matches {info.name}"
+        )
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
@@ -236,7 +247,11 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(
                 f"no node is up: start the cluster with {start_hint(inv)}, then place again"
             )
-        name = args.name or args.model_dir.expanduser().resolve().name
+        name = args.name or (
+            adapter_placement_name(args.model_dir.expanduser().resolve(), args.adapter)
+            if adapter
+            else args.model_dir.expanduser().resolve().name
+        )
         if (existing := ctl.state.placement(name)) is not None:
             # Before the plan and progress bars: nothing would be loaded.
             raise UserError(
@@ -276,15 +291,18 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 result = await ctl.place(
                     args.model_dir,
                     group,
-                    args.name,
+                    name,
                     progress,
                     prefill_chunk=args.prefill_chunk,
                     context_tokens=args.context,
                     streams=args.streams,
+                    adapter_dir=args.adapter,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
-        console.print(f"placement [bold]{result.placement.name}[/] is ready ({info.name})")
+        console.print(
+            f"placement [bold]{result.placement.name}[/] is ready ({result.placement.label})"
+        )
     finally:
         await ctl.close()
     return 0

@@ -116,12 +116,10 @@ def resolve_adapter(spec: str | Path, home: Path) -> Path:
     )
 
 
-def check_adapter(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
-    """The adapter, if it can be placed with this model: well formed (as mlx-lm's
-    load_adapters reads it), trained on these very weights (the base's digest), only
-    in decoder layers the model has. Else AdapterRefused naming what and what to do.
-    Reads the adapter's config and header and hashes the model (cached): no copy, no
-    load."""
+def check_base(adapter_dir: Path, model_dir: Path) -> Adapter:
+    """The adapter, if well formed (as mlx-lm's load_adapters reads it) and trained on
+    these very weights (the base's digest); else AdapterRefused naming both and what
+    to do. Reads the adapter's config and header and hashes the model (cached)."""
     try:
         adapter = read_adapter(adapter_dir)
     except AdapterError as exc:
@@ -129,6 +127,14 @@ def check_adapter(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapte
     reason = identity_mismatch(adapter, model_dir)
     if reason:
         raise AdapterRefused(reason)
+    return adapter
+
+
+def check_adapter(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
+    """The adapter, if it can be placed with this model: `check_base`, and only in
+    decoder layers the model has (a shard applies its own layers' part). No copy, no
+    load."""
+    adapter = check_base(adapter_dir, model_dir)
     if adapter.outside:
         raise AdapterRefused(outside_layers_reason(adapter))
     beyond = [n for n in adapter.layers if n >= info.n_layers]

@@ -111,6 +111,7 @@ class PlacementState:
     planned: tuple[PlannedShard, ...] = ()  # () when this operator did not place it
     placing: bool = False  # this operator is loading it right now
     adapter: str = ""  # the LoRA/DoRA adapter its shards apply, by name ("" none)
+    adapter_dir: str = ""  # where the operator holds it ("" unknown: not planned here)
 
     @property
     def label(self) -> str:
@@ -273,6 +274,7 @@ def placements_from_shards(
                 planned=plan.shards if plan else (),
                 placing=name in placing,
                 adapter=adapter,
+                adapter_dir=plan.adapter_dir if plan else "",
             )
         )
     return tuple(out)
