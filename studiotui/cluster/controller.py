@@ -680,6 +680,11 @@ class Controller:
             *(self.peer(n).request("unload", timeout=10.0, placement=name) for n in nodes),
             return_exceptions=True,
         )
+        # The head's socket goes with its runner: a placement of the same name placed
+        # again on the same node and port must not inherit the old socket's "down
+        # since the unload", which fails its first request after RECONNECT_GRACE_S.
+        for key in [k for k in self.peers if k.startswith(f"head:{name}:")]:
+            await self.peers.pop(key).aclose()
 
     # ---- generation ----------------------------------------------------------------------
 

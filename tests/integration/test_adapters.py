@@ -7,14 +7,19 @@ nonzero lora_b); the reference is `mlx_lm.load(model, adapter_path=adapter)`.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import openai
 import pytest
 from mlx_lm.generate import generate_step
 
+from studiotui.api.server import start_server
 from studiotui.cluster.controller import Controller, PlacementError
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import LocalCluster, cluster_fixture
@@ -53,6 +58,13 @@ def encode(model_dir: Path) -> list[int]:
     return list(tok.encode(PROMPT))
 
 
+async def unload_all(ctl: Controller) -> None:
+    """A test leaves the shared cluster empty, passed or failed."""
+    await ctl.refresh()
+    for p in ctl.state.placements:
+        await ctl.unload(p.name)
+
+
 async def collect(ctl: Controller, placement: str, tokens: list[int]) -> list[int]:
     out: list[int] = []
     params = {"max_tokens": N, "ignore_eos": True}
@@ -86,8 +98,8 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
                 out[f"layers{n}"] = placed.layers
                 out[n] = await collect(ctl, "tiny+style", tokens)
                 await ctl.unload("tiny+style")
-            await ctl.unload("tiny")
         finally:
+            await unload_all(ctl)
             await ctl.close()
         return out
 
@@ -123,3 +135,75 @@ def test_an_adapter_of_another_model_is_refused_naming_both_digests(
     assert model_digest(made["other"])[:12] in refused
     assert placements == []
     assert not any(line.startswith("placing") for line in log), log
+
+
+def until_eos(model_dir: Path, tokens: list[int]) -> str:
+    """The text of `tokens` up to the first end-of-sequence token (where an API answer
+    stops), decoded by the model's own tokenizer."""
+    _, tok = mlx_lm.load(str(model_dir))
+    stop = set(tok.eos_token_ids)
+    cut = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return str(tok.decode(tokens[:cut]))
+
+
+def test_fused_model_answers_as_the_placed_adapter_and_the_api_serves_both(
+    adapter_cluster: LocalCluster, made: dict[str, Path], tmp_path: Path
+) -> None:
+    base, adapter = made["base"], made["adapter"]
+    fused = tmp_path / "tiny-fused"
+    env = {**os.environ, "STUDIOTUI_HOME": str(tmp_path / "home"), "NO_COLOR": "1"}
+    argv = ["fuse", str(base), "--adapter", str(adapter), "--out", str(fused)]
+    done = subprocess.run(
+        [sys.executable, "-m", "studiotui", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"studiotui place {fused}" in done.stdout
+    tokens = encode(base)
+    want = reference(base, tokens, adapter)
+    # mlx-lm's fuse folded the adapter into the weights: no adapter at load time.
+    assert reference(fused, tokens) == want
+    names = list(adapter_cluster.inventory.names)
+
+    async def run() -> dict[str, object]:
+        ctl = adapter_cluster.controller()
+        out: dict[str, object] = {}
+        server = None
+        try:
+            await ctl.start(telemetry=False)
+            await ctl.place(fused, names, "fused", prefill_chunk=CHUNK)
+            out["fused"] = await collect(ctl, "fused", tokens)
+            await ctl.unload("fused")
+            # Both picked: the base alone and the base with the adapter, side by side.
+            await ctl.place(base, names[:1], prefill_chunk=CHUNK)
+            await ctl.place(base, names, prefill_chunk=CHUNK, adapter_dir=adapter)
+            server = await start_server(ctl, "127.0.0.1", 0)
+            client = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+            listed = await client.models.list()
+            out["ids"] = sorted(m.id for m in listed.data)
+            card = await client.models.retrieve("tiny+style")
+            out["parent"] = (card.model_extra or {}).get("parent")
+            for model in ("tiny", "tiny+style"):
+                reply = await client.completions.create(
+                    model=model, prompt=tokens, max_tokens=N, temperature=0
+                )
+                out[model] = (reply.model, reply.choices[0].text)
+            await client.close()
+        finally:
+            if server is not None:
+                await server.close()
+            await unload_all(ctl)
+            await ctl.close()
+        return out
+
+    got = asyncio.run(run())
+    assert got["fused"] == want, "the fused model over 2 shards diverged from the adapter"
+    assert got["ids"] == ["tiny", "tiny+style"]
+    assert got["parent"] == "tiny"
+    assert got["tiny"] == ("tiny", until_eos(base, reference(base, tokens)))
+    assert got["tiny+style"] == ("tiny+style", until_eos(base, want))
+    assert got["tiny"] != got["tiny+style"]
