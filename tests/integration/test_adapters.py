@@ -20,9 +20,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from studiotui.api.server import start_server
+from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
+from studiotui.core.inventory import Inventory, NodeSpec
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.sshd import SshdServer, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import model_digest
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
@@ -207,3 +210,84 @@ def test_fused_model_answers_as_the_placed_adapter_and_the_api_serves_both(
     assert got["tiny"] == ("tiny", until_eos(base, reference(base, tokens)))
     assert got["tiny+style"] == ("tiny+style", until_eos(base, want))
     assert got["tiny"] != got["tiny+style"]
+
+
+def test_over_ssh_the_adapter_reaches_only_the_nodes_it_adapts_and_a_mismatch_nothing(
+    sshd_server: SshdServer,  # noqa: F811
+    made: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Two nodes reached over a real sshd (their agents run here, on its addresses):
+    model files and the adapter are copied, as to a Mac across the desk."""
+    base = made["base"]
+    # The last two layers of four: on an even split, the second shard's only.
+    late = write_adapter(base, tmp_path / "late", num_layers=2)
+    nodes = tuple(
+        NodeSpec(
+            name=f"mac-{a[-2:]}",
+            host=a,
+            port=sshd_server.port,
+            user=sshd_server.user,
+            identity=str(sshd_server.client_key),
+            address=a,
+            control_port=59960,
+            workdir=str(tmp_path / "nodes" / f"mac-{a[-2:]}"),
+            memory_gb=2.0,
+        )
+        for a in sshd_server.addresses[2:4]
+    )
+    inv = Inventory(name="desk", nodes=nodes)
+    home = tmp_path / "home"
+    home.mkdir()
+    sshd_server.write_known_hosts(home / "known_hosts")
+    pids = [local_cluster.start_agent(home, node, inv) for node in nodes]
+    tokens = encode(base)
+
+    async def run() -> tuple[list[int], list[list[int]], list[str], str, list[str]]:
+        ctl = Controller(home, inv)
+        try:
+            for _ in range(100):
+                await ctl.refresh(timeout=1.0)
+                if all(n.state == "up" for n in ctl.state.nodes):
+                    break
+                await asyncio.sleep(0.2)
+            await ctl.place(base, list(inv.names), prefill_chunk=CHUNK, adapter_dir=late)
+            placed = ctl.state.placement("tiny+late")
+            assert placed is not None
+            got = await collect(ctl, "tiny+late", tokens)
+            ring = [s.node for s in placed.shards]
+            await ctl.unload("tiny+late")
+            before = len(ctl.state.log)
+            try:
+                await ctl.place(made["other"], list(inv.names), adapter_dir=late)
+                refused = "placed?!"
+            except PlacementError as exc:
+                refused = str(exc)
+            after = [e.text for e in ctl.state.log[before:]]
+            return got, placed.layers, ring, refused, after
+        finally:
+            await ctl.close()
+
+    try:
+        got, layers, ring, refused, log = asyncio.run(run())
+    finally:
+        for pid in pids:
+            local_cluster.kill_pid(pid)
+    assert got == reference(base, tokens, late)
+    assert layers == [[0, 2], [2, 4]]
+    held = {
+        node.name: sorted(p.name for p in (Path(node.workdir) / "models").iterdir())
+        for node in nodes
+    }
+    first, second = ring
+    assert held[first] == ["tiny"], held  # layers 0-1: no adapted layer, no adapter
+    # Layers 2-3: the adapter too, in a folder named by its content.
+    folder, model = held[second]
+    assert model == "tiny" and folder.startswith("late@"), held
+    copied = Path(next(n.workdir for n in nodes if n.name == second)) / "models" / folder
+    assert sorted(p.name for p in copied.iterdir() if not p.name.startswith(".")) == [
+        "adapter_config.json",
+        "adapters.safetensors",
+    ]
+    assert "not on other" in refused and "trained on tiny" in refused, refused
+    assert not any("placing" in line or "copied" in line for line in log), log
