@@ -412,6 +412,9 @@ class Controller:
         if adapter_dir is not None:
             adapter_dir = adapter_dir.expanduser().resolve()
             adapter = await asyncio.to_thread(self.check_adapter, adapter_dir, model_dir)
+            self.record(
+                f"adapter {adapter.name} matches {model_dir.name} (layers {_spans(adapter)})"
+            )
         await self.refresh()
         nodes = nodes or [n.name for n in self.state.nodes if n.state == "up"]
         name = name or (
@@ -576,7 +579,8 @@ class Controller:
 
     def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter:
         """The adapter, if it can be placed with this model; else PlacementError naming
-        what and what to do. Headers and (cached) hashes only: nothing copied or loaded."""
+        what and what to do. Headers and (cached) hashes only: nothing copied or loaded.
+        Records nothing: it runs in a worker thread, and listeners expect the loop's."""
         model_files.check_model_dir(model_dir)
         info = read_model(model_dir)
         try:
@@ -585,7 +589,6 @@ class Controller:
             raise PlacementError(
                 f"cannot place {info.name} with {adapter_dir.name}: {exc}"
             ) from None
-        self.record(f"adapter {adapter.name} matches {info.name} (layers {_spans(adapter)})")
         return adapter
 
     async def _adapter_dirs(
