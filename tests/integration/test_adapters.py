@@ -20,9 +20,10 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from studiotui.api.server import start_server
+from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
-from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory, local_inventory
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import SshdServer, sshd_server  # noqa: F401 - the fixture
@@ -291,3 +292,38 @@ def test_over_ssh_the_adapter_reaches_only_the_nodes_it_adapts_and_a_mismatch_no
     ]
     assert "not on other" in refused and "trained on tiny" in refused, refused
     assert not any("placing" in line or "copied" in line for line in log), log
+
+
+def test_cli_stamps_lists_and_refuses_before_asking_any_node(
+    made: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    """`adapter stamp`, `adapter list` and `place --adapter NAME`, in-process; the
+    cluster's nodes are never started, so whatever is said comes before any node."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("STUDIOTUI_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "200")
+    unstamped = write_adapter(made["base"], home / "adapters" / "plain", stamp=False)
+    inv = local_inventory(2, base_octet=205, control_port=59940, home=tmp_path / "nodes")
+    (tmp_path / "cluster.toml").write_text(dump_inventory(inv))
+    cluster = ["-i", str(tmp_path / "cluster.toml")]
+
+    def cli(*argv: str) -> tuple[int, str]:
+        code = main([*argv])
+        out = capsys.readouterr()
+        return code, " ".join((out.out + out.err).split())
+
+    code, said = cli(*cluster, "place", str(made["base"]), "--adapter", "plain", "--dry-run")
+    assert code == 2 and "does not say which model it was trained on" in said, said
+    assert f"studiotui adapter stamp {unstamped} --model {made['base']}" in said
+
+    code, said = cli("adapter", "stamp", str(unstamped), "--model", str(made["base"]))
+    assert code == 0 and f"base tiny (digest {model_digest(made['base'])[:12]})" in said
+    code, said = cli("adapter", "list", "tiny")
+    assert code == 0 and "plain lora rank 4, layers 2-3 base tiny" in said, said
+
+    code, said = cli(*cluster, "place", str(made["other"]), "--adapter", "plain", "--dry-run")
+    assert code == 2 and "trained on tiny" in said and "not on other" in said, said
+    # Found by name, checked, then the nodes are asked: none is up.
+    code, said = cli(*cluster, "place", str(made["base"]), "--adapter", "plain", "--dry-run")
+    assert "adapter plain (lora, rank 4, layers 2-3) matches tiny" in said, said
+    assert code == 2 and "no node is up" in said, said
