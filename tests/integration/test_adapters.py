@@ -115,6 +115,30 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
     assert got["label2"] == ("tiny + style", ["style", "style"])
 
 
+def test_a_dora_adapter_over_2_shards_matches_mlx_lm(
+    adapter_cluster: LocalCluster, made: dict[str, Path], tmp_path: Path
+) -> None:
+    """DoRA's layers read their base projection's weight on every call (not calling
+    it): the shard's CPU fusion leaves them whole."""
+    base = made["base"]
+    dora = write_adapter(base, tmp_path / "dora", num_layers=3, dora=True)
+    tokens = encode(base)
+    want = reference(base, tokens, dora)
+    assert want != reference(base, tokens)
+    names = list(adapter_cluster.inventory.names)
+
+    async def run() -> list[int]:
+        ctl = adapter_cluster.controller()
+        try:
+            await ctl.place(base, names, prefill_chunk=CHUNK, adapter_dir=dora)
+            return await collect(ctl, "tiny+dora", tokens)
+        finally:
+            await unload_all(ctl)
+            await ctl.close()
+
+    assert asyncio.run(run()) == want
+
+
 def test_an_adapter_of_another_model_is_refused_naming_both_digests(
     adapter_cluster: LocalCluster, made: dict[str, Path]
 ) -> None:

@@ -268,5 +268,5 @@ def identity_mismatch(adapter: Adapter, model_dir: Path) -> str | None:
     return (
         f"adapter {adapter.name} was trained on {adapter.base.model} (digest "
         f"{adapter.base.digest[:12]}), not on {model_dir.name} (digest {digest[:12]}): "
-        f"place it with {adapter.base.model}, or train an adapter for {model_dir.name}"
+        f"use it with {adapter.base.model}, or train an adapter for {model_dir.name}"
     )
