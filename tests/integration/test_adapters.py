@@ -92,8 +92,6 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
         ctl = adapter_cluster.controller()
         out: dict[str, object] = {}
         try:
-            await ctl.place(base, names[:1], "tiny", prefill_chunk=CHUNK)
-            out["base"] = await collect(ctl, "tiny", tokens)
             for n in (1, 2):
                 await ctl.place(base, names[:n], prefill_chunk=CHUNK, adapter_dir=adapter)
                 placed = ctl.state.placement("tiny+style")
@@ -108,30 +106,34 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
         return out
 
     got = asyncio.run(run())
-    assert got["base"] == plain
+    # (The base placed beside it answers as mlx-lm's base does: the API test below.)
     assert got[1] == want, "adapter over 1 shard diverged from mlx_lm.load(adapter_path=...)"
     assert got[2] == want, f"adapter over 2 shards {got['layers2']} diverged"
     assert got["layers2"] == [[0, 2], [2, 4]]
     assert got["label2"] == ("tiny + style", ["style", "style"])
 
 
-def test_a_dora_adapter_over_2_shards_matches_mlx_lm(
-    adapter_cluster: LocalCluster, made: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize("variant", ["dora", "qlora"])
+def test_dora_and_qlora_adapters_over_2_shards_match_mlx_lm(
+    adapter_cluster: LocalCluster, made: dict[str, Path], tmp_path: Path, variant: str
 ) -> None:
     """DoRA's layers read their base projection's weight on every call (not calling
-    it): the shard's CPU fusion leaves them whole."""
+    it): the shard's CPU fusion leaves them whole. QLoRA: LoRA over a 4-bit base, whose
+    projections are mlx-lm's QuantizedLinear."""
     base = made["base"]
-    dora = write_adapter(base, tmp_path / "dora", num_layers=3, dora=True)
+    if variant == "qlora":
+        base = write_demo_model(tmp_path / "tiny4", DemoSpec(**{**SPEC.__dict__, "quantize": "4"}))
+    adapter = write_adapter(base, tmp_path / variant, num_layers=3, dora=variant == "dora")
     tokens = encode(base)
-    want = reference(base, tokens, dora)
+    want = reference(base, tokens, adapter)
     assert want != reference(base, tokens)
     names = list(adapter_cluster.inventory.names)
 
     async def run() -> list[int]:
         ctl = adapter_cluster.controller()
         try:
-            await ctl.place(base, names, prefill_chunk=CHUNK, adapter_dir=dora)
-            return await collect(ctl, "tiny+dora", tokens)
+            await ctl.place(base, names, prefill_chunk=CHUNK, adapter_dir=adapter)
+            return await collect(ctl, f"{base.name}+{variant}", tokens)
         finally:
             await unload_all(ctl)
             await ctl.close()
