@@ -208,11 +208,17 @@ def test_fused_model_answers_as_the_placed_adapter_and_the_api_serves_both(
             await ctl.place(fused, names, "fused", prefill_chunk=CHUNK)
             out["fused"] = await collect(ctl, "fused", tokens)
             await ctl.unload("fused")
-            # Both picked: the base alone and the base with the adapter, side by side.
-            await ctl.place(base, names[:1], prefill_chunk=CHUNK)
             await ctl.place(base, names, prefill_chunk=CHUNK, adapter_dir=adapter)
             server = await start_server(ctl, "127.0.0.1", 0)
             client = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+            # The base's name never lands on the adapted placement: it answers otherwise.
+            try:
+                await client.completions.create(model="tiny", prompt=tokens, max_tokens=2)
+                out["base alone"] = "answered"
+            except openai.NotFoundError as exc:
+                out["base alone"] = exc.message
+            # Both picked: the base beside the base with the adapter.
+            await ctl.place(base, names[:1], prefill_chunk=CHUNK)
             listed = await client.models.list()
             out["ids"] = sorted(m.id for m in listed.data)
             card = await client.models.retrieve("tiny+style")
@@ -232,6 +238,7 @@ def test_fused_model_answers_as_the_placed_adapter_and_the_api_serves_both(
 
     got = asyncio.run(run())
     assert got["fused"] == want, "the fused model over 2 shards diverged from the adapter"
+    assert "'tiny' does not exist; ready models: tiny+style" in str(got["base alone"])
     assert got["ids"] == ["tiny", "tiny+style"]
     assert got["parent"] == "tiny"
     assert got["tiny"] == ("tiny", until_eos(base, reference(base, tokens)))
