@@ -12,6 +12,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from studiotui.core.adapter_catalog import (
+    AdapterRefused,
+    adapter_folders,
+    resolve_adapter,
+    scan_adapters,
+)
 from tests.adapter_model import write_adapter
 from worker.shared.adapters import (
     BASE_KEY,
@@ -140,3 +146,25 @@ def test_a_model_tensor_in_the_adapter_is_refused(
     )
     with pytest.raises(AdapterError, match="not a lora adapter tensor"):
         read_adapter(ad)
+
+
+def test_adapters_are_found_in_home_and_configured_folders_by_base_name(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, _ = models
+    home = tmp_path / "home"
+    write_adapter(base, home / "adapters" / "style")
+    write_adapter(base, tmp_path / "elsewhere" / "tiny-runs" / "run1")  # one level nested
+    (home / "adapters" / "broken").mkdir(parents=True)
+    (home / "adapters" / "broken" / "adapter_config.json").write_text("{")
+    (home / "config.toml").write_text(f'adapters_dirs = ["{tmp_path / "elsewhere"}", "rel"]\n')
+    folders = adapter_folders(home)
+    assert folders == (home / "adapters", tmp_path / "elsewhere", home / "rel")
+    catalog = scan_adapters(folders)
+    assert sorted(a.name for a in catalog.for_model("base")) == ["run1", "style"]
+    assert catalog.for_model("other") == []
+    [(path, why)] = catalog.skipped
+    assert path.name == "broken" and "not valid JSON" in why
+    assert resolve_adapter("run1", home) == (tmp_path / "elsewhere" / "tiny-runs" / "run1")
+    with pytest.raises(AdapterRefused, match="adapters found: run1, style"):
+        resolve_adapter("nope", home)
