@@ -20,6 +20,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from studiotui.api.server import start_server
+from studiotui.cli.commands import status_json
 from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
@@ -97,6 +98,9 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
                 placed = ctl.state.placement("tiny+style")
                 assert placed is not None
                 out[f"label{n}"] = (placed.label, [s.adapter for s in placed.shards])
+                out[f"status{n}"] = [
+                    (p["name"], p["adapter"]) for p in status_json(ctl)["placements"]
+                ]
                 out[f"layers{n}"] = placed.layers
                 out[n] = await collect(ctl, "tiny+style", tokens)
                 await ctl.unload("tiny+style")
@@ -111,6 +115,7 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
     assert got[2] == want, f"adapter over 2 shards {got['layers2']} diverged"
     assert got["layers2"] == [[0, 2], [2, 4]]
     assert got["label2"] == ("tiny + style", ["style", "style"])
+    assert got["status2"] == [("tiny+style", "style")]  # `studiotui status --json`
 
 
 @pytest.mark.parametrize("variant", ["dora", "qlora"])
