@@ -168,3 +168,13 @@ def test_adapters_are_found_in_home_and_configured_folders_by_base_name(
     assert resolve_adapter("run1", home) == (tmp_path / "elsewhere" / "tiny-runs" / "run1")
     with pytest.raises(AdapterRefused, match="adapters found: run1, style"):
         resolve_adapter("nope", home)
+
+
+def test_a_hub_snapshot_is_hashed_without_writing_into_the_hub_cache(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, _ = models
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(base, snapshot, ignore=shutil.ignore_patterns(".studiotui-manifest.json"))
+    assert model_digest(snapshot) == model_digest(base)
+    assert not (snapshot / ".studiotui-manifest.json").exists()

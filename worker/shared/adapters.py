@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.shared.manifest import manifest
+from worker.shared.manifest import in_hub_cache, manifest
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapters.safetensors"
@@ -214,7 +214,7 @@ def model_digest(model_dir: Path) -> str:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise AdapterError(f"{model_dir} has no config.json: it is not a model directory")
-    files = manifest(model_dir, identity_files(model_dir))
+    files = manifest(model_dir, identity_files(model_dir), write_cache=not in_hub_cache(model_dir))
     h = hashlib.sha256()
     for name in sorted(files):
         f = files[name]

@@ -27,6 +27,7 @@ CACHE_NAME = ".studiotui-manifest.json"
 PART_SUFFIX = ".studiotui-part"
 CHUNK = 4 * 1024 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
 
 Hashed = Callable[[int], None]
 
@@ -79,6 +80,12 @@ def plain_name(name: str) -> bool:
         return False
     parts = name.split("/")
     return all(p not in ("", ".", "..") for p in parts) and ":" not in parts[0][1:2]
+
+
+def in_hub_cache(directory: Path) -> bool:
+    """A Hugging Face snapshot folder (`models--org--name/snapshots/<rev>`): it belongs
+    to the hub's cache, so no manifest cache is written into it."""
+    return bool(_HUB_SNAPSHOT.search(directory.as_posix().rstrip("/")))
 
 
 def hub_blob_hash(path: Path) -> str | None:
