@@ -24,6 +24,7 @@ import mlx.core as mx
 from worker import families
 from worker.cpu_fusion import fuse_for_cpu
 from worker.shared.adapters import (
+    ADAPTER_LEAVES,
     WEIGHTS_NAME,
     AdapterError,
     outside_layers_reason,
@@ -197,6 +198,15 @@ def apply_adapter(model: Any, adapter_dir: Path, start: int, end: int) -> int:
             load_adapters(model, str(part))
         except (ValueError, KeyError) as exc:
             raise ShardLoadError(f"adapter {adapter.name} does not fit the model: {exc}") from None
+        # Read now, while the temporary file exists (MLX loads lazily); the adapter's
+        # leaves only: evaluating the whole model would read other shards' bytes.
+        mx.eval(
+            [
+                p
+                for n, p in named_arrays(model.parameters())
+                if n.rsplit(".", 1)[-1] in ADAPTER_LEAVES
+            ]
+        )
     model.eval()  # as mlx_lm.load does after load_adapters: no dropout when serving
     return len(mine)
 

@@ -45,7 +45,7 @@ from studiotui.core.state import (
 )
 from worker.shared import probes
 from worker.shared.adapters import FILES as ADAPTER_FILES
-from worker.shared.adapters import Adapter
+from worker.shared.adapters import WEIGHTS_NAME, Adapter
 from worker.shared.manifest import manifest
 from worker.shared.protocol import messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
@@ -603,7 +603,7 @@ class Controller:
         remote = sorted({s.node for s in touched if s.node not in where})
         if remote:
             ids = await asyncio.to_thread(manifest, adapter.path, ADAPTER_FILES)
-            weights = ids[ADAPTER_FILES[1]].sha256
+            weights = ids[WEIGHTS_NAME].sha256
             files = [model_files.NeededFile(f.name, f.size) for f in ids.values()]
             try:
                 where |= await model_sync.provide(
