@@ -3,6 +3,7 @@ base model's identity, and which layers an adapter touches (real mlx-lm adapters
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 
 from studiotui.core.adapter_catalog import (
@@ -19,6 +21,7 @@ from studiotui.core.adapter_catalog import (
     scan_adapters,
 )
 from tests.adapter_model import write_adapter
+from worker.shard import load_shard
 from worker.shared.adapters import (
     BASE_KEY,
     AdapterError,
@@ -178,3 +181,29 @@ def test_a_hub_snapshot_is_hashed_without_writing_into_the_hub_cache(
     shutil.copytree(base, snapshot, ignore=shutil.ignore_patterns(".studiotui-manifest.json"))
     assert model_digest(snapshot) == model_digest(base)
     assert not (snapshot / ".studiotui-manifest.json").exists()
+
+
+@pytest.mark.parametrize("split", [(0, 1, 4), (0, 3, 4), (0, 2, 3, 4)])
+def test_shards_apply_only_their_layers_part_and_compose_to_mlx_lm(
+    models: tuple[Path, Path], tmp_path: Path, split: tuple[int, ...]
+) -> None:
+    """In-process: each shard's forward, chained, gives mlx-lm's logits for the model
+    loaded with the adapter; a shard with no adapted layer applies nothing."""
+    base, _ = models
+    ad = write_adapter(base, tmp_path / "ad", num_layers=3)  # layers 1-3
+    full, tok = mlx_lm.load(str(base), adapter_path=str(ad))
+    ids = mx.array([tok.encode("A shard holds some layers only.")])
+    want = full(ids)[0, -1]
+    shards = [load_shard(base, a, b, adapter_dir=ad) for a, b in itertools.pairwise(split)]
+    h = ids
+    for shard in shards:
+        h = shard.forward(h, shard.make_cache())
+    got = shards[-1].logits(h)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    assert int(mx.argmax(got).item()) == int(mx.argmax(want).item())
+    adapted = [s.adapted for s in shards]
+    # Seven projections a layer, two tensors each.
+    assert adapted == [
+        14 * len([n for n in (1, 2, 3) if a <= n < b]) for a, b in itertools.pairwise(split)
+    ]
+    assert all(s.adapter == "ad" for s in shards)
