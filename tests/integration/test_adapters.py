@@ -104,6 +104,9 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
                 out[f"layers{n}"] = placed.layers
                 out[n] = await collect(ctl, "tiny+style", tokens)
                 await ctl.unload("tiny+style")
+                # Placed again under the same name next round, on the same head node:
+                # the old head socket must not linger with its "down since the unload".
+                assert not [k for k in ctl.peers if k.startswith("head:tiny+style:")]
         finally:
             await unload_all(ctl)
             await ctl.close()
