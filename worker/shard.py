@@ -27,6 +27,7 @@ from worker.shared.adapters import (
     ADAPTER_LEAVES,
     WEIGHTS_NAME,
     AdapterError,
+    adapter_name,
     outside_layers_reason,
     read_adapter,
 )
@@ -160,7 +161,7 @@ def load_shard(
         dtype=dtype,
         relay=relay,
         owned=[name for name, _ in owned],
-        adapter=adapter_dir.name if adapter_dir else "",
+        adapter=adapter_name(adapter_dir) if adapter_dir else "",
         adapted=adapted,
     )
 

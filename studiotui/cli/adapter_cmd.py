@@ -95,7 +95,7 @@ def cmd_adapter(args: argparse.Namespace, home: Path) -> int:
             identity = stamp_identity(args.dir.expanduser(), model_dir)
         except AdapterError as exc:
             raise AdapterRefused(str(exc)) from None
-        print(f"{args.dir.name}: base {identity.model} (digest {identity.digest[:12]})")
+        print(f"{args.dir}: base {identity.model} (digest {identity.digest[:12]})")
         return 0
     catalog = scan_home_adapters(home)
     shown = catalog.for_model(args.model) if args.model else list(catalog.adapters)

@@ -438,9 +438,10 @@ class Controller:
         self._unloading.pop(name, None)  # placed again under a name just unloaded
         ring = tuple(PlannedShard(s.node, s.start, s.end) for s in the_plan.shards)
         self._placing.add(name)
-        self._remember_plan(
-            name, PlannedPlacement(str(model_dir), ring, str(adapter_dir) if adapter_dir else "")
-        )
+        planned = PlannedPlacement(str(model_dir), ring)
+        if adapter is not None:
+            planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
+        self._remember_plan(name, planned)
         try:
             await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter)
             self._placing.discard(name)
@@ -586,9 +587,7 @@ class Controller:
         try:
             adapter = check_adapter(adapter_dir, model_dir, info)
         except AdapterRefused as exc:
-            raise PlacementError(
-                f"cannot place {info.name} with {adapter_dir.name}: {exc}"
-            ) from None
+            raise PlacementError(f"cannot place {info.name} with {adapter_dir}: {exc}") from None
         return adapter
 
     async def _adapter_dirs(

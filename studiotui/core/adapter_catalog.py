@@ -23,6 +23,7 @@ from worker.shared.adapters import (
     CONFIG_NAME,
     Adapter,
     AdapterError,
+    adapter_name,
     identity_mismatch,
     outside_layers_reason,
     read_adapter,
@@ -148,4 +149,4 @@ def check_adapter(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapte
 
 def adapter_placement_name(model_dir: Path, adapter_dir: Path) -> str:
     """The default name (and API model id) of a model placed with an adapter."""
-    return f"{model_dir.name}+{adapter_dir.name}"
+    return f"{model_dir.name}+{adapter_name(adapter_dir)}"

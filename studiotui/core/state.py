@@ -210,6 +210,7 @@ class PlannedPlacement:
     model_dir: str
     shards: tuple[PlannedShard, ...]
     adapter_dir: str = ""  # the operator's adapter directory ("" none)
+    adapter: str = ""  # its name, as the shards are told it
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -218,6 +219,7 @@ class PlannedPlacement:
         }
         if self.adapter_dir:
             out["adapter_dir"] = self.adapter_dir
+            out["adapter"] = self.adapter
         return out
 
     @classmethod
@@ -230,6 +232,7 @@ class PlannedPlacement:
             model_dir=str(raw["model_dir"]),
             shards=shards,
             adapter_dir=str(raw.get("adapter_dir", "")),
+            adapter=str(raw.get("adapter", "")),
         )
 
 
@@ -262,7 +265,7 @@ def placements_from_shards(
             (s.model_dir for s in shards if s.model_dir), ""
         )
         model = model_dir.rstrip("/").rsplit("/", 1)[-1]
-        adapter = (plan.adapter_dir.rstrip("/").rsplit("/", 1)[-1] if plan else "") or next(
+        adapter = (plan.adapter if plan else "") or next(
             (s.adapter for s in shards if s.adapter), ""
         )
         out.append(

@@ -17,6 +17,7 @@ import pytest
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
     adapter_folders,
+    adapter_placement_name,
     resolve_adapter,
     scan_adapters,
 )
@@ -207,3 +208,14 @@ def test_shards_apply_only_their_layers_part_and_compose_to_mlx_lm(
         14 * len([n for n in (1, 2, 3) if a <= n < b]) for a, b in itertools.pairwise(split)
     ]
     assert all(s.adapter == "ad" for s in shards)
+
+
+def test_an_adapter_saved_as_adapters_is_named_after_its_folder(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """mlx-lm (and a fine-tuning job) save into a folder called `adapters`."""
+    base, _ = models
+    ad = write_adapter(base, tmp_path / "jobs" / "legal" / "adapters")
+    assert read_adapter(ad).name == "legal"
+    assert adapter_placement_name(base, ad) == "base+legal"
+    assert read_adapter(write_adapter(base, tmp_path / "style")).name == "style"

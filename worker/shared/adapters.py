@@ -70,7 +70,7 @@ class Adapter:
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return adapter_name(self.path)
 
     @property
     def outside(self) -> tuple[str, ...]:
@@ -84,6 +84,16 @@ class Adapter:
     def tensors_in(self, start: int, end: int) -> list[str]:
         """The adapter's tensors a shard of layers [start, end) applies."""
         return [t for t in self.tensors if (n := layer_of(t)) is not None and start <= n < end]
+
+
+def adapter_name(adapter_dir: Path) -> str:
+    """What an adapter is called: its folder's name, or the folder above when that is
+    `adapters` (mlx-lm's default output folder, and a fine-tuning job's), so
+    `jobs/legal/adapters` is "legal", not one of many "adapters"."""
+    path = Path(adapter_dir)
+    if path.name == "adapters" and path.parent.name not in ("", "/"):
+        return path.parent.name
+    return path.name
 
 
 def layer_of(tensor: str) -> int | None:
