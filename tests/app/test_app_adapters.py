@@ -21,7 +21,7 @@ from studiotui.app.screens.chat import ChatScreen
 from studiotui.core.inventory import Inventory
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import start_cluster, stop_cluster
-from worker.shared.adapters import model_digest
+from worker.shared.adapters import base_digest
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.integration
@@ -93,7 +93,7 @@ async def test_an_adapter_row_previews_places_and_is_named_everywhere(setup: Set
         assert screen.phase == "refused", screen.text
         said = " ".join(screen.text.split())
         assert "trained on tiny (digest 000000000000)" in said, said
-        assert f"(digest {model_digest(setup.home / 'models' / 'tiny')[:12]})" in said
+        assert f"(digest {base_digest(setup.home / 'models' / 'tiny')[:12]})" in said
         await pilot.press("escape")
 
         screen = await open_preview(pilot, app, "tiny+style")

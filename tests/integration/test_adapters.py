@@ -28,7 +28,7 @@ from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory, local_
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import SshdServer, sshd_server  # noqa: F401 - the fixture
-from worker.shared.adapters import model_digest
+from worker.shared.adapters import base_digest
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 CHUNK = 16
@@ -169,8 +169,8 @@ def test_an_adapter_of_another_model_is_refused_naming_both_digests(
 
     refused, placements, log = asyncio.run(run())
     assert "trained on tiny" in refused and "not on other" in refused, refused
-    assert model_digest(made["base"])[:12] in refused
-    assert model_digest(made["other"])[:12] in refused
+    assert base_digest(made["base"])[:12] in refused
+    assert base_digest(made["other"])[:12] in refused
     assert placements == []
     assert not any(line.startswith("placing") for line in log), log
 
@@ -358,7 +358,7 @@ def test_cli_stamps_lists_and_refuses_before_asking_any_node(
     assert f"studiotui adapter stamp {unstamped} --model {made['base']}" in said
 
     code, said = cli("adapter", "stamp", str(unstamped), "--model", str(made["base"]))
-    assert code == 0 and f"base tiny (digest {model_digest(made['base'])[:12]})" in said
+    assert code == 0 and f"base tiny (digest {base_digest(made['base'])[:12]})" in said
     code, said = cli("adapter", "list", "tiny")
     assert code == 0 and "plain lora rank 4, layers 2-3 base tiny" in said, said
 

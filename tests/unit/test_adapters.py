@@ -26,9 +26,9 @@ from worker.shard import load_shard
 from worker.shared.adapters import (
     BASE_KEY,
     AdapterError,
+    base_digest,
     check_identity,
     layer_of,
-    model_digest,
     read_adapter,
     stamp_identity,
 )
@@ -74,7 +74,7 @@ def test_identity_matches_its_base_and_a_renamed_copy(
     assert check_identity(adapter, base) is None
     copy = tmp_path / "renamed"
     shutil.copytree(base, copy)
-    assert model_digest(copy) == model_digest(base)
+    assert base_digest(copy) == base_digest(base)
     assert check_identity(adapter, copy) is None
 
 
@@ -84,7 +84,7 @@ def test_identity_refuses_another_model_naming_both_digests(
     base, other = models
     reason = check_identity(adapter, other)
     assert reason is not None
-    assert model_digest(base)[:12] in reason and model_digest(other)[:12] in reason
+    assert base_digest(base)[:12] in reason and base_digest(other)[:12] in reason
     assert "trained on base" in reason and "not on other" in reason
 
 
@@ -180,7 +180,7 @@ def test_a_hub_snapshot_is_hashed_without_writing_into_the_hub_cache(
     base, _ = models
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
     shutil.copytree(base, snapshot, ignore=shutil.ignore_patterns(".studiotui-manifest.json"))
-    assert model_digest(snapshot) == model_digest(base)
+    assert base_digest(snapshot) == base_digest(base)
     assert not (snapshot / ".studiotui-manifest.json").exists()
 
 

@@ -162,3 +162,23 @@ def free_bytes(directory: Path) -> int:
     import shutil
 
     return shutil.disk_usage(path).free
+
+
+def digest_of(files: Iterable[FileId]) -> str:
+    """One SHA-256 for a set of files by name, size and content: equal sets, equal digest."""
+    lines = "".join(
+        f"{f.name}\t{f.size}\t{f.sha256}\n" for f in sorted(files, key=lambda f: f.name)
+    )
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def model_digest(directory: Path, *, write_cache: bool = True) -> str:
+    """The folder's manifest digest: every file in it (not hidden ones such as this
+    module's cache, nor copies still in a part file). It names a model by its bytes,
+    so an adapter can say which base it was trained on (see worker/finetune.py)."""
+    names = sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith(PART_SUFFIX)
+    )
+    return digest_of(manifest(directory, names, write_cache=write_cache).values())
