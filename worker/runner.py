@@ -210,7 +210,6 @@ class Runner:
             param_bytes=shard.param_bytes,
             start=shard.start,
             end=shard.end,
-            adapted=shard.adapted,
             active_bytes=mx.get_active_memory(),
         )
 
