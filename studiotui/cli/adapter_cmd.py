@@ -60,15 +60,24 @@ def fuse_argv(model_dir: Path, adapter_dir: Path, out: Path, dequantize: bool) -
     return [*argv, "--dequantize"] if dequantize else argv
 
 
+def fuse_target(out: Path | None, home: Path, model_dir: Path, adapter_dir: Path) -> Path:
+    """Where the fused model goes: `out`, else the home's models folder (so the catalog
+    lists it) as MODEL+ADAPTER-fused — not MODEL+ADAPTER itself, the name of the base
+    placed with the adapter. A non-empty folder there is refused: nothing is replaced."""
+    fused = f"{adapter_placement_name(model_dir, adapter_dir)}-fused"
+    target = (out or home / "models" / fused).expanduser().resolve()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UserError(
+            f"{target} exists and is not empty: pick another --out (nothing was written)"
+        )
+    return target
+
+
 def cmd_fuse(args: argparse.Namespace, home: Path) -> int:
     model_dir = resolve_model(args.model_dir, home).expanduser().resolve()
     adapter_dir = resolve_adapter(args.adapter, home)
     adapter = check_base(adapter_dir, model_dir)
-    # Not MODEL+ADAPTER itself: that is the name of the base placed with the adapter.
-    fused = f"{adapter_placement_name(model_dir, adapter_dir)}-fused"
-    out = (args.out or home / "models" / fused).resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} exists and is not empty: pick another --out (nothing was written)")
+    out = fuse_target(args.out, home, model_dir, adapter_dir)
     print(f"fusing {adapter.name} into {model_dir.name} with mlx-lm's fuse -> {out}")
     done = subprocess.run(
         fuse_argv(model_dir, adapter_dir, out, args.dequantize),

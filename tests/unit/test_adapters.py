@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
+from studiotui.cli.adapter_cmd import fuse_target
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
     adapter_folders,
@@ -21,6 +22,7 @@ from studiotui.core.adapter_catalog import (
     resolve_adapter,
     scan_adapters,
 )
+from studiotui.core.errors import UserError
 from tests.adapter_model import write_adapter
 from worker.shard import load_shard
 from worker.shared.adapters import (
@@ -219,3 +221,14 @@ def test_an_adapter_saved_as_adapters_is_named_after_its_folder(
     assert read_adapter(ad).name == "legal"
     assert adapter_placement_name(base, ad) == "base+legal"
     assert read_adapter(write_adapter(base, tmp_path / "style")).name == "style"
+
+
+def test_fuse_writes_into_the_models_folder_and_never_over_a_model(tmp_path: Path) -> None:
+    home, model, ad = tmp_path / "home", tmp_path / "tiny", tmp_path / "style"
+    assert fuse_target(None, home, model, ad) == home / "models" / "tiny+style-fused"
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="exists and is not empty"):
+        fuse_target(tmp_path / "taken", home, model, ad)
+    (tmp_path / "empty").mkdir()
+    assert fuse_target(tmp_path / "empty", home, model, ad) == tmp_path / "empty"
