@@ -144,7 +144,22 @@ def check_adapter(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapte
             f"adapter {adapter.name} adapts layer {beyond[0]}, but {info.name} has "
             f"{info.n_layers} layers: it was not trained on this model"
         )
+    first = converted_from(adapter.num_layers, info.n_layers)
+    early = [n for n in adapter.layers if n < first]
+    if early:
+        # mlx-lm's load_adapters would refuse it too, but only on the node, after copying.
+        raise AdapterRefused(
+            f"adapter {adapter.name} holds tensors of layer {early[0]}, but its num_layers "
+            f"({adapter.num_layers}) makes LoRA layers of layers {first}-{info.n_layers - 1} "
+            "only: its adapter_config.json does not match its weights"
+        )
     return adapter
+
+
+def converted_from(num_layers: int, n_layers: int) -> int:
+    """The first layer `linear_to_lora_layers(model, num_layers, ...)` converts: it takes
+    `model.layers[-max(num_layers, 0):]`, so 0 or less (mlx-lm's -1) means every layer."""
+    return max(0, n_layers - num_layers) if num_layers > 0 else 0
 
 
 def adapter_placement_name(model_dir: Path, adapter_dir: Path) -> str:

@@ -19,10 +19,13 @@ from studiotui.core.adapter_catalog import (
     AdapterRefused,
     adapter_folders,
     adapter_placement_name,
+    check_adapter,
+    converted_from,
     resolve_adapter,
     scan_adapters,
 )
 from studiotui.core.errors import UserError
+from studiotui.core.model_facts import read_model
 from tests.adapter_model import write_adapter
 from worker.shard import load_shard
 from worker.shared.adapters import (
@@ -232,3 +235,18 @@ def test_fuse_writes_into_the_models_folder_and_never_over_a_model(tmp_path: Pat
         fuse_target(tmp_path / "taken", home, model, ad)
     (tmp_path / "empty").mkdir()
     assert fuse_target(tmp_path / "empty", home, model, ad) == tmp_path / "empty"
+
+
+def test_an_adapter_whose_num_layers_does_not_cover_its_tensors_is_refused(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, _ = models
+    info = read_model(base)
+    ad = write_adapter(base, tmp_path / "ad", num_layers=3)  # layers 1-3
+    assert check_adapter(ad, base, info).layers == (1, 2, 3)
+    config = json.loads((ad / "adapter_config.json").read_text())
+    config["num_layers"] = 2
+    (ad / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterRefused, match=r"tensors of layer 1, but its num_layers \(2\)"):
+        check_adapter(ad, base, info)
+    assert [converted_from(n, 4) for n in (-1, 0, 2, 4, 9)] == [0, 0, 2, 0, 0]
