@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
     )
+    from studiotui.cli.benchmark_cmd import add_parser as add_benchmark_parser
+
+    add_benchmark_parser(sub)
     from studiotui.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
     if verb == "web":
         from studiotui.cli import web as module
+    if verb == "benchmark":
+        from studiotui.cli import benchmark_cmd as module
     if verb in {"fuse", "adapter"}:
         from studiotui.cli import adapter_cmd as module
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")

@@ -865,29 +865,16 @@ class Controller:
     async def measure_links(self) -> tuple[LinkState, ...]:
         """Every up node measures every other, one node at a time so that
         measurements do not share the wire."""
-        up = [n for n in self.state.nodes if n.state == "up"]
+        up = [n.name for n in self.state.nodes if n.state == "up"]
         found: dict[frozenset[str], list[dict[str, Any]]] = {}
         for node in up:
-            peers = [
-                {
-                    "name": p.name,
-                    "endpoint": self.spec(p.name).control_endpoint,
-                    "key": keys.node_public_key(self.home, p.name).decode(),
-                }
-                for p in up
-                if p.name != node.name
-            ]
-            if not peers:
-                continue
             try:
-                reply = await self.peer(node.name).request(
-                    "measure_links", timeout=60.0, peers=peers
-                )
+                results = await self.link_results(node, [p for p in up if p != node])
             except (AgentError, AgentUnreachable) as exc:
-                self.record(f"{node.name} could not measure its links: {exc}", "warning")
+                self.record(f"{node} could not measure its links: {exc}", "warning")
                 continue
-            for result in reply["links"]:
-                found.setdefault(frozenset((node.name, result["peer"])), []).append(result)
+            for result in results:
+                found.setdefault(frozenset((node, result["peer"])), []).append(result)
         links = tuple(
             self._link(pair, results)
             for pair, results in sorted(found.items(), key=lambda kv: sorted(kv[0]))
@@ -896,6 +883,26 @@ class Controller:
         self._save_links(links)
         self.record(f"measured {len(links)} links")
         return links
+
+    async def link_results(
+        self, node: str, peers: list[str], sizes: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """What `node` measures towards each of `peers` (latency, and bandwidth over a
+        CURVE PUSH to a PULL the peer opens), each result marked with `from`; `sizes`
+        changes how long and with what messages (limits.LINK_MEASURE_BOUNDS)."""
+        if not peers:
+            return []
+        targets = [
+            {
+                "name": p,
+                "endpoint": self.spec(p).control_endpoint,
+                "key": keys.node_public_key(self.home, p).decode(),
+            }
+            for p in peers
+        ]
+        extra = {"sizes": sizes} if sizes else {}
+        reply = await self.peer(node).request("measure_links", timeout=60.0, peers=targets, **extra)
+        return [{**r, "from": node} for r in reply["links"]]
 
     def _links_file(self) -> Path:
         return self.home / f"links-{self.inventory.name}.json"
