@@ -26,15 +26,29 @@ from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.session import wait_until_up
-from studiotui.core.adapter_catalog import adapter_placement_name, check_adapter, resolve_adapter
+from studiotui.core.adapter_catalog import (
+    adapter_placement_name,
+    adapter_tensor,
+    check_adapter,
+    resolve_adapter,
+)
 from studiotui.core.errors import UserError
+from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
     Inventory,
     SelectionError,
     resolve_group,
 )
 from studiotui.core.model_facts import ModelDirError, read_model
-from studiotui.core.placement import Refusal, format_bytes, render_plan
+from studiotui.core.placement import (
+    ModelFacts,
+    Plan,
+    Refusal,
+    format_bytes,
+    render_plan,
+    tensor_refusal,
+    tensor_sizes,
+)
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -167,6 +181,7 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "state": p.state,
                 "nodes": list(p.nodes),
                 "layers": p.layers,
+                "shape": p.shape,
                 "context_tokens": p.context_tokens,
                 "streams": p.streams,
             }
@@ -195,7 +210,7 @@ def print_nodes(ctl: Controller) -> None:
     for p in ctl.state.placements:
         gone = set(p.missing)
         ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
-        console.print(f"placement [bold]{p.name}[/] ({p.label}) {p.state}: {ring}")
+        console.print(f"placement [bold]{p.name}[/] ({p.label}) {p.state}, {p.shape}: {ring}")
 
 
 # ---- place / unload ------------------------------------------------------------------
@@ -241,6 +256,8 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             f"adapter [bold]{adapter.name}[/] ({adapter.fine_tune_type}, rank {adapter.rank}, "
             f"layers {adapter.layers[0]}-{adapter.layers[-1]}) matches {info.name}"
         )
+    # An adapter is applied by pipeline stages, each to whole layers: no tensor groups.
+    tensor = adapter_tensor(args.tensor) if adapter else args.tensor
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
@@ -264,15 +281,20 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 f"a placement named {name!r} exists ({existing.state}): unload it first "
                 f"(studiotui unload {name}) or pick another --name"
             )
+        if args.tensor is not None and (why := tensor_refusal(info.facts, args.tensor, len(group))):
+            # Before the plan and before any node is asked to load anything.
+            raise UserError(f"--tensor {args.tensor}: {why}")
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams
+                args.model_dir.expanduser(), group, args.context, args.streams, tensor
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
         console.print(render_plan(the_plan))
         if isinstance(the_plan, Refusal):
             return 1
+        if isinstance(the_plan, Plan):
+            print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:
             return 0
         with Progress(
@@ -302,6 +324,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     prefill_chunk=args.prefill_chunk,
                     context_tokens=args.context,
                     streams=args.streams,
+                    tensor=tensor,
                     adapter_dir=args.adapter,
                 )
             except (PlacementError, ModelDirError) as exc:
@@ -312,6 +335,29 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     finally:
         await ctl.close()
     return 0
+
+
+def print_shapes(
+    ctl: Controller, facts: ModelFacts, the_plan: Plan, group: list[str], args: argparse.Namespace
+) -> None:
+    """The forecast of the plan shown, then of every other shape that divides (what
+    `--tensor N` would take), as the preview lists them."""
+    chips = ctl.node_chips(group)
+    links = links_from_state(ctl.state)
+    console.print(
+        f"forecast ({the_plan.shape}): {describe(forecast(facts, the_plan, chips, links))}"
+    )
+    for size in tensor_sizes(facts, len(group)):
+        if size == the_plan.tensor:
+            continue
+        _, other = ctl.preview(
+            args.model_dir.expanduser(), group, args.context, the_plan.streams, size
+        )
+        if isinstance(other, Plan):
+            said = describe(forecast(facts, other, chips, links))
+            console.print(f"  --tensor {size}, {other.shape}: {said}")
+        else:
+            console.print(f"  --tensor {size}: does not fit: {other.reason}")
 
 
 async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:

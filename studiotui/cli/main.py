@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"default: as many as fit, up to {DEFAULT_STREAMS}); more wait in a short queue or "
         "are refused as busy",
     )
+    place.add_argument(
+        "--tensor",
+        type=_positive,
+        default=None,
+        help="nodes per stage: each stage a tensor group of N nodes (1: a pipeline; "
+        "default: the fastest shape that fits, by the forecast)",
+    )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
     place.add_argument(
         "--adapter",

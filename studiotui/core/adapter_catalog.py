@@ -156,6 +156,19 @@ def check_adapter(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapte
     return adapter
 
 
+def adapter_tensor(tensor: int | None) -> int:
+    """The nodes per stage of a placement with an adapter: 1. mlx-lm's LoRA layers wrap
+    whole projections, which a tensor-parallel rank holds only slices of; asking for
+    more is refused, with what to do instead."""
+    if tensor is not None and tensor > 1:
+        raise AdapterRefused(
+            f"--tensor {tensor}: an adapter is applied by pipeline stages (one node each), "
+            "not by tensor-parallel groups; place it without --tensor, or fuse it into a "
+            "model (studiotui fuse) and place that with --tensor"
+        )
+    return 1
+
+
 def converted_from(num_layers: int, n_layers: int) -> int:
     """The first layer `linear_to_lora_layers(model, num_layers, ...)` converts: it takes
     `model.layers[-max(num_layers, 0):]`, so 0 or less (mlx-lm's -1) means every layer."""

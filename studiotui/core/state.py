@@ -35,6 +35,10 @@ class ShardState:
     streams: int = 1  # requests the head runs at once (the plan reserved KV for them)
     adapter: str = ""  # the placement's adapter, by name ("" none)
     adapter_dir: str = ""  # where this node holds it ("" when its layers are not adapted)
+    # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
+    # 0 and () for a one-node stage.
+    rank: int = 0
+    group: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,9 @@ class PlannedShard:
     node: str
     start: int
     end: int
+    # The `mx.distributed` backend of the stage's tensor group ("ring", "jaccl");
+    # "" for a one-node stage. Nodes of one group share start and end.
+    backend: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,14 +136,29 @@ class PlacementState:
         return self.planned or tuple(PlannedShard(s.node, s.start, s.end) for s in self.shards)
 
     @property
+    def shape(self) -> str:
+        """ "4 stages", "2 stages × 2 (ring)": the nodes sharing a layer range are one
+        stage's tensor group."""
+        stages: dict[tuple[int, int], int] = {}
+        for p in self.ring:
+            stages[(p.start, p.end)] = stages.get((p.start, p.end), 0) + 1
+        backends = sorted({p.backend for p in self.ring if p.backend})
+        return shape_label(len(stages), max(stages.values(), default=1), "/".join(backends) or None)
+
+    @property
     def missing(self) -> tuple[str, ...]:
         """Planned nodes that report no shard of this placement."""
         return tuple(p.node for p in self.planned if p.node not in self.nodes)
 
     @property
     def expected(self) -> int:
-        """How many shards the ring has: planned, else what a loaded shard reports."""
-        return len(self.planned) or max((s.count for s in self.shards), default=0)
+        """How many shard processes the placement has: planned, else what the loaded
+        shards report (a tensor group's stage counts each of its nodes)."""
+        if self.planned:
+            return len(self.planned)
+        stages = max((s.count for s in self.shards), default=0)
+        groups = {s.index: len(s.group) for s in self.shards if s.group}
+        return stages + sum(n - 1 for n in groups.values())
 
     @property
     def state(self) -> str:
@@ -215,7 +237,9 @@ class PlannedPlacement:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "model_dir": self.model_dir,
-            "shards": [[s.node, s.start, s.end] for s in self.shards],
+            "shards": [
+                [s.node, s.start, s.end, *([s.backend] if s.backend else [])] for s in self.shards
+            ],
         }
         if self.adapter_dir:
             out["adapter_dir"] = self.adapter_dir
@@ -225,7 +249,13 @@ class PlannedPlacement:
     @classmethod
     def from_json(cls, raw: Any) -> PlannedPlacement:
         """Raises ValueError (or TypeError) for anything but what to_json wrote."""
-        shards = tuple(PlannedShard(str(n), int(a), int(b)) for n, a, b in raw["shards"])
+        rows = list(raw["shards"])
+        if any(len(row) not in (3, 4) for row in rows):
+            raise ValueError("a planned shard is [node, start, end] or [node, start, end, backend]")
+        shards = tuple(
+            PlannedShard(str(row[0]), int(row[1]), int(row[2]), str(row[3]) if len(row) > 3 else "")
+            for row in rows
+        )
         if not shards:
             raise ValueError("a planned placement without shards")
         return cls(
@@ -260,7 +290,7 @@ def placements_from_shards(
             ring = [p.node for p in plan.shards]
             shards.sort(key=lambda s: ring.index(s.node) if s.node in ring else len(ring))
         else:
-            shards.sort(key=lambda s: s.index)
+            shards.sort(key=lambda s: (s.index, s.rank))
         model_dir = (plan.model_dir if plan else "") or next(
             (s.model_dir for s in shards if s.model_dir), ""
         )
@@ -327,4 +357,17 @@ def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
         streams=int(raw.get("streams", 1) or 1),
         adapter=str(raw.get("adapter", "")),
         adapter_dir=str(raw.get("adapter_dir", "")),
+        rank=int(raw.get("rank", 0) or 0),
+        group=tuple(str(n) for n in raw.get("group") or ()),
     )
+
+
+def shape_label(stages: int, tensor: int, backend: str | None = None) -> str:
+    """A placement's shape in words: "4 stages", "2 stages × 2 (ring)", "1 node".
+
+    `tensor` is the nodes per stage (1: a pipeline of one-node stages); `backend` the
+    `mx.distributed` backend its tensor groups run, when known."""
+    if tensor <= 1:
+        return "1 node" if stages == 1 else f"{stages} stages"
+    words = f"{stages} stage{'s' if stages != 1 else ''} × {tensor}"
+    return f"{words} ({backend})" if backend else words

@@ -362,6 +362,11 @@ def test_cli_stamps_lists_and_refuses_before_asking_any_node(
     code, said = cli("adapter", "list", "tiny")
     assert code == 0 and "plain lora rank 4, layers 2-3 base tiny" in said, said
 
+    # Pipeline stages apply adapters; a tensor-parallel placement is refused, saying so.
+    code, said = cli(
+        *cluster, "place", str(made["base"]), "--adapter", "plain", "--tensor", "2", "--dry-run"
+    )
+    assert code == 2 and "not by tensor-parallel groups" in said and "fuse" in said, said
     code, said = cli(*cluster, "place", str(made["other"]), "--adapter", "plain", "--dry-run")
     assert code == 2 and "trained on tiny" in said and "not on other" in said, said
     # Found by name, checked, then the nodes are asked: none is up.
