@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
     )
+    from studiotui.cli import tune_cmd
+
+    tune_cmd.add_parsers(sub)  # finetune, jobs
     from studiotui.cli.benchmark_cmd import add_parser as add_benchmark_parser
 
     add_benchmark_parser(sub)
@@ -300,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     # SSH-aware versions of these verbs; they hand local nodes to `commands`.
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    if verb in {"finetune", "jobs"}:
+        from studiotui.cli import tune_cmd as module
     if verb == "web":
         from studiotui.cli import web as module
     if verb == "benchmark":
