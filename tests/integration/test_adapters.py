@@ -7,6 +7,7 @@ nonzero lora_b); the reference is `mlx_lm.load(model, adapter_path=adapter)`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory, local_inventory
+from studiotui.core.jobs import JobWatch
+from studiotui.tune import finetune as ft
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import SshdServer, sshd_server  # noqa: F401 - the fixture
@@ -373,3 +376,60 @@ def test_cli_stamps_lists_and_refuses_before_asking_any_node(
     code, said = cli(*cluster, "place", str(made["base"]), "--adapter", "plain", "--dry-run")
     assert "adapter plain (lora, rank 4, layers 2-3) matches tiny" in said, said
     assert code == 2 and "no node is up" in said, said
+
+
+def test_an_adapter_a_finetune_job_saved_is_placed_as_is(
+    adapter_cluster: LocalCluster, made: dict[str, Path], tmp_path: Path
+) -> None:
+    """End to end: `studiotui finetune`'s job (mlx-lm's trainer on a node) saves
+    jobs/NAME/adapters stamped with the base; placed from there over 2 shards, it is
+    named after the job and answers as mlx-lm loads it, unlike the base."""
+    base = made["base"]
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "cats",
+        "sleep",
+    ]
+    rows = [{"text": " ".join(words[(i + j) % len(words)] for j in range(8))} for i in range(32)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = list(adapter_cluster.inventory.names)
+    req = ft.FinetuneRequest(
+        str(base), str(data), tuple(names[:1]), "legal", iters=8, batch_size=4,
+        learning_rate=1e-2, num_layers=4, save_every=8,
+    )  # fmt: skip
+    node = adapter_cluster.inventory.nodes[0]
+    saved = Path(node.workdir) / "jobs" / "legal" / "adapters"
+    tokens = encode(base)
+
+    async def run() -> tuple[str, list[int]]:
+        ctl = adapter_cluster.controller()
+        try:
+            await ctl.start(telemetry=False)
+            prepared = ft.prepare(ctl, req, resuming=False)
+            record = await ft.launch(ctl, prepared, resume=False)
+            end = await ft.attach(ctl, record, JobWatch(record.name, nodes=list(record.nodes)))
+            assert end.state == "done", end.message
+            await ctl.place(base, names, prefill_chunk=CHUNK, adapter_dir=saved)
+            placed = ctl.state.placement("tiny+legal")
+            assert placed is not None
+            return placed.label, await collect(ctl, "tiny+legal", tokens)
+        finally:
+            await unload_all(ctl)
+            await ctl.close()
+
+    label, got = asyncio.run(run())
+    want = reference(base, tokens, saved)
+    assert want != reference(base, tokens), "8 steps at 1e-2 must change the greedy answer"
+    assert label == "tiny + legal"
+    assert got == want
