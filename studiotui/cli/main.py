@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the fastest shape that fits, by the forecast)",
     )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
+    place.add_argument(
+        "--adapter",
+        help="an mlx-lm LoRA/DoRA adapter (directory, or a name in STUDIOTUI_HOME/adapters) "
+        "trained on this model: the shards apply it (placement name MODEL+ADAPTER)",
+    )
 
     fetch = sub.add_parser(
         "fetch", help="put a model's files on nodes ahead of placing it, each node its share"
@@ -127,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from studiotui.cli.web import add_web_parser
 
     add_web_parser(sub)
+    from studiotui.cli.adapter_cmd import add_adapter_parsers
+
+    add_adapter_parsers(sub)
     for verb_parser in sub.choices.values():
         add_global_options(verb_parser, on_verb=True)
     return p
@@ -301,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         from studiotui.cli import web as module
     if verb == "benchmark":
         from studiotui.cli import benchmark_cmd as module
+    if verb in {"fuse", "adapter"}:
+        from studiotui.cli import adapter_cmd as module
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())
