@@ -32,6 +32,7 @@ from studiotui.core.state import (
     ClusterState,
     LinkState,
     LogEntry,
+    LogLevel,
     NodeState,
     PlacementState,
     PlannedPlacement,
@@ -43,7 +44,7 @@ from studiotui.core.state import (
     shard_from_report,
 )
 from worker.shared import probes
-from worker.shared.protocol import messages
+from worker.shared.protocol import control, messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 DOWN_AFTER_S = 3.0
@@ -179,7 +180,7 @@ class Controller:
         for name in names:
             self._update_node(name, state="provisioning")
 
-    def record(self, text: str, level: str = "info") -> None:
+    def record(self, text: str, level: LogLevel = "info") -> None:
         entry = LogEntry(time=time.time(), level=level, text=text)
         self._set(replace(self.state, log=(*self.state.log[-(LOG_KEEP - 1) :], entry)))
 
@@ -242,9 +243,9 @@ class Controller:
             try:
                 if len(frames) != 2:
                     raise messages.MessageError(f"{len(frames)} frames, not 2")
-                msg = messages.decode(frames[1])
-                if msg["name"] != name:
-                    raise messages.MessageError(f"it names itself {msg['name']!r}")
+                msg = control.parse(messages.decode(frames[1]), control.Telemetry)
+                if msg.name != name:
+                    raise messages.MessageError(f"it names itself {msg.name!r}")
                 self._apply_telemetry(name, msg)
             except (messages.MessageError, KeyError, TypeError, ValueError, AttributeError) as exc:
                 # One bad sample is dropped; the node's next one is read as usual.
@@ -256,23 +257,19 @@ class Controller:
                         "warning",
                     )
 
-    def _apply_telemetry(self, name: str, msg: dict[str, Any]) -> None:
+    def _apply_telemetry(self, name: str, msg: control.Telemetry) -> None:
         node = self.state.node(name)
         if node is None:
             return
         was = node.state
-        node = node.with_sample(
-            int(msg.get("memory_used", 0)), int(msg.get("memory_total", 0)), time.time()
-        )
-        facts = msg.get("facts") or {}
-        shards = tuple(shard_from_report(name, s) for s in msg.get("shards", []))
-        found_power, found_pressure = msg.get("power"), msg.get("pressure")
-        power: dict[str, Any] = found_power if isinstance(found_power, dict) else {}
-        pressure: dict[str, Any] = found_pressure if isinstance(found_pressure, dict) else {}
+        node = node.with_sample(msg.memory_used, msg.memory_total, time.time())
+        facts = msg.facts
+        shards = tuple(shard_from_report(name, s) for s in msg.shards)
+        power, pressure = msg.power, msg.pressure
         self._update_node(
             name,
             state="up",
-            version=str(msg.get("version", node.version)),
+            version=msg.version or node.version,
             power=power,
             power_history=pushed(node.power_history, power.get("total_w")),
             pressure=pressure,
@@ -281,8 +278,8 @@ class Controller:
             memory_total=node.memory_total,
             memory_history=node.memory_history,
             last_seen=node.last_seen,
-            cpu_pct=float(msg.get("cpu_pct", 0.0)),
-            gpu_pct=msg.get("gpu_pct"),
+            cpu_pct=msg.cpu_pct,
+            gpu_pct=msg.gpu_pct,
             power_w=power.get("total_w"),
             chip=str(facts.get("chip", node.chip)),
             os=str(facts.get("os", node.os)),
@@ -291,7 +288,7 @@ class Controller:
             message="",
         )
         if was != "up":
-            self.record(f"{name} is up ({msg.get('version', '?')})")
+            self.record(f"{name} is up ({msg.version or '?'})")
 
     async def _watch_liveness(self) -> None:
         while True:
@@ -322,18 +319,20 @@ class Controller:
         return self.state
 
     async def _hello(self, name: str, timeout: float) -> None:
-        reply = await self.peer(name).request("hello", timeout=timeout)
+        reply = control.parse(
+            await self.peer(name).request("hello", timeout=timeout), control.HelloReply
+        )
         before = self.state.node(name)
         if before is not None and before.state != "up":
-            self.record(f"{name} is up ({reply['version']})")
-        facts = reply.get("facts") or {}
-        shards = tuple(shard_from_report(name, s) for s in reply.get("shards", []))
+            self.record(f"{name} is up ({reply.version})")
+        facts = reply.facts
+        shards = tuple(shard_from_report(name, s) for s in reply.shards)
         self._update_node(
             name,
             state="up",
-            version=reply["version"],
-            memory_total=int(reply.get("memory_total", facts.get("memory_total", 0))),
-            memory_used=int(reply.get("memory_used", 0)),
+            version=reply.version,
+            memory_total=reply.memory_total or int(facts.get("memory_total", 0)),
+            memory_used=reply.memory_used,
             chip=str(facts.get("chip", "")),
             os=str(facts.get("os", "")),
             facts=facts,

@@ -36,7 +36,7 @@ from studiotui.cluster.model_files import (
 )
 from studiotui.cluster.peers import Peer
 from studiotui.core.inventory import NodeSpec
-from studiotui.core.state import ClusterState
+from studiotui.core.state import ClusterState, LogLevel
 from studiotui.ssh import nodes
 from worker.shared.manifest import FileId
 
@@ -53,7 +53,7 @@ class Controller(Protocol):
 
     def spec(self, name: str) -> NodeSpec: ...
 
-    def record(self, text: str, level: str = "info") -> None: ...
+    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 Progress = Callable[[str, int, int], None]

@@ -984,8 +984,8 @@ async def provision_logged(
     """Provision SSH nodes (local ones are started directly), each step in the cluster log."""
 
     def on_event(node: str, step: str, status: str, detail: str) -> None:
-        level = "error" if status == "failed" else "info"
-        ctl.record(f"{node}: {step} {status}{f' - {detail}' if detail else ''}", level)
+        text = f"{node}: {step} {status}{f' - {detail}' if detail else ''}"
+        ctl.record(text, "error" if status == "failed" else "info")
 
     ctl.mark_provisioning(names)
     try:
