@@ -29,8 +29,9 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from worker import __version__, files, node_probe, telemetry
 from worker.shared.manifest import FileId
-from worker.shared.protocol import curve, messages
-from worker.shared.protocol.limits import DEFAULT_STREAMS, tail_lines
+from worker.shared.protocol import control, curve, messages
+from worker.shared.protocol.limits import tail_lines
+from worker.shared.protocol.status import ShardStatus
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
@@ -106,7 +107,7 @@ class ShardProc:
     client_port: int
     spec: dict[str, Any] = field(default_factory=dict)
     proc: asyncio.subprocess.Process | None = None
-    state: str = "prepared"  # prepared, loading, ready, failed, stopped
+    state: ShardStatus = "prepared"
     progress: tuple[int, int] = (0, 0)
     stats: dict[str, Any] = field(default_factory=dict)
     param_bytes: int = 0
@@ -292,6 +293,10 @@ class Agent:
             return
         try:
             await handler(ident, re, msg)
+        except messages.MessageError as exc:  # a field of the wrong type (control.parse)
+            self.dropped += 1
+            log.warning("bad control message: %s", exc)
+            await self._reply(ident, re, "error", message=f"bad message: {exc}")
         except Exception as exc:  # a handler bug must answer, not kill the agent
             log.exception("handling %s", msg["type"])
             await self._reply(ident, re, "error", message=f"{type(exc).__name__}: {exc}")
@@ -319,7 +324,8 @@ class Agent:
         )
 
     async def _on_prepare_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        name = msg["placement"]
+        req = control.parse(msg, control.PrepareShard)
+        name = req.placement
         if name in self.shards and self.shards[name].state in ("loading", "ready"):
             await self._reply(
                 ident, re, "error", message=f"placement {name!r} already has a shard here"
@@ -329,19 +335,22 @@ class Agent:
         data_port, client_port = self._free_ports(2)
         # A shard reloaded after a restart asks for the ports it had, so its ring
         # neighbours and clients, which reconnect by themselves, find it again.
-        wished = (msg.get("data_port"), msg.get("client_port"))
+        wished = (req.data_port, req.client_port)
         if (
-            all(isinstance(p, int) and self._port_usable(p) for p in wished)
+            req.data_port is not None
+            and req.client_port is not None
+            and all(self._port_usable(p) for p in (req.data_port, req.client_port))
             and len(set(wished)) == 2
         ):
-            data_port, client_port = int(wished[0]), int(wished[1])  # type: ignore[arg-type]
+            data_port, client_port = req.data_port, req.client_port
         self.shards[name] = ShardProc(placement=name, data_port=data_port, client_port=client_port)
         await self._reply(
             ident, re, "prepared", placement=name, data_port=data_port, client_port=client_port
         )
 
     async def _on_load_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        name = msg["placement"]
+        req = control.parse(msg, control.LoadShard)
+        name = req.placement
         shard = self.shards.get(name)
         if shard is None or shard.state != "prepared":
             await self._reply(
@@ -351,20 +360,20 @@ class Agent:
         spec = {
             "home": str(self.config.home),
             "placement": name,
-            "model_dir": msg["model_dir"],
-            "start": msg["start"],
-            "end": msg["end"],
-            "index": msg["index"],
-            "count": msg["count"],
+            "model_dir": req.model_dir,
+            "start": req.start,
+            "end": req.end,
+            "index": req.index,
+            "count": req.count,
             "address": self.config.address,
             "data_port": shard.data_port,
             "client_port": shard.client_port,
-            "next_endpoint": msg["next_endpoint"],
-            "next_key": msg["next_key"],
-            "prefill_chunk": int(msg.get("prefill_chunk", 512)),
-            "context_tokens": int(msg.get("context_tokens", 4096)),
-            "streams": max(1, int(msg.get("streams", DEFAULT_STREAMS))),
-            "kv_bytes": int(msg.get("kv_bytes", 0)),
+            "next_endpoint": req.next_endpoint,
+            "next_key": req.next_key,
+            "prefill_chunk": req.prefill_chunk,
+            "context_tokens": req.context_tokens,
+            "streams": max(1, req.streams),
+            "kv_bytes": req.kv_bytes,
         }
         shard.spec = spec
         shard.state = "loading"
@@ -525,8 +534,7 @@ class Agent:
     async def _on_read_log(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         # Off the loop and bounded: a slow disk or a huge log must not stall every
         # other request, nor grow the agent by the log's size.
-        wanted = msg.get("lines", 200)
-        wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 200
+        wanted = control.parse(msg, control.ReadLog).lines
         lines = await asyncio.to_thread(tail_lines, self.config.home / "agent.log", wanted)
         await self._reply(ident, re, "log", lines=lines)
 
@@ -545,41 +553,44 @@ class Agent:
 
     async def _on_measure_links(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         results = []
-        for peer in msg["peers"]:
+        for peer in control.parse(msg, control.MeasureLinks).peers:
             results.append(await self._measure(peer))
         await self._reply(ident, re, "links", links=results)
 
-    async def _measure(self, peer: dict[str, Any]) -> dict[str, Any]:
+    async def _measure(self, peer: control.LinkPeer) -> dict[str, Any]:
         """Latency from small pings over the control socket; bandwidth from a
         stream of large messages over a CURVE PUSH to a PULL the peer opens."""
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
-        server_key = str(peer["key"]).encode()
+        server_key = peer.key.encode()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         curve.make_client(sock, keys, server_key)
-        sock.connect(str(peer["endpoint"]))
-        out: dict[str, Any] = {"peer": peer["name"], "kind": self.facts.get("link_kind", "unknown")}
+        sock.connect(peer.endpoint)
+        out: dict[str, Any] = {"peer": peer.name, "kind": self.facts.get("link_kind", "unknown")}
         try:
             rtts = [await _ping(sock, i, b"") for i in range(LINK_PINGS)]
             out["latency_us"] = statistics.median(rtts[1:]) / 2 * 1e6
             token = os.urandom(8).hex()
-            opened = await _ask(sock, "open_sink", token=token)
-            host = str(peer["endpoint"]).rsplit(":", 1)[0]
-            sent = await self._stream(keys, server_key, f"{host}:{opened['port']}")
-            got = await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S)
-            if got["seconds"] > 0 and got["bytes"] > 0:
-                out["gbps"] = got["bytes"] * 8 / got["seconds"] / 1e9
+            opened = control.parse(await _ask(sock, "open_sink", token=token), control.SinkOpen)
+            host = peer.endpoint.rsplit(":", 1)[0]
+            sent = await self._stream(keys, server_key, f"{host}:{opened.port}")
+            got = control.parse(
+                await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S),
+                control.SinkResult,
+            )
+            if got.seconds > 0 and got.bytes > 0:
+                out["gbps"] = got.bytes * 8 / got.seconds / 1e9
             out.update(
                 method="curve push-pull",
                 chunk_bytes=LINK_CHUNK_BYTES,
                 in_flight=LINK_IN_FLIGHT,
                 sent_bytes=sent,
-                received_bytes=got["bytes"],
+                received_bytes=got.bytes,
             )
         except TimeoutError:
-            out["error"] = f"{peer['name']} did not answer in time"
+            out["error"] = f"{peer.name} did not answer in time"
         except (AgentLinkError, zmq.ZMQError, messages.MessageError) as exc:
-            out["error"] = f"{peer['name']}: {exc}"
+            out["error"] = f"{peer.name}: {exc}"
         finally:
             sock.close(linger=0)
         return out
@@ -742,14 +753,15 @@ class Agent:
     async def _on_hub_download(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         from worker import hub
 
-        names = [str(n) for n in msg["files"]]
+        req = control.parse(msg, control.HubDownload)
+        names = req.files
         bad = [n for n in names if not files.plain_name(n)]
         if bad:
             await self._reply(ident, re, "error", message=f"{bad[0]!r} is not a plain file name")
             return
-        cache = msg.get("cache_dir")
-        where = files.resolve_dir(self.config.home, str(cache)) if cache else hub.default_cache()
-        need, free = int(msg.get("total", 0)), files.free_bytes(where)
+        cache = req.cache_dir
+        where = files.resolve_dir(self.config.home, cache) if cache else hub.default_cache()
+        need, free = req.total, files.free_bytes(where)
         if need > free:
             await self._reply(
                 ident,
@@ -761,15 +773,15 @@ class Agent:
             )
             return
         result = await hub.download(
-            str(msg["repo"]),
-            str(msg["revision"]),
+            req.repo,
+            req.revision,
             names,
-            files.resolve_dir(self.config.home, str(cache)) if cache else None,
-            msg.get("endpoint") or None,
-            int(msg.get("total", 0)),
-            self._progress_to(ident, re, "downloading", int(msg.get("total", 0))),
+            files.resolve_dir(self.config.home, cache) if cache else None,
+            req.endpoint or None,
+            req.total,
+            self._progress_to(ident, re, "downloading", req.total),
         )
-        log.info("downloaded %s of %s into %s", len(names), msg["repo"], result["path"])
+        log.info("downloaded %s of %s into %s", len(names), req.repo, result["path"])
         await self._reply(ident, re, "ok", **result)
 
     # ---- shards ----------------------------------------------------------------------------
