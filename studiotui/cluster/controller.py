@@ -104,7 +104,7 @@ class SavedShard:
 
     node: str
     placement: str
-    report: dict[str, Any]
+    report: control.ShardReport
     next_endpoint: str
     next_key: str
 
@@ -319,9 +319,7 @@ class Controller:
         return self.state
 
     async def _hello(self, name: str, timeout: float) -> None:
-        reply = control.parse(
-            await self.peer(name).request("hello", timeout=timeout), control.HelloReply
-        )
+        reply = await self.peer(name).ask("hello", control.HelloReply, timeout=timeout)
         before = self.state.node(name)
         if before is not None and before.state != "up":
             self.record(f"{name} is up ({reply.version})")
@@ -470,7 +468,10 @@ class Controller:
     ) -> None:
         shards = the_plan.shards
         prepared = await asyncio.gather(
-            *(self.peer(s.node).request("prepare_shard", placement=name) for s in shards)
+            *(
+                self.peer(s.node).ask("prepare_shard", control.Prepared, placement=name)
+                for s in shards
+            )
         )
         count = len(shards)
         dirs = await self._model_dirs(shards, model_dir, progress)
@@ -479,9 +480,7 @@ class Controller:
             shard = shards[i]
             nxt = shards[(i + 1) % count]
             node_dir = dirs[shard.node]
-            endpoint = (
-                f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count]['data_port']}"
-            )
+            endpoint = f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count].data_port}"
             # No fixed wait: the agent heartbeats while the shard loads, and only its
             # silence (see LoadWatch) ends a load, however slow the disk.
             quiet = LoadWatch(shard.node, time.monotonic())
@@ -494,8 +493,8 @@ class Controller:
                 end=shard.end,
                 index=i,
                 count=count,
-                data_port=prepared[i]["data_port"],
-                client_port=prepared[i]["client_port"],
+                data_port=prepared[i].data_port,
+                client_port=prepared[i].client_port,
                 next_endpoint=endpoint,
                 next_key=keys.node_public_key(self.home, nxt.node).decode(),
                 prefill_chunk=prefill_chunk,
@@ -505,12 +504,18 @@ class Controller:
             )
             try:
                 async for msg in stream:
-                    quiet = quiet.hear(time.monotonic(), msg.get("done"), msg.get("total"))
-                    if progress and msg["type"] == "progress":
-                        progress(shard.node, int(msg["done"]), int(msg["total"]))
-                    if progress and msg["type"] == "shard_ready":
-                        size = int(msg.get("param_bytes", 1))
-                        progress(shard.node, size, size)
+                    if msg["type"] == "progress":
+                        loaded = self.peer(shard.node).read(msg, control.LoadProgress)
+                        quiet = quiet.hear(time.monotonic(), loaded.done, loaded.total)
+                        if progress:
+                            progress(shard.node, loaded.done, loaded.total)
+                    elif msg["type"] == "shard_ready":
+                        ready = self.peer(shard.node).read(msg, control.ShardReady)
+                        quiet = quiet.hear(time.monotonic())
+                        if progress:
+                            progress(shard.node, ready.param_bytes, ready.param_bytes)
+                    else:
+                        quiet = quiet.hear(time.monotonic())
             except AgentUnreachable:
                 silent = quiet.overdue(time.monotonic())
                 raise PlacementError(silent or f"{shard.node} stopped answering") from None
@@ -742,7 +747,10 @@ class Controller:
     async def placement_problem(self, placement: PlacementState) -> str | None:
         """Why a placement cannot answer, in words, or None if every shard is serving."""
         replies = await asyncio.gather(
-            *(self.peer(n).request("list_shards", timeout=1.5) for n in placement.nodes),
+            *(
+                self.peer(n).ask("list_shards", control.Shards, timeout=1.5)
+                for n in placement.nodes
+            ),
             return_exceptions=True,
         )
         for shard, reply in zip(placement.shards, replies, strict=True):
@@ -754,18 +762,18 @@ class Controller:
                     f"{placement.name!r} is used again as soon as it answers; if it stays "
                     f"silent, restart it (studiotui restart {node}, or r on the dashboard)"
                 )
-            mine = [s for s in reply["shards"] if s.get("placement") == placement.name]
+            mine = [s for s in reply.shards if s.placement == placement.name]
             if not mine:
                 return f"node {node} no longer holds its shard of {placement.name!r}: {again}"
-            if mine[0].get("state") == "silent":
+            if mine[0].state == "silent":
                 return (
                     f"the shard of {placement.name!r} on {node} ({_stage(shard)}) is "
-                    f"{mine[0].get('message') or 'silent'}; this request is given up; "
+                    f"{mine[0].message or 'silent'}; this request is given up; "
                     f"{placement.name!r} is used again by itself if the shard answers again, "
                     f"else restart {node} (studiotui restart {node} reloads its shards)"
                 )
-            if mine[0].get("state") != "ready":
-                why = mine[0].get("message") or mine[0].get("state")
+            if mine[0].state != "ready":
+                why = mine[0].message or mine[0].state
                 return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
         return None
 
@@ -797,7 +805,7 @@ class Controller:
         """Every up node measures every other, one node at a time so that
         measurements do not share the wire."""
         up = [n for n in self.state.nodes if n.state == "up"]
-        found: dict[frozenset[str], list[dict[str, Any]]] = {}
+        found: dict[frozenset[str], list[control.LinkResult]] = {}
         for node in up:
             peers = [
                 {
@@ -811,14 +819,14 @@ class Controller:
             if not peers:
                 continue
             try:
-                reply = await self.peer(node.name).request(
-                    "measure_links", timeout=60.0, peers=peers
+                reply = await self.peer(node.name).ask(
+                    "measure_links", control.Links, timeout=60.0, peers=peers
                 )
             except (AgentError, AgentUnreachable) as exc:
                 self.record(f"{node.name} could not measure its links: {exc}", "warning")
                 continue
-            for result in reply["links"]:
-                found.setdefault(frozenset((node.name, result["peer"])), []).append(result)
+            for result in reply.links:
+                found.setdefault(frozenset((node.name, result.peer)), []).append(result)
         links = tuple(
             self._link(pair, results)
             for pair, results in sorted(found.items(), key=lambda kv: sorted(kv[0]))
@@ -845,9 +853,9 @@ class Controller:
             return ()
         return tuple(x for x in links if x.a in names and x.b in names)
 
-    def _link(self, pair: frozenset[str], results: list[dict[str, Any]]) -> LinkState:
+    def _link(self, pair: frozenset[str], results: list[control.LinkResult]) -> LinkState:
         a, b = sorted(pair)
-        good = [r for r in results if "latency_us" in r]
+        good = [r.latency_us for r in results if r.latency_us is not None]
         rdma = all(
             (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
             for n in (a, b)
@@ -859,14 +867,14 @@ class Controller:
             )
             for n in (a, b)
         ]
-        kind = probes.pair_link_kind(*ends) if all(ends) else str(results[0].get("kind", "unknown"))
+        kind = probes.pair_link_kind(*ends) if all(ends) else results[0].kind
         if not good:
             return LinkState(a, b, None, None, kind, time.time())
         return LinkState(
             a,
             b,
-            latency_us=min(r["latency_us"] for r in good),
-            gbps=max((r["gbps"] for r in good if "gbps" in r), default=None),
+            latency_us=min(good),
+            gbps=max((r.gbps for r in results if r.gbps is not None), default=None),
             kind=kind,
             measured_at=time.time(),
             rdma=bool(rdma),
@@ -893,38 +901,39 @@ class Controller:
                 )
                 continue
             for shard in mine:
-                raw = await self._shard_report(shard)
+                report = await self._shard_report(shard)
                 nxt = placement.shards[(shard.index + 1) % shard.count]
                 saved.append(
                     SavedShard(
                         node=shard.node,
                         placement=placement.name,
-                        report=dict(raw),
+                        report=report,
                         next_endpoint=f"tcp://{self.spec(nxt.node).address}:{nxt.data_port}",
                         next_key=keys.node_public_key(self.home, nxt.node).decode(),
                     )
                 )
         return saved, dropped
 
-    async def _shard_report(self, shard: ShardState) -> dict[str, Any]:
+    async def _shard_report(self, shard: ShardState) -> control.ShardReport:
         """What the shard's agent says about it; what the controller last knew when the
         agent does not answer (a dead agent's shards are reloaded all the same)."""
         with contextlib.suppress(AgentError, AgentUnreachable):
-            reply = await self.peer(shard.node).request("list_shards", timeout=5.0)
-            for raw in reply["shards"]:
-                if raw.get("placement") == shard.placement:
-                    return dict(raw)
-        return {
-            "model_dir": shard.model_dir,
-            "start": shard.start,
-            "end": shard.end,
-            "index": shard.index,
-            "count": shard.count,
-            "data_port": shard.data_port,
-            "client_port": shard.client_port,
-            "context_tokens": shard.context_tokens,
-            "kv_bytes": shard.kv_bytes,
-        }
+            reply = await self.peer(shard.node).ask("list_shards", control.Shards, timeout=5.0)
+            for report in reply.shards:
+                if report.placement == shard.placement:
+                    return report
+        return control.ShardReport(
+            placement=shard.placement,
+            model_dir=shard.model_dir,
+            start=shard.start,
+            end=shard.end,
+            index=shard.index,
+            count=shard.count,
+            data_port=shard.data_port,
+            client_port=shard.client_port,
+            context_tokens=shard.context_tokens,
+            kv_bytes=shard.kv_bytes,
+        )
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
         """Load again, on the same nodes, layers and ports, shards a restart stopped.
@@ -937,7 +946,7 @@ class Controller:
         results = []
         for name, shards in groups.items():
             where = ", ".join(
-                f"{s.node} (layers {s.report['start']}-{int(s.report['end']) - 1})" for s in shards
+                f"{s.node} (layers {s.report.start}-{s.report.end - 1})" for s in shards
             )
             try:
                 await asyncio.gather(*(self._reload_one(s) for s in shards))
@@ -957,29 +966,33 @@ class Controller:
 
     async def _reload_one(self, saved: SavedShard) -> None:
         r, peer = saved.report, self.peer(saved.node)
-        ports = (int(r["data_port"]), int(r["client_port"]))
-        prepared = await peer.request(
-            "prepare_shard", placement=saved.placement, data_port=ports[0], client_port=ports[1]
+        ports = (r.data_port, r.client_port)
+        prepared = await peer.ask(
+            "prepare_shard",
+            control.Prepared,
+            placement=saved.placement,
+            data_port=ports[0],
+            client_port=ports[1],
         )
-        if (prepared["data_port"], prepared["client_port"]) != ports:
+        if (prepared.data_port, prepared.client_port) != ports:
             await peer.request("unload", placement=saved.placement)
             raise PlacementError(f"{saved.node} could not take back its ports {ports}")
         async for _msg in peer.stream(
             "load_shard",
             timeout=120.0,
             placement=saved.placement,
-            model_dir=str(r["model_dir"]),
-            start=int(r["start"]),
-            end=int(r["end"]),
-            index=int(r["index"]),
-            count=int(r["count"]),
+            model_dir=r.model_dir,
+            start=r.start,
+            end=r.end,
+            index=r.index,
+            count=r.count,
             data_port=ports[0],
             client_port=ports[1],
             next_endpoint=saved.next_endpoint,
             next_key=saved.next_key,
-            prefill_chunk=int(r.get("prefill_chunk", 512)),
-            context_tokens=int(r.get("context_tokens", 4096)),
-            kv_bytes=int(r.get("kv_bytes", 0)),
+            prefill_chunk=r.prefill_chunk,
+            context_tokens=r.context_tokens,
+            kv_bytes=r.kv_bytes,
         ):
             pass
 
@@ -994,8 +1007,8 @@ class Controller:
         }
 
     async def read_log(self, name: str, lines: int = 200) -> list[str]:
-        reply = await self.peer(name).request("read_log", lines=lines)
-        return [str(line) for line in reply["lines"]]
+        reply = await self.peer(name).ask("read_log", control.LogLines, lines=lines)
+        return reply.lines
 
 
 def _clock(when: float) -> str:
