@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from worker import __version__, files, node_probe, telemetry
 from worker.shared.manifest import FileId
-from worker.shared.protocol import control, curve, messages
+from worker.shared.protocol import control, curve, events, messages
 from worker.shared.protocol.limits import tail_lines
 from worker.shared.protocol.status import ShardStatus
 
@@ -109,7 +110,7 @@ class ShardProc:
     proc: asyncio.subprocess.Process | None = None
     state: ShardStatus = "prepared"
     progress: tuple[int, int] = (0, 0)
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: control.ShardStats = field(default_factory=control.ShardStats)
     param_bytes: int = 0
     message: str = ""
     stderr_tail: list[str] = field(default_factory=list)
@@ -135,7 +136,7 @@ class ShardProc:
             "state": self.state,
             "progress": list(self.progress),
             "param_bytes": self.param_bytes,
-            "stats": self.stats,
+            "stats": msgspec.structs.asdict(self.stats),
             "message": self.message,
             "pid": self.proc.pid if self.proc else None,
             "silent_since": self.silent_since or None,
@@ -419,24 +420,18 @@ class Agent:
     async def _relay(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         assert shard.proc is not None and shard.proc.stdout is not None
         answered = False
-        async for event in _json_lines(shard.proc.stdout, shard):
-            try:
-                answered = await self._on_runner_event(ident, re, shard, event, answered)
-            except (KeyError, TypeError, ValueError) as exc:
-                # A line of the right shape with wrong fields: count it, keep reading.
-                shard.bad_lines += 1
-                log.warning("shard %s: bad line from its runner: %s", shard.placement, exc)
+        async for event in _events(shard.proc.stdout, shard):
+            answered = await self._on_runner_event(ident, re, shard, event, answered)
         await self._runner_gone(ident, re, shard, answered)
 
     async def _on_runner_event(
-        self, ident: bytes, re: Any, shard: ShardProc, event: dict[str, Any], answered: bool
+        self, ident: bytes, re: Any, shard: ShardProc, event: events.RunnerEvent, answered: bool
     ) -> bool:
         """Act on one event of a runner's output; return whether the load was answered."""
-        kind = event.pop("event", "")
-        if kind == "beat":
-            shard.step_s = float(event.get("step_s", 0.0))
-        elif kind == "progress":
-            shard.progress = (int(event["done"]), int(event["total"]))
+        if isinstance(event, events.Beat):
+            shard.step_s = event.step_s
+        elif isinstance(event, events.Loading):
+            shard.progress = (event.done, event.total)
             if not answered:
                 await self._reply(
                     ident,
@@ -446,23 +441,23 @@ class Agent:
                     done=shard.progress[0],
                     total=shard.progress[1],
                 )
-        elif kind == "ready":
-            shard.state, shard.param_bytes = "ready", int(event["param_bytes"])
+        elif isinstance(event, events.Ready):
+            shard.state, shard.param_bytes = "ready", event.param_bytes
             log.info("shard %s ready, %d bytes", shard.placement, shard.param_bytes)
             await self._reply(
                 ident,
                 re,
                 "shard_ready",
                 placement=shard.placement,
-                start=event["start"],
-                end=event["end"],
+                start=event.start,
+                end=event.end,
                 param_bytes=shard.param_bytes,
             )
             answered = True
-        elif kind == "stats":
+        elif isinstance(event, events.Stats):
             shard.stats = event
-        elif kind == "fatal":
-            shard.message = str(event.get("message", ""))
+        elif isinstance(event, events.Fatal):
+            shard.message = event.message
         return answered
 
     async def _runner_gone(self, ident: bytes, re: Any, shard: ShardProc, answered: bool) -> None:
@@ -904,17 +899,15 @@ async def _lines(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
         yield line
 
 
-async def _json_lines(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
-    """The JSON objects a runner writes; anything else is counted and skipped."""
+async def _events(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
+    """The events a runner writes (protocol/events.py); anything else is counted and
+    skipped: a line that is not JSON, not an object, or an event with a bad field."""
     async for line in _lines(stream, shard):
         try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if isinstance(event, dict):
-            yield event
-        else:
+            yield events.decode(line)
+        except events.EventError as exc:
             shard.bad_lines += 1
+            log.warning("shard %s: bad line from its runner: %s", shard.placement, exc)
 
 
 def _clock(when: float) -> str:

@@ -27,7 +27,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from worker.shard import ShardLoadError, load_shard, read_config
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import curve, events, messages
 from worker.shared.protocol.frames import (
     FrameError,
     RingHeader,
@@ -76,8 +76,9 @@ class RunnerSpec:
         return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
 
 
-def emit(event: str, **fields: Any) -> None:
-    line = json.dumps({"event": event, **fields}) + "\n"
+def emit(event: events.RunnerEvent) -> None:
+    """Tell the agent, one JSON line on stdout (protocol/events.py)."""
+    line = events.encode(event).decode()
     with _emit_lock:  # the beat thread writes too: lines must not interleave
         sys.stdout.write(line)
         sys.stdout.flush()
@@ -184,7 +185,7 @@ class Runner:
         raise_wired_limit()
 
         def progress(done: int, total: int) -> None:
-            emit("progress", done=done, total=total)
+            emit(events.Loading(done=done, total=total))
 
         model_dir = Path(self.spec.model_dir).expanduser()
         shard = load_shard(model_dir, self.spec.start, self.spec.end, progress)
@@ -204,11 +205,12 @@ class Runner:
             schedule=self.work.append,
         )
         emit(
-            "ready",
-            param_bytes=shard.param_bytes,
-            start=shard.start,
-            end=shard.end,
-            active_bytes=mx.get_active_memory(),
+            events.Ready(
+                param_bytes=shard.param_bytes,
+                start=shard.start,
+                end=shard.end,
+                active_bytes=mx.get_active_memory(),
+            )
         )
 
     # ---- sending ----------------------------------------------------------------------
@@ -353,7 +355,7 @@ class Runner:
         """Tell the agent this process lives, and how long the current step has run."""
         while self.running:
             began = self.step_began
-            emit("beat", step_s=round(time.monotonic() - began, 3) if began else 0.0)
+            emit(events.Beat(step_s=round(time.monotonic() - began, 3) if began else 0.0))
             time.sleep(BEAT_EVERY_S)
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
@@ -445,7 +447,7 @@ class Runner:
     def _emit_stats(self, interval: float) -> None:
         busy = (self.busy_s - self._busy_reported) / interval if interval > 0 else 0.0
         self._busy_reported = self.busy_s
-        emit("stats", busy=round(min(1.0, busy), 3), **self._stats())
+        emit(events.Stats(busy=round(min(1.0, busy), 3), **self._stats()))
 
     def close(self) -> None:
         for sock in (self.ring_in, self.ring_out, self.client):
@@ -509,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             profiler.enable()
         runner.serve()
     except (ShardLoadError, zmq.ZMQError, OSError, MemoryError) as exc:
-        emit("fatal", message=fatal_message(exc, loading=runner.stage is None))
+        emit(events.Fatal(message=fatal_message(exc, loading=runner.stage is None)))
         return 1
     finally:
         runner.close()

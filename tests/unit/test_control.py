@@ -31,7 +31,7 @@ def _shard() -> ShardProc:
         "prefill_chunk": 64,
     }
     shard.state, shard.progress, shard.param_bytes = "ready", (10, 20), 999
-    shard.stats = {"tokens": 5, "in_flight": 2, "busy": 0.5}
+    shard.stats = control.ShardStats(tokens=5, in_flight=2, busy=0.5)
     return shard
 
 
