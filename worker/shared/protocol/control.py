@@ -170,6 +170,15 @@ class NodeSample(Wire, frozen=True, kw_only=True):
     pressure: dict[str, Any] = {}
 
 
+class AgentBrief(Wire, frozen=True, kw_only=True):
+    """The part of hello_reply provisioning reads. It talks to agents of other builds
+    too (the one it replaces), so it reads no more than this."""
+
+    version: str = ""
+    pid: int | None = None
+    memory_total: int = 0
+
+
 class HelloReply(NodeSample, frozen=True, kw_only=True):
     name: str
     pid: int
