@@ -29,7 +29,6 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from worker import __version__, files, node_probe, telemetry
-from worker.shared.manifest import FileId
 from worker.shared.protocol import control, curve, events, messages
 from worker.shared.protocol.limits import tail_lines
 from worker.shared.protocol.status import ShardStatus
@@ -674,19 +673,21 @@ class Agent:
         return add
 
     async def _on_files_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        req = control.parse(msg, control.FilesStatus)
+        wanted = req.files
         on_bytes = self._hashed_to(ident, re, sum(f.size for f in wanted))
         found = []
-        for name in msg["dirs"]:
-            directory = files.resolve_dir(self.config.home, str(name))
+        for name in req.dirs:
+            directory = files.resolve_dir(self.config.home, name)
             found.append(
                 {"dir": name, **await asyncio.to_thread(files.status, directory, wanted, on_bytes)}
             )
         await self._reply(ident, re, "ok", dirs=found)
 
     async def _on_files_commit(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
-        landed = [FileId.from_dict(f) for f in msg["files"]]
+        req = control.parse(msg, control.FilesCommit)
+        directory = files.resolve_dir(self.config.home, req.dir)
+        landed = req.files
         on_bytes = self._hashed_to(ident, re, sum(f.size for f in landed))
         for f in landed:
             await asyncio.to_thread(files.commit, directory, f, on_bytes)
@@ -694,8 +695,9 @@ class Agent:
         await self._reply(ident, re, "ok")
 
     async def _on_serve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
-        wanted = {str(f["name"]): int(f["size"]) for f in msg["files"]}
+        req = control.parse(msg, control.ServeFiles)
+        directory = files.resolve_dir(self.config.home, req.dir)
+        wanted = {f.name: f.size for f in req.files}
         for name, size in wanted.items():
             path = directory / name
             if not files.plain_name(name) or not path.is_file() or path.stat().st_size != size:
@@ -720,17 +722,18 @@ class Agent:
         await self._reply(ident, re, "ok", sent=sent)
 
     async def _on_fetch_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
-        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        req = control.parse(msg, control.FetchFiles)
+        directory = files.resolve_dir(self.config.home, req.dir)
+        wanted = req.files
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
         total = sum(f.size for f in wanted)
         began = time.monotonic()
         result = await files.fetch(
             self.ctx,
             keys,
-            str(msg["endpoint"]),
-            str(msg["key"]).encode(),
-            str(msg["token"]),
+            req.endpoint,
+            req.key.encode(),
+            req.token,
             directory,
             wanted,
             self._progress_to(ident, re, "copying", total),
@@ -739,7 +742,7 @@ class Agent:
             "fetched %d B into %s from %s in %.1f s (%d B resumed)",
             result["received"],
             directory,
-            msg["endpoint"],
+            req.endpoint,
             time.monotonic() - began,
             result["resumed"],
         )

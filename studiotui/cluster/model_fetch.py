@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from studiotui.cluster import model_files, model_sync
+from worker.shared.protocol import control
 
 if TYPE_CHECKING:
     from studiotui.cluster.controller import Controller
@@ -127,7 +128,8 @@ async def fetch_repo(
         names = shares[node]
         total = sum(sizes[n] for n in names)
         path = ""
-        async for msg in ctl.peer(node).stream(
+        peer = ctl.peer(node)
+        async for msg in peer.stream(
             "hub_download",
             timeout=DOWNLOAD_TIMEOUT_S,
             repo=repo,
@@ -138,9 +140,10 @@ async def fetch_repo(
             cache_dir=cache_dir or "",
         ):
             if msg["type"] == "file_progress" and progress:
-                progress(node, int(msg["done"]), int(msg["total"]))
+                loaded = peer.read(msg, control.FileProgress)
+                progress(node, loaded.done, loaded.total)
             if msg["type"] == "ok":
-                path = str(msg["path"])
+                path = peer.read(msg, control.Downloaded).path
                 if progress:
                     progress(node, total, total)
         weights = [n for n in names if n.endswith(".safetensors")]

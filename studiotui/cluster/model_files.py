@@ -27,6 +27,7 @@ from pathlib import Path
 from studiotui.core.model_facts import ModelDirError, outside_links
 from studiotui.core.placement import format_bytes
 from worker.shared.manifest import FileId, manifest, part_name, plain_name
+from worker.shared.protocol.control import DirStatus
 
 SMALL_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".md"}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -204,31 +205,29 @@ class CopyPlan:
         return not self.send
 
 
-def plan_copy(wanted: list[FileId], found: dict[str, object]) -> CopyPlan:
+def plan_copy(wanted: list[FileId], found: DirStatus) -> CopyPlan:
     """Compare the model's files with what one directory of a node holds (the agent's
     `files_status` answer for it): keep the same, replace what differs (saying why),
     resume parts of the same content."""
-    raw = found.get("files", [])
-    by_name = {str(f["name"]): f for f in raw} if isinstance(raw, list) else {}
+    by_name = {f.name: f for f in found.files}
     keep: list[str] = []
     replace: list[tuple[str, str]] = []
     send: list[tuple[FileId, int]] = []
     for f in wanted:
-        have = by_name.get(f.name, {})
-        state = have.get("state", "missing")
-        if state == "same":
+        have = by_name.get(f.name)
+        if have is not None and have.state == "same":
             keep.append(f.name)
             continue
-        if state == "differs":
-            if have.get("size") != f.size:
-                why = f"it has {have.get('size')} bytes, the model's file {f.size}"
+        if have is not None and have.state == "differs":
+            if have.size != f.size:
+                why = f"it has {have.size} bytes, the model's file {f.size}"
             else:
                 why = (
-                    f"same size but sha256 {str(have.get('sha256'))[:12]} is not the model's "
+                    f"same size but sha256 {str(have.sha256)[:12]} is not the model's "
                     f"{f.sha256[:12]}"
                 )
             replace.append((f.name, why))
-        partial = int(have.get("partial", 0) or 0)
+        partial = have.partial if have is not None else 0
         send.append((f, partial if 0 < partial <= f.size else 0))
     resumed = sum(offset for _, offset in send)
     return CopyPlan(tuple(keep), tuple(replace), tuple(send), resumed)

@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from worker.shared.manifest import FileId
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 from worker.shared.protocol.messages import MessageError
-from worker.shared.protocol.status import ShardStatus
+from worker.shared.protocol.status import FileState, ShardStatus
 
 T = TypeVar("T")
 
@@ -95,6 +96,37 @@ class HubDownload(Wire, frozen=True, kw_only=True):
     cache_dir: str | None = None  # relative to the agent's home, else the hub's cache
     endpoint: str | None = None
     total: int = 0  # bytes the files take, checked against the free disk first
+
+
+# Model files (worker/files.py): `files` are the model's files by name, size and sha256.
+
+
+class FilesStatus(Wire, frozen=True, kw_only=True):
+    dirs: list[str]  # folders to look in, absolute or under the agent's home
+    files: list[FileId]
+
+
+class FilesCommit(Wire, frozen=True, kw_only=True):
+    dir: str
+    files: list[FileId]
+
+
+class ServedFile(Wire, frozen=True, kw_only=True):
+    name: str
+    size: int
+
+
+class ServeFiles(Wire, frozen=True, kw_only=True):
+    dir: str
+    files: list[ServedFile]
+
+
+class FetchFiles(Wire, frozen=True, kw_only=True):
+    dir: str
+    files: list[FileId]
+    endpoint: str  # the serving agent's file server
+    key: str  # its CURVE public key
+    token: str  # the grant serve_files answered
 
 
 # ---- agent -> agent (link measurement) ------------------------------------------------
@@ -240,3 +272,57 @@ class Links(Wire, frozen=True, kw_only=True):
 
 class LogLines(Wire, frozen=True, kw_only=True):
     lines: list[str]
+
+
+class FileStatus(Wire, frozen=True, kw_only=True):
+    """One wanted file in one folder of a node."""
+
+    name: str
+    state: FileState
+    size: int | None = None  # of the copy there, if any
+    sha256: str | None = None
+    partial: int = 0  # bytes of a part already landed, to resume from
+
+
+class DirStatus(Wire, frozen=True, kw_only=True):
+    dir: str = ""  # as asked
+    path: str  # as resolved on the node
+    free: int = 0  # bytes free on its disk
+    files: list[FileStatus] = []
+
+    def only(self, names: set[str]) -> DirStatus:
+        return msgspec.structs.replace(self, files=[f for f in self.files if f.name in names])
+
+
+class FilesFound(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to files_status: each folder asked, in order."""
+
+    dirs: list[DirStatus]
+
+
+class FileProgress(Wire, frozen=True, kw_only=True):
+    stage: str  # hashing, copying, downloading
+    done: int
+    total: int
+
+
+class Granted(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to serve_files: where and with which token to fetch."""
+
+    port: int
+    token: str
+
+
+class Fetched(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to fetch_files."""
+
+    path: str
+    received: int
+    resumed: int = 0
+
+
+class Downloaded(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to hub_download."""
+
+    path: str
+    downloaded: int = 0

@@ -22,6 +22,9 @@ NodeStatus = Literal["unknown", "up", "down", "provisioning"]
 # A placement, derived from its shards (studiotui.core.state.PlacementState.state).
 PlacementStatus = Literal["ready", "broken", "failed", "loading", "prepared"]
 
+# A model file in a node's folder, against the model's (worker.files.status).
+FileState = Literal["same", "differs", "missing"]
+
 # The controller's event log.
 LogLevel = Literal["info", "warning", "error"]
 
