@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from worker import __version__, files, node_probe, telemetry
+from worker import __version__, files, jobs, node_probe, telemetry
 from worker.shared.protocol import control, curve, events, messages
 from worker.shared.protocol.limits import tail_lines
 from worker.shared.protocol.status import ShardStatus
@@ -83,6 +83,8 @@ MAX_CONTROL_TASKS = 256
 # What a node's key may ask of another node's agent: what measure_links needs. All
 # else (load_shard, shutdown, read_log, measure_links ...) is the controller's alone.
 PEER_REQUESTS = frozenset({"ping_peer", "open_sink", "close_sink"})
+# Followers of one job at once (a dashboard, a CLI, ...); an older one gives way.
+MAX_FOLLOWERS = 8
 LOG_BYTES = 10 << 20
 LOG_BACKUPS = 3
 
@@ -163,6 +165,8 @@ class Agent:
         # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
         self.live: dict[str, Any] = {}
         self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self.jobs = jobs.Jobs(config.home, config.address)
+        self._follows: dict[str, list[asyncio.Task[Any]]] = {}
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks only weakly.
@@ -213,6 +217,7 @@ class Agent:
         for task in tasks:
             task.cancel()
         await self._stop_all_shards()
+        await self.jobs.stop_all()
         if self.file_server is not None:
             await self.file_server.close()
         self.close()
@@ -303,6 +308,7 @@ class Agent:
 
     def _sample(self) -> dict[str, Any]:
         pids = [s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None]
+        pids += self.jobs.pids()
         sample = telemetry.sample(self.config.memory_gb, pids)
         sample.pop("time", None)
         return {**sample, **self.live}
@@ -320,6 +326,7 @@ class Agent:
             started=self.started,
             facts=self.facts,
             shards=[s.describe() for s in self.shards.values()],
+            jobs=[j.describe() for j in self.jobs.jobs.values()],
             **self._sample(),
         )
 
@@ -495,6 +502,7 @@ class Agent:
             last = now
             for shard in self.shards.values():
                 self._judge(shard, now)
+            self.jobs.judge(now)
 
     def _judge(self, shard: ShardProc, now: float) -> None:
         quiet = now - shard.last_heard
@@ -801,10 +809,12 @@ class Agent:
 
     def _port_usable(self, port: int) -> bool:
         taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        taken |= self.jobs.ports_held()
         return 0 < port <= 65535 and port not in taken and _port_free(self.config.address, port)
 
     def _free_ports(self, count: int) -> list[int]:
         taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        taken |= self.jobs.ports_held()
         found: list[int] = []
         port = self.config.control_port + SHARD_PORT_OFFSET
         while len(found) < count:
@@ -814,6 +824,76 @@ class Agent:
                 found.append(port)
             port += 1
         return found
+
+    # ---- jobs (worker/jobs.py) --------------------------------------------------------------
+
+    async def _on_job_ports(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Free ports on this node's address, for a rank of a group job to listen on."""
+        count = msg.get("count", 1)
+        if not isinstance(count, int) or not 1 <= count <= 16:
+            await self._reply(ident, re, "error", message="job_ports wants a count of 1-16")
+            return
+        await self._reply(ident, re, "job_ports", ports=self._free_ports(count))
+
+    async def _on_start_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        try:
+            job = await self.jobs.start(msg)
+        except (jobs.JobError, KeyError, TypeError, ValueError) as exc:
+            await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
+            return
+        assert job.proc is not None
+        log.info(
+            "job %s rank %d/%d (%s) pid %d", job.job, job.rank, job.size, job.kind, job.proc.pid
+        )
+        await self._reply(ident, re, "job_started", **job.describe())
+
+    async def _on_follow_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Every event of a job's rank after `since`, a beat each second, then its end."""
+        since = msg.get("since", 0)
+        # A follower that went away (a closed TUI) is not told; its relay ends when the
+        # job does. Bounded: the oldest relays of a job give way to new followers.
+        relays = self._follows.setdefault(str(msg.get("job")), [])
+        relays[:] = [t for t in relays if not t.done()]
+        if (me := asyncio.current_task()) is not None:
+            relays.append(me)
+        while len(relays) > MAX_FOLLOWERS:
+            relays.pop(0).cancel()
+        try:
+            async for kind, body in self.jobs.follow(str(msg.get("job")), int(since)):
+                if kind == "event":
+                    # The job's own fields stay in `data`: they cannot clash with ours.
+                    await self._reply(
+                        ident,
+                        re,
+                        "job_event",
+                        node=self.config.name,
+                        event=str(body["event"]),
+                        seq=int(body["seq"]),
+                        data=body,
+                    )
+                else:
+                    reply = "job_beat" if kind == "beat" else "job_end"
+                    await self._reply(ident, re, reply, node=self.config.name, **body)
+        except jobs.JobError as exc:
+            await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
+
+    async def _on_job_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        found = [j.describe() for j in self.jobs.jobs.values()]
+        if msg.get("job"):
+            found = [j for j in found if j["job"] == msg["job"]]
+        await self._reply(ident, re, "jobs", node=self.config.name, jobs=found)
+
+    async def _on_stop_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        try:
+            job = await self.jobs.stop(str(msg.get("job")))
+        except jobs.JobError as exc:
+            await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
+            return
+        log.info("job %s stopped (%s)", job.job, job.state)
+        await self._reply(ident, re, "job_stopped", **job.describe())
+
+    async def _on_forget_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        await self._reply(ident, re, "ok", forgotten=self.jobs.forget(str(msg.get("job"))))
 
     # ---- telemetry ----------------------------------------------------------------------------
 
@@ -825,6 +905,7 @@ class Agent:
             pids = [
                 s.proc.pid for s in self.shards.values() if s.proc and s.proc.returncode is None
             ]
+            pids += self.jobs.pids()
             sample = {**telemetry.sample(self.config.memory_gb, pids), **self.live}
             sample.pop("time", None)
             msg = messages.encode(

@@ -40,6 +40,11 @@ FINAL = {
     "error",
     "links",
     "stats_reply",
+    "job_ports",
+    "job_started",
+    "job_end",
+    "jobs",
+    "job_stopped",
 }
 
 

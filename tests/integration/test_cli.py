@@ -134,6 +134,9 @@ def test_up_place_chat_status_down(home: Path) -> None:
     down = run(home, "down")
     assert down.returncode == 0, down.stderr
     assert not any(psutil.pid_exists(pid) and _is_agent(pid) for pid in pids if pid)
+    # Stopped agents are not asked again (each would wait out a 5 s request first).
+    again = run(home, "down")
+    assert again.returncode == 0 and again.stdout.count("not running") == len(pids), again.stdout
     # Every node of 'tiny' was stopped: it is gone, not a broken placement to repair.
     after = run(home, "status", "--json")
     assert after.returncode == 1 and "start it with `studiotui up`" in after.stderr

@@ -1,0 +1,98 @@
+"""core.jobs and the pure parts of cluster.jobs / worker.jobs: backend, blame, events."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from studiotui.cluster.jobs import JobRecord, outcome
+from studiotui.core.jobs import JobWatch, blame, choose_backend
+from studiotui.core.state import LinkState
+from worker.jobs import JobError, check_name, exit_message
+
+
+def _link(a: str, b: str, rdma: bool) -> LinkState:
+    return LinkState(a, b, 10.0, 40.0, "thunderbolt", rdma=rdma)
+
+
+def test_jaccl_only_when_every_pair_has_rdma() -> None:
+    nodes = ["a", "b", "c"]
+    full = [_link("a", "b", True), _link("b", "c", True), _link("a", "c", True)]
+    assert choose_backend(nodes, full)[0] == "jaccl"
+    backend, why = choose_backend(nodes, [*full[:2], _link("a", "c", False)])
+    assert backend == "ring" and "a-c" in why
+    assert choose_backend(nodes, full[:2])[0] == "ring"  # a pair never measured
+    assert choose_backend(["a"], [])[0] == "ring"
+
+
+def test_blame_falls_on_the_node_that_went_first() -> None:
+    peer_lost = ("failed", "RuntimeError: [ring] connection to a peer was lost")
+    # A node that stopped answering is to blame, not the rank that lost its peer.
+    assert blame({"a": peer_lost}, ["b"]) == ["b"]
+    # A rank killed on its own node, the other only lost its peer.
+    assert blame({"a": peer_lost, "b": ("failed", "killed by SIGKILL")}, []) == ["b"]
+    # Nothing but bystanders: every failed node.
+    assert blame({"a": peer_lost, "b": peer_lost}, []) == ["a", "b"]
+
+
+def test_outcome_names_the_blamed_node() -> None:
+    ends = {
+        "a": ("failed", "connection to a peer was lost"),
+        "b": ("failed", "b stopped answering (nothing for 2.5 s)"),
+    }
+    end = outcome("j", ["a", "b"], ends, ["b"])
+    assert end.state == "failed" and end.blamed == ("b",)
+    assert "failed on b" in end.message and "stopped answering" in end.message
+    assert outcome("j", ["a"], {"a": ("done", "")}, []).state == "done"
+    assert outcome("j", ["a"], {"a": ("stopped", "stopped")}, []).state == "stopped"
+
+
+def test_watch_adds_events_up() -> None:
+    watch = JobWatch("j", nodes=["a", "b"])
+    watch.feed("a", {"event": "ready", "seq": 1, "start_iteration": 10, "total": 30})
+    for it, loss in ((11, 3.0), (12, 2.0)):
+        for node in ("a", "b"):
+            watch.feed(
+                node,
+                {
+                    "event": "metrics",
+                    "seq": it,
+                    "iteration": it,
+                    "total": 30,
+                    "train_loss": loss,
+                    "iterations_per_second": 2.0,
+                    "tokens_per_second": 100.0,
+                    "trained_tokens": 50 * it,
+                    "peak_memory": 0.5,
+                    "memory": 1000 + it,
+                },
+            )
+    watch.feed("a", {"event": "metrics", "seq": 11, "iteration": 99})  # heard already: ignored
+    watch.feed("a", {"event": "val", "seq": 13, "iteration": 12, "val_loss": 2.5})
+    p = watch.progress
+    assert [(x.iteration, x.value) for x in p.train_loss] == [(11, 3.0), (12, 2.0)]
+    assert [x.value for x in p.val_loss] == [2.5]
+    assert p.iteration == 12 and p.start_iteration == 10
+    assert p.eta_s == pytest.approx(18 / 2.0)
+    assert [n.memory for n in p.nodes] == [1012, 1012]
+    assert watch.since("a") == 13
+    watch.feed("b", {"event": "ended", "seq": 20, "state": "failed", "message": "killed"})
+    assert p.nodes[1].state == "running" and watch.progress.nodes[1].state == "failed"
+    watch.finish("failed", "job failed")
+    assert watch.progress.eta_s is None
+
+
+def test_job_names_and_exit_words() -> None:
+    assert check_name("run-1.a") == "run-1.a"
+    for bad in ("", "../x", "-x", "a b", "x" * 65):
+        with pytest.raises(JobError):
+            check_name(bad)
+    assert "SIGKILL" in exit_message(-signal.SIGKILL, "", [])
+    assert exit_message(1, "", ["Traceback", "ValueError: bad"]).endswith("ValueError: bad")
+    assert exit_message(1, "RuntimeError: no", ["x"]) == "RuntimeError: no"
+
+
+def test_job_record_round_trips() -> None:
+    rec = JobRecord("j", "finetune", ("a", "b"), "ring", 5.0, {"iters": 3})
+    assert JobRecord.from_json(rec.to_json()) == rec
