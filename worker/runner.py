@@ -8,7 +8,6 @@ with SIGTERM.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -18,11 +17,12 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -70,10 +70,9 @@ class RunnerSpec:
 
     @classmethod
     def from_file(cls, path: Path) -> RunnerSpec:
-        raw = json.loads(path.read_text())
-        # The agent may know fields this runner has no use for (they describe the
-        # shard to the controller); take only ours.
-        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+        # Every field checked against its type; fields the agent knows and this runner
+        # has no use for (they describe the shard to the controller) are ignored.
+        return msgspec.json.decode(path.read_bytes(), type=cls)
 
 
 def emit(event: events.RunnerEvent) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from studiotui.core.state import shard_from_report
 from worker.agent import ShardProc
-from worker.shared.protocol import control, messages
+from worker.shared.protocol import control, events, messages
 from worker.shared.protocol.messages import MessageError
 
 
@@ -114,3 +114,29 @@ def test_load_shard_defaults_and_types() -> None:
         MessageError, match=r"load_shard: Expected `int`, got `str` - at `\$.streams`"
     ):
         control.parse(_wire("load_shard", **fields, streams="4"), control.LoadShard)
+
+
+def test_runner_events_round_trip_and_anything_else_is_an_event_error() -> None:
+    sent = [
+        events.Beat(step_s=0.25),
+        events.Loading(done=3, total=9),
+        events.Ready(param_bytes=10, start=0, end=2, active_bytes=7),
+        events.Stats(busy=0.5, tokens=4, in_flight=1, hop_us_p50=None),
+        events.Fatal(message="out of memory while loading: bad_alloc"),
+    ]
+    lines = [events.encode(e) for e in sent]
+    assert all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in lines)
+    assert [events.decode(line) for line in lines] == sent
+    # What a runner's stats become: the shard's report, without the event's tag.
+    stats = events.decode(lines[3])
+    assert isinstance(stats, control.ShardStats) and stats.tokens == 4
+    for line, words in [
+        (b'{"event": "dance"}', "Invalid value 'dance' - at `$.event`"),
+        (b'{"done": 1, "total": 2}', "missing required field `event`"),
+        (b'{"event": "progress", "done": "half", "total": 2}', "at `$.done`"),
+        (b"[1, 2]", "Expected `object`"),
+        (b"not json {", "malformed"),
+    ]:
+        with pytest.raises(events.EventError, match="not a runner event") as caught:
+            events.decode(line)
+        assert words in str(caught.value)
