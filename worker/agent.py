@@ -525,7 +525,7 @@ class Agent:
             shard.state, shard.silent_since, shard.message = "ready", 0.0, ""
 
     async def _on_unload(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        name = msg["placement"]
+        name = control.parse(msg, control.Unload).placement
         await self._stop_shard(name)
         self.shards.pop(name, None)
         await self._reply(ident, re, "unloaded", placement=name)
@@ -623,6 +623,7 @@ class Agent:
         return sent
 
     async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        token = control.parse(msg, control.Token).token
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
         sink = self.ctx.socket(zmq.PULL)
         sink.setsockopt(zmq.LINGER, 0)
@@ -630,7 +631,6 @@ class Agent:
         curve.make_server(sink, keys)
         sink.bind(f"tcp://{self.config.address}:*")
         port = int(sink.get_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        token = msg["token"]
         task = self._sinks[token] = asyncio.create_task(_drain(sink))
         # A measurer that never comes back for its result must not leave it here.
         task.add_done_callback(
@@ -641,7 +641,7 @@ class Agent:
         await self._reply(ident, re, "sink_open", port=port)
 
     async def _on_close_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        task = self._sinks.pop(msg["token"], None)
+        task = self._sinks.pop(control.parse(msg, control.Token).token, None)
         if task is None:
             await self._reply(ident, re, "error", message="no such link sink")
             return
@@ -723,7 +723,7 @@ class Agent:
     async def _on_unserve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         sent = 0
         if self.file_server is not None:
-            sent = self.file_server.revoke(str(msg["token"]))
+            sent = self.file_server.revoke(control.parse(msg, control.Token).token)
             if not self.file_server.grants:
                 await self.file_server.close()
                 self.file_server = None

@@ -73,6 +73,10 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     kv_bytes: int = 0
 
 
+class Unload(Wire, frozen=True, kw_only=True):
+    placement: str
+
+
 class ReadLog(Wire, frozen=True, kw_only=True):
     lines: int = 200
 
@@ -130,6 +134,12 @@ class FetchFiles(Wire, frozen=True, kw_only=True):
 
 
 # ---- agent -> agent (link measurement) ------------------------------------------------
+
+
+class Token(Wire, frozen=True, kw_only=True):
+    """open_sink and close_sink (a link measurement), unserve_files (a file grant)."""
+
+    token: str
 
 
 class SinkOpen(Wire, frozen=True, kw_only=True):
