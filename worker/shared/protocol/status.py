@@ -27,6 +27,3 @@ FileState = Literal["same", "differs", "missing"]
 
 # The controller's event log.
 LogLevel = Literal["info", "warning", "error"]
-
-# What a head shard streams back for one request (see control.StreamMessage).
-StreamKind = Literal["accepted", "delta", "done", "failed"]
