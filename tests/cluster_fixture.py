@@ -14,6 +14,7 @@ from pathlib import Path
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory, local_inventory
+from worker.shared.demo_model import DemoSpec, write_demo_model
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,30 @@ def cluster_fixture(
         yield cluster
     finally:
         stop_cluster(cluster)
+
+
+def placed_cluster(
+    home: Path, n: int, base_octet: int, control_port: int, spec: DemoSpec
+) -> Iterator[LocalCluster]:
+    """`n` agents holding one placement of a demo model made with `spec` over every
+    node, warmed up: one short request has compiled MLX's kernels in every runner,
+    once, before the tests that share the placement."""
+    model = write_demo_model(home / "models" / "demo", spec)
+    cluster = start_cluster(home, n, base_octet, control_port)
+    try:
+        asyncio.run(_place_warm(cluster, model))
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+
+
+async def _place_warm(cluster: LocalCluster, model: Path) -> None:
+    ctl = cluster.controller()
+    try:
+        await ctl.refresh()
+        await ctl.place(model)
+        request = {"messages": [{"role": "user", "content": "warm up"}]}
+        async for _ in ctl.generate(None, request, {"max_tokens": 2}):
+            pass
+    finally:
+        await ctl.close()

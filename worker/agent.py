@@ -30,7 +30,11 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from worker import __version__, files, jobs, node_probe, telemetry
 from worker.shared.protocol import control, curve, events, messages
-from worker.shared.protocol.limits import tail_lines
+from worker.shared.protocol.limits import (
+    LINK_MEASURE_BOUNDS,
+    out_of_bounds,
+    tail_lines,
+)
 from worker.shared.protocol.status import ShardStatus
 
 log = logging.getLogger("studiotui.agent")
@@ -45,6 +49,10 @@ LINK_IN_FLIGHT = 4
 LINK_BULK_SECONDS = 0.3
 LINK_BULK_MAX_BYTES = 1 << 30
 LINK_TIMEOUT_S = 5.0
+# A device measurement (worker/device_bench.py) runs seconds; one running past this is
+# stopped and its request fails.
+BENCH_TIMEOUT_S = 300.0
+BENCH_STDERR_LINES = 20
 # While a shard loads, the controller hears from this agent at least this often (the
 # bytes loaded so far): a big layer on a slow disk gives no progress for minutes.
 LOAD_HEARTBEAT_S = 2.0
@@ -165,6 +173,7 @@ class Agent:
         # Power, memory pressure (and GPU use from macmon), refreshed by _meter.
         self.live: dict[str, Any] = {}
         self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self._benches: set[asyncio.subprocess.Process] = set()
         self.jobs = jobs.Jobs(config.home, config.address)
         self._follows: dict[str, list[asyncio.Task[Any]]] = {}
 
@@ -217,6 +226,7 @@ class Agent:
         for task in tasks:
             task.cancel()
         await self._stop_all_shards()
+        await self._stop_benches()
         await self.jobs.stop_all()
         if self.file_server is not None:
             await self.file_server.close()
@@ -551,15 +561,22 @@ class Agent:
         await telemetry.keep_reading(meter, self.live)
 
     async def _on_ping_peer(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        await self._reply(ident, re, "ok")
+        # An activation-sized ping is sent back whole, so its round trip carries it both ways.
+        echo = msg.get("pad", b"") if msg.get("echo") else b""
+        await self._reply(ident, re, "ok", pad=echo)
 
     async def _on_measure_links(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        try:
+            sizes = link_sizes(msg.get("sizes") or {})
+        except ValueError as exc:
+            await self._reply(ident, re, "error", message=str(exc))
+            return
         results = []
         for peer in control.parse(msg, control.MeasureLinks).peers:
-            results.append(await self._measure(peer))
+            results.append(await self._measure(peer, sizes))
         await self._reply(ident, re, "links", links=results)
 
-    async def _measure(self, peer: control.LinkPeer) -> dict[str, Any]:
+    async def _measure(self, peer: control.LinkPeer, sizes: LinkSizes) -> dict[str, Any]:
         """Latency from small pings over the control socket; bandwidth from a
         stream of large messages over a CURVE PUSH to a PULL the peer opens."""
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
@@ -570,12 +587,22 @@ class Agent:
         sock.connect(peer.endpoint)
         out: dict[str, Any] = {"peer": peer.name, "kind": self.facts.get("link_kind", "unknown")}
         try:
-            rtts = [await _ping(sock, i, b"") for i in range(LINK_PINGS)]
+            rtts = [await _ping(sock, i, b"") for i in range(sizes.pings)]
+            # The first ping makes the connection (CURVE handshake): not a latency.
             out["latency_us"] = statistics.median(rtts[1:]) / 2 * 1e6
+            out["latency_p90_us"] = _quantile(rtts[1:], 0.9) / 2 * 1e6
+            if sizes.pad_bytes:
+                pad = bytes(sizes.pad_bytes)
+                padded = [await _ping(sock, i, pad) for i in range(sizes.pings)]
+                out["latency_pad_us"] = statistics.median(padded[1:]) / 2 * 1e6
+                out["pad_bytes"] = sizes.pad_bytes
             token = os.urandom(8).hex()
-            opened = control.parse(await _ask(sock, "open_sink", token=token), control.SinkOpen)
+            opened = control.parse(
+                await _ask(sock, "open_sink", token=token, in_flight=sizes.in_flight),
+                control.SinkOpen,
+            )
             host = peer.endpoint.rsplit(":", 1)[0]
-            sent = await self._stream(keys, server_key, f"{host}:{opened.port}")
+            sent = await self._stream(keys, server_key, f"{host}:{opened.port}", sizes)
             got = control.parse(
                 await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S),
                 control.SinkResult,
@@ -584,10 +611,11 @@ class Agent:
                 out["gbps"] = got.bytes * 8 / got.seconds / 1e9
             out.update(
                 method="curve push-pull",
-                chunk_bytes=LINK_CHUNK_BYTES,
-                in_flight=LINK_IN_FLIGHT,
+                chunk_bytes=sizes.chunk_bytes,
+                in_flight=sizes.in_flight,
                 sent_bytes=sent,
                 received_bytes=got.bytes,
+                seconds=got.seconds,
             )
         except TimeoutError:
             out["error"] = f"{peer.name} did not answer in time"
@@ -597,12 +625,17 @@ class Agent:
             sock.close(linger=0)
         return out
 
-    async def _stream(self, keys: curve.CurveKeys, server_key: bytes, endpoint: str) -> int:
+    async def _stream(
+        self, keys: curve.CurveKeys, server_key: bytes, endpoint: str, sizes: LinkSizes
+    ) -> int:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDHWM, LINK_IN_FLIGHT)
         curve.make_client(push, keys, server_key)
-        payload = bytes(LINK_CHUNK_BYTES)
+        # After make_client, which sets the usual high-water marks: set before it, this
+        # one was overwritten and the whole 1 GiB cap was queued at once (the stream then
+        # lasted ~3 s here, whatever bulk_seconds said).
+        push.setsockopt(zmq.SNDHWM, sizes.in_flight)
+        payload = bytes(sizes.chunk_bytes)
         sent = 0
         try:
             push.connect(endpoint)
@@ -611,7 +644,7 @@ class Agent:
             # asyncio sockets), and the receiver starts its clock at the first data.
             await asyncio.wait_for(push.send_multipart([b"warm"]), LINK_TIMEOUT_S)
             began = time.perf_counter()
-            while time.perf_counter() - began < LINK_BULK_SECONDS and sent < LINK_BULK_MAX_BYTES:
+            while time.perf_counter() - began < sizes.bulk_seconds and sent < LINK_BULK_MAX_BYTES:
                 # copy=False: zero-copy, as the runner sends large activations.
                 await asyncio.wait_for(
                     push.send_multipart([b"data", payload], copy=False), LINK_TIMEOUT_S
@@ -624,11 +657,16 @@ class Agent:
 
     async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         token = control.parse(msg, control.Token).token
+        try:
+            in_flight = link_sizes({"in_flight": msg.get("in_flight", LINK_IN_FLIGHT)}).in_flight
+        except ValueError as exc:
+            await self._reply(ident, re, "error", message=str(exc))
+            return
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
         sink = self.ctx.socket(zmq.PULL)
         sink.setsockopt(zmq.LINGER, 0)
-        sink.setsockopt(zmq.RCVHWM, LINK_IN_FLIGHT)
         curve.make_server(sink, keys)
+        sink.setsockopt(zmq.RCVHWM, in_flight)  # after make_server, which sets its own
         sink.bind(f"tcp://{self.config.address}:*")
         port = int(sink.get_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         task = self._sinks[token] = asyncio.create_task(_drain(sink))
@@ -646,6 +684,95 @@ class Agent:
             await self._reply(ident, re, "error", message="no such link sink")
             return
         await self._reply(ident, re, "sink_result", **await task)
+
+    # ---- the device benchmark (worker/device_bench.py) --------------------------------------
+
+    async def _on_device_bench(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """Matrix-multiply and memory figures of this node's device, measured in a process
+        of its own; each step is said as it starts."""
+        busy = self._bench_running()
+        if busy:
+            await self._reply(ident, re, "error", message=busy)
+            return
+        sizes = msg.get("sizes")
+        if not isinstance(sizes, dict):
+            await self._reply(ident, re, "error", message="device_bench needs its sizes")
+            return
+        try:
+            figures = await self._measurement(
+                ident, re, ["-m", "worker.device_bench", json.dumps(sizes)]
+            )
+        except BenchError as exc:
+            await self._reply(ident, re, "error", message=str(exc))
+            return
+        await self._reply(ident, re, "ok", figures=figures)
+
+    async def _measurement(
+        self,
+        ident: bytes,
+        re: Any,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = BENCH_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """Run `python ARGV` (a worker.device_bench program), relay its steps as
+        `bench_step` replies and return its figures; raise BenchError with its words, or
+        how it ended, when it gives none."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        )
+        self._benches.add(proc)
+        log.info("benchmark pid %d: %s", proc.pid, " ".join(argv[:2]))
+        assert proc.stdout is not None and proc.stderr is not None
+        tail: list[str] = []
+        drain = asyncio.create_task(_tail(proc.stderr, tail, BENCH_STDERR_LINES))
+        figures: dict[str, Any] | None = None
+        fatal = ""
+        try:
+            async with asyncio.timeout(timeout):
+                async for line in proc.stdout:
+                    event = _json_object(line)
+                    kind = event.get("event")
+                    if kind == "step":
+                        await self._reply(ident, re, "bench_step", step=str(event.get("step")))
+                    elif kind == "figures" and isinstance(event.get("figures"), dict):
+                        figures = event["figures"]
+                    elif kind == "fatal":
+                        fatal = str(event.get("message", ""))
+                code = await proc.wait()
+        except TimeoutError:
+            raise BenchError(
+                f"the benchmark on {self.config.name} ran over {timeout:g} s and was stopped"
+            ) from None
+        finally:
+            if proc.returncode is None:  # timed out or the request was cancelled
+                proc.kill()
+                await proc.wait()
+            await drain
+            self._benches.discard(proc)
+        if figures is not None:
+            return figures
+        why = fatal or bench_exit_reason(code)
+        words = "\n".join(tail[-8:])
+        raise BenchError(
+            f"the benchmark on {self.config.name} failed: {why}" + (f"\n{words}" if words else "")
+        )
+
+    def _bench_running(self) -> str:
+        running = [p.pid for p in self._benches if p.returncode is None]
+        if not running:
+            return ""
+        return f"a benchmark already runs on {self.config.name} (pid {running[0]}): wait for it"
+
+    async def _stop_benches(self) -> None:
+        for proc in list(self._benches):
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
     async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")
@@ -923,6 +1050,65 @@ class Agent:
             await asyncio.sleep(TELEMETRY_EVERY_S)
 
 
+@dataclass(frozen=True)
+class LinkSizes:
+    """How `measure_links` measures: pings (and their padding), and the bulk stream."""
+
+    pings: int = LINK_PINGS
+    pad_bytes: int = 0
+    bulk_seconds: float = LINK_BULK_SECONDS
+    chunk_bytes: int = LINK_CHUNK_BYTES
+    in_flight: int = LINK_IN_FLIGHT
+
+
+def link_sizes(asked: dict[str, Any]) -> LinkSizes:
+    """The sizes a `measure_links` request asks for, the defaults for the rest; a field
+    out of its bounds (limits.LINK_MEASURE_BOUNDS) or unknown is refused, naming it."""
+    problem = out_of_bounds(asked, LINK_MEASURE_BOUNDS)
+    if problem:
+        raise ValueError(f"link measurement: {problem}")
+    base = LinkSizes()
+    return LinkSizes(
+        pings=int(asked.get("pings", base.pings)),
+        pad_bytes=int(asked.get("pad_bytes", base.pad_bytes)),
+        bulk_seconds=float(asked.get("bulk_seconds", base.bulk_seconds)),
+        chunk_bytes=int(asked.get("chunk_bytes", base.chunk_bytes)),
+        in_flight=int(asked.get("in_flight", base.in_flight)),
+    )
+
+
+class BenchError(RuntimeError):
+    """A device or group measurement that gave no figures, in words."""
+
+
+def bench_exit_reason(code: int | None) -> str:
+    if code == -signal.SIGKILL:
+        return "its process was killed by SIGKILL (out of memory? ask for smaller sizes)"
+    if code is not None and code < 0:
+        return f"its process was ended by signal {-code}"
+    return f"its process exited with code {code} without figures"
+
+
+def _json_object(line: bytes) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
+
+
+async def _tail(stream: asyncio.StreamReader, into: list[str], keep: int) -> None:
+    """Keep the last `keep` lines of a pipe (read to its end, so the writer never blocks)."""
+    while line := await stream.readline():
+        into.append(line.decode(errors="replace").rstrip())
+        del into[:-keep]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 class AgentLinkError(RuntimeError):
     """A peer refused a link-measurement step."""
 
@@ -963,7 +1149,7 @@ async def _drain(sink: zmq.asyncio.Socket) -> dict[str, Any]:
 
 async def _ping(sock: zmq.asyncio.Socket, n: int, pad: bytes) -> float:
     began = time.perf_counter()
-    await sock.send(messages.encode("ping_peer", id=n, pad=pad))
+    await sock.send(messages.encode("ping_peer", id=n, pad=pad, echo=bool(pad)))
     await asyncio.wait_for(sock.recv(), LINK_TIMEOUT_S)
     return time.perf_counter() - began
 

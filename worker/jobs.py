@@ -39,7 +39,10 @@ from worker import group
 
 # kind -> the module run as `python -m MODULE SPEC.json`; nothing else can be started.
 # Each kind of job adds its module here (and to the node's layers in pyproject.toml).
-KINDS: dict[str, str] = {}
+KINDS: dict[str, str] = {
+    # the cluster benchmark's distributed matrix product, one rank per node
+    "benchmark": "worker.device_bench",
+}
 # What a follower hears at least this often while the job lives (a beat, or an event).
 FOLLOW_BEAT_S = 0.5
 # A running rank silent this long (its beat thread included) is "silent": stopped or frozen.

@@ -35,10 +35,12 @@ from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.panes.rdma import RdmaPane
 from studiotui.app.panes.topology import TopologyPane
 from studiotui.app.place.flow import Placer
+from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
+from studiotui.core.benchmark import Sizes
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
@@ -78,6 +80,7 @@ DASHBOARD_ACTIONS = frozenset(
         "provision",
         "next_theme",
         "chat",
+        "benchmark",
         "refresh",
         "show_tab",
         "focus_nodes",
@@ -132,6 +135,7 @@ class StudioApp(Dashboard):
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
+        Binding("b", "benchmark", "Benchmark", show=False, id="benchmark"),
         # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
         Binding("f5", "refresh", "Refresh", id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
@@ -178,6 +182,8 @@ class StudioApp(Dashboard):
         self._theme_problems = problems
         self.exit_note = ""  # printed by `studiotui` once the terminal is back
         self.placer = Placer(self)
+        # What the Benchmark screen measures with (tests make it small).
+        self.benchmark_sizes = Sizes()
         wanted = self.ui.get("theme")
         if not isinstance(wanted, str) or wanted not in self.available_themes:
             wanted = DEFAULT_THEME if DEFAULT_THEME in self.available_themes else "textual-dark"
@@ -500,6 +506,11 @@ class StudioApp(Dashboard):
         if not isinstance(self.screen, ChatScreen):
             self.push_screen("chat")
 
+    def action_benchmark(self) -> None:
+        # The marked nodes, else every node that is up (as placing does).
+        marked = sorted(self.query_one(NodesPane).marked) or None
+        self.push_screen(BenchmarkScreen(marked, self.benchmark_sizes))
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.key_rows(), [MEMORY_HELP]))
 
@@ -549,6 +560,12 @@ class StudioApp(Dashboard):
             ("Provision selected node", "install and start its agent over SSH", "provision"),
             ("Restart selected node", "stop and start its agent", "restart_node"),
             ("Re-measure links", "latency and bandwidth between nodes", "measure_links"),
+            (
+                "Benchmark the cluster",
+                "MLX GFLOP/s and GB/s per node, links, the group, placements' streams; "
+                "saved runs to compare",
+                "benchmark",
+            ),
             ("Open logs of selected node", "the agent's own log", "node_logs"),
             ("Refresh", "ask every agent again; re-read models", "refresh"),
             ("Sort nodes", "cycle: name, memory, cpu, state", "sort_nodes"),

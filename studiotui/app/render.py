@@ -193,12 +193,28 @@ def ring_hops(
     ring = placement.ring
     names = node_abbreviations([p.node for p in ring]) if short else {}
     missing = set(placement.missing)
-    hops = []
+    # The nodes of a tensor group share their stage's layers: one hop, `a+b[0:40]`.
+    stages: list[list[str]] = []
+    spans: list[tuple[int, int]] = []
     for p in ring:
-        text = f"{names.get(p.node, p.node)}[{p.start}:{p.end}]"
-        hops.append(Content.styled(f"✗{text}", "$error") if p.node in missing else Content(text))
-    if closed and len(ring) > 1:
-        hops.append(Content(names.get(ring[0].node, ring[0].node)))
+        if spans and spans[-1] == (p.start, p.end):
+            stages[-1].append(p.node)
+        else:
+            stages.append([p.node])
+            spans.append((p.start, p.end))
+    hops = []
+    for nodes, (start, end) in zip(stages, spans, strict=True):
+        parts = [
+            Content.styled(f"✗{names.get(n, n)}", "$error")
+            if n in missing
+            else Content(names.get(n, n))
+            for n in nodes
+        ]
+        text = Content.assemble(Content("+").join(parts), f"[{start}:{end}]")
+        gone = all(n in missing for n in nodes)
+        hops.append(text.stylize_before("$error") if gone else text)
+    if closed and len(stages) > 1:
+        hops.append(Content("+".join(names.get(n, n) for n in stages[0])))
     return hops
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ from rich.table import Table
 from studiotui.bench.launch import ring_of_two
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
+from studiotui.cluster.streams import prompt_tokens, stream
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, local_inventory
 
@@ -80,10 +80,6 @@ class BenchConfig:
         return cls(layers=8, hidden=256, tokens=256)
 
 
-def prompt_tokens(n: int) -> list[int]:
-    return [(7 * i) % 200 + 32 for i in range(n)]
-
-
 # ---- single process -----------------------------------------------------------------
 
 
@@ -121,26 +117,6 @@ class SingleProcess:
 
 
 # ---- the pipeline -------------------------------------------------------------------
-
-
-async def stream(ctl: Controller, name: str, tokens: list[int], n: int) -> dict[str, Any]:
-    got: list[int] = []
-    stamps: list[float] = []
-    start = time.perf_counter()
-    params = {"max_tokens": n, "ignore_eos": True}
-    async for msg in ctl.generate(name, {"tokens": tokens}, params):
-        if msg["type"] == "delta":
-            got += msg["tokens"]
-            stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return {
-        "tokens": got,
-        "tps": (len(got) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0,
-        "gap_p50": statistics.median(gaps) if gaps else 0.0,
-        "ttft_ms": (stamps[0] - start) * 1000 if stamps else 0.0,
-        "start": start,
-        "end": stamps[-1] if stamps else start,
-    }
 
 
 async def paired_decode(

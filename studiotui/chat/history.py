@@ -8,8 +8,9 @@ A user message keeps both what the operator typed (`content`) and, when a docume
 was involved, what was really sent to the model (`sent`): the transcript shows the
 first, the test of the retrieval (and a curious operator) reads the second.
 
-Every call is a short transaction on the caller's thread: the chat screen writes a
-few rows per answer, which costs well under a millisecond of the event loop.
+Every call is a short transaction on the caller's thread. The chat calls it only
+from the history's own thread (`store.HistoryStore`), never from the event loop: a
+commit waits for the disk.
 """
 
 from __future__ import annotations

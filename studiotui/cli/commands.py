@@ -27,13 +27,22 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.errors import UserError
+from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
     Inventory,
     SelectionError,
     resolve_group,
 )
 from studiotui.core.model_facts import ModelDirError, read_model
-from studiotui.core.placement import Refusal, format_bytes, render_plan
+from studiotui.core.placement import (
+    ModelFacts,
+    Plan,
+    Refusal,
+    format_bytes,
+    render_plan,
+    tensor_refusal,
+    tensor_sizes,
+)
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -165,6 +174,7 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "state": p.state,
                 "nodes": list(p.nodes),
                 "layers": p.layers,
+                "shape": p.shape,
                 "context_tokens": p.context_tokens,
                 "streams": p.streams,
             }
@@ -193,7 +203,7 @@ def print_nodes(ctl: Controller) -> None:
     for p in ctl.state.placements:
         gone = set(p.missing)
         ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
-        console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}: {ring}")
+        console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}, {p.shape}: {ring}")
 
 
 # ---- place / unload ------------------------------------------------------------------
@@ -249,15 +259,20 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 f"a placement named {name!r} exists ({existing.state}): unload it first "
                 f"(studiotui unload {name}) or pick another --name"
             )
+        if args.tensor is not None and (why := tensor_refusal(info.facts, args.tensor, len(group))):
+            # Before the plan and before any node is asked to load anything.
+            raise UserError(f"--tensor {args.tensor}: {why}")
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams
+                args.model_dir.expanduser(), group, args.context, args.streams, args.tensor
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
         console.print(render_plan(the_plan))
         if isinstance(the_plan, Refusal):
             return 1
+        if isinstance(the_plan, Plan):
+            print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:
             return 0
         with Progress(
@@ -287,6 +302,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     prefill_chunk=args.prefill_chunk,
                     context_tokens=args.context,
                     streams=args.streams,
+                    tensor=args.tensor,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
@@ -294,6 +310,29 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     finally:
         await ctl.close()
     return 0
+
+
+def print_shapes(
+    ctl: Controller, facts: ModelFacts, the_plan: Plan, group: list[str], args: argparse.Namespace
+) -> None:
+    """The forecast of the plan shown, then of every other shape that divides (what
+    `--tensor N` would take), as the preview lists them."""
+    chips = ctl.node_chips(group)
+    links = links_from_state(ctl.state)
+    console.print(
+        f"forecast ({the_plan.shape}): {describe(forecast(facts, the_plan, chips, links))}"
+    )
+    for size in tensor_sizes(facts, len(group)):
+        if size == the_plan.tensor:
+            continue
+        _, other = ctl.preview(
+            args.model_dir.expanduser(), group, args.context, the_plan.streams, size
+        )
+        if isinstance(other, Plan):
+            said = describe(forecast(facts, other, chips, links))
+            console.print(f"  --tensor {size}, {other.shape}: {said}")
+        else:
+            console.print(f"  --tensor {size}: does not fit: {other.reason}")
 
 
 async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:

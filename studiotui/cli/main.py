@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"default: as many as fit, up to {DEFAULT_STREAMS}); more wait in a short queue or "
         "are refused as busy",
     )
+    place.add_argument(
+        "--tensor",
+        type=_positive,
+        default=None,
+        help="nodes per stage: each stage a tensor group of N nodes (1: a pipeline; "
+        "default: the fastest shape that fits, by the forecast)",
+    )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
 
     fetch = sub.add_parser(
@@ -108,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
     )
+    from studiotui.cli.benchmark_cmd import add_parser as add_benchmark_parser
+
+    add_benchmark_parser(sub)
     from studiotui.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
@@ -284,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
     if verb == "web":
         from studiotui.cli import web as module
+    if verb == "benchmark":
+        from studiotui.cli import benchmark_cmd as module
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())

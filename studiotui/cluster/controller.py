@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,19 @@ import zmq.asyncio
 
 from studiotui.cluster import keys, model_files, model_sync
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
+from studiotui.core import benchmark
 from studiotui.core.errors import StudioError
+from studiotui.core.forecast import (
+    Chip,
+    chips_from_state,
+    choose,
+    links_from_state,
+    measured_bandwidths,
+)
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch
 from studiotui.core.model_facts import ModelInfo, read_model
-from studiotui.core.placement import Link, NodeBudget, Plan, Refusal, format_bytes, plan
+from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes
 from studiotui.core.state import (
     ClusterState,
     LinkState,
@@ -359,9 +367,11 @@ class Controller:
         nodes: list[str],
         context_tokens: int = 4096,
         streams: int | None = None,
+        tensor: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
-        DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one."""
+        DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one.
+        `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits."""
         model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
         if info.unsupported:
@@ -376,13 +386,28 @@ class Controller:
                 return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
             free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
             budgets.append(NodeBudget(name, free, node.memory_total))
-        links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind) for x in self.state.links]
+        links = links_from_state(self.state)
+        chips = self.node_chips(nodes)
         tried = [streams] if streams is not None else range(DEFAULT_STREAMS, 0, -1)
         for n in tried:
-            verdict = plan(info.facts, budgets, links, context_tokens=context_tokens, streams=n)
+            verdict = choose(
+                info.facts,
+                budgets,
+                links,
+                chips,
+                tensor=tensor,
+                context_tokens=context_tokens,
+                streams=n,
+            ).verdict
             if isinstance(verdict, Plan):
                 break
         return info, verdict
+
+    def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
+        """What the forecast knows of each node's speed: its chip, or a bandwidth its
+        agent reports or the newest saved benchmark run of this cluster measured."""
+        measured = measured_bandwidths(benchmark.saved(self.home), self.inventory.name)
+        return chips_from_state(self.state, nodes, measured)
 
     async def place(
         self,
@@ -394,6 +419,7 @@ class Controller:
         context_tokens: int = 4096,
         expected: Plan | None = None,
         streams: int | None = None,
+        tensor: int | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else."""
@@ -403,7 +429,7 @@ class Controller:
         name = name or model_dir.name
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
-        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams)
+        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor)
         if expected is not None:
             problem = self._no_longer_fits(expected)
             if problem:
@@ -415,7 +441,13 @@ class Controller:
             f"placing {info.name} as {name!r} on {', '.join(s.node for s in the_plan.shards)}"
         )
         self._unloading.pop(name, None)  # placed again under a name just unloaded
-        ring = tuple(PlannedShard(s.node, s.start, s.end) for s in the_plan.shards)
+        # Every node of a tensor-group stage is remembered with the stage's layers, so
+        # the placement's shape ("2 stages × 2") is known from its ring alone.
+        ring = tuple(
+            PlannedShard(node, s.start, s.end, s.backend or "")
+            for s in the_plan.shards
+            for node in s.nodes
+        )
         self._placing.add(name)
         self._remember_plan(name, PlannedPlacement(str(model_dir), ring))
         try:
@@ -445,15 +477,16 @@ class Controller:
         return placed
 
     def _no_longer_fits(self, expected: Plan) -> str | None:
-        for shard in expected.shards:
-            node = self.state.node(shard.node)
+        for shard, name in ((s, n) for s in expected.shards for n in s.nodes):
+            # Every node of a tensor group holds the same share (its byte figures).
+            node = self.state.node(name)
             if node is None or node.state != "up":
-                return f"{shard.node} is not up"
+                return f"{name} is not up"
             adds = shard.free_before - shard.free_after
             room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
             if adds > room:
                 return (
-                    f"{shard.node} now has {format_bytes(max(room, 0))} free, the plan needs "
+                    f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
                     f"{format_bytes(adds)} there; preview again"
                 )
         return None
@@ -804,29 +837,17 @@ class Controller:
     async def measure_links(self) -> tuple[LinkState, ...]:
         """Every up node measures every other, one node at a time so that
         measurements do not share the wire."""
-        up = [n for n in self.state.nodes if n.state == "up"]
+        up = [n.name for n in self.state.nodes if n.state == "up"]
         found: dict[frozenset[str], list[control.LinkResult]] = {}
         for node in up:
-            peers = [
-                {
-                    "name": p.name,
-                    "endpoint": self.spec(p.name).control_endpoint,
-                    "key": keys.node_public_key(self.home, p.name).decode(),
-                }
-                for p in up
-                if p.name != node.name
-            ]
-            if not peers:
-                continue
             try:
-                reply = await self.peer(node.name).ask(
-                    "measure_links", control.Links, timeout=60.0, peers=peers
-                )
+                results = await self.link_results(node, [p for p in up if p != node])
             except (AgentError, AgentUnreachable) as exc:
-                self.record(f"{node.name} could not measure its links: {exc}", "warning")
+                self.record(f"{node} could not measure its links: {exc}", "warning")
                 continue
-            for result in reply.links:
-                found.setdefault(frozenset((node.name, result.peer)), []).append(result)
+            for result in results:
+                link = control.parse(result, control.LinkResult)  # checked by link_results
+                found.setdefault(frozenset((node, link.peer)), []).append(link)
         links = tuple(
             self._link(pair, results)
             for pair, results in sorted(found.items(), key=lambda kv: sorted(kv[0]))
@@ -835,6 +856,28 @@ class Controller:
         self._save_links(links)
         self.record(f"measured {len(links)} links")
         return links
+
+    async def link_results(
+        self, node: str, peers: list[str], sizes: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """What `node` measures towards each of `peers` (latency, and bandwidth over a
+        CURVE PUSH to a PULL the peer opens), each result marked with `from`; `sizes`
+        changes how long and with what messages (limits.LINK_MEASURE_BOUNDS)."""
+        if not peers:
+            return []
+        targets = [
+            {
+                "name": p,
+                "endpoint": self.spec(p).control_endpoint,
+                "key": keys.node_public_key(self.home, p).decode(),
+            }
+            for p in peers
+        ]
+        extra = {"sizes": sizes} if sizes else {}
+        peer = self.peer(node)
+        reply = await peer.request("measure_links", timeout=60.0, peers=targets, **extra)
+        peer.read(reply, control.Links)  # a malformed answer is the agent's error
+        return [{**r, "from": node} for r in reply["links"]]
 
     def _links_file(self) -> Path:
         return self.home / f"links-{self.inventory.name}.json"

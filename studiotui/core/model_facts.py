@@ -14,16 +14,46 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from studiotui.core.errors import StudioError
 from studiotui.core.kv_sizes import text_config
-from studiotui.core.placement import ModelFacts, facts_from_config
+from studiotui.core.placement import ModelFacts, TensorFacts, facts_from_config
 from worker.shared.model_support import unsupported_reason
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# What mlx-lm's `shard()` methods cut N ways (`shard_linear` / `shard_inplace` / sliced
+# heads), by the tensor's name inside a layer: the attention and MLP projections, MLA's
+# per-head `embed_q`/`unembed_out` (and `kv_b_proj` they are made of), every expert,
+# linear attention's projections and per-head parameters, gpt-oss's sinks. The rest of
+# a layer (norms, the router `mlp.gate`, DeepSeek's `q_a_proj`/`kv_a_proj_with_mqa`)
+# stays whole on every node of a group.
+_SPLIT = re.compile(
+    r"\.(?:q_proj|k_proj|v_proj|o_proj|q_b_proj|kv_b_proj|embed_q|unembed_out|gate_proj|"
+    r"up_proj|down_proj|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|in_proj_qkvz|in_proj_ba|"
+    r"out_proj|conv1d|sinks|dt_bias|A_log)(?:\.|$)|\.experts\.|\.switch_mlp\.|\.shared_experts?\."
+)
+
+
+def cut_by_shard(key: str) -> bool:
+    """Whether mlx-lm's `shard()` cuts this tensor (a layer's weight, by name) N ways."""
+    return bool(_SPLIT.search(key))
+
+
+# Routed experts: a token reads only the few its router picks (shared experts it always reads).
+_ROUTED = re.compile(r"\.switch_mlp\.|(?<!shared_)experts\.")
+# mlx-lm 0.32 model classes with a `shard()` method (tests/unit/test_shapes.py checks this
+# against mlx-lm itself), and of those the ones whose cache is an MLA latent, not per head.
+TENSOR_FAMILIES = frozenset(
+    {
+        "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
+        "kimi_k25", "deepseek_v32", "glm4_moe", "gpt_oss", "minimax", "minimax_m2",
+        "qwen3_5", "qwen3_5_moe", "glm4_moe_lite",
+    }
+)  # fmt: skip
+_MLA_FAMILIES = frozenset({"deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite"})
 _HEADER_LIMIT = 100 * 1024 * 1024  # a safetensors header is JSON; larger is corrupt
 _INDEX = "model.safetensors.index.json"
 # safetensors dtype names → the names config.json and the planner use
@@ -163,6 +193,8 @@ def read_model(path: Path) -> ModelInfo:
         except (OSError, ValueError) as exc:
             raise ModelDirError(f"cannot read {file}: {exc}") from None
     per_layer = [0] * n_layers
+    split = [0] * n_layers
+    routed = [0] * n_layers
     embed = head = params = 0
     dtypes: dict[str, int] = {}
     for key, t in tensors.items():
@@ -174,6 +206,8 @@ def read_model(path: Path) -> ModelInfo:
             # are dropped by mlx-lm's sanitize: no shard holds them.
             if layer < n_layers:
                 per_layer[layer] += t.nbytes
+                split[layer] += t.nbytes if _SPLIT.search(key) else 0
+                routed[layer] += t.nbytes if _ROUTED.search(key) else 0
         elif "embed_tokens" in key:
             embed += t.nbytes
         else:
@@ -185,6 +219,7 @@ def read_model(path: Path) -> ModelInfo:
         facts = facts_from_config(
             config, per_layer, embed, head, path.name, _activation_dtype(tensors)
         )
+        facts = with_shape_facts(facts, config, split, routed)
     except (ValueError, TypeError) as exc:
         if not unsupported:
             raise ModelDirError(f"{path}/config.json: {exc}") from None
@@ -219,3 +254,101 @@ def _config(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelDirError(f"{cfg} is not a JSON object")
     return data
+
+
+# --------------------------------------------------------------------------- tensor groups
+
+
+def _int(cfg: dict[str, Any], *keys: str) -> int:
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _group_size(config: dict[str, Any]) -> int:
+    """The quantization group: `shard()` cuts a quantized weight's scales too, so a
+    width must divide into whole groups per node. 1 for float weights."""
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    if not isinstance(q, dict):
+        return 1
+    mode = str(q.get("mode") or q.get("quant_method") or "affine")
+    if mode in ("mxfp4", "mxfp8"):
+        return 32
+    if mode == "nvfp4":
+        return 16
+    return int(q.get("group_size") or (64 if "bits" in q else 1))
+
+
+def tensor_dims(config: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The sizes a tensor group's node count must divide for this model's `shard()`:
+    attention heads (and KV heads, unless MLA keeps one latent or qwen3.5 repeats
+    them), linear-attention heads, and each MLP / expert width in quantization groups
+    (the `sharded-to-all` cut of a quantized `down_proj` splits its scales)."""
+    cfg = text_config(config)
+    family = str(config.get("model_type") or cfg.get("model_type") or "")
+    group = _group_size(config)
+    dims: list[tuple[str, int]] = [("attention heads", _int(cfg, "num_attention_heads"))]
+    if family not in _MLA_FAMILIES and not family.startswith("qwen3_5"):
+        dims.append(("KV heads", _int(cfg, "num_key_value_heads", "num_attention_heads")))
+    dims += [
+        ("linear-attention key heads", _int(cfg, "linear_num_key_heads")),
+        ("linear-attention value heads", _int(cfg, "linear_num_value_heads")),
+    ]
+    shared = _int(cfg, "shared_expert_intermediate_size") or (
+        _int(cfg, "moe_intermediate_size") * _int(cfg, "n_shared_experts")
+    )
+    unit = f" ({group}-wide quantization groups)" if group > 1 else ""
+    for label, width in (
+        ("MLP width", _int(cfg, "intermediate_size")),
+        ("expert width", _int(cfg, "moe_intermediate_size")),
+        ("shared expert width", shared),
+    ):
+        if width:
+            dims.append((f"{label}{unit}", width // group if width % group == 0 else width))
+    return tuple((label, size) for label, size in dims if size)
+
+
+def _bits_per_weight(config: dict[str, Any], dtype: str) -> float:
+    """Bits a weight takes on disk, scales and biases included (affine: two 16-bit
+    values per group; mx/nv formats: one 8-bit scale per group)."""
+    q = config.get("quantization") or config.get("quantization_config")
+    if isinstance(q, dict) and ("bits" in q or q.get("mode") or q.get("quant_method")):
+        mode = str(q.get("mode") or q.get("quant_method") or "affine")
+        group = _group_size(config)
+        if mode in ("mxfp4", "nvfp4"):
+            return 4 + 8 / group
+        if mode == "mxfp8":
+            return 8 + 8 / group
+        return float(q.get("bits", 4)) + 32 / group
+    return {"float32": 32.0, "float64": 64.0}.get(dtype, 16.0)
+
+
+def with_shape_facts(
+    facts: ModelFacts, config: dict[str, Any], split: list[int], routed: list[int]
+) -> ModelFacts:
+    """`facts` with what tensor groups and the speed forecast need: what `shard()`
+    cuts (None for a family without one), the routed experts' bytes and the share of
+    them a token reads, the widths, and bits per weight."""
+    cfg = text_config(config)
+    family = facts.family
+    tensor = None
+    if family in TENSOR_FAMILIES:
+        tensor = TensorFacts(tensor_dims(config), tuple(split), family not in _MLA_FAMILIES)
+    experts = _int(cfg, "n_routed_experts", "num_experts", "num_local_experts")
+    active = _int(cfg, "num_experts_per_tok", "experts_per_token")
+    heads = _int(cfg, "num_attention_heads")
+    head_dim = (_int(cfg, "qk_nope_head_dim") + _int(cfg, "qk_rope_head_dim")) or _int(
+        cfg, "head_dim"
+    )
+    hidden = _int(cfg, "hidden_size")
+    return replace(
+        facts,
+        tensor=tensor,
+        layer_experts=tuple(routed),
+        experts_active=min(1.0, active / experts) if experts and active else 1.0,
+        hidden_size=hidden,
+        attn_width=heads * (head_dim or (hidden // heads if heads else 0)),
+        bits_per_weight=_bits_per_weight(config, facts.dtype),
+    )

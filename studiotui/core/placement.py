@@ -29,6 +29,7 @@ from studiotui.core.kv_sizes import (
     standard_per_token,
     text_config,
 )
+from studiotui.core.state import shape_label
 
 _GB = 1024**3
 _MB = 1024**2
@@ -56,6 +57,29 @@ _TIE = 1e-9
 
 
 @dataclass(frozen=True)
+class TensorFacts:
+    """What mlx-lm's `shard()` splits when a stage runs as a tensor group of N nodes.
+
+    `dims` are the sizes N must divide (attention heads, KV heads, MLP and expert widths
+    in quantization groups: `mx.split` refuses an uneven cut, and a head cannot be
+    halved); `layer_split` is each layer's bytes that `shard()` cuts N ways (attention
+    and MLP projections, every expert); the rest of a layer (norms, the router,
+    DeepSeek's `q_a_proj`/`kv_a_proj`) and the embedding and head stay whole on every
+    node. `kv_split`: the cache is per head and so split too; an MLA latent is not."""
+
+    dims: tuple[tuple[str, int], ...]
+    layer_split: tuple[int, ...]
+    kv_split: bool = True
+
+    def refusal(self, n: int) -> str | None:
+        """Why `shard()` cannot cut this model `n` ways, or None."""
+        bad = [f"{label} {size}" for label, size in self.dims if size % n]
+        if not bad:
+            return None
+        return f"a tensor group of {n} must divide its {_joined(bad, 'and')}"
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     name: str
     family: str
@@ -69,6 +93,17 @@ class ModelFacts:
     # Each layer's cache as the family keeps it (MLA latent, sliding window, linear
     # state); empty: every layer keeps kv_bytes_per_token for every token.
     layer_kv: tuple[LayerKV, ...] = ()
+    # None: the family has no `shard()` in mlx-lm, so only pipelines of one-node stages.
+    tensor: TensorFacts | None = None
+    # For the speed forecast (studiotui/core/forecast.py): the routed experts' bytes of
+    # each layer (a token reads `experts_active` of them), the residual width an
+    # all-reduce carries, the attention width a prefill multiplies by the context, and
+    # the bits each weight takes (scales included) to turn bytes into FLOPs.
+    layer_experts: tuple[int, ...] = ()
+    experts_active: float = 1.0
+    hidden_size: int = 0
+    attn_width: int = 0
+    bits_per_weight: float = 0.0
 
     def __post_init__(self) -> None:
         # Bad facts are a bug in the caller, not something to explain to the operator.
@@ -82,6 +117,12 @@ class ModelFacts:
             raise ValueError(
                 f"{self.name}: {len(self.layer_kv)} layer caches for {self.n_layers} layers"
             )
+        for name, per_layer in (
+            ("split", self.tensor.layer_split if self.tensor else ()),
+            ("expert", self.layer_experts),
+        ):
+            if per_layer and len(per_layer) != self.n_layers:
+                raise ValueError(f"{self.name}: {len(per_layer)} {name} sizes for {self.n_layers}")
         sizes = (*self.layer_bytes, self.embed_bytes, self.head_bytes, self.kv_bytes_per_token)
         if min(sizes) < 0:
             raise ValueError(f"{self.name}: sizes cannot be negative")
@@ -115,6 +156,9 @@ class Link:
     latency_us: float | None
     gbps: float | None
     kind: str  # "thunderbolt", "ethernet", "wifi", "loopback", "unknown"
+    # Both ends report RDMA over Thunderbolt usable (the agents' `facts["rdma"]`):
+    # MLX's JACCL backend can run a tensor group over it.
+    rdma: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +177,14 @@ class ShardPlan:
     group: tuple[str, ...] = ()
     backend: str | None = None
     backend_reason: str = ""
+    # Free memory of each node of the group before loading (rank order), so every
+    # member's "after" can be shown; () for a one-node stage (`free_before` says it).
+    group_free: tuple[int, ...] = ()
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node of the stage: the group, or the one node."""
+        return self.group or (self.node,)
 
 
 @dataclass(frozen=True)
@@ -145,6 +197,17 @@ class Plan:
     # Requests served at once, each with the whole context: the KV cache is reserved for
     # all of them, and the head shard queues or refuses ("busy") any beyond.
     streams: int = 1
+
+    @property
+    def tensor(self) -> int:
+        """Nodes per stage (every stage of a plan has the same)."""
+        return len(self.shards[0].nodes) if self.shards else 1
+
+    @property
+    def shape(self) -> str:
+        """ "4 stages", "2 stages × 2 (ring)", "1 stage × 4 (jaccl)", "1 node"."""
+        backends = {s.backend for s in self.shards if s.backend}
+        return shape_label(len(self.shards), self.tensor, "/".join(sorted(backends)) or None)
 
 
 @dataclass(frozen=True)
@@ -219,6 +282,18 @@ def _hop_us(link: Link | None) -> float:
     if latency is None or gbps is None or gbps <= 0 or latency < 0:
         return math.inf
     return latency + _PROBE_BITS / (gbps * 1e3)  # 1 Gb/s moves 1e3 bits per µs
+
+
+def link_figures(link: Link) -> tuple[float, float]:
+    """A link's one-way latency (µs) and Gb/s: measured, else the medium's rough TCP
+    figures, else (an unknown medium) a slow guess — 1 ms and 1 Gb/s."""
+    lat_default, gbps_default = _KIND_DEFAULTS.get(link.kind, (1000.0, 1.0))
+    latency = _known(link.latency_us, lat_default)
+    gbps = _known(link.gbps, gbps_default)
+    return (
+        latency if latency is not None and latency >= 0 else lat_default,
+        gbps if gbps is not None and gbps > 0 else gbps_default,
+    )
 
 
 def _link_rank(link: Link) -> tuple[float, str, str, str, float, float]:
@@ -560,8 +635,12 @@ def plan(
     context_tokens: int = 4096,
     streams: int = 1,
     reserve_fraction: float = 0.05,
+    tensor: int = 1,
 ) -> Plan | Refusal:
     """Place `model` on `nodes` as a ring of contiguous layer ranges, or say why not.
+
+    `tensor` > 1 makes every stage a tensor group of that many nodes (see
+    `_plan_tensor`); 1, the default, is a pipeline of one-node stages.
 
     The ring follows the fastest links; layers go in proportion to each node's usable
     memory (free minus `reserve_fraction` of its total) after the head pays the
@@ -575,6 +654,11 @@ def plan(
     refusal = _group_refusal(model, nodes)
     if refusal:
         return refusal
+    if tensor != 1:
+        why = tensor_refusal(model, tensor, len(nodes))
+        if why:
+            return Refusal(why)
+        return _plan_tensor(model, nodes, links, tensor, context_tokens, streams, reserve_fraction)
     by_name = {node.name: node for node in nodes}
     usable = {name: _usable(node, reserve_fraction) for name, node in by_name.items()}
     # Each layer costs its own weights (experts included) plus its own cache, so the
@@ -607,6 +691,184 @@ def plan(
     )
 
 
+# --------------------------------------------------------------------------- tensor groups
+
+
+def tensor_refusal(model: ModelFacts, n: int, node_count: int) -> str | None:
+    """Why `node_count` nodes cannot run `model` as stages of `n`-node tensor groups."""
+    if n < 1:
+        return f"a tensor group needs at least 1 node, not {n}"
+    if n == 1:
+        return None
+    if model.tensor is None:
+        why = (
+            f"{model.name} ({model.family}) has no tensor-parallel shard() in mlx-lm, "
+            "so it runs only as a pipeline (tensor 1)"
+        )
+    elif node_count % n:
+        why = f"a tensor group of {n} does not split {node_count} nodes into equal stages"
+    elif node_count // n > model.n_layers:
+        why = f"{node_count // n} stages need at least {node_count // n} layers"
+    else:
+        cut = model.tensor.refusal(n)
+        why = f"{model.name} cannot be cut {n} ways: {cut}" if cut else ""
+    if not why:
+        return None
+    fits = [str(k) for k in tensor_sizes(model, node_count)]
+    return f"{why}; tensor sizes that divide here: {', '.join(fits)}"
+
+
+def tensor_sizes(model: ModelFacts, node_count: int) -> tuple[int, ...]:
+    """Tensor-group sizes `shard()` can cut this model into on `node_count` nodes (the
+    stages equal), 1 — a pipeline of one-node stages — first."""
+    if model.tensor is None:
+        return (1,)
+    return tuple(
+        n
+        for n in range(1, node_count + 1)
+        if node_count % n == 0
+        and node_count // n <= model.n_layers
+        and model.tensor.refusal(n) is None
+    )
+
+
+def _partitions(names: Sequence[str], n: int) -> list[tuple[tuple[str, ...], ...]]:
+    """Every way to cut the sorted names into groups of n (each group sorted; the group
+    holding the first name first), without repeating one in another order."""
+    if not names:
+        return [()]
+    first, rest = names[0], names[1:]
+    out = []
+    for mates in itertools.combinations(rest, n - 1):
+        left = [x for x in rest if x not in mates]
+        out += [((first, *mates), *more) for more in _partitions(left, n)]
+    return out
+
+
+def _all_rdma(group: Sequence[str], links: Mapping[_Pair, Link]) -> bool:
+    return all(
+        (link := links.get(_pair(a, b))) is not None and link.rdma
+        for a, b in itertools.combinations(group, 2)
+    )
+
+
+def _group_key(
+    groups: Sequence[Sequence[str]], links: Mapping[_Pair, Link]
+) -> tuple[int, float, float]:
+    """Smaller is better: groups without RDMA everywhere, then the slowest link inside a
+    group (every all-reduce waits for it), then the total."""
+    pairs = [p for g in groups for p in itertools.combinations(g, 2)]
+    times = [_hop_us(links.get(_pair(a, b))) for a, b in pairs]
+    finite = [t for t in times if math.isfinite(t)]
+    no_rdma = sum(not _all_rdma(g, links) for g in groups)
+    return (no_rdma, max(times, default=0.0), math.fsum(finite))
+
+
+def backend_for(
+    group: Sequence[str], links: Sequence[Link] | Mapping[_Pair, Link]
+) -> tuple[str, str]:
+    """The `mx.distributed` backend a tensor group runs and why: JACCL when every pair
+    of its nodes has RDMA over Thunderbolt enabled at both ends, else the ring backend
+    over TCP on the Thunderbolt bridge addresses."""
+    best = links if isinstance(links, Mapping) else _best_links(links, frozenset(group))
+    missing = [
+        f"{a} ↔ {b}"
+        for a, b in itertools.combinations(group, 2)
+        if not ((link := best.get(_pair(a, b))) is not None and link.rdma)
+    ]
+    if not missing:
+        return "jaccl", f"every pair of {', '.join(group)} has RDMA enabled: JACCL over RDMA"
+    return "ring", (
+        f"{_joined(missing, 'and')} {'has' if len(missing) == 1 else 'have'} no RDMA at both "
+        "ends: ring backend over TCP on the bridge addresses"
+    )
+
+
+def _plan_tensor(
+    model: ModelFacts,
+    nodes: Sequence[NodeBudget],
+    links: Sequence[Link],
+    n: int,
+    context_tokens: int,
+    streams: int,
+    reserve_fraction: float,
+) -> Plan | Refusal:
+    """Stages of `n`-node tensor groups: every node of a group holds 1/n of what
+    `shard()` splits in the stage's layers (and of their cache, unless it is an MLA
+    latent), and the rest whole; the first group's nodes each hold the embedding, the
+    last group's the head. Groups are the partition whose links are best (RDMA
+    everywhere first), then the stages are cut and ordered as a pipeline's nodes are,
+    each group counted as its smallest node."""
+    assert model.tensor is not None  # tensor_refusal said so
+    by_name = {node.name: node for node in nodes}
+    usable = {name: _usable(node, reserve_fraction) for name, node in by_name.items()}
+    kv_layers = model.kv_bytes(context_tokens, streams)
+    split = model.tensor.layer_split
+    node_layer = [b - s + math.ceil(s / n) for b, s in zip(model.layer_bytes, split, strict=True)]
+    node_kv = [math.ceil(kv / n) if model.tensor.kv_split else kv for kv in kv_layers]
+    costs = [w + kv for w, kv in zip(node_layer, node_kv, strict=True)]
+    stages = len(nodes) // n
+    label = shape_label(stages, n)
+    need = n * (sum(costs) + model.embed_bytes + model.head_bytes)
+    # Held whole on each node of a group: what shard() does not cut, and an MLA cache.
+    whole = sum(b - s for b, s in zip(model.layer_bytes, split, strict=True))
+    whole += model.embed_bytes + model.head_bytes
+    whole += 0 if model.tensor.kv_split else sum(kv_layers)
+    available = sum(max(u, 0) for u in usable.values())
+    if need > available:
+        return Refusal(
+            f"{model.name} as {label} needs {_gb(need)} ({_gb((n - 1) * whole)} more than a "
+            f"pipeline: what shard() leaves whole — norms, routers, embedding, head, an MLA "
+            f"cache — is held by each of the {n} nodes of a group), the group has "
+            f"{_gb(available)} free after a {reserve_fraction:.0%} "
+            f"reserve per node; use fewer nodes per tensor group or add a node"
+        )
+    refusal = _small_node_refusal(usable, costs)
+    if refusal:
+        return refusal
+    best = _best_links(links, frozenset(by_name))
+    partitions = sorted(_partitions(sorted(by_name), n), key=lambda g: (_group_key(g, best), g))
+    for groups in partitions:
+        leaders = {g[0]: g for g in groups}
+        room = {lead: min(usable[m] for m in g) for lead, g in leaders.items()}
+        found = _best_fit(_ring_order(sorted(leaders), best), room, costs, model)
+        if found is None:
+            continue
+        order, cuts = found
+        shards = []
+        for i, lead in enumerate(order):
+            group = leaders[lead]
+            start, end = cuts[i], cuts[i + 1]
+            weights = sum(node_layer[start:end]) + _fixed(i, len(order), model)
+            kv = sum(node_kv[start:end])
+            backend, why = backend_for(group, best)
+            free = by_name[lead].free_bytes
+            shards.append(
+                ShardPlan(
+                    lead,
+                    start,
+                    end,
+                    weights,
+                    kv,
+                    free,
+                    free - weights - kv,
+                    group=group,
+                    backend=backend,
+                    backend_reason=why,
+                    group_free=tuple(by_name[m].free_bytes for m in group),
+                )
+            )
+        return Plan(
+            model=model.name,
+            shards=tuple(shards),
+            context_tokens=context_tokens,
+            slowest_link=_slowest_link(order, best),
+            total_bytes=sum((s.weight_bytes + s.kv_bytes) * n for s in shards),
+            streams=streams,
+        )
+    return _cut_refusal(model, list(usable.values()), costs)
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -629,9 +891,10 @@ def _describe_link(link: Link) -> str:
 
 
 def _footer(p: Plan) -> str:
-    names = [s.node for s in p.shards]
+    names = ["+".join(s.nodes) for s in p.shards]
     if len(names) == 1:
-        return f"ring: {names[0]} alone, no links · total {format_bytes(p.total_bytes)}"
+        alone = "alone, no links" if len(p.shards[0].nodes) == 1 else "as one tensor group"
+        return f"ring: {names[0]} {alone} · total {format_bytes(p.total_bytes)}"
     ring = " → ".join([*names, names[0]])
     slowest = _describe_link(p.slowest_link) if p.slowest_link else "none"
     return f"ring: {ring} · slowest link: {slowest} · total {format_bytes(p.total_bytes)}"
@@ -645,9 +908,13 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
     """The placement preview: one row per shard in ring order, ring and slowest link below."""
     if isinstance(p, Refusal):
         return Text.assemble(("cannot place: ", "bold red"), p.reason)
+    backends = [
+        f"{s.backend} for {', '.join(s.group)}: {s.backend_reason}" for s in p.shards if s.group
+    ]
     table = Table(
-        title=f"{p.model} · {p.context_tokens} tokens of context × {_streams(p.streams)}",
-        caption=_footer(p),
+        title=f"{p.model} · {p.shape} · {p.context_tokens} tokens of context × "
+        f"{_streams(p.streams)}",
+        caption="\n".join([_footer(p), *backends]),
         caption_justify="left",
     )
     table.add_column("node")
@@ -655,7 +922,7 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
         table.add_column(column, justify="right")
     for i, s in enumerate(p.shards):
         table.add_row(
-            s.node,
+            " + ".join(s.nodes),
             _layer_label(s, i, len(p.shards)),
             format_bytes(s.weight_bytes),
             format_bytes(s.kv_bytes),
@@ -677,7 +944,11 @@ def plan_to_dict(p: Plan | Refusal) -> dict[str, Any]:
         "total_bytes": p.total_bytes,
         "ring": [s.node for s in p.shards],
         "slowest_link": asdict(p.slowest_link) if p.slowest_link else None,
-        "shards": [{**asdict(s), "group": list(s.group)} for s in p.shards],
+        "shape": p.shape,
+        "shards": [
+            {**asdict(s), "group": list(s.group), "group_free": list(s.group_free)}
+            for s in p.shards
+        ],
     }
 
 

@@ -107,6 +107,9 @@ class PlannedShard:
     node: str
     start: int
     end: int
+    # The `mx.distributed` backend of the stage's tensor group ("ring", "jaccl");
+    # "" for a one-node stage. Nodes of one group share start and end.
+    backend: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,16 @@ class PlacementState:
     def ring(self) -> tuple[PlannedShard, ...]:
         """The whole ring in order: as planned where known, else as reported."""
         return self.planned or tuple(PlannedShard(s.node, s.start, s.end) for s in self.shards)
+
+    @property
+    def shape(self) -> str:
+        """ "4 stages", "2 stages × 2 (ring)": the nodes sharing a layer range are one
+        stage's tensor group."""
+        stages: dict[tuple[int, int], int] = {}
+        for p in self.ring:
+            stages[(p.start, p.end)] = stages.get((p.start, p.end), 0) + 1
+        backends = sorted({p.backend for p in self.ring if p.backend})
+        return shape_label(len(stages), max(stages.values(), default=1), "/".join(backends) or None)
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -214,13 +227,21 @@ class PlannedPlacement:
     def to_json(self) -> dict[str, Any]:
         return {
             "model_dir": self.model_dir,
-            "shards": [[s.node, s.start, s.end] for s in self.shards],
+            "shards": [
+                [s.node, s.start, s.end, *([s.backend] if s.backend else [])] for s in self.shards
+            ],
         }
 
     @classmethod
     def from_json(cls, raw: Any) -> PlannedPlacement:
         """Raises ValueError (or TypeError) for anything but what to_json wrote."""
-        shards = tuple(PlannedShard(str(n), int(a), int(b)) for n, a, b in raw["shards"])
+        rows = list(raw["shards"])
+        if any(len(row) not in (3, 4) for row in rows):
+            raise ValueError("a planned shard is [node, start, end] or [node, start, end, backend]")
+        shards = tuple(
+            PlannedShard(str(row[0]), int(row[1]), int(row[2]), str(row[3]) if len(row) > 3 else "")
+            for row in rows
+        )
         if not shards:
             raise ValueError("a planned placement without shards")
         return cls(model_dir=str(raw["model_dir"]), shards=shards)
@@ -309,3 +330,14 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         kv_bytes=report.kv_bytes,
         streams=report.streams,
     )
+
+
+def shape_label(stages: int, tensor: int, backend: str | None = None) -> str:
+    """A placement's shape in words: "4 stages", "2 stages × 2 (ring)", "1 node".
+
+    `tensor` is the nodes per stage (1: a pipeline of one-node stages); `backend` the
+    `mx.distributed` backend its tensor groups run, when known."""
+    if tensor <= 1:
+        return "1 node" if stages == 1 else f"{stages} stages"
+    words = f"{stages} stage{'s' if stages != 1 else ''} × {tensor}"
+    return f"{words} ({backend})" if backend else words

@@ -26,6 +26,7 @@ from studiotui.app.place.preview import (
     refusal_lines,
     warnings_for,
 )
+from studiotui.core.forecast import chips_from_state, choose, links_from_state
 from studiotui.core.model_facts import ModelInfo
 from studiotui.core.placement import ModelFacts, NodeBudget, Plan, Refusal, plan
 from studiotui.core.state import (
@@ -83,6 +84,7 @@ class FixedPreview:
         nodes: list[str],
         context_tokens: int = 4096,
         streams: int | None = None,
+        tensor: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         budgets = []
         for name in nodes:
@@ -93,7 +95,15 @@ class FixedPreview:
             budgets.append(NodeBudget(name, node.memory_free, node.memory_total))
         # As the controller does: as many streams as fit, up to the default, else one.
         for n in [streams] if streams else range(DEFAULT_STREAMS, 0, -1):
-            verdict = plan(self.info.facts, budgets, context_tokens=context_tokens, streams=n)
+            verdict = choose(
+                self.info.facts,
+                budgets,
+                links_from_state(self.state),
+                chips_from_state(self.state, nodes),
+                tensor=tensor,
+                context_tokens=context_tokens,
+                streams=n,
+            ).verdict
             if isinstance(verdict, Plan):
                 break
         return self.info, verdict

@@ -12,7 +12,6 @@ runs to max_tokens, which is what the stop and error tests need.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -30,12 +29,10 @@ from studiotui.app.screens.chat import AnswerView, ChatScreen, UserView
 from studiotui.app.screens.conversations import ConversationsScreen
 from studiotui.chat.documents import split_passages
 from studiotui.chat.history import History, Settings
-from studiotui.cluster import local_cluster
-from studiotui.cluster.controller import Controller
-from studiotui.cluster.session import wait_until_up
-from studiotui.core.inventory import Inventory, local_inventory
+from studiotui.core.inventory import Inventory
+from tests.cluster_fixture import placed_cluster
 from tests.pilot_helpers import run_from_palette
-from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.demo_model import DemoSpec
 
 BASE = 221
 PORT = 59500
@@ -47,38 +44,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Inventory]]:
+    spec = DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32")
     home = tmp_path_factory.mktemp("chat-home")
-    inv = local_inventory(2, base_octet=BASE, control_port=PORT, home=home, memory_gb=8.0)
-    pids: list[int] = []
-    try:
-        for node in inv.nodes:
-            pids.append(local_cluster.start_agent(home, node, inv))
-        model = write_demo_model(
-            home / "models" / "demo",
-            DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32"),
-        )
-        asyncio.run(_up_and_place(home, inv, model))
-        yield home, inv
-    finally:
-        for node in inv.nodes:
-            with contextlib.suppress(Exception):
-                local_cluster.stop_agent(node)
-        for pid in pids:
-            local_cluster.kill_pid(pid)
-
-
-async def _up_and_place(home: Path, inv: Inventory, model: Path) -> None:
-    ctl = Controller(home, inv)
-    try:
-        missing = await wait_until_up(ctl, list(inv.names), timeout=30.0)
-        assert not missing, f"agents did not come up: {missing}"
-        await ctl.place(model)
-        # The first request compiles MLX kernels in every runner; do it here, once.
-        request = {"messages": [{"role": "user", "content": "warm up"}]}
-        async for _ in ctl.generate(None, request, {"max_tokens": 2}):
-            pass
-    finally:
-        await ctl.close()
+    for local in placed_cluster(home, 2, BASE, PORT, spec):
+        yield local.home, local.inventory
 
 
 # --------------------------------------------------------------------------- helpers
@@ -123,17 +92,27 @@ async def ask(pilot: Any, screen: ChatScreen, text: str) -> None:
     prompt = screen.query_one("#chat-prompt", Input)
     prompt.focus()
     prompt.value = text
-    previous = screen._turn
+    previous = screen.turn
     # Not pilot.press: it waits for every widget to be idle, which a streaming
     # answer never is. A terminal sends the key without waiting either.
     screen.app.simulate_key("enter")
-    await until(pilot, lambda: screen._turn is not previous, 5, f"{text!r} is asked")
+    await until(pilot, lambda: screen.turn is not previous, 5, f"{text!r} is asked")
+
+
+async def long_answer_under_way(pilot: Any, app: StudioApp) -> ChatScreen:
+    """The chat, a new conversation, and an answer of up to 2000 tokens 8 tokens in."""
+    screen = await open_chat(pilot, app)
+    await pilot.press("ctrl+n")
+    settings(screen, "0", "2000")
+    await ask(pilot, screen, LONG)
+    await until(pilot, lambda: screen.turn is not None and screen.turn.tokens >= 8, 20, "t")
+    return screen
 
 
 async def answered(pilot: Any, screen: ChatScreen, timeout: float = 30) -> AnswerView:
     await until(
         pilot,
-        lambda: screen._turn is not None and screen._turn.finished,
+        lambda: screen.turn is not None and screen.turn.finished,
         timeout,
         "the answer ends",
     )
@@ -186,13 +165,13 @@ async def test_an_answer_streams_with_its_figures(
         # Pilot.press waits until every widget is idle, which is never while tokens
         # stream: the keys during the answer are sent as a terminal would send them.
         app.simulate_key("enter")
-        await until(pilot, lambda: screen._turn is not None, 5, "streaming starts")
+        await until(pilot, lambda: screen.turn is not None, 5, "streaming starts")
         # Keys are answered while tokens stream, not queued behind the answer. (How
         # quickly is a figure for a benchmark, not a timed assertion here.) Polled with
         # plain sleeps: `pilot.pause` first waits for every widget to take its queued
         # messages, which under a stream on a loaded machine can outlast a fast answer.
         deadline = time.monotonic() + 15
-        while screen._turn is None or screen._turn.tokens <= 5:
+        while screen.turn is None or screen.turn.tokens <= 5:
             assert time.monotonic() < deadline, "no tokens within 15 s"
             await asyncio.sleep(0.005)
         prompt = screen.query_one("#chat-prompt", Input)
@@ -201,18 +180,18 @@ async def test_an_answer_streams_with_its_figures(
             app.simulate_key(key)
             while not prompt.value.endswith(key):
                 await asyncio.sleep(0.005)
-            tokens_when_echoed.append(screen._turn.tokens)
+            tokens_when_echoed.append(screen.turn.tokens)
         assert prompt.value == "xyz"
         assert max(tokens_when_echoed) < ANSWER, "the keys waited for the whole answer"
         # The live figures are redrawn FLUSH_HZ times a second while tokens come: polled
         # (not read once) so a redraw still pending on a busy machine is waited for.
         live = content(screen, "#chat-figures")
-        while "answering" not in live and not screen._turn.finished:
+        while "answering" not in live and not screen.turn.finished:
             await asyncio.sleep(0.01)
             live = content(screen, "#chat-figures")
         assert "answering" in live and "tok/s" in live, live
         view = await answered(pilot, screen)
-        turn = screen._turn
+        turn = screen.turn
         assert turn is not None and turn.error is None and not turn.stopped
 
         assert [v.text for v in screen.query(UserView)] == ["hello there"]
@@ -255,16 +234,12 @@ async def test_escape_stops_at_once_and_frees_every_cache(
     home, inv = cluster
     app = StudioApp(home, inv)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await open_chat(pilot, app)
-        await pilot.press("ctrl+n")
-        settings(screen, "0", "2000")
-        await ask(pilot, screen, LONG)
-        await until(pilot, lambda: screen._turn is not None and screen._turn.tokens >= 8, 20, "t")
+        screen = await long_answer_under_way(pilot, app)
         await pilot.press("escape")
         # The question is back to edit at once; the answer ends within a moment.
         assert screen.query_one("#chat-prompt", Input).value == LONG
         await until(pilot, lambda: not screen.streaming, 2, "the answer stops")
-        turn = screen._turn
+        turn = screen.turn
         assert turn is not None and turn.stopped and turn.error is None
         partial = turn.text
         assert partial and turn.tokens < 2000
@@ -291,9 +266,9 @@ async def test_escape_stops_at_once_and_frees_every_cache(
         # Asking again (edited or not) replaces the stopped turn.
         settings(screen, "0", "8")
         screen.query_one("#chat-prompt", Input).focus()
-        stopped = screen._turn
+        stopped = screen.turn
         await pilot.press("enter")
-        await until(pilot, lambda: screen._turn is not stopped, 5, "asked again")
+        await until(pilot, lambda: screen.turn is not stopped, 5, "asked again")
         await answered(pilot, screen)
         again = stored(home, conv.id)
         assert [m.role for m in again] == ["user", "assistant"]
@@ -303,9 +278,9 @@ async def test_escape_stops_at_once_and_frees_every_cache(
 
         # Regenerate: the last answer is made again, the question stays.
         settings(screen, "0", "12")
-        previous = screen._turn
+        previous = screen.turn
         await pilot.press("ctrl+r")
-        await until(pilot, lambda: screen._turn is not previous, 5, "regenerating")
+        await until(pilot, lambda: screen.turn is not previous, 5, "regenerating")
         view = await answered(pilot, screen)
         after = stored(home, conv.id)
         assert [m.role for m in after] == ["user", "assistant"]
@@ -449,17 +424,31 @@ async def test_a_question_about_a_document_uses_the_related_passages(
         assert [v.text for v in screen.query(UserView)] == ["What is the vault code?"]
 
 
+async def test_quitting_mid_answer_keeps_what_arrived(cluster: tuple[Path, Inventory]) -> None:
+    home, inv = cluster
+    app = StudioApp(home, inv)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await long_answer_under_way(pilot, app)
+        turn = screen.turn
+        assert turn is not None and not turn.finished
+        session = screen.session
+    # The app quit with the answer coming: the screen kept it as it was, then closed
+    # the history once every write was done.
+    session.store.close().result(timeout=10)
+    assert turn.finished and turn.stopped and turn.text and turn.tokens < 2000
+    assert session.conversation is not None
+    [question, answer] = stored(home, session.conversation.id)
+    assert question.content == LONG
+    assert answer.content == turn.text and answer.meta["stopped"] is True
+
+
 async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
     cluster: tuple[Path, Inventory],
 ) -> None:
     home, inv = cluster
     app = StudioApp(home, inv)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await open_chat(pilot, app)
-        await pilot.press("ctrl+n")
-        settings(screen, "0", "2000")
-        await ask(pilot, screen, LONG)
-        await until(pilot, lambda: screen._turn is not None and screen._turn.tokens >= 8, 20, "t")
+        screen = await long_answer_under_way(pilot, app)
         ctl = app.controller
         assert ctl is not None
         placement = ctl.state.placement("demo")
@@ -470,7 +459,7 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         os.kill(int(runner["pid"]), signal.SIGKILL)
 
         view = await answered(pilot, screen, timeout=20)
-        turn = screen._turn
+        turn = screen.turn
         assert turn is not None and turn.error and not turn.stopped
         assert "place it again" in turn.error, "the error should say what to do"
         assert turn.text and view.text == turn.text
@@ -485,9 +474,9 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         # The placement is gone now: asking says so in the conversation.
         await ask(pilot, screen, "are you there?")
         view = await answered(pilot, screen, timeout=20)
-        assert screen._turn is not None and screen._turn.error
-        assert "demo" in screen._turn.error and "no text arrived" in str(view.note.content)
-        assert "unload it" in screen._turn.error
+        assert screen.turn is not None and screen.turn.error
+        assert "demo" in screen.turn.error and "no text arrived" in str(view.note.content)
+        assert "unload it" in screen.turn.error
 
 
 async def test_settings_fields_say_what_is_wrong_where_one_looks(tmp_path: Path) -> None:

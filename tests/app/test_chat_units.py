@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from studiotui.app.screens.chat import (
-    CONTEXT_TOKENS,
-    code_blocks,
-    complete_path,
-    printable,
-    prompt_budget_chars,
-    request_messages,
-    shard_role,
-)
+from studiotui.app.screens.chat import code_blocks, shard_role
+from studiotui.chat.budget import CONTEXT_TOKENS, prompt_budget_chars, request_messages
+from studiotui.chat.commands import complete_path
+from studiotui.chat.conversation import printable
 from studiotui.chat.documents import local_chars_per_token
 from studiotui.chat.history import Message
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -61,6 +56,9 @@ def test_budget_leaves_room_for_the_answer() -> None:
     assert prompt_budget_chars(512, 4.0) == 4 * (CONTEXT_TOKENS - 512 - 64)
     # Asking for more tokens than the context still leaves a floor for the question.
     assert prompt_budget_chars(10_000, 1.0) == CONTEXT_TOKENS // 8
+    # A placement made with a smaller context gets prompts that fit it, not the default.
+    assert prompt_budget_chars(512, 1.0, 1024) == 1024 - 512 - 64
+    assert prompt_budget_chars(512, 1.0, 0) == prompt_budget_chars(512, 1.0)
 
 
 def test_code_blocks_fenced_and_indented() -> None:

@@ -692,7 +692,7 @@ def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
             await pilot.press("c")
             await until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "chat screen")
             screen = app.screen
-            screen.action_new_conversation()  # the app reopens the last one; ask afresh
+            await screen.action_new_conversation()  # the app reopens the last one; ask afresh
             await pilot.pause(0.1)
             screen.query_one("#chat-temperature", Input).value = "0"
             screen.query_one("#chat-max-tokens", Input).value = "12"
@@ -701,9 +701,9 @@ def test_the_tui_and_cli_reattach_to_a_loaded_placement_with_nothing_reloaded(
             prompt.value = "are you still there?"
             app.simulate_key("enter")
             await until(
-                pilot, lambda: screen._turn is not None and screen._turn.finished, 60, "answer"
+                pilot, lambda: screen.turn is not None and screen.turn.finished, 60, "answer"
             )
-            turn = screen._turn
+            turn = screen.turn
             assert turn.error is None, turn.error
             return shown(), turn.text, pids
 

@@ -228,6 +228,8 @@ class PlacementsPane(Vertical):
         if placement is None:
             return
         head = Content.assemble(("ring ", "$text-muted"), (placement.name, "bold"), "  ")
+        if "×" in placement.shape:
+            head = Content.assemble(head, (f"{placement.shape}  ", "$text-muted"))
         width = self.query_one(DataTable).size.width or 80
         hops = ring_hops(placement, closed=True)
         line.update(Content("\n").join(wrap_hops(head, hops, width, Content(""))))

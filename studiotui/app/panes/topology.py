@@ -333,7 +333,10 @@ def draw_topology(state: ClusterState, width: int, selected: str | None = None) 
         lines.append(Content(""))
     for i, placement in enumerate(state.placements):
         style = PLACEMENT_STYLES[i % len(PLACEMENT_STYLES)]
+        # A pipeline's ring says its shape; a tensor group's shape is said in words.
         head = Content.assemble(("ring ", "$text-muted"), (placement.name, f"{style} bold"), "  ")
+        if "×" in placement.shape:
+            head = Content.assemble(head, (f"{placement.shape}  ", "$text-muted"))
         hops = [hop.stylize_before(style) for hop in ring_hops_text(placement, closed=True)]
         tail = Content.styled(placement.state, state_style(placement.state))
         lines += wrap_hops(head, hops, width, tail)

@@ -26,10 +26,24 @@ from textual.screen import ModalScreen
 from studiotui.app.guard import guard_actions
 from studiotui.app.panes.placements import progress_lines
 from studiotui.app.render import Drawing, bar, short_count, state_style, usage_style
+from studiotui.core.forecast import (
+    Forecast,
+    chips_from_state,
+    describe,
+    forecast,
+    links_from_state,
+)
 from studiotui.core.model_facts import ModelInfo
-from studiotui.core.placement import Plan, Refusal, format_bytes, plan_to_dict, render_plan
+from studiotui.core.placement import (
+    Plan,
+    Refusal,
+    format_bytes,
+    plan_to_dict,
+    render_plan,
+    tensor_sizes,
+)
 from studiotui.core.rates import Rates
-from studiotui.core.state import ClusterState
+from studiotui.core.state import ClusterState, shape_label
 
 
 class Previewing(Protocol):
@@ -44,6 +58,7 @@ class Previewing(Protocol):
         nodes: list[str],
         context_tokens: int = ...,
         streams: int | None = ...,
+        tensor: int | None = ...,
     ) -> tuple[ModelInfo, Plan | Refusal]: ...
 
 
@@ -134,11 +149,16 @@ def _fitting(build: Callable[[int, bool, bool], list[Content]], width: int) -> l
     return lines
 
 
-def plan_lines(the_plan: Plan, state: ClusterState, name: str, width: int = 200) -> list[Content]:
-    """One row per node in ring order: layers, sizes, memory now and after, fits."""
+def plan_lines(
+    the_plan: Plan, state: ClusterState, placement: str, width: int = 200
+) -> list[Content]:
+    """One row per node in ring order (each node of a tensor group): layers, sizes,
+    memory now and after, fits."""
     data = plan_to_dict(the_plan)
     count = len(data["shards"])
-    any_held = any(_holds(state, s["node"], name) for s in data["shards"])
+    any_held = any(
+        _holds(state, n, placement) for s in data["shards"] for n in s["group"] or [s["node"]]
+    )
 
     def build(gauge: int, holds: bool, sizes: bool) -> list[Content]:
         titles = ["node", "layers", "weights", "KV cache", "memory now", "after loading", ""]
@@ -147,15 +167,26 @@ def plan_lines(the_plan: Plan, state: ClusterState, name: str, width: int = 200)
         if holds and any_held:
             titles.append("holds")
         rows = [[Content.styled(h, "bold $text-muted") for h in titles]]
-        for i, shard in enumerate(data["shards"]):
-            node = state.node(shard["node"])
+        members = [
+            (i, shard, name, free - shard["weight_bytes"] - shard["kv_bytes"])
+            for i, shard in enumerate(data["shards"])
+            for name, free in zip(
+                shard["group"] or [shard["node"]],
+                shard["group_free"] or [shard["free_before"]],
+                strict=True,
+            )
+        ]
+        for i, shard, name, free_after in members:
+            node = state.node(name)
             total = node.memory_total if node else 0
             span = f"{shard['start']}–{shard['end'] - 1}"
             ends = [x for x, held in (("embed", i == 0), ("head", i == count - 1)) if held]
+            # A tensor group's nodes each hold a slice of the same layers: "÷2".
+            part = f" ÷{len(shard['group'])}" if shard["group"] else ""
             row = [
-                Content.styled(shard["node"], "bold"),
+                Content.styled(name, "bold"),
                 Content.assemble(
-                    f"{span} ({shard['end'] - shard['start']})",
+                    f"{span} ({shard['end'] - shard['start']}){part}",
                     (f" +{'+'.join(ends)}" if ends else "", "$text-muted"),
                 ),
                 Content(format_bytes(shard["weight_bytes"])),
@@ -163,15 +194,15 @@ def plan_lines(the_plan: Plan, state: ClusterState, name: str, width: int = 200)
                 # What the node reports in use, the figure its card shows; the plan's
                 # "free before" also holds back what loading shards and a runner take.
                 _memory_cell(node.memory_used if node else 0, total, gauge),
-                _memory_cell(total - shard["free_after"], total, gauge),
+                _memory_cell(total - free_after, total, gauge),
                 Content.styled("✓ fits", "$success")
-                if shard["free_after"] >= 0
+                if free_after >= 0
                 else Content.styled("✗ short", "$error"),
             ]
             if not sizes:
                 row[2:4] = []
             if len(titles) > len(row):
-                row.append(Content.styled(_holds(state, shard["node"], name), "$text-muted"))
+                row.append(Content.styled(_holds(state, name, placement), "$text-muted"))
             rows.append(row)
         return _table(rows, right={2, 3} if sizes else set())
 
@@ -179,6 +210,32 @@ def plan_lines(the_plan: Plan, state: ClusterState, name: str, width: int = 200)
     # The planner's own words for the ring and its slowest link, as `studiotui place`.
     caption = render_plan(the_plan).caption  # type: ignore[union-attr]
     return [*lines, Content(""), Content.styled(str(caption), "$text-muted")]
+
+
+def shape_lines(
+    shapes: Sequence[tuple[int, Plan | Refusal, Forecast | None]],
+    shown: Plan | None,
+    node_count: int,
+) -> list[Content]:
+    """Each shape that divides, with its forecast or why it does not fit; the one on
+    screen marked (its groups' backends and why are in the plan's caption above)."""
+    lines = [Content(""), Content.styled("shapes (t cycles)  ·  forecast", "bold $text-muted")]
+    for size, verdict, guess in shapes:
+        here = shown is not None and shown.tensor == size
+        mark = ("▸ ", "bold $accent") if here else ("  ", "")
+        if isinstance(verdict, Plan) and guess is not None:
+            lines.append(
+                Content.assemble(
+                    mark, (f"{verdict.shape:<22}", "bold" if here else ""), describe(guess)
+                )
+            )
+        else:
+            reason = verdict.reason if isinstance(verdict, Refusal) else ""
+            label = shape_label(max(node_count // size, 1), size)
+            lines.append(
+                Content.assemble(mark, f"{label:<22}", ("does not fit: " + reason, "$text-muted"))
+            )
+    return lines
 
 
 def refusal_lines(
@@ -248,6 +305,7 @@ class PreviewScreen(ModalScreen[None]):
         Binding("minus", "context(0.5)", "Context ÷2", id="preview-context-down"),
         Binding("s", "streams(1)", "Streams +1", id="preview-streams-up"),
         Binding("S", "streams(-1)", "Streams -1", id="preview-streams-down"),
+        Binding("t", "cycle_shape", "Shape", id="preview-shape"),
     ]
 
     def __init__(self, request: PlaceRequest, controller: Previewing, deploy: Deploy) -> None:
@@ -259,6 +317,10 @@ class PreviewScreen(ModalScreen[None]):
         # Requests served at once (KV is reserved for each): None lets the planner take
         # as many as fit, up to DEFAULT_STREAMS; s/S then set it.
         self.streams: int | None = None
+        # Nodes per stage asked for with `t`; None lets the planner take the fastest.
+        self.tensor: int | None = None
+        # Every shape that divides: (tensor size, plan or refusal, forecast if it fits).
+        self.shapes: list[tuple[int, Plan | Refusal, Forecast | None]] = []
         # measuring, planning, plan, refused, error, loading, ready, failed
         self.phase = "planning"
         self.info: ModelInfo | None = None
@@ -307,12 +369,41 @@ class PreviewScreen(ModalScreen[None]):
                 list(request.nodes),
                 self.context_tokens,
                 self.streams,
+                self.tensor,
             )
+            self.shapes = await asyncio.to_thread(self._shapes)
         except Exception as exc:  # a model directory gone or unreadable since the scan
             self.phase, self.message = "error", f"cannot read {request.model}: {exc}"
         else:
             self.phase = "refused" if isinstance(self.verdict, Refusal) else "plan"
         self._draw()
+
+    def _shapes(self) -> list[tuple[int, Plan | Refusal, Forecast | None]]:
+        """Every shape the model and these nodes divide into, planned for the streams
+        on screen, with its forecast: what `t` cycles through."""
+        if self.info is None or self.info.unsupported:
+            return []
+        state = self.controller.state
+        nodes = list(self.request.nodes)
+        # The controller's own figures (a saved benchmark's bandwidths) when it has them.
+        node_chips = getattr(self.controller, "node_chips", None)
+        chips = node_chips(nodes) if node_chips is not None else chips_from_state(state, nodes)
+        links = links_from_state(state)
+        out: list[tuple[int, Plan | Refusal, Forecast | None]] = []
+        for size in tensor_sizes(self.info.facts, len(nodes)):
+            if isinstance(self.verdict, Plan) and self.verdict.tensor == size:
+                verdict: Plan | Refusal = self.verdict
+            else:
+                _, verdict = self.controller.preview(
+                    self.request.model, nodes, self.context_tokens, self.planned_streams, size
+                )
+            guess = (
+                forecast(self.info.facts, verdict, chips, links)
+                if isinstance(verdict, Plan)
+                else None
+            )
+            out.append((size, verdict, guess))
+        return out
 
     @property
     def plan(self) -> Plan | None:
@@ -356,6 +447,19 @@ class PreviewScreen(ModalScreen[None]):
         self.streams = max(1, min(MAX_STREAMS, self.planned_streams + delta))
         self.replan()
 
+    def action_cycle_shape(self) -> None:
+        """`t`: the next shape that fits (stages of 1, 2, 4… nodes), round to the first."""
+        if self.phase not in ("plan", "refused"):
+            return
+        fitting = [size for size, verdict, _ in self.shapes if isinstance(verdict, Plan)]
+        now = self.plan.tensor if self.plan else None
+        if not fitting or fitting == [now]:
+            self.app.notify("no other shape fits these nodes", severity="warning")
+            return
+        later = [size for size in fitting if now is None or size > now]
+        self.tensor = later[0] if later else fitting[0]
+        self.replan()
+
     @property
     def planned_streams(self) -> int:
         """The streams the plan on screen is for (a refusal in auto mode is for one)."""
@@ -391,7 +495,7 @@ class PreviewScreen(ModalScreen[None]):
         self.query_one("#preview-body", Drawing).redraw(self._lines)
         dialog = self.query_one("#preview-dialog")
         dialog.border_subtitle = {
-            "plan": "enter deploy · +/- context · s/S streams · esc cancel",
+            "plan": "enter deploy · +/- context · s/S streams · t shape · esc cancel",
             "refused": "+/- context · s/S streams · esc close",
             "loading": "esc hide (loading goes on; see Placements)",
         }.get(self.phase, "esc close")
@@ -429,6 +533,9 @@ class PreviewScreen(ModalScreen[None]):
             lines += refusal_lines(self.verdict, state, request.nodes, request.name, width)
         elif isinstance(self.verdict, Plan):
             lines += plan_lines(self.verdict, state, request.name, width)
+        # A refused single shape would only repeat the reason above.
+        if self.phase in ("plan", "refused") and (self.plan or len(self.shapes) > 1):
+            lines += shape_lines(self.shapes, self.plan, len(request.nodes))
         for warning in warnings_for(state, request.nodes, request.name):
             lines.append(Content.styled(f"⚠ {warning}", "$warning"))
         if self.phase in ("loading", "ready", "failed"):

@@ -1,25 +1,27 @@
 """The chat screen: talk to a placement, watch it work, keep the conversation.
 
-The answer arrives from `Controller.generate` as one message per token, at the
-pipeline's full rate. Drawing each token would make the screen (and so the keys)
-lag behind a fast model, so tokens are only collected as they come and a timer
-draws what has arrived FLUSH_HZ times a second, through Textual's MarkdownStream
-(which coalesces further if a redraw is still running). Figures are redrawn on
-the same tick.
+A view of a `ChatSession` (studiotui/chat/conversation.py), which owns the
+conversation: the history, the prompt's budget, the passages of attached documents,
+the slash commands and the answer's stream. The screen reads the widgets, forwards
+what the operator does, and draws the session's state.
 
-Stopping cancels the worker that iterates the generator: the CancelledError
-lands inside `generate` at its await, and its `finally` sends the cancel that
-frees the KV cache on every shard. Whatever text had arrived is kept, in the
-transcript and in the history, whether the answer stopped, failed or finished.
+The answer arrives from the cluster as one message per token, at the pipeline's
+full rate. Drawing each token would make the screen (and so the keys) lag behind a
+fast model, so the session only collects tokens as they come and a timer draws what
+has arrived FLUSH_HZ times a second, through Textual's MarkdownStream (which
+coalesces further if a redraw is still running). Figures are redrawn on the same
+tick.
+
+Stopping cancels the worker that runs the session's answer: the cancel reaches the
+cluster and frees the KV cache on every shard; the text that had arrived stays, in
+the transcript and in the history.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -48,115 +50,26 @@ from textual.worker import Worker
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
 from studiotui.app.screens.conversations import AttachScreen, ConversationsScreen, ListChoice
-from studiotui.chat.documents import (
-    DocumentError,
-    Passage,
-    Selection,
-    build_prompt,
-    local_chars_per_token,
-    read_document,
-    select_passages,
-    split_passages,
-)
-from studiotui.chat.history import (
-    Conversation,
-    History,
-    HistoryError,
-    Message,
-    Settings,
-    passages_note,
-)
-from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.chat.commands import Command, complete_path, parse_command, suggest
+from studiotui.chat.conversation import ChatSession, Reply, Target, Turn
+from studiotui.chat.history import Conversation, Message, Settings, passages_note
+from studiotui.chat.store import HistoryStore
+from studiotui.cluster.controller import Controller
+from studiotui.core.errors import StudioError
 from studiotui.core.state import ClusterState, PlacementState
 
-# `studiotui place` reserves KV memory for this many tokens by default, and a
-# placement does not report its own figure, so the chat budgets its prompts for it.
-CONTEXT_TOKENS = 4096
-TEMPLATE_TOKENS = 64  # what a chat template adds around the messages, roughly
-# Until a placement's first answer tells how many tokens a prompt really made,
-# assume 3 characters a token (English with a BPE vocabulary makes about 4).
-GUESS_CHARS_PER_TOKEN = 3.0
-CALIBRATE_CHARS = 2000
-PASSAGE_SHARE = 0.75  # of the prompt budget, for passages; the rest for earlier turns
 FLUSH_HZ = 15
 SPARK_S = 0.25
 SPARK_KEEP = 120
-CHECKPOINT_S = 2.0  # a crash of the TUI mid-answer loses at most this much text
 POLL_S = 1.0
-
-COMMANDS = {
-    "/attach": "/attach PATH — attach a text, Markdown or PDF file",
-    "/detach": "/detach [NAME] — remove one attached document (or all)",
-    "/rename": "/rename TITLE — rename this conversation",
-    "/system": "/system TEXT — set the system prompt",
-    "/new": "/new — start a new conversation",
-    "/export": "/export — write this conversation as Markdown",
-    "/help": "/help — these commands",
-}
 
 
 # ---- pure helpers (tested without a screen) --------------------------------------------
 
 
-def prompt_budget_chars(max_tokens: int, chars_per_token: float) -> int:
-    """Characters of prompt that leave room for the answer in the context."""
-    tokens = max(CONTEXT_TOKENS - max_tokens - TEMPLATE_TOKENS, CONTEXT_TOKENS // 8)
-    return int(tokens * chars_per_token)
-
-
-def request_messages(
-    system: str, messages: list[Message], budget_chars: int
-) -> tuple[list[dict[str, str]], int]:
-    """The messages to send for the last (user) message, and how many earlier ones
-    were left out to fit the budget. Earlier questions go as typed: only the
-    question being answered carries its document passages."""
-    *earlier, last = messages
-    final = {"role": "user", "content": last.sent or last.content}
-    used = len(system) + len(final["content"])
-    wanted = [m for m in earlier if m.content.strip()]
-    kept: list[dict[str, str]] = []
-    for m in reversed(wanted):
-        size = len(m.content) + 16
-        if used + size > budget_chars:
-            break
-        kept.append({"role": m.role, "content": m.content})
-        used += size
-    kept.reverse()
-    # Chat templates expect a user turn first.
-    while kept and kept[0]["role"] == "assistant":
-        kept.pop(0)
-    head = [{"role": "system", "content": system}] if system else []
-    return [*head, *kept, final], len(wanted) - len(kept)
-
-
 def code_blocks(markdown: str) -> list[str]:
     tokens = MarkdownIt("commonmark").parse(markdown)
     return [t.content for t in tokens if t.type in ("fence", "code_block")]
-
-
-def complete_path(fragment: str) -> str | None:
-    """The unambiguous continuation of a path being typed, like a shell's tab."""
-    if not fragment:
-        return None
-    path = Path(fragment).expanduser()
-    folder, stem = (path, "") if fragment.endswith("/") else (path.parent, path.name)
-    try:
-        names = sorted(
-            e.name + ("/" if e.is_dir() else "")
-            for e in folder.iterdir()
-            if e.name.startswith(stem) and (stem.startswith(".") or not e.name.startswith("."))
-        )
-    except OSError:
-        return None
-    if not names:
-        return None
-    common = names[0]
-    for name in names[1:]:
-        while not name.startswith(common):
-            common = common[:-1]
-    if len(common) <= len(stem):
-        return None
-    return fragment + common[len(stem) :]
 
 
 class PromptSuggester(Suggester):
@@ -166,12 +79,7 @@ class PromptSuggester(Suggester):
         super().__init__(use_cache=False, case_sensitive=True)
 
     async def get_suggestion(self, value: str) -> str | None:
-        if value.startswith("/attach "):
-            rest = complete_path(value[len("/attach ") :])
-            return f"/attach {rest}" if rest else None
-        if value.startswith("/") and " " not in value:
-            return next((c + " " for c in COMMANDS if c.startswith(value) and c != value), None)
-        return None
+        return suggest(value)
 
 
 class PathSuggester(Suggester):
@@ -180,15 +88,6 @@ class PathSuggester(Suggester):
 
     async def get_suggestion(self, value: str) -> str | None:
         return complete_path(value)
-
-
-# Control characters from a model (an ESC above all) must not reach the terminal.
-_CONTROL = {c: None for c in [*range(0x00, 0x09), 0x0B, 0x0C, 0x0D, *range(0x0E, 0x20), 0x7F]}
-_CONTROL.update({c: None for c in range(0x80, 0xA0)})
-
-
-def printable(text: str) -> str:
-    return text.translate(_CONTROL)
 
 
 def shard_role(index: int, count: int) -> str:
@@ -294,40 +193,13 @@ class Transcript(VerticalScroll, can_focus=True):
         cast("ChatScreen", self.screen).select_step(delta)
 
 
-# ---- the turn being answered ------------------------------------------------------------
-
-
 @dataclass
-class Turn:
-    user: Message
-    answer: Message
+class Showing:
+    """The answer being drawn: the session's turn, and where it is drawn."""
+
+    turn: Turn
     view: AnswerView
     stream: MarkdownStream
-    placement: str | None
-    meta: dict[str, Any]
-    chars_sent: int
-    started: float = field(default_factory=time.monotonic)
-    first_at: float | None = None
-    prompt_tokens: int | None = None
-    tokens: int = 0
-    text: str = ""
-    pending: list[str] = field(default_factory=list)
-    spark: list[float] = field(default_factory=list)
-    spark_at: float = 0.0
-    spark_tokens: int = 0
-    saved_at: float = 0.0
-    done: dict[str, Any] | None = None
-    error: str | None = None
-    stopped: bool = False
-    finished: bool = False
-
-    def ttft_ms(self) -> float | None:
-        return None if self.first_at is None else (self.first_at - self.started) * 1000
-
-    def tps(self, now: float) -> float | None:
-        if self.first_at is None or self.tokens < 2 or now <= self.first_at:
-            return None
-        return (self.tokens - 1) / (now - self.first_at)
 
 
 # ---- the screen ------------------------------------------------------------------------
@@ -347,21 +219,15 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+t", "attach", "Attach", id="chat-attach"),
         Binding("ctrl+l", "pick_placement", "Placement", show=False, id="chat-placement"),
     ]
-    # Learned per placement from each answer's prompt token count; shared by every
-    # chat screen of the process, since it is a fact about the model's tokenizer.
-    chars_per_token: ClassVar[dict[str, float]] = {}
 
     def __init__(self) -> None:
         super().__init__(id="chat-screen")
-        self.history: History | None = None
-        self.conv: Conversation | None = None
-        self.settings = Settings()
-        self._turn: Turn | None = None
+        # Made on mount, when the app (and so the history's home) is known.
+        self._session: ChatSession | None = None
+        self._showing: Showing | None = None
         self._worker: Worker[None] | None = None
-        self._stopped: tuple[int, int] | None = None  # (user id, answer id) of a stopped turn
         self._selected: int | None = None
         self._code_at: tuple[int, int] = (-1, -1)  # (answer id, block index) last copied
-        self._passages: dict[int, list[Passage]] = {}
         self._options: list[tuple[str, str]] = []
         self._leaving = False
 
@@ -370,8 +236,26 @@ class ChatScreen(Screen[None]):
         return cast(Dashboard, self.app)
 
     @property
+    def session(self) -> ChatSession:
+        assert self._session is not None, "the chat's session is made on mount"
+        return self._session
+
+    @property
+    def conv(self) -> Conversation | None:
+        """The open conversation's record (None until its first question)."""
+        return self._session.conversation if self._session else None
+
+    @property
+    def turn(self) -> Turn | None:
+        """The answer being made, or the last one made on this screen."""
+        return self._session.turn if self._session else None
+
+    @property
     def streaming(self) -> bool:
-        return self._turn is not None and not self._turn.finished
+        """An answer is being asked for, made or drawn."""
+        return self._worker is not None and not self._worker.is_finished
+
+    # ---- layout ---------------------------------------------------------------------
 
     # ---- layout ---------------------------------------------------------------------
 
@@ -407,26 +291,30 @@ class ChatScreen(Screen[None]):
                 yield Static("", id="chat-docs")
         yield Footer()
 
-    def on_mount(self) -> None:
-        try:
-            self.history = History.open(self.studio.home)
-        except (HistoryError, OSError) as exc:
-            self.studio.report(
-                f"chat history unavailable ({exc}); this session's chat will not be kept",
-                "error",
-            )
-            self.history = History(Path(":memory:"))
+    async def on_mount(self) -> None:
         self.query_one("#chat-side").border_title = "Answer"
         self.query_one("#chat-transcript").border_title = "Conversation"
         self._flush_timer = self.set_interval(1 / FLUSH_HZ, self._flush, pause=True)
+        store, problem = await HistoryStore.open(self.studio.home, self._history_failed)
+        if problem is not None:
+            self.studio.report(
+                f"chat history unavailable ({problem}); this session's chat will not be kept",
+                "error",
+            )
+        self._session = ChatSession(store, self.studio.home / "exports")
+        await self.session.open_latest()
+        self._show_conversation()
         self.set_interval(POLL_S, self._poll_cluster)
-        self.open_conversation(self.history.latest())
         self._poll_cluster()
+
+    def _history_failed(self, problem: str) -> None:
+        if self.is_attached:
+            self.studio.report(f"chat history: {problem}", "error")
 
     def on_screen_resume(self) -> None:
         # Whatever had the keys when the chat was left, typing goes to the Ask box.
         self.query_one("#chat-prompt", Input).focus()
-        if self.history is not None:  # not the first showing: on_mount did this
+        if self._session is not None:  # not the first showing: on_mount did this
             self._poll_cluster()
 
     def on_screen_suspend(self) -> None:
@@ -434,73 +322,67 @@ class ChatScreen(Screen[None]):
 
     def on_unmount(self) -> None:
         self._leaving = True
+        if self._session is None:
+            return
         self._save_settings(quiet=True)
-        if self.streaming and self._worker is not None:
-            assert self._turn is not None
-            self._turn.stopped = True
-            self._worker.cancel()  # its `finally` saves the answer and closes the history
-        elif self.history is not None:
-            self.history.close()
+        # The answer still coming is kept as it is (stopped) and the history closes
+        # once every write is done; the cancel then frees the cluster's caches.
+        self.session.close()
+        if self._worker is not None and not self._worker.is_finished:
+            self._worker.cancel()
 
     # ---- conversations ----------------------------------------------------------------
 
-    def open_conversation(self, conv: Conversation | None) -> None:
+    async def open_conversation(self, conversation_id: int | None) -> None:
         """Show a conversation (None: a new one, created when first used)."""
-        assert self.history is not None
-        self.conv = conv
-        self.settings = conv.settings if conv else Settings()
-        self._stopped = None
+        await self.session.open(conversation_id)
+        self._show_conversation()
+
+    def _show_conversation(self) -> None:
+        session = self.session
         self._selected = None
         transcript = self.query_one(Transcript)
         transcript.remove_children()
         views: list[UserView | AnswerView] = []
         last_meta: dict[str, Any] = {}
-        if conv is not None:
-            for m in self.history.messages(conv.id):
-                if m.role == "user":
-                    views.append(UserView(m))
-                else:
-                    views.append(AnswerView(m))
-                    last_meta = m.meta
+        for m in session.messages:
+            if m.role == "user":
+                views.append(UserView(m))
+            else:
+                views.append(AnswerView(m))
+                last_meta = m.meta
         transcript.mount_all(views)
         for view in views:
             if isinstance(view, AnswerView):
                 view.show_note(view.message.meta)
         # Anchored: it follows the newest text until the operator scrolls up to read.
         transcript.anchor()
-        self.query_one("#chat-system", TextArea).text = self.settings.system_prompt
-        self.query_one("#chat-temperature", Input).value = f"{self.settings.temperature:g}"
-        self.query_one("#chat-top-p", Input).value = f"{self.settings.top_p:g}"
-        self.query_one("#chat-max-tokens", Input).value = str(self.settings.max_tokens)
+        self._show_settings(session.settings)
         self._show_title()
         self._show_docs()
         self._show_stored_figures(last_meta)
         self._status("")
+        conv = session.conversation
         if conv is not None and conv.placement and conv.placement in dict(self._options).values():
             self.query_one("#chat-placement", Select).value = conv.placement
 
-    def _ensure_conversation(self) -> Conversation:
-        assert self.history is not None
-        if self.conv is None:
-            self.conv = self.history.create(
-                placement=self._chosen_name() or "", settings=self.settings
-            )
-            self._show_title()
-        return self.conv
+    def _show_settings(self, settings: Settings) -> None:
+        self.query_one("#chat-system", TextArea).text = settings.system_prompt
+        self.query_one("#chat-temperature", Input).value = f"{settings.temperature:g}"
+        self.query_one("#chat-top-p", Input).value = f"{settings.top_p:g}"
+        self.query_one("#chat-max-tokens", Input).value = str(settings.max_tokens)
 
     def _show_title(self) -> None:
-        title = self.conv.display_title if self.conv else "new conversation"
+        conv = self.session.conversation
+        title = conv.display_title if conv else "new conversation"
         self.query_one("#chat-title", Static).update(Content(title))
         self.sub_title = f"chat · {title}"
 
-    def _refresh_conv(self) -> None:
-        if self.conv is not None and self.history is not None:
-            try:
-                self.conv = self.history.get(self.conv.id)
-            except HistoryError:
-                self.open_conversation(None)
-                return
+    async def _refresh_conv(self) -> None:
+        if await self.session.refresh():
             self._show_title()
+        else:  # deleted while the list was open
+            self._show_conversation()
 
     # ---- cluster ----------------------------------------------------------------------
 
@@ -527,7 +409,8 @@ class ChatScreen(Screen[None]):
             self._options = options
             select.set_options(options)
             names = [v for _, v in options]
-            wanted = before or (self.conv.placement if self.conv else None)
+            conv = self.session.conversation
+            wanted = before or (conv.placement if conv else None)
             ready = [p.name for p in placements if p.state == "ready"]
             if wanted in names:
                 select.value = wanted
@@ -544,13 +427,17 @@ class ChatScreen(Screen[None]):
         name = self._chosen_name()
         return self.cluster.placement(name) if name is not None else None
 
+    def _destination(self) -> Target:
+        return Target(self._chosen_name(), self._chosen())
+
     def _show_nodes(self) -> None:
         placement = self._chosen()
         box = self.query_one("#chat-nodes", Static)
         if placement is None:
             box.update(Content.styled("no placement chosen", "$text-muted"))
             return
-        mine = self.streaming and self._turn is not None and self._turn.placement == placement.name
+        turn = self.turn
+        mine = turn is not None and not turn.finished and turn.placement == placement.name
         lines = [
             Content.styled(f"Nodes · {placement.name} ({placement.model})", "bold"),
             Content.styled(f"  {'node':<9} {'role':<6} {'layers':<6} {'reqs':>4}", "$text-muted"),
@@ -578,20 +465,22 @@ class ChatScreen(Screen[None]):
     def on_select_changed(self, event: Select.Changed) -> None:
         if event.select.id != "chat-placement":
             return
-        if self.conv is not None and self.history is not None and event.value is not Select.BLANK:
-            self.history.set_placement(self.conv.id, str(event.value))
+        if self._session is not None and event.value is not Select.BLANK:
+            self.session.use_placement(str(event.value))
         self._show_nodes()
 
     # ---- settings ---------------------------------------------------------------------
 
     def _read_settings(self) -> Settings:
+        in_force = self.session.settings
+
         def number(selector: str, label: str, kind: type) -> Any:
             field = self.query_one(selector, Input)
             raw = field.value.strip()
             if not raw:
                 # Emptied on the way to typing a new value: keep the one in force,
                 # say so, and put it back so the field shows what is used.
-                kept = getattr(self.settings, label.replace(" ", "_").replace("-", "_"))
+                kept = getattr(in_force, label.replace(" ", "_").replace("-", "_"))
                 field.value = f"{kept:g}" if isinstance(kept, float) else str(kept)
                 self._status(f"{label} was empty: kept {field.value}")
                 return kind(field.value)
@@ -608,6 +497,8 @@ class ChatScreen(Screen[None]):
         ).validated()
 
     def _save_settings(self, quiet: bool = False) -> bool:
+        if self._session is None:
+            return False
         try:
             settings = self._read_settings()
         except ValueError as exc:
@@ -620,10 +511,7 @@ class ChatScreen(Screen[None]):
             return False
         except Exception:  # the screen is being torn down
             return False
-        if settings != self.settings:
-            self.settings = settings
-            if self.conv is not None and self.history is not None:
-                self.conv = self.history.set_settings(self.conv.id, settings)
+        self.session.use_settings(settings)
         return True
 
     @on(Input.Submitted, "#chat-temperature, #chat-top-p, #chat-max-tokens")
@@ -644,11 +532,12 @@ class ChatScreen(Screen[None]):
     @on(Input.Submitted, "#chat-prompt")
     def _prompt_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
-        if not text:
+        if not text or self._session is None:
             return
-        if text.startswith("/") and text.split()[0] in COMMANDS:
+        command = parse_command(text)
+        if command is not None:
             event.input.value = ""
-            self._command(text)
+            self.run_worker(self._command(command), group="chat-command", exit_on_error=False)
             return
         if self.streaming:
             self._status("an answer is still coming: esc stops it")
@@ -663,172 +552,65 @@ class ChatScreen(Screen[None]):
         self.ask(text)
 
     def ask(self, text: str) -> None:
-        assert self.history is not None
-        conv = self._ensure_conversation()
-        if self._stopped is not None:
-            # A stopped answer is a draft: asking again replaces it.
-            self._drop_messages(list(self._stopped))
-            self._stopped = None
-        earlier = [m for m in self.history.messages(conv.id) if m.role == "user"]
-        context = earlier[-1].content if earlier else ""
-        selection, sent = self._documents_for(text, context)
-        user = self.history.add_message(conv.id, "user", text, sent=sent)
-        self.query_one(Transcript).mount(UserView(user))
-        self._refresh_conv()
-        self._answer(user, selection)
+        self._start(self.session.ask(text, self._destination()))
 
-    def _documents_for(self, question: str, context: str) -> tuple[Selection | None, str | None]:
-        assert self.history is not None and self.conv is not None
-        docs = self.history.documents(self.conv.id)
-        if not docs:
-            return None, None
-        passages: list[Passage] = []
-        for doc in docs:
-            if doc.id not in self._passages:
-                self._passages[doc.id] = split_passages(doc.name, doc.text)
-            passages += self._passages[doc.id]
-        budget = prompt_budget_chars(self.settings.max_tokens, self._ratio())
-        room = budget - len(self.settings.system_prompt) - len(question)
-        selection = select_passages(passages, question, int(max(room, 0) * PASSAGE_SHARE), context)
-        return selection, build_prompt(question, selection)
+    def _start(self, turn: Awaitable[Turn]) -> None:
+        self._worker = self.run_worker(self._answer(turn), group="chat-answer", exit_on_error=False)
 
-    def _ratio(self) -> float:
-        """Characters per token for budgeting: learned from this placement's answers,
-        else measured with its tokenizer if the model is on this machine, else a guess."""
-        learned = self.chars_per_token.get(self._chosen_name() or "")
-        if learned:
-            return learned
-        placement = self._chosen()
-        local = local_chars_per_token(placement.model_dir) if placement else None
-        return local or GUESS_CHARS_PER_TOKEN
+    async def _answer(self, starting: Awaitable[Turn]) -> None:
+        try:
+            turn = await starting
+        except StudioError as exc:  # nothing to regenerate, the history gone, …
+            self._status(str(exc))
+            return
+        self._show_turn(turn)
+        try:
+            await self.session.run(turn, self.controller)
+        finally:
+            await self._show_end()
 
-    def _answer(self, user: Message, selection: Selection | None) -> None:
-        assert self.history is not None and self.conv is not None
-        placement = self._chosen_name()
-        messages = [m for m in self.history.messages(self.conv.id) if m.id <= user.id]
-        budget = prompt_budget_chars(self.settings.max_tokens, self._ratio())
-        request, dropped = request_messages(self.settings.system_prompt, messages, budget)
-        seed = random.randrange(1 << 31)
-        params = {
-            "max_tokens": self.settings.max_tokens,
-            "temperature": self.settings.temperature,
-            "top_p": self.settings.top_p,
-            # A fresh seed per answer, so regenerating a sampled answer gives another;
-            # it is kept in the history, so an answer can be reproduced.
-            "seed": seed,
-            "stop": [],
-        }
-        chosen = self._chosen()
-        meta: dict[str, Any] = {
-            "placement": placement or "",
-            "nodes": list(chosen.nodes) if chosen else [],
-            "seed": seed,
-            "temperature": self.settings.temperature,
-            "top_p": self.settings.top_p,
-        }
-        if selection is not None:
-            meta["passages"] = selection.used()
-            if not selection.matched and not selection.whole:
-                meta["unmatched"] = True
-        if dropped:
-            meta["dropped"] = dropped
-        answer = self.history.add_message(self.conv.id, "assistant", "", meta=meta)
-        view = AnswerView(answer)
+    def _show_turn(self, turn: Turn) -> None:
         transcript = self.query_one(Transcript)
+        for view in list(transcript.children):
+            if isinstance(view, (UserView, AnswerView)) and view.message.id in turn.replaced:
+                view.remove()
+        if not any(
+            isinstance(v, UserView) and v.message.id == turn.user.id for v in transcript.children
+        ):
+            transcript.mount(UserView(turn.user))
+        view = AnswerView(turn.answer)
         transcript.mount(view)
-        view.show_note(meta, live="waiting for the first token…")
+        view.show_note(turn.meta, live="waiting for the first token…")
         transcript.anchor()
-        turn = Turn(
-            user=user,
-            answer=answer,
-            view=view,
-            stream=Markdown.get_stream(view.markdown),
-            placement=placement,
-            meta=meta,
-            chars_sent=sum(len(m["content"]) for m in request),
-        )
-        turn.spark_at = turn.started
-        self._turn = turn
+        self._showing = Showing(turn, view, Markdown.get_stream(view.markdown))
         self._selected = None
+        self._show_title()
         self.query_one("#chat-spark", Sparkline).data = []
+        placement = turn.placement
         self._status(f"answering{f' on {placement}' if placement else ''} · esc stops")
         self._flush_timer.resume()
-        self._worker = self.run_worker(
-            self._stream(turn, {"messages": request}, params),
-            group="chat-answer",
-            exit_on_error=False,
-        )
-
-    async def _stream(self, turn: Turn, request: dict[str, Any], params: dict[str, Any]) -> None:
-        ctl = self.controller
-        if ctl is None:
-            turn.error = "no cluster is connected (this is a fixed view)"
-            await self._finish(turn)
-            return
-        generator = ctl.generate(turn.placement, request, params)
-        try:
-            async for msg in generator:
-                if turn.stopped:
-                    # Python 3.11's asyncio.wait_for (inside generate) swallows a cancel
-                    # that lands as a token arrives; the flag catches that case.
-                    break
-                kind = msg.get("type")
-                if kind == "accepted":
-                    turn.prompt_tokens = int(msg.get("prompt_tokens", 0)) or None
-                    # A short prompt is mostly chat template: it would teach a wrong ratio.
-                    content_tokens = (turn.prompt_tokens or 0) - TEMPLATE_TOKENS
-                    if turn.placement and turn.chars_sent >= CALIBRATE_CHARS and content_tokens > 0:
-                        ratio = turn.chars_sent / content_tokens
-                        self.chars_per_token[turn.placement] = min(max(ratio, 0.5), 8.0)
-                elif kind == "delta":
-                    if turn.first_at is None:
-                        turn.first_at = time.monotonic()
-                    turn.tokens += len(msg.get("tokens") or ()) or 1
-                    text = printable(str(msg.get("text", "")))
-                    if text:
-                        turn.text += text
-                        turn.pending.append(text)
-                elif kind == "done":
-                    turn.done = msg
-        except GenerationError as exc:
-            turn.error = str(exc)
-        except asyncio.CancelledError:
-            turn.stopped = True
-            raise
-        except Exception as exc:  # a bug or a broken wire: say it, keep the text
-            turn.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            with contextlib.suppress(Exception):
-                await generator.aclose()
-            await self._finish(turn)
 
     async def _flush(self) -> None:
-        turn = self._turn
-        if turn is None or turn.finished:
+        showing = self._showing
+        if showing is None or showing.turn.finished:
             return
+        turn = showing.turn
         now = time.monotonic()
-        if turn.pending:
-            text = "".join(turn.pending)
-            turn.pending.clear()
-            await turn.stream.write(text)
-        if now - turn.spark_at >= SPARK_S:
-            rate = (turn.tokens - turn.spark_tokens) / (now - turn.spark_at)
-            if turn.first_at is not None:
-                turn.spark = [*turn.spark[-(SPARK_KEEP - 1) :], rate]
-                self.query_one("#chat-spark", Sparkline).data = turn.spark
-            turn.spark_at, turn.spark_tokens = now, turn.tokens
-        if now - turn.saved_at >= CHECKPOINT_S and self.history is not None:
-            turn.saved_at = now
-            self.history.update_message(turn.answer.id, turn.text)
-        self._show_live_figures(turn, now)
+        text = turn.take_pending()
+        if text:
+            await showing.stream.write(text)
+        if turn.sample_rate(now, SPARK_S, SPARK_KEEP):
+            self.query_one("#chat-spark", Sparkline).data = turn.spark
+        self._show_live_figures(showing, now)
 
-    def _show_live_figures(self, turn: Turn, now: float) -> None:
+    def _show_live_figures(self, showing: Showing, now: float) -> None:
+        turn = showing.turn
         state = "waiting for the first token" if turn.first_at is None else "answering"
         self.query_one("#chat-figures", Static).update(
             figures_text(turn.ttft_ms(), turn.tps(now), turn.prompt_tokens, turn.tokens, state)
         )
         live = f"{turn.tokens} tokens…" if turn.first_at else "waiting for the first token…"
-        turn.view.show_note(turn.meta, live=live)
+        showing.view.show_note(turn.meta, live=live)
 
     def _show_stored_figures(self, meta: dict[str, Any]) -> None:
         state = "last answer" if meta else "no answer yet"
@@ -843,41 +625,18 @@ class ChatScreen(Screen[None]):
         )
         self.query_one("#chat-spark", Sparkline).data = list(meta.get("spark", []))
 
-    async def _finish(self, turn: Turn) -> None:
-        if turn.finished:
+    async def _show_end(self) -> None:
+        """Draw the answer as it ended (the session has kept it by now)."""
+        showing = self._showing
+        if self._leaving or showing is None:
             return
-        turn.finished = True
-        now = time.monotonic()
-        done = turn.done or {}
-        usage = done.get("usage") or {}
-        timings = done.get("timings") or {}
-        meta = dict(turn.meta)
-        meta.update(
-            ttft_ms=round(ttft, 1) if (ttft := turn.ttft_ms()) is not None else None,
-            # The tail's own decode rate when it finished; the screen's figure otherwise.
-            decode_tps=round(float(timings.get("decode_tps") or turn.tps(now) or 0.0), 2),
-            prompt_tokens=usage.get("prompt_tokens", turn.prompt_tokens),
-            completion_tokens=usage.get("completion_tokens", turn.tokens),
-            finish_reason=done.get("finish_reason") or ("stopped" if turn.stopped else "error"),
-            spark=[round(x, 1) for x in turn.spark],
-        )
-        if turn.error:
-            meta["error"] = turn.error
-        if turn.stopped and not turn.error:
-            meta["stopped"] = True
-        turn.meta = meta
-        if self.history is not None:
-            self.history.update_message(turn.answer.id, turn.text, meta)
-        if self._leaving:
-            if self.history is not None:
-                self.history.close()
-            return
+        turn, meta = showing.turn, showing.turn.meta
         try:
-            if turn.pending:
-                await turn.stream.write("".join(turn.pending))
-                turn.pending.clear()
-            await turn.stream.stop()
-            turn.view.show_note(meta)
+            rest = turn.take_pending()
+            if rest:
+                await showing.stream.write(rest)
+            await showing.stream.stop()
+            showing.view.show_note(meta)
             self._show_stored_figures(meta)
             self._flush_timer.pause()
             self._show_nodes()
@@ -897,10 +656,8 @@ class ChatScreen(Screen[None]):
     # ---- stop, regenerate ---------------------------------------------------------------
 
     def action_stop_or_leave(self) -> None:
-        turn = self._turn
-        if turn is not None and not turn.finished:
-            turn.stopped = True
-            self._stopped = (turn.user.id, turn.answer.id)
+        turn = self.session.stop() if self._session is not None else None
+        if turn is not None:
             prompt = self.query_one("#chat-prompt", Input)
             prompt.value = turn.user.content
             prompt.cursor_position = len(prompt.value)
@@ -919,35 +676,16 @@ class ChatScreen(Screen[None]):
         if self.streaming:
             self._status("an answer is still coming: esc stops it first")
             return
-        if self.history is None or self.conv is None:
+        question = self.session.last_question() if self._session is not None else None
+        if question is None:
             self._status("nothing to regenerate yet")
             return
         if not self._save_settings():
             return
-        messages = self.history.messages(self.conv.id)
-        users = [m for m in messages if m.role == "user"]
-        if not users:
-            self._status("nothing to regenerate yet")
-            return
-        user = users[-1]
-        self._drop_messages([m.id for m in messages if m.id > user.id])
         prompt = self.query_one("#chat-prompt", Input)
-        if self._stopped is not None and prompt.value == user.content:
+        if self.session.draft is not None and prompt.value == question.content:
             prompt.value = ""
-        self._stopped = None
-        context = users[-2].content if len(users) > 1 else ""
-        selection, sent = self._documents_for(user.content, context)
-        if sent != user.sent:
-            self.history.set_sent(user.id, sent)
-            user = Message(user.id, user.conversation_id, user.created, "user", user.content, sent)
-        self._answer(user, selection)
-
-    def _drop_messages(self, ids: list[int]) -> None:
-        assert self.history is not None
-        self.history.delete_messages(ids)
-        for view in list(self.query_one(Transcript).children):
-            if isinstance(view, (UserView, AnswerView)) and view.message.id in ids:
-                view.remove()
+        self._start(self.session.regenerate(self._destination()))
 
     # ---- copying ---------------------------------------------------------------------
 
@@ -1012,31 +750,30 @@ class ChatScreen(Screen[None]):
         if self.streaming:
             self._status("an answer is still coming: esc stops it first")
             return
-        assert self.history is not None
         self._save_settings(quiet=True)
+        conv = self.session.conversation
         self.app.push_screen(
             ConversationsScreen(
-                self.history, self.conv.id if self.conv else None, self.studio.home / "exports"
+                self.session.store, conv.id if conv else None, self.studio.home / "exports"
             ),
             self._after_list,
         )
 
-    def _after_list(self, choice: ListChoice | None) -> None:
-        assert self.history is not None
+    async def _after_list(self, choice: ListChoice | None) -> None:
         if choice is not None and choice.action == "open" and choice.conversation_id is not None:
-            self.open_conversation(self.history.get(choice.conversation_id))
+            await self.open_conversation(choice.conversation_id)
         elif choice is not None and choice.action == "new":
-            self.open_conversation(None)
+            await self.open_conversation(None)
         else:
-            self._refresh_conv()  # renamed or deleted while the list was open
+            await self._refresh_conv()  # renamed or deleted while the list was open
         self.query_one("#chat-prompt", Input).focus()
 
-    def action_new_conversation(self) -> None:
+    async def action_new_conversation(self) -> None:
         if self.streaming:
             self._status("an answer is still coming: esc stops it first")
             return
         self._save_settings(quiet=True)
-        self.open_conversation(None)
+        await self.open_conversation(None)
 
     def action_attach(self) -> None:
         def chosen(path: Path | None) -> None:
@@ -1046,30 +783,13 @@ class ChatScreen(Screen[None]):
         self.app.push_screen(AttachScreen(PathSuggester()), chosen)
 
     def attach(self, path: Path) -> None:
-        self.run_worker(self._attach_document(path), group="chat-attach", exit_on_error=False)
-
-    async def _attach_document(self, path: Path) -> None:
-        try:
-            kind, text = await asyncio.to_thread(read_document, path)
-        except DocumentError as exc:
-            self.studio.report(f"cannot attach: {exc}", "warning")
-            return
-        except OSError as exc:
-            self.studio.report(f"cannot attach {path}: {exc.strerror or exc}", "warning")
-            return
-        assert self.history is not None
-        conv = self._ensure_conversation()
-        doc = self.history.add_document(
-            conv.id, path.name, text, source=str(path.expanduser().resolve()), kind=kind
+        self.run_worker(
+            self._command(Command("/attach", str(path))), group="chat-command", exit_on_error=False
         )
-        self._passages[doc.id] = split_passages(doc.name, doc.text)
-        count, words = len(self._passages[doc.id]), len(text.split())
-        self.app.notify(f"attached {doc.name}: {words:,} words in {count} passages", timeout=3)
-        self._show_docs()
 
     def _show_docs(self) -> None:
         box = self.query_one("#chat-docs", Static)
-        docs = self.history.documents(self.conv.id) if self.history and self.conv else []
+        docs = self.session.documents
         if not docs:
             box.update(Content.styled("no document attached · ctrl+t or /attach", "$text-muted"))
             return
@@ -1079,50 +799,27 @@ class ChatScreen(Screen[None]):
             lines.append(Content.assemble(f"{doc.name} ", (f"{words:,} words", "$text-muted")))
         box.update(Content("\n").join(lines))
 
-    def _command(self, text: str) -> None:
-        assert self.history is not None
-        word, _, rest = text.partition(" ")
-        rest = rest.strip()
-        if word == "/attach":
-            if not rest:
-                self.action_attach()
-            else:
-                self.attach(Path(rest))
-        elif word == "/detach":
-            if self.conv is None:
-                self._status("no document attached")
-                return
-            docs = self.history.documents(self.conv.id)
-            gone = [d for d in docs if not rest or d.name == rest]
-            if not gone:
-                names = ", ".join(d.name for d in docs) or "none"
-                self._status(f"no document named {rest!r} (attached: {names})")
-                return
-            for doc in gone:
-                self.history.remove_document(doc.id)
-            self._status(f"detached {', '.join(d.name for d in gone)}")
-            self._show_docs()
-        elif word == "/rename":
-            if not rest:
-                self._status("usage: /rename TITLE")
-                return
-            conv = self._ensure_conversation()
-            self.conv = self.history.rename(conv.id, rest)
+    async def _command(self, command: Command) -> None:
+        reply = await self.session.command(command, self._chosen_name() or "")
+        self._show_reply(reply)
+        if reply.then == "pick-file":
+            self.action_attach()
+        elif reply.then == "new":
+            await self.action_new_conversation()
+
+    def _show_reply(self, reply: Reply) -> None:
+        if "title" in reply.redraw:
             self._show_title()
-        elif word == "/system":
-            self.query_one("#chat-system", TextArea).text = rest
-            if self._save_settings():
-                self._status("system prompt set" if rest else "system prompt cleared")
-        elif word == "/new":
-            self.action_new_conversation()
-        elif word == "/export":
-            if self.conv is None:
-                self._status("nothing to export yet")
-                return
-            path = self.history.export_file(self.conv.id, self.studio.home / "exports")
-            self.studio.report(f"exported {self.conv.display_title!r} to {path}")
-        elif word == "/help":
-            self._status(" · ".join(COMMANDS.values()))
+        if "documents" in reply.redraw:
+            self._show_docs()
+        if "system" in reply.redraw:
+            self.query_one("#chat-system", TextArea).text = self.session.settings.system_prompt
+        if reply.status:
+            self._status(reply.status)
+        if reply.notify:
+            self.app.notify(reply.notify, timeout=3)
+        if reply.report:
+            self.studio.report(reply.report, reply.level)
 
     def _status(self, text: str) -> None:
         self.query_one("#chat-status", Static).update(Content(text))

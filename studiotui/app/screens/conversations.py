@@ -20,6 +20,7 @@ from textual.widgets import DataTable, Input, Static
 from studiotui.app.dialogs import ConfirmScreen
 from studiotui.app.guard import guard_actions
 from studiotui.chat.history import History, HistoryError
+from studiotui.chat.store import HistoryStore
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,10 @@ class ConversationsScreen(ModalScreen[ListChoice | None]):
         Binding("e", "export", "Export", id="conv-export"),
     ]
 
-    def __init__(self, history: History, current: int | None, exports: Path) -> None:
+    def __init__(self, store: HistoryStore, current: int | None, exports: Path) -> None:
         super().__init__(id="conversations-screen")
-        self.history = history
+        # Every read and write goes through the history's own thread (the chat's).
+        self.store = store
         self.current = current
         self.exports = exports
         self.ids: list[int] = []
@@ -73,16 +75,16 @@ class ConversationsScreen(ModalScreen[ListChoice | None]):
             yield rename
             yield Static("", id="conv-hint")
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.add_columns("", "title", "messages", "last used", "placement")
-        self.reload()
+        await self.reload()
         table.focus()
 
-    def reload(self, keep: int | None = None) -> None:
+    async def reload(self, keep: int | None = None) -> None:
+        conversations = await self.store.call(History.conversations)
         table = self.query_one(DataTable)
         table.clear()
-        conversations = self.history.conversations()
         self.ids = [c.id for c in conversations]
         now = time.time()
         for c in conversations:
@@ -122,38 +124,38 @@ class ConversationsScreen(ModalScreen[ListChoice | None]):
     def action_new(self) -> None:
         self.dismiss(ListChoice("new"))
 
-    def action_rename(self) -> None:
+    async def action_rename(self) -> None:
         chosen = self._selected()
         if chosen is None:
             return
         rename = self.query_one("#conv-rename", Input)
-        rename.value = self.history.get(chosen).title
+        rename.value = (await self.store.call(History.get, chosen)).title
         rename.add_class("-shown")
         # A hidden widget cannot take focus: focus it once it is shown, or the first
         # letters typed would go to the table (where e exports, d deletes).
         self.call_after_refresh(rename.focus)
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
+    async def on_input_submitted(self, event: Input.Submitted) -> None:
         chosen = self._selected()
         event.input.remove_class("-shown")
         if chosen is not None and event.value.strip():
-            self.history.rename(chosen, event.value)
-            self.reload(keep=chosen)
+            await self.store.call(History.rename, chosen, event.value)
+            await self.reload(keep=chosen)
         self.query_one(DataTable).focus()
 
-    def action_delete(self) -> None:
+    async def action_delete(self) -> None:
         chosen = self._selected()
         if chosen is None:
             return
-        conv = self.history.get(chosen)
+        conv = await self.store.call(History.get, chosen)
 
-        def answered(yes: bool | None) -> None:
+        async def answered(yes: bool | None) -> None:
             if yes:
                 try:
-                    self.history.delete(chosen)
+                    await self.store.call(History.delete, chosen)
                 except HistoryError as exc:
                     self.app.notify(str(exc), severity="error")
-                self.reload()
+                await self.reload()
 
         self.app.push_screen(
             ConfirmScreen(
@@ -163,11 +165,11 @@ class ConversationsScreen(ModalScreen[ListChoice | None]):
             answered,
         )
 
-    def action_export(self) -> None:
+    async def action_export(self) -> None:
         chosen = self._selected()
         if chosen is None:
             return
-        path = self.history.export_file(chosen, self.exports)
+        path = await self.store.call(History.export_file, chosen, self.exports)
         self.query_one("#conv-hint", Static).update(Content(f"exported to {path}"))
         self.app.notify(f"exported to {path}", timeout=4)
 

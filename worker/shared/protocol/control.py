@@ -266,13 +266,17 @@ class LinkResult(Wire, frozen=True, kw_only=True):
 
     peer: str
     kind: str = "unknown"
-    latency_us: float | None = None
+    latency_us: float | None = None  # median of the pings, one way
+    latency_p90_us: float | None = None
+    latency_pad_us: float | None = None  # with pings of pad_bytes (if asked)
+    pad_bytes: int = 0
     gbps: float | None = None
     method: str = ""
     chunk_bytes: int = 0
     in_flight: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
+    seconds: float = 0.0  # the bulk stream's, at the receiver
     error: str = ""
 
 

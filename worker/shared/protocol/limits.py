@@ -100,3 +100,32 @@ def prompt_too_long(chars: int, context_tokens: int) -> str | None:
         f"can hold (at most {MAX_CHARS_PER_TOKEN} characters a token); shorten it, or place "
         "the model with a larger --context"
     )
+
+
+# What a cluster benchmark may ask of an agent (the operator refuses the same before
+# asking): `measure_links` sizes, so a request cannot make an agent stream for minutes or
+# allocate gigabytes, and `device_bench` sizes (worker/device_bench.py).
+LINK_MEASURE_BOUNDS: dict[str, tuple[float, float]] = {
+    "pings": (3, 1000),
+    "pad_bytes": (0, 1 << 20),
+    "bulk_seconds": (0.01, 10.0),
+    "chunk_bytes": (4096, 16 << 20),
+    "in_flight": (1, 64),
+}
+DEVICE_BENCH_BOUNDS: dict[str, tuple[float, float]] = {
+    "matmul_n": (64, 1 << 15),
+    "copy_mib": (1, 1 << 16),
+    "seconds": (0.001, 60.0),
+}
+
+
+def out_of_bounds(values: dict[str, object], bounds: dict[str, tuple[float, float]]) -> str:
+    """The first value outside its bounds (or unknown, or not a number), in words; ""
+    when all are fine."""
+    for name, value in values.items():
+        if name not in bounds:
+            return f"unknown size {name!r} (known: {', '.join(bounds)})"
+        lo, hi = bounds[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+            return f"{name} must be between {lo:g} and {hi:g}, not {value!r}"
+    return ""

@@ -66,6 +66,9 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "read": {"token": (str,), "name": (str,), "offset": (int,), "length": (int,)},
     "chunk": {"offset": (int,)},
     "file_progress": {"stage": (str,), "done": _NUM, "total": _NUM},
+    # a node's device benchmark (worker/device_bench.py): controller -> agent, then its steps
+    "device_bench": {"sizes": (dict,)},
+    "bench_step": {"step": (str,)},
     # cluster jobs (worker/jobs.py): controller -> agent, then agent -> controller
     "job_ports": {},
     "start_job": {"job": (str,), "job_kind": (str,), "rank": (int,), "size": (int,)},

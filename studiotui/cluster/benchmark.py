@@ -1,0 +1,332 @@
+"""Running the cluster benchmark against live agents: each node's device, each link, the
+group's distributed product and each placement's streams, one step at a time.
+
+Steps run one after another, never two at once: the nodes of a desk cluster may share
+a switch, and the simulated nodes of one machine share its cores, so a figure measured
+beside another would be neither's. A step that fails is recorded with its words and the
+run goes on; the figures in `core/benchmark.py` say what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from studiotui import __version__
+from studiotui.cluster import jobs
+from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.cluster.jobs import JobFailed, JobRecord
+from studiotui.cluster.peers import AgentError, AgentUnreachable
+from studiotui.cluster.streams import prompt_tokens, stream
+from studiotui.core.benchmark import (
+    BenchmarkError,
+    GroupFigures,
+    LinkFigures,
+    NodeFigures,
+    PlacementFigures,
+    Run,
+    Sizes,
+    Step,
+    StreamPoint,
+    group_n,
+    iso,
+    merge_directions,
+    new_id,
+    parts_gflops,
+    plan_steps,
+    stream_point,
+)
+from studiotui.core.jobs import choose_backend
+from studiotui.core.state import PlacementState
+from worker.shared import probes
+
+StepListener = Callable[[Step], None]
+# A device step's replies come as each figure starts; one figure takes seconds.
+DEVICE_SILENCE_S = 120.0
+WARM_UP_TOKENS = 4
+
+
+def build_id() -> str:
+    """This operator's build: the package version and, from a git checkout, `git
+    describe` of it (a dirty tree says so)."""
+    source = Path(__file__).resolve().parents[2]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "-C", str(source), "describe", "--always", "--dirty", "--tags"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if done.returncode == 0 and done.stdout.strip():
+            return f"{__version__} ({done.stdout.strip()})"
+    return __version__
+
+
+def this_machine() -> dict[str, str]:
+    """The operator's machine, as a saved run names it."""
+    facts = {
+        "host": platform.node(),
+        "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": platform.python_version(),
+        "cpus": str(os.cpu_count() or 0),
+    }
+    with contextlib.suppress(ImportError):
+        from importlib.metadata import version
+
+        facts["mlx"] = version("mlx")
+    return facts
+
+
+class Benchmark:
+    """One run: `await Benchmark(ctl, ...).run()` returns the figures (not yet saved)."""
+
+    def __init__(
+        self,
+        ctl: Controller,
+        nodes: list[str] | None = None,
+        sizes: Sizes | None = None,
+        on_step: StepListener | None = None,
+        placements: list[str] | None = None,
+    ) -> None:
+        self.ctl = ctl
+        self.asked_nodes = nodes
+        self.asked_placements = placements
+        self.sizes = sizes or Sizes()
+        self.on_step = on_step
+        self.steps: list[str] = []
+        self.index = 0
+        self.notes: list[str] = []
+
+    # ---- choosing what to measure, before anything is measured ---------------------------
+
+    async def choose(self) -> tuple[list[str], list[PlacementState]]:
+        """The nodes and placements to measure; refuse what cannot be, naming it."""
+        problem = self.sizes.problem()
+        if problem:
+            raise BenchmarkError(f"benchmark sizes: {problem}")
+        await self.ctl.refresh()
+        state = self.ctl.state
+        known = [n.name for n in state.nodes]
+        names = list(self.asked_nodes or [n.name for n in state.nodes if n.state == "up"])
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise BenchmarkError(
+                f"unknown node(s) {', '.join(unknown)}", f"known: {', '.join(known)}"
+            )
+        down = [n for n in names if (s := state.node(n)) is None or s.state != "up"]
+        if down or not names:
+            raise BenchmarkError(
+                f"{', '.join(down) or 'no node'} is not up",
+                "start the cluster (studiotui up, or provision), or pick --nodes that are up",
+            )
+        chosen: list[PlacementState] = []
+        if self.asked_placements is not None:
+            for name in self.asked_placements:
+                p = state.placement(name)
+                if p is None or p.state != "ready":
+                    why = "does not exist" if p is None else f"is {p.state}"
+                    raise BenchmarkError(f"placement {name!r} {why}", "place it, or leave it out")
+                chosen.append(p)
+        else:
+            chosen = [
+                p for p in state.placements if p.state == "ready" and set(p.nodes) <= set(names)
+            ]
+        return names, chosen
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def _say(self, state: str = "running", detail: str = "") -> None:
+        if self.on_step is not None and self.steps:
+            label = self.steps[self.index - 1]
+            self.on_step(Step(self.index, len(self.steps), label, detail, state))
+
+    def _next(self) -> None:
+        self.index += 1
+        self._say()
+
+    async def run(self) -> Run:
+        began, when = time.monotonic(), datetime.now(UTC)
+        names, placements = await self.choose()
+        self.steps = plan_steps(names, [p.name for p in placements], self.sizes.stream_counts)
+        nodes = [await self.device(name) for name in names]
+        links = await self.links(names)
+        group = await self.group(names, nodes) if len(names) >= 2 else None
+        measured = [await self.placement(p) for p in placements]
+        if len(names) < 2:
+            self.notes.append("one node: no link to measure and no group product")
+        if not placements:
+            self.notes.append("no placement is ready on these nodes: no stream figures")
+        return Run(
+            id=new_id(when, self.ctl.state.name),
+            date=iso(when),
+            cluster=self.ctl.state.name,
+            machine=this_machine(),
+            build=build_id(),
+            sizes=self.sizes,
+            nodes=tuple(nodes),
+            links=tuple(links),
+            group=group,
+            placements=tuple(measured),
+            seconds=round(time.monotonic() - began, 1),
+            notes=tuple(self.notes),
+        )
+
+    async def device(self, name: str) -> NodeFigures:
+        self._next()
+        node = self.ctl.state.node(name)
+        chip = node.chip if node else ""
+        try:
+            figures: dict[str, Any] = {}
+            async for msg in self.ctl.peer(name).stream(
+                "device_bench", timeout=DEVICE_SILENCE_S, sizes=self.sizes.device_spec()
+            ):
+                if msg["type"] == "bench_step":
+                    self._say(detail=str(msg.get("step", "")))
+                elif msg["type"] == "ok":
+                    figures = dict(msg["figures"])
+        except (AgentError, AgentUnreachable) as exc:
+            self._say("failed", str(exc))
+            return NodeFigures(name, chip, error=str(exc))
+        matmul = figures.get("matmul", {})
+        memory = figures.get("memory", {})
+        self._say("done")
+        return NodeFigures(
+            name,
+            chip,
+            str(figures.get("device", "")),
+            gflops={d: float(f["gflops"]) for d, f in matmul.items()},
+            matmul_n={d: int(f["n"]) for d, f in matmul.items()},
+            copy_gbs=memory.get("copy_gbs"),
+            read_gbs=memory.get("read_gbs"),
+        )
+
+    async def links(self, names: list[str]) -> list[LinkFigures]:
+        """Each direction of each pair measured by its sender, one at a time."""
+        found: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for a in names:
+            for b in names:
+                if a == b:
+                    continue
+                self._next()
+                try:
+                    results = await self.ctl.link_results(a, [b], self.sizes.link_spec())
+                except (AgentError, AgentUnreachable) as exc:
+                    results = [{"peer": b, "from": a, "error": str(exc)}]
+                pair = (min(a, b), max(a, b))
+                found.setdefault(pair, []).extend(results)
+                failed = any(r.get("error") for r in results)
+                self._say("failed" if failed else "done")
+        return [merge_directions(a, b, rs, self._kind(a, b)) for (a, b), rs in found.items()]
+
+    def _kind(self, a: str, b: str) -> str:
+        ends = [
+            probes.LinkEnd.from_facts(n.facts.get("link_end"))
+            for n in (self.ctl.state.node(a), self.ctl.state.node(b))
+            if n is not None
+        ]
+        if len(ends) == 2 and all(ends):
+            return probes.pair_link_kind(*ends)
+        return "unknown"
+
+    async def group(self, names: list[str], nodes: list[NodeFigures]) -> GroupFigures:
+        """The distributed product over the group, a `benchmark` job on the agents."""
+        self._next()
+        n = group_n(nodes, names, self.sizes.matmul_n)
+        parts = parts_gflops(nodes, names, "float32")
+        backend, why = choose_backend(names, self.ctl.state.links)
+        if backend == "jaccl":
+            # JACCL needs the group's RDMA device matrix, which nothing here builds yet.
+            self.notes.append(f"{why}, but the group was measured over ring")
+            backend = "ring"
+        base = GroupFigures(
+            nodes=tuple(names), backend=backend, n=n, parts_gflops=parts, launcher="jobs"
+        )
+        try:
+            ranks = await self._ranks(names, n, backend)
+        except (AgentError, AgentUnreachable, JobFailed, BenchmarkError) as exc:
+            self._say("failed", str(exc))
+            return replace(base, error=str(exc))
+        self._say("done")
+        # The group is as fast as its slowest rank: every step waits in all_sum for it.
+        return replace(
+            base,
+            gflops=min(float(r["gflops"]) for r in ranks),
+            step_s=max(float(r["step_s"]) for r in ranks),
+            compute_s=max(float(r["compute_s"]) for r in ranks),
+            max_error=max(float(r.get("max_error", 0.0)) for r in ranks),
+        )
+
+    async def _ranks(self, names: list[str], n: int, backend: str) -> list[dict[str, Any]]:
+        """One rank per node, started and followed as a job (cluster/jobs.py), on the
+        nodes' own addresses (the Thunderbolt bridge's on a desk cluster)."""
+        name = f"benchmark-{uuid.uuid4().hex[:8]}"
+        record = JobRecord(name, "benchmark", tuple(names), backend)
+        spec = {"n": n, "reps": self.sizes.group_reps}
+        found: dict[str, dict[str, Any]] = {}
+
+        def on_event(node: str, event: dict[str, Any]) -> None:
+            if event.get("event") == "result":
+                found[node] = dict(event.get("figures") or {})
+
+        await jobs.start_group(self.ctl, record, [spec] * len(names))
+        try:
+            end = await jobs.follow(self.ctl, name, names, on_event)
+        except asyncio.CancelledError:
+            # The run was given up (Esc, Ctrl-C): its ranks go too.
+            await jobs.stop(self.ctl, name, names)
+            raise
+        finally:
+            # Nothing to resume: the ranks' records go once they are read.
+            await asyncio.gather(
+                *(self.ctl.peer(x).request("forget_job", job=name) for x in names),
+                return_exceptions=True,
+            )
+        missing = [x for x in names if x not in found]
+        if end.state != "done" or missing:
+            raise BenchmarkError(end.message or f"no figures from {', '.join(missing)}")
+        return [found[x] for x in names]
+
+    async def placement(self, p: PlacementState) -> PlacementFigures:
+        """Decode tok/s and time to first token with 1, 2, 4, 8 streams at once."""
+        sizes = self.sizes
+        base = PlacementFigures(p.name, p.model, p.nodes, admitted=p.streams)
+        points: list[StreamPoint] = []
+        error = ""
+        try:
+            await stream(self.ctl, p.name, prompt_tokens(8), WARM_UP_TOKENS)
+        except GenerationError as exc:
+            error = str(exc)
+        for k in sizes.stream_counts:
+            self._next()
+            if error:
+                self._say("failed", error)
+                continue
+            try:
+                runs = await asyncio.gather(
+                    *(
+                        stream(
+                            self.ctl,
+                            p.name,
+                            prompt_tokens(sizes.prompt_tokens),
+                            sizes.stream_tokens,
+                        )
+                        for _ in range(k)
+                    )
+                )
+            except GenerationError as exc:
+                error = str(exc)
+                self._say("failed", error)
+                continue
+            points.append(stream_point(k, runs))
+            self._say("done")
+        return replace(base, points=tuple(points), error=error)

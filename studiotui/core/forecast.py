@@ -1,0 +1,484 @@
+"""How fast a placement will decode, before anything loads: a small, pure cost model.
+
+Decode is memory-bandwidth bound: a step of a stage costs the bytes its node reads
+(its share of the weights a token touches, plus the KV cache it attends over) divided
+by the node's memory bandwidth, capped below by the compute the step needs. Links add
+what they cost: a pipeline hop per stage boundary per step, and for a tensor group two
+all-reduces per layer (after attention and after the MLP, where mlx-lm's `shard()`
+puts its `sharded-to-all` cuts). Every constant is stated here, with where it comes
+from; `docs/architecture.md` ("Placement" → "Forecast") and the README's error table
+say how close the model comes to published and measured figures.
+
+What it does not model: the KV cache's growth within an answer (decode is priced at a
+fixed context), prefix caching, sliding windows in prefill, thermal limits, and how
+several stages sharing one CPU-only host compete for its cores (only its bandwidth).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from studiotui.core.benchmark import Run
+from studiotui.core.placement import (
+    Link,
+    ModelFacts,
+    NodeBudget,
+    Plan,
+    Refusal,
+    link_figures,
+    plan,
+    tensor_refusal,
+    tensor_sizes,
+)
+from studiotui.core.state import ClusterState
+
+_GB = 1e9  # memory bandwidth is quoted in decimal GB/s
+
+# (GB/s, FP16 TFLOPS) of each chip's unified memory and GPU, from Apple's published
+# specifications (the largest GPU of each chip; a binned part is a little slower).
+CHIPS: dict[str, tuple[float, float]] = {
+    "M1": (68.0, 2.6),
+    "M1 Pro": (200.0, 5.2),
+    "M1 Max": (400.0, 10.4),
+    "M1 Ultra": (800.0, 21.0),
+    "M2": (100.0, 3.6),
+    "M2 Pro": (200.0, 6.8),
+    "M2 Max": (400.0, 13.6),
+    "M2 Ultra": (800.0, 27.2),
+    "M3": (100.0, 4.1),
+    "M3 Pro": (150.0, 7.4),
+    "M3 Max": (400.0, 16.4),
+    "M3 Ultra": (819.0, 28.2),
+    "M4": (120.0, 4.3),
+    "M4 Pro": (273.0, 9.2),
+    "M4 Max": (546.0, 18.4),
+    "M5": (153.0, 5.7),
+}
+# A node that is not Apple Silicon runs MLX on its CPU: a stated default, calibrated on
+# this project's 2-vCPU development VM (README "Performance", the demo model): its
+# 512-token prompt in 1.74 s gives the compute (MLX's float32 matmuls here reach ~4
+# GFLOPS), its 190 tok/s in one process the fixed dispatch cost per layer per step.
+CPU_DEFAULT = (20.0, 0.008)
+CPU_LAYER_US = 280.0
+
+# Share of peak bandwidth a decode step reaches with MLX on Apple GPUs: mlx-lm's
+# published single-machine figures give 0.83 (Llama 3.1 70B bf16, M2 Ultra, 4.7 tok/s,
+# ml-explore/mlx-examples#1069) and 0.86 (Qwen2.5-72B 6-bit, M4 Max, 7.9 tok/s,
+# ml-explore/mlx-examples#1281).
+BANDWIDTH_EFFICIENCY = 0.85
+# Share of peak compute a prefill chunk reaches (large matmuls; assumed, not measured here).
+COMPUTE_EFFICIENCY = 0.5
+# One all-reduce of MLX's distributed ops waits for the GPU stream to drain and the CPU
+# to run the collective before the next kernel starts (assumed).
+ALLREDUCE_SYNC_US = 50.0
+# RDMA over Thunderbolt: ~30 µs against ~300 µs for TCP (measured by others, see
+# shared/DESIGN.md; Jeff Geerling's article says "< 50 µs").
+RDMA_LATENCY_US = 30.0
+# What this engine adds to a link's own latency for each pipeline hop (Python,
+# ZeroMQ wake-ups at both ends): `studiotui bench` measured hop_us_p50 244-404 µs on
+# loopback, whose link latency is ~50 µs.
+ENGINE_HOP_US = 200.0
+# A prefill is cut into chunks (the runners' default prefill_chunk) that pipeline
+# across stages; decode is priced at the context a 2k-token prompt leaves.
+PREFILL_CHUNK = 512
+PROMPT_TOKENS = 2048
+STREAMS = 8
+
+
+@dataclass(frozen=True)
+class Chip:
+    """A node's speed as the forecast sees it, and where the figures came from."""
+
+    bandwidth_gbs: float
+    tflops: float
+    source: str
+    layer_us: float = 0.0  # fixed dispatch cost per layer per step (CPU-only nodes)
+
+
+def chip_for(chip: str, os_name: str = "", measured_gbs: float | None = None) -> Chip:
+    """The node's figures: measured bandwidth if it reports one, else the chip table
+    (the longest name the chip string contains), else the CPU-only default."""
+    label = chip.replace("Apple ", "").strip()
+    found = max((name for name in CHIPS if name.lower() in label.lower()), key=len, default=None)
+    # "M3" is in "M3 Ultra": the longest match wins, and a bare "M3" must be a whole word.
+    if found is not None and not _whole_word(found, label):
+        found = None
+    if found is not None:
+        gbs, tflops = CHIPS[found]
+        source = f"{found} (table)"
+        layer_us = 0.0
+    else:
+        gbs, tflops = CPU_DEFAULT
+        source = f"CPU-only node{f' ({label})' if label else ''}: default"
+        layer_us = CPU_LAYER_US
+    if measured_gbs and measured_gbs > 0:
+        return Chip(measured_gbs, tflops, f"measured {measured_gbs:.0f} GB/s", layer_us)
+    return Chip(gbs, tflops, source, layer_us)
+
+
+def _whole_word(name: str, label: str) -> bool:
+    at = label.lower().find(name.lower())
+    end = at + len(name)
+    return end == len(label) or not label[end].isalnum()
+
+
+@dataclass(frozen=True)
+class Forecast:
+    shape: str
+    tps_1: float  # decode tok/s, one stream
+    tps_8: float  # decode tok/s summed over STREAMS streams (batched decode)
+    ttft_ms: float  # time to first token of a PROMPT_TOKENS prompt
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def _pair_links(links: Sequence[Link]) -> dict[frozenset[str], Link]:
+    out: dict[frozenset[str], Link] = {}
+    for link in links:
+        key = frozenset((link.a, link.b))
+        known = out.get(key)
+        if known is None or link_figures(link)[0] < link_figures(known)[0]:
+            out[key] = link
+    return out
+
+
+def _hosts(names: Sequence[str], links: Mapping[frozenset[str], Link]) -> dict[str, int]:
+    """Nodes joined by a loopback link share one machine (and its memory bandwidth)."""
+    host = {name: i for i, name in enumerate(names)}
+    for key, link in links.items():
+        if link.kind == "loopback" and key <= set(host):
+            a, b = sorted(key)
+            old, new = host[b], host[a]
+            host = {n: (new if h == old else h) for n, h in host.items()}
+    return host
+
+
+def _params(model: ModelFacts, nbytes: float) -> float:
+    bits = model.bits_per_weight or 16.0
+    return nbytes * 8 / bits
+
+
+@dataclass(frozen=True)
+class _Stage:
+    nodes: tuple[str, ...]
+    start: int
+    end: int
+    first: bool
+    last: bool
+
+
+def _stage_bytes(model: ModelFacts, st: _Stage, batch: int, context: int) -> tuple[float, float]:
+    """(bytes a node of the stage reads in one decode step of `batch` tokens, weight
+    bytes one token multiplies by), each its share of a tensor group's split."""
+    n = len(st.nodes)
+    split = model.tensor.layer_split if model.tensor and n > 1 else (0,) * model.n_layers
+    experts = model.layer_experts or (0,) * model.n_layers
+    # Distinct experts b tokens touch, each routed independently: 1 - (1 - k/E)^b.
+    touched = 1 - (1 - model.experts_active) ** batch if model.layer_experts else 1.0
+    read = used = 0.0
+    for i in range(st.start, st.end):
+        whole, cut = model.layer_bytes[i] - split[i], split[i] / n
+        # Routed experts are in the cut part when the family shards them (all that do).
+        routed = experts[i] / n if n > 1 and split[i] >= experts[i] else experts[i]
+        other = whole + cut - routed
+        read += other + routed * touched
+        used += other + routed * model.experts_active  # what one token multiplies by
+    head = model.head_bytes if st.last else 0
+    read += head
+    used += head
+    kv = float(sum(model.kv_bytes(context)[st.start : st.end]) * batch)
+    if model.tensor and model.tensor.kv_split:
+        kv /= n
+    return read + kv, used
+
+
+def _allreduce_us(
+    nodes: Sequence[str], links: Mapping[frozenset[str], Link], nbytes: float, rdma: bool
+) -> float:
+    """One all-reduce over the group: JACCL over RDMA in two rounds (reduce, broadcast);
+    the ring backend in 2(N-1) rounds over the slowest TCP link of the group."""
+    n = len(nodes)
+    if n < 2:
+        return 0.0
+    worst_lat, worst_gbps = 0.0, math.inf
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1 :]:
+            link = links.get(frozenset((a, b)))
+            lat, gbps = link_figures(link) if link else (300.0, 10.0)
+            worst_lat, worst_gbps = max(worst_lat, lat), min(worst_gbps, gbps)
+    rounds = 2 if rdma else 2 * (n - 1)
+    latency = RDMA_LATENCY_US if rdma else worst_lat
+    transfer = nbytes / n * 8 / (worst_gbps * 1e3)  # 1 Gb/s moves 1e3 bits per µs
+    return ALLREDUCE_SYNC_US + rounds * (latency + transfer)
+
+
+def _step_us(
+    model: ModelFacts,
+    st: _Stage,
+    chips: Mapping[str, Chip],
+    links: Mapping[frozenset[str], Link],
+    hosts: Mapping[str, int],
+    batch: int,
+    context: int,
+    rdma: bool,
+) -> float:
+    """One decode step of `batch` tokens through the stage: its slowest node's read (or
+    compute), plus the group's all-reduces."""
+    read, used = _stage_bytes(model, st, batch, context)
+    slowest = 0.0
+    for node in st.nodes:
+        chip = chips[node]
+        # Group members on one machine share its bandwidth and compute.
+        share = sum(hosts[m] == hosts[node] for m in st.nodes)
+        memory = read * share / (chip.bandwidth_gbs * _GB * BANDWIDTH_EFFICIENCY) * 1e6
+        flops = 2 * _params(model, used) * batch * share
+        compute = flops / (chip.tflops * 1e12 * COMPUTE_EFFICIENCY) * 1e6
+        dispatch = chip.layer_us * (st.end - st.start)
+        slowest = max(slowest, dispatch + max(memory, compute))
+    act = _act_bytes(model)
+    per = _allreduce_us(st.nodes, links, model.hidden_size * act * batch, rdma)
+    return slowest + 2 * (st.end - st.start) * per
+
+
+def _act_bytes(model: ModelFacts) -> int:
+    return {"float32": 4, "float64": 8}.get(model.dtype, 2)
+
+
+def _hop_us(
+    a: _Stage, b: _Stage, links: Mapping[frozenset[str], Link], nbytes: float, rdma: bool
+) -> float:
+    link = links.get(frozenset((a.nodes[0], b.nodes[0])))
+    lat, gbps = link_figures(link) if link else (300.0, 10.0)
+    if link is not None and link.rdma and rdma:
+        lat = RDMA_LATENCY_US
+    return ENGINE_HOP_US + lat + nbytes * 8 / (gbps * 1e3)
+
+
+def _prefill_us(
+    model: ModelFacts,
+    st: _Stage,
+    chips: Mapping[str, Chip],
+    links: Mapping[frozenset[str], Link],
+    hosts: Mapping[str, int],
+    chunk: int,
+    offset: int,
+    rdma: bool,
+) -> float:
+    """One prefill chunk through the stage: its FLOPs (weights × tokens, attention over
+    the context so far) or one read of its weights, whichever is slower."""
+    n = len(st.nodes)
+    # A chunk of hundreds of tokens touches every expert: the stage's whole share is read.
+    weights = sum(model.layer_bytes[st.start : st.end]) / n + (model.head_bytes if st.last else 0)
+    _, active = _stage_bytes(model, _Stage(st.nodes, st.start, st.end, False, False), 1, 0)
+    flops = 2 * _params(model, active) * chunk
+    flops += 4 * model.attn_width * chunk * (offset + chunk / 2) * (st.end - st.start) / n
+    if st.last:  # only the last token's logits are needed
+        flops += 2 * _params(model, model.head_bytes)
+    slowest = 0.0
+    for node in st.nodes:
+        chip = chips[node]
+        share = sum(hosts[m] == hosts[node] for m in st.nodes)
+        compute = flops * share / (chip.tflops * 1e12 * COMPUTE_EFFICIENCY) * 1e6
+        memory = weights * share / (chip.bandwidth_gbs * _GB * BANDWIDTH_EFFICIENCY)
+        dispatch = chip.layer_us * (st.end - st.start)
+        slowest = max(slowest, dispatch + max(compute, memory * 1e6))
+    act = _act_bytes(model)
+    per = _allreduce_us(st.nodes, links, model.hidden_size * act * chunk, rdma)
+    return slowest + 2 * (st.end - st.start) * per
+
+
+# --------------------------------------------------------------------------- forecast
+
+
+def forecast(
+    model: ModelFacts,
+    plan: Plan,
+    chips: Mapping[str, Chip],
+    links: Sequence[Link] = (),
+    *,
+    streams: int = STREAMS,
+    prompt_tokens: int = PROMPT_TOKENS,
+) -> Forecast:
+    """Decode tok/s at one and at `streams` streams, and the time to first token of a
+    `prompt_tokens` prompt, for `plan` on nodes with these `chips` and `links`.
+
+    One stream: a token crosses every stage and every hop (the tail's token goes back
+    to the head). Several: batched decode — each step reads the weights once for all
+    the requests in it (more of a MoE's experts as the batch grows, each request's own
+    KV) — as one batch going round the ring."""
+    pair = _pair_links(links)
+    names = [n for s in plan.shards for n in s.nodes]
+    hosts = _hosts(names, pair)
+    count = len(plan.shards)
+    stages = [
+        _Stage(s.nodes, s.start, s.end, i == 0, i == count - 1) for i, s in enumerate(plan.shards)
+    ]
+    rdma = {i: s.backend == "jaccl" for i, s in enumerate(plan.shards)}
+    context = prompt_tokens
+    act = _act_bytes(model) * model.hidden_size
+
+    def cycle(batch: int) -> float:
+        steps = [
+            _step_us(model, st, chips, pair, hosts, batch, context, rdma[i])
+            for i, st in enumerate(stages)
+        ]
+        hops = [
+            _hop_us(st, stages[(i + 1) % count], pair, act * batch, rdma[i])
+            for i, st in enumerate(stages)
+            if count > 1
+        ]
+        return sum(steps) + sum(hops)
+
+    # Several streams decode as one batch that goes round the ring, one step per stage
+    # (as exo's pipeline and mlx-lm's batched generation do): the weights are read once
+    # per step for all of them, and a MoE's batch touches more of its experts.
+    one = cycle(1)
+    many = streams / cycle(streams)
+
+    # Prefill: chunks flow through the stages one behind the other.
+    chunks = [
+        (min(PREFILL_CHUNK, prompt_tokens - o), o) for o in range(0, prompt_tokens, PREFILL_CHUNK)
+    ]
+    per_stage = [
+        [_prefill_us(model, st, chips, pair, hosts, c, o, rdma[i]) for c, o in chunks]
+        for i, st in enumerate(stages)
+    ]
+    hops = sum(
+        _hop_us(st, stages[i + 1], pair, act * PREFILL_CHUNK, rdma[i])
+        for i, st in enumerate(stages[:-1])
+    )
+    slowest = max(per_stage, key=sum)
+    ttft = sum(t[0] for t in per_stage) + sum(slowest[1:]) + hops
+    return Forecast(plan.shape, 1e6 / one, many * 1e6, ttft / 1e3)
+
+
+# --------------------------------------------------------------------------- choosing
+
+# A tensor shape is chosen over a smaller one only when forecast this much faster:
+# the forecast's own error on published figures is a few percent, and a pipeline is
+# the simpler thing to run.
+MARGIN = 1.05
+
+
+@dataclass(frozen=True)
+class ShapeOption:
+    """One tensor size that divides the model and the nodes: its plan or refusal,
+    and the forecast when it fits."""
+
+    tensor: int
+    verdict: Plan | Refusal
+    forecast: Forecast | None
+
+
+@dataclass(frozen=True)
+class Choice:
+    verdict: Plan | Refusal  # the shape chosen (or asked for), or why nothing fits
+    options: tuple[ShapeOption, ...]  # every tensor size that divides, smallest first
+
+
+def choose(
+    model: ModelFacts,
+    nodes: Sequence[NodeBudget],
+    links: Sequence[Link],
+    chips: Mapping[str, Chip],
+    *,
+    tensor: int | None = None,
+    context_tokens: int = 4096,
+    streams: int = 1,
+    reserve_fraction: float = 0.05,
+) -> Choice:
+    """Plan every shape that divides (stages of 1, 2, 4… nodes), forecast those that
+    fit, and pick `tensor` if asked, else the fastest at one stream — a bigger tensor
+    group only when it beats the best smaller one by MARGIN, so a pipeline stays the
+    choice wherever it is as fast. A `tensor` that does not divide is refused in words."""
+    every = {name.name: chip_for("") for name in nodes}
+    every.update(chips)
+    options = []
+    for size in tensor_sizes(model, len(nodes)):
+        verdict = plan(
+            model,
+            nodes,
+            links,
+            context_tokens=context_tokens,
+            streams=streams,
+            reserve_fraction=reserve_fraction,
+            tensor=size,
+        )
+        guess = forecast(model, verdict, every, links) if isinstance(verdict, Plan) else None
+        options.append(ShapeOption(size, verdict, guess))
+    if tensor is not None:
+        why = tensor_refusal(model, tensor, len(nodes))
+        asked = next((o for o in options if o.tensor == tensor), None)
+        if why or asked is None:
+            return Choice(Refusal(why or f"tensor size {tensor} does not fit"), tuple(options))
+        return Choice(asked.verdict, tuple(options))
+    best: ShapeOption | None = None
+    for option in options:
+        if option.forecast is None:
+            continue
+        if best is None or (
+            best.forecast is not None and option.forecast.tps_1 > best.forecast.tps_1 * MARGIN
+        ):
+            best = option
+    return Choice(best.verdict if best else options[0].verdict, tuple(options))
+
+
+def chips_from_state(
+    state: ClusterState, names: Sequence[str], measured: Mapping[str, float] | None = None
+) -> dict[str, Chip]:
+    """Each node's figures: a memory bandwidth its agent reports
+    (`facts["memory_bandwidth_gbs"]`) or `studiotui benchmark` measured (`measured`,
+    see `measured_bandwidths`), else its chip's row."""
+    out = {}
+    for name in names:
+        node = state.node(name)
+        if node is None:
+            out[name] = chip_for("", measured_gbs=(measured or {}).get(name))
+            continue
+        reported = node.facts.get("memory_bandwidth_gbs")
+        gbs = float(reported) if isinstance(reported, int | float) else None
+        out[name] = chip_for(node.chip, node.os, gbs or (measured or {}).get(name))
+    return out
+
+
+def measured_bandwidths(runs: Sequence[Run], cluster: str) -> dict[str, float]:
+    """Each node's memory read GB/s from the newest saved `studiotui benchmark` run of
+    this cluster that measured it (`runs` newest first, as `benchmark.saved` gives them)."""
+    out: dict[str, float] = {}
+    for run in runs:
+        if run.cluster != cluster:
+            continue
+        for node in run.nodes:
+            if node.read_gbs and node.read_gbs > 0 and not node.error:
+                out.setdefault(node.name, node.read_gbs)
+    return out
+
+
+def links_from_state(state: ClusterState) -> list[Link]:
+    """The measured links as the planner takes them, RDMA included; a pair not measured
+    yet whose two agents both report RDMA usable (`facts["rdma"]["usable"]`, as the
+    controller judges a measured pair) is listed with no figures but its RDMA."""
+    links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma) for x in state.links]
+    seen = {frozenset((x.a, x.b)) for x in links}
+    usable = [
+        n.name
+        for n in state.nodes
+        if isinstance(rdma := n.facts.get("rdma"), dict) and rdma.get("usable") is True
+    ]
+    for i, a in enumerate(usable):
+        for b in usable[i + 1 :]:
+            if frozenset((a, b)) not in seen:
+                links.append(Link(a, b, None, None, "unknown", True))
+    return links
+
+
+def describe(f: Forecast) -> str:
+    """ "31.9 tok/s · 8 streams 118 tok/s · first token 2.1 s" """
+    ttft = f"{f.ttft_ms / 1000:.1f} s" if f.ttft_ms >= 1000 else f"{f.ttft_ms:.0f} ms"
+    return (
+        f"{f.tps_1:.1f} tok/s · {STREAMS} streams {f.tps_8:.0f} tok/s · "
+        f"first token of {PROMPT_TOKENS // 1024}k {ttft}"
+    )

@@ -1,0 +1,161 @@
+"""The preview's shapes: each with its forecast, `t` cycling the ones that fit.
+
+The real app and the real planner and forecast, over a frozen cluster of four
+512 GB M3 Ultras (two pairs with RDMA between them), placing the header-only
+Qwen3-235B-A22B 8-bit (tests/seed_models.py) through a stand-in that has the
+controller's `state` and `preview` and does no I/O.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from studiotui.app.app import StudioApp
+from studiotui.app.place.preview import PlaceRequest, PreviewScreen
+from studiotui.core.forecast import chips_from_state, choose, links_from_state
+from studiotui.core.model_facts import ModelInfo, read_model
+from studiotui.core.placement import NodeBudget, Plan, Refusal
+from studiotui.core.state import ClusterState, LinkState, NodeState, PlacementState, PlannedShard
+from tests.app_fixtures import fixed_models
+from tests.seed_models import seed_model
+
+GiB = 1024**3
+NAMES = ("studio-1", "studio-2", "studio-3", "studio-4")
+
+
+class Stand:
+    """The controller's `state` and `preview` over a frozen state."""
+
+    def __init__(self, state: ClusterState, info: ModelInfo) -> None:
+        self.state = state
+        self.info = info
+        self.asked: list[int | None] = []
+
+    def preview(
+        self,
+        model_dir: Path,
+        nodes: list[str],
+        context_tokens: int = 4096,
+        streams: int | None = None,
+        tensor: int | None = None,
+    ) -> tuple[ModelInfo, Plan | Refusal]:
+        self.asked.append(tensor)
+        budgets = [
+            NodeBudget(n, node.memory_free, node.memory_total)
+            for n in nodes
+            if (node := self.state.node(n)) is not None
+        ]
+        verdict = choose(
+            self.info.facts,
+            budgets,
+            links_from_state(self.state),
+            chips_from_state(self.state, nodes),
+            tensor=tensor,
+            context_tokens=context_tokens,
+            streams=streams or 1,
+        ).verdict
+        return self.info, verdict
+
+
+def cluster() -> ClusterState:
+    nodes = tuple(
+        NodeState(
+            n, f"10.0.0.{i}", 52500, "ssh", state="up", chip="Apple M3 Ultra", os="Darwin",
+            memory_total=512 * GiB, memory_used=8 * GiB,
+        )
+        for i, n in enumerate(NAMES, start=11)
+    )  # fmt: skip
+    pairs = [(a, b) for i, a in enumerate(NAMES) for b in NAMES[i + 1 :]]
+    rdma = ({"studio-1", "studio-2"}, {"studio-3", "studio-4"})
+    links = tuple(
+        LinkState(a, b, 150.0, 40.0, "thunderbolt", rdma={a, b} in rdma) for a, b in pairs
+    )
+    placed = PlacementState(
+        "other",
+        "qwen3-235b",
+        "/m/qwen3-235b",
+        (),
+        planned=tuple(
+            PlannedShard(n, 0 if n in ("studio-1", "studio-2") else 47,
+                         47 if n in ("studio-1", "studio-2") else 94, "jaccl")
+            for n in NAMES
+        ),
+    )  # fmt: skip
+    return ClusterState(name="desk", nodes=nodes, links=links, placements=(placed,))
+
+
+async def test_the_preview_shows_each_shape_with_its_forecast_and_t_cycles_them(
+    tmp_path: Path,
+) -> None:
+    info = read_model(seed_model(tmp_path / "seeds", "qwen3-235b-a22b", "8bit"))
+    state = cluster()
+    app = StudioApp(tmp_path / "home", state=state, models=fixed_models())
+    stand = Stand(state, info)
+    request = PlaceRequest(info.path, info.name, NAMES, "all up nodes", "qwen")
+    async with app.run_test(size=(170, 60)) as pilot:
+        screen = PreviewScreen(request, stand, lambda s: None)
+        app.push_screen(screen)
+
+        async def planned() -> None:
+            for _ in range(200):
+                await pilot.pause(0.05)
+                if screen.phase not in ("planning", "measuring") and screen.shapes:
+                    return
+            raise AssertionError(f"not planned: {screen.phase} {screen.message}")
+
+        await planned()
+        assert screen.phase == "plan", screen.text
+        text = screen.text
+        # Every shape 4 nodes and Qwen3's heads divide into, each with its forecast.
+        assert [size for size, _, _ in screen.shapes] == [1, 2, 4]
+        assert "shapes (t cycles)" in text
+        for shape in ("4 stages", "2 stages × 2 (jaccl)", "1 stage × 4 (ring)"):
+            line = next(x for x in text.splitlines() if shape in x)
+            assert "tok/s" in line and "8 streams" in line and "first token of 2k" in line
+        # RDMA only within two pairs: 94 layers × 2 all-reduces cost the groups more
+        # than they save, and the pipeline is forecast fastest, so it is chosen.
+        first = screen.plan
+        assert first is not None and first.shape == "4 stages"
+        fastest = max(screen.shapes, key=lambda s: s[2].tps_1 if s[2] else 0.0)
+        assert fastest[0] == 1
+        assert "▸ 4 stages" in text
+        # The key is bound with an id and shown in the footer.
+        bindings = {b.binding.id: b for b in screen.active_bindings.values()}
+        assert "preview-shape" in bindings and bindings["preview-shape"].binding.show
+        assert "t shape" in str(screen.query_one("#preview-dialog").border_subtitle)
+
+        await pilot.press("t")
+        await planned()
+        assert screen.tensor == 2 and screen.plan is not None
+        assert screen.plan.shape == "2 stages × 2 (jaccl)"
+        text = screen.text
+        assert "▸ 2 stages × 2 (jaccl)" in text
+        assert "every pair of studio-1, studio-2 has RDMA enabled: JACCL over RDMA" in text
+        # One row per node of a group, each holding half of its stage's layers.
+        assert sum("÷2" in x for x in text.splitlines()) == 4
+        await pilot.press("t")
+        await planned()
+        assert screen.tensor == 4 and screen.plan is not None
+        assert screen.plan.shape == "1 stage × 4 (ring)"
+        assert "▸ 1 stage × 4 (ring)" in screen.text
+        assert "studio-1 ↔ studio-3" in screen.text  # why not JACCL: no RDMA there
+        await pilot.press("t")
+        await planned()
+        assert screen.plan is not None and screen.plan.shape == "4 stages"
+        assert "▸ 4 stages" in screen.text
+        # Asked for (then the other two shapes, for their forecasts), not chosen.
+        assert stand.asked[-3:] == [1, 2, 4]
+
+
+def test_the_topology_and_placements_panes_name_a_hybrid_placements_shape() -> None:
+    from studiotui.app.panes.placements import ring_text
+    from studiotui.app.panes.topology import draw_topology
+
+    state = cluster()
+    (placed,) = state.placements
+    assert placed.shape == "2 stages × 2 (jaccl)"
+    drawn = draw_topology(state, 160).plain
+    ring = next(x for x in drawn.splitlines() if x.startswith("ring other"))
+    assert "2 stages × 2 (jaccl)" in ring
+    # One hop per stage, its group's nodes joined.
+    assert ring_text(placed) == "✗studio-1+✗studio-2[0:47] → ✗studio-3+✗studio-4[47:94]"

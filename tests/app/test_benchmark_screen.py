@@ -1,0 +1,127 @@
+"""The Benchmark screen driven by Pilot: opened from the palette and by its key, it runs
+the benchmark on two real agents (127.0.0.236-237:59750, tiny sizes) with its progress,
+draws the figures, lists the saved runs and compares two. The snapshot shows two fixed
+saved runs in a fixed view (no I/O)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from textual.widgets import DataTable, Static
+
+from studiotui.app.app import StudioApp
+from studiotui.app.screens.benchmark import BenchmarkScreen
+from studiotui.core import benchmark as bm
+from studiotui.core.benchmark import Sizes
+from tests.app_fixtures import fixed_models, fixed_state
+from tests.benchmark_fixtures import sample_run
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.pilot_helpers import run_from_palette
+
+BASE, PORT = 236, 59750
+SIZE = (160, 48)
+TINY = Sizes(
+    matmul_n=128,
+    copy_mib=4,
+    seconds=0.05,
+    link_seconds=0.1,
+    link_pings=5,
+    link_pad_bytes=4096,
+    group_reps=3,
+)
+
+
+@pytest.fixture(scope="module")
+def screen_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from cluster_fixture(tmp_path_factory.mktemp("bench-screen-home"), 2, BASE, PORT)
+
+
+async def until(pilot, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await pilot.pause(0.1)
+
+
+def shown(screen: BenchmarkScreen) -> str:
+    """What the figures pane draws, line by line, as text."""
+    view = screen.query_one("#bench-view", Static)
+    return "\n".join(view.render_line(y).text for y in range(view.size.height))
+
+
+async def test_the_screen_runs_draws_saves_and_compares(screen_cluster: LocalCluster) -> None:
+    home, inv = screen_cluster.home, screen_cluster.inventory
+    app = StudioApp(home, inv)
+    app.benchmark_sizes = TINY
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "2/2 nodes up" in str(app.sub_title), 20, "nodes up")
+        await run_from_palette(pilot, app, "benchmark", "Benchmark the cluster")
+        screen = app.screen
+        assert isinstance(screen, BenchmarkScreen)
+        assert "No benchmark yet" in shown(screen)
+        await pilot.press("r")
+        progress = screen.query_one("#bench-progress")
+        await until(pilot, lambda: progress.display, 5, "the progress shows")
+        # Each step is listed as it comes: the first node's device is measured first.
+        await until(pilot, lambda: "✓ local-1: device" in shown(screen), 60, "a step done")
+        assert "step " in str(screen.query_one("#bench-step", Static).render())
+        await until(pilot, lambda: len(screen.runs) == 1, 90, "the run is saved")
+        assert not progress.display
+        run = screen.runs[0]
+        assert run.errors == [] and [n.name for n in run.nodes] == list(inv.names)
+        labels = list(screen.steps)
+        assert labels[0] == f"{inv.names[0]}: device" and labels[-1].startswith("group of 2")
+        assert {s.state for s in screen.steps.values()} == {"done"}
+        text = shown(screen)
+        for word in ("GFLOP/s", "Gbit/s", "sum of parts", *inv.names):
+            assert word in text, word
+        assert bm.find(home, "latest") == run  # saved where the command line finds it
+
+        # Back, then in by the key: a second (older) run saved beside it compares.
+        await pilot.press("escape")
+        assert not isinstance(app.screen, BenchmarkScreen)
+        older = replace(run, id=f"00000000-000000-{run.cluster}", build="0.0.9 (older)")
+        bm.save(home, older)
+        await pilot.press("b")
+        screen = app.screen
+        assert isinstance(screen, BenchmarkScreen)
+        assert [r.id for r in screen.runs] == [run.id, older.id]
+        await pilot.press("space", "down", "space", "c")
+        compared = shown(screen)
+        assert run.id in compared and older.id in compared and "B vs A" in compared
+        assert str(screen.query_one("#bench-results").border_title).startswith(f"A {older.id}")
+        await pilot.press("e")
+        assert (home / "benchmarks" / f"{older.id}-vs-{run.id}.md").exists()
+        table = screen.query_one("#bench-runs", DataTable)
+        assert table.row_count == 2
+
+
+async def test_a_fixed_view_lists_runs_but_cannot_run(tmp_path: Path) -> None:
+    bm.save(tmp_path, sample_run())
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("b")
+        screen = app.screen
+        assert isinstance(screen, BenchmarkScreen)
+        await pilot.press("r")
+        assert any("no cluster is connected" in n.message for n in app._notifications)
+        assert screen.running is None and "studio-1" in shown(screen)
+
+
+def test_benchmark_screen_snapshot(snap_compare, tmp_path: Path) -> None:
+    bm.save(tmp_path, sample_run("20260101-000000-desk"))
+    bm.save(tmp_path, sample_run("20260102-000000-desk", scale=1.1))
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    assert snap_compare(app, terminal_size=SIZE, press=["b"])
+
+
+def test_benchmark_compare_snapshot(snap_compare, tmp_path: Path) -> None:
+    bm.save(tmp_path, sample_run("20260101-000000-desk"))
+    bm.save(tmp_path, sample_run("20260102-000000-desk", scale=1.1))
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    assert snap_compare(app, terminal_size=SIZE, press=["b", "space", "down", "space", "c"])

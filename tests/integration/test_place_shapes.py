@@ -1,0 +1,44 @@
+"""`studiotui place --tensor N` and the shape in `status --json`, end to end: the real
+command line against two real local agents on their own port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.integration.test_cli import home, run, status  # noqa: F401 - the fixture
+
+PORT = 59510
+
+
+def test_tensor_sizes_are_refused_in_words_previewed_with_a_forecast_and_shapes_shown(
+    home: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    up = run(home, "up", "--local", "2", "--port", str(PORT), "--memory-gb", "2")
+    assert up.returncode == 0, up.stderr
+    try:
+        model = home / "tiny"
+        made = run(home, "demo-model", str(model), "--layers", "4", "--hidden", "64")
+        assert made.returncode == 0, made.stderr
+
+        three = run(home, "place", str(model), "--tensor", "3", "--dry-run")
+        assert three.returncode == 2
+        assert "--tensor 3: a tensor group of 3 does not split 2 nodes" in three.stderr
+        assert "tensor sizes that divide here: 1, 2" in three.stderr
+        assert "ring:" not in three.stdout  # refused before any plan is shown
+
+        two = run(home, "place", str(model), "--tensor", "2", "--dry-run")
+        assert two.returncode == 0, two.stderr
+        assert "1 stage × 2 (ring)" in two.stdout and "local-1 + local-2" in two.stdout
+        assert "local-1 ↔ local-2 has no RDMA at both ends: ring backend over" in two.stdout
+        assert "forecast (1 stage × 2 (ring)):" in two.stdout and "tok/s" in two.stdout
+        # …and what the other shape would do.
+        assert "  --tensor 1, 2 stages: " in two.stdout
+
+        # Unasked, two nodes of one machine: the pipeline (a group gains nothing there).
+        chosen = run(home, "place", str(model), "--name", "tiny")
+        assert chosen.returncode == 0, chosen.stderr
+        assert "2 stages" in chosen.stdout and "forecast (2 stages):" in chosen.stdout
+        [placement] = status(home)["placements"]
+        assert placement["shape"] == "2 stages"
+    finally:
+        run(home, "down")

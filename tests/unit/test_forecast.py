@@ -1,0 +1,280 @@
+"""The speed forecast: the pure cost model, and how close it comes to real figures.
+
+Published figures (the seeds' models, header-only, on the articles' machines) and
+this machine's own measured runs (README "Performance", the bench's demo model):
+every row of the README's forecast table is computed here, so the table cannot
+drift from the model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from studiotui.core.forecast import (
+    CHIPS,
+    CPU_DEFAULT,
+    Chip,
+    Forecast,
+    chip_for,
+    chips_from_state,
+    describe,
+    forecast,
+    links_from_state,
+)
+from studiotui.core.model_facts import ModelFacts, read_model
+from studiotui.core.placement import Link, NodeBudget, Plan, TensorFacts, plan
+from studiotui.core.state import ClusterState, LinkState, NodeState
+from tests.seed_models import seed_model
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+GiB = 1024**3
+README = Path(__file__).resolve().parents[2] / "README.md"
+ULTRAS = [NodeBudget(f"studio-{i}", 504 * GiB, 512 * GiB) for i in range(1, 5)]
+NAMES = [n.name for n in ULTRAS]
+M3_ULTRA = {n: chip_for("Apple M3 Ultra") for n in NAMES}
+
+
+def mesh(names: list[str], rdma: bool, kind: str = "thunderbolt", latency: float = 150.0):
+    return [
+        Link(a, b, latency, 40.0, kind, rdma) for i, a in enumerate(names) for b in names[i + 1 :]
+    ]
+
+
+def dense(name: str, layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int,
+          bits: float) -> ModelFacts:  # fmt: skip
+    """A dense decoder's facts from its published config.json numbers (head_dim 128)."""
+    per_layer = (2 * hidden * hidden + 2 * hidden * kv * 128 + 3 * hidden * inter) * bits / 8
+    embed = int(vocab * hidden * bits / 8)
+    # llama's shard() cuts every projection of a layer; only the two norms stay whole.
+    tensor = TensorFacts(
+        (("attention heads", heads), ("KV heads", kv)), (int(per_layer) - 4 * hidden,) * layers
+    )
+    return ModelFacts(
+        name, "llama", layers, (int(per_layer),) * layers, embed, embed, 2 * kv * 128 * 2,
+        dtype="bfloat16", hidden_size=hidden, attn_width=heads * 128, bits_per_weight=bits,
+        tensor=tensor,
+    )  # fmt: skip
+
+
+def alone(model: ModelFacts, chip: str, memory_gb: int) -> Forecast:
+    verdict = plan(model, [NodeBudget("m", memory_gb * GiB, memory_gb * GiB)])
+    assert isinstance(verdict, Plan), verdict
+    return forecast(model, verdict, {"m": chip_for(chip)})
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def test_chips_come_from_the_table_by_the_longest_name_else_the_cpu_default() -> None:
+    assert chip_for("Apple M3 Ultra").bandwidth_gbs == 819.0
+    assert chip_for("Apple M3").bandwidth_gbs == 100.0  # not "M3 Ultra"'s
+    assert chip_for("Apple M4 Max").bandwidth_gbs == 546.0
+    assert chip_for("Apple M4 Pro").bandwidth_gbs == 273.0
+    assert chip_for("Apple M2 Ultra").bandwidth_gbs == CHIPS["M2 Ultra"][0] == 800.0
+    cpu = chip_for("AMD EPYC 7B13")
+    assert (cpu.bandwidth_gbs, cpu.tflops) == CPU_DEFAULT and "CPU-only" in cpu.source
+    measured = chip_for("Apple M3 Ultra", measured_gbs=700.0)
+    assert measured.bandwidth_gbs == 700.0 and measured.source.startswith("measured")
+
+
+def test_state_gives_chips_and_links_with_rdma() -> None:
+    state = ClusterState(
+        nodes=(
+            NodeState("a", "10.0.0.1", 1, "ssh", chip="Apple M4 Max"),
+            NodeState("b", "10.0.0.2", 1, "ssh", chip="Apple M4 Max",
+                      facts={"memory_bandwidth_gbs": 500}),
+        ),
+        links=(LinkState("a", "b", 40.0, 60.0, "thunderbolt", rdma=True),),
+    )  # fmt: skip
+    chips = chips_from_state(state, ["a", "b", "gone"])
+    assert chips["a"].bandwidth_gbs == 546.0 and chips["b"].bandwidth_gbs == 500.0
+    assert "CPU-only" in chips["gone"].source
+    assert links_from_state(state) == [Link("a", "b", 40.0, 60.0, "thunderbolt", True)]
+    # Not measured yet: RDMA from what both agents report, and nothing else known.
+    usable = {"rdma": {"status": "enabled", "usable": True}}
+    fresh = ClusterState(
+        nodes=(
+            NodeState("x", "", 1, "ssh", facts=usable),
+            NodeState("y", "", 1, "ssh", facts=usable),
+            NodeState("z", "", 1, "ssh"),
+        )
+    )
+    assert links_from_state(fresh) == [Link("x", "y", None, None, "unknown", True)]
+
+
+def test_decode_follows_bandwidth_and_more_nodes_on_one_machine_gain_nothing() -> None:
+    model = dense("d", 32, 4096, 14336, 32, 8, 128256, 4.5)
+    slow, fast = alone(model, "Apple M4 Pro", 64), alone(model, "Apple M4 Max", 64)
+    # A bandwidth-bound step: twice the bandwidth, twice the tokens (within dispatch).
+    assert fast.tps_1 / slow.tps_1 == pytest.approx(546 / 273, rel=0.02)
+    nodes = [NodeBudget(n, 60 * GiB, 64 * GiB) for n in NAMES]
+    chips = {n: chip_for("Apple M4 Max") for n in NAMES}
+    local = mesh(NAMES, False, "loopback", 50.0)
+    four = forecast(model, plan(model, nodes, local), chips, local)  # type: ignore[arg-type]
+    group = forecast(model, plan(model, nodes, local, tensor=4), chips, local)  # type: ignore[arg-type]
+    # A pipeline on one machine runs its stages one after the other: no faster; a
+    # tensor group there shares one memory bus and adds its all-reduces: slower.
+    assert four.tps_1 < fast.tps_1 and group.tps_1 < four.tps_1
+
+
+def test_batched_decode_gains_less_on_a_moe_whose_batch_touches_more_experts() -> None:
+    model = dense("d", 32, 4096, 14336, 32, 8, 128256, 4.5)
+    moe = replace(model, layer_experts=tuple(int(b * 0.95) for b in model.layer_bytes),
+                  experts_active=8 / 128)  # fmt: skip
+    d, m = alone(model, "Apple M4 Max", 64), alone(moe, "Apple M4 Max", 64)
+    assert m.tps_1 > 3 * d.tps_1  # a token reads 1/16 of the experts (and all the rest)
+    assert d.tps_8 / d.tps_1 > 4  # 8 streams read the dense weights once (each its own KV)
+    assert 1 < m.tps_8 / m.tps_1 < d.tps_8 / d.tps_1
+    assert "tok/s" in describe(m) and "first token of 2k" in describe(m)
+
+
+def test_rdma_makes_a_tensor_group_pay_and_tcp_makes_it_lose() -> None:
+    model = dense("d", 80, 8192, 28672, 64, 8, 128256, 8.5)
+    nodes = [NodeBudget(n, 120 * GiB, 128 * GiB) for n in NAMES]
+    chips = {n: chip_for("Apple M4 Max") for n in NAMES}
+
+    def tps(links: list[Link], tensor: int) -> float:
+        verdict = plan(model, nodes, links, tensor=tensor)
+        assert isinstance(verdict, Plan)
+        return forecast(model, verdict, chips, links).tps_1
+
+    rdma, tcp = mesh(NAMES, True), mesh(NAMES, False)
+    assert tps(rdma, 4) > 2.5 * tps(rdma, 1)
+    assert tps(tcp, 4) < tps(tcp, 1)
+    # A prompt: four nodes compute it together, the first token comes sooner (not 4×:
+    # each all-reduce of a 512-token chunk carries 8 MB over the cable).
+    one = forecast(model, plan(model, nodes, rdma), chips, rdma)  # type: ignore[arg-type]
+    four = forecast(model, plan(model, nodes, rdma, tensor=4), chips, rdma)  # type: ignore[arg-type]
+    assert four.ttft_ms < one.ttft_ms
+
+
+# --------------------------------------------------------------------------- against figures
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModelFacts]:
+    root = tmp_path_factory.mktemp("seeds")
+    return {
+        name: read_model(seed_model(root, name, "8bit")).facts
+        for name in ("qwen3-235b-a22b", "deepseek-v3.1")
+    }
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> ModelFacts:
+    """The bench's model: qwen2, 8 layers, hidden 256, float32 (its real files)."""
+    spec = DemoSpec(arch="qwen2", layers=8, hidden=256, heads=8, kv_heads=4, dtype="float32")
+    return read_model(write_demo_model(tmp_path_factory.mktemp("demo") / "bench", spec)).facts
+
+
+def _four(model: ModelFacts, rdma: bool, tensor: int, streams: int = 8) -> Forecast:
+    links = mesh(NAMES, rdma)
+    verdict = plan(model, ULTRAS, links, tensor=tensor)
+    assert isinstance(verdict, Plan), verdict
+    return forecast(model, verdict, M3_ULTRA, links, streams=streams)
+
+
+def _local(model: ModelFacts, shards: int, streams: int = 8, prompt: int = 128) -> Forecast:
+    """The bench's runs: 256 tokens decoded after a short prompt, so ~128 tokens of
+    context on average (`prompt` sets it), on 4 local nodes of one 2-vCPU machine."""
+    nodes = [NodeBudget(f"local-{i}", 2 * GiB, 8 * GiB) for i in range(1, shards + 1)]
+    names = [n.name for n in nodes]
+    links = mesh(names, False, "loopback", 50.0)
+    verdict = plan(model, nodes, links)
+    assert isinstance(verdict, Plan)
+    chips = {n: chip_for("AMD EPYC") for n in names}
+    return forecast(model, verdict, chips, links, streams=streams, prompt_tokens=prompt)
+
+
+Row = tuple[str, float, Callable[[dict[str, ModelFacts], ModelFacts], float]]
+# (what, the published or measured figure, the forecast of it)
+ROWS: list[Row] = [
+    ("mlx-lm, Llama 3.1 70B bf16, 1 × M2 Ultra (calibrates the 0.85)", 4.7,
+     lambda s, d: alone(dense("l", 80, 8192, 28672, 64, 8, 128256, 16), "M2 Ultra", 192).tps_1),
+    ("mlx-lm, Qwen2.5-72B 6-bit, 1 × M4 Max (calibrates the 0.85)", 7.9,
+     lambda s, d: alone(dense("q", 80, 8192, 29568, 64, 8, 152064, 6.5), "M4 Max", 128).tps_1),
+    ("exo 1.0, Qwen3-235B-A22B 8-bit, 1 stage × 4 over RDMA", 31.9,
+     lambda s, d: _four(s["qwen3-235b-a22b"], True, 4).tps_1),
+    ("exo 1.0, DeepSeek V3.1 8-bit, 1 stage × 4 over RDMA", 32.5,
+     lambda s, d: _four(s["deepseek-v3.1"], True, 4).tps_1),
+    ("llama.cpp, Qwen3-235B-A22B 8-bit, 4 stages over TCP", 15.2,
+     lambda s, d: _four(s["qwen3-235b-a22b"], False, 1).tps_1),
+    ("llama.cpp, DeepSeek V3.1 8-bit, 4 stages over TCP", 14.6,
+     lambda s, d: _four(s["deepseek-v3.1"], False, 1).tps_1),
+    ("exo, 4 stages, 1 stream (Qwen3-235B 8-bit assumed)", 25.4,
+     lambda s, d: _four(s["qwen3-235b-a22b"], False, 1).tps_1),
+    ("exo, 4 stages, 16 streams (Qwen3-235B 8-bit assumed)", 69.1,
+     lambda s, d: _four(s["qwen3-235b-a22b"], False, 1, streams=16).tps_8),
+    ("here: demo model, 1 node (calibrates the CPU dispatch cost)", 189.8,
+     lambda s, d: _local(d, 1).tps_1),
+    ("here: demo model, 2 stages", 190.2, lambda s, d: _local(d, 2).tps_1),
+    ("here: demo model, 4 stages", 134.7, lambda s, d: _local(d, 4).tps_1),
+    ("here: demo model, 2 stages, 4 streams (interleaved, not batched)", 273.0,
+     lambda s, d: _local(d, 2, streams=4).tps_8),
+    ("here: demo model, first token of 512 (ms; calibrates the CPU compute)", 1744.0,
+     lambda s, d: _local(d, 1, prompt=512).ttft_ms),
+]  # fmt: skip
+
+
+def table_line(what: str, figure: float, guess: float) -> str:
+    error = (guess - figure) / figure * 100
+    return f"| {what} | {figure:g} | {guess:.1f} | {error:+.0f} % |"
+
+
+def test_the_readme_table_is_what_the_model_forecasts(
+    seeds: dict[str, ModelFacts], demo: ModelFacts
+) -> None:
+    readme = README.read_text()
+    lines = [table_line(what, figure, guess(seeds, demo)) for what, figure, guess in ROWS]
+    missing = [line for line in lines if line not in readme]
+    assert not missing, "README forecast table differs; these rows are:\n" + "\n".join(lines)
+
+
+def test_the_published_tensor_parallel_figures_are_within_ten_percent(
+    seeds: dict[str, ModelFacts],
+) -> None:
+    # What the forecast is for: what a shape on Macs will do before buying cables.
+    for name, published in (("qwen3-235b-a22b", 31.9), ("deepseek-v3.1", 32.5)):
+        guess = _four(seeds[name], True, 4).tps_1
+        assert abs(guess - published) / published < 0.10, (name, guess)
+    # And exo's batched pipeline at 16 streams.
+    many = _four(seeds["qwen3-235b-a22b"], False, 1, streams=16).tps_8
+    assert abs(many - 69.1) / 69.1 < 0.10, many
+
+
+def test_the_chip_figures_are_positive_and_the_default_is_not_a_mac() -> None:
+    assert all(gbs > 0 and tflops > 0 for gbs, tflops in CHIPS.values())
+    assert not re.search(r"M\d", chip_for("").source)
+    assert isinstance(chip_for(""), Chip)
+
+
+def test_a_saved_benchmarks_measured_bandwidth_replaces_the_chip_table() -> None:
+    from studiotui.core.benchmark import NodeFigures, Run, Sizes
+    from studiotui.core.forecast import measured_bandwidths
+
+    def run(cluster: str, *nodes: NodeFigures) -> Run:
+        return Run("r", "2026-12-01T00:00:00Z", cluster, {}, "b", Sizes(), nodes=nodes)
+
+    runs = [  # newest first, as benchmark.saved() lists them
+        run("desk", NodeFigures("a", read_gbs=700.0), NodeFigures("b", error="crashed")),
+        run("other", NodeFigures("b", read_gbs=1.0)),
+        run("desk", NodeFigures("a", read_gbs=650.0), NodeFigures("b", read_gbs=520.0)),
+    ]
+    measured = measured_bandwidths(runs, "desk")
+    assert measured == {"a": 700.0, "b": 520.0}
+    state = ClusterState(
+        nodes=(
+            NodeState("a", "", 1, "ssh", chip="Apple M3 Ultra"),
+            NodeState("b", "", 1, "ssh", chip="Apple M4 Max"),
+            NodeState("c", "", 1, "ssh", chip="Apple M4 Max"),
+        )
+    )
+    chips = chips_from_state(state, ["a", "b", "c"], measured)
+    assert chips["a"].bandwidth_gbs == 700.0 and chips["a"].source == "measured 700 GB/s"
+    assert chips["b"].bandwidth_gbs == 520.0
+    assert chips["c"].bandwidth_gbs == 546.0 and chips["c"].source == "M4 Max (table)"
