@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from worker import __version__, files, jobs, node_probe, telemetry
+from worker import __version__, files, group, jobs, node_probe, telemetry
 from worker.shared.protocol import control, curve, events, messages
 from worker.shared.protocol.limits import (
     LINK_MEASURE_BOUNDS,
@@ -115,6 +115,7 @@ class ShardProc:
     placement: str
     data_port: int
     client_port: int
+    group_port: int = 0  # a tensor group's member: where mx.distributed listens
     spec: dict[str, Any] = field(default_factory=dict)
     proc: asyncio.subprocess.Process | None = None
     state: ShardStatus = "prepared"
@@ -142,6 +143,10 @@ class ShardProc:
             "prefill_chunk": self.spec.get("prefill_chunk", 512),
             "data_port": self.data_port,
             "client_port": self.client_port,
+            "group_port": self.group_port,
+            "rank": self.spec.get("rank", 0),
+            "group": self.spec.get("group", []),
+            "backend": self.spec.get("backend", ""),
             "state": self.state,
             "progress": list(self.progress),
             "param_bytes": self.param_bytes,
@@ -349,7 +354,8 @@ class Agent:
             )
             return
         await self._stop_shard(name)
-        data_port, client_port = self._free_ports(2)
+        # A member of a tensor-parallel stage also needs a port for mx.distributed.
+        data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
         # A shard reloaded after a restart asks for the ports it had, so its ring
         # neighbours and clients, which reconnect by themselves, find it again.
         wished = (req.data_port, req.client_port)
@@ -360,9 +366,18 @@ class Agent:
             and len(set(wished)) == 2
         ):
             data_port, client_port = req.data_port, req.client_port
-        self.shards[name] = ShardProc(placement=name, data_port=data_port, client_port=client_port)
+        group_port = rest[0] if rest else 0
+        self.shards[name] = ShardProc(
+            placement=name, data_port=data_port, client_port=client_port, group_port=group_port
+        )
         await self._reply(
-            ident, re, "prepared", placement=name, data_port=data_port, client_port=client_port
+            ident,
+            re,
+            "prepared",
+            placement=name,
+            data_port=data_port,
+            client_port=client_port,
+            group_port=group_port,
         )
 
     async def _on_load_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
@@ -392,10 +407,19 @@ class Agent:
             "streams": max(1, req.streams),
             "kv_bytes": req.kv_bytes,
         }
-        shard.spec = spec
-        shard.state = "loading"
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if msg.get("group"):
+            try:
+                member, member_env = tensor_member(msg, self.config.address, run_dir / _safe(name))
+            except (group.GroupError, KeyError, TypeError, ValueError) as exc:
+                await self._reply(ident, re, "error", message=f"tensor group: {exc}")
+                return
+            spec |= member
+            env |= member_env
+        shard.spec = spec
+        shard.state = "loading"
         spec_path = run_dir / f"{_safe(name)}.json"
         spec_path.write_text(json.dumps(spec))
         shard.proc = await asyncio.create_subprocess_exec(
@@ -405,7 +429,7 @@ class Agent:
             str(spec_path),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=env,
         )
         log.info(
             "shard %s [%d,%d) pid %d loading", name, spec["start"], spec["end"], shard.proc.pid
@@ -935,12 +959,16 @@ class Agent:
         await asyncio.gather(*(self._stop_shard(n) for n in list(self.shards)))
 
     def _port_usable(self, port: int) -> bool:
-        taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        taken = {
+            p for s in self.shards.values() for p in (s.data_port, s.client_port, s.group_port)
+        }
         taken |= self.jobs.ports_held()
         return 0 < port <= 65535 and port not in taken and _port_free(self.config.address, port)
 
     def _free_ports(self, count: int) -> list[int]:
-        taken = {p for s in self.shards.values() for p in (s.data_port, s.client_port)}
+        taken = {
+            p for s in self.shards.values() for p in (s.data_port, s.client_port, s.group_port)
+        }
         taken |= self.jobs.ports_held()
         found: list[int] = []
         port = self.config.control_port + SHARD_PORT_OFFSET
@@ -1048,6 +1076,40 @@ class Agent:
             )
             await self.pub.send_multipart([b"telemetry", msg])
             await asyncio.sleep(TELEMETRY_EVERY_S)
+
+
+def tensor_member(
+    msg: dict[str, Any], address: str, base: Path
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The runner fields and the environment of one rank of a tensor-parallel stage:
+    the ring backend's hostfile (every rank's bridge address and group port, as
+    `mlx.launch` writes it) or JACCL's device file and coordinator, via worker.group."""
+    nodes = [str(n) for n in msg["group"]]
+    addresses = [str(a) for a in msg["group_addresses"]]
+    ports = [int(p) for p in msg["group_ports"]]
+    rank, size, backend = int(msg["rank"]), len(nodes), str(msg["backend"])
+    if len(addresses) != size or addresses[rank] != address:
+        raise ValueError(f"rank {rank}'s address is not this node's ({address})")
+    if backend == "ring":
+        hosts = group.write_json(
+            base.with_suffix(".hosts.json"), group.ring_hostfile(addresses, ports)
+        )
+        env = group.rank_env(rank, size, "ring", hostfile=hosts)
+    elif backend == "jaccl":
+        devices = group.write_json(base.with_suffix(".devices.json"), msg["devices"])
+        coordinator = f"{addresses[0]}:{ports[0]}"
+        env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(group.BACKENDS)}")
+    member = {
+        "rank": rank,
+        "group_size": size,
+        "group": nodes,
+        "backend": backend,
+        "followers": [[str(e), str(k)] for e, k in msg.get("followers", [])],
+        "leader_key": str(msg.get("leader_key", "")),
+    }
+    return member, env
 
 
 @dataclass(frozen=True)

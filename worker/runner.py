@@ -26,6 +26,7 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from worker.group import GroupError
 from worker.shard import ShardLoadError, load_shard, read_config
 from worker.shared.protocol import curve, events, messages
 from worker.shared.protocol.frames import (
@@ -36,6 +37,18 @@ from worker.shared.protocol.frames import (
 )
 from worker.shared.protocol.limits import DEFAULT_STREAMS, MAX_QUEUED_WORK, ring_frame_limit
 from worker.stage import Stage, hidden_size
+from worker.tensor import (
+    CANCEL,
+    GENERATE,
+    RING,
+    FollowerQueue,
+    LeaderQueue,
+    Mirror,
+    MirrorError,
+    Outside,
+    join_group,
+    lost_member,
+)
 
 STATS_EVERY_S = 1.0
 # The agent declares a runner silent when it hears nothing for a few of these: a
@@ -67,6 +80,19 @@ class RunnerSpec:
     context_tokens: int = 4096
     streams: int = DEFAULT_STREAMS  # requests run at once; the plan reserved KV for them
     kv_bytes: int = 0
+    # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
+    # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
+    # ([endpoint, public key] each), a follower takes it only from `leader_key`.
+    rank: int = 0
+    group_size: int = 1
+    backend: str = ""
+    group: tuple[str, ...] = ()
+    followers: tuple[tuple[str, str], ...] = ()
+    leader_key: str = ""
+
+    @property
+    def follower(self) -> bool:
+        return self.rank > 0
 
     @classmethod
     def from_file(cls, path: Path) -> RunnerSpec:
@@ -104,6 +130,9 @@ class SocketLinks:
             if kind not in ("done", "failed"):
                 self.runner.seqs[rid] = seq + 1
             fields["seq"] = seq
+        if kind == "failed" and self.runner.spec.group and lost_member(fields.get("message", "")):
+            # The controller then asks the group's agents which member is gone.
+            fields["group_lost"] = list(self.runner.spec.group)
         self.runner.send_client(client, messages.encode(kind, **fields))
 
 
@@ -116,7 +145,8 @@ class Runner:
         self.ring_in: zmq.Socket | None = None
         self.ring_out: zmq.Socket | None = None
         self.client: zmq.Socket | None = None
-        self.work: deque[Callable[[], None]] = deque()
+        # A tensor group's members order their work with their leader (worker.tensor).
+        self.work: deque[Callable[[], None]] | LeaderQueue | FollowerQueue = deque()
         self.stage: Stage | None = None
         self.running = True
         self.single = spec.count == 1
@@ -132,6 +162,8 @@ class Runner:
         self.ring_keys: frozenset[str] = frozenset()
         self._keys_seen: tuple[tuple[str, int, int], ...] = ()
         self.refused = 0
+        self.mirror: Mirror | None = None  # a tensor group's leader tells its followers
+        self.group: mx.distributed.Group | None = None
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -140,13 +172,21 @@ class Runner:
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
         self.reload_keys()
+        if self.spec.follower:
+            self.work = FollowerQueue()  # before the stage is made: it schedules into it
+            # A follower's only socket: the work its leader mirrors to it.
+            self.ring_in = self.ctx.socket(zmq.PULL)
+            curve.make_server(self.ring_in, keys, max_bytes=self._frame_limit() + 4096)
+            self.ring_in.bind(f"tcp://{self.spec.address}:{self.spec.data_port}")
+            return
+        if self.spec.followers:
+            self.mirror = Mirror(self.ctx, keys, self.spec.followers)
+            self.work = LeaderQueue(self.mirror)
         if not self.single:
             # A frame bigger than this model's prefill chunk can be is refused by
             # ZeroMQ before it is buffered (the sender is disconnected).
-            config = read_config(Path(self.spec.model_dir).expanduser())
-            limit = ring_frame_limit(hidden_size(config), self.spec.prefill_chunk)
             self.ring_in = self.ctx.socket(zmq.PULL)
-            curve.make_server(self.ring_in, keys, max_bytes=limit)
+            curve.make_server(self.ring_in, keys, max_bytes=self._frame_limit())
             self.ring_in.bind(f"tcp://{self.spec.address}:{self.spec.data_port}")
             self.ring_out = self.ctx.socket(zmq.PUSH)
             self.ring_out.setsockopt(zmq.LINGER, 0)
@@ -165,6 +205,10 @@ class Runner:
             self.client.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4000)
             curve.make_server(self.client, keys)
             self.client.bind(f"tcp://{self.spec.address}:{self.spec.client_port}")
+
+    def _frame_limit(self) -> int:
+        config = read_config(Path(self.spec.model_dir).expanduser())
+        return ring_frame_limit(hidden_size(config), self.spec.prefill_chunk)
 
     def reload_keys(self) -> None:
         """As the agent does: keys provision added or removed count without a restart."""
@@ -187,7 +231,9 @@ class Runner:
             emit(events.Loading(done=done, total=total))
 
         model_dir = Path(self.spec.model_dir).expanduser()
-        shard = load_shard(model_dir, self.spec.start, self.spec.end, progress)
+        if self.spec.group_size > 1:
+            self.group = join_group(self.spec.backend, self.spec.rank, self.spec.group_size)
+        shard = load_shard(model_dir, self.spec.start, self.spec.end, progress, group=self.group)
         tokenizer = None
         if shard.is_first or shard.is_last:
             tokenizer = load_tokenizer(
@@ -219,7 +265,9 @@ class Runner:
             # A one-stage ring: the frame goes straight back to this stage.
             self.work.append(lambda: self._local_frame(header, activation))
             return
-        assert self.ring_out is not None
+        if self.ring_out is None:
+            return  # a tensor group's follower: its leader sends the stage's frames
+
         frames: list[Any] = [encode_ring_header(header)]
         # mx.array has the buffer protocol; its stub does not declare it.
         view = memoryview(activation) if activation is not None else b""  # type: ignore[arg-type]
@@ -279,7 +327,9 @@ class Runner:
         assert self.stage is not None
         for rid, req in list(self.stage.head_requests.items()):
             if req.client == client:
-                self.stage.cancel(rid)
+                # Queued like a client's cancel, not run inside the step that found the
+                # client gone: a tensor group's followers must cancel at the same point.
+                self.work.append(self._cancel_job(rid))
         print(
             f"client {client.hex()} gone for {CLIENT_GONE_S:g} s: its requests cancelled",
             file=sys.stderr,
@@ -302,11 +352,8 @@ class Runner:
             if self.client is not None and self.client in ready:
                 self._drain(self.client, self._on_client)
             if self.work:
-                began = time.perf_counter()
-                self.step_began = time.monotonic()
-                self._run(self.work.popleft())
-                self.step_began = 0.0
-                self.busy_s += time.perf_counter() - began
+                assert not isinstance(self.work, FollowerQueue)
+                self._timed(self.work.popleft())
             if self.pending:
                 self._flush_pending()
             now = time.monotonic()
@@ -317,6 +364,62 @@ class Runner:
                 if os.getppid() != parent:
                     # The agent is gone (killed hard): a shard without it serves no one.
                     self.running = False
+
+    def serve_follower(self) -> None:
+        """A tensor group's follower: run exactly the items the leader runs, in its
+        order (worker.tensor): the ones its own stage scheduled as far as the leader's
+        grant allows, each outside item where the leader ran it."""
+        assert self.ring_in is not None and isinstance(self.work, FollowerQueue)
+        queue = self.work
+        last_stats = time.monotonic()
+        parent = os.getppid()
+        while self.running:
+            self._hear_leader(queue, wait=0)
+            step = queue.next()
+            if step is None:
+                self._hear_leader(queue, wait=100)
+            elif step[0] == "inside":
+                self._timed(step[1])
+            else:
+                self._timed(self._mirrored(step[1]))
+            now = time.monotonic()
+            if now - last_stats >= STATS_EVERY_S:
+                self._emit_stats(now - last_stats)
+                last_stats = now
+                self.reload_keys()
+                if os.getppid() != parent:
+                    self.running = False
+
+    def _hear_leader(self, queue: FollowerQueue, wait: int) -> None:
+        assert self.ring_in is not None
+        if wait and not self.ring_in.poll(wait):
+            return
+        while True:
+            try:
+                parts = self.ring_in.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if curve.sender(parts[0]) != self.spec.leader_key:
+                # Only the group's leader decides what this rank computes.
+                self.refused += 1
+                continue
+            queue.hear([part.bytes for part in parts])
+
+    def _mirrored(self, frames: list[bytes]) -> Callable[[], None]:
+        """The job an outside item the leader ran stands for."""
+        kind = frames[0]
+        if kind == RING:
+            return self._ring_job(frames[1], frames[2])
+        if kind == GENERATE:
+            return self._generate_job(b"", messages.decode(frames[1]))
+        return self._cancel_job(frames[1].decode())
+
+    def _timed(self, job: Callable[[], None]) -> None:
+        began = time.perf_counter()
+        self.step_began = time.monotonic()
+        self._run(job)
+        self.step_began = 0.0
+        self.busy_s += time.perf_counter() - began
 
     def _run(self, job: Callable[[], None]) -> None:
         """One step; whatever it raises is that step's failure, never the runner's."""
@@ -374,26 +477,41 @@ class Runner:
 
     def _on_ring(self, frames: list[zmq.Frame]) -> None:
         assert self.stage is not None
-        stage = self.stage
         if len(frames) != 2 or curve.sender(frames[0]) not in self.ring_keys:
             # Malformed, or from a key revoked since its connection was made.
             self.stage.stats.dropped += 1
             return
-        header_bytes, payload = frames[0].buffer, frames[1].buffer
+        header_bytes, payload = frames[0].bytes, frames[1].buffer
+        self.work.append(
+            Outside(self._ring_job(header_bytes, payload), [RING, header_bytes, payload])
+        )
+
+    def _ring_job(self, header_bytes: bytes, payload: bytes | memoryview) -> Callable[[], None]:
+        assert self.stage is not None
+        stage = self.stage
         try:
-            header = decode_ring_header(bytes(header_bytes), len(payload))
+            header = decode_ring_header(header_bytes, len(payload))
         except FrameError as exc:
-            self.stage.stats.dropped += 1
+            stage.stats.dropped += 1
             print(f"dropped ring frame: {exc}", file=sys.stderr)
             if exc.rid is not None:
                 bad = RingHeader(rid=exc.rid, kind="error", message=f"bad frame: {exc}")
-                self.work.append(lambda: stage.on_frame(bad, b""))
-            return
-        self.work.append(self._for_request(header.rid, lambda: stage.on_frame(header, payload)))
+                return lambda: stage.on_frame(bad, b"")
+            return lambda: None
+        return self._for_request(header.rid, lambda: stage.on_frame(header, payload))
+
+    def _generate_job(self, client: bytes, msg: dict[str, Any]) -> Callable[[], None]:
+        assert self.stage is not None
+        stage = self.stage
+        return self._for_request(msg["rid"], lambda: stage.submit(client, msg), client)
+
+    def _cancel_job(self, rid: str) -> Outside:
+        assert self.stage is not None
+        stage = self.stage
+        return Outside(lambda: stage.cancel(rid), [CANCEL, rid.encode()])
 
     def _on_client(self, frames: list[zmq.Frame]) -> None:
         assert self.stage is not None
-        stage = self.stage
         if len(frames) != 2:
             self.stage.stats.dropped += 1
             return
@@ -412,14 +530,12 @@ class Runner:
             return
         kind = msg["type"]
         if kind == "generate":
-            self.work.append(
-                self._for_request(msg["rid"], lambda: stage.submit(client, msg), client)
-            )
+            job = self._generate_job(client, msg)
+            self.work.append(Outside(job, [GENERATE, frames[1].bytes]))
         elif kind == "cancel":
             # Queued behind the request's own submit: a cancel that overtook it would
             # find nothing to cancel and the request would run (and hold caches) on.
-            rid = msg["rid"]
-            self.work.append(lambda: stage.cancel(rid))
+            self.work.append(self._cancel_job(msg["rid"]))
         elif kind == "stats":
             reply = messages.encode("stats_reply", re=msg.get("id"), **self._stats())
             self.send_client(client, reply)
@@ -449,6 +565,8 @@ class Runner:
         emit(events.Stats(busy=round(min(1.0, busy), 3), **self._stats()))
 
     def close(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
         for sock in (self.ring_in, self.ring_out, self.client):
             if sock is not None:
                 sock.close(linger=0)
@@ -508,8 +626,11 @@ def main(argv: list[str] | None = None) -> int:
         runner.load()
         if profiler:
             profiler.enable()
-        runner.serve()
-    except (ShardLoadError, zmq.ZMQError, OSError, MemoryError) as exc:
+        if spec.follower:
+            runner.serve_follower()
+        else:
+            runner.serve()
+    except (ShardLoadError, GroupError, MirrorError, zmq.ZMQError, OSError, MemoryError) as exc:
         emit(events.Fatal(message=fatal_message(exc, loading=runner.stage is None)))
         return 1
     finally:

@@ -97,7 +97,10 @@ def load_shard(
     progress: Progress | None = None,
     *,
     fuse: bool = True,
+    group: mx.distributed.Group | None = None,
 ) -> Shard:
+    """With `group` (a tensor-parallel stage), this process holds its rank's 1/N slice
+    of every layer in [start, end), cut by the model's own `shard(group)`."""
     from mlx_lm.utils import load_model
 
     config = read_config(model_dir)
@@ -115,6 +118,8 @@ def load_shard(
         model, config = load_model(model_dir, lazy=True, strict=not partial)
     except Exception as exc:  # mlx-lm raises many types for a broken directory
         raise ShardLoadError(f"cannot load {model_dir}: {type(exc).__name__}: {exc}") from None
+    if group is not None:
+        _tensor_shard(model, group, str(config.get("model_type", "")))
     try:
         inner_path, inner = families.decoder(model)
     except families.UnsupportedFamily as exc:
@@ -145,6 +150,27 @@ def load_shard(
         relay=relay,
         owned=[name for name, _ in owned],
     )
+
+
+def _tensor_shard(model: Any, group: mx.distributed.Group, family: str) -> None:
+    """Cut every layer to this rank's slice with mlx-lm's own `Model.shard(group)`: the
+    heads and MLP/expert widths split N ways, and the all-reduces (`all_sum`) that put
+    the slices back together sit inside the sharded layers. Lazily: the weights are
+    mapped, not read, so a rank reads only its slice when `_evaluate` runs. Before the
+    stand-ins are placed, since `shard` walks the model's own layer list."""
+    if not callable(getattr(model, "shard", None)):
+        raise ShardLoadError(
+            f"mlx-lm's {family} model has no shard() method, so it cannot run as a "
+            "tensor-parallel stage: place it as a pipeline (one node per stage)"
+        )
+    try:
+        model.shard(group)
+    except (ValueError, ZeroDivisionError) as exc:
+        # mx.split refuses a width (heads, MLP, a quantization group) N does not divide.
+        raise ShardLoadError(
+            f"{family} cannot be split {group.size()} ways: {exc}; use a tensor group "
+            "whose size divides its heads and layer widths, or a pipeline"
+        ) from None
 
 
 def _check_range(start: int, end: int, n_layers: int) -> None:

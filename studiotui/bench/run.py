@@ -21,6 +21,12 @@ from rich.console import Console
 from rich.table import Table
 
 from studiotui.bench.launch import ring_of_two
+from studiotui.bench.tensor import (
+    mlx_tp2_launch_tps,
+    mlx_tp2_tps,
+    summarize_tensor,
+    tensor_figures,
+)
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import prompt_tokens, stream
@@ -278,6 +284,13 @@ def measure(quick: bool) -> dict[str, Any]:
                 single_moe = SingleProcess(moe_dir)
             moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
             del single_moe
+
+            async def paired(ctl: Controller, name: str) -> dict[str, Any]:
+                await stream(ctl, name, prompt_tokens(16), 8)  # warm up
+                return await paired_decode(ctl, name, single, cfg)
+
+            with phase("tp2"):
+                tp = asyncio.run(tensor_figures(home, inv, model_dir, cfg.prefill_chunk, paired))
         except Exception as exc:  # report it as a figure-less run, not a traceback
             raise BenchError(f"{type(exc).__name__}: {exc}") from exc
         finally:
@@ -285,8 +298,12 @@ def measure(quick: bool) -> dict[str, Any]:
                 local_cluster.kill_pid(pid)
         with phase("mlx_ring"):
             ring = mlx_ring(model_dir, cfg)
+        with phase("mlx_tp2"):
+            mlx_tp = mlx_tp2_tps(model_dir, BENCH_PORT, cfg.tokens)
+            launched = None if quick else mlx_tp2_launch_tps(model_dir, BENCH_PORT, cfg.tokens)
     pipe["moe2"] = moe
-    return summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+    figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+    return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
 
 async def _with_cluster(

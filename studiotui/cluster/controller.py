@@ -34,6 +34,7 @@ from studiotui.core.forecast import (
 )
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch
+from studiotui.core.members import Member, jaccl_devices, members
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes
 from studiotui.core.state import (
@@ -60,6 +61,8 @@ UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are e
 # What a shard process holds before any weight (Python, MLX, tokenizer): measured ~80 MB.
 RUNNER_OVERHEAD_BYTES = 100 * 1024**2
 HEALTH_CHECK_S = 2.0
+# How long a tensor group's leader's "a member is gone" waits for the agents to say which.
+GROUP_LOST_WAIT_S = 2.0
 # Once a stream is quiet this long, its placement's health is asked every second.
 CHECK_EVERY_S = 1.0
 # A head connection down for longer than this fails its streams (it usually comes
@@ -437,9 +440,11 @@ class Controller:
             the_plan = expected
         if isinstance(the_plan, Refusal):
             raise PlacementError(f"cannot place {info.name}: {the_plan.reason}")
-        self.record(
-            f"placing {info.name} as {name!r} on {', '.join(s.node for s in the_plan.shards)}"
-        )
+        try:
+            procs = members(the_plan)
+        except ValueError as exc:
+            raise PlacementError(f"cannot place {info.name}: {exc}") from None
+        self.record(f"placing {info.name} as {name!r} on {', '.join(m.node for m in procs)}")
         self._unloading.pop(name, None)  # placed again under a name just unloaded
         # Every node of a tensor-group stage is remembered with the stage's layers, so
         # the placement's shape ("2 stages × 2") is known from its ring alone.
@@ -456,7 +461,7 @@ class Controller:
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError) as exc:
             self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
-            await self._unload_everywhere(name, [s.node for s in the_plan.shards])
+            await self._unload_everywhere(name, [m.node for m in procs])
             self._remember_plan(name, None)
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
         finally:
@@ -471,7 +476,7 @@ class Controller:
         faster than the load watchdog notices: ask them all once more."""
         await self.refresh()
         placed = self.state.placement(name)
-        lost = [s.node for s in the_plan.shards if placed is None or s.node not in placed.nodes]
+        lost = [m.node for m in members(the_plan) if placed is None or m.node not in placed.nodes]
         if lost or placed is None:
             raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
         return placed
@@ -500,72 +505,114 @@ class Controller:
         prefill_chunk: int,
     ) -> None:
         shards = the_plan.shards
+        procs = members(the_plan)
         prepared = await asyncio.gather(
             *(
-                self.peer(s.node).ask("prepare_shard", control.Prepared, placement=name)
-                for s in shards
+                self.peer(m.node).ask(
+                    "prepare_shard", control.Prepared, placement=name, tensor=bool(m.group)
+                )
+                for m in procs
             )
         )
+        port = {m.node: p for m, p in zip(procs, prepared, strict=True)}
         count = len(shards)
-        dirs = await self._model_dirs(shards, model_dir, progress)
+        dirs = await self._model_dirs(procs, model_dir, progress)
+        leaders = [next(m for m in procs if m.stage == i and m.rank == 0) for i in range(count)]
 
-        async def load(i: int) -> None:
-            shard = shards[i]
-            nxt = shards[(i + 1) % count]
-            node_dir = dirs[shard.node]
-            endpoint = f"tcp://{self.spec(nxt.node).address}:{prepared[(i + 1) % count].data_port}"
+        async def load(m: Member) -> None:
+            nxt = leaders[(m.stage + 1) % count]
+            endpoint = f"tcp://{self.spec(nxt.node).address}:{port[nxt.node].data_port}"
             # No fixed wait: the agent heartbeats while the shard loads, and only its
             # silence (see LoadWatch) ends a load, however slow the disk.
-            quiet = LoadWatch(shard.node, time.monotonic())
-            stream = self.peer(shard.node).stream(
+            quiet = LoadWatch(m.node, time.monotonic())
+            stream = self.peer(m.node).stream(
                 "load_shard",
                 timeout=quiet.silence_s,
                 placement=name,
-                model_dir=node_dir,
-                start=shard.start,
-                end=shard.end,
-                index=i,
+                model_dir=dirs[m.node],
+                start=m.start,
+                end=m.end,
+                index=m.stage,
                 count=count,
-                data_port=prepared[i].data_port,
-                client_port=prepared[i].client_port,
+                data_port=port[m.node].data_port,
+                client_port=port[m.node].client_port,
                 next_endpoint=endpoint,
                 next_key=keys.node_public_key(self.home, nxt.node).decode(),
                 prefill_chunk=prefill_chunk,
                 context_tokens=the_plan.context_tokens,
                 streams=the_plan.streams,
-                kv_bytes=shard.kv_bytes,
+                kv_bytes=shards[m.stage].kv_bytes,
+                **self._group_fields(m, port),
             )
             try:
                 async for msg in stream:
                     if msg["type"] == "progress":
-                        loaded = self.peer(shard.node).read(msg, control.LoadProgress)
+                        loaded = self.peer(m.node).read(msg, control.LoadProgress)
                         quiet = quiet.hear(time.monotonic(), loaded.done, loaded.total)
                         if progress:
-                            progress(shard.node, loaded.done, loaded.total)
+                            progress(m.node, loaded.done, loaded.total)
                     elif msg["type"] == "shard_ready":
-                        ready = self.peer(shard.node).read(msg, control.ShardReady)
+                        ready = self.peer(m.node).read(msg, control.ShardReady)
                         quiet = quiet.hear(time.monotonic())
                         if progress:
-                            progress(shard.node, ready.param_bytes, ready.param_bytes)
+                            progress(m.node, ready.param_bytes, ready.param_bytes)
                     else:
                         quiet = quiet.hear(time.monotonic())
             except AgentUnreachable:
                 silent = quiet.overdue(time.monotonic())
-                raise PlacementError(silent or f"{shard.node} stopped answering") from None
+                raise PlacementError(silent or f"{m.node} stopped answering") from None
 
-        loads = asyncio.gather(*(load(i) for i in range(count)), return_exceptions=True)
-        watch = asyncio.create_task(self._watch_nodes([s.node for s in shards]))
-        racing: set[asyncio.Future[Any]] = {loads, watch}
-        done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-        if watch in done:
-            loads.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loads
-            raise PlacementError(watch.result())
-        watch.cancel()
-        errors = [r for r in loads.result() if isinstance(r, BaseException)]
-        if errors:
-            raise PlacementError("; ".join(str(e) for e in errors))
+        loads = [asyncio.ensure_future(load(m)) for m in procs]
+        watch = asyncio.create_task(self._watch_nodes([m.node for m in procs]))
+        waiting: set[asyncio.Future[Any]] = {*loads, watch}
+        problem = ""
+        while not problem and any(not t.done() for t in loads):
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                problem = watch.result()
+            elif errors := [t.exception() for t in done if t.exception() is not None]:
+                # Give up at the first failure: a tensor group's other members would wait
+                # for the failed one in mx.distributed's join for ever.
+                problem = "; ".join(str(e) for e in errors)
+        for task in (*loads, watch):
+            task.cancel()
+        await asyncio.gather(*loads, watch, return_exceptions=True)
+        if problem:
+            raise PlacementError(problem)
+
+    def _group_fields(self, m: Member, port: dict[str, control.Prepared]) -> dict[str, Any]:
+        """What a tensor group's member needs besides a shard's fields: the group (rank
+        order), every member's bridge address and mx.distributed port (the agent writes
+        the hostfile from them), the backend; the leader gets its followers' mirror
+        endpoints, a follower its leader's key. Nothing for a one-node stage."""
+        if not m.group:
+            return {}
+        fields: dict[str, Any] = {
+            "group": list(m.group),
+            "rank": m.rank,
+            "backend": m.backend or "ring",
+            "group_addresses": [self.spec(n).address for n in m.group],
+            "group_ports": [port[n].group_port for n in m.group],
+        }
+        if m.backend == "jaccl":
+            rdma = {
+                n: (node.facts.get("rdma") or {}) for n in m.group if (node := self.state.node(n))
+            }
+            devices = jaccl_devices(m.group, rdma)
+            if isinstance(devices, str):
+                raise PlacementError(f"JACCL for {', '.join(m.group)}: {devices}")
+            fields["devices"] = devices
+        if m.rank == 0:
+            fields["followers"] = [
+                [f"tcp://{self.spec(n).address}:{port[n].data_port}", self._key(n)]
+                for n in m.group[1:]
+            ]
+        else:
+            fields["leader_key"] = self._key(m.group[0])
+        return fields
+
+    def _key(self, node: str) -> str:
+        return keys.node_public_key(self.home, node).decode()
 
     async def _model_dirs(
         self, shards: Any, model_dir: Path, progress: Progress | None
@@ -766,7 +813,7 @@ class Controller:
                 waited = 0.0
                 if kind == "failed":
                     finished = True
-                    raise GenerationError(msg["message"])
+                    raise GenerationError(await self._failure(chosen, msg))
                 yield msg
                 if kind == "done":
                     finished = True
@@ -776,6 +823,20 @@ class Controller:
                 with contextlib.suppress(Exception):
                     await peer.send("cancel", rid=rid)
             peer.close_queue(rid)
+
+    async def _failure(self, placement: PlacementState, msg: dict[str, Any]) -> str:
+        """Why a request failed. A tensor group whose `mx.distributed` link broke knows
+        only that a member is gone; the members' agents say which, and why (they see its
+        process end within moments of the leader's all-reduce failing)."""
+        if not msg.get("group_lost"):
+            return str(msg["message"])
+        deadline = time.monotonic() + GROUP_LOST_WAIT_S
+        while True:
+            problem = await self.placement_problem(placement)
+            if problem or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        return f"{problem} ({msg['message']})" if problem else str(msg["message"])
 
     async def placement_problem(self, placement: PlacementState) -> str | None:
         """Why a placement cannot answer, in words, or None if every shard is serving."""
@@ -934,6 +995,15 @@ class Controller:
         for placement in self.state.placements:
             mine = [s for s in placement.shards if s.node in names]
             if not mine:
+                continue
+            if any(s.group for s in placement.shards):
+                # Its members join one mx.distributed group together; one alone would
+                # wait in the join for the others for ever.
+                dropped.append(
+                    f"placement {placement.name!r} has a tensor-parallel stage, whose "
+                    "members load only together: it is not reloaded (unload it and place "
+                    "it again)"
+                )
                 continue
             if placement.state not in ("ready", "broken") or len(placement.shards) != (
                 placement.shards[0].count

@@ -42,6 +42,10 @@ class ShardState:
     context_tokens: int = 0
     kv_bytes: int = 0  # KV cache the plan reserved for this shard
     streams: int = 1  # requests the head runs at once (the plan reserved KV for them)
+    # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
+    # 0 and () for a one-node stage.
+    rank: int = 0
+    group: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -148,8 +152,13 @@ class PlacementState:
 
     @property
     def expected(self) -> int:
-        """How many shards the ring has: planned, else what a loaded shard reports."""
-        return len(self.planned) or max((s.count for s in self.shards), default=0)
+        """How many shard processes the placement has: planned, else what the loaded
+        shards report (a tensor group's stage counts each of its nodes)."""
+        if self.planned:
+            return len(self.planned)
+        stages = max((s.count for s in self.shards), default=0)
+        groups = {s.index: len(s.group) for s in self.shards if s.group}
+        return stages + sum(n - 1 for n in groups.values())
 
     @property
     def state(self) -> PlacementStatus:
@@ -271,7 +280,7 @@ def placements_from_shards(
             ring = [p.node for p in plan.shards]
             shards.sort(key=lambda s: ring.index(s.node) if s.node in ring else len(ring))
         else:
-            shards.sort(key=lambda s: s.index)
+            shards.sort(key=lambda s: (s.index, s.rank))
         model_dir = (plan.model_dir if plan else "") or next(
             (s.model_dir for s in shards if s.model_dir), ""
         )
@@ -329,6 +338,8 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         context_tokens=report.context_tokens,
         kv_bytes=report.kv_bytes,
         streams=report.streams,
+        rank=report.rank,
+        group=tuple(report.group),
     )
 
 

@@ -54,6 +54,7 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     # A shard reloaded after a restart asks for the ports it had (None: any free ones).
     data_port: int | None = None
     client_port: int | None = None
+    tensor: bool = False  # a member of a tensor-parallel stage: a port for its group too
 
 
 class LoadShard(Wire, frozen=True, kw_only=True):
@@ -187,6 +188,12 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     prefill_chunk: int = 512
     data_port: int = 0
     client_port: int = 0
+    # A member of a tensor-parallel stage: its group port, rank, the group's nodes in
+    # rank order and its mx.distributed backend ("" for a one-node stage).
+    group_port: int = 0
+    rank: int = 0
+    group: list[str] = []
+    backend: str = ""
     state: ShardStatus = "unknown"
     progress: tuple[int, int] = (0, 0)  # bytes loaded, of
     param_bytes: int = 0
@@ -240,6 +247,7 @@ class Prepared(Wire, frozen=True, kw_only=True):
     placement: str
     data_port: int
     client_port: int
+    group_port: int = 0  # a tensor group member's port for mx.distributed (0: none)
 
 
 class LoadProgress(Wire, frozen=True, kw_only=True):
