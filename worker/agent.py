@@ -141,6 +141,8 @@ class ShardProc:
             "streams": self.spec.get("streams", 1),
             "kv_bytes": self.spec.get("kv_bytes", 0),
             "prefill_chunk": self.spec.get("prefill_chunk", 512),
+            "adapter": self.spec.get("adapter", ""),
+            "adapter_dir": self.spec.get("adapter_dir", ""),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "group_port": self.group_port,
@@ -406,6 +408,10 @@ class Agent:
             "context_tokens": req.context_tokens,
             "streams": max(1, req.streams),
             "kv_bytes": req.kv_bytes,
+            # The placement's adapter by name (every shard reports it), and where this
+            # node holds its files ("" on a shard whose layers it does not adapt).
+            "adapter": req.adapter,
+            "adapter_dir": req.adapter_dir,
         }
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,7 @@ class RunnerSpec:
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
+    adapter_dir: str = ""  # an mlx-lm adapter for this shard's layers ("" none)
     rank: int = 0
     group_size: int = 1
     backend: str = ""
@@ -233,7 +234,15 @@ class Runner:
         model_dir = Path(self.spec.model_dir).expanduser()
         if self.spec.group_size > 1:
             self.group = join_group(self.spec.backend, self.spec.rank, self.spec.group_size)
-        shard = load_shard(model_dir, self.spec.start, self.spec.end, progress, group=self.group)
+        adapter = Path(self.spec.adapter_dir).expanduser() if self.spec.adapter_dir else None
+        shard = load_shard(
+            model_dir,
+            self.spec.start,
+            self.spec.end,
+            progress,
+            group=self.group,
+            adapter_dir=adapter,
+        )
         tokenizer = None
         if shard.is_first or shard.is_last:
             tokenizer = load_tokenizer(

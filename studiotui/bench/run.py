@@ -397,14 +397,19 @@ def summarize(
 
 
 def run_bench(quick: bool, as_json: bool) -> int:
+    from studiotui.bench.finetune import finetune_figures
     from studiotui.bench.provision import bench_provision
 
     started = time.monotonic()
     figures = measure(quick)
     if quick:
-        # Provisioning is measured by the full bench: with it, --quick overruns a minute.
+        # Provisioning and fine-tuning are measured by the full bench: with them, --quick
+        # overruns a minute.
         figures["provision4_ratio"] = figures["reprovision_s"] = None
+        figures["finetune2_ratio"] = None
     else:
+        with phase("finetune"):
+            figures.update(finetune_figures(quick=False))
         with tempfile.TemporaryDirectory(prefix="studiotui-bench-ssh-") as tmp, phase("provision"):
             figures.update(asyncio.run(bench_provision(Path(tmp))))
     figures["bench_seconds"] = round(time.monotonic() - started, 1)

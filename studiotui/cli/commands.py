@@ -26,6 +26,12 @@ from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.session import wait_until_up
+from studiotui.core.adapter_catalog import (
+    adapter_placement_name,
+    adapter_tensor,
+    check_adapter,
+    resolve_adapter,
+)
 from studiotui.core.errors import UserError
 from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
@@ -171,6 +177,7 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "name": p.name,
                 "model": p.model,
                 "model_dir": p.model_dir,
+                "adapter": p.adapter,
                 "state": p.state,
                 "nodes": list(p.nodes),
                 "layers": p.layers,
@@ -203,7 +210,7 @@ def print_nodes(ctl: Controller) -> None:
     for p in ctl.state.placements:
         gone = set(p.missing)
         ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
-        console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}, {p.shape}: {ring}")
+        console.print(f"placement [bold]{p.name}[/] ({p.label}) {p.state}, {p.shape}: {ring}")
 
 
 # ---- place / unload ------------------------------------------------------------------
@@ -240,6 +247,17 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}"))
         )
         return 1
+    adapter = None
+    if args.adapter:
+        # Before asking any node anything too: another model's or a malformed adapter.
+        args.adapter = resolve_adapter(args.adapter, home)
+        adapter = check_adapter(args.adapter, args.model_dir.expanduser().resolve(), info)
+        console.print(
+            f"adapter [bold]{adapter.name}[/] ({adapter.fine_tune_type}, rank {adapter.rank}, "
+            f"layers {adapter.layers[0]}-{adapter.layers[-1]}) matches {info.name}"
+        )
+    # An adapter is applied by pipeline stages, each to whole layers: no tensor groups.
+    tensor = adapter_tensor(args.tensor) if adapter else args.tensor
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
@@ -252,7 +270,11 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(
                 f"no node is up: start the cluster with {start_hint(inv)}, then place again"
             )
-        name = args.name or args.model_dir.expanduser().resolve().name
+        name = args.name or (
+            adapter_placement_name(args.model_dir.expanduser().resolve(), args.adapter)
+            if adapter
+            else args.model_dir.expanduser().resolve().name
+        )
         if (existing := ctl.state.placement(name)) is not None:
             # Before the plan and progress bars: nothing would be loaded.
             raise UserError(
@@ -264,7 +286,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(f"--tensor {args.tensor}: {why}")
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams, args.tensor
+                args.model_dir.expanduser(), group, args.context, args.streams, tensor
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
@@ -297,16 +319,19 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 result = await ctl.place(
                     args.model_dir,
                     group,
-                    args.name,
+                    name,
                     progress,
                     prefill_chunk=args.prefill_chunk,
                     context_tokens=args.context,
                     streams=args.streams,
-                    tensor=args.tensor,
+                    tensor=tensor,
+                    adapter_dir=args.adapter,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
-        console.print(f"placement [bold]{result.placement.name}[/] is ready ({info.name})")
+        console.print(
+            f"placement [bold]{result.placement.name}[/] is ready ({result.placement.label})"
+        )
     finally:
         await ctl.close()
     return 0

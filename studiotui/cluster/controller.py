@@ -24,6 +24,12 @@ import zmq.asyncio
 from studiotui.cluster import keys, model_files, model_sync
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core import benchmark
+from studiotui.core.adapter_catalog import (
+    AdapterRefused,
+    adapter_placement_name,
+    adapter_tensor,
+    check_adapter,
+)
 from studiotui.core.errors import StudioError
 from studiotui.core.forecast import (
     Chip,
@@ -53,6 +59,9 @@ from studiotui.core.state import (
     shard_from_report,
 )
 from worker.shared import probes
+from worker.shared.adapters import FILES as ADAPTER_FILES
+from worker.shared.adapters import WEIGHTS_NAME, Adapter
+from worker.shared.manifest import manifest
 from worker.shared.protocol import control, messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
@@ -422,14 +431,30 @@ class Controller:
         context_tokens: int = 4096,
         expected: Plan | None = None,
         streams: int | None = None,
+        adapter_dir: Path | None = None,
         tensor: int | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
-        plan if it still fits, else refuse rather than load something else."""
+        plan if it still fits, else refuse rather than load something else. With
+        `adapter_dir`, the shards apply that mlx-lm adapter to the layers it adapts;
+        an adapter of another model, or malformed, is refused before anything moves."""
         model_dir = model_dir.expanduser().resolve()
+        adapter = None
+        if adapter_dir is not None:
+            adapter_dir = adapter_dir.expanduser().resolve()
+            adapter = await asyncio.to_thread(self.check_adapter, adapter_dir, model_dir)
+            try:
+                tensor = adapter_tensor(tensor)  # pipeline stages only
+            except AdapterRefused as exc:
+                raise PlacementError(str(exc)) from None
+            self.record(
+                f"adapter {adapter.name} matches {model_dir.name} (layers {_spans(adapter)})"
+            )
         await self.refresh()
         nodes = nodes or [n.name for n in self.state.nodes if n.state == "up"]
-        name = name or model_dir.name
+        name = name or (
+            adapter_placement_name(model_dir, adapter_dir) if adapter_dir else model_dir.name
+        )
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
         info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor)
@@ -444,7 +469,10 @@ class Controller:
             procs = members(the_plan)
         except ValueError as exc:
             raise PlacementError(f"cannot place {info.name}: {exc}") from None
-        self.record(f"placing {info.name} as {name!r} on {', '.join(m.node for m in procs)}")
+        with_adapter = f" with adapter {adapter.name}" if adapter else ""
+        self.record(
+            f"placing {info.name}{with_adapter} as {name!r} on {', '.join(m.node for m in procs)}"
+        )
         self._unloading.pop(name, None)  # placed again under a name just unloaded
         # Every node of a tensor-group stage is remembered with the stage's layers, so
         # the placement's shape ("2 stages × 2") is known from its ring alone.
@@ -454,9 +482,12 @@ class Controller:
             for node in s.nodes
         )
         self._placing.add(name)
-        self._remember_plan(name, PlannedPlacement(str(model_dir), ring))
+        planned = PlannedPlacement(str(model_dir), ring)
+        if adapter is not None:
+            planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
+        self._remember_plan(name, planned)
         try:
-            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk)
+            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter)
             self._placing.discard(name)
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError) as exc:
@@ -503,6 +534,7 @@ class Controller:
         name: str,
         progress: Progress | None,
         prefill_chunk: int,
+        adapter: Adapter | None = None,
     ) -> None:
         shards = the_plan.shards
         procs = members(the_plan)
@@ -517,6 +549,7 @@ class Controller:
         port = {m.node: p for m, p in zip(procs, prepared, strict=True)}
         count = len(shards)
         dirs = await self._model_dirs(procs, model_dir, progress)
+        adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
         leaders = [next(m for m in procs if m.stage == i and m.rank == 0) for i in range(count)]
 
         async def load(m: Member) -> None:
@@ -543,6 +576,8 @@ class Controller:
                 streams=the_plan.streams,
                 kv_bytes=shards[m.stage].kv_bytes,
                 **self._group_fields(m, port),
+                adapter=adapter.name if adapter else "",
+                adapter_dir=adapter_dirs.get(m.node, ""),
             )
             try:
                 async for msg in stream:
@@ -637,6 +672,44 @@ class Controller:
                 raise PlacementError(str(exc)) from None
         return where
 
+    def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter:
+        """The adapter, if it can be placed with this model; else PlacementError naming
+        what and what to do. Headers and (cached) hashes only: nothing copied or loaded.
+        Records nothing: it runs in a worker thread, and listeners expect the loop's."""
+        model_files.check_model_dir(model_dir)
+        info = read_model(model_dir)
+        try:
+            adapter = check_adapter(adapter_dir, model_dir, info)
+        except AdapterRefused as exc:
+            raise PlacementError(f"cannot place {info.name} with {adapter_dir}: {exc}") from None
+        return adapter
+
+    async def _adapter_dirs(
+        self, shards: Any, adapter: Adapter, progress: Progress | None
+    ) -> dict[str, str]:
+        """Where each node whose layers the adapter touches finds its files: the
+        operator's path on this machine, else a copy (by content, as model files are)
+        under the node's `models/<adapter>@<hash>`. A node whose layers it does not
+        touch gets nothing: its layers are the base model's."""
+        touched = [s for s in shards if adapter.touches(s.start, s.end)]
+        where = {s.node: str(adapter.path) for s in touched if self.spec(s.node).is_local}
+        remote = sorted({s.node for s in touched if s.node not in where})
+        if remote:
+            ids = await asyncio.to_thread(manifest, adapter.path, ADAPTER_FILES)
+            weights = ids[WEIGHTS_NAME].sha256
+            files = [model_files.NeededFile(f.name, f.size) for f in ids.values()]
+            try:
+                where |= await model_sync.provide(
+                    self,
+                    adapter.path,
+                    {node: files for node in remote},
+                    progress,
+                    folder=f"{adapter.name}@{weights[:12]}",
+                )
+            except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
+                raise PlacementError(str(exc)) from None
+        return where
+
     async def _watch_nodes(self, nodes: list[str]) -> str:
         """Return (only) when one of `nodes` stops answering, saying which."""
         while True:
@@ -703,6 +776,11 @@ class Controller:
             *(self.peer(n).request("unload", timeout=10.0, placement=name) for n in nodes),
             return_exceptions=True,
         )
+        # The head's socket goes with its runner: a placement of the same name placed
+        # again on the same node and port must not inherit the old socket's "down
+        # since the unload", which fails its first request after RECONNECT_GRACE_S.
+        for key in [k for k in self.peers if k.startswith(f"head:{name}:")]:
+            await self.peers.pop(key).aclose()
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -1046,6 +1124,8 @@ class Controller:
             client_port=shard.client_port,
             context_tokens=shard.context_tokens,
             kv_bytes=shard.kv_bytes,
+            adapter=shard.adapter,
+            adapter_dir=shard.adapter_dir,
         )
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
@@ -1106,6 +1186,8 @@ class Controller:
             prefill_chunk=r.prefill_chunk,
             context_tokens=r.context_tokens,
             kv_bytes=r.kv_bytes,
+            adapter=r.adapter,
+            adapter_dir=r.adapter_dir,
         ):
             pass
 
@@ -1122,6 +1204,17 @@ class Controller:
     async def read_log(self, name: str, lines: int = 200) -> list[str]:
         reply = await self.peer(name).ask("read_log", control.LogLines, lines=lines)
         return reply.lines
+
+
+def _spans(adapter: Adapter) -> str:
+    """The adapted layers as people read them: 6-7, or 0-3, 6."""
+    runs: list[list[int]] = []
+    for n in adapter.layers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
 def _clock(when: float) -> str:

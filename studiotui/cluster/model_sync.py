@@ -72,15 +72,15 @@ class Source:
     path: str  # absolute, on that node
 
 
-def candidate_dirs(model_dir: Path, home: Path) -> list[str]:
+def candidate_dirs(model_dir: Path, home: Path, folder: str | None = None) -> list[str]:
     """Where a node may already hold the model, as its agent resolves them: the hub
     snapshot's path (under the node user's home when under the operator's), then the
-    copy folder under the agent's work dir."""
+    copy folder under the agent's work dir (`folder`, else named after the model)."""
     out = []
     hub = hub_snapshot_path(model_dir, home)
     if hub is not None:
         out.append(hub if hub.startswith("/") else f"~/{hub}")
-    out.append(f"models/{copy_name(model_dir)}")
+    out.append(f"models/{folder or copy_name(model_dir)}")
     return out
 
 
@@ -98,10 +98,13 @@ async def provide(
     needs: dict[str, list[NeededFile]],
     progress: Progress | None = None,
     sources: list[str] | None = None,
+    folder: str | None = None,
 ) -> dict[str, str]:
     """Make every node in `needs` hold its files; return where each finds the model.
 
-    `sources`: the nodes that may serve files to others (default: every up node)."""
+    `sources`: the nodes that may serve files to others (default: every up node).
+    `folder`: the copy folder's name under the node's `models/` (default: the model's;
+    an adapter's names its content, since mlx-lm names every adapter folder alike)."""
     union = sorted({f.name: f for fs in needs.values() for f in fs}.values(), key=lambda f: f.name)
     began, hashed = time.monotonic(), [0]
     ids = {
@@ -113,7 +116,7 @@ async def provide(
             f"{time.monotonic() - began:.1f} s (kept next to the files for next time)"
         )
     wanted = {node: [ids[f.name] for f in fs] for node, fs in needs.items()}
-    dirs = candidate_dirs(model_dir, Path.home())
+    dirs = candidate_dirs(model_dir, Path.home(), folder)
     asked = sorted(
         set(needs)
         | set(
@@ -140,7 +143,9 @@ async def provide(
         mine = [d.only({f.name for f in files}) for d in status[node]]
         held = holding(mine)
         if held is not None:
-            ctl.record(f"{node} already holds {copy_name(model_dir)} at {held}: nothing copied")
+            ctl.record(
+                f"{node} already holds {folder or copy_name(model_dir)} at {held}: nothing copied"
+            )
             where[node] = held
             continue
         target = mine[-1]  # the copy folder

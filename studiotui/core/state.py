@@ -42,6 +42,8 @@ class ShardState:
     context_tokens: int = 0
     kv_bytes: int = 0  # KV cache the plan reserved for this shard
     streams: int = 1  # requests the head runs at once (the plan reserved KV for them)
+    adapter: str = ""  # the placement's adapter, by name ("" none)
+    adapter_dir: str = ""  # where this node holds it ("" when its layers are not adapted)
     # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
     # 0 and () for a one-node stage.
     rank: int = 0
@@ -124,6 +126,13 @@ class PlacementState:
     shards: tuple[ShardState, ...]
     planned: tuple[PlannedShard, ...] = ()  # () when this operator did not place it
     placing: bool = False  # this operator is loading it right now
+    adapter: str = ""  # the LoRA/DoRA adapter its shards apply, by name ("" none)
+    adapter_dir: str = ""  # where the operator holds it ("" unknown: not planned here)
+
+    @property
+    def label(self) -> str:
+        """The model as people read it: `model + adapter` when adapted."""
+        return f"{self.model} + {self.adapter}" if self.adapter else self.model
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -232,14 +241,20 @@ class ClusterState:
 class PlannedPlacement:
     model_dir: str
     shards: tuple[PlannedShard, ...]
+    adapter_dir: str = ""  # the operator's adapter directory ("" none)
+    adapter: str = ""  # its name, as the shards are told it
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "model_dir": self.model_dir,
             "shards": [
                 [s.node, s.start, s.end, *([s.backend] if s.backend else [])] for s in self.shards
             ],
         }
+        if self.adapter_dir:
+            out["adapter_dir"] = self.adapter_dir
+            out["adapter"] = self.adapter
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> PlannedPlacement:
@@ -253,7 +268,12 @@ class PlannedPlacement:
         )
         if not shards:
             raise ValueError("a planned placement without shards")
-        return cls(model_dir=str(raw["model_dir"]), shards=shards)
+        return cls(
+            model_dir=str(raw["model_dir"]),
+            shards=shards,
+            adapter_dir=str(raw.get("adapter_dir", "")),
+            adapter=str(raw.get("adapter", "")),
+        )
 
 
 def placements_from_shards(
@@ -285,6 +305,9 @@ def placements_from_shards(
             (s.model_dir for s in shards if s.model_dir), ""
         )
         model = model_dir.rstrip("/").rsplit("/", 1)[-1]
+        adapter = (plan.adapter if plan else "") or next(
+            (s.adapter for s in shards if s.adapter), ""
+        )
         out.append(
             PlacementState(
                 name=name,
@@ -293,6 +316,8 @@ def placements_from_shards(
                 shards=tuple(shards),
                 planned=plan.shards if plan else (),
                 placing=name in placing,
+                adapter=adapter,
+                adapter_dir=plan.adapter_dir if plan else "",
             )
         )
     return tuple(out)
@@ -338,6 +363,8 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         context_tokens=report.context_tokens,
         kv_bytes=report.kv_bytes,
         streams=report.streams,
+        adapter=report.adapter,
+        adapter_dir=report.adapter_dir,
         rank=report.rank,
         group=tuple(report.group),
     )

@@ -72,6 +72,8 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     context_tokens: int = 4096
     streams: int = DEFAULT_STREAMS
     kv_bytes: int = 0
+    adapter: str = ""  # the placement's adapter by name ("": none)
+    adapter_dir: str = ""  # where this node holds its files ("": layers it does not adapt)
 
 
 class Unload(Wire, frozen=True, kw_only=True):
@@ -186,6 +188,8 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     streams: int = 1
     kv_bytes: int = 0
     prefill_chunk: int = 512
+    adapter: str = ""
+    adapter_dir: str = ""
     data_port: int = 0
     client_port: int = 0
     # A member of a tensor-parallel stage: its group port, rank, the group's nodes in
