@@ -552,6 +552,7 @@ class Runner:
             self.send_client(client, messages.encode("error", message=f"{kind} is not for a shard"))
 
     def _stats(self) -> dict[str, Any]:
+        """The fields of control.ShardStats (the stats event is built from them)."""
         assert self.stage is not None
         s = self.stage.stats
         return {

@@ -140,3 +140,17 @@ def test_runner_events_round_trip_and_anything_else_is_an_event_error() -> None:
         with pytest.raises(events.EventError, match="not a runner event") as caught:
             events.decode(line)
         assert words in str(caught.value)
+
+
+def test_a_runners_stats_fields_are_all_shard_stats_fields() -> None:
+    """The runner builds its stats event from `Runner._stats()`; a field added there
+    and not to control.ShardStats would make the event raise, every second."""
+    import ast
+    import inspect
+
+    from worker import runner
+
+    source = inspect.getsource(runner.Runner._stats)
+    returned = next(n for n in ast.walk(ast.parse(source.strip())) if isinstance(n, ast.Dict))
+    keys = {k.value for k in returned.keys if isinstance(k, ast.Constant)}
+    assert keys and keys <= set(control.ShardStats.__struct_fields__)

@@ -171,6 +171,8 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     errors: int = 0
     refused: int = 0
     prebuilt_steps: int = 0
+    batched_steps: int = 0  # decode steps that ran several requests as one batch
+    batched_rows: int = 0  # the requests those steps carried
     active_bytes: int = 0
     hop_us_p50: float | None = None
 
