@@ -129,7 +129,7 @@ async def fetch_adapter(ctl: Cluster, record: JobRecord, progress: Progress = No
     staging.mkdir(parents=True)
     try:
         how = await _copy(ctl, node, Path(found["path"]), staging, wanted, progress)
-        adapter = await asyncio.to_thread(_verify, staging, wanted, record)
+        await asyncio.to_thread(_verify, staging, wanted, record)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -137,7 +137,7 @@ async def fetch_adapter(ctl: Cluster, record: JobRecord, progress: Progress = No
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(f.size for f in wanted.values())
     ctl.record(
-        f"fetched adapter {adapter.name} of job {name} from {node} {how} to {target} "
+        f"fetched the adapter of job {name} from {node} {how} to {target} "
         f"({size / 1e6:.1f} MB, sha256 verified)"
     )
     return target

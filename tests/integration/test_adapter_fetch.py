@@ -87,7 +87,19 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
         finally:
             await ctl.close()
 
+    async def wait_up() -> None:
+        ctl = Controller(home, inv)
+        try:
+            for _ in range(100):
+                await ctl.refresh(timeout=1.0)
+                if all(n.state == "up" for n in ctl.state.nodes):
+                    return
+                await asyncio.sleep(0.2)
+        finally:
+            await ctl.close()
+
     try:
+        asyncio.run(wait_up())
         code, said = cli("jobs", "fetch", "ghost")
         assert code == 2 and "no job named 'ghost'" in said and "known: " in said, said
         # Nothing saved yet on the node: refused, saying how to go on.
@@ -103,7 +115,7 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
         )  # fmt: skip
         assert code == 0, said
         assert "adapter legal is job legal's, not here yet" in said, said
-        assert f"fetched adapter legal of job legal from {first} over SFTP" in said, said
+        assert f"fetched the adapter of job legal from {first} over SFTP to {fetched}" in said
         assert "placement tiny+legal is ready" in said, said
         for name in FILES:
             assert (fetched / name).read_bytes() == (on_node / name).read_bytes(), name
@@ -112,15 +124,15 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
         # Asked again: the operator's copy is the node's, by hash; nothing moves.
         code, said = cli("jobs", "fetch", "legal")
         assert code == 0 and "already here" in said and "nothing copied" in said, said
-    finally:
-        local_cluster.kill_pid(pids[0])
-    try:
+
         # The node holding it is down: refused, naming it and what to do.
+        local_cluster.kill_pid(pids[0])
         code, said = cli("jobs", "fetch", "legal")
         assert code == 2 and f"is on {first} (its rank 0), which is down" in said, said
         assert "studiotui jobs fetch legal" in said, said
     finally:
-        local_cluster.kill_pid(pids[1])
+        for pid in pids:
+            local_cluster.kill_pid(pid)
     want = reference(base, tokens, fetched)
     assert want != reference(base, tokens), "the adapter must change the greedy answer"
     assert got == want
