@@ -8,7 +8,8 @@ finetune over SSH, to keep the test fast; the job's training itself is covered b
 tests/integration/test_finetune.py and test_adapters.py. The CLI's `place --adapter
 NAME` fetches it (SFTP, sha256 checked against the node's agent) into
 STUDIOTUI_HOME/adapters/NAME, places it, and it answers as `mlx_lm.load(model,
-adapter_path=)` does; refusals name what to do.
+adapter_path=)` does. `jobs fetch` copies again only when the operator's copy differs;
+an adapter of other weights is not kept; refusals name what to do.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.adapter_model import write_adapter
 from tests.integration.test_adapters import SPEC, collect, encode, reference
 from tests.sshd import SshdServer, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import FILES, identity_of
-from worker.shared.demo_model import write_demo_model
+from worker.shared.demo_model import DemoSpec, write_demo_model
 
 
 def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it(
@@ -67,6 +68,12 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
     request = {"model": str(base), "base": identity_of(base).as_dict()}
     save_record(home, JobRecord("legal", "finetune", (first, second), "ring", request=request))
     save_record(home, JobRecord("early", "finetune", (second,), "ring", request=request))
+    # A job of this base whose saved adapter is stamped with other weights: never kept.
+    other = write_demo_model(
+        tmp_path / "models" / "other", DemoSpec(**{**SPEC.__dict__, "seed": 8})
+    )
+    write_adapter(other, Path(nodes[1].workdir) / "jobs" / "odd" / "adapters", num_layers=2)
+    save_record(home, JobRecord("odd", "finetune", (second,), "ring", request=request))
     fetched = home / "adapters" / "legal"
     tokens = encode(base)
 
@@ -124,6 +131,18 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
         # Asked again: the operator's copy is the node's, by hash; nothing moves.
         code, said = cli("jobs", "fetch", "legal")
         assert code == 0 and "already here" in said and "nothing copied" in said, said
+        # The operator's copy changed: by hash it is not the node's, so it is copied again.
+        with open(fetched / "adapters.safetensors", "ab") as f:
+            f.write(b"\0")
+        code, said = cli("jobs", "fetch", "legal")
+        assert code == 0 and f"from {first} over SFTP" in said, said
+        assert (fetched / "adapters.safetensors").read_bytes() == (
+            on_node / "adapters.safetensors"
+        ).read_bytes()
+        code, said = cli("jobs", "fetch", "odd")
+        assert code == 2 and "not kept" in said and "trained on other" in said, said
+        assert not (home / "adapters" / "odd").exists()
+        assert sorted(p.name for p in (home / "adapters").iterdir()) == ["legal"]
 
         # The node holding it is down: refused, naming it and what to do.
         local_cluster.kill_pid(pids[0])
