@@ -555,7 +555,7 @@ class Runner:
         s = self.stage.stats
         return {
             "placement": self.spec.placement,
-            "in_flight": len(self.stage.caches),
+            "in_flight": self.stage.held(),
             "waiting": len(self.stage.waiting),
             "tokens": s.tokens,
             "finished": s.finished,
@@ -563,6 +563,8 @@ class Runner:
             "errors": s.errors,
             "refused": self.refused,
             "prebuilt_steps": s.prebuilt,
+            "batched_steps": s.batched,
+            "batched_rows": s.batched_rows,
             "active_bytes": mx.get_active_memory(),
             "hop_us_p50": statistics.median(self.stage.hop_us) if self.stage.hop_us else None,
         }

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from studiotui.bench import batching
 from studiotui.bench.launch import ring_of_two
 from studiotui.bench.tensor import (
     mlx_tp2_launch_tps,
@@ -283,6 +284,12 @@ def measure(quick: bool) -> dict[str, Any]:
                 single_moe = SingleProcess(moe_dir)
             moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
             del single_moe
+            with phase("batch8"):
+                batch = asyncio.run(
+                    batching.batch_figures(
+                        home, inv, model_dir, cfg.tokens, cfg.decode_rounds, cfg.prefill_chunk
+                    )
+                )
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
@@ -300,8 +307,13 @@ def measure(quick: bool) -> dict[str, Any]:
         with phase("mlx_tp2"):
             mlx_tp = mlx_tp2_tps(model_dir, BENCH_PORT, cfg.tokens)
             launched = None if quick else mlx_tp2_launch_tps(model_dir, BENCH_PORT, cfg.tokens)
+        with phase("bare_hop"):  # the agents are gone: two otherwise idle processes
+            bare = batching.bare_hop_us(f"127.0.0.{BENCH_OCTET}", BENCH_PORT + 950, cfg.hidden)
     pipe["moe2"] = moe
     figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+    figures.update(batch, bare_hop_us=round(bare, 1) if bare else None)
+    figures["hop_over_bare"] = round(figures["hop_us_p50"] / bare, 2) if bare else None
+    figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
 
