@@ -114,6 +114,9 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
         assert code == 2 and f"job early has no saved adapter on {second} yet" in said, said
         assert "studiotui jobs follow early" in said, said
         assert not fetched.exists()
+        # fuse does not reach nodes: it names the command that brings the adapter here.
+        code, said = cli("fuse", str(base), "--adapter", "early")
+        assert code == 2 and "studiotui jobs fetch early" in said, said
 
         # `place --adapter legal`: not on the operator, so fetched from the job's node.
         code, said = cli(
