@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from studiotui.cluster import model_files, model_sync
+from worker.shared.manifest import in_hub_cache
 from worker.shared.protocol import control
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ async def fetch_repo(
 
 def hub_repo(model_dir: Path) -> tuple[str, str] | None:
     """(repo id, commit) of a hub snapshot folder, None for any other folder."""
-    if not model_files.is_hub_snapshot(model_dir):
+    if not in_hub_cache(model_dir):
         return None
     repo = model_dir.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
     return repo, model_dir.name

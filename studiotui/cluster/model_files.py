@@ -26,12 +26,11 @@ from pathlib import Path
 
 from studiotui.core.model_facts import ModelDirError, outside_links
 from studiotui.core.placement import format_bytes
-from worker.shared.manifest import FileId, manifest, part_name, plain_name
+from worker.shared.manifest import FileId, in_hub_cache, manifest, part_name, plain_name
 from worker.shared.protocol.control import DirStatus
 
 SMALL_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".md"}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
 
 Progress = Callable[[int, int], None]
 
@@ -148,7 +147,7 @@ def hub_snapshot_path(model_dir: Path, home: Path) -> str | None:
     (SFTP resolves it there) when `model_dir` is under the operator's `home`, else the
     same absolute path. None when `model_dir` is not a hub snapshot."""
     path = model_dir.as_posix().rstrip("/")
-    if not _SNAPSHOT.search(path):
+    if not in_hub_cache(model_dir):
         return None
     if model_dir.is_relative_to(home):
         return model_dir.relative_to(home).as_posix()
@@ -158,14 +157,10 @@ def hub_snapshot_path(model_dir: Path, home: Path) -> str | None:
 def copy_name(model_dir: Path) -> str:
     """The folder a copy of the model gets under the node's `models/`: a hub snapshot's
     own name is a bare commit hash, so it becomes `org--name@<commit[:12]>`."""
-    if _SNAPSHOT.search(model_dir.as_posix().rstrip("/")):
+    if in_hub_cache(model_dir):
         repo = model_dir.parent.parent.name.removeprefix("models--")
         return f"{repo}@{model_dir.name[:12]}"
     return model_dir.name
-
-
-def is_hub_snapshot(model_dir: Path) -> bool:
-    return bool(_SNAPSHOT.search(model_dir.as_posix().rstrip("/")))
 
 
 def local_manifest(
@@ -177,7 +172,7 @@ def local_manifest(
     ids = manifest(
         model_dir,
         [f.name for f in files],
-        write_cache=not is_hub_snapshot(model_dir),
+        write_cache=not in_hub_cache(model_dir),
         on_bytes=on_bytes,
     )
     missing = [f.name for f in files if f.name not in ids]
