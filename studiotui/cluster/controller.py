@@ -1185,6 +1185,7 @@ class Controller:
             next_key=saved.next_key,
             prefill_chunk=r.prefill_chunk,
             context_tokens=r.context_tokens,
+            streams=r.streams,
             kv_bytes=r.kv_bytes,
             adapter=r.adapter,
             adapter_dir=r.adapter_dir,
