@@ -44,7 +44,7 @@ from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import Plan, format_bytes
-from studiotui.core.state import ClusterState, LogEntry
+from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.provision.deploy import provision_logged, restart_logged
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
@@ -313,7 +313,7 @@ class StudioApp(Dashboard):
 
     # ---- reporting ------------------------------------------------------------------------
 
-    def report(self, text: str, level: str = "info") -> None:
+    def report(self, text: str, level: LogLevel = "info") -> None:
         """Tell the operator: a notification for warnings and errors, a Log entry always."""
         if level in ("warning", "error"):
             severity: SeverityLevel = "error" if level == "error" else "warning"

@@ -33,6 +33,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import prompt_tokens, stream
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, local_inventory
+from worker.shared.protocol import control
 
 BENCH_OCTET = 71
 BENCH_PORT = 56500
@@ -162,8 +163,8 @@ async def pipeline_figures(
             with phase(f"decode{n}"):
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
                 out[name] = await paired_decode(ctl, name, single, cfg)
-            stats = await ctl.head_peer(ctl.pick_placement(name)).request("stats")
-            out[f"{name}_hop_us"] = stats.get("hop_us_p50")
+            head = ctl.head_peer(ctl.pick_placement(name))
+            out[f"{name}_hop_us"] = (await head.ask("stats", control.ShardStats)).hop_us_p50
             if n == 2:
                 with phase("ttft_pipe2"):
                     ttfts = [

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from studiotui.cli.commands import resolve_model
+from studiotui.cluster import jobs
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
     adapter_placement_name,
@@ -75,7 +76,16 @@ def fuse_target(out: Path | None, home: Path, model_dir: Path, adapter_dir: Path
 
 def cmd_fuse(args: argparse.Namespace, home: Path) -> int:
     model_dir = resolve_model(args.model_dir, home).expanduser().resolve()
-    adapter_dir = resolve_adapter(args.adapter, home)
+    try:
+        adapter_dir = resolve_adapter(args.adapter, home)
+    except AdapterRefused as exc:
+        if jobs.load_record(home, str(args.adapter)) is None:
+            raise
+        name = args.adapter
+        raise AdapterRefused(
+            f"{exc.message}; {name} is a job whose adapter is still on its nodes",
+            f"bring it here first: studiotui jobs fetch {name}",
+        ) from None
     adapter = check_base(adapter_dir, model_dir)
     out = fuse_target(args.out, home, model_dir, adapter_dir)
     print(f"fusing {adapter.name} into {model_dir.name} with mlx-lm's fuse -> {out}")

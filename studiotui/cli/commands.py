@@ -23,10 +23,12 @@ from rich.table import Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import local_cluster
+from studiotui.cluster import jobs, local_cluster
+from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.adapter_catalog import (
+    AdapterRefused,
     adapter_placement_name,
     adapter_tensor,
     check_adapter,
@@ -234,6 +236,27 @@ def resolve_model(spec: Path, home: Path) -> Path:
     )
 
 
+async def adapter_here(spec: str | Path, home: Path, inv: Inventory) -> Path:
+    """`resolve_adapter`, and when `spec` names a job whose adapter is not on the
+    operator yet, that adapter fetched from the job's node first."""
+    try:
+        return resolve_adapter(spec, home)
+    except AdapterRefused:
+        record = jobs.load_record(home, str(spec))
+        if record is None or Path(spec).expanduser().exists():
+            raise
+    console.print(f"adapter {spec} is job {spec}'s, not here yet: fetching it from its node")
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        await fetch_adapter(ctl, record)
+        for line in ctl.state.log[-1:]:
+            console.print(line.text)
+    finally:
+        await ctl.close()
+    return resolve_adapter(spec, home)
+
+
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     args.model_dir = resolve_model(args.model_dir, home)
@@ -250,7 +273,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     adapter = None
     if args.adapter:
         # Before asking any node anything too: another model's or a malformed adapter.
-        args.adapter = resolve_adapter(args.adapter, home)
+        args.adapter = await adapter_here(args.adapter, home, inv)
         adapter = check_adapter(args.adapter, args.model_dir.expanduser().resolve(), info)
         console.print(
             f"adapter [bold]{adapter.name}[/] ({adapter.fine_tune_type}, rank {adapter.rank}, "

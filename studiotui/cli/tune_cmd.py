@@ -15,6 +15,7 @@ from rich.table import Table
 from studiotui.cli.args import inventory_of
 from studiotui.cli.commands import resolve_model, start_hint
 from studiotui.cluster import jobs
+from studiotui.cluster.adapter_fetch import AdapterFetchError, fetch_adapter
 from studiotui.cluster.controller import Controller
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, SelectionError, resolve_group
@@ -55,11 +56,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     tune.add_argument(
         "--detach", action="store_true", help="start the job and return (it runs on the nodes)"
     )
-    jobs_p = sub.add_parser("jobs", help="cluster jobs: list, follow, stop or forget them")
-    jobs_p.add_argument(
-        "action", nargs="?", choices=["list", "stop", "follow", "forget"], default="list"
+    jobs_p = sub.add_parser(
+        "jobs", help="cluster jobs: list, follow, stop or forget them, or fetch their adapter"
     )
-    jobs_p.add_argument("name", nargs="?", help="the job to stop, follow or forget")
+    jobs_p.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "stop", "follow", "forget", "fetch"],
+        default="list",
+    )
+    jobs_p.add_argument(
+        "name", nargs="?", help="the job to stop, follow, forget, or fetch the adapter of"
+    )
 
 
 def _nodes(inv: Inventory, spec: str | None, ctl: Controller) -> tuple[str, ...]:
@@ -148,6 +156,13 @@ async def _follow(ctl: Controller, record: jobs.JobRecord) -> int:
             f"job {record.name} done: adapter in {p.adapter_dir or '(see the nodes)'} on "
             f"{record.nodes[0]} (and every node of the job)"
         )
+        if record.kind != ft.KIND:
+            return 0
+        try:
+            await _fetch(ctl, record)
+        except AdapterFetchError as exc:
+            console.print(f"[red]the adapter was not brought here: {exc}[/]")
+            return 1
         return 0
     console.print(f"[red]{end.message or end.state}[/]")
     if end.state == "failed":
@@ -155,6 +170,16 @@ async def _follow(ctl: Controller, record: jobs.JobRecord) -> int:
             f"resume from its last saved adapter: studiotui finetune --resume {record.name}"
         )
     return 1
+
+
+async def _fetch(ctl: Controller, record: jobs.JobRecord) -> None:
+    """The job's adapter brought to the operator (so it can be placed or fused by name)."""
+    where = await fetch_adapter(ctl, record)
+    for line in ctl.state.log[-1:]:
+        console.print(line.text)
+    console.print(
+        f"adapter {record.name} is at {where}: studiotui place MODEL --adapter {record.name}"
+    )
 
 
 def progress_line(p: JobProgress) -> str:
@@ -182,13 +207,16 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
     try:
         await ctl.refresh()
         up = [n.name for n in ctl.state.nodes if n.state == "up"]
-        if args.action in ("stop", "follow", "forget"):
+        if args.action in ("stop", "follow", "forget", "fetch"):
             record = jobs.load_record(home, args.name or "")
             if record is None:
                 known = ", ".join(r.name for r in jobs.all_records(home)) or "none"
                 raise UserError(f"no job named {args.name!r}", f"known: {known}")
             if args.action == "follow":
                 return await _follow(ctl, record)
+            if args.action == "fetch":
+                await _fetch(ctl, record)  # a refusal is a StudioError: said, exit 2
+                return 0
             if args.action == "forget":
                 await jobs.forget(ctl, record)
                 console.print(

@@ -31,6 +31,7 @@ from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import blame
+from studiotui.core.state import LogLevel
 
 # Agents beat twice a second on a follow stream (worker.jobs.FOLLOW_BEAT_S); a node
 # silent this long is dead (the bound is 3 s from a kill to the job failing, node named).
@@ -60,7 +61,7 @@ class Cluster(Protocol):
 
     def spec(self, name: str) -> NodeSpec: ...
 
-    def record(self, text: str, level: str = "info") -> None: ...
+    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 @dataclass(frozen=True)

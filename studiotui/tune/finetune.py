@@ -26,7 +26,7 @@ from studiotui.core.errors import StudioError
 from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import JobWatch, choose_backend
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
-from studiotui.core.state import ClusterState
+from studiotui.core.state import ClusterState, LogLevel
 from studiotui.tune.data import (
     Examples,
     check_counts,
@@ -57,7 +57,7 @@ class Cluster(Protocol):
 
     def spec(self, name: str) -> NodeSpec: ...
 
-    def record(self, text: str, level: str = "info") -> None: ...
+    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from textual.widgets import DataTable, Input, Static
 from studiotui.app.app import StudioApp
 from studiotui.app.panes.models import ModelsPane
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen, loss_chart
+from studiotui.cluster import jobs
 from studiotui.core.jobs import Point
 from studiotui.tune import finetune as ft
 from tests.cluster_fixture import LocalCluster, cluster_fixture
@@ -155,4 +156,11 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
             "the form's job done",
         )
         assert screen.watches["fromform"].progress.iteration == 4
+        # Done: its adapter is fetched from its first node to where `place` finds it.
+        fetched = home / "adapters" / "fromform" / "adapters.safetensors"
+        await until(pilot, fetched.is_file, 30, "the form's adapter fetched")
+        record = jobs.load_record(home, "fromform")
+        assert record is not None
+        on_node = Path(cluster.inventory.node(record.nodes[0]).workdir) / "jobs" / "fromform"
+        assert fetched.read_bytes() == (on_node / "adapters" / "adapters.safetensors").read_bytes()
     await asyncio.sleep(0)

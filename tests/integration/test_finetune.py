@@ -329,8 +329,17 @@ def test_the_command_line(
         assert "LoRA of tiny as job cli on local-1, local-2" in out
         assert "no RDMA at both ends: ring backend over TCP" in out
         assert main(["jobs", "follow", "cli", "-i", str(inventory)]) == 0
-        out = capsys.readouterr().out
+        out = " ".join(capsys.readouterr().out.split())
         assert "iter 3/3" in out and "job cli done" in out
+        # Done: its adapter is brought to where `place --adapter cli` finds it.
+        saved = Path(cluster.inventory.node("local-1").workdir) / "jobs" / "cli" / "adapters"
+        fetched = cluster.home / "adapters" / "cli"
+        assert "fetched the adapter of job cli from local-1" in out, out
+        assert "studiotui place MODEL --adapter cli" in out, out
+        assert (fetched / "adapters.safetensors").read_bytes() == (
+            saved / "adapters.safetensors"
+        ).read_bytes()
+        after_3 = (fetched / "adapters.safetensors").read_bytes()
         assert main(["jobs", "-i", str(inventory)]) == 0
         listed = capsys.readouterr().out
         assert "cli" in listed and "done" in listed and "3/3" in listed
@@ -339,6 +348,12 @@ def test_the_command_line(
         assert main(["finetune", "--resume", "cli", "--iters", "5", "-i", str(inventory)]) == 0
         out = capsys.readouterr().out
         assert "iter 4/5" in out and "iter 5/5" in out and "iter 1/" not in out
+        # Its newer adapter replaced the one fetched at iteration 3.
+        assert (
+            (fetched / "adapters.safetensors").read_bytes()
+            == (saved / "adapters.safetensors").read_bytes()
+            != after_3
+        )
         assert main(["jobs", "forget", "cli", "-i", str(inventory)]) == 0
         assert "job cli forgotten" in capsys.readouterr().out
         assert main(["jobs", "-i", str(inventory)]) == 0

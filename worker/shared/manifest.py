@@ -84,7 +84,8 @@ def plain_name(name: str) -> bool:
 
 def in_hub_cache(directory: Path) -> bool:
     """A Hugging Face snapshot folder (`models--org--name/snapshots/<rev>`): it belongs
-    to the hub's cache, so no manifest cache is written into it."""
+    to the hub's cache, so no manifest cache is written into it. The one test of it
+    for both sides (the operator's model checks, copy names and hashing use it too)."""
     return bool(_HUB_SNAPSHOT.search(directory.as_posix().rstrip("/")))
 
 

@@ -25,9 +25,11 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
 from studiotui.cluster import jobs
+from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.core.errors import StudioError
 from studiotui.core.jobs import JobProgress, JobWatch, Point
 from studiotui.core.placement import format_bytes
+from studiotui.core.state import LogLevel
 from studiotui.tune import finetune as ft
 
 PLOT_HEIGHT = 10
@@ -294,12 +296,19 @@ class JobsScreen(Screen[None]):
             except Exception as exc:  # said in the Log, never a traceback
                 self.dash.report(f"following job {record.name!r} failed: {exc}", "error")
                 return
-            level = (
+            level: LogLevel = (
                 "info" if end.state == "done" else "error" if end.state == "failed" else "warning"
             )
             self.dash.report(
                 f"job {record.name!r} {end.state}{': ' + end.message if end.message else ''}", level
             )
+            if end.state == "done" and record.kind == ft.KIND:
+                # Its adapter, brought from its node to where `place --adapter` finds it.
+                try:
+                    where = await fetch_adapter(ctl, record)
+                    self.dash.report(f"adapter of job {record.name!r} is at {where}", "info")
+                except StudioError as exc:
+                    self.dash.report(f"adapter of job {record.name!r} not fetched: {exc}", "error")
             self.redraw()
 
         self.following[record.name] = asyncio.create_task(run())
