@@ -284,7 +284,8 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             console=console,
             transient=False,
         ) as bar:
-            tasks = {s.node: bar.add_task(s.node, total=None) for s in the_plan.shards}
+            # One bar per process: every node of a tensor group loads (and reports) its own.
+            tasks = {n: bar.add_task(n, total=None) for s in the_plan.shards for n in s.nodes}
 
             def progress(node: str, done: int, total: int) -> None:
                 task = bar.tasks[tasks[node]]
