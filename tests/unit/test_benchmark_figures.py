@@ -71,10 +71,14 @@ def test_sizes_overrides_are_checked_before_anything_runs() -> None:
     assert (sizes.matmul_n, sizes.link_seconds, sizes.stream_counts) == (512, 0.2, (1, 2))
     for bad, word in (
         (["matmul=5"], "known name"),
-        (["matmul_n=abc"], "matmul_n"),
+        (["matmul_n=abc"], "matmul_n='abc': wants a whole number$"),
+        (["seconds=fast"], "seconds='fast': wants a number$"),
+        (["stream_counts=1,x"], "wants a whole number$"),
         (["matmul_n=16"], "between"),
         (["stream_counts=0"], "at least 1"),
-        (["link_chunk_bytes=1"], "chunk_bytes"),
+        # Named as the user typed it, not by the agent's field (chunk_bytes, bulk_seconds).
+        (["link_chunk_bytes=1"], "link_chunk_bytes must be between"),
+        (["link_seconds=nan"], "link_seconds must be between 0.01 and 10, not nan"),
     ):
         with pytest.raises(BenchmarkError, match=word):
             Sizes().changed(bad)
