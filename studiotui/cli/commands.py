@@ -202,7 +202,11 @@ def print_nodes(ctl: Controller) -> None:
     console.print(table)
     for p in ctl.state.placements:
         gone = set(p.missing)
-        ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
+        # A tensor group is one hop, `a+b[0:4]`, as the dashboard draws it.
+        ring = " → ".join(
+            "+".join(f"{'✗' * (n in gone)}{n}" for n in nodes) + f"[{start}:{end}]"
+            for nodes, start, end in p.stages
+        )
         console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}, {p.shape}: {ring}")
 
 

@@ -274,6 +274,11 @@ def test_shape_labels_and_a_placements_shape_from_its_planned_ring() -> None:
     assert PlacementState("q", "qwen", "/m/qwen", (), planned=again.shards).shape == (
         "2 stages × 2 (ring)"
     )
+    # …and its stages, a group's nodes together (status and the chat draw `a+b → c+d`).
+    assert PlacementState("q", "qwen", "/m/qwen", (), planned=ring).stages == (
+        (("a", "b"), 0, 40),
+        (("c", "d"), 40, 94),
+    )
     # A ring written before shapes existed reads as the pipeline it was.
     old = PlannedPlacement.from_json({"model_dir": "/m", "shards": [["a", 0, 4], ["b", 4, 8]]})
     assert PlacementState("p", "m", "/m", (), planned=old.shards).shape == "2 stages"
