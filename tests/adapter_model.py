@@ -31,13 +31,14 @@ def write_adapter(
     keys: list[str] | None = None,
     seed: int = 3,
     stamp: bool = True,
+    dora: bool = False,
 ) -> Path:
     model, _ = load_model(model_dir)
     model.freeze()
     params: dict[str, object] = {"rank": rank, "scale": scale, "dropout": 0.0}
     if keys is not None:
         params["keys"] = keys
-    linear_to_lora_layers(model, num_layers, params)
+    linear_to_lora_layers(model, num_layers, params, use_dora=dora)
     rng = np.random.default_rng(seed)
     weights = {}
     for name, value in tree_flatten(model.trainable_parameters()):
@@ -49,7 +50,7 @@ def write_adapter(
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
     config = {
         "model": str(model_dir),
-        "fine_tune_type": "lora",
+        "fine_tune_type": "dora" if dora else "lora",
         "num_layers": num_layers,
         "lora_parameters": params,
     }

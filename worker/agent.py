@@ -23,19 +23,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from worker import __version__, files, group, jobs, node_probe, telemetry
-from worker.shared.manifest import FileId
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import control, curve, events, messages
 from worker.shared.protocol.limits import (
-    DEFAULT_STREAMS,
     LINK_MEASURE_BOUNDS,
     out_of_bounds,
     tail_lines,
 )
+from worker.shared.protocol.status import ShardStatus
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
@@ -118,9 +118,9 @@ class ShardProc:
     group_port: int = 0  # a tensor group's member: where mx.distributed listens
     spec: dict[str, Any] = field(default_factory=dict)
     proc: asyncio.subprocess.Process | None = None
-    state: str = "prepared"  # prepared, loading, ready, failed, stopped
+    state: ShardStatus = "prepared"
     progress: tuple[int, int] = (0, 0)
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: control.ShardStats = field(default_factory=control.ShardStats)
     param_bytes: int = 0
     message: str = ""
     stderr_tail: list[str] = field(default_factory=list)
@@ -141,6 +141,8 @@ class ShardProc:
             "streams": self.spec.get("streams", 1),
             "kv_bytes": self.spec.get("kv_bytes", 0),
             "prefill_chunk": self.spec.get("prefill_chunk", 512),
+            "adapter": self.spec.get("adapter", ""),
+            "adapter_dir": self.spec.get("adapter_dir", ""),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "group_port": self.group_port,
@@ -150,7 +152,7 @@ class ShardProc:
             "state": self.state,
             "progress": list(self.progress),
             "param_bytes": self.param_bytes,
-            "stats": self.stats,
+            "stats": msgspec.structs.asdict(self.stats),
             "message": self.message,
             "pid": self.proc.pid if self.proc else None,
             "silent_since": self.silent_since or None,
@@ -313,6 +315,10 @@ class Agent:
             return
         try:
             await handler(ident, re, msg)
+        except messages.MessageError as exc:  # a field of the wrong type (control.parse)
+            self.dropped += 1
+            log.warning("bad control message: %s", exc)
+            await self._reply(ident, re, "error", message=f"bad message: {exc}")
         except Exception as exc:  # a handler bug must answer, not kill the agent
             log.exception("handling %s", msg["type"])
             await self._reply(ident, re, "error", message=f"{type(exc).__name__}: {exc}")
@@ -342,7 +348,8 @@ class Agent:
         )
 
     async def _on_prepare_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        name = msg["placement"]
+        req = control.parse(msg, control.PrepareShard)
+        name = req.placement
         if name in self.shards and self.shards[name].state in ("loading", "ready"):
             await self._reply(
                 ident, re, "error", message=f"placement {name!r} already has a shard here"
@@ -350,16 +357,17 @@ class Agent:
             return
         await self._stop_shard(name)
         # A member of a tensor-parallel stage also needs a port for mx.distributed.
-        tensor = bool(msg.get("tensor"))
-        data_port, client_port, *rest = self._free_ports(3 if tensor else 2)
+        data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
         # A shard reloaded after a restart asks for the ports it had, so its ring
         # neighbours and clients, which reconnect by themselves, find it again.
-        wished = (msg.get("data_port"), msg.get("client_port"))
+        wished = (req.data_port, req.client_port)
         if (
-            all(isinstance(p, int) and self._port_usable(p) for p in wished)
+            req.data_port is not None
+            and req.client_port is not None
+            and all(self._port_usable(p) for p in (req.data_port, req.client_port))
             and len(set(wished)) == 2
         ):
-            data_port, client_port = int(wished[0]), int(wished[1])  # type: ignore[arg-type]
+            data_port, client_port = req.data_port, req.client_port
         group_port = rest[0] if rest else 0
         self.shards[name] = ShardProc(
             placement=name, data_port=data_port, client_port=client_port, group_port=group_port
@@ -375,7 +383,8 @@ class Agent:
         )
 
     async def _on_load_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        name = msg["placement"]
+        req = control.parse(msg, control.LoadShard)
+        name = req.placement
         shard = self.shards.get(name)
         if shard is None or shard.state != "prepared":
             await self._reply(
@@ -385,20 +394,24 @@ class Agent:
         spec = {
             "home": str(self.config.home),
             "placement": name,
-            "model_dir": msg["model_dir"],
-            "start": msg["start"],
-            "end": msg["end"],
-            "index": msg["index"],
-            "count": msg["count"],
+            "model_dir": req.model_dir,
+            "start": req.start,
+            "end": req.end,
+            "index": req.index,
+            "count": req.count,
             "address": self.config.address,
             "data_port": shard.data_port,
             "client_port": shard.client_port,
-            "next_endpoint": msg["next_endpoint"],
-            "next_key": msg["next_key"],
-            "prefill_chunk": int(msg.get("prefill_chunk", 512)),
-            "context_tokens": int(msg.get("context_tokens", 4096)),
-            "streams": max(1, int(msg.get("streams", DEFAULT_STREAMS))),
-            "kv_bytes": int(msg.get("kv_bytes", 0)),
+            "next_endpoint": req.next_endpoint,
+            "next_key": req.next_key,
+            "prefill_chunk": req.prefill_chunk,
+            "context_tokens": req.context_tokens,
+            "streams": max(1, req.streams),
+            "kv_bytes": req.kv_bytes,
+            # The placement's adapter by name (every shard reports it), and where this
+            # node holds its files ("" on a shard whose layers it does not adapt).
+            "adapter": req.adapter,
+            "adapter_dir": req.adapter_dir,
         }
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -453,24 +466,18 @@ class Agent:
     async def _relay(self, ident: bytes, re: Any, shard: ShardProc) -> None:
         assert shard.proc is not None and shard.proc.stdout is not None
         answered = False
-        async for event in _json_lines(shard.proc.stdout, shard):
-            try:
-                answered = await self._on_runner_event(ident, re, shard, event, answered)
-            except (KeyError, TypeError, ValueError) as exc:
-                # A line of the right shape with wrong fields: count it, keep reading.
-                shard.bad_lines += 1
-                log.warning("shard %s: bad line from its runner: %s", shard.placement, exc)
+        async for event in _events(shard.proc.stdout, shard):
+            answered = await self._on_runner_event(ident, re, shard, event, answered)
         await self._runner_gone(ident, re, shard, answered)
 
     async def _on_runner_event(
-        self, ident: bytes, re: Any, shard: ShardProc, event: dict[str, Any], answered: bool
+        self, ident: bytes, re: Any, shard: ShardProc, event: events.RunnerEvent, answered: bool
     ) -> bool:
         """Act on one event of a runner's output; return whether the load was answered."""
-        kind = event.pop("event", "")
-        if kind == "beat":
-            shard.step_s = float(event.get("step_s", 0.0))
-        elif kind == "progress":
-            shard.progress = (int(event["done"]), int(event["total"]))
+        if isinstance(event, events.Beat):
+            shard.step_s = event.step_s
+        elif isinstance(event, events.Loading):
+            shard.progress = (event.done, event.total)
             if not answered:
                 await self._reply(
                     ident,
@@ -480,23 +487,23 @@ class Agent:
                     done=shard.progress[0],
                     total=shard.progress[1],
                 )
-        elif kind == "ready":
-            shard.state, shard.param_bytes = "ready", int(event["param_bytes"])
+        elif isinstance(event, events.Ready):
+            shard.state, shard.param_bytes = "ready", event.param_bytes
             log.info("shard %s ready, %d bytes", shard.placement, shard.param_bytes)
             await self._reply(
                 ident,
                 re,
                 "shard_ready",
                 placement=shard.placement,
-                start=event["start"],
-                end=event["end"],
+                start=event.start,
+                end=event.end,
                 param_bytes=shard.param_bytes,
             )
             answered = True
-        elif kind == "stats":
+        elif isinstance(event, events.Stats):
             shard.stats = event
-        elif kind == "fatal":
-            shard.message = str(event.get("message", ""))
+        elif isinstance(event, events.Fatal):
+            shard.message = event.message
         return answered
 
     async def _runner_gone(self, ident: bytes, re: Any, shard: ShardProc, answered: bool) -> None:
@@ -558,7 +565,7 @@ class Agent:
             shard.state, shard.silent_since, shard.message = "ready", 0.0, ""
 
     async def _on_unload(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        name = msg["placement"]
+        name = control.parse(msg, control.Unload).placement
         await self._stop_shard(name)
         self.shards.pop(name, None)
         await self._reply(ident, re, "unloaded", placement=name)
@@ -569,8 +576,7 @@ class Agent:
     async def _on_read_log(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         # Off the loop and bounded: a slow disk or a huge log must not stall every
         # other request, nor grow the agent by the log's size.
-        wanted = msg.get("lines", 200)
-        wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 200
+        wanted = control.parse(msg, control.ReadLog).lines
         lines = await asyncio.to_thread(tail_lines, self.config.home / "agent.log", wanted)
         await self._reply(ident, re, "log", lines=lines)
 
@@ -596,20 +602,20 @@ class Agent:
             await self._reply(ident, re, "error", message=str(exc))
             return
         results = []
-        for peer in msg["peers"]:
+        for peer in control.parse(msg, control.MeasureLinks).peers:
             results.append(await self._measure(peer, sizes))
         await self._reply(ident, re, "links", links=results)
 
-    async def _measure(self, peer: dict[str, Any], sizes: LinkSizes) -> dict[str, Any]:
+    async def _measure(self, peer: control.LinkPeer, sizes: LinkSizes) -> dict[str, Any]:
         """Latency from small pings over the control socket; bandwidth from a
         stream of large messages over a CURVE PUSH to a PULL the peer opens."""
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
-        server_key = str(peer["key"]).encode()
+        server_key = peer.key.encode()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         curve.make_client(sock, keys, server_key)
-        sock.connect(str(peer["endpoint"]))
-        out: dict[str, Any] = {"peer": peer["name"], "kind": self.facts.get("link_kind", "unknown")}
+        sock.connect(peer.endpoint)
+        out: dict[str, Any] = {"peer": peer.name, "kind": self.facts.get("link_kind", "unknown")}
         try:
             rtts = [await _ping(sock, i, b"") for i in range(sizes.pings)]
             # The first ping makes the connection (CURVE handshake): not a latency.
@@ -621,24 +627,30 @@ class Agent:
                 out["latency_pad_us"] = statistics.median(padded[1:]) / 2 * 1e6
                 out["pad_bytes"] = sizes.pad_bytes
             token = os.urandom(8).hex()
-            opened = await _ask(sock, "open_sink", token=token, in_flight=sizes.in_flight)
-            host = str(peer["endpoint"]).rsplit(":", 1)[0]
-            sent = await self._stream(keys, server_key, f"{host}:{opened['port']}", sizes)
-            got = await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S)
-            if got["seconds"] > 0 and got["bytes"] > 0:
-                out["gbps"] = got["bytes"] * 8 / got["seconds"] / 1e9
+            opened = control.parse(
+                await _ask(sock, "open_sink", token=token, in_flight=sizes.in_flight),
+                control.SinkOpen,
+            )
+            host = peer.endpoint.rsplit(":", 1)[0]
+            sent = await self._stream(keys, server_key, f"{host}:{opened.port}", sizes)
+            got = control.parse(
+                await _ask(sock, "close_sink", token=token, timeout=2 * LINK_TIMEOUT_S),
+                control.SinkResult,
+            )
+            if got.seconds > 0 and got.bytes > 0:
+                out["gbps"] = got.bytes * 8 / got.seconds / 1e9
             out.update(
                 method="curve push-pull",
                 chunk_bytes=sizes.chunk_bytes,
                 in_flight=sizes.in_flight,
                 sent_bytes=sent,
-                received_bytes=got["bytes"],
-                seconds=got["seconds"],
+                received_bytes=got.bytes,
+                seconds=got.seconds,
             )
         except TimeoutError:
-            out["error"] = f"{peer['name']} did not answer in time"
+            out["error"] = f"{peer.name} did not answer in time"
         except (AgentLinkError, zmq.ZMQError, messages.MessageError) as exc:
-            out["error"] = f"{peer['name']}: {exc}"
+            out["error"] = f"{peer.name}: {exc}"
         finally:
             sock.close(linger=0)
         return out
@@ -674,6 +686,7 @@ class Agent:
         return sent
 
     async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        token = control.parse(msg, control.Token).token
         try:
             in_flight = link_sizes({"in_flight": msg.get("in_flight", LINK_IN_FLIGHT)}).in_flight
         except ValueError as exc:
@@ -686,7 +699,6 @@ class Agent:
         sink.setsockopt(zmq.RCVHWM, in_flight)  # after make_server, which sets its own
         sink.bind(f"tcp://{self.config.address}:*")
         port = int(sink.get_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        token = msg["token"]
         task = self._sinks[token] = asyncio.create_task(_drain(sink))
         # A measurer that never comes back for its result must not leave it here.
         task.add_done_callback(
@@ -697,7 +709,7 @@ class Agent:
         await self._reply(ident, re, "sink_open", port=port)
 
     async def _on_close_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        task = self._sinks.pop(msg["token"], None)
+        task = self._sinks.pop(control.parse(msg, control.Token).token, None)
         if task is None:
             await self._reply(ident, re, "error", message="no such link sink")
             return
@@ -826,19 +838,21 @@ class Agent:
         return add
 
     async def _on_files_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        req = control.parse(msg, control.FilesStatus)
+        wanted = req.files
         on_bytes = self._hashed_to(ident, re, sum(f.size for f in wanted))
         found = []
-        for name in msg["dirs"]:
-            directory = files.resolve_dir(self.config.home, str(name))
+        for name in req.dirs:
+            directory = files.resolve_dir(self.config.home, name)
             found.append(
                 {"dir": name, **await asyncio.to_thread(files.status, directory, wanted, on_bytes)}
             )
         await self._reply(ident, re, "ok", dirs=found)
 
     async def _on_files_commit(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
-        landed = [FileId.from_dict(f) for f in msg["files"]]
+        req = control.parse(msg, control.FilesCommit)
+        directory = files.resolve_dir(self.config.home, req.dir)
+        landed = req.files
         on_bytes = self._hashed_to(ident, re, sum(f.size for f in landed))
         for f in landed:
             await asyncio.to_thread(files.commit, directory, f, on_bytes)
@@ -846,8 +860,9 @@ class Agent:
         await self._reply(ident, re, "ok")
 
     async def _on_serve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
-        wanted = {str(f["name"]): int(f["size"]) for f in msg["files"]}
+        req = control.parse(msg, control.ServeFiles)
+        directory = files.resolve_dir(self.config.home, req.dir)
+        wanted = {f.name: f.size for f in req.files}
         for name, size in wanted.items():
             path = directory / name
             if not files.plain_name(name) or not path.is_file() or path.stat().st_size != size:
@@ -865,24 +880,25 @@ class Agent:
     async def _on_unserve_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         sent = 0
         if self.file_server is not None:
-            sent = self.file_server.revoke(str(msg["token"]))
+            sent = self.file_server.revoke(control.parse(msg, control.Token).token)
             if not self.file_server.grants:
                 await self.file_server.close()
                 self.file_server = None
         await self._reply(ident, re, "ok", sent=sent)
 
     async def _on_fetch_files(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        directory = files.resolve_dir(self.config.home, str(msg["dir"]))
-        wanted = [FileId.from_dict(f) for f in msg["files"]]
+        req = control.parse(msg, control.FetchFiles)
+        directory = files.resolve_dir(self.config.home, req.dir)
+        wanted = req.files
         keys = curve.load_keypair(curve.key_dir(self.config.home) / "self.key_secret")
         total = sum(f.size for f in wanted)
         began = time.monotonic()
         result = await files.fetch(
             self.ctx,
             keys,
-            str(msg["endpoint"]),
-            str(msg["key"]).encode(),
-            str(msg["token"]),
+            req.endpoint,
+            req.key.encode(),
+            req.token,
             directory,
             wanted,
             self._progress_to(ident, re, "copying", total),
@@ -891,7 +907,7 @@ class Agent:
             "fetched %d B into %s from %s in %.1f s (%d B resumed)",
             result["received"],
             directory,
-            msg["endpoint"],
+            req.endpoint,
             time.monotonic() - began,
             result["resumed"],
         )
@@ -900,14 +916,15 @@ class Agent:
     async def _on_hub_download(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         from worker import hub
 
-        names = [str(n) for n in msg["files"]]
+        req = control.parse(msg, control.HubDownload)
+        names = req.files
         bad = [n for n in names if not files.plain_name(n)]
         if bad:
             await self._reply(ident, re, "error", message=f"{bad[0]!r} is not a plain file name")
             return
-        cache = msg.get("cache_dir")
-        where = files.resolve_dir(self.config.home, str(cache)) if cache else hub.default_cache()
-        need, free = int(msg.get("total", 0)), files.free_bytes(where)
+        cache = req.cache_dir
+        where = files.resolve_dir(self.config.home, cache) if cache else hub.default_cache()
+        need, free = req.total, files.free_bytes(where)
         if need > free:
             await self._reply(
                 ident,
@@ -919,15 +936,15 @@ class Agent:
             )
             return
         result = await hub.download(
-            str(msg["repo"]),
-            str(msg["revision"]),
+            req.repo,
+            req.revision,
             names,
-            files.resolve_dir(self.config.home, str(cache)) if cache else None,
-            msg.get("endpoint") or None,
-            int(msg.get("total", 0)),
-            self._progress_to(ident, re, "downloading", int(msg.get("total", 0))),
+            files.resolve_dir(self.config.home, cache) if cache else None,
+            req.endpoint or None,
+            req.total,
+            self._progress_to(ident, re, "downloading", req.total),
         )
-        log.info("downloaded %s of %s into %s", len(names), msg["repo"], result["path"])
+        log.info("downloaded %s of %s into %s", len(names), req.repo, result["path"])
         await self._reply(ident, re, "ok", **result)
 
     # ---- shards ----------------------------------------------------------------------------
@@ -1220,17 +1237,15 @@ async def _lines(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
         yield line
 
 
-async def _json_lines(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
-    """The JSON objects a runner writes; anything else is counted and skipped."""
+async def _events(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
+    """The events a runner writes (protocol/events.py); anything else is counted and
+    skipped: a line that is not JSON, not an object, or an event with a bad field."""
     async for line in _lines(stream, shard):
         try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if isinstance(event, dict):
-            yield event
-        else:
+            yield events.decode(line)
+        except events.EventError as exc:
             shard.bad_lines += 1
+            log.warning("shard %s: bad line from its runner: %s", shard.placement, exc)
 
 
 def _clock(when: float) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 
 
 class DecodeRoPE(nn.Module):
@@ -172,9 +173,16 @@ def _swap(module: nn.Module) -> int:
     return swapped
 
 
+# Modules that read their child layer's weight instead of calling it (mlx-lm's DoRA
+# layers norm `self.linear.weight` on every call): their children stay as they are.
+_READS_CHILD_WEIGHTS = (DoRALinear, DoRAEmbedding)
+
+
 def _fused(child: Any) -> tuple[Any, int]:
     """`child` swapped for its fused twin (exact types only: a subclass may compute
     differently), or with its own children swapped."""
+    if isinstance(child, _READS_CHILD_WEIGHTS):
+        return child, 0
     twin = _FUSED.get(type(child))
     if twin is not None:
         return twin(child), 1  # type: ignore[call-arg]

@@ -144,10 +144,13 @@ def place_stand_ins(inner: nn.Module, start: int, end: int) -> tuple[list[nn.Mod
 class LayerCaches(list):
     """A shard's caches (mlx-lm's own, one per layer it runs), the full-length list the
     model's forward sees, and how many tokens they hold: linear-attention state
-    (`ArraysCache`) has no offset of its own."""
+    (`ArraysCache`) has no offset of its own. `kin` maps each index of a layer run
+    elsewhere to the index (in this list) of the cache it reads instead."""
 
     offset: int
     full: list[Any]
+    start: int
+    kin: dict[int, int]
 
 
 def make_caches(model: nn.Module, start: int, end: int, n: int) -> LayerCaches:
@@ -162,14 +165,74 @@ def make_caches(model: nn.Module, start: int, end: int, n: int) -> LayerCaches:
     # that this shard holds (same type, same window): the mask it builds from it is the
     # one this shard's layers of that kind need. A kind this shard lacks keeps its
     # fresh entry: no layer here uses the mask made from it.
+    own.start, own.kin = start, {}
     for j in range(n):
         if start <= j < end:
             continue
-        kin = next((c for c in own if _kind(c) == _kind(full[j])), None)
-        if kin is not None:
-            full[j] = kin
+        k = next((k for k, c in enumerate(own) if _kind(c) == _kind(full[j])), None)
+        if k is not None:
+            own.kin[j] = k
+            full[j] = own[k]
     own.full = full
     return own
+
+
+# ---- batched decode: mlx-lm's batched caches -------------------------------------------
+
+
+def batch_reason(caches: list[Any]) -> str:
+    """Why mlx-lm cannot decode requests holding these caches as one batch ("" if it
+    can). `KVCache`, `RotatingKVCache`, `ArraysCache` and `CacheList`s of them have
+    batched forms (`merge` into `BatchKVCache`, `BatchRotatingKVCache`, a batched
+    `ArraysCache`, with `extend`, `filter` and `extract`); quantized, chunked and
+    concatenating caches have none in mlx-lm 0.32."""
+    for cache in caches:
+        inner = getattr(cache, "caches", None)
+        if isinstance(inner, tuple | list):
+            if reason := batch_reason(list(inner)):
+                return reason
+        elif not hasattr(cache, "merge"):
+            return f"mlx-lm has no batched form of {type(cache).__name__}"
+    return ""
+
+
+def _with_full(own: LayerCaches, like: LayerCaches) -> LayerCaches:
+    """Give `own` the full-length list of `like`, pointed at `own`'s entries."""
+    own.start, own.kin, own.offset = like.start, like.kin, 0
+    full = list(like.full)
+    for k, cache in enumerate(own):
+        full[like.start + k] = cache
+    for j, k in like.kin.items():
+        full[j] = own[k]
+    own.full = full
+    return own
+
+
+def merge_caches(solos: list[LayerCaches]) -> LayerCaches:
+    """One batch (a row per request, in order) of requests' own caches, by mlx-lm's
+    `merge`. The full-length list is rebuilt so a mask the model makes from a layer run
+    elsewhere reads the batched cache of its kind."""
+    merged = LayerCaches(type(col[0]).merge(list(col)) for col in zip(*solos, strict=True))
+    return _with_full(merged, solos[0])
+
+
+def extend_caches(batch: LayerCaches, more: LayerCaches) -> None:
+    """Append `more`'s rows to `batch`, in place (the full list keeps pointing at them)."""
+    for cache, other in zip(batch, more, strict=True):
+        cache.extend(other)
+
+
+def filter_caches(batch: LayerCaches, keep: list[int]) -> None:
+    """Keep only rows `keep` of `batch`, in that order, in place."""
+    for cache in batch:
+        cache.filter(keep)
+
+
+def extract_caches(batch: LayerCaches, row: int, offset: int) -> LayerCaches:
+    """Row `row` of a batch as one request's own caches again (holding `offset` tokens)."""
+    solo = _with_full(LayerCaches(cache.extract(row) for cache in batch), batch)
+    solo.offset = offset
+    return solo
 
 
 def _kind(cache: Any) -> tuple[type, Any]:

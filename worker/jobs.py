@@ -40,6 +40,8 @@ from worker import group
 # kind -> the module run as `python -m MODULE SPEC.json`; nothing else can be started.
 # Each kind of job adds its module here (and to the node's layers in pyproject.toml).
 KINDS: dict[str, str] = {
+    # LoRA / QLoRA fine-tuning with mlx-lm's trainer, data parallel
+    "finetune": "worker.finetune",
     # the cluster benchmark's distributed matrix product, one rank per node
     "benchmark": "worker.device_bench",
 }
@@ -189,18 +191,21 @@ class Jobs:
         spec.update(job=name, rank=rank, size=size, backend=backend, directory=str(directory))
         spec_path = group.write_json(directory / "spec.json", spec)
         job = JobProc(name, kind, rank, size, backend, directory, spec={**spec, "_ports": ports})
+        try:
+            job.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                KINDS[kind],
+                str(spec_path),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                # Its own process group: stopping a job reaches whatever it started too.
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise JobError(f"cannot start job {name!r}: {exc}") from None
         self.jobs[name] = job
-        job.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            KINDS[kind],
-            str(spec_path),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            # Its own process group: stopping a job reaches whatever it started too.
-            start_new_session=True,
-        )
         job.state = "running"
         job.add({"event": "started", "pid": job.proc.pid, "rank": rank})
         self._spawn(self._read(job))

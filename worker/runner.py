@@ -8,7 +8,6 @@ with SIGTERM.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -18,17 +17,18 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from worker.group import GroupError
 from worker.shard import ShardLoadError, load_shard, read_config
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import curve, events, messages
 from worker.shared.protocol.frames import (
     FrameError,
     RingHeader,
@@ -83,6 +83,7 @@ class RunnerSpec:
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
+    adapter_dir: str = ""  # an mlx-lm adapter for this shard's layers ("" none)
     rank: int = 0
     group_size: int = 1
     backend: str = ""
@@ -96,14 +97,14 @@ class RunnerSpec:
 
     @classmethod
     def from_file(cls, path: Path) -> RunnerSpec:
-        raw = json.loads(path.read_text())
-        # The agent may know fields this runner has no use for (they describe the
-        # shard to the controller); take only ours.
-        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+        # Every field checked against its type; fields the agent knows and this runner
+        # has no use for (they describe the shard to the controller) are ignored.
+        return msgspec.json.decode(path.read_bytes(), type=cls)
 
 
-def emit(event: str, **fields: Any) -> None:
-    line = json.dumps({"event": event, **fields}) + "\n"
+def emit(event: events.RunnerEvent) -> None:
+    """Tell the agent, one JSON line on stdout (protocol/events.py)."""
+    line = events.encode(event).decode()
     with _emit_lock:  # the beat thread writes too: lines must not interleave
         sys.stdout.write(line)
         sys.stdout.flush()
@@ -228,12 +229,20 @@ class Runner:
         raise_wired_limit()
 
         def progress(done: int, total: int) -> None:
-            emit("progress", done=done, total=total)
+            emit(events.Loading(done=done, total=total))
 
         model_dir = Path(self.spec.model_dir).expanduser()
         if self.spec.group_size > 1:
             self.group = join_group(self.spec.backend, self.spec.rank, self.spec.group_size)
-        shard = load_shard(model_dir, self.spec.start, self.spec.end, progress, group=self.group)
+        adapter = Path(self.spec.adapter_dir).expanduser() if self.spec.adapter_dir else None
+        shard = load_shard(
+            model_dir,
+            self.spec.start,
+            self.spec.end,
+            progress,
+            group=self.group,
+            adapter_dir=adapter,
+        )
         tokenizer = None
         if shard.is_first or shard.is_last:
             tokenizer = load_tokenizer(
@@ -250,11 +259,12 @@ class Runner:
             schedule=self.work.append,
         )
         emit(
-            "ready",
-            param_bytes=shard.param_bytes,
-            start=shard.start,
-            end=shard.end,
-            active_bytes=mx.get_active_memory(),
+            events.Ready(
+                param_bytes=shard.param_bytes,
+                start=shard.start,
+                end=shard.end,
+                active_bytes=mx.get_active_memory(),
+            )
         )
 
     # ---- sending ----------------------------------------------------------------------
@@ -456,7 +466,7 @@ class Runner:
         """Tell the agent this process lives, and how long the current step has run."""
         while self.running:
             began = self.step_began
-            emit("beat", step_s=round(time.monotonic() - began, 3) if began else 0.0)
+            emit(events.Beat(step_s=round(time.monotonic() - began, 3) if began else 0.0))
             time.sleep(BEAT_EVERY_S)
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
@@ -542,11 +552,12 @@ class Runner:
             self.send_client(client, messages.encode("error", message=f"{kind} is not for a shard"))
 
     def _stats(self) -> dict[str, Any]:
+        """The fields of control.ShardStats (the stats event is built from them)."""
         assert self.stage is not None
         s = self.stage.stats
         return {
             "placement": self.spec.placement,
-            "in_flight": len(self.stage.caches),
+            "in_flight": self.stage.held(),
             "waiting": len(self.stage.waiting),
             "tokens": s.tokens,
             "finished": s.finished,
@@ -554,6 +565,8 @@ class Runner:
             "errors": s.errors,
             "refused": self.refused,
             "prebuilt_steps": s.prebuilt,
+            "batched_steps": s.batched,
+            "batched_rows": s.batched_rows,
             "active_bytes": mx.get_active_memory(),
             "hop_us_p50": statistics.median(self.stage.hop_us) if self.stage.hop_us else None,
         }
@@ -561,7 +574,7 @@ class Runner:
     def _emit_stats(self, interval: float) -> None:
         busy = (self.busy_s - self._busy_reported) / interval if interval > 0 else 0.0
         self._busy_reported = self.busy_s
-        emit("stats", busy=round(min(1.0, busy), 3), **self._stats())
+        emit(events.Stats(busy=round(min(1.0, busy), 3), **self._stats()))
 
     def close(self) -> None:
         if self.mirror is not None:
@@ -630,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runner.serve()
     except (ShardLoadError, GroupError, MirrorError, zmq.ZMQError, OSError, MemoryError) as exc:
-        emit("fatal", message=fatal_message(exc, loading=runner.stage is None))
+        emit(events.Fatal(message=fatal_message(exc, loading=runner.stage is None)))
         return 1
     finally:
         runner.close()

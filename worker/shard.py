@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,14 @@ import mlx.core as mx
 
 from worker import families
 from worker.cpu_fusion import fuse_for_cpu
+from worker.shared.adapters import (
+    ADAPTER_LEAVES,
+    WEIGHTS_NAME,
+    AdapterError,
+    adapter_name,
+    outside_layers_reason,
+    read_adapter,
+)
 from worker.shared.model_support import decoder_config
 from worker.shared.tensors import named_arrays
 
@@ -46,6 +55,8 @@ class Shard:
     dtype: Any
     relay: families.Relay
     owned: list[str] = field(default_factory=list)
+    adapter: str = ""  # the adapter applied to this shard's layers ("" none)
+    adapted: int = 0  # adapter tensors this shard applied
 
     @property
     def is_first(self) -> bool:
@@ -98,9 +109,12 @@ def load_shard(
     *,
     fuse: bool = True,
     group: mx.distributed.Group | None = None,
+    adapter_dir: Path | None = None,
 ) -> Shard:
     """With `group` (a tensor-parallel stage), this process holds its rank's 1/N slice
-    of every layer in [start, end), cut by the model's own `shard(group)`."""
+    of every layer in [start, end), cut by the model's own `shard(group)`. With
+    `adapter_dir`, an mlx-lm LoRA/DoRA adapter is applied to the layers of [start, end)
+    it adapts (see `apply_adapter`; pipeline stages only)."""
     from mlx_lm.utils import load_model
 
     config = read_config(model_dir)
@@ -111,6 +125,12 @@ def load_shard(
     declared = decoder_config(config).get("num_hidden_layers")
     if isinstance(declared, int):
         _check_range(start, end, declared)  # before building anything
+    if group is not None and adapter_dir is not None:
+        # mlx-lm's LoRA layers wrap whole projections; a rank holds 1/N slices of them.
+        raise ShardLoadError(
+            "an adapter is applied by pipeline stages only, not a tensor-parallel one: "
+            "place the model with the adapter as a pipeline, or fuse it (studiotui fuse)"
+        )
     partial = _missing_weight_files(model_dir)
     try:
         # A node may hold only the files of its own layers: then missing tensors are
@@ -132,6 +152,9 @@ def load_shard(
     if partial:
         _check_present(model_dir, model, owned)
     _check_backend(owned)
+    # After the check of the model's own tensor names (LoRA renames `q_proj.weight` to
+    # `q_proj.linear.weight`), before anything is evaluated or fused for the CPU.
+    adapted = apply_adapter(model, adapter_dir, start, end) if adapter_dir else 0
     param_bytes = _evaluate(owned, progress)
     if fuse:
         fuse_for_cpu([inner])  # a no-op where MLX computes on a GPU
@@ -149,7 +172,55 @@ def load_shard(
         dtype=dtype,
         relay=relay,
         owned=[name for name, _ in owned],
+        adapter=adapter_name(adapter_dir) if adapter_dir else "",
+        adapted=adapted,
     )
+
+
+def apply_adapter(model: Any, adapter_dir: Path, start: int, end: int) -> int:
+    """Apply an mlx-lm adapter to the layers this shard runs; return how many of its
+    tensors it applied.
+
+    mlx-lm's own `load_adapters` does the work, as `mlx_lm.load(adapter_path=...)`
+    does: `linear_to_lora_layers` over the model's layer list (the stand-ins of other
+    shards' layers hold no modules, so only this shard's layers are converted), then
+    the weights, checked by name and shape. It loads every tensor of the file and
+    refuses those the model lacks, so it is given a copy of the adapter holding only
+    this shard's layers' tensors (a temporary directory; LoRA tensors are small)."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    try:
+        adapter = read_adapter(adapter_dir)
+    except AdapterError as exc:
+        raise ShardLoadError(str(exc)) from None
+    if adapter.outside:
+        raise ShardLoadError(outside_layers_reason(adapter))
+    mine = adapter.tensors_in(start, end)
+    if not mine:
+        return 0  # nothing of ours is adapted: the base layers are the adapted model's
+    weights = mx.load(str(adapter_dir / WEIGHTS_NAME))  # lazy: read when saved below
+    assert isinstance(weights, dict)
+    with tempfile.TemporaryDirectory(prefix="studiotui-adapter-") as tmp:
+        part = Path(tmp)
+        (part / "adapter_config.json").write_bytes(
+            (adapter_dir / "adapter_config.json").read_bytes()
+        )
+        mx.save_safetensors(str(part / WEIGHTS_NAME), {name: weights[name] for name in mine})
+        try:
+            load_adapters(model, str(part))
+        except (ValueError, KeyError) as exc:
+            raise ShardLoadError(f"adapter {adapter.name} does not fit the model: {exc}") from None
+        # Read now, while the temporary file exists (MLX loads lazily); the adapter's
+        # leaves only: evaluating the whole model would read other shards' bytes.
+        mx.eval(
+            [
+                p
+                for n, p in named_arrays(model.parameters())
+                if n.rsplit(".", 1)[-1] in ADAPTER_LEAVES
+            ]
+        )
+    model.eval()  # as mlx_lm.load does after load_adapters: no dropout when serving
+    return len(mine)
 
 
 def _tensor_shard(model: Any, group: mx.distributed.Group, family: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 import numpy as np
 
+from worker import families
 from worker.families import LayerCaches
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
 from worker.shard import Shard
@@ -102,12 +103,46 @@ class Prebuilt:
 
 
 @dataclass
+class Group:
+    """Requests this stage decodes together: one row each of mlx-lm's batched caches
+    (`BatchKVCache` and kin), in `rows` order, which every stage of the ring keeps alike."""
+
+    rows: list[str]
+    offsets: list[int]  # per row, the cache offset of its next step
+    caches: LayerCaches
+
+
+@dataclass
+class Lane:
+    """(head) Requests that take their decode steps together. A placement has a lane
+    per stage, so while one lane's batch computes on one shard another's can compute
+    on the next; each decode-phase request belongs to the least-loaded lane."""
+
+    gid: str  # names the lane's batch in the ring frames
+    members: list[str] = field(default_factory=list)
+    ready: dict[str, int] = field(default_factory=dict)  # a member's next input token
+    flying: set[str] = field(default_factory=set)  # members of the step in flight
+
+
+@dataclass(frozen=True)
+class BatchDraw:
+    """(tail) What a batched step sampled, per row of `rows`: either its own draw (in
+    `draws`), or its place in `greedy`, one argmax over the rows without a draw."""
+
+    rows: tuple[str, ...]
+    greedy: mx.array | None
+    draws: dict[str, mx.array | tuple[mx.array, ...]]
+
+
+@dataclass
 class Stats:
     tokens: int = 0
     dropped: int = 0
     errors: int = 0
     finished: int = 0
     prebuilt: int = 0  # decode steps whose graph was built before their input came
+    batched: int = 0  # decode steps that ran several requests as one batch
+    batched_rows: int = 0  # the requests those steps ran, summed
 
 
 def to_array(header: RingHeader, payload: bytes | memoryview) -> mx.array:
@@ -137,6 +172,7 @@ class Stage:
         streams: int = DEFAULT_STREAMS,
         schedule: Callable[[Callable[[], None]], None],
         prebuild: bool = True,
+        batch: bool = True,
     ) -> None:
         self.shard = shard
         self.tokenizer = tokenizer
@@ -166,6 +202,22 @@ class Stage:
         self.prebuild = prebuild and not self.lone
         self.prebuilt: dict[str, Prebuilt] = {}
         self.slots: dict[str, tuple[mx.array, mx.array]] = {}
+        # Batched decode: every stage keeps the groups the head's frames name; the head
+        # decides each step's rows. Families whose caches mlx-lm cannot batch decode
+        # each request on its own (`batch_reason` says why).
+        self.groups: dict[str, Group] = {}
+        self.group_of: dict[str, str] = {}
+        self.batch_reason = (
+            families.batch_reason(shard.make_cache().full) if batch else "turned off"
+        )
+        self.lanes: list[Lane] = []
+        if shard.is_first and not self.batch_reason:
+            self.lanes = [Lane(gid=f"batch{i}") for i in range(max(1, hops))]
+        self.lane_of: dict[str, Lane] = {}
+
+    def held(self) -> int:
+        """Requests whose KV cache this stage holds, alone or as a row of a batch."""
+        return len(self.caches) + len(self.group_of)
 
     # ---- head: requests from clients -------------------------------------------------
 
@@ -321,6 +373,9 @@ class Stage:
                 # The head makes activations from tokens; one arriving here is misrouted.
                 self.stats.dropped += 1
                 return
+            if header.batch:
+                self._on_batch_frame(header, payload)
+                return
             if problem := self._frame_problem(header):
                 self.stats.dropped += 1
                 self._fail(header.rid, problem)
@@ -335,7 +390,10 @@ class Stage:
             except Exception as exc:  # one bad request must not take the stage down
                 self._fail(header.rid, _describe(exc))
         elif kind == "token":
-            self._on_token(header)
+            if header.batch:
+                self._on_batch_tokens(header)
+            else:
+                self._on_token(header)
         elif kind == "free":
             self._free(header.rid, forward=not self.shard.is_last)
         elif kind == "error":
@@ -379,6 +437,9 @@ class Stage:
 
     def _complete(self, step: Launched) -> None:
         header, out, began, rid = step.header, step.out, step.began, step.header.rid
+        if header.batch:
+            self._complete_batch(step)
+            return
         if self.shard.is_last:
             if header.kind == "decode":
                 self._sample(header, out, began)
@@ -399,6 +460,34 @@ class Stage:
                 shape=tuple(out.shape),
                 params=header.params,
                 extra=_add_work(header.extra, began, not self.shard.is_first),
+            ),
+            out,
+        )
+
+    def _complete_batch(self, step: Launched) -> None:
+        header, out = step.header, step.out
+        if self.shard.is_last:
+            self._sample_batch(step)
+            return
+        rows = header.batch
+        if self.shard.is_first:
+            # A request that ended after its row was started (a stop string, a cancel)
+            # is left out of the frame: its "free" went down the ring first.
+            keep = [i for i, row in enumerate(rows) if row[0] in self.head_requests]
+            if not keep:
+                return
+            if len(keep) < len(rows):
+                out, rows = out[mx.array(keep)], tuple(rows[i] for i in keep)
+        mx.eval(out)
+        if self.shard.is_first:
+            self.sent_at[header.rid] = time.perf_counter()
+        self.links.to_next(
+            replace(
+                header,
+                dtype=dtype_name(out),
+                shape=tuple(out.shape),
+                batch=rows,
+                extra=_add_work(header.extra, step.began, not self.shard.is_first),
             ),
             out,
         )
@@ -466,6 +555,10 @@ class Stage:
 
     def _cache_for(self, header: RingHeader) -> LayerCaches:
         rid = header.rid
+        if rid in self.group_of:
+            # The head decodes it alone again (its batch shrank to it): its row of the
+            # batch becomes its own cache.
+            self._extract(rid)
         if header.offset == 0 and rid not in self.caches:
             self.caches[rid] = self.shard.make_cache()
         cache = self.caches.get(rid)
@@ -561,13 +654,37 @@ class Stage:
         # Start the next step first: detokenising and telling the client then overlap
         # with the shard's compute instead of standing in front of it.
         step: Launched | None = None
+        lane_step: Launched | None = None
         failure = ""
+        lane = self._lane(rid) if self.lanes else None
         if not header.finish:
-            offset = len(req.prompt) + req.generated - 1
-            try:
-                step = self._launch_head(rid, [header.token], "decode", offset, None)
-            except Exception as exc:
-                failure = _describe(exc)
+            if lane is None or len(lane.members) == 1:
+                # Alone: its own step, built ahead, as fast as one stream goes.
+                offset = len(req.prompt) + req.generated - 1
+                try:
+                    step = self._launch_head(rid, [header.token], "decode", offset, None)
+                except Exception as exc:
+                    failure = _describe(exc)
+            else:
+                # Its lane decodes together: it goes with the lane's next step.
+                lane.flying.discard(rid)
+                lane.ready[rid] = header.token
+                lane_step = self._lane_launch(lane)
+        finish = self._deliver(rid, req, header)
+        if finish:
+            self._finish(rid, finish)  # a started step is dropped; "free" clears the ring
+        elif finish is None:
+            pass  # it failed: its step is dropped with it
+        elif failure:
+            self._fail(rid, failure)
+        elif step is not None:
+            self._complete_or_fail(step)
+        if lane_step is not None:
+            self._complete_lane(lane_step)  # the others' step goes on in any case
+
+    def _deliver(self, rid: str, req: HeadRequest, header: RingHeader) -> str | None:
+        """Turn a token into text for the client; why the answer ends ("" if it goes on),
+        or None if the token could not be read (the request failed)."""
         try:
             text, finish = _text_of(req.stream, header)
             more = self._logprobs_of(header)
@@ -580,17 +697,340 @@ class Stage:
                     more["tool_calls"] = calls
         except Exception as exc:  # a tokenizer that cannot decode its own token id
             self._fail(rid, f"cannot detokenise token {header.token}: {_describe(exc)}")
-            return
+            return None
         self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token], **more)
-        if finish:
-            self._finish(rid, finish)  # a started step is dropped; "free" clears the ring
-        elif failure:
-            self._fail(rid, failure)
-        elif step is not None:
-            try:
-                self._complete(step)
-            except Exception as exc:
+        return finish
+
+    def _complete_or_fail(self, step: Launched) -> None:
+        try:
+            self._complete(step)
+        except Exception as exc:
+            for rid in _rows_of(step.header):
                 self._fail(rid, _describe(exc))
+
+    # ---- head: lanes of requests decoded together ---------------------------------------
+
+    def _lane(self, rid: str) -> Lane:
+        lane = self.lane_of.get(rid)
+        if lane is None:
+            lane = min(self.lanes, key=lambda each: len(each.members))
+            lane.members.append(rid)
+            lane.flying.add(rid)
+            self.lane_of[rid] = lane
+        return lane
+
+    def _leave_lane(self, rid: str) -> None:
+        lane = self.lane_of.pop(rid, None)
+        if lane is None:
+            return
+        lane.members.remove(rid)
+        lane.ready.pop(rid, None)
+        lane.flying.discard(rid)
+        if not lane.flying and lane.ready:
+            # The step the others waited for will not come back with this one: go on.
+            # (Scheduled: this runs inside other bookkeeping.)
+            self.schedule(lambda: self._lane_step(lane))
+
+    def _lane_step(self, lane: Lane) -> None:
+        step = self._lane_launch(lane)
+        if step is not None:
+            self._complete_lane(step)
+
+    def _lane_launch(self, lane: Lane) -> Launched | None:
+        """Start the lane's next step for every member whose token has come, once none
+        is in flight: the rows it already batches first, in their order, then those
+        joining. One member goes alone (its own cache, its step built ahead)."""
+        if lane.flying or not lane.ready:
+            return None
+        group = self.groups.get(lane.gid)
+        order = [r for r in group.rows if r in lane.ready] if group else []
+        order += [r for r in lane.members if r in lane.ready and r not in order]
+        tokens = [lane.ready.pop(r) for r in order]
+        lane.flying = set(order)
+        offsets = [self._head_offset(r) for r in order]
+        try:
+            if len(order) == 1:
+                return self._launch_head(order[0], tokens, "decode", offsets[0], None)
+            header = RingHeader(
+                rid=lane.gid,
+                kind="decode",
+                batch=tuple(zip(order, offsets, strict=True)),
+            )
+            return self._launch_batch(header, np.array(tokens, dtype=np.int32))
+        except Exception as exc:
+            for rid in order:
+                self._fail(rid, _describe(exc))
+            return None
+
+    def _head_offset(self, rid: str) -> int:
+        req = self.head_requests[rid]
+        return len(req.prompt) + req.generated - 1
+
+    def _on_batch_tokens(self, header: RingHeader) -> None:
+        """A lane's tokens: its next step starts first, then each becomes text."""
+        lane = next((each for each in self.lanes if each.gid == header.rid), None)
+        if lane is None:
+            return
+        now = time.perf_counter()
+        sent = self.sent_at.pop(header.rid, None)
+        if sent is not None and self.hops > 1:
+            work = float(header.extra.get("work_us", 0.0))
+            self.hop_us.append(max(0.0, ((now - sent) * 1e6 - work) / self.hops))
+        arrived: list[tuple[str, HeadRequest, RingHeader]] = []
+        for rid, token, finish, drawn in header.batch:
+            req = self.head_requests.get(rid)
+            if req is None or rid not in lane.flying:
+                continue  # cancelled, or failed, while the step computed
+            if req.first_token_at is None:
+                req.first_token_at = now
+            req.generated += 1
+            if not finish:
+                lane.ready[rid] = token
+            extra = {"logprobs": drawn} if drawn is not None else {}
+            arrived.append(
+                (
+                    rid,
+                    req,
+                    RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra),
+                )
+            )
+        lane.flying = set()
+        step = self._lane_launch(lane)
+        for rid, req, token in arrived:
+            finish = self._deliver(rid, req, token)
+            if finish:
+                self._finish(rid, finish)
+        if step is not None:
+            self._complete_lane(step)
+
+    def _complete_lane(self, step: Launched) -> None:
+        """Send a lane's step on, unless it was one request's that has ended since it
+        started (a batch leaves out the rows that ended, `_complete_batch`)."""
+        if step.header.batch or step.header.rid in self.head_requests:
+            self._complete_or_fail(step)
+
+    # ---- every stage: batched steps ----------------------------------------------------
+
+    def _on_batch_frame(self, header: RingHeader, payload: bytes | memoryview) -> None:
+        rows = _rows_of(header)
+        if self.shard.is_first:
+            self.stats.dropped += 1
+            return
+        if problem := self._batch_problem(header):
+            self.stats.dropped += 1
+            for rid in rows:
+                self._fail(rid, problem)
+            return
+        try:
+            flat = np.frombuffer(payload, dtype=_NP_VIEW[header.dtype])
+            step = self._launch_batch(header, flat)
+        except Exception as exc:  # one bad batch must not take the stage down
+            for rid in rows:
+                self._fail(rid, _describe(exc))
+            return
+        if step is not None:
+            self._complete_or_fail(step)
+
+    def _batch_problem(self, header: RingHeader) -> str | None:
+        shape = header.shape
+        if header.kind != "decode":
+            return "only decode steps are batched"
+        wide = self.hidden or "hidden"
+        if len(shape) != 3 or shape[0] != len(header.batch) or shape[1] != 1:
+            return f"batch activation shape {list(shape)} is not [{len(header.batch)}, 1, {wide}]"
+        if self.hidden and shape[2] != self.hidden:
+            return f"batch activation shape {list(shape)} is not [{shape[0]}, 1, {wide}]"
+        for rid, offset, *_ in header.batch:
+            if offset + 1 > self.context_tokens:
+                return (
+                    f"request {rid!r}: token {offset} is past the context of {self.context_tokens}"
+                )
+        return None
+
+    def _launch_batch(self, header: RingHeader, flat: np.ndarray) -> Launched | None:
+        """Start one step for every row of a batched frame: the rows this stage already
+        batches in one forward over their batched caches, and each request joining
+        (decoded alone so far) on its own cache, with the step built ahead for it if
+        there is one. The joiners' caches then join the batch (mlx-lm's `merge` and
+        `extend`); rows the frame no longer names left it (finished) and are dropped."""
+        began = time.perf_counter()
+        gid, batch = header.rid, [(str(row[0]), int(row[1])) for row in header.batch]
+        named = {rid for rid, _ in batch}
+        group = self.groups.get(gid)
+        if group is not None:
+            for rid in [r for r in group.rows if r not in named]:
+                self._free(rid, forward=False)
+            group = self.groups.get(gid)
+        kept = list(group.rows) if group is not None else []
+        if [rid for rid, _ in batch[: len(kept)]] != kept:
+            raise RequestError(
+                f"batch {gid!r} names rows {[rid for rid, _ in batch]}, "
+                f"this shard batches {kept} first"
+            )
+        assert group is not None or not kept
+        if group is not None and [off for _, off in batch[: len(kept)]] != group.offsets:
+            raise RequestError(
+                f"batch {gid!r}: frame is for cache offsets {[off for _, off in batch]}, "
+                f"the shard is at {group.offsets}"
+            )
+        width = flat.size // len(batch)
+        rows = flat.reshape(len(batch), width)
+        last = self.shard.is_last
+        outs: list[Any] = []
+        draws: dict[str, Any] = {}
+        greedy: mx.array | None = None
+        if kept:
+            assert group is not None
+            h = self._input(header, rows[: len(kept)])
+            out = self.shard.forward(h, group.caches)
+            if last:
+                greedy, more = self._draw_rows(kept, out[:, -1, :])
+                draws.update(more)
+            else:
+                outs.append(out)
+        done = list(kept)
+        joined: list[str] = []
+        for i, (rid, offset) in enumerate(batch[len(kept) :], start=len(kept)):
+            one = RingHeader(
+                rid=rid,
+                kind="decode",
+                offset=offset,
+                dtype=header.dtype,
+                shape=(1, *header.shape[1:]),
+            )
+            step: Any
+            try:
+                pre = self._take_prebuilt(one)
+                if pre is not None:
+                    if pre.slot is not None:
+                        _fill(pre.slot, rows[i])
+                    step = pre.out
+                else:
+                    step = self.shard.forward(
+                        self._input(one, rows[i : i + 1]), self._cache_for(one)
+                    )
+                    if last:
+                        step = self._tail(one).sampler.draw(self.shard.logits(step))
+            except Exception as exc:  # this request alone fails; the others go on
+                self._fail(rid, _describe(exc))
+                continue
+            if last:
+                draws[rid] = step
+            else:
+                outs.append(step)
+            done.append(rid)
+            joined.append(rid)
+        if joined:
+            self._join(gid, joined, [off for rid, off in batch if rid in joined])
+        group = self.groups.get(gid)
+        if group is not None:
+            group.offsets = [off + 1 for off in group.offsets]
+        if not done:
+            return None  # every row failed, each on its own: nothing goes on
+        if len(done) > 1:
+            self.stats.batched += 1
+            self.stats.batched_rows += len(done)
+        offset_of = dict(batch)
+        rows_done = tuple((rid, offset_of[rid]) for rid in done)
+        result: Any
+        if last:
+            result = BatchDraw(rows=tuple(done), greedy=greedy, draws=draws)
+            mx.async_eval([x for x in (greedy, *draws.values()) if x is not None])
+        else:
+            result = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+            mx.async_eval(result)
+        return Launched(header=replace(header, batch=rows_done), out=result, began=began)
+
+    def _input(self, header: RingHeader, rows: np.ndarray) -> mx.array:
+        """A step's input from its rows' bytes: token ids on the head, else activations
+        (bfloat16 travels as its bits)."""
+        if self.shard.is_first:
+            return self.shard.embed(mx.array(rows.reshape(len(rows), 1)))
+        arr = mx.array(rows)
+        if header.dtype == "bfloat16":
+            arr = arr.view(mx.bfloat16)
+        return arr.reshape(len(rows), 1, -1)
+
+    def _draw_rows(
+        self, rids: list[str], logits: mx.array
+    ) -> tuple[mx.array | None, dict[str, Any]]:
+        """Each row's token by its own sampler (its own PRNG key): rows that are greedy
+        and want no log-probabilities share one argmax, which is what each would take."""
+        samplers = [self.tail_requests[rid].sampler for rid in rids]
+        plain = all(s.params.temperature == 0.0 and s.params.logprobs < 0 for s in samplers)
+        if plain:
+            return mx.argmax(logits, axis=-1), {}
+        return None, {
+            rid: s.draw(logits[i]) for i, (rid, s) in enumerate(zip(rids, samplers, strict=True))
+        }
+
+    def _join(self, gid: str, rids: list[str], offsets: list[int]) -> None:
+        """Requests that ran this step alone join batch `gid` for the next."""
+        solos = [self.caches.pop(rid) for rid in rids]
+        for rid in rids:
+            self.slots.pop(rid, None)
+            self.prebuilt.pop(rid, None)
+            self.group_of[rid] = gid
+        merged = families.merge_caches(solos)
+        group = self.groups.get(gid)
+        if group is None:
+            self.groups[gid] = Group(rows=list(rids), offsets=list(offsets), caches=merged)
+            return
+        families.extend_caches(group.caches, merged)
+        group.rows += rids
+        group.offsets += offsets
+
+    def _leave_group(self, rid: str) -> None:
+        """Drop `rid`'s row from its batch (freed, failed, finished, or decoded alone)."""
+        gid = self.group_of.pop(rid, None)
+        if gid is None:
+            return
+        group = self.groups[gid]
+        keep = [i for i, r in enumerate(group.rows) if r != rid]
+        if not keep:
+            del self.groups[gid]
+            return
+        families.filter_caches(group.caches, keep)
+        group.rows = [group.rows[i] for i in keep]
+        group.offsets = [group.offsets[i] for i in keep]
+
+    def _extract(self, rid: str) -> None:
+        group = self.groups[self.group_of[rid]]
+        i = group.rows.index(rid)
+        self.caches[rid] = families.extract_caches(group.caches, i, group.offsets[i])
+        self._leave_group(rid)
+
+    def _sample_batch(self, step: Launched) -> None:
+        header, drawn = step.header, cast(BatchDraw, step.out)
+        tokens: dict[str, int] = {}
+        if drawn.greedy is not None:
+            greedy_rows = [rid for rid in drawn.rows if rid not in drawn.draws]
+            values = cast(list[int], drawn.greedy.tolist())
+            tokens.update(zip(greedy_rows, values, strict=True))
+        rows: list[tuple[Any, ...]] = []
+        for rid in drawn.rows:
+            req = self.tail_requests.get(rid)
+            if req is None:
+                continue  # (a lone stage) it ended after its row was started
+            own = drawn.draws.get(rid)
+            if own is not None:
+                sampled = own[0] if isinstance(own, tuple) else own
+                tokens[rid] = int(cast(int, sampled.item()))
+            token = tokens[rid]
+            req.generated += 1
+            self.stats.tokens += 1
+            finish = ""
+            if token in req.eos:
+                finish = "stop"
+            elif req.generated >= req.sampler.params.max_tokens:
+                finish = "length"
+            if finish:  # what the tail holds for it; the head frees the rest
+                self.tail_requests.pop(rid, None)
+                self._leave_group(rid)
+            logprobs = _logprobs(own) if isinstance(own, tuple) else None
+            rows.append((rid, token, finish, logprobs))
+        extra = _add_work(header.extra, step.began, not self.shard.is_first)
+        self.links.to_head(RingHeader(rid=header.rid, kind="token", batch=tuple(rows), extra=extra))
 
     def _logprobs_of(self, header: RingHeader) -> dict[str, Any]:
         """The token's log-probabilities, named, if the request asked for them. The
@@ -644,6 +1084,9 @@ class Stage:
             self.links.to_client(client, "done", rid=rid, finish_reason="cancelled", usage=usage)
 
     def _free(self, rid: str, forward: bool) -> None:
+        self._leave_group(rid)
+        if self.lanes:
+            self._leave_lane(rid)
         self.caches.pop(rid, None)
         self.prebuilt.pop(rid, None)
         self.slots.pop(rid, None)
@@ -657,6 +1100,7 @@ class Stage:
     def _fail(self, rid: str, message: str) -> None:
         """This stage could not run `rid`: free it here and tell the head."""
         self.stats.errors += 1
+        self._leave_group(rid)
         self.caches.pop(rid, None)
         self.prebuilt.pop(rid, None)
         self.slots.pop(rid, None)
@@ -672,6 +1116,13 @@ class Stage:
     def _on_error(self, header: RingHeader) -> None:
         rid = header.rid
         if self.shard.is_first:
+            lane = next((each for each in self.lanes if each.gid == rid), None)
+            if lane is not None and rid not in self.head_requests:
+                # A batch's frame itself was unusable (a bad frame names the batch):
+                # every request in that step fails, rather than waiting for ever.
+                for member in sorted(lane.flying):
+                    self._on_error(replace(header, rid=member))
+                return
             req = self.head_requests.pop(rid, None)
             if req is not None:
                 self.links.to_client(req.client, "failed", rid=rid, message=header.message)
@@ -690,6 +1141,11 @@ def hidden_size(config: dict[str, Any]) -> int:
     text = config.get("text_config")
     raw = config.get("hidden_size") or (text.get("hidden_size") if isinstance(text, dict) else 0)
     return int(raw or 0)
+
+
+def _rows_of(header: RingHeader) -> list[str]:
+    """The requests a step is for: the rows of a batch, or its one request."""
+    return [str(row[0]) for row in header.batch] if header.batch else [header.rid]
 
 
 def _text_of(stream: TextStream, header: RingHeader) -> tuple[str, str]:

@@ -116,12 +116,16 @@ class Models:
         return [p for p in self.ctl.state.placements if p.state == "ready"]
 
     def card(self, p: PlacementState) -> dict[str, Any]:
-        return {
+        card: dict[str, Any] = {
             "id": p.name,
             "object": "model",
             "created": self.first_seen.get(p.name, int(time.time())),
             "owned_by": "studiotui",
         }
+        if p.adapter:
+            # As vLLM lists a LoRA adapter: its base model as `parent`.
+            card |= {"parent": p.model, "adapter": p.adapter}
+        return card
 
     def resolve(self, model: str | None) -> PlacementState:
         placements = self.ctl.state.placements
@@ -135,8 +139,12 @@ class Models:
             raise _unavailable("no model is ready: place one first (studiotui place)")
         named = [p for p in placements if p.name == model]
         # The model directory's name works too, so a client configured with the
-        # model's own name finds it whatever the placement was called.
-        matches = named or [p for p in placements if p.model == model]
+        # model's own name finds it whatever the placement was called; a placement
+        # with an adapter answers otherwise, so it is found by its own name, or by
+        # MODEL+ADAPTER, never by the base's.
+        matches = named or [
+            p for p in placements if model == (f"{p.model}+{p.adapter}" if p.adapter else p.model)
+        ]
         ready = [p for p in matches if p.state == "ready"]
         if ready:
             # Two placements of one model on disjoint groups: send each request to

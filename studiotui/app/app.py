@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
@@ -36,6 +36,7 @@ from studiotui.app.panes.rdma import RdmaPane
 from studiotui.app.panes.topology import TopologyPane
 from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
+from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
@@ -43,7 +44,7 @@ from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import Plan, format_bytes
-from studiotui.core.state import ClusterState, LogEntry
+from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.provision.deploy import provision_logged, restart_logged
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
@@ -85,6 +86,8 @@ DASHBOARD_ACTIONS = frozenset(
         "show_tab",
         "focus_nodes",
         "mark_node",
+        "finetune",
+        "jobs",
     }
 )
 
@@ -135,6 +138,8 @@ class StudioApp(Dashboard):
         Binding("P", "provision", "Provision", key_display="P", id="provision"),
         Binding("t", "next_theme", "Theme", id="next-theme"),
         Binding("c", "chat", "Chat", id="chat"),
+        Binding("f", "finetune", "Fine-tune", show=False, id="finetune"),
+        Binding("J", "jobs", "Jobs", key_display="J", show=False, id="jobs"),
         Binding("b", "benchmark", "Benchmark", show=False, id="benchmark"),
         # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
         Binding("f5", "refresh", "Refresh", id="refresh"),
@@ -308,7 +313,7 @@ class StudioApp(Dashboard):
 
     # ---- reporting ------------------------------------------------------------------------
 
-    def report(self, text: str, level: str = "info") -> None:
+    def report(self, text: str, level: LogLevel = "info") -> None:
         """Tell the operator: a notification for warnings and errors, a Log entry always."""
         if level in ("warning", "error"):
             severity: SeverityLevel = "error" if level == "error" else "warning"
@@ -375,6 +380,8 @@ class StudioApp(Dashboard):
             ctl.record(summary)
         for starter in self.starters:
             await self._start_service(ctl, starter)
+        # Jobs outlive a dashboard: the ones still running are followed again at once.
+        self.background(self._reattach_jobs(), "finding jobs")
         if plan.demo_model is not None:
             await self._demo(ctl, plan.demo_model, plan.place_demo)
 
@@ -506,6 +513,44 @@ class StudioApp(Dashboard):
         if not isinstance(self.screen, ChatScreen):
             self.push_screen("chat")
 
+    def jobs_screen(self) -> JobsScreen:
+        """The Jobs screen, made once: it keeps following jobs while it is not shown."""
+        if not self.is_screen_installed("jobs"):
+            self.install_screen(JobsScreen(), "jobs")
+        return cast(JobsScreen, self.get_screen("jobs"))
+
+    async def _reattach_jobs(self) -> None:
+        screen = self.jobs_screen()
+        running = await screen.find_jobs()
+        if running:
+            self.report(f"following job {', '.join(running)} again: J shows it")
+
+    def action_jobs(self) -> None:
+        screen = self.jobs_screen()
+        if not isinstance(self.screen, JobsScreen):
+            self.push_screen(screen)
+
+    def action_finetune(self) -> None:
+        """The fine-tuning form for the model selected in the Models pane."""
+        ctl = self.need_controller("fine-tune")
+        row = self.query_one(ModelsPane).selected_row
+        if ctl is None:
+            return
+        if row is None or not row.placeable:
+            self.report("fine-tune: select a model in the Models pane (4) first", "warning")
+            return
+        marked = sorted(self.query_one(NodesPane).marked)
+        nodes = marked or [n.name for n in ctl.state.nodes if n.state == "up"]
+        name = f"{row.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+        def answered(req: Any) -> None:
+            if req is not None:
+                screen = self.jobs_screen()
+                self.push_screen(screen)
+                screen.start(req)
+
+        self.push_screen(FinetuneForm(row.name, row.path, nodes, name), answered)
+
     def action_benchmark(self) -> None:
         # The marked nodes, else every node that is up (as placing does).
         marked = sorted(self.query_one(NodesPane).marked) or None
@@ -554,6 +599,12 @@ class StudioApp(Dashboard):
                 "each marked (or up) node its share: from the hub for a hub model",
                 "fetch_model",
             ),
+            (
+                "Fine-tune selected model",
+                "LoRA (QLoRA if quantized) on the marked (or up) nodes: a form first",
+                "finetune",
+            ),
+            ("Jobs", "fine-tuning jobs on the nodes: progress, loss, stop, resume", "jobs"),
             ("Mark selected node", "toggle: marked nodes are where p places", "mark_node"),
             ("Clear marks", "unmark every node", "clear_marks"),
             ("Rescan models", "read the model folders and the HF cache again", "rescan_models"),

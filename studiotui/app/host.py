@@ -13,7 +13,7 @@ from typing import Any
 from textual.app import App
 
 from studiotui.cluster.controller import Controller
-from studiotui.core.state import ClusterState
+from studiotui.core.state import ClusterState, LogLevel
 
 
 class Dashboard(App[None]):
@@ -21,7 +21,7 @@ class Dashboard(App[None]):
     controller: Controller | None
     cluster: ClusterState
 
-    def report(self, text: str, level: str = "info") -> None:
+    def report(self, text: str, level: LogLevel = "info") -> None:
         raise NotImplementedError
 
     def background(self, work: Awaitable[Any], what: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from studiotui.bench import batching
 from studiotui.bench.launch import ring_of_two
 from studiotui.bench.tensor import (
     mlx_tp2_launch_tps,
@@ -32,6 +33,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import prompt_tokens, stream
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, local_inventory
+from worker.shared.protocol import control
 
 BENCH_OCTET = 71
 BENCH_PORT = 56500
@@ -161,8 +163,8 @@ async def pipeline_figures(
             with phase(f"decode{n}"):
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
                 out[name] = await paired_decode(ctl, name, single, cfg)
-            stats = await ctl.head_peer(ctl.pick_placement(name)).request("stats")
-            out[f"{name}_hop_us"] = stats.get("hop_us_p50")
+            head = ctl.head_peer(ctl.pick_placement(name))
+            out[f"{name}_hop_us"] = (await head.ask("stats", control.ShardStats)).hop_us_p50
             if n == 2:
                 with phase("ttft_pipe2"):
                     ttfts = [
@@ -283,6 +285,12 @@ def measure(quick: bool) -> dict[str, Any]:
                 single_moe = SingleProcess(moe_dir)
             moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
             del single_moe
+            with phase("batch8"):
+                batch = asyncio.run(
+                    batching.batch_figures(
+                        home, inv, model_dir, cfg.tokens, cfg.decode_rounds, cfg.prefill_chunk
+                    )
+                )
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
@@ -300,8 +308,13 @@ def measure(quick: bool) -> dict[str, Any]:
         with phase("mlx_tp2"):
             mlx_tp = mlx_tp2_tps(model_dir, BENCH_PORT, cfg.tokens)
             launched = None if quick else mlx_tp2_launch_tps(model_dir, BENCH_PORT, cfg.tokens)
+        with phase("bare_hop"):  # the agents are gone: two otherwise idle processes
+            bare = batching.bare_hop_us(f"127.0.0.{BENCH_OCTET}", BENCH_PORT + 950, cfg.hidden)
     pipe["moe2"] = moe
     figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+    figures.update(batch, bare_hop_us=round(bare, 1) if bare else None)
+    figures["hop_over_bare"] = round(figures["hop_us_p50"] / bare, 2) if bare else None
+    figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
 
@@ -396,14 +409,19 @@ def summarize(
 
 
 def run_bench(quick: bool, as_json: bool) -> int:
+    from studiotui.bench.finetune import finetune_figures
     from studiotui.bench.provision import bench_provision
 
     started = time.monotonic()
     figures = measure(quick)
     if quick:
-        # Provisioning is measured by the full bench: with it, --quick overruns a minute.
+        # Provisioning and fine-tuning are measured by the full bench: with them, --quick
+        # overruns a minute.
         figures["provision4_ratio"] = figures["reprovision_s"] = None
+        figures["finetune2_ratio"] = None
     else:
+        with phase("finetune"):
+            figures.update(finetune_figures(quick=False))
         with tempfile.TemporaryDirectory(prefix="studiotui-bench-ssh-") as tmp, phase("provision"):
             figures.update(asyncio.run(bench_provision(Path(tmp))))
     figures["bench_seconds"] = round(time.monotonic() - started, 1)

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from studiotui.cluster.controller import Controller, GenerationError
+from worker.shared.protocol import control
 
 MB = 1024 * 1024
 
@@ -156,11 +157,11 @@ async def cluster_processes(ctl: Controller, placement: str) -> dict[str, int]:
     out = {"controller": psutil.Process().pid}
     for node in ctl.inventory.names:
         with contextlib.suppress(Exception):
-            reply = await ctl.peer(node).request("hello")
-            out[f"agent {node}"] = int(reply["pid"])
-            for shard in reply.get("shards", []):
-                if shard.get("placement") == placement and shard.get("pid"):
-                    out[f"runner {node}"] = int(shard["pid"])
+            reply = await ctl.peer(node).ask("hello", control.HelloReply)
+            out[f"agent {node}"] = reply.pid
+            for shard in reply.shards:
+                if shard.placement == placement and shard.pid:
+                    out[f"runner {node}"] = shard.pid
     return out
 
 

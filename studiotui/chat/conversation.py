@@ -53,7 +53,7 @@ from studiotui.chat.history import (
 from studiotui.chat.store import HistoryStore
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.errors import StudioError
-from studiotui.core.state import PlacementState
+from studiotui.core.state import LogLevel, PlacementState
 
 CHECKPOINT_S = 2.0  # a crash mid-answer loses at most this much text
 NO_CLUSTER = "no cluster is connected (this is a fixed view)"
@@ -172,7 +172,7 @@ class Reply:
 
     status: str = ""  # the line under the conversation
     report: str = ""  # for the dashboard's log (and a toast)
-    level: str = "info"  # of the report
+    level: LogLevel = "info"  # of the report
     notify: str = ""  # a toast only
     redraw: frozenset[str] = frozenset()  # "title", "documents", "system"
     then: str = ""

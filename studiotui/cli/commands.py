@@ -23,9 +23,17 @@ from rich.table import Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import local_cluster
+from studiotui.cluster import jobs, local_cluster
+from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.session import wait_until_up
+from studiotui.core.adapter_catalog import (
+    AdapterRefused,
+    adapter_placement_name,
+    adapter_tensor,
+    check_adapter,
+    resolve_adapter,
+)
 from studiotui.core.errors import UserError
 from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
@@ -171,6 +179,7 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "name": p.name,
                 "model": p.model,
                 "model_dir": p.model_dir,
+                "adapter": p.adapter,
                 "state": p.state,
                 "nodes": list(p.nodes),
                 "layers": p.layers,
@@ -207,7 +216,7 @@ def print_nodes(ctl: Controller) -> None:
             "+".join(f"{'✗' * (n in gone)}{n}" for n in nodes) + f"[{start}:{end}]"
             for nodes, start, end in p.stages
         )
-        console.print(f"placement [bold]{p.name}[/] ({p.model}) {p.state}, {p.shape}: {ring}")
+        console.print(f"placement [bold]{p.name}[/] ({p.label}) {p.state}, {p.shape}: {ring}")
 
 
 # ---- place / unload ------------------------------------------------------------------
@@ -231,6 +240,27 @@ def resolve_model(spec: Path, home: Path) -> Path:
     )
 
 
+async def adapter_here(spec: str | Path, home: Path, inv: Inventory) -> Path:
+    """`resolve_adapter`, and when `spec` names a job whose adapter is not on the
+    operator yet, that adapter fetched from the job's node first."""
+    try:
+        return resolve_adapter(spec, home)
+    except AdapterRefused:
+        record = jobs.load_record(home, str(spec))
+        if record is None or Path(spec).expanduser().exists():
+            raise
+    console.print(f"adapter {spec} is job {spec}'s, not here yet: fetching it from its node")
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        await fetch_adapter(ctl, record)
+        for line in ctl.state.log[-1:]:
+            console.print(line.text)
+    finally:
+        await ctl.close()
+    return resolve_adapter(spec, home)
+
+
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     args.model_dir = resolve_model(args.model_dir, home)
@@ -244,6 +274,17 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}"))
         )
         return 1
+    adapter = None
+    if args.adapter:
+        # Before asking any node anything too: another model's or a malformed adapter.
+        args.adapter = await adapter_here(args.adapter, home, inv)
+        adapter = check_adapter(args.adapter, args.model_dir.expanduser().resolve(), info)
+        console.print(
+            f"adapter [bold]{adapter.name}[/] ({adapter.fine_tune_type}, rank {adapter.rank}, "
+            f"layers {adapter.layers[0]}-{adapter.layers[-1]}) matches {info.name}"
+        )
+    # An adapter is applied by pipeline stages, each to whole layers: no tensor groups.
+    tensor = adapter_tensor(args.tensor) if adapter else args.tensor
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
@@ -256,7 +297,11 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(
                 f"no node is up: start the cluster with {start_hint(inv)}, then place again"
             )
-        name = args.name or args.model_dir.expanduser().resolve().name
+        name = args.name or (
+            adapter_placement_name(args.model_dir.expanduser().resolve(), args.adapter)
+            if adapter
+            else args.model_dir.expanduser().resolve().name
+        )
         if (existing := ctl.state.placement(name)) is not None:
             # Before the plan and progress bars: nothing would be loaded.
             raise UserError(
@@ -268,7 +313,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(f"--tensor {args.tensor}: {why}")
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams, args.tensor
+                args.model_dir.expanduser(), group, args.context, args.streams, tensor
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
@@ -302,16 +347,19 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 result = await ctl.place(
                     args.model_dir,
                     group,
-                    args.name,
+                    name,
                     progress,
                     prefill_chunk=args.prefill_chunk,
                     context_tokens=args.context,
                     streams=args.streams,
-                    tensor=args.tensor,
+                    tensor=tensor,
+                    adapter_dir=args.adapter,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
-        console.print(f"placement [bold]{result.placement.name}[/] is ready ({info.name})")
+        console.print(
+            f"placement [bold]{result.placement.name}[/] is ready ({result.placement.label})"
+        )
     finally:
         await ctl.close()
     return 0

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the fastest shape that fits, by the forecast)",
     )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
+    place.add_argument(
+        "--adapter",
+        help="an mlx-lm LoRA/DoRA adapter (directory, or a name in STUDIOTUI_HOME/adapters) "
+        "trained on this model: the shards apply it (placement name MODEL+ADAPTER)",
+    )
 
     fetch = sub.add_parser(
         "fetch", help="put a model's files on nodes ahead of placing it, each node its share"
@@ -115,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
     )
+    from studiotui.cli import tune_cmd
+
+    tune_cmd.add_parsers(sub)  # finetune, jobs
     from studiotui.cli.benchmark_cmd import add_parser as add_benchmark_parser
 
     add_benchmark_parser(sub)
@@ -124,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from studiotui.cli.web import add_web_parser
 
     add_web_parser(sub)
+    from studiotui.cli.adapter_cmd import add_adapter_parsers
+
+    add_adapter_parsers(sub)
     for verb_parser in sub.choices.values():
         add_global_options(verb_parser, on_verb=True)
     return p
@@ -292,10 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     # SSH-aware versions of these verbs; they hand local nodes to `commands`.
     module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
+    if verb in {"finetune", "jobs"}:
+        from studiotui.cli import tune_cmd as module
     if verb == "web":
         from studiotui.cli import web as module
     if verb == "benchmark":
         from studiotui.cli import benchmark_cmd as module
+    if verb in {"fuse", "adapter"}:
+        from studiotui.cli import adapter_cmd as module
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())

@@ -24,6 +24,12 @@ import zmq.asyncio
 from studiotui.cluster import keys, model_files, model_sync
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core import benchmark
+from studiotui.core.adapter_catalog import (
+    AdapterRefused,
+    adapter_placement_name,
+    adapter_tensor,
+    check_adapter,
+)
 from studiotui.core.errors import StudioError
 from studiotui.core.forecast import (
     Chip,
@@ -41,6 +47,7 @@ from studiotui.core.state import (
     ClusterState,
     LinkState,
     LogEntry,
+    LogLevel,
     NodeState,
     PlacementState,
     PlannedPlacement,
@@ -52,7 +59,10 @@ from studiotui.core.state import (
     shard_from_report,
 )
 from worker.shared import probes
-from worker.shared.protocol import messages
+from worker.shared.adapters import FILES as ADAPTER_FILES
+from worker.shared.adapters import WEIGHTS_NAME, Adapter
+from worker.shared.manifest import manifest
+from worker.shared.protocol import control, messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 DOWN_AFTER_S = 3.0
@@ -114,7 +124,7 @@ class SavedShard:
 
     node: str
     placement: str
-    report: dict[str, Any]
+    report: control.ShardReport
     next_endpoint: str
     next_key: str
 
@@ -190,7 +200,7 @@ class Controller:
         for name in names:
             self._update_node(name, state="provisioning")
 
-    def record(self, text: str, level: str = "info") -> None:
+    def record(self, text: str, level: LogLevel = "info") -> None:
         entry = LogEntry(time=time.time(), level=level, text=text)
         self._set(replace(self.state, log=(*self.state.log[-(LOG_KEEP - 1) :], entry)))
 
@@ -253,9 +263,9 @@ class Controller:
             try:
                 if len(frames) != 2:
                     raise messages.MessageError(f"{len(frames)} frames, not 2")
-                msg = messages.decode(frames[1])
-                if msg["name"] != name:
-                    raise messages.MessageError(f"it names itself {msg['name']!r}")
+                msg = control.parse(messages.decode(frames[1]), control.Telemetry)
+                if msg.name != name:
+                    raise messages.MessageError(f"it names itself {msg.name!r}")
                 self._apply_telemetry(name, msg)
             except (messages.MessageError, KeyError, TypeError, ValueError, AttributeError) as exc:
                 # One bad sample is dropped; the node's next one is read as usual.
@@ -267,23 +277,19 @@ class Controller:
                         "warning",
                     )
 
-    def _apply_telemetry(self, name: str, msg: dict[str, Any]) -> None:
+    def _apply_telemetry(self, name: str, msg: control.Telemetry) -> None:
         node = self.state.node(name)
         if node is None:
             return
         was = node.state
-        node = node.with_sample(
-            int(msg.get("memory_used", 0)), int(msg.get("memory_total", 0)), time.time()
-        )
-        facts = msg.get("facts") or {}
-        shards = tuple(shard_from_report(name, s) for s in msg.get("shards", []))
-        found_power, found_pressure = msg.get("power"), msg.get("pressure")
-        power: dict[str, Any] = found_power if isinstance(found_power, dict) else {}
-        pressure: dict[str, Any] = found_pressure if isinstance(found_pressure, dict) else {}
+        node = node.with_sample(msg.memory_used, msg.memory_total, time.time())
+        facts = msg.facts
+        shards = tuple(shard_from_report(name, s) for s in msg.shards)
+        power, pressure = msg.power, msg.pressure
         self._update_node(
             name,
             state="up",
-            version=str(msg.get("version", node.version)),
+            version=msg.version or node.version,
             power=power,
             power_history=pushed(node.power_history, power.get("total_w")),
             pressure=pressure,
@@ -292,8 +298,8 @@ class Controller:
             memory_total=node.memory_total,
             memory_history=node.memory_history,
             last_seen=node.last_seen,
-            cpu_pct=float(msg.get("cpu_pct", 0.0)),
-            gpu_pct=msg.get("gpu_pct"),
+            cpu_pct=msg.cpu_pct,
+            gpu_pct=msg.gpu_pct,
             power_w=power.get("total_w"),
             chip=str(facts.get("chip", node.chip)),
             os=str(facts.get("os", node.os)),
@@ -302,7 +308,7 @@ class Controller:
             message="",
         )
         if was != "up":
-            self.record(f"{name} is up ({msg.get('version', '?')})")
+            self.record(f"{name} is up ({msg.version or '?'})")
 
     async def _watch_liveness(self) -> None:
         while True:
@@ -333,18 +339,18 @@ class Controller:
         return self.state
 
     async def _hello(self, name: str, timeout: float) -> None:
-        reply = await self.peer(name).request("hello", timeout=timeout)
+        reply = await self.peer(name).ask("hello", control.HelloReply, timeout=timeout)
         before = self.state.node(name)
         if before is not None and before.state != "up":
-            self.record(f"{name} is up ({reply['version']})")
-        facts = reply.get("facts") or {}
-        shards = tuple(shard_from_report(name, s) for s in reply.get("shards", []))
+            self.record(f"{name} is up ({reply.version})")
+        facts = reply.facts
+        shards = tuple(shard_from_report(name, s) for s in reply.shards)
         self._update_node(
             name,
             state="up",
-            version=reply["version"],
-            memory_total=int(reply.get("memory_total", facts.get("memory_total", 0))),
-            memory_used=int(reply.get("memory_used", 0)),
+            version=reply.version,
+            memory_total=reply.memory_total or int(facts.get("memory_total", 0)),
+            memory_used=reply.memory_used,
             chip=str(facts.get("chip", "")),
             os=str(facts.get("os", "")),
             facts=facts,
@@ -425,14 +431,30 @@ class Controller:
         context_tokens: int = 4096,
         expected: Plan | None = None,
         streams: int | None = None,
+        adapter_dir: Path | None = None,
         tensor: int | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
-        plan if it still fits, else refuse rather than load something else."""
+        plan if it still fits, else refuse rather than load something else. With
+        `adapter_dir`, the shards apply that mlx-lm adapter to the layers it adapts;
+        an adapter of another model, or malformed, is refused before anything moves."""
         model_dir = model_dir.expanduser().resolve()
+        adapter = None
+        if adapter_dir is not None:
+            adapter_dir = adapter_dir.expanduser().resolve()
+            adapter = await asyncio.to_thread(self.check_adapter, adapter_dir, model_dir)
+            try:
+                tensor = adapter_tensor(tensor)  # pipeline stages only
+            except AdapterRefused as exc:
+                raise PlacementError(str(exc)) from None
+            self.record(
+                f"adapter {adapter.name} matches {model_dir.name} (layers {_spans(adapter)})"
+            )
         await self.refresh()
         nodes = nodes or [n.name for n in self.state.nodes if n.state == "up"]
-        name = name or model_dir.name
+        name = name or (
+            adapter_placement_name(model_dir, adapter_dir) if adapter_dir else model_dir.name
+        )
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
         info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor)
@@ -447,7 +469,10 @@ class Controller:
             procs = members(the_plan)
         except ValueError as exc:
             raise PlacementError(f"cannot place {info.name}: {exc}") from None
-        self.record(f"placing {info.name} as {name!r} on {', '.join(m.node for m in procs)}")
+        with_adapter = f" with adapter {adapter.name}" if adapter else ""
+        self.record(
+            f"placing {info.name}{with_adapter} as {name!r} on {', '.join(m.node for m in procs)}"
+        )
         self._unloading.pop(name, None)  # placed again under a name just unloaded
         # Every node of a tensor-group stage is remembered with the stage's layers, so
         # the placement's shape ("2 stages × 2") is known from its ring alone.
@@ -457,9 +482,12 @@ class Controller:
             for node in s.nodes
         )
         self._placing.add(name)
-        self._remember_plan(name, PlannedPlacement(str(model_dir), ring))
+        planned = PlannedPlacement(str(model_dir), ring)
+        if adapter is not None:
+            planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
+        self._remember_plan(name, planned)
         try:
-            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk)
+            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter)
             self._placing.discard(name)
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError) as exc:
@@ -506,23 +534,27 @@ class Controller:
         name: str,
         progress: Progress | None,
         prefill_chunk: int,
+        adapter: Adapter | None = None,
     ) -> None:
         shards = the_plan.shards
         procs = members(the_plan)
         prepared = await asyncio.gather(
             *(
-                self.peer(m.node).request("prepare_shard", placement=name, tensor=bool(m.group))
+                self.peer(m.node).ask(
+                    "prepare_shard", control.Prepared, placement=name, tensor=bool(m.group)
+                )
                 for m in procs
             )
         )
         port = {m.node: p for m, p in zip(procs, prepared, strict=True)}
         count = len(shards)
         dirs = await self._model_dirs(procs, model_dir, progress)
+        adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
         leaders = [next(m for m in procs if m.stage == i and m.rank == 0) for i in range(count)]
 
         async def load(m: Member) -> None:
             nxt = leaders[(m.stage + 1) % count]
-            endpoint = f"tcp://{self.spec(nxt.node).address}:{port[nxt.node]['data_port']}"
+            endpoint = f"tcp://{self.spec(nxt.node).address}:{port[nxt.node].data_port}"
             # No fixed wait: the agent heartbeats while the shard loads, and only its
             # silence (see LoadWatch) ends a load, however slow the disk.
             quiet = LoadWatch(m.node, time.monotonic())
@@ -535,8 +567,8 @@ class Controller:
                 end=m.end,
                 index=m.stage,
                 count=count,
-                data_port=port[m.node]["data_port"],
-                client_port=port[m.node]["client_port"],
+                data_port=port[m.node].data_port,
+                client_port=port[m.node].client_port,
                 next_endpoint=endpoint,
                 next_key=keys.node_public_key(self.home, nxt.node).decode(),
                 prefill_chunk=prefill_chunk,
@@ -544,15 +576,23 @@ class Controller:
                 streams=the_plan.streams,
                 kv_bytes=shards[m.stage].kv_bytes,
                 **self._group_fields(m, port),
+                adapter=adapter.name if adapter else "",
+                adapter_dir=adapter_dirs.get(m.node, ""),
             )
             try:
                 async for msg in stream:
-                    quiet = quiet.hear(time.monotonic(), msg.get("done"), msg.get("total"))
-                    if progress and msg["type"] == "progress":
-                        progress(m.node, int(msg["done"]), int(msg["total"]))
-                    if progress and msg["type"] == "shard_ready":
-                        size = int(msg.get("param_bytes", 1))
-                        progress(m.node, size, size)
+                    if msg["type"] == "progress":
+                        loaded = self.peer(m.node).read(msg, control.LoadProgress)
+                        quiet = quiet.hear(time.monotonic(), loaded.done, loaded.total)
+                        if progress:
+                            progress(m.node, loaded.done, loaded.total)
+                    elif msg["type"] == "shard_ready":
+                        ready = self.peer(m.node).read(msg, control.ShardReady)
+                        quiet = quiet.hear(time.monotonic())
+                        if progress:
+                            progress(m.node, ready.param_bytes, ready.param_bytes)
+                    else:
+                        quiet = quiet.hear(time.monotonic())
             except AgentUnreachable:
                 silent = quiet.overdue(time.monotonic())
                 raise PlacementError(silent or f"{m.node} stopped answering") from None
@@ -575,7 +615,7 @@ class Controller:
         if problem:
             raise PlacementError(problem)
 
-    def _group_fields(self, m: Member, port: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def _group_fields(self, m: Member, port: dict[str, control.Prepared]) -> dict[str, Any]:
         """What a tensor group's member needs besides a shard's fields: the group (rank
         order), every member's bridge address and mx.distributed port (the agent writes
         the hostfile from them), the backend; the leader gets its followers' mirror
@@ -587,7 +627,7 @@ class Controller:
             "rank": m.rank,
             "backend": m.backend or "ring",
             "group_addresses": [self.spec(n).address for n in m.group],
-            "group_ports": [port[n]["group_port"] for n in m.group],
+            "group_ports": [port[n].group_port for n in m.group],
         }
         if m.backend == "jaccl":
             rdma = {
@@ -599,7 +639,7 @@ class Controller:
             fields["devices"] = devices
         if m.rank == 0:
             fields["followers"] = [
-                [f"tcp://{self.spec(n).address}:{port[n]['data_port']}", self._key(n)]
+                [f"tcp://{self.spec(n).address}:{port[n].data_port}", self._key(n)]
                 for n in m.group[1:]
             ]
         else:
@@ -628,6 +668,44 @@ class Controller:
             wanted = {node: list(files.values()) for node, files in needs.items()}
             try:
                 where |= await model_sync.provide(self, model_dir, wanted, progress)
+            except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
+                raise PlacementError(str(exc)) from None
+        return where
+
+    def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter:
+        """The adapter, if it can be placed with this model; else PlacementError naming
+        what and what to do. Headers and (cached) hashes only: nothing copied or loaded.
+        Records nothing: it runs in a worker thread, and listeners expect the loop's."""
+        model_files.check_model_dir(model_dir)
+        info = read_model(model_dir)
+        try:
+            adapter = check_adapter(adapter_dir, model_dir, info)
+        except AdapterRefused as exc:
+            raise PlacementError(f"cannot place {info.name} with {adapter_dir}: {exc}") from None
+        return adapter
+
+    async def _adapter_dirs(
+        self, shards: Any, adapter: Adapter, progress: Progress | None
+    ) -> dict[str, str]:
+        """Where each node whose layers the adapter touches finds its files: the
+        operator's path on this machine, else a copy (by content, as model files are)
+        under the node's `models/<adapter>@<hash>`. A node whose layers it does not
+        touch gets nothing: its layers are the base model's."""
+        touched = [s for s in shards if adapter.touches(s.start, s.end)]
+        where = {s.node: str(adapter.path) for s in touched if self.spec(s.node).is_local}
+        remote = sorted({s.node for s in touched if s.node not in where})
+        if remote:
+            ids = await asyncio.to_thread(manifest, adapter.path, ADAPTER_FILES)
+            weights = ids[WEIGHTS_NAME].sha256
+            files = [model_files.NeededFile(f.name, f.size) for f in ids.values()]
+            try:
+                where |= await model_sync.provide(
+                    self,
+                    adapter.path,
+                    {node: files for node in remote},
+                    progress,
+                    folder=f"{adapter.name}@{weights[:12]}",
+                )
             except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
                 raise PlacementError(str(exc)) from None
         return where
@@ -698,6 +776,11 @@ class Controller:
             *(self.peer(n).request("unload", timeout=10.0, placement=name) for n in nodes),
             return_exceptions=True,
         )
+        # The head's socket goes with its runner: a placement of the same name placed
+        # again on the same node and port must not inherit the old socket's "down
+        # since the unload", which fails its first request after RECONNECT_GRACE_S.
+        for key in [k for k in self.peers if k.startswith(f"head:{name}:")]:
+            await self.peers.pop(key).aclose()
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -836,7 +919,10 @@ class Controller:
     async def placement_problem(self, placement: PlacementState) -> str | None:
         """Why a placement cannot answer, in words, or None if every shard is serving."""
         replies = await asyncio.gather(
-            *(self.peer(n).request("list_shards", timeout=1.5) for n in placement.nodes),
+            *(
+                self.peer(n).ask("list_shards", control.Shards, timeout=1.5)
+                for n in placement.nodes
+            ),
             return_exceptions=True,
         )
         for shard, reply in zip(placement.shards, replies, strict=True):
@@ -848,18 +934,18 @@ class Controller:
                     f"{placement.name!r} is used again as soon as it answers; if it stays "
                     f"silent, restart it (studiotui restart {node}, or r on the dashboard)"
                 )
-            mine = [s for s in reply["shards"] if s.get("placement") == placement.name]
+            mine = [s for s in reply.shards if s.placement == placement.name]
             if not mine:
                 return f"node {node} no longer holds its shard of {placement.name!r}: {again}"
-            if mine[0].get("state") == "silent":
+            if mine[0].state == "silent":
                 return (
                     f"the shard of {placement.name!r} on {node} ({_stage(shard)}) is "
-                    f"{mine[0].get('message') or 'silent'}; this request is given up; "
+                    f"{mine[0].message or 'silent'}; this request is given up; "
                     f"{placement.name!r} is used again by itself if the shard answers again, "
                     f"else restart {node} (studiotui restart {node} reloads its shards)"
                 )
-            if mine[0].get("state") != "ready":
-                why = mine[0].get("message") or mine[0].get("state")
+            if mine[0].state != "ready":
+                why = mine[0].message or mine[0].state
                 return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
         return None
 
@@ -891,7 +977,7 @@ class Controller:
         """Every up node measures every other, one node at a time so that
         measurements do not share the wire."""
         up = [n.name for n in self.state.nodes if n.state == "up"]
-        found: dict[frozenset[str], list[dict[str, Any]]] = {}
+        found: dict[frozenset[str], list[control.LinkResult]] = {}
         for node in up:
             try:
                 results = await self.link_results(node, [p for p in up if p != node])
@@ -899,7 +985,8 @@ class Controller:
                 self.record(f"{node} could not measure its links: {exc}", "warning")
                 continue
             for result in results:
-                found.setdefault(frozenset((node, result["peer"])), []).append(result)
+                link = control.parse(result, control.LinkResult)  # checked by link_results
+                found.setdefault(frozenset((node, link.peer)), []).append(link)
         links = tuple(
             self._link(pair, results)
             for pair, results in sorted(found.items(), key=lambda kv: sorted(kv[0]))
@@ -926,7 +1013,9 @@ class Controller:
             for p in peers
         ]
         extra = {"sizes": sizes} if sizes else {}
-        reply = await self.peer(node).request("measure_links", timeout=60.0, peers=targets, **extra)
+        peer = self.peer(node)
+        reply = await peer.request("measure_links", timeout=60.0, peers=targets, **extra)
+        peer.read(reply, control.Links)  # a malformed answer is the agent's error
         return [{**r, "from": node} for r in reply["links"]]
 
     def _links_file(self) -> Path:
@@ -946,9 +1035,9 @@ class Controller:
             return ()
         return tuple(x for x in links if x.a in names and x.b in names)
 
-    def _link(self, pair: frozenset[str], results: list[dict[str, Any]]) -> LinkState:
+    def _link(self, pair: frozenset[str], results: list[control.LinkResult]) -> LinkState:
         a, b = sorted(pair)
-        good = [r for r in results if "latency_us" in r]
+        good = [r.latency_us for r in results if r.latency_us is not None]
         rdma = all(
             (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
             for n in (a, b)
@@ -960,14 +1049,14 @@ class Controller:
             )
             for n in (a, b)
         ]
-        kind = probes.pair_link_kind(*ends) if all(ends) else str(results[0].get("kind", "unknown"))
+        kind = probes.pair_link_kind(*ends) if all(ends) else results[0].kind
         if not good:
             return LinkState(a, b, None, None, kind, time.time())
         return LinkState(
             a,
             b,
-            latency_us=min(r["latency_us"] for r in good),
-            gbps=max((r["gbps"] for r in good if "gbps" in r), default=None),
+            latency_us=min(good),
+            gbps=max((r.gbps for r in results if r.gbps is not None), default=None),
             kind=kind,
             measured_at=time.time(),
             rdma=bool(rdma),
@@ -1003,38 +1092,41 @@ class Controller:
                 )
                 continue
             for shard in mine:
-                raw = await self._shard_report(shard)
+                report = await self._shard_report(shard)
                 nxt = placement.shards[(shard.index + 1) % shard.count]
                 saved.append(
                     SavedShard(
                         node=shard.node,
                         placement=placement.name,
-                        report=dict(raw),
+                        report=report,
                         next_endpoint=f"tcp://{self.spec(nxt.node).address}:{nxt.data_port}",
                         next_key=keys.node_public_key(self.home, nxt.node).decode(),
                     )
                 )
         return saved, dropped
 
-    async def _shard_report(self, shard: ShardState) -> dict[str, Any]:
+    async def _shard_report(self, shard: ShardState) -> control.ShardReport:
         """What the shard's agent says about it; what the controller last knew when the
         agent does not answer (a dead agent's shards are reloaded all the same)."""
         with contextlib.suppress(AgentError, AgentUnreachable):
-            reply = await self.peer(shard.node).request("list_shards", timeout=5.0)
-            for raw in reply["shards"]:
-                if raw.get("placement") == shard.placement:
-                    return dict(raw)
-        return {
-            "model_dir": shard.model_dir,
-            "start": shard.start,
-            "end": shard.end,
-            "index": shard.index,
-            "count": shard.count,
-            "data_port": shard.data_port,
-            "client_port": shard.client_port,
-            "context_tokens": shard.context_tokens,
-            "kv_bytes": shard.kv_bytes,
-        }
+            reply = await self.peer(shard.node).ask("list_shards", control.Shards, timeout=5.0)
+            for report in reply.shards:
+                if report.placement == shard.placement:
+                    return report
+        return control.ShardReport(
+            placement=shard.placement,
+            model_dir=shard.model_dir,
+            start=shard.start,
+            end=shard.end,
+            index=shard.index,
+            count=shard.count,
+            data_port=shard.data_port,
+            client_port=shard.client_port,
+            context_tokens=shard.context_tokens,
+            kv_bytes=shard.kv_bytes,
+            adapter=shard.adapter,
+            adapter_dir=shard.adapter_dir,
+        )
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
         """Load again, on the same nodes, layers and ports, shards a restart stopped.
@@ -1047,7 +1139,7 @@ class Controller:
         results = []
         for name, shards in groups.items():
             where = ", ".join(
-                f"{s.node} (layers {s.report['start']}-{int(s.report['end']) - 1})" for s in shards
+                f"{s.node} (layers {s.report.start}-{s.report.end - 1})" for s in shards
             )
             try:
                 await asyncio.gather(*(self._reload_one(s) for s in shards))
@@ -1067,29 +1159,36 @@ class Controller:
 
     async def _reload_one(self, saved: SavedShard) -> None:
         r, peer = saved.report, self.peer(saved.node)
-        ports = (int(r["data_port"]), int(r["client_port"]))
-        prepared = await peer.request(
-            "prepare_shard", placement=saved.placement, data_port=ports[0], client_port=ports[1]
+        ports = (r.data_port, r.client_port)
+        prepared = await peer.ask(
+            "prepare_shard",
+            control.Prepared,
+            placement=saved.placement,
+            data_port=ports[0],
+            client_port=ports[1],
         )
-        if (prepared["data_port"], prepared["client_port"]) != ports:
+        if (prepared.data_port, prepared.client_port) != ports:
             await peer.request("unload", placement=saved.placement)
             raise PlacementError(f"{saved.node} could not take back its ports {ports}")
         async for _msg in peer.stream(
             "load_shard",
             timeout=120.0,
             placement=saved.placement,
-            model_dir=str(r["model_dir"]),
-            start=int(r["start"]),
-            end=int(r["end"]),
-            index=int(r["index"]),
-            count=int(r["count"]),
+            model_dir=r.model_dir,
+            start=r.start,
+            end=r.end,
+            index=r.index,
+            count=r.count,
             data_port=ports[0],
             client_port=ports[1],
             next_endpoint=saved.next_endpoint,
             next_key=saved.next_key,
-            prefill_chunk=int(r.get("prefill_chunk", 512)),
-            context_tokens=int(r.get("context_tokens", 4096)),
-            kv_bytes=int(r.get("kv_bytes", 0)),
+            prefill_chunk=r.prefill_chunk,
+            context_tokens=r.context_tokens,
+            streams=r.streams,
+            kv_bytes=r.kv_bytes,
+            adapter=r.adapter,
+            adapter_dir=r.adapter_dir,
         ):
             pass
 
@@ -1104,8 +1203,19 @@ class Controller:
         }
 
     async def read_log(self, name: str, lines: int = 200) -> list[str]:
-        reply = await self.peer(name).request("read_log", lines=lines)
-        return [str(line) for line in reply["lines"]]
+        reply = await self.peer(name).ask("read_log", control.LogLines, lines=lines)
+        return reply.lines
+
+
+def _spans(adapter: Adapter) -> str:
+    """The adapted layers as people read them: 6-7, or 0-3, 6."""
+    runs: list[list[int]] = []
+    for n in adapter.layers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
 def _clock(when: float) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,10 +31,14 @@ from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import blame
+from studiotui.core.state import LogLevel
 
 # Agents beat twice a second on a follow stream (worker.jobs.FOLLOW_BEAT_S); a node
 # silent this long is dead (the bound is 3 s from a kill to the job failing, node named).
-BEAT_TIMEOUT_S = 2.5
+BEAT_TIMEOUT_S = 2.0
+# Then a `hello` this long: a slow agent answers it, a dead node does not.
+HELLO_S = 0.6
+STALE_LIMIT = 5  # follow streams in a row that went quiet while the agent answered
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 # After the first failure, how much longer than BEAT_TIMEOUT_S the other ranks get
@@ -56,7 +61,7 @@ class Cluster(Protocol):
 
     def spec(self, name: str) -> NodeSpec: ...
 
-    def record(self, text: str, level: str = "info") -> None: ...
+    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -174,24 +179,43 @@ async def follow(
     lost: list[str] = []
     first_failure = asyncio.Event()
 
+    seen = dict(since)
+
+    async def relay(node: str) -> None:
+        stream = ctl.peer(node).stream(
+            "follow_job", timeout=BEAT_TIMEOUT_S, job=name, since=seen.get(node, 0)
+        )
+        async for msg in stream:
+            if msg["type"] == "job_event":
+                seen[node] = max(seen.get(node, 0), int(msg.get("seq", 0)))
+                on_event(node, dict(msg.get("data") or {}))
+            elif msg["type"] == "job_beat" and on_beat is not None:
+                on_beat(node, str(msg.get("state", "")), str(msg.get("message", "")))
+            elif msg["type"] == "job_end":
+                ends[node] = (str(msg.get("state", "")), str(msg.get("message", "")))
+
     async def one(node: str) -> None:
-        try:
-            stream = ctl.peer(node).stream(
-                "follow_job", timeout=BEAT_TIMEOUT_S, job=name, since=since.get(node, 0)
-            )
-            async for msg in stream:
-                if msg["type"] == "job_event":
-                    on_event(node, dict(msg.get("data") or {}))
-                elif msg["type"] == "job_beat" and on_beat is not None:
-                    on_beat(node, str(msg.get("state", "")), str(msg.get("message", "")))
-                elif msg["type"] == "job_end":
-                    ends[node] = (str(msg.get("state", "")), str(msg.get("message", "")))
-        except AgentUnreachable:
-            lost.append(node)
-            ends[node] = ("failed", f"{node} stopped answering (nothing for {BEAT_TIMEOUT_S:g} s)")
-        except AgentError as exc:
-            ends[node] = ("failed", str(exc))
-        if ends.get(node, ("", ""))[0] != "done":
+        stale = 0
+        while node not in ends:
+            try:
+                await relay(node)
+            except AgentUnreachable:
+                # Beats late: a dead node, or an agent starved of CPU for a moment.
+                # One quick question tells them apart; a live one is followed on.
+                try:
+                    await ctl.peer(node).request("hello", timeout=HELLO_S)
+                except AgentUnreachable:
+                    lost.append(node)
+                    silent = BEAT_TIMEOUT_S + HELLO_S
+                    ends[node] = ("failed", f"{node} stopped answering (nothing for {silent:g} s)")
+                    break
+                stale += 1
+                if stale >= STALE_LIMIT:
+                    why = f"{node} answers but has not relayed job {name!r} for {stale} tries"
+                    ends[node] = ("failed", why)
+            except AgentError as exc:
+                ends[node] = ("failed", str(exc))
+        if ends[node][0] != "done":
             first_failure.set()
 
     tasks = {n: asyncio.create_task(one(n)) for n in nodes}
@@ -205,7 +229,7 @@ async def follow(
         # (so the blame falls on it, not on a rank that only lost its peer); what
         # still runs after that is stopped.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(waiting), BEAT_TIMEOUT_S + SETTLE_S)
+            await asyncio.wait_for(asyncio.shield(waiting), BEAT_TIMEOUT_S + HELLO_S + SETTLE_S)
         if not waiting.done():
             await stop(ctl, name, [n for n in nodes if n not in ends and n not in lost])
             with contextlib.suppress(TimeoutError):
@@ -227,7 +251,9 @@ def outcome(
     if "failed" not in states:
         return JobEnd("stopped", "stopped", ends=ends)
     blamed = blame(ends, lost)
-    why = "; ".join(f"{n}: {ends.get(n, ('', 'no end heard'))[1]}" for n in blamed)
+    said = {n: ends.get(n, ("", "no end heard"))[1] for n in blamed}
+    # Each node named once: its own words may already start with its name.
+    why = "; ".join(m if m.startswith(n) else f"{n}: {m}" for n, m in said.items())
     return JobEnd(
         "failed", f"job {name!r} failed on {', '.join(blamed)}: {why}", tuple(blamed), ends
     )
@@ -243,6 +269,25 @@ async def stop(ctl: Cluster, name: str, nodes: list[str]) -> dict[str, str]:
     for node, reply in zip(nodes, replies, strict=True):
         said[node] = str(reply) if isinstance(reply, BaseException) else str(reply.get("state"))
     return said
+
+
+async def forget(ctl: Cluster, record: JobRecord) -> None:
+    """Drop an ended job: its nodes forget its events, the operator its record and
+    dealt data (so its name can be used again). Its adapters stay on the nodes."""
+    found = await status(ctl, list(record.nodes))
+    live = [n for n, rank in found.get(record.name, {}).items() if rank.get("ended") is None]
+    if live:
+        raise JobFailed(
+            f"job {record.name!r} still runs on {', '.join(live)}",
+            f"stop it first (studiotui jobs stop {record.name})",
+        )
+    await asyncio.gather(
+        *(ctl.peer(n).request("forget_job", job=record.name) for n in found.get(record.name, {})),
+        return_exceptions=True,
+    )
+    (records_dir(ctl.home) / f"{record.name}.json").unlink(missing_ok=True)
+    shutil.rmtree(records_dir(ctl.home) / f"{record.name}.training-data", ignore_errors=True)
+    ctl.record(f"job {record.name!r} forgotten")
 
 
 async def status(ctl: Cluster, nodes: list[str]) -> dict[str, dict[str, dict[str, Any]]]:

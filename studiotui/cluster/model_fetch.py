@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from studiotui.cluster import model_files, model_sync
+from worker.shared.manifest import in_hub_cache
+from worker.shared.protocol import control
 
 if TYPE_CHECKING:
     from studiotui.cluster.controller import Controller
@@ -127,7 +129,8 @@ async def fetch_repo(
         names = shares[node]
         total = sum(sizes[n] for n in names)
         path = ""
-        async for msg in ctl.peer(node).stream(
+        peer = ctl.peer(node)
+        async for msg in peer.stream(
             "hub_download",
             timeout=DOWNLOAD_TIMEOUT_S,
             repo=repo,
@@ -138,9 +141,10 @@ async def fetch_repo(
             cache_dir=cache_dir or "",
         ):
             if msg["type"] == "file_progress" and progress:
-                progress(node, int(msg["done"]), int(msg["total"]))
+                loaded = peer.read(msg, control.FileProgress)
+                progress(node, loaded.done, loaded.total)
             if msg["type"] == "ok":
-                path = str(msg["path"])
+                path = peer.read(msg, control.Downloaded).path
                 if progress:
                     progress(node, total, total)
         weights = [n for n in names if n.endswith(".safetensors")]
@@ -159,7 +163,7 @@ async def fetch_repo(
 
 def hub_repo(model_dir: Path) -> tuple[str, str] | None:
     """(repo id, commit) of a hub snapshot folder, None for any other folder."""
-    if not model_files.is_hub_snapshot(model_dir):
+    if not in_hub_cache(model_dir):
         return None
     repo = model_dir.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
     return repo, model_dir.name

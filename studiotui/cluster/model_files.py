@@ -26,11 +26,11 @@ from pathlib import Path
 
 from studiotui.core.model_facts import ModelDirError, outside_links
 from studiotui.core.placement import format_bytes
-from worker.shared.manifest import FileId, manifest, part_name, plain_name
+from worker.shared.manifest import FileId, in_hub_cache, manifest, part_name, plain_name
+from worker.shared.protocol.control import DirStatus
 
 SMALL_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".md"}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
 
 Progress = Callable[[int, int], None]
 
@@ -147,7 +147,7 @@ def hub_snapshot_path(model_dir: Path, home: Path) -> str | None:
     (SFTP resolves it there) when `model_dir` is under the operator's `home`, else the
     same absolute path. None when `model_dir` is not a hub snapshot."""
     path = model_dir.as_posix().rstrip("/")
-    if not _SNAPSHOT.search(path):
+    if not in_hub_cache(model_dir):
         return None
     if model_dir.is_relative_to(home):
         return model_dir.relative_to(home).as_posix()
@@ -157,14 +157,10 @@ def hub_snapshot_path(model_dir: Path, home: Path) -> str | None:
 def copy_name(model_dir: Path) -> str:
     """The folder a copy of the model gets under the node's `models/`: a hub snapshot's
     own name is a bare commit hash, so it becomes `org--name@<commit[:12]>`."""
-    if _SNAPSHOT.search(model_dir.as_posix().rstrip("/")):
+    if in_hub_cache(model_dir):
         repo = model_dir.parent.parent.name.removeprefix("models--")
         return f"{repo}@{model_dir.name[:12]}"
     return model_dir.name
-
-
-def is_hub_snapshot(model_dir: Path) -> bool:
-    return bool(_SNAPSHOT.search(model_dir.as_posix().rstrip("/")))
 
 
 def local_manifest(
@@ -176,7 +172,7 @@ def local_manifest(
     ids = manifest(
         model_dir,
         [f.name for f in files],
-        write_cache=not is_hub_snapshot(model_dir),
+        write_cache=not in_hub_cache(model_dir),
         on_bytes=on_bytes,
     )
     missing = [f.name for f in files if f.name not in ids]
@@ -204,31 +200,29 @@ class CopyPlan:
         return not self.send
 
 
-def plan_copy(wanted: list[FileId], found: dict[str, object]) -> CopyPlan:
+def plan_copy(wanted: list[FileId], found: DirStatus) -> CopyPlan:
     """Compare the model's files with what one directory of a node holds (the agent's
     `files_status` answer for it): keep the same, replace what differs (saying why),
     resume parts of the same content."""
-    raw = found.get("files", [])
-    by_name = {str(f["name"]): f for f in raw} if isinstance(raw, list) else {}
+    by_name = {f.name: f for f in found.files}
     keep: list[str] = []
     replace: list[tuple[str, str]] = []
     send: list[tuple[FileId, int]] = []
     for f in wanted:
-        have = by_name.get(f.name, {})
-        state = have.get("state", "missing")
-        if state == "same":
+        have = by_name.get(f.name)
+        if have is not None and have.state == "same":
             keep.append(f.name)
             continue
-        if state == "differs":
-            if have.get("size") != f.size:
-                why = f"it has {have.get('size')} bytes, the model's file {f.size}"
+        if have is not None and have.state == "differs":
+            if have.size != f.size:
+                why = f"it has {have.size} bytes, the model's file {f.size}"
             else:
                 why = (
-                    f"same size but sha256 {str(have.get('sha256'))[:12]} is not the model's "
+                    f"same size but sha256 {str(have.sha256)[:12]} is not the model's "
                     f"{f.sha256[:12]}"
                 )
             replace.append((f.name, why))
-        partial = int(have.get("partial", 0) or 0)
+        partial = have.partial if have is not None else 0
         send.append((f, partial if 0 < partial <= f.size else 0))
     resumed = sum(offset for _, offset in send)
     return CopyPlan(tuple(keep), tuple(replace), tuple(send), resumed)

@@ -36,9 +36,11 @@ from studiotui.cluster.model_files import (
 )
 from studiotui.cluster.peers import Peer
 from studiotui.core.inventory import NodeSpec
-from studiotui.core.state import ClusterState
+from studiotui.core.state import ClusterState, LogLevel
 from studiotui.ssh import nodes
 from worker.shared.manifest import FileId
+from worker.shared.protocol import control
+from worker.shared.protocol.control import DirStatus
 
 
 class Controller(Protocol):
@@ -53,7 +55,7 @@ class Controller(Protocol):
 
     def spec(self, name: str) -> NodeSpec: ...
 
-    def record(self, text: str, level: str = "info") -> None: ...
+    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 Progress = Callable[[str, int, int], None]
@@ -70,23 +72,23 @@ class Source:
     path: str  # absolute, on that node
 
 
-def candidate_dirs(model_dir: Path, home: Path) -> list[str]:
+def candidate_dirs(model_dir: Path, home: Path, folder: str | None = None) -> list[str]:
     """Where a node may already hold the model, as its agent resolves them: the hub
     snapshot's path (under the node user's home when under the operator's), then the
-    copy folder under the agent's work dir."""
+    copy folder under the agent's work dir (`folder`, else named after the model)."""
     out = []
     hub = hub_snapshot_path(model_dir, home)
     if hub is not None:
         out.append(hub if hub.startswith("/") else f"~/{hub}")
-    out.append(f"models/{copy_name(model_dir)}")
+    out.append(f"models/{folder or copy_name(model_dir)}")
     return out
 
 
-def holding(found: list[dict[str, Any]]) -> str | None:
+def holding(found: list[DirStatus]) -> str | None:
     """The first directory of a `files_status` answer that holds every file as is."""
     for d in found:
-        if all(f["state"] == "same" for f in d["files"]):
-            return str(d["path"])
+        if all(f.state == "same" for f in d.files):
+            return d.path
     return None
 
 
@@ -96,10 +98,13 @@ async def provide(
     needs: dict[str, list[NeededFile]],
     progress: Progress | None = None,
     sources: list[str] | None = None,
+    folder: str | None = None,
 ) -> dict[str, str]:
     """Make every node in `needs` hold its files; return where each finds the model.
 
-    `sources`: the nodes that may serve files to others (default: every up node)."""
+    `sources`: the nodes that may serve files to others (default: every up node).
+    `folder`: the copy folder's name under the node's `models/` (default: the model's;
+    an adapter's names its content, since mlx-lm names every adapter folder alike)."""
     union = sorted({f.name: f for fs in needs.values() for f in fs}.values(), key=lambda f: f.name)
     began, hashed = time.monotonic(), [0]
     ids = {
@@ -111,7 +116,7 @@ async def provide(
             f"{time.monotonic() - began:.1f} s (kept next to the files for next time)"
         )
     wanted = {node: [ids[f.name] for f in fs] for node, fs in needs.items()}
-    dirs = candidate_dirs(model_dir, Path.home())
+    dirs = candidate_dirs(model_dir, Path.home(), folder)
     asked = sorted(
         set(needs)
         | set(
@@ -121,7 +126,7 @@ async def provide(
     replies = await asyncio.gather(
         *(_status(ctl, n, dirs, list(ids.values())) for n in asked), return_exceptions=True
     )
-    status: dict[str, list[dict[str, Any]]] = {}
+    status: dict[str, list[DirStatus]] = {}
     for node, reply in zip(asked, replies, strict=True):
         if isinstance(reply, BaseException):
             if node in needs:
@@ -135,22 +140,24 @@ async def provide(
     where: dict[str, str] = {}
     jobs: list[Job] = []
     for node, files in wanted.items():
-        mine = [_only(d, files) for d in status[node]]
+        mine = [d.only({f.name for f in files}) for d in status[node]]
         held = holding(mine)
         if held is not None:
-            ctl.record(f"{node} already holds {copy_name(model_dir)} at {held}: nothing copied")
+            ctl.record(
+                f"{node} already holds {folder or copy_name(model_dir)} at {held}: nothing copied"
+            )
             where[node] = held
             continue
         target = mine[-1]  # the copy folder
         the_plan = plan_copy(files, target)
         for name, why in the_plan.replace:
-            ctl.record(f"{node}: replacing {name} in {target['path']}: {why}", "warning")
-        refusal = disk_refusal(node, target["path"], the_plan.bytes_to_send, int(target["free"]))
+            ctl.record(f"{node}: replacing {name} in {target.path}: {why}", "warning")
+        refusal = disk_refusal(node, target.path, the_plan.bytes_to_send, target.free)
         if refusal:
             raise SyncRefused(refusal)
         holders = file_sources(node, [f.name for f, _ in the_plan.send], status, sources, ctl_local)
-        jobs.append(Job(node, the_plan, str(target["path"]), holders))
-        where[node] = str(target["path"])
+        jobs.append(Job(node, the_plan, target.path, holders))
+        where[node] = target.path
 
     if jobs:
         await _copy_all(ctl, model_dir, jobs, progress)
@@ -171,15 +178,10 @@ class Job:
         return out
 
 
-def _only(found: dict[str, Any], files: list[FileId]) -> dict[str, Any]:
-    names = {f.name for f in files}
-    return {**found, "files": [f for f in found["files"] if f["name"] in names]}
-
-
 def file_sources(
     node: str,
     names: list[str],
-    status: dict[str, list[dict[str, Any]]],
+    status: dict[str, list[DirStatus]],
     sources: list[str] | None,
     is_local: Callable[[str], bool],
 ) -> dict[str, Source | None]:
@@ -196,23 +198,27 @@ def file_sources(
             if other == node or (sources is not None and other not in sources):
                 continue
             held = [
-                d["path"]
+                d.path
                 for d in status[other]
-                if any(f["name"] == name and f["state"] == "same" for f in d["files"])
+                if any(f.name == name and f.state == "same" for f in d.files)
             ]
             if held:
-                found[name] = Source(other, str(held[0]))
+                found[name] = Source(other, held[0])
                 break
     return found
 
 
 async def _status(
     ctl: Controller, node: str, dirs: list[str], files: list[FileId]
-) -> list[dict[str, Any]]:
-    reply = await ctl.peer(node).request(
-        "files_status", timeout=STATUS_TIMEOUT_S, dirs=dirs, files=[f.as_dict() for f in files]
+) -> list[DirStatus]:
+    reply = await ctl.peer(node).ask(
+        "files_status",
+        control.FilesFound,
+        timeout=STATUS_TIMEOUT_S,
+        dirs=dirs,
+        files=[f.as_dict() for f in files],
     )
-    return list(reply["dirs"])
+    return reply.dirs
 
 
 async def _copy_all(
@@ -230,12 +236,13 @@ async def _copy_all(
                     grant = grants.setdefault(source, {"files": {}})
                     grant["files"].update({f.name: f.size for f, _ in files})
         for source, grant in grants.items():
-            reply = await ctl.peer(source.node).request(
+            reply = await ctl.peer(source.node).ask(
                 "serve_files",
+                control.Granted,
                 dir=source.path,
                 files=[{"name": n, "size": s} for n, s in sorted(grant["files"].items())],
             )
-            grant["port"], grant["token"] = int(reply["port"]), str(reply["token"])
+            grant["port"], grant["token"] = reply.port, reply.token
         results = await asyncio.gather(
             *(_copy(ctl, model_dir, job, grants, progress) for job in jobs),
             return_exceptions=True,
@@ -293,7 +300,8 @@ async def _from(
         grant = grants[source]
         endpoint = f"tcp://{ctl.spec(source.node).address}:{grant['port']}"
         received = 0
-        async for msg in ctl.peer(job.node).stream(
+        peer = ctl.peer(job.node)
+        async for msg in peer.stream(
             "fetch_files",
             timeout=STATUS_TIMEOUT_S,
             dir=job.path,
@@ -303,9 +311,9 @@ async def _from(
             token=grant["token"],
         ):
             if msg["type"] == "file_progress":
-                step(source, int(msg["done"]))
+                step(source, peer.read(msg, control.FileProgress).done)
             if msg["type"] == "ok":
-                received = int(msg["received"])
+                received = peer.read(msg, control.Fetched).received
                 step(source, size)  # the agent's last progress may trail its answer
         how = f"from {source.node} over {endpoint.removeprefix('tcp://')}"
     else:

@@ -17,15 +17,17 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from studiotui.core.errors import StudioError
-from worker.shared.protocol import messages
+from worker.shared.protocol import control, messages
 from worker.shared.protocol.curve import CurveKeys, make_client
+
+T = TypeVar("T")
 
 FINAL = {
     "hello_reply",
@@ -145,6 +147,18 @@ class Peer:
             if msg["type"] in FINAL:
                 return msg
         raise AgentUnreachable(f"{self.name} ({self.endpoint}) closed the request")
+
+    async def ask(self, kind: str, reply: type[T], timeout: float = 5.0, **fields: Any) -> T:
+        """`request`, its final reply read as a `reply` (control.py); a reply of the
+        wrong shape is the agent's error, as an error reply is."""
+        return self.read(await self.request(kind, timeout=timeout, **fields), reply)
+
+    def read(self, msg: dict[str, Any], reply: type[T]) -> T:
+        """One reply as a `reply`, or AgentError naming this peer and the bad field."""
+        try:
+            return control.parse(msg, reply)
+        except messages.MessageError as exc:
+            raise AgentError(f"{self.name} sent a malformed reply: {exc}") from None
 
     async def stream(
         self, kind: str, timeout: float = 5.0, **fields: Any

@@ -6,11 +6,11 @@ talks to the agents and feeds `JobWatch`; the CLI and the Jobs screen show it.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from studiotui.core.placement import Link, backend_for
 from studiotui.core.state import LinkState
 
 # A node that ends a job with this in its words was only a bystander: MLX's ring
@@ -21,20 +21,12 @@ ENDED = ("done", "failed", "stopped")
 
 
 def choose_backend(nodes: list[str], links: Iterable[LinkState]) -> tuple[str, str]:
-    """JACCL (RDMA over Thunderbolt) when every pair of the group has RDMA, else the
-    ring over the nodes' addresses; with the reason, in words."""
+    """The backend a job's group uses, and why: the placement's own decision for a
+    tensor group (`placement.backend_for`: JACCL when every pair has RDMA, else the
+    ring), from the same measured links."""
     if len(nodes) < 2:
         return "ring", "one node: no group traffic"
-    known = {frozenset((x.a, x.b)): x for x in links}
-    without = [
-        f"{a}-{b}"
-        for a, b in itertools.combinations(nodes, 2)
-        if not ((link := known.get(frozenset((a, b)))) is not None and link.rdma)
-    ]
-    if without:
-        shown = ", ".join(without[:3]) + (" ..." if len(without) > 3 else "")
-        return "ring", f"ring over the nodes' addresses: no RDMA between {shown}"
-    return "jaccl", "JACCL: every pair of the group has RDMA"
+    return backend_for(nodes, [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma) for x in links])
 
 
 def blame(ends: Mapping[str, tuple[str, str]], lost: Iterable[str]) -> list[str]:
@@ -78,7 +70,8 @@ class JobProgress:
     start_iteration: int = 0
     total: int = 0
     iterations_per_second: float | None = None
-    tokens_per_second: float | None = None
+    tokens_per_second: float | None = None  # over the last RATE_WINDOW reports
+    last_tokens_per_second: float | None = None  # the newest report's own
     trained_tokens: int = 0
     train_loss: tuple[Point, ...] = ()
     val_loss: tuple[Point, ...] = ()
@@ -183,6 +176,7 @@ class JobWatch:
             total=int(event.get("total", p.total)),
             iterations_per_second=sum(r[0] for r in self._rates) / len(self._rates),
             tokens_per_second=sum(r[1] for r in self._rates) / len(self._rates),
+            last_tokens_per_second=rate[1],
             trained_tokens=int(event.get("trained_tokens", p.trained_tokens)),
             train_loss=_added(p.train_loss, point),
         )

@@ -21,6 +21,7 @@ from typing import Any
 from studiotui.core.errors import StudioError
 from studiotui.core.kv_sizes import text_config
 from studiotui.core.placement import ModelFacts, TensorFacts, facts_from_config
+from worker.shared.manifest import in_hub_cache
 from worker.shared.model_support import unsupported_reason
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -64,13 +65,10 @@ class ModelDirError(StudioError, ValueError):
     pass
 
 
-_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
-
-
 def allowed_root(model_dir: Path) -> Path:
     """Where a model's files may really live: the directory itself, or for a hub
     snapshot (whose files link to `../../blobs/<hash>`) its repository folder."""
-    if _SNAPSHOT.search(model_dir.as_posix().rstrip("/")):
+    if in_hub_cache(model_dir):
         return model_dir.parent.parent
     return model_dir
 

@@ -1,7 +1,8 @@
 """The cluster as the controller knows it: frozen values, replaced, never mutated.
 
 Views read these; only the controller makes new ones. Nothing here imports
-from elsewhere in the project.
+from elsewhere in the project but the wire's types (`worker.shared.protocol`):
+the statuses, and the shard reports the states are made from.
 """
 
 from __future__ import annotations
@@ -9,6 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from worker.shared.protocol.control import ShardReport
+from worker.shared.protocol.status import (
+    LogLevel,
+    NodeStatus,
+    PlacementStatus,
+    ShardStatus,
+)
 
 HISTORY = 120  # samples of memory history kept per node (2 minutes at 1 Hz)
 
@@ -21,7 +30,7 @@ class ShardState:
     count: int
     start: int
     end: int
-    state: str  # prepared, loading, ready, failed, stopped
+    state: ShardStatus
     model_dir: str = ""
     progress: tuple[int, int] = (0, 0)
     param_bytes: int = 0
@@ -33,6 +42,8 @@ class ShardState:
     context_tokens: int = 0
     kv_bytes: int = 0  # KV cache the plan reserved for this shard
     streams: int = 1  # requests the head runs at once (the plan reserved KV for them)
+    adapter: str = ""  # the placement's adapter, by name ("" none)
+    adapter_dir: str = ""  # where this node holds it ("" when its layers are not adapted)
     # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
     # 0 and () for a one-node stage.
     rank: int = 0
@@ -45,7 +56,7 @@ class NodeState:
     address: str
     control_port: int
     transport: str
-    state: str = "unknown"  # unknown, up, down, provisioning
+    state: NodeStatus = "unknown"
     version: str = ""
     memory_total: int = 0
     memory_used: int = 0
@@ -115,6 +126,13 @@ class PlacementState:
     shards: tuple[ShardState, ...]
     planned: tuple[PlannedShard, ...] = ()  # () when this operator did not place it
     placing: bool = False  # this operator is loading it right now
+    adapter: str = ""  # the LoRA/DoRA adapter its shards apply, by name ("" none)
+    adapter_dir: str = ""  # where the operator holds it ("" unknown: not planned here)
+
+    @property
+    def label(self) -> str:
+        """The model as people read it: `model + adapter` when adapted."""
+        return f"{self.model} + {self.adapter}" if self.adapter else self.model
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -164,7 +182,7 @@ class PlacementState:
         return stages + sum(n - 1 for n in groups.values())
 
     @property
-    def state(self) -> str:
+    def state(self) -> PlacementStatus:
         """failed once a shard failed; loading while any shard loads (the others may
         not have reported yet); broken when a shard is missing; else ready."""
         states = {s.state for s in self.shards}
@@ -172,9 +190,10 @@ class PlacementState:
             return "failed"
         if self.placing:  # shards appear one node at a time, or not yet at all
             return "loading"
-        for s in ("loading", "prepared"):
-            if s in states:
-                return s
+        if "loading" in states:
+            return "loading"
+        if "prepared" in states:
+            return "prepared"
         if not self.shards or len(self.shards) != self.expected:
             return "broken"
         return "ready" if states == {"ready"} else "broken"
@@ -208,7 +227,7 @@ class LinkState:
 @dataclass(frozen=True)
 class LogEntry:
     time: float
-    level: str  # info, warning, error
+    level: LogLevel
     text: str
 
 
@@ -234,14 +253,20 @@ class ClusterState:
 class PlannedPlacement:
     model_dir: str
     shards: tuple[PlannedShard, ...]
+    adapter_dir: str = ""  # the operator's adapter directory ("" none)
+    adapter: str = ""  # its name, as the shards are told it
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "model_dir": self.model_dir,
             "shards": [
                 [s.node, s.start, s.end, *([s.backend] if s.backend else [])] for s in self.shards
             ],
         }
+        if self.adapter_dir:
+            out["adapter_dir"] = self.adapter_dir
+            out["adapter"] = self.adapter
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> PlannedPlacement:
@@ -255,7 +280,12 @@ class PlannedPlacement:
         )
         if not shards:
             raise ValueError("a planned placement without shards")
-        return cls(model_dir=str(raw["model_dir"]), shards=shards)
+        return cls(
+            model_dir=str(raw["model_dir"]),
+            shards=shards,
+            adapter_dir=str(raw.get("adapter_dir", "")),
+            adapter=str(raw.get("adapter", "")),
+        )
 
 
 def placements_from_shards(
@@ -287,6 +317,9 @@ def placements_from_shards(
             (s.model_dir for s in shards if s.model_dir), ""
         )
         model = model_dir.rstrip("/").rsplit("/", 1)[-1]
+        adapter = (plan.adapter if plan else "") or next(
+            (s.adapter for s in shards if s.adapter), ""
+        )
         out.append(
             PlacementState(
                 name=name,
@@ -295,6 +328,8 @@ def placements_from_shards(
                 shards=tuple(shards),
                 planned=plan.shards if plan else (),
                 placing=name in placing,
+                adapter=adapter,
+                adapter_dir=plan.adapter_dir if plan else "",
             )
         )
     return tuple(out)
@@ -320,30 +355,30 @@ def newly_broken(
     return out
 
 
-def shard_from_report(node: str, raw: dict[str, Any]) -> ShardState:
-    stats = raw.get("stats") or {}
-    progress = raw.get("progress") or (0, 0)
+def shard_from_report(node: str, report: ShardReport) -> ShardState:
     return ShardState(
-        placement=str(raw.get("placement", "")),
+        placement=report.placement,
         node=node,
-        index=int(raw.get("index", 0)),
-        count=int(raw.get("count", 0)),
-        start=int(raw.get("start", 0)),
-        end=int(raw.get("end", 0)),
-        state=str(raw.get("state", "unknown")),
-        model_dir=str(raw.get("model_dir", "")),
-        progress=(int(progress[0]), int(progress[1])),
-        param_bytes=int(raw.get("param_bytes", 0)),
-        client_port=int(raw.get("client_port", 0)),
-        data_port=int(raw.get("data_port", 0)),
-        tokens=int(stats.get("tokens", 0)),
-        in_flight=int(stats.get("in_flight", 0)),
-        message=str(raw.get("message", "")),
-        context_tokens=int(raw.get("context_tokens", 0) or 0),
-        kv_bytes=int(raw.get("kv_bytes", 0) or 0),
-        streams=int(raw.get("streams", 1) or 1),
-        rank=int(raw.get("rank", 0) or 0),
-        group=tuple(str(n) for n in raw.get("group") or ()),
+        index=report.index,
+        count=report.count,
+        start=report.start,
+        end=report.end,
+        state=report.state,
+        model_dir=report.model_dir,
+        progress=report.progress,
+        param_bytes=report.param_bytes,
+        client_port=report.client_port,
+        data_port=report.data_port,
+        tokens=report.stats.tokens,
+        in_flight=report.stats.in_flight,
+        message=report.message,
+        context_tokens=report.context_tokens,
+        kv_bytes=report.kv_bytes,
+        streams=report.streams,
+        adapter=report.adapter,
+        adapter_dir=report.adapter_dir,
+        rank=report.rank,
+        group=tuple(report.group),
     )
 
 

@@ -68,6 +68,7 @@ from studiotui.provision.plan import (
 )
 from studiotui.ssh import client as ssh
 from studiotui.ssh import nodes
+from worker.shared.protocol.control import AgentBrief
 
 log = logging.getLogger("studiotui.provision.deploy")
 
@@ -364,7 +365,7 @@ class _Run:
         self.options = options
         self.on_event = on_event
         self.ctl = Controller(home, inventory)
-        self.hellos: dict[str, dict[str, Any]] = {}
+        self.hellos: dict[str, AgentBrief] = {}
         # Made before any node is probed, so a probe of this very home sees it.
         self.home_mark = home_mark(home)
 
@@ -490,7 +491,7 @@ class _Run:
             )
 
         # A re-key leaves the agent running: what it said on hello still holds.
-        reply: dict[str, Any] = dict(self.hellos.get(name, {})) if plan.status == "rekey" else {}
+        reply = self.hellos.get(name, AgentBrief()) if plan.status == "rekey" else AgentBrief()
         pid = 0
         for step in plan.steps:
             self.emit(name, step.kind, "start", step.detail)
@@ -508,20 +509,19 @@ class _Run:
                 self.emit(name, "wait", "start", f"{node.address}:{node.control_port}")
                 reply = await self._wait_up(conn, node, probe.workdir, pid)
                 done.append("wait")
-                self.emit(name, "wait", "done", f"version {reply.get('version', '?')}")
+                self.emit(name, "wait", "done", f"version {reply.version or '?'}")
                 continue
             done.append(step.kind)
             self.emit(name, step.kind, "done")
         return Outcome(
             name,
             "up",
-            f"{plan.reason}: agent {reply.get('version', '?')} up on "
-            f"{node.address}:{node.control_port}",
-            version=str(reply.get("version", "")),
+            f"{plan.reason}: agent {reply.version or '?'} up on {node.address}:{node.control_port}",
+            version=reply.version,
             build=self.wheel.build,
             address=f"{node.address}:{node.control_port}",
-            memory_total=int(reply.get("memory_total", 0)),
-            pid=int(reply.get("pid") or pid or 0) or None,
+            memory_total=reply.memory_total,
+            pid=reply.pid or pid or None,
             facts=probe.summary(),
         )
 
@@ -536,16 +536,15 @@ class _Run:
         )
 
     def _memory_of(self, name: str) -> int:
-        return int(self.hellos.get(name, {}).get("memory_total", 0))
+        return self.hellos.get(name, AgentBrief()).memory_total
 
     async def _hello(self, name: str, timeout: float) -> AgentHello | None:
         try:
-            reply = await self.ctl.peer(name).request("hello", timeout=timeout)
+            reply = await self.ctl.peer(name).ask("hello", AgentBrief, timeout=timeout)
         except (AgentUnreachable, AgentError):
             return None
         self.hellos[name] = reply
-        pid = reply.get("pid")
-        return AgentHello(str(reply.get("version", "")), int(pid) if pid else None)
+        return AgentHello(reply.version, reply.pid or None)
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -704,12 +703,12 @@ class _Run:
 
     async def _wait_up(
         self, conn: asyncssh.SSHClientConnection, node: NodeSpec, workdir: str, pid: int
-    ) -> dict[str, Any]:
+    ) -> AgentBrief:
         deadline = time.monotonic() + self.options.start_timeout
         peer = self.ctl.peer(node.name)
         while True:
             try:
-                reply = await peer.request("hello", timeout=1.0)
+                reply = await peer.ask("hello", AgentBrief, timeout=1.0)
             except (AgentUnreachable, AgentError):
                 reply = None
             if reply is not None:
@@ -741,7 +740,7 @@ class _Run:
         deadline = time.monotonic() + self.options.start_timeout
         while True:
             try:
-                reply = await self.ctl.peer(name).request("hello", timeout=1.0)
+                reply = await self.ctl.peer(name).ask("hello", AgentBrief, timeout=1.0)
                 break
             except (AgentUnreachable, AgentError):
                 pass
@@ -754,10 +753,10 @@ class _Run:
         return Outcome(
             name,
             "unchanged" if before == pid else "up",
-            f"local agent {reply.get('version', '?')} up on {node.address}:{node.control_port}",
-            version=str(reply.get("version", "")),
+            f"local agent {reply.version or '?'} up on {node.address}:{node.control_port}",
+            version=reply.version,
             address=f"{node.address}:{node.control_port}",
-            memory_total=int(reply.get("memory_total", 0)),
+            memory_total=reply.memory_total,
             pid=pid,
         )
 
@@ -917,12 +916,12 @@ async def restart_agent(
         return Outcome(
             node.name,
             "up",
-            f"restarted: agent {reply.get('version', '?')} up (pid {reply.get('pid', pid)})",
-            version=str(reply.get("version", "")),
+            f"restarted: agent {reply.version or '?'} up (pid {reply.pid or pid})",
+            version=reply.version,
             build=str(record.get("build", "")),
             address=f"{node.address}:{node.control_port}",
-            memory_total=int(reply.get("memory_total", 0)),
-            pid=int(reply.get("pid") or pid),
+            memory_total=reply.memory_total,
+            pid=reply.pid or pid,
             seconds=time.monotonic() - started,
         )
     except StepFailed as exc:
@@ -984,8 +983,8 @@ async def provision_logged(
     """Provision SSH nodes (local ones are started directly), each step in the cluster log."""
 
     def on_event(node: str, step: str, status: str, detail: str) -> None:
-        level = "error" if status == "failed" else "info"
-        ctl.record(f"{node}: {step} {status}{f' - {detail}' if detail else ''}", level)
+        text = f"{node}: {step} {status}{f' - {detail}' if detail else ''}"
+        ctl.record(text, "error" if status == "failed" else "info")
 
     ctl.mark_provisioning(names)
     try:

@@ -42,6 +42,7 @@ __all__ = [
     "SshTarget",
     "UnknownHostKey",
     "connect",
+    "get_files",
     "put_file",
     "put_files",
     "read_file_since",
@@ -608,6 +609,35 @@ async def _write_atomically(
         with contextlib.suppress(asyncssh.Error, OSError):
             await sftp.remove(tmp)
         raise
+
+
+async def get_files(
+    conn: asyncssh.SSHClientConnection,
+    files: Mapping[str, Path],
+    on_bytes: Callable[[int], None] | None = None,
+) -> int:
+    """Copy remote files (remote path -> local path) here over one SFTP session, in
+    bounded chunks; the bytes received. The caller verifies what landed (sizes and
+    hashes it learned from the node's agent), so a half copy is never used."""
+    node = _node(conn)
+    current, received = "", 0
+    try:
+        async with conn.start_sftp_client() as sftp:
+            for remote, local in files.items():
+                current = remote
+                local.parent.mkdir(parents=True, exist_ok=True)
+                async with sftp.open(remote, "rb") as src:
+                    with open(local, "wb") as dst:
+                        while chunk := cast(bytes, await src.read(_SFTP_CHUNK)):
+                            dst.write(chunk)
+                            received += len(chunk)
+                            if on_bytes:
+                                on_bytes(received)
+    except asyncssh.SFTPNoSuchFile:
+        raise RemoteFileError(node, f"{current} does not exist", "") from None
+    except (asyncssh.Error, OSError) as exc:
+        raise _sftp_error(node, f"cannot read {current or 'files'}", exc) from None
+    return received
 
 
 async def read_file_since(

@@ -28,6 +28,11 @@ FIGURES = {
     "ttft_pipe2_ms",
     "tokens_match",
     "moe_pipe2_ratio",
+    "batch8_ratio",
+    "mlx_batch8_ratio",
+    "bare_hop_us",
+    "hop_over_bare",
+    "finetune2_ratio",
     "tp2_ratio",
     "mlx_tp2_ratio",
 }
@@ -45,6 +50,10 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert all(r > 0 for r in rates + list(figures["streams"].values()))
     assert figures["hop_us_p50"] > 0 and figures["ttft_pipe2_ms"] > 0
     assert figures["moe_pipe2_tps"] > 0 and figures["moe_pipe2_ratio"] > 0
+    assert figures["batch8_ratio"] > 0 and figures["mlx_batch8_ratio"] > 0
+    assert figures["batch8_mean_rows"] > 1  # the eight streams really met in batches
+    assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
+    assert figures["finetune2_ratio"] is None  # and so is fine-tuning
     assert figures["tp2_tps"] > 0 and figures["mlx_tp2_tps"] > 0  # both tensor-parallel runs ran
     assert figures["provision4_ratio"] is None  # --quick leaves provisioning out
     assert sum(figures["phases_s"].values()) <= figures["bench_seconds"] + 1

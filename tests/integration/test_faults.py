@@ -51,13 +51,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def placed(cluster: LocalCluster, model: Path) -> tuple[str, list[int], list[int]]:
-    """A placement 'p' over the three nodes, its prompt and the reference answer."""
+    """A placement 'p' over the three nodes, its prompt and the reference answer. Two
+    streams, not the default, so a reload that forgets the plan's streams shows."""
 
     async def run() -> None:
         ctl = cluster.controller()
         try:
             await ctl.refresh()
-            await ctl.place(model, list(cluster.inventory.names), "p", prefill_chunk=16)
+            await ctl.place(model, list(cluster.inventory.names), "p", prefill_chunk=16, streams=2)
         finally:
             await ctl.close()
 
@@ -348,7 +349,7 @@ def test_the_agent_reader_survives_long_lines_and_non_object_json(tmp_path: Path
         return shard
 
     shard = asyncio.run(run())
-    assert shard.stats.get("tokens") == 5, "the line after the bad ones was read"
+    assert shard.stats.tokens == 5, "the line after the bad ones was read"
     assert shard.bad_lines >= 5
     assert shard.state == "failed" and "exited with code 0" in shard.message
 
@@ -611,7 +612,7 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
     name, tokens, expected = placed
     middle = stage_node(cluster, name, 1)
 
-    async def state() -> tuple[str, list[list[int]], dict[str, int], list[int]]:
+    async def state() -> tuple[str, list[list[int]], dict[str, int], list[int], list[int]]:
         ctl = cluster.controller()
         try:
             await ctl.refresh()
@@ -622,6 +623,7 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
                 (p.layers if p else []),
                 await runner_pids(ctl, name),
                 got,
+                [s.streams for s in p.shards] if p else [],
             )
         finally:
             await ctl.close()
@@ -641,6 +643,8 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
     }
     assert after_one[2][middle] != before[2][middle]
     assert after_all[0] == "ready" and after_all[1] == before[1] and after_all[3] == expected
+    # Reloaded shards serve the streams the plan reserved KV memory for, not the default.
+    assert before[4] == after_one[4] == after_all[4] == [2, 2, 2]
 
 
 # ---- the TUI and CLI re-attach -------------------------------------------------------------

@@ -3,6 +3,7 @@ base model's identity, and which layers an adapter touches (real mlx-lm adapters
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Callable
@@ -10,15 +11,29 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 
+from studiotui.cli.adapter_cmd import fuse_target
+from studiotui.core.adapter_catalog import (
+    AdapterRefused,
+    adapter_folders,
+    adapter_placement_name,
+    check_adapter,
+    converted_from,
+    resolve_adapter,
+    scan_adapters,
+)
+from studiotui.core.errors import UserError
+from studiotui.core.model_facts import read_model
 from tests.adapter_model import write_adapter
+from worker.shard import load_shard
 from worker.shared.adapters import (
     BASE_KEY,
     AdapterError,
+    base_digest,
     check_identity,
     layer_of,
-    model_digest,
     read_adapter,
     stamp_identity,
 )
@@ -64,7 +79,7 @@ def test_identity_matches_its_base_and_a_renamed_copy(
     assert check_identity(adapter, base) is None
     copy = tmp_path / "renamed"
     shutil.copytree(base, copy)
-    assert model_digest(copy) == model_digest(base)
+    assert base_digest(copy) == base_digest(base)
     assert check_identity(adapter, copy) is None
 
 
@@ -74,7 +89,7 @@ def test_identity_refuses_another_model_naming_both_digests(
     base, other = models
     reason = check_identity(adapter, other)
     assert reason is not None
-    assert model_digest(base)[:12] in reason and model_digest(other)[:12] in reason
+    assert base_digest(base)[:12] in reason and base_digest(other)[:12] in reason
     assert "trained on base" in reason and "not on other" in reason
 
 
@@ -140,3 +155,98 @@ def test_a_model_tensor_in_the_adapter_is_refused(
     )
     with pytest.raises(AdapterError, match="not a lora adapter tensor"):
         read_adapter(ad)
+
+
+def test_adapters_are_found_in_home_and_configured_folders_by_base_name(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, _ = models
+    home = tmp_path / "home"
+    write_adapter(base, home / "adapters" / "style")
+    write_adapter(base, tmp_path / "elsewhere" / "tiny-runs" / "run1")  # one level nested
+    (home / "adapters" / "broken").mkdir(parents=True)
+    (home / "adapters" / "broken" / "adapter_config.json").write_text("{")
+    (home / "config.toml").write_text(f'adapters_dirs = ["{tmp_path / "elsewhere"}", "rel"]\n')
+    folders = adapter_folders(home)
+    assert folders == (home / "adapters", tmp_path / "elsewhere", home / "rel")
+    catalog = scan_adapters(folders)
+    assert sorted(a.name for a in catalog.for_model("base")) == ["run1", "style"]
+    assert catalog.for_model("other") == []
+    [(path, why)] = catalog.skipped
+    assert path.name == "broken" and "not valid JSON" in why
+    assert resolve_adapter("run1", home) == (tmp_path / "elsewhere" / "tiny-runs" / "run1")
+    with pytest.raises(AdapterRefused, match="adapters found: run1, style"):
+        resolve_adapter("nope", home)
+
+
+def test_a_hub_snapshot_is_hashed_without_writing_into_the_hub_cache(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, _ = models
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(base, snapshot, ignore=shutil.ignore_patterns(".studiotui-manifest.json"))
+    assert base_digest(snapshot) == base_digest(base)
+    assert not (snapshot / ".studiotui-manifest.json").exists()
+
+
+@pytest.mark.parametrize("split", [(0, 1, 4), (0, 3, 4), (0, 2, 3, 4)])
+def test_shards_apply_only_their_layers_part_and_compose_to_mlx_lm(
+    models: tuple[Path, Path], tmp_path: Path, split: tuple[int, ...]
+) -> None:
+    """In-process: each shard's forward, chained, gives mlx-lm's logits for the model
+    loaded with the adapter; a shard with no adapted layer applies nothing."""
+    base, _ = models
+    ad = write_adapter(base, tmp_path / "ad", num_layers=3)  # layers 1-3
+    full, tok = mlx_lm.load(str(base), adapter_path=str(ad))
+    ids = mx.array([tok.encode("A shard holds some layers only.")])
+    want = full(ids)[0, -1]
+    shards = [load_shard(base, a, b, adapter_dir=ad) for a, b in itertools.pairwise(split)]
+    h = ids
+    for shard in shards:
+        h = shard.forward(h, shard.make_cache())
+    got = shards[-1].logits(h)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    assert int(mx.argmax(got).item()) == int(mx.argmax(want).item())
+    adapted = [s.adapted for s in shards]
+    # Seven projections a layer, two tensors each.
+    assert adapted == [
+        14 * len([n for n in (1, 2, 3) if a <= n < b]) for a, b in itertools.pairwise(split)
+    ]
+    assert all(s.adapter == "ad" for s in shards)
+
+
+def test_an_adapter_saved_as_adapters_is_named_after_its_folder(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """mlx-lm (and a fine-tuning job) save into a folder called `adapters`."""
+    base, _ = models
+    ad = write_adapter(base, tmp_path / "jobs" / "legal" / "adapters")
+    assert read_adapter(ad).name == "legal"
+    assert adapter_placement_name(base, ad) == "base+legal"
+    assert read_adapter(write_adapter(base, tmp_path / "style")).name == "style"
+
+
+def test_fuse_writes_into_the_models_folder_and_never_over_a_model(tmp_path: Path) -> None:
+    home, model, ad = tmp_path / "home", tmp_path / "tiny", tmp_path / "style"
+    assert fuse_target(None, home, model, ad) == home / "models" / "tiny+style-fused"
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="exists and is not empty"):
+        fuse_target(tmp_path / "taken", home, model, ad)
+    (tmp_path / "empty").mkdir()
+    assert fuse_target(tmp_path / "empty", home, model, ad) == tmp_path / "empty"
+
+
+def test_an_adapter_whose_num_layers_does_not_cover_its_tensors_is_refused(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, _ = models
+    info = read_model(base)
+    ad = write_adapter(base, tmp_path / "ad", num_layers=3)  # layers 1-3
+    assert check_adapter(ad, base, info).layers == (1, 2, 3)
+    config = json.loads((ad / "adapter_config.json").read_text())
+    config["num_layers"] = 2
+    (ad / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterRefused, match=r"tensors of layer 1, but its num_layers \(2\)"):
+        check_adapter(ad, base, info)
+    assert [converted_from(n, 4) for n in (-1, 0, 2, 4, 9)] == [0, 0, 2, 0, 0]

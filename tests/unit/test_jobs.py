@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
+from studiotui.bench.finetune import BATCH, bench_data, job_rate
 from studiotui.cluster.jobs import JobRecord, outcome
 from studiotui.core.jobs import JobWatch, blame, choose_backend
 from studiotui.core.state import LinkState
+from studiotui.tune.data import load_examples
 from worker.jobs import JobError, check_name, exit_message
 
 
@@ -21,7 +24,7 @@ def test_jaccl_only_when_every_pair_has_rdma() -> None:
     full = [_link("a", "b", True), _link("b", "c", True), _link("a", "c", True)]
     assert choose_backend(nodes, full)[0] == "jaccl"
     backend, why = choose_backend(nodes, [*full[:2], _link("a", "c", False)])
-    assert backend == "ring" and "a-c" in why
+    assert backend == "ring" and "a ↔ c" in why
     assert choose_backend(nodes, full[:2])[0] == "ring"  # a pair never measured
     assert choose_backend(["a"], [])[0] == "ring"
 
@@ -39,7 +42,7 @@ def test_blame_falls_on_the_node_that_went_first() -> None:
 def test_outcome_names_the_blamed_node() -> None:
     ends = {
         "a": ("failed", "connection to a peer was lost"),
-        "b": ("failed", "b stopped answering (nothing for 2.5 s)"),
+        "b": ("failed", "b stopped answering (nothing for 2.6 s)"),
     }
     end = outcome("j", ["a", "b"], ends, ["b"])
     assert end.state == "failed" and end.blamed == ("b",)
@@ -96,3 +99,13 @@ def test_job_names_and_exit_words() -> None:
 def test_job_record_round_trips() -> None:
     rec = JobRecord("j", "finetune", ("a", "b"), "ring", 5.0, {"iters": 3})
     assert JobRecord.from_json(rec.to_json()) == rec
+
+
+def test_the_bench_rate_leaves_the_warm_up_out(tmp_path: Path) -> None:
+    watch = JobWatch("b", nodes=["a"])
+    assert job_rate(watch, [10.0, 20.0, 30.0, 100.0, 110.0, 120.0]) == 110.0
+    assert job_rate(watch, [50.0]) == 50.0  # too short a job: what there is
+    with pytest.raises(RuntimeError, match="reported no rate"):
+        job_rate(watch, [])
+    rows = load_examples(bench_data(tmp_path / "d.jsonl"), least=BATCH)
+    assert rows.format == "text" and len(rows.train) >= 4 * BATCH

@@ -24,6 +24,7 @@ from studiotui.core.model_facts import ModelDirError, read_model
 from worker.shard import ShardLoadError, load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME, FileId, manifest, plain_name
+from worker.shared.protocol import control
 
 
 @pytest.fixture(scope="module")
@@ -163,14 +164,17 @@ def _ids(*spec: tuple[str, int, str]) -> list[FileId]:
 
 def test_a_copy_plan_keeps_the_same_replaces_what_differs_and_resumes_parts() -> None:
     wanted = _ids(("a", 10, "a"), ("b", 20, "b"), ("c", 30, "c"), ("d", 40, "d"))
-    found = {
+    # An agent's files_status answer for one folder, as the controller reads it.
+    raw = {
+        "path": "/m",
         "files": [
             {"name": "a", "state": "same", "size": 10, "sha256": "a" * 64, "partial": 0},
             {"name": "b", "state": "differs", "size": 20, "sha256": "f" * 64, "partial": 0},
             {"name": "c", "state": "differs", "size": 31, "sha256": "c" * 64, "partial": 12},
             {"name": "d", "state": "missing", "size": None, "sha256": None, "partial": 99},
-        ]
+        ],
     }
+    found = control.parse(raw, control.DirStatus)
     the_plan = plan_copy(wanted, found)
     assert the_plan.keep == ("a",)
     assert [n for n, _ in the_plan.replace] == ["b", "c"]

@@ -483,5 +483,5 @@ def test_nodes_get_no_operator_only_requirement_of_the_project() -> None:
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     on_nodes = {requirement_name(r) for r in node_requirements(project["project"]["dependencies"])}
-    assert {"mlx-lm", "pyzmq", "msgpack", "psutil", "safetensors"} <= on_nodes
+    assert {"mlx-lm", "pyzmq", "msgpack", "msgspec", "psutil", "safetensors"} <= on_nodes
     assert not on_nodes & {"textual", "textual-serve", "rich", "asyncssh", "aiohttp", "pypdf"}

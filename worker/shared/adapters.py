@@ -6,10 +6,10 @@ lora_parameters: rank, scale, dropout, optional keys) beside `adapters.safetenso
 `model.layers.7.self_attn.q_proj.lora_a`). An adapter only means something on the
 exact weights it was trained on, so studiotui stamps the base's identity into the
 config under `studiotui_base`: the model directory's name (for people) and its digest
-(for the check): the SHA-256 of the manifest (name, size, SHA-256) of the files that
-decide what the model computes — config.json and the safetensors files — so a
-renamed copy matches and a fine-tune with the same file names does not. Hashes come
-from `worker.shared.manifest`, whose per-directory cache makes a second look free.
+(for the check): `manifest.model_digest`, the SHA-256 of the folder's manifest (name,
+size, SHA-256 of every file), so a renamed copy matches and a fine-tune with the same
+file names does not. Hashes come from `worker.shared.manifest`, whose per-directory
+cache makes a second look free.
 
 A shard holds some layers only; `layers` says which decoder layers an adapter
 touches (read from the safetensors header, no tensor is read), so a shard can tell
@@ -21,7 +21,6 @@ anything, with the same reading the node uses.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import struct
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.shared.manifest import manifest
+from worker.shared.manifest import in_hub_cache, model_digest
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapters.safetensors"
@@ -50,7 +49,7 @@ class AdapterError(ValueError):
 @dataclass(frozen=True)
 class BaseIdentity:
     model: str  # the base model directory's name, for people
-    digest: str  # model_digest() of the base, for the check
+    digest: str  # base_digest() of the base, for the check
 
     def as_dict(self) -> dict[str, str]:
         return {"model": self.model, "digest": self.digest}
@@ -70,7 +69,12 @@ class Adapter:
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return adapter_name(self.path)
+
+    @property
+    def outside(self) -> tuple[str, ...]:
+        """Tensors of modules outside the decoder layers (an adapted lm_head, embedding)."""
+        return tuple(t for t in self.tensors if layer_of(t) is None)
 
     def touches(self, start: int, end: int) -> bool:
         """Whether a shard running layers [start, end) has any adapted layer."""
@@ -79,6 +83,16 @@ class Adapter:
     def tensors_in(self, start: int, end: int) -> list[str]:
         """The adapter's tensors a shard of layers [start, end) applies."""
         return [t for t in self.tensors if (n := layer_of(t)) is not None and start <= n < end]
+
+
+def adapter_name(adapter_dir: Path) -> str:
+    """What an adapter is called: its folder's name, or the folder above when that is
+    `adapters` (mlx-lm's default output folder, and a fine-tuning job's), so
+    `jobs/legal/adapters` is "legal", not one of many "adapters"."""
+    path = Path(adapter_dir)
+    if path.name == "adapters" and path.parent.name not in ("", "/"):
+        return path.parent.name
+    return path.name
 
 
 def layer_of(tensor: str) -> int | None:
@@ -179,6 +193,15 @@ def read_adapter(adapter_dir: Path) -> Adapter:
     )
 
 
+def outside_layers_reason(adapter: Adapter) -> str:
+    """Why a placement cannot apply an adapter of modules outside the decoder layers."""
+    return (
+        f"adapter {adapter.name} adapts {adapter.outside[0]!r}, outside the decoder layers: "
+        "shards apply adapters to their layers only; fuse it into a model instead "
+        "(studiotui fuse MODEL --adapter DIR --out NEW_DIR) and place that"
+    )
+
+
 def _base(raw: Any) -> BaseIdentity | None:
     if not isinstance(raw, dict):
         return None
@@ -188,29 +211,19 @@ def _base(raw: Any) -> BaseIdentity | None:
     return BaseIdentity(model, digest)
 
 
-def identity_files(model_dir: Path) -> list[str]:
-    """The files whose bytes decide what a model computes: config.json and the weights."""
-    names = [p.name for p in Path(model_dir).iterdir() if p.suffix == ".safetensors"]
-    return sorted(["config.json", *names])
-
-
-def model_digest(model_dir: Path) -> str:
-    """A model directory's identity: SHA-256 over its manifest (name, size, SHA-256 of
-    config.json and each safetensors file), in name order."""
+def base_digest(model_dir: Path) -> str:
+    """The digest an adapter's base is known by: `manifest.model_digest` of the model
+    folder (every file's name, size and SHA-256; the fine-tuning job stamps the same),
+    with no cache written into a Hugging Face snapshot (the hub's folder)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise AdapterError(f"{model_dir} has no config.json: it is not a model directory")
-    files = manifest(model_dir, identity_files(model_dir))
-    h = hashlib.sha256()
-    for name in sorted(files):
-        f = files[name]
-        h.update(f"{f.name}\0{f.size}\0{f.sha256}\n".encode())
-    return h.hexdigest()
+    return model_digest(model_dir, write_cache=not in_hub_cache(model_dir))
 
 
 def identity_of(model_dir: Path) -> BaseIdentity:
     model_dir = Path(model_dir)
-    return BaseIdentity(model_dir.resolve().name, model_digest(model_dir))
+    return BaseIdentity(model_dir.resolve().name, base_digest(model_dir))
 
 
 def stamp_identity(adapter_dir: Path, model_dir: Path) -> BaseIdentity:
@@ -246,7 +259,7 @@ def identity_mismatch(adapter: Adapter, model_dir: Path) -> str | None:
             f"stamp it: studiotui adapter stamp {adapter.path} --model {model_dir}"
         )
     try:
-        digest = model_digest(model_dir)
+        digest = base_digest(model_dir)
     except AdapterError as exc:
         return str(exc)
     if digest == adapter.base.digest:
@@ -254,5 +267,5 @@ def identity_mismatch(adapter: Adapter, model_dir: Path) -> str | None:
     return (
         f"adapter {adapter.name} was trained on {adapter.base.model} (digest "
         f"{adapter.base.digest[:12]}), not on {model_dir.name} (digest {digest[:12]}): "
-        f"place it with {adapter.base.model}, or train an adapter for {model_dir.name}"
+        f"use it with {adapter.base.model}, or train an adapter for {model_dir.name}"
     )

@@ -27,6 +27,7 @@ CACHE_NAME = ".studiotui-manifest.json"
 PART_SUFFIX = ".studiotui-part"
 CHUNK = 4 * 1024 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
 
 Hashed = Callable[[int], None]
 
@@ -79,6 +80,13 @@ def plain_name(name: str) -> bool:
         return False
     parts = name.split("/")
     return all(p not in ("", ".", "..") for p in parts) and ":" not in parts[0][1:2]
+
+
+def in_hub_cache(directory: Path) -> bool:
+    """A Hugging Face snapshot folder (`models--org--name/snapshots/<rev>`): it belongs
+    to the hub's cache, so no manifest cache is written into it. The one test of it
+    for both sides (the operator's model checks, copy names and hashing use it too)."""
+    return bool(_HUB_SNAPSHOT.search(directory.as_posix().rstrip("/")))
 
 
 def hub_blob_hash(path: Path) -> str | None:
@@ -155,3 +163,23 @@ def free_bytes(directory: Path) -> int:
     import shutil
 
     return shutil.disk_usage(path).free
+
+
+def digest_of(files: Iterable[FileId]) -> str:
+    """One SHA-256 for a set of files by name, size and content: equal sets, equal digest."""
+    lines = "".join(
+        f"{f.name}\t{f.size}\t{f.sha256}\n" for f in sorted(files, key=lambda f: f.name)
+    )
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def model_digest(directory: Path, *, write_cache: bool = True) -> str:
+    """The folder's manifest digest: every file in it (not hidden ones such as this
+    module's cache, nor copies still in a part file). It names a model by its bytes,
+    so an adapter can say which base it was trained on (see worker/finetune.py)."""
+    names = sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith(PART_SUFFIX)
+    )
+    return digest_of(manifest(directory, names, write_cache=write_cache).values())

@@ -21,8 +21,10 @@ from textual.widgets import DataTable
 from studiotui.app.drag import DragSession, DropSurface, DropTarget
 from studiotui.app.panes.nodes import NodesPane
 from studiotui.app.render import short_count
+from studiotui.core.adapter_catalog import AdapterCatalog, scan_home_adapters
 from studiotui.core.catalog import Catalog, scan_home
 from studiotui.core.placement import format_bytes
+from worker.shared.adapters import Adapter
 
 
 @dataclass(frozen=True)
@@ -39,16 +41,26 @@ class ModelRow:
     # Readable, but no shard can run it (family, quantization): said in the row, and
     # the preview refuses it with the same words.
     unsupported: str = ""
+    # An adapter row, under its base model's row: `path` is the base model's, this is
+    # the adapter directory; placing the row places the base with the adapter.
+    adapter: str = ""
 
     @property
     def placeable(self) -> bool:
         return not self.problem
 
+    @property
+    def key(self) -> str:
+        """The table's row key: a model's path, an adapter's own directory."""
+        return self.adapter or self.path
 
-def rows_from_catalog(catalog: Catalog) -> list[ModelRow]:
-    """Placeable models first (by name), then what was skipped and why."""
-    rows = [
-        ModelRow(
+
+def rows_from_catalog(catalog: Catalog, adapters: AdapterCatalog | None = None) -> list[ModelRow]:
+    """Placeable models first (by name), each followed by the adapters stamped as
+    trained on it, then what was skipped and why."""
+    rows: list[ModelRow] = []
+    for info in catalog.models:
+        row = ModelRow(
             name=info.name,
             path=str(info.path),
             family=info.family,
@@ -59,18 +71,36 @@ def rows_from_catalog(catalog: Catalog) -> list[ModelRow]:
             source=catalog.source(info),
             unsupported=info.unsupported or "",
         )
-        for info in catalog.models
-    ]
+        rows.append(row)
+        if adapters is not None:
+            rows += [_adapter_row(row, a) for a in adapters.for_model(info.path.name)]
     rows += [
         ModelRow(s.name, str(s.path), problem=s.reason, source=s.source) for s in catalog.skipped
     ]
     return rows
 
 
+def _adapter_row(base: ModelRow, adapter: Adapter) -> ModelRow:
+    span = f"{adapter.layers[0]}–{adapter.layers[-1]}" if adapter.layers else ""
+    return ModelRow(
+        name=f"{base.name}+{adapter.name}",
+        path=base.path,
+        family=f"{adapter.fine_tune_type} r{adapter.rank}",
+        params=base.params,
+        layers=base.layers,
+        size=adapter.weight_bytes,
+        dtype=f"layers {span}",
+        source=f"adapter · {adapter.path.parent}",
+        unsupported=base.unsupported,
+        adapter=str(adapter.path),
+    )
+
+
 def read_catalog(home: Path) -> tuple[list[ModelRow], str]:
     """Rows for the pane and where they were looked for (said when there are none)."""
     catalog = scan_home(home)
-    return rows_from_catalog(catalog), ", ".join(catalog.searched)
+    adapters = scan_home_adapters(home)
+    return rows_from_catalog(catalog, adapters), ", ".join(catalog.searched)
 
 
 class ModelsPane(DataTable[Any]):
@@ -121,7 +151,7 @@ class ModelsPane(DataTable[Any]):
                     Text(row.name, style="dim"),
                     *[""] * 5,
                     Text(f"skipped: {row.problem}", style="red"),
-                    key=row.path,
+                    key=row.key,
                 )
                 continue
             self.add_row(
@@ -134,7 +164,7 @@ class ModelsPane(DataTable[Any]):
                 Text(f"✗ {row.unsupported}", style="red")
                 if row.unsupported
                 else Text(row.source, style="dim"),
-                key=row.path,
+                key=row.key,
             )
         # A rescan must not move the operator's choice to another model.
         if selected is not None and selected in self.rows_shown:

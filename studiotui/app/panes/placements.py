@@ -109,7 +109,7 @@ def placements_signature(placements: tuple[PlacementState, ...]) -> tuple:
     return tuple(
         (
             p.name,
-            p.model,
+            p.label,
             p.state,
             tuple(
                 (s.node, s.start, s.end, s.state, s.tokens, s.in_flight, s.progress)
@@ -182,7 +182,7 @@ class PlacementsPane(Vertical):
                     state_label(p),
                     style=rich_colour(colours, _STATE_COLOUR.get(p.state, "warning")),
                 ),
-                p.model,
+                p.label,  # `model + adapter` for a placement with an adapter
                 group_label(p, self.groups),
                 Text(str(max((s.in_flight for s in p.shards), default=0)), justify="right"),
                 Text(f"{rates[p.name]:.1f}" if rates[p.name] else "–", justify="right"),

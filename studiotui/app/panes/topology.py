@@ -278,7 +278,7 @@ def _draw_box(canvas: Canvas, box: _Box, node: NodeState, selected: bool) -> Non
     for row in (1, 2):
         canvas.text(box.x, box.y + row, v + " " * inner + v, style, box.name)
     canvas.text(box.x + 1, box.y + 1, fit(node.name, inner).center(inner), "bold", box.name)
-    status = node.state
+    status: str = node.state
     if node.state == "up" and node.memory_total:
         status += f" {percent(node.memory_used / node.memory_total)}"
     canvas.text(

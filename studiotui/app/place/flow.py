@@ -81,6 +81,8 @@ class Placer:
             nodes=tuple(nodes),
             target=target,
             name=name if name and name not in taken else placement_name(model.name, taken),
+            # An adapter row places its base model with the adapter (named MODEL+ADAPTER).
+            adapter=Path(model.adapter) if model.adapter else None,
         )
         app.push_screen(PreviewScreen(request, ctl, self._deploy))
 
@@ -119,6 +121,7 @@ class Placer:
                 context_tokens=screen.context_tokens,
                 expected=screen.plan,
                 streams=screen.planned_streams,
+                adapter_dir=request.adapter,
             )
         except Exception as exc:  # PlacementError says it was rolled back; say it as is
             screen.finished(str(exc))
@@ -181,9 +184,13 @@ class Placer:
 
     def _model_row(self, placement: PlacementState) -> ModelRow:
         for row in self.app.query_one(ModelsPane).rows_shown:
-            if Path(row.path) == Path(placement.model_dir):
+            if Path(row.path) == Path(placement.model_dir) and row.adapter == placement.adapter_dir:
                 return row
-        return ModelRow(name=placement.model, path=placement.model_dir)
+        return ModelRow(
+            name=placement.label.replace(" + ", "+"),
+            path=placement.model_dir,
+            adapter=placement.adapter_dir,
+        )
 
     async def _again(
         self, ctl: Controller, name: str, row: ModelRow, nodes: Sequence[str], target: str

@@ -44,6 +44,7 @@ from studiotui.core.placement import (
 )
 from studiotui.core.rates import Rates
 from studiotui.core.state import ClusterState, shape_label
+from worker.shared.adapters import Adapter
 
 
 class Previewing(Protocol):
@@ -61,6 +62,8 @@ class Previewing(Protocol):
         tensor: int | None = ...,
     ) -> tuple[ModelInfo, Plan | Refusal]: ...
 
+    def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter: ...
+
 
 MIN_CONTEXT = 256
 MAX_CONTEXT = 1 << 20
@@ -77,12 +80,25 @@ class PlaceRequest:
     target: str  # "node local-1", "group left", "marked nodes", "all up nodes"
     name: str  # the placement's name
     context_tokens: int = 4096
+    adapter: Path | None = None  # an mlx-lm adapter the shards apply (checked first)
 
 
 Deploy = Callable[["PreviewScreen"], None]
 
 
 # --------------------------------------------------------------------------- drawing
+
+
+def _adapter_line(adapter: Adapter) -> Content:
+    base = adapter.base.model if adapter.base else "?"
+    span = f"{adapter.layers[0]}–{adapter.layers[-1]}" if adapter.layers else "none"
+    return Content.assemble(
+        ("adapter ", "$text-muted"),
+        (adapter.name, "bold"),
+        (f"  {adapter.fine_tune_type} rank {adapter.rank}, layers {span}", "$text-muted"),
+        ("  ✓ trained on this model", "$success"),
+        (f" ({base})", "$text-muted"),
+    )
 
 
 def _table(rows: Sequence[Sequence[Content]], right: set[int]) -> list[Content]:
@@ -328,6 +344,7 @@ class PreviewScreen(ModalScreen[None]):
         self.message = ""
         self.loads: dict[str, tuple[int, int]] = {}
         self.rates = Rates()
+        self.adapter: Adapter | None = None  # the request's adapter, once it checked out
 
     def compose(self) -> ComposeResult:
         with Vertical(id="preview-dialog") as dialog:
@@ -361,6 +378,18 @@ class PreviewScreen(ModalScreen[None]):
                 self.app.notify(f"links not measured: {exc}", severity="warning")
             self.phase = "planning"
             self._draw()
+        if request.adapter is not None and self.adapter is None:
+            # Another model's (or a malformed) adapter is refused here, before the
+            # plan: the same check `place` makes before anything is copied.
+            try:
+                self.adapter = await asyncio.to_thread(
+                    self.controller.check_adapter, request.adapter, request.model
+                )
+            except Exception as exc:  # PlacementError with both digests, or a read error
+                self.verdict = Refusal(str(exc))
+                self.phase = "refused"
+                self._draw()
+                return
         try:
             # Reading safetensors headers of a large model takes a moment: off the loop.
             self.info, self.verdict = await asyncio.to_thread(
@@ -507,6 +536,8 @@ class PreviewScreen(ModalScreen[None]):
         lines: list[Content] = []
         if self.info is not None:
             lines.append(_model_line(self.info))
+        if self.adapter is not None:
+            lines.append(_adapter_line(self.adapter))
         # "node local-1" names its node already; a group or the marks are spelled out.
         members = "" if request.target.startswith("node ") else f" ({', '.join(request.nodes)})"
         lines.append(

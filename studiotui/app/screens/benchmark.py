@@ -239,9 +239,9 @@ class BenchmarkScreen(Screen[None]):
             self.running = None
             self.query_one("#bench-progress").display = False
         path = figures.save(self.dashboard.home, run)
-        level = "warning" if run.errors else "info"
         failed = f"; {len(run.errors)} step(s) failed" if run.errors else ""
-        self.dashboard.report(f"benchmark {run.id} saved to {path}{failed}", level)
+        text = f"benchmark {run.id} saved to {path}{failed}"
+        self.dashboard.report(text, "warning" if run.errors else "info")
         self.shown = None
         self.reload(select=run.id)
 

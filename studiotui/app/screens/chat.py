@@ -90,6 +90,13 @@ class PathSuggester(Suggester):
         return complete_path(value)
 
 
+def placement_option(p: PlacementState) -> str:
+    """A placement as the picker lists it: its name, the adapter its shards apply (a
+    placement with one answers otherwise than its base), and its state unless ready."""
+    text = f"{p.name} · adapter {p.adapter}" if p.adapter else p.name
+    return text if p.state == "ready" else f"{text} ({p.state})"
+
+
 def shard_role(index: int, count: int) -> str:
     if count == 1:
         return "whole"
@@ -400,9 +407,7 @@ class ChatScreen(Screen[None]):
 
     def _poll_cluster(self) -> None:
         placements = self.cluster.placements
-        options = [
-            (p.name if p.state == "ready" else f"{p.name} ({p.state})", p.name) for p in placements
-        ]
+        options = [(placement_option(p), p.name) for p in placements]
         select = self.query_one("#chat-placement", Select)
         if options != self._options:
             before = select.selection
@@ -439,7 +444,7 @@ class ChatScreen(Screen[None]):
         turn = self.turn
         mine = turn is not None and not turn.finished and turn.placement == placement.name
         lines = [
-            Content.styled(f"Nodes · {placement.name} ({placement.model})", "bold"),
+            Content.styled(f"Nodes · {placement.name} ({placement.label})", "bold"),
             Content.styled(f"  {'node':<9} {'role':<6} {'layers':<6} {'reqs':>4}", "$text-muted"),
         ]
         for s in placement.shards:

@@ -18,6 +18,8 @@ from worker.shared.protocol.packing import pack
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KINDS = ("prefill", "decode", "free", "error", "token")
 MAX_DIMS = 4
+# Rows of one batched decode step: far more than a placement admits at once.
+MAX_BATCH = 1024
 
 
 class FrameError(ValueError):
@@ -40,6 +42,9 @@ class RingHeader:
     finish: str = ""
     message: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # A batched decode step (`rid` names the batch): per row, in order, (rid, offset) on
+    # a decode frame, (rid, token, finish, logprobs or None) on the tokens coming back.
+    batch: tuple[tuple[Any, ...], ...] = ()
 
     def expected_bytes(self) -> int:
         return math.prod(self.shape) * DTYPE_SIZES[self.dtype] if self.dtype else 0
@@ -57,6 +62,8 @@ def encode_ring_header(h: RingHeader) -> bytes:
         out["message"] = h.message
     if h.extra:
         out["extra"] = h.extra
+    if h.batch:
+        out["batch"] = [list(row) for row in h.batch]
     return pack(out)
 
 
@@ -83,6 +90,7 @@ def decode_ring_header(data: bytes, payload_len: int) -> RingHeader:
             finish=str(raw.get("finish", "")),
             message=str(raw.get("message", "")),
             extra=dict(raw.get("extra") or {}),
+            batch=_batch(raw.get("batch")),
         )
     except (TypeError, ValueError) as exc:
         raise FrameError(f"bad ring header field: {exc}", rid) from None
@@ -106,6 +114,24 @@ def _check_activation(h: RingHeader, payload_len: int) -> None:
         raise FrameError("params must be a map", h.rid)
     if h.offset < 0:
         raise FrameError(f"negative cache offset {h.offset}", h.rid)
+
+
+def _batch(raw: Any) -> tuple[tuple[Any, ...], ...]:
+    """The rows of a batched step: each a list naming its request id first."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_BATCH:
+        raise TypeError(f"batch must be a list of at most {MAX_BATCH} rows")
+    rows = []
+    for row in raw:
+        if not isinstance(row, list) or not 2 <= len(row) <= 4 or not isinstance(row[0], str):
+            raise TypeError(f"batch row {row!r} is not [rid, ...]")
+        if isinstance(row[1], bool) or not isinstance(row[1], int):
+            raise TypeError(f"batch row {row!r}: {row[1]!r} is not an offset or token")
+        rows.append(tuple(row))
+    if len({row[0] for row in rows}) != len(rows):
+        raise TypeError("a request appears twice in one batch")
+    return tuple(rows)
 
 
 def _int(value: Any) -> int:

@@ -1,0 +1,432 @@
+"""The Jobs screen: cluster jobs as they run on the nodes, and the fine-tuning form.
+
+Jobs run on the nodes; this screen follows them (`tune.finetune.attach`, which resumes
+from the last event it saw) and shows per node state and memory, the rates, the time
+left and the train and validation loss over iterations. Opened after a restart, it
+finds the jobs the nodes still run (`job_status`) and follows them again. `s` stops
+the selected job, `r` resumes it from its last saved adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, DataTable, Footer, Input, Label, Static
+
+from studiotui.app.guard import guard_actions
+from studiotui.app.host import Dashboard
+from studiotui.cluster import jobs
+from studiotui.cluster.adapter_fetch import fetch_adapter
+from studiotui.core.errors import StudioError
+from studiotui.core.jobs import JobProgress, JobWatch, Point
+from studiotui.core.placement import format_bytes
+from studiotui.core.state import LogLevel
+from studiotui.tune import finetune as ft
+
+PLOT_HEIGHT = 10
+REDRAW_EVERY_S = 0.25
+TRAIN_MARK, VAL_MARK = "•", "◆"
+
+
+def loss_chart(
+    train: tuple[Point, ...], val: tuple[Point, ...], width: int, height: int = PLOT_HEIGHT
+) -> Text:
+    """Train (•) and validation (◆) loss over iterations, scaled to width × height
+    characters, with the loss range on the left and the iterations below."""
+    points = [*train, *val]
+    if not points:
+        return Text("no loss reported yet", style="dim")
+    lo = min(p.value for p in points)
+    hi = max(p.value for p in points)
+    first = min(p.iteration for p in points)
+    last = max(p.iteration for p in points)
+    label = max(len(f"{hi:.2f}"), len(f"{lo:.2f}"))
+    cols = max(8, width - label - 2)
+    grid = [[" "] * cols for _ in range(height)]
+    styles = [[""] * cols for _ in range(height)]
+
+    def place(series: tuple[Point, ...], mark: str, style: str) -> None:
+        for p in series:
+            x = 0 if last == first else round((p.iteration - first) / (last - first) * (cols - 1))
+            y = 0 if math.isclose(hi, lo) else round((p.value - lo) / (hi - lo) * (height - 1))
+            row = height - 1 - y
+            grid[row][x], styles[row][x] = mark, style
+
+    place(train, TRAIN_MARK, "cyan")
+    place(val, VAL_MARK, "magenta")
+    out = Text()
+    for r in range(height):
+        edge = f"{hi:.2f}" if r == 0 else f"{lo:.2f}" if r == height - 1 else ""
+        out.append(f"{edge:>{label}} │")
+        for c in range(cols):
+            out.append(grid[r][c], style=styles[r][c] or None)
+        out.append("\n")
+    out.append(" " * label + " └" + "─" * cols + "\n")
+    left, right = str(first), str(last)
+    out.append(" " * (label + 2) + left + right.rjust(cols - len(left)) + "\n")
+    out.append(f"{TRAIN_MARK} train  ", style="cyan")
+    out.append(f"{VAL_MARK} validation", style="magenta")
+    return out
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def summary(p: JobProgress) -> str:
+    loss = f"{p.train_loss[-1].value:.3f}" if p.train_loss else "-"
+    val = f"{p.val_loss[-1].value:.3f}" if p.val_loss else "-"
+    rate = f"{p.iterations_per_second:.2f}" if p.iterations_per_second else "-"
+    tokens = f"{p.tokens_per_second:.0f}" if p.tokens_per_second else "-"
+    saved = f", saved at {p.saved_iteration}" if p.saved_iteration else ""
+    text = (
+        f"{p.name}: {p.state} · iteration {p.iteration}/{p.total or '?'} · train loss {loss} · "
+        f"validation loss {val} · {rate} it/s · {tokens} tok/s · ETA {duration(p.eta_s)}{saved}"
+    )
+    return f"{text}\n{p.message}" if p.message else text
+
+
+@guard_actions
+class FinetuneForm(ModalScreen[ft.FinetuneRequest | None]):
+    """What a fine-tuning job needs, for the model chosen in the Models pane."""
+
+    DEFAULT_CSS = """
+    FinetuneForm { align: center middle; }
+    #finetune-dialog {
+        width: 80; max-width: 95%; height: auto; max-height: 95%;
+        border: round $primary; background: $surface; padding: 0 1;
+    }
+    #finetune-dialog Input { margin-bottom: 0; }
+    #ft-problem { height: auto; }
+    #ft-buttons { height: auto; }
+    """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel", id="finetune-cancel"),
+    ]
+
+    def __init__(self, model: str, model_path: str, nodes: list[str], name: str) -> None:
+        super().__init__(id="finetune-form")
+        self.model_name, self.model_path = model, model_path
+        self.nodes, self.job_name = nodes, name
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="finetune-dialog") as dialog:
+            dialog.border_title = f"Fine-tune {self.model_name} (LoRA)"
+            dialog.border_subtitle = "enter starts · esc cancels"
+            fields = (
+                ("data", "Data: a .jsonl file or a folder of documents", ""),
+                ("nodes", "Nodes (a group or comma list)", ",".join(self.nodes)),
+                ("iters", "Iterations", "100"),
+                ("rank", "LoRA rank", "8"),
+                ("batch", "Batch (split over the nodes)", "8"),
+                ("lr", "Learning rate", "1e-5"),
+                ("name", "Job name", self.job_name),
+            )
+            for key, label, value in fields:
+                yield Label(label)
+                yield Input(value=value, id=f"ft-{key}")
+            yield Static("", id="ft-problem")
+            with Horizontal(id="ft-buttons"):
+                yield Button("Start", id="ft-start", variant="primary")
+                yield Button("Cancel", id="ft-cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#ft-data", Input).focus()
+
+    def _value(self, key: str) -> str:
+        return self.query_one(f"#ft-{key}", Input).value.strip()
+
+    def request(self) -> ft.FinetuneRequest:
+        """The form as a request; a field that is not a number says so."""
+        try:
+            numbers = (
+                int(self._value("iters")),
+                int(self._value("rank")),
+                int(self._value("batch")),
+            )
+            rate = float(self._value("lr"))
+        except ValueError:
+            raise ft.FinetuneError("iterations, rank and batch are whole numbers") from None
+        if not self._value("data"):
+            raise ft.FinetuneError("give the training data (a .jsonl file or a folder)")
+        nodes = tuple(n.strip() for n in self._value("nodes").split(",") if n.strip())
+        return ft.FinetuneRequest(
+            model=self.model_path,
+            data=str(Path(self._value("data")).expanduser()),
+            nodes=nodes,
+            name=self._value("name"),
+            iters=numbers[0],
+            lora_rank=numbers[1],
+            batch_size=numbers[2],
+            learning_rate=rate,
+        )
+
+    def _submit(self) -> None:
+        try:
+            req = self.request()
+            ft.check_request(req)
+        except StudioError as exc:
+            self.query_one("#ft-problem", Static).update(Text(str(exc), style="red"))
+            return
+        self.dismiss(req)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self._submit()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "ft-start":
+            self._submit()
+        else:
+            self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+@guard_actions
+class JobsScreen(Screen[None]):
+    CSS_PATH = "jobs.tcss"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "back", "Back", id="jobs-back"),
+        Binding("s", "stop_job", "Stop job", id="jobs-stop"),
+        Binding("r", "resume_job", "Resume job", id="jobs-resume"),
+        Binding("f5", "refresh_jobs", "Refresh", id="jobs-refresh"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(id="jobs-screen")
+        self.watches: dict[str, JobWatch] = {}
+        self.records: dict[str, jobs.JobRecord] = {}
+        self.following: dict[str, asyncio.Task[Any]] = {}
+        self.selected: str | None = None
+        self._redraw_due = False
+
+    @property
+    def dash(self) -> Dashboard:
+        return cast(Dashboard, self.app)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="jobs-body"):
+            table: DataTable[Any] = DataTable(id="jobs-list", cursor_type="row")
+            table.border_title = "Jobs"
+            yield table
+            yield Static("", id="jobs-summary")
+            with Horizontal(id="jobs-detail"):
+                nodes: DataTable[Any] = DataTable(id="jobs-nodes", cursor_type="none")
+                nodes.border_title = "Nodes"
+                yield nodes
+                plot = Static("", id="jobs-plot")
+                plot.border_title = "Loss over iterations"
+                yield plot
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#jobs-list", DataTable).add_columns(
+            "job", "kind", "state", "iteration", "loss", "tok/s", "ETA", "nodes"
+        )
+        self.query_one("#jobs-nodes", DataTable).add_columns(
+            "node", "rank", "state", "memory", "peak", "note"
+        )
+        self.action_refresh_jobs()
+
+    # ---- following ------------------------------------------------------------------------
+
+    def action_refresh_jobs(self) -> None:
+        self.dash.background(self.find_jobs(), "listing jobs")
+
+    async def find_jobs(self) -> list[str]:
+        """The jobs this operator started (records) and what the nodes say of them; a
+        job still running is followed (again, after a restart). Those running, by name."""
+        running: list[str] = []
+        ctl = self.dash.controller
+        for record in jobs.all_records(self.dash.home):
+            self.records[record.name] = record
+            self.watches.setdefault(
+                record.name, JobWatch(record.name, record.kind, [*record.nodes])
+            )
+        if ctl is not None:
+            up = [n.name for n in ctl.state.nodes if n.state == "up"]
+            found = await jobs.status(ctl, up)
+            for name, ranks in found.items():
+                known = self.records.get(name)
+                if known is None:
+                    continue
+                states = {r.get("state") for r in ranks.values()}
+                if states & {"running", "starting", "silent"}:
+                    running.append(name)
+                if states & {"running", "starting", "silent"} or any(
+                    r.get("seq", 0) > self.watches[name].since(n) for n, r in ranks.items()
+                ):
+                    self.follow(known)
+        self.redraw()
+        return running
+
+    def follow(self, record: jobs.JobRecord) -> None:
+        running = self.following.get(record.name)
+        if running is not None and not running.done():
+            return
+        ctl = self.dash.controller
+        if ctl is None:
+            return
+        watch = self.watches.setdefault(
+            record.name, JobWatch(record.name, record.kind, [*record.nodes])
+        )
+        if watch.progress.ended:
+            # Followed again (resumed): a fresh ending is to come.
+            watch.finish("running")
+
+        async def run() -> None:
+            try:
+                end = await ft.attach(ctl, record, watch, self.redraw)
+            except Exception as exc:  # said in the Log, never a traceback
+                self.dash.report(f"following job {record.name!r} failed: {exc}", "error")
+                return
+            level: LogLevel = (
+                "info" if end.state == "done" else "error" if end.state == "failed" else "warning"
+            )
+            self.dash.report(
+                f"job {record.name!r} {end.state}{': ' + end.message if end.message else ''}", level
+            )
+            if end.state == "done" and record.kind == ft.KIND:
+                # Its adapter, brought from its node to where `place --adapter` finds it.
+                try:
+                    where = await fetch_adapter(ctl, record)
+                    self.dash.report(f"adapter of job {record.name!r} is at {where}", "info")
+                except StudioError as exc:
+                    self.dash.report(f"adapter of job {record.name!r} not fetched: {exc}", "error")
+            self.redraw()
+
+        self.following[record.name] = asyncio.create_task(run())
+
+    def start(self, req: ft.FinetuneRequest, resume: bool = False) -> None:
+        self.dash.background(self._start(req, resume), f"starting job {req.name}")
+
+    async def _start(self, req: ft.FinetuneRequest, resume: bool) -> None:
+        ctl = self.dash.controller
+        if ctl is None:
+            self.dash.report("fine-tune: no cluster is connected", "warning")
+            return
+        # Reading and checking the data may take a moment: off the screen's loop.
+        prepared = await asyncio.to_thread(ft.prepare, ctl, req, resuming=resume)
+        record = await ft.launch(ctl, prepared, resume=resume)
+        self.records[record.name] = record
+        self.watches[record.name] = JobWatch(record.name, record.kind, [*record.nodes])
+        self.selected = record.name
+        self.follow(record)
+        self.redraw()
+
+    # ---- keys -----------------------------------------------------------------------------
+
+    def _chosen(self, what: str) -> jobs.JobRecord | None:
+        name = self.selected
+        if name is None or name not in self.records:
+            self.dash.report(f"{what}: select a job first", "warning")
+            return None
+        return self.records[name]
+
+    def action_stop_job(self) -> None:
+        record = self._chosen("stop")
+        ctl = self.dash.controller
+        if record is None or ctl is None:
+            return
+        self.dash.background(
+            jobs.stop(ctl, record.name, list(record.nodes)), f"stopping {record.name}"
+        )
+
+    def action_resume_job(self) -> None:
+        record = self._chosen("resume")
+        ctl = self.dash.controller
+        if record is None or ctl is None:
+            return
+        if not self.watches[record.name].progress.ended:
+            self.dash.report(f"job {record.name!r} is still running", "warning")
+            return
+        req = ft.resume_request(ctl, record.name)
+        self.start(replace(req), resume=True)
+
+    def action_back(self) -> None:
+        self.app.pop_screen()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.data_table.id != "jobs-list" or event.row_key.value is None:
+            return
+        chosen = str(event.row_key.value)
+        if chosen != self.selected:  # a redraw puts the cursor back: that is no choice
+            self.selected = chosen
+            self.redraw()
+
+    # ---- drawing --------------------------------------------------------------------------
+
+    def redraw(self) -> None:
+        """Draw soon: events come as fast as steps (many a second); drawn at most
+        REDRAW_EVERY_S apart, so the keys stay answered."""
+        if not self.is_mounted or self._redraw_due:
+            return
+        self._redraw_due = True
+        self.set_timer(REDRAW_EVERY_S, self._redraw_now)
+
+    def _redraw_now(self) -> None:
+        self._redraw_due = False
+        if not self.is_mounted:
+            return
+        table = self.query_one("#jobs-list", DataTable)
+        names = sorted(
+            self.watches, key=lambda n: self.records[n].started if n in self.records else 0
+        )
+        if self.selected not in self.watches and names:
+            self.selected = names[-1]
+        table.clear()
+        for name in names:
+            p = self.watches[name].progress
+            table.add_row(
+                name,
+                p.kind,
+                p.state,
+                f"{p.iteration}/{p.total or '?'}",
+                f"{p.train_loss[-1].value:.3f}" if p.train_loss else "",
+                f"{p.tokens_per_second:.0f}" if p.tokens_per_second else "",
+                duration(p.eta_s),
+                ", ".join(n.node for n in p.nodes),
+                key=name,
+            )
+        if self.selected in names:
+            table.move_cursor(row=names.index(self.selected), animate=False)
+        self._detail()
+
+    def _detail(self) -> None:
+        nodes = self.query_one("#jobs-nodes", DataTable)
+        nodes.clear()
+        plot = self.query_one("#jobs-plot", Static)
+        if self.selected is None or self.selected not in self.watches:
+            self.query_one("#jobs-summary", Static).update("no jobs yet: f on a model starts one")
+            plot.update("")
+            return
+        p = self.watches[self.selected].progress
+        self.query_one("#jobs-summary", Static).update(summary(p))
+        for n in p.nodes:
+            colour = {"failed": "red", "done": "green", "silent": "yellow"}.get(n.state, "")
+            nodes.add_row(
+                n.node,
+                str(n.rank),
+                Text(n.state, style=colour),
+                format_bytes(n.memory) if n.memory else "",
+                f"{n.peak_memory_gb:.2f} GB" if n.peak_memory_gb else "",
+                n.message[:60],
+            )
+        width = max(20, plot.size.width - 2 if plot.size.width else 60)
+        plot.update(loss_chart(p.train_loss, p.val_loss, width))

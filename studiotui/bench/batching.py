@@ -1,0 +1,240 @@
+"""`studiotui bench`'s batching rows, and the floor under its hop figure.
+
+- `batch8_ratio`: eight requests at once on two shards, aggregate tokens/s, over one
+  request alone; beside it `mlx_batch8_ratio`, mlx-lm's own batched generation
+  (`BatchGenerator`, what `mlx_lm.batch_generate` runs) of the same eight prompts in
+  one process over its one-stream loop. Rounds alternate the two sides and a ratio is
+  the median of the rounds' own ratios, as the pipeline figures are paired.
+- `bare_hop_us`: one bare CURVE ZeroMQ message between two otherwise idle processes
+  on this machine (PUSH/PULL like the ring, the ring's socket options, a decode frame's
+  size), half a round trip, so `hop_us_p50` reads against its floor (`hop_over_bare`).
+
+Run as `python -m studiotui.bench.batching echo ...`, this module is the far end of
+the bare hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from studiotui.cluster.controller import Controller
+from studiotui.cluster.streams import stream
+from studiotui.core.inventory import Inventory
+from worker.shared.protocol import curve
+from worker.shared.protocol.frames import RingHeader, encode_ring_header
+
+STREAMS = 8
+PROMPT_LEN = 16
+
+
+def prompts(n: int = STREAMS) -> list[list[int]]:
+    """n different prompts of one length (mlx-lm's batch then needs no padding)."""
+    return [[(7 * i + 13 * k) % 200 + 32 for i in range(PROMPT_LEN)] for k in range(n)]
+
+
+# ---- mlx-lm in one process ------------------------------------------------------------
+
+
+class MlxBatch:
+    """mlx-lm's one-stream loop and its batched generation, on the whole model."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import mlx_lm
+
+        self.model = mlx_lm.load(str(model_dir))[0]
+
+    def one(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        """Tokens/s of one answer, from the request to its last token (prefill counted,
+        as the pipeline's streams count it)."""
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        start = time.perf_counter()
+        tokens = [int(t) for t, _ in generate_step(mx.array(prompt), self.model, max_tokens=n)]
+        return len(tokens) / (time.perf_counter() - start), tokens
+
+    def batch(self, batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+        """Aggregate tokens/s of `BatchGenerator` on all prompts at once (no stop tokens:
+        every answer runs to n, as `ignore_eos` makes ours)."""
+        from mlx_lm.generate import BatchGenerator
+
+        start = time.perf_counter()
+        gen = BatchGenerator(self.model, max_tokens=n, completion_batch_size=len(batch))
+        uids = gen.insert(batch, [n] * len(batch))
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append(int(r.token))
+        elapsed = time.perf_counter() - start
+        gen.close()
+        return sum(len(t) for t in out.values()) / elapsed, [out[uid] for uid in uids]
+
+
+# ---- ours: eight streams on two shards ------------------------------------------------
+
+
+async def _ours(ctl: Controller, name: str, n: int) -> tuple[float, float, list[list[int]]]:
+    batch = prompts()
+    one = await stream(ctl, name, batch[0], n)
+    runs = await asyncio.gather(*(stream(ctl, name, p, n) for p in batch))
+    wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    eight = sum(len(r["tokens"]) for r in runs) / wall
+    return len(one["tokens"]) / (one["end"] - one["start"]), eight, [r["tokens"] for r in runs]
+
+
+async def batch_figures(
+    home: Path, inv: Inventory, model_dir: Path, tokens: int, rounds: int, prefill_chunk: int
+) -> dict[str, Any]:
+    """Eight streams ÷ one on two shards, paired round by round with mlx-lm's batch, on
+    a placement of its own that admits eight at once."""
+    mlx = MlxBatch(model_dir)
+    batch = prompts()
+    ctl = Controller(home, inv)
+    ours: list[tuple[float, float]] = []
+    theirs: list[tuple[float, float]] = []
+    got: list[list[int]] = []
+    try:
+        await ctl.refresh()
+        names = list(inv.names)[:2]
+        await ctl.place(model_dir, names, "batch2", prefill_chunk=prefill_chunk, streams=STREAMS)
+        await stream(ctl, "batch2", batch[0], 8)  # warm up
+        for r in range(rounds):
+            for side in ("ours", "mlx") if r % 2 else ("mlx", "ours"):
+                if side == "ours":
+                    one, eight, got = await _ours(ctl, "batch2", tokens)
+                    ours.append((one, eight))
+                else:
+                    one = (await asyncio.to_thread(mlx.one, batch[0], tokens))[0]
+                    eight = (await asyncio.to_thread(mlx.batch, batch, tokens))[0]
+                    theirs.append((one, eight))
+        stats = await ctl.head_peer(ctl.pick_placement("batch2")).request("stats")
+        await ctl.unload("batch2")
+    finally:
+        await ctl.close()
+    alone = [(await asyncio.to_thread(mlx.one, p, tokens))[1] for p in batch]
+    steps = stats.get("batched_steps") or 0
+    return {
+        "batch8_tps": round(statistics.median(e for _, e in ours), 2),
+        "batch8_ratio": round(statistics.median(e / o for o, e in ours), 3),
+        "mlx_batch8_tps": round(statistics.median(e for _, e in theirs), 2),
+        "mlx_batch8_ratio": round(statistics.median(e / o for o, e in theirs), 3),
+        "batch8_mean_rows": round(stats.get("batched_rows", 0) / steps, 2) if steps else None,
+        # Each of our eight answers, decoded in batches, is mlx-lm's greedy answer alone.
+        "batch8_tokens_match": got == alone,
+    }
+
+
+# ---- one bare hop ---------------------------------------------------------------------
+
+
+def _frame(hidden: int) -> list[bytes]:
+    """A decode frame as the ring sends it: header and one token's float32 activation."""
+    header = RingHeader(rid="bare", kind="decode", offset=1, dtype="float32", shape=(1, 1, hidden))
+    return [encode_ring_header(header), bytes(4 * hidden)]
+
+
+def _token() -> list[bytes]:
+    return [encode_ring_header(RingHeader(rid="bare", kind="token", token=1)), b""]
+
+
+class _End:
+    """One end of the bare hop: a CURVE PULL server and a PUSH client to the other end,
+    with the ring's options (`curve.make_server` / `make_client`, LINGER 0) and an
+    authenticator that knows the other end's key, as a runner does."""
+
+    def __init__(self, home: Path, me: str, bind: str, peer: str) -> None:
+        keys = curve.load_keypair(curve.key_dir(home) / f"{me}.key_secret")
+        other = "b" if me == "a" else "a"
+        peer_key = curve.load_public_key(curve.key_dir(home) / f"{other}.key")
+        self.ctx = zmq.Context()
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(home)))
+        self.pull = self.ctx.socket(zmq.PULL)
+        curve.make_server(self.pull, keys, max_bytes=1 << 20)
+        self.pull.bind(bind)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        curve.make_client(self.push, keys, peer_key)
+        self.push.connect(peer)
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.push.close(linger=0)
+        self.auth.stop()
+        self.ctx.term()
+
+
+def _echo(home: Path, bind: str, peer: str, rounds: int) -> None:
+    end = _End(home, "b", bind, peer)
+    try:
+        reply = _token()
+        for _ in range(rounds):
+            end.pull.recv_multipart(copy=False)
+            end.push.send_multipart(reply)
+    finally:
+        end.close()
+
+
+def bare_hop_us(
+    address: str, port: int, hidden: int, rounds: int = 300, gap_s: float = 0.005
+) -> float | None:
+    """Half the median round trip of a decode frame out and a token frame back between
+    this process and a fresh one, both otherwise idle, each round trip `gap_s` after the
+    last (a decode step's time: the receiver has gone to sleep, as a ring stage has);
+    None if the far end fails."""
+    with tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-") as tmp:
+        home = Path(tmp)
+        keys = curve.key_dir(home)
+        for name in ("a", "b"):
+            pair = curve.ensure_keypair(keys, name)
+            curve.write_public_key(curve.authorized_dir(home), name, pair.public)
+        here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
+        warm = 50
+        cmd = [sys.executable, "-m", "studiotui.bench.batching", "echo", tmp, there, here]
+        far = subprocess.Popen([*cmd, str(warm + rounds)])
+        end = _End(home, "a", here, there)
+        trips: list[float] = []
+        try:
+            frame = _frame(hidden)
+            poller = zmq.Poller()
+            poller.register(end.pull, zmq.POLLIN)
+            for i in range(warm + rounds):
+                # Both ends asleep in between, as a stage is while the other computes.
+                time.sleep(gap_s)
+                began = time.perf_counter()
+                end.push.send_multipart(frame)
+                if not poller.poll(10_000):
+                    return None
+                end.pull.recv_multipart(copy=False)
+                if i >= warm:
+                    trips.append(time.perf_counter() - began)
+            far.wait(timeout=10)
+        finally:
+            end.close()
+            if far.poll() is None:
+                far.kill()  # the process this function started
+                far.wait()
+    return statistics.median(trips) / 2 * 1e6
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 5 and argv[0] == "echo":
+        _echo(Path(argv[1]), argv[2], argv[3], int(argv[4]))
+        return 0
+    print("usage: python -m studiotui.bench.batching echo HOME BIND PEER ROUNDS", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

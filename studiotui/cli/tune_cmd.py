@@ -1,0 +1,260 @@
+"""`finetune` and `jobs`: fine-tuning across a node group, and the jobs the nodes run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from studiotui.cli.args import inventory_of
+from studiotui.cli.commands import resolve_model, start_hint
+from studiotui.cluster import jobs
+from studiotui.cluster.adapter_fetch import AdapterFetchError, fetch_adapter
+from studiotui.cluster.controller import Controller
+from studiotui.core.errors import UserError
+from studiotui.core.inventory import Inventory, SelectionError, resolve_group
+from studiotui.core.jobs import JobProgress, JobWatch
+from studiotui.core.placement import format_bytes
+from studiotui.tune import finetune as ft
+
+console = Console(highlight=False)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    tune = sub.add_parser(
+        "finetune",
+        help="fine-tune a model with LoRA (QLoRA if quantized) across a node group",
+        description="Train a LoRA adapter with mlx-lm's trainer, data-parallel over the "
+        "group (gradients averaged by mx.distributed). The job runs on the nodes: "
+        "Ctrl-C only stops watching it (studiotui jobs, studiotui jobs stop NAME).",
+    )
+    tune.add_argument("model", nargs="?", help="model directory, or a model's catalog name")
+    tune.add_argument(
+        "--data",
+        help="a .jsonl file (chat, completions or text examples), mlx-lm's data folder "
+        "(train.jsonl, valid.jsonl), or a folder of text, Markdown and PDF documents",
+    )
+    tune.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
+    tune.add_argument("--iters", type=int, default=None, help="iterations (default: 100)")
+    tune.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8)")
+    tune.add_argument("--name", help="job name (default: the model's name and a time)")
+    tune.add_argument(
+        "--batch-size", type=int, default=8, help="global batch, split over the nodes (8)"
+    )
+    tune.add_argument("--learning-rate", type=float, default=1e-5, help="(default: 1e-5)")
+    tune.add_argument("--layers", type=int, default=16, help="last layers given LoRA (16)")
+    tune.add_argument("--save-every", type=int, default=50, help="iterations between saves")
+    tune.add_argument(
+        "--resume", metavar="NAME", help="go on with job NAME from its last saved adapter"
+    )
+    tune.add_argument(
+        "--detach", action="store_true", help="start the job and return (it runs on the nodes)"
+    )
+    jobs_p = sub.add_parser(
+        "jobs", help="cluster jobs: list, follow, stop or forget them, or fetch their adapter"
+    )
+    jobs_p.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "stop", "follow", "forget", "fetch"],
+        default="list",
+    )
+    jobs_p.add_argument(
+        "name", nargs="?", help="the job to stop, follow, forget, or fetch the adapter of"
+    )
+
+
+def _nodes(inv: Inventory, spec: str | None, ctl: Controller) -> tuple[str, ...]:
+    if spec:
+        try:
+            return resolve_group(inv, spec)
+        except SelectionError as exc:
+            raise UserError(str(exc)) from None
+    up = tuple(n.name for n in ctl.state.nodes if n.state == "up")
+    if not up:
+        raise UserError(f"no node is up: start the cluster with {start_hint(inv)}")
+    return up
+
+
+def request_of(args: argparse.Namespace, home: Path, nodes: tuple[str, ...]) -> ft.FinetuneRequest:
+    if not args.model or not args.data:
+        raise UserError(
+            "finetune needs a MODEL and --data",
+            "e.g. studiotui finetune MODEL_DIR --data examples.jsonl --nodes GROUP",
+        )
+    model = resolve_model(Path(args.model), home).expanduser().resolve()
+    name = args.name or f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return ft.FinetuneRequest(
+        model=str(model),
+        data=str(Path(args.data).expanduser().resolve()),
+        nodes=nodes,
+        name=name,
+        iters=args.iters if args.iters is not None else 100,
+        lora_rank=args.rank,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        num_layers=args.layers,
+        save_every=args.save_every,
+    )
+
+
+async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
+    inv = inventory_of(args, home)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        if args.resume:
+            req = ft.resume_request(ctl, args.resume)
+            if args.iters is not None:
+                req = replace(req, iters=args.iters)
+        else:
+            req = request_of(args, home, _nodes(inv, args.nodes, ctl))
+        prepared = ft.prepare(ctl, req, resuming=bool(args.resume))
+        ex = prepared.examples
+        console.print(
+            f"{prepared.method} of {prepared.info.name} as job [bold]{req.name}[/] on "
+            f"{', '.join(req.nodes)} ({prepared.backend_reason}); {len(ex.train)} training and "
+            f"{len(ex.valid)} validation examples ({ex.format}), batch {req.batch_size}, "
+            f"{req.iters} iterations"
+        )
+        record = await ft.launch(ctl, prepared, resume=bool(args.resume))
+        if args.detach:
+            console.print(f"job {req.name} runs on the nodes: studiotui jobs follow {req.name}")
+            return 0
+        return await _follow(ctl, record)
+    finally:
+        await ctl.close()
+
+
+async def _follow(ctl: Controller, record: jobs.JobRecord) -> int:
+    watch = JobWatch(record.name, record.kind, list(record.nodes))
+    shown = [0]
+
+    def changed() -> None:
+        p = watch.progress
+        if p.train_loss and p.train_loss[-1].iteration != shown[0]:
+            shown[0] = p.train_loss[-1].iteration
+            console.print(progress_line(p))
+
+    try:
+        end = await ft.attach(ctl, record, watch, changed)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        console.print(
+            f"stopped watching; job {record.name} goes on on the nodes "
+            f"(studiotui jobs follow {record.name}, studiotui jobs stop {record.name})"
+        )
+        return 130
+    p = watch.progress
+    if end.state == "done":
+        console.print(
+            f"job {record.name} done: adapter in {p.adapter_dir or '(see the nodes)'} on "
+            f"{record.nodes[0]} (and every node of the job)"
+        )
+        if record.kind != ft.KIND:
+            return 0
+        try:
+            await _fetch(ctl, record)
+        except AdapterFetchError as exc:
+            console.print(f"[red]the adapter was not brought here: {exc}[/]")
+            return 1
+        return 0
+    console.print(f"[red]{end.message or end.state}[/]")
+    if end.state == "failed":
+        console.print(
+            f"resume from its last saved adapter: studiotui finetune --resume {record.name}"
+        )
+    return 1
+
+
+async def _fetch(ctl: Controller, record: jobs.JobRecord) -> None:
+    """The job's adapter brought to the operator (so it can be placed or fused by name)."""
+    where = await fetch_adapter(ctl, record)
+    for line in ctl.state.log[-1:]:
+        console.print(line.text)
+    console.print(
+        f"adapter {record.name} is at {where}: studiotui place MODEL --adapter {record.name}"
+    )
+
+
+def progress_line(p: JobProgress) -> str:
+    last = p.train_loss[-1] if p.train_loss else None
+    val = f" val {p.val_loss[-1].value:.3f}" if p.val_loss else ""
+    eta = f" ETA {_duration(p.eta_s)}" if p.eta_s is not None else ""
+    mem = max((n.memory or 0 for n in p.nodes), default=0)
+    return (
+        f"iter {p.iteration}/{p.total} loss {last.value if last else float('nan'):.3f}{val} "
+        f"{p.iterations_per_second or 0:.2f} it/s {p.tokens_per_second or 0:.0f} tok/s "
+        f"mem {format_bytes(mem)}{eta}"
+    )
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
+    inv = inventory_of(args, home)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        up = [n.name for n in ctl.state.nodes if n.state == "up"]
+        if args.action in ("stop", "follow", "forget", "fetch"):
+            record = jobs.load_record(home, args.name or "")
+            if record is None:
+                known = ", ".join(r.name for r in jobs.all_records(home)) or "none"
+                raise UserError(f"no job named {args.name!r}", f"known: {known}")
+            if args.action == "follow":
+                return await _follow(ctl, record)
+            if args.action == "fetch":
+                await _fetch(ctl, record)  # a refusal is a StudioError: said, exit 2
+                return 0
+            if args.action == "forget":
+                await jobs.forget(ctl, record)
+                console.print(
+                    f"job {record.name} forgotten (its adapters stay on the nodes, under "
+                    f"jobs/{record.name}/adapters)"
+                )
+                return 0
+            said = await jobs.stop(ctl, record.name, list(record.nodes))
+            for node, what in said.items():
+                console.print(f"{node}: {what}")
+            return 0
+        found = await jobs.status(ctl, up)
+        table = Table(title="jobs")
+        for col in ("job", "kind", "node", "state", "iteration", "loss", "tok/s", "message"):
+            table.add_column(col, overflow="fold")
+        names = [r.name for r in jobs.all_records(home)]
+        names += [n for n in found if n not in names]
+        for name in names:
+            record = jobs.load_record(home, name)
+            nodes = record.nodes if record else tuple(found.get(name, {}))
+            for node in nodes:
+                rank = found.get(name, {}).get(node)
+                table.add_row(name, record.kind if record else "?", node, *_rank_cells(rank))
+        console.print(table)
+    finally:
+        await ctl.close()
+    return 0
+
+
+def _rank_cells(rank: dict[str, Any] | None) -> list[str]:
+    if rank is None:
+        return ["unknown", "", "", "", "node down, or the job was forgotten there"]
+    metrics = (rank.get("latest") or {}).get("metrics") or {}
+    it = f"{metrics.get('iteration', 0)}/{metrics.get('total', '?')}" if metrics else ""
+    loss = f"{metrics['train_loss']:.3f}" if "train_loss" in metrics else ""
+    rate = f"{metrics['tokens_per_second']:.0f}" if "tokens_per_second" in metrics else ""
+    note = str(rank.get("message", ""))
+    finished = (rank.get("latest") or {}).get("finished") or {}
+    if finished.get("adapter_dir") and not note:
+        note = f"adapter: {finished['adapter_dir']}"
+    return [str(rank.get("state", "")), it, loss, rate, note]

@@ -1,0 +1,1 @@
+"""Fine-tuning across a node group: training data, and the job that trains."""

@@ -1,0 +1,166 @@
+"""The Jobs screen under Pilot, against a real local cluster of 2 agents: a job started
+before the dashboard was opened is found and followed, stopped and resumed with its
+keys, and the form from the Models pane starts a new one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.widgets import DataTable, Input, Static
+
+from studiotui.app.app import StudioApp
+from studiotui.app.panes.models import ModelsPane
+from studiotui.app.screens.jobs import FinetuneForm, JobsScreen, loss_chart
+from studiotui.cluster import jobs
+from studiotui.core.jobs import Point
+from studiotui.tune import finetune as ft
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+pytestmark = pytest.mark.integration
+BASE, PORT = 165, 58900  # 127.0.0.165-166
+SIZE = (160, 48)
+
+
+def test_loss_chart_draws_both_series() -> None:
+    train = tuple(Point(i, 5.0 - i * 0.1) for i in range(1, 31))
+    chart = loss_chart(train, (Point(0, 5.2), Point(30, 4.0)), width=60, height=8).plain
+    lines = chart.splitlines()
+    assert lines[0].startswith("5.20 │") and lines[7].startswith("2.00 │")  # highest, lowest
+    assert chart.count("•") >= 20 and chart.count("◆") == 2 + 1  # + the legend's
+    # The first train point is near the top left, the last at the bottom right.
+    assert "•" in lines[1][:12] and lines[7].rstrip().endswith("•")
+    assert "no loss" in loss_chart((), (), 40).plain
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from cluster_fixture(tmp_path_factory.mktemp("jobs-home"), 2, BASE, PORT)
+
+
+async def until(pilot: Any, ok: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.1)
+
+
+def _cells(table: DataTable[Any], row: int) -> list[str]:
+    return [str(c) for c in table.get_row_at(row)]
+
+
+async def test_jobs_screen_reattaches_stops_resumes_and_starts(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    home = cluster.home
+    spec = DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=2)
+    model = write_demo_model(home / "models" / "tiny", spec)
+    data = tmp_path / "data.jsonl"
+    rows = [{"text": f"item {i} is filed under shelf {i % 5}"} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    nodes = tuple(cluster.inventory.names)
+
+    # Started by another process (the CLI, a dashboard since closed): it runs on the nodes.
+    async def start_elsewhere() -> None:
+        ctl = cluster.controller()
+        try:
+            await ctl.start(telemetry=False)
+            req = ft.FinetuneRequest(
+                str(model), str(data), nodes, "earlier", iters=2000, batch_size=4, save_every=4
+            )
+            await ft.launch(ctl, ft.prepare(ctl, req))
+        finally:
+            await ctl.close()
+
+    await start_elsewhere()
+    app = StudioApp(home, cluster.inventory)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(
+            pilot,
+            lambda: app.controller is not None and app.cluster.nodes[0].state == "up",
+            30,
+            "nodes up",
+        )
+        # Found and followed again as soon as the dashboard is up, said in the Log.
+        await until(
+            pilot,
+            lambda: any("following job earlier again" in e.text for e in app.cluster.log),
+            30,
+            "the job found again",
+        )
+        await pilot.press("J")
+        screen = app.screen
+        assert isinstance(screen, JobsScreen)
+        table = screen.query_one("#jobs-list", DataTable)
+        plot = screen.query_one("#jobs-plot", Static)
+
+        def earlier() -> Any:
+            return screen.watches["earlier"].progress if "earlier" in screen.watches else None
+
+        await until(
+            pilot, lambda: (p := earlier()) is not None and p.iteration >= 4, 60, "progress"
+        )
+        await pilot.pause(0.3)
+        assert _cells(table, 0)[:3] == ["earlier", "finetune", "running"]
+        assert "•" in str(plot.content)  # the loss plot is drawn
+        node_rows = screen.query_one("#jobs-nodes", DataTable)
+        assert [_cells(node_rows, i)[0] for i in range(2)] == list(nodes)
+        assert "MB" in _cells(node_rows, 0)[3] or "KB" in _cells(node_rows, 0)[3]
+        summary = str(screen.query_one("#jobs-summary", Static).content)
+        assert "tok/s" in summary and "ETA" in summary
+
+        await pilot.press("s")
+        await until(pilot, lambda: earlier().state == "stopped", 20, "stopped")
+        stopped_at = earlier().saved_iteration
+        assert stopped_at is not None
+
+        await pilot.press("r")
+        await until(
+            pilot,
+            lambda: earlier().state == "running" and earlier().start_iteration > 0,
+            30,
+            "resumed",
+        )
+        assert earlier().start_iteration >= stopped_at - 4
+        await pilot.press("s")
+        await until(pilot, lambda: earlier().state == "stopped", 20, "stopped again")
+
+        # A new job from the Models pane's form.
+        await pilot.press("escape")
+        await pilot.press("4")
+        models = app.query_one(ModelsPane)
+        await until(pilot, lambda: models.select_model("tiny"), 20, "the model listed")
+        await pilot.press("f")
+        form = app.screen
+        assert isinstance(form, FinetuneForm)
+        form.query_one("#ft-data", Input).value = str(data)
+        form.query_one("#ft-iters", Input).value = "4"
+        form.query_one("#ft-batch", Input).value = "4"
+        form.query_one("#ft-lr", Input).value = "1e-3"
+        form.query_one("#ft-name", Input).value = "fromform"
+        form.query_one("#ft-name", Input).focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, JobsScreen), 5, "the jobs screen")
+        await until(
+            pilot,
+            lambda: (
+                "fromform" in screen.watches and screen.watches["fromform"].progress.state == "done"
+            ),
+            60,
+            "the form's job done",
+        )
+        assert screen.watches["fromform"].progress.iteration == 4
+        # Done: its adapter is fetched from its first node to where `place` finds it.
+        fetched = home / "adapters" / "fromform" / "adapters.safetensors"
+        await until(pilot, fetched.is_file, 30, "the form's adapter fetched")
+        record = jobs.load_record(home, "fromform")
+        assert record is not None
+        on_node = Path(cluster.inventory.node(record.nodes[0]).workdir) / "jobs" / "fromform"
+        assert fetched.read_bytes() == (on_node / "adapters" / "adapters.safetensors").read_bytes()
+    await asyncio.sleep(0)

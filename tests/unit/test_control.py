@@ -1,0 +1,156 @@
+"""Typed control messages (worker/shared/protocol/control.py): what the agent really
+sends parses into the structs the controller reads; anything malformed is a
+MessageError that names the message and the field, never another exception."""
+
+from __future__ import annotations
+
+import pytest
+
+from studiotui.core.state import shard_from_report
+from worker.agent import ShardProc
+from worker.shared.protocol import control, events, messages
+from worker.shared.protocol.messages import MessageError
+
+
+def _wire(kind: str, **fields: object) -> dict[str, object]:
+    """A message as it arrives: encoded, decoded and envelope-checked."""
+    return messages.decode(messages.encode(kind, **fields))
+
+
+def _shard() -> ShardProc:
+    shard = ShardProc(placement="p", data_port=5001, client_port=5002)
+    shard.spec = {
+        "model_dir": "/m/tiny",
+        "start": 2,
+        "end": 4,
+        "index": 1,
+        "count": 2,
+        "context_tokens": 1024,
+        "streams": 3,
+        "kv_bytes": 77,
+        "prefill_chunk": 64,
+    }
+    shard.state, shard.progress, shard.param_bytes = "ready", (10, 20), 999
+    shard.stats = control.ShardStats(tokens=5, in_flight=2, busy=0.5)
+    return shard
+
+
+def test_an_agents_shard_report_reads_back_as_the_shard_state() -> None:
+    reply = control.parse(_wire("shards", shards=[_shard().describe()]), control.Shards)
+    state = shard_from_report("n1", reply.shards[0])
+    assert (state.placement, state.node, state.state) == ("p", "n1", "ready")
+    assert (state.start, state.end, state.index, state.count) == (2, 4, 1, 2)
+    assert (state.context_tokens, state.streams, state.kv_bytes) == (1024, 3, 77)
+    assert (state.progress, state.param_bytes) == ((10, 20), 999)
+    assert (state.data_port, state.client_port) == (5001, 5002)
+    assert (state.tokens, state.in_flight) == (5, 2)
+
+
+def test_telemetry_with_shards_and_unknown_fields_parses() -> None:
+    msg = _wire(
+        "telemetry",
+        name="n1",
+        time=1.5,
+        version="0.1.0",
+        facts={"chip": "M3 Ultra"},
+        shards=[_shard().describe()],
+        memory_used=3,
+        memory_total=8,
+        cpu_pct=12,  # an int where a float is expected is a float
+        gpu_pct=None,
+        power={"total_w": 40.0},
+        something_newer={"a": 1},
+    )
+    t = control.parse(msg, control.Telemetry)
+    assert (t.name, t.memory_used, t.memory_total, t.cpu_pct) == ("n1", 3, 8, 12.0)
+    assert t.shards[0].state == "ready" and t.power == {"total_w": 40.0}
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "struct", "words"),
+    [
+        (
+            "telemetry",
+            {"name": "n1", "time": 1.0, "shards": [{"placement": "p", "state": "dancing"}]},
+            control.Telemetry,
+            "$.shards[0].state",
+        ),
+        ("telemetry", {"name": "n1", "time": 1.0, "shards": [7]}, control.Telemetry, "$.shards"),
+        ("telemetry", {"name": "n1", "time": 1.0, "power": "hot"}, control.Telemetry, "power"),
+        ("read_log", {"lines": "all"}, control.ReadLog, "$.lines"),
+        ("prepare_shard", {"placement": "p", "data_port": True}, control.PrepareShard, "data_port"),
+        (
+            "measure_links",
+            {"peers": [{"name": "b", "endpoint": "tcp://x:1"}]},
+            control.MeasureLinks,
+            "key",
+        ),
+    ],
+)
+def test_a_malformed_message_is_a_message_error_naming_it(
+    kind: str, fields: dict[str, object], struct: type[control.Wire], words: str
+) -> None:
+    with pytest.raises(MessageError, match=kind) as caught:
+        control.parse(_wire(kind, **fields), struct)
+    assert words in str(caught.value)
+
+
+def test_load_shard_defaults_and_types() -> None:
+    fields = {
+        "placement": "p",
+        "model_dir": "/m",
+        "start": 0,
+        "end": 2,
+        "index": 0,
+        "count": 1,
+        "data_port": 1,
+        "client_port": 2,
+        "next_endpoint": "tcp://a:1",
+        "next_key": "k",
+    }
+    req = control.parse(_wire("load_shard", **fields), control.LoadShard)
+    assert (req.prefill_chunk, req.context_tokens, req.kv_bytes) == (512, 4096, 0)
+    with pytest.raises(
+        MessageError, match=r"load_shard: Expected `int`, got `str` - at `\$.streams`"
+    ):
+        control.parse(_wire("load_shard", **fields, streams="4"), control.LoadShard)
+
+
+def test_runner_events_round_trip_and_anything_else_is_an_event_error() -> None:
+    sent = [
+        events.Beat(step_s=0.25),
+        events.Loading(done=3, total=9),
+        events.Ready(param_bytes=10, start=0, end=2, active_bytes=7),
+        events.Stats(busy=0.5, tokens=4, in_flight=1, hop_us_p50=None),
+        events.Fatal(message="out of memory while loading: bad_alloc"),
+    ]
+    lines = [events.encode(e) for e in sent]
+    assert all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in lines)
+    assert [events.decode(line) for line in lines] == sent
+    # What a runner's stats become: the shard's report, without the event's tag.
+    stats = events.decode(lines[3])
+    assert isinstance(stats, control.ShardStats) and stats.tokens == 4
+    for line, words in [
+        (b'{"event": "dance"}', "Invalid value 'dance' - at `$.event`"),
+        (b'{"done": 1, "total": 2}', "missing required field `event`"),
+        (b'{"event": "progress", "done": "half", "total": 2}', "at `$.done`"),
+        (b"[1, 2]", "Expected `object`"),
+        (b"not json {", "malformed"),
+    ]:
+        with pytest.raises(events.EventError, match="not a runner event") as caught:
+            events.decode(line)
+        assert words in str(caught.value)
+
+
+def test_a_runners_stats_fields_are_all_shard_stats_fields() -> None:
+    """The runner builds its stats event from `Runner._stats()`; a field added there
+    and not to control.ShardStats would make the event raise, every second."""
+    import ast
+    import inspect
+
+    from worker import runner
+
+    source = inspect.getsource(runner.Runner._stats)
+    returned = next(n for n in ast.walk(ast.parse(source.strip())) if isinstance(n, ast.Dict))
+    keys = {k.value for k in returned.keys if isinstance(k, ast.Constant)}
+    assert keys and keys <= set(control.ShardStats.__struct_fields__)

@@ -1,0 +1,356 @@
+"""Typed control messages: what an agent is asked, what it answers, what it publishes.
+
+`messages.decode` checks the envelope (version, type, the fields every message of a
+type must have); `parse` turns a decoded map into one of these frozen structs,
+checking every field it reads — optional ones too, and nested ones (a shard report
+inside telemetry, a peer inside measure_links) — so a read site never re-reads a
+`dict[str, Any]` with `.get()` and a default. A field of the wrong type, or a
+status no one knows, raises `MessageError` naming the message, the field and what
+was expected: the agent answers it with an error, the controller counts it dropped.
+
+Fields a message carries that a struct does not name are ignored (a newer peer may
+send more). The structs are msgspec's: `msgspec.convert` does the checking, in C.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+from worker.shared.manifest import FileId
+from worker.shared.protocol.limits import DEFAULT_STREAMS
+from worker.shared.protocol.messages import MessageError
+from worker.shared.protocol.status import FileState, ShardStatus
+
+T = TypeVar("T")
+
+
+class Wire(msgspec.Struct, frozen=True, kw_only=True):
+    """A control message as its reader sees it (unknown fields are ignored)."""
+
+
+def parse(raw: Any, kind: type[T]) -> T:
+    """`raw` (a decoded message, or a part of one) as a `kind`, or MessageError."""
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        what = raw.get("type") if isinstance(raw, Mapping) else None
+        raise MessageError(f"{what or kind.__name__}: {exc}") from None
+
+
+def to_wire(struct: Wire) -> dict[str, Any]:
+    """A struct's fields as the plain map msgpack sends."""
+    out: dict[str, Any] = msgspec.to_builtins(struct)
+    return out
+
+
+# ---- controller -> agent --------------------------------------------------------------
+
+
+class PrepareShard(Wire, frozen=True, kw_only=True):
+    placement: str
+    # A shard reloaded after a restart asks for the ports it had (None: any free ones).
+    data_port: int | None = None
+    client_port: int | None = None
+    tensor: bool = False  # a member of a tensor-parallel stage: a port for its group too
+
+
+class LoadShard(Wire, frozen=True, kw_only=True):
+    placement: str
+    model_dir: str
+    start: int
+    end: int
+    index: int
+    count: int
+    data_port: int
+    client_port: int
+    next_endpoint: str
+    next_key: str
+    prefill_chunk: int = 512
+    context_tokens: int = 4096
+    streams: int = DEFAULT_STREAMS
+    kv_bytes: int = 0
+    adapter: str = ""  # the placement's adapter by name ("": none)
+    adapter_dir: str = ""  # where this node holds its files ("": layers it does not adapt)
+
+
+class Unload(Wire, frozen=True, kw_only=True):
+    placement: str
+
+
+class ReadLog(Wire, frozen=True, kw_only=True):
+    lines: int = 200
+
+
+class LinkPeer(Wire, frozen=True, kw_only=True):
+    """A node another node measures its link to: its control endpoint and CURVE key."""
+
+    name: str
+    endpoint: str
+    key: str
+
+
+class MeasureLinks(Wire, frozen=True, kw_only=True):
+    peers: list[LinkPeer]
+
+
+class HubDownload(Wire, frozen=True, kw_only=True):
+    repo: str
+    revision: str
+    files: list[str]
+    cache_dir: str | None = None  # relative to the agent's home, else the hub's cache
+    endpoint: str | None = None
+    total: int = 0  # bytes the files take, checked against the free disk first
+
+
+# Model files (worker/files.py): `files` are the model's files by name, size and sha256.
+
+
+class FilesStatus(Wire, frozen=True, kw_only=True):
+    dirs: list[str]  # folders to look in, absolute or under the agent's home
+    files: list[FileId]
+
+
+class FilesCommit(Wire, frozen=True, kw_only=True):
+    dir: str
+    files: list[FileId]
+
+
+class ServedFile(Wire, frozen=True, kw_only=True):
+    name: str
+    size: int
+
+
+class ServeFiles(Wire, frozen=True, kw_only=True):
+    dir: str
+    files: list[ServedFile]
+
+
+class FetchFiles(Wire, frozen=True, kw_only=True):
+    dir: str
+    files: list[FileId]
+    endpoint: str  # the serving agent's file server
+    key: str  # its CURVE public key
+    token: str  # the grant serve_files answered
+
+
+# ---- agent -> agent (link measurement) ------------------------------------------------
+
+
+class Token(Wire, frozen=True, kw_only=True):
+    """open_sink and close_sink (a link measurement), unserve_files (a file grant)."""
+
+    token: str
+
+
+class SinkOpen(Wire, frozen=True, kw_only=True):
+    port: int
+
+
+class SinkResult(Wire, frozen=True, kw_only=True):
+    bytes: int
+    seconds: float
+    messages: int
+
+
+# ---- agent -> controller --------------------------------------------------------------
+
+
+class ShardStats(Wire, frozen=True, kw_only=True):
+    """A runner's counters, sent once a second (see worker.runner.Runner._stats)."""
+
+    placement: str = ""
+    busy: float = 0.0  # share of the last interval spent in steps
+    in_flight: int = 0
+    waiting: int = 0
+    tokens: int = 0
+    finished: int = 0
+    dropped: int = 0
+    errors: int = 0
+    refused: int = 0
+    prebuilt_steps: int = 0
+    batched_steps: int = 0  # decode steps that ran several requests as one batch
+    batched_rows: int = 0  # the requests those steps carried
+    active_bytes: int = 0
+    hop_us_p50: float | None = None
+
+
+class ShardReport(Wire, frozen=True, kw_only=True):
+    """One shard as its agent describes it (hello_reply, shards, telemetry)."""
+
+    placement: str
+    model_dir: str = ""
+    start: int = 0
+    end: int = 0
+    index: int = 0
+    count: int = 0
+    context_tokens: int = 0
+    streams: int = 1
+    kv_bytes: int = 0
+    prefill_chunk: int = 512
+    adapter: str = ""
+    adapter_dir: str = ""
+    data_port: int = 0
+    client_port: int = 0
+    # A member of a tensor-parallel stage: its group port, rank, the group's nodes in
+    # rank order and its mx.distributed backend ("" for a one-node stage).
+    group_port: int = 0
+    rank: int = 0
+    group: list[str] = []
+    backend: str = ""
+    state: ShardStatus = "unknown"
+    progress: tuple[int, int] = (0, 0)  # bytes loaded, of
+    param_bytes: int = 0
+    stats: ShardStats = ShardStats()
+    message: str = ""
+    pid: int | None = None
+    silent_since: float | None = None  # wall clock
+
+
+class NodeSample(Wire, frozen=True, kw_only=True):
+    """What an agent says of its node in hello_reply and every telemetry message."""
+
+    version: str = ""
+    facts: dict[str, Any] = {}  # machine facts and probes, shown as they are
+    shards: list[ShardReport] = []
+    memory_total: int = 0
+    memory_used: int = 0
+    cpu_pct: float = 0.0
+    gpu_pct: float | None = None
+    # Power and memory pressure as the agent measured them: a source and figures, or
+    # the reason there is none (worker.telemetry.Meter); shown as sent.
+    power: dict[str, Any] = {}
+    pressure: dict[str, Any] = {}
+
+
+class AgentBrief(Wire, frozen=True, kw_only=True):
+    """The part of hello_reply provisioning reads. It talks to agents of other builds
+    too (the one it replaces), so it reads no more than this."""
+
+    version: str = ""
+    pid: int | None = None
+    memory_total: int = 0
+
+
+class HelloReply(NodeSample, frozen=True, kw_only=True):
+    name: str
+    pid: int
+    address: str = ""
+    control_port: int = 0
+    started: float = 0.0
+
+
+class Telemetry(NodeSample, frozen=True, kw_only=True):
+    name: str
+    time: float
+    dropped: int = 0  # control messages the agent could not accept
+    refused: int = 0  # control requests from a key that may not make them
+
+
+class Prepared(Wire, frozen=True, kw_only=True):
+    placement: str
+    data_port: int
+    client_port: int
+    group_port: int = 0  # a tensor group member's port for mx.distributed (0: none)
+
+
+class LoadProgress(Wire, frozen=True, kw_only=True):
+    """A `progress` reply to load_shard: weight bytes read so far."""
+
+    placement: str
+    done: int
+    total: int
+
+
+class ShardReady(Wire, frozen=True, kw_only=True):
+    placement: str
+    start: int
+    end: int
+    param_bytes: int = 0
+
+
+class Shards(Wire, frozen=True, kw_only=True):
+    shards: list[ShardReport]
+
+
+class LinkResult(Wire, frozen=True, kw_only=True):
+    """One measured link, from the measuring node to `peer` (an `error` if it failed)."""
+
+    peer: str
+    kind: str = "unknown"
+    latency_us: float | None = None  # median of the pings, one way
+    latency_p90_us: float | None = None
+    latency_pad_us: float | None = None  # with pings of pad_bytes (if asked)
+    pad_bytes: int = 0
+    gbps: float | None = None
+    method: str = ""
+    chunk_bytes: int = 0
+    in_flight: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    seconds: float = 0.0  # the bulk stream's, at the receiver
+    error: str = ""
+
+
+class Links(Wire, frozen=True, kw_only=True):
+    links: list[LinkResult]
+
+
+class LogLines(Wire, frozen=True, kw_only=True):
+    lines: list[str]
+
+
+class FileStatus(Wire, frozen=True, kw_only=True):
+    """One wanted file in one folder of a node."""
+
+    name: str
+    state: FileState
+    size: int | None = None  # of the copy there, if any
+    sha256: str | None = None
+    partial: int = 0  # bytes of a part already landed, to resume from
+
+
+class DirStatus(Wire, frozen=True, kw_only=True):
+    dir: str = ""  # as asked
+    path: str  # as resolved on the node
+    free: int = 0  # bytes free on its disk
+    files: list[FileStatus] = []
+
+    def only(self, names: set[str]) -> DirStatus:
+        return msgspec.structs.replace(self, files=[f for f in self.files if f.name in names])
+
+
+class FilesFound(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to files_status: each folder asked, in order."""
+
+    dirs: list[DirStatus]
+
+
+class FileProgress(Wire, frozen=True, kw_only=True):
+    stage: str  # hashing, copying, downloading
+    done: int
+    total: int
+
+
+class Granted(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to serve_files: where and with which token to fetch."""
+
+    port: int
+    token: str
+
+
+class Fetched(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to fetch_files."""
+
+    path: str
+    received: int
+    resumed: int = 0
+
+
+class Downloaded(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to hub_download."""
+
+    path: str
+    downloaded: int = 0
