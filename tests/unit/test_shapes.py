@@ -130,6 +130,7 @@ def test_sizes_that_divide_follow_heads_and_quantization_groups(
     assert "KV heads 4" in (tensor_refusal(qwen, 3, 3) or "")
     # 3 does not split 4 nodes into equal stages.
     assert "does not split 4 nodes" in (tensor_refusal(qwen, 3, 4) or "")
+    assert "does not split 1 node into" in (tensor_refusal(qwen, 2, 1) or "")
     # MLA keeps one latent per token: DeepSeek's cache is whole on every node.
     assert ds.tensor is not None and not ds.tensor.kv_split
     assert qwen.tensor is not None and qwen.tensor.kv_split
