@@ -27,6 +27,7 @@ from studiotui.bench.tensor import (
     mlx_tp2_tps,
     summarize_tensor,
     tensor_figures,
+    versus_mlx,
 )
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
@@ -294,7 +295,16 @@ def measure(quick: bool) -> dict[str, Any]:
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
-                return await paired_decode(ctl, name, single, cfg)
+                out = await paired_decode(ctl, name, single, cfg)
+                # mlx-lm's own tensor parallel beside ours, with the same agents up.
+                out["versus_mlx"] = await versus_mlx(
+                    lambda: stream(ctl, name, prompt_tokens(16), cfg.tokens),
+                    model_dir,
+                    BENCH_PORT,
+                    cfg.tokens,
+                    cfg.decode_rounds,
+                )
+                return out
 
             with phase("tp2"):
                 tp = asyncio.run(tensor_figures(home, inv, model_dir, cfg.prefill_chunk, paired))

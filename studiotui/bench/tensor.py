@@ -12,6 +12,7 @@ here; the comparison that matters is ours against mlx-lm's.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -35,6 +36,7 @@ FIGURES = (
     "mlx_tp2_tps",
     "mlx_tp2_ratio",
     "mlx_tp2_launch_tps",
+    "tp2_over_mlx",
     "tp2_tokens_match",
 )
 
@@ -114,6 +116,31 @@ def mlx_tp2_tps(model_dir: Path, port: int, tokens: int) -> dict[str, Any] | Non
     return dict(json.loads(lines[-1])) if lines else None
 
 
+async def versus_mlx(
+    ours: Callable[[], Awaitable[dict[str, Any]]],
+    model_dir: Path,
+    port: int,
+    tokens: int,
+    rounds: int,
+) -> list[dict[str, Any]]:
+    """mlx-lm's own tensor parallel run between our group's runs, alternating which goes
+    first, while the same agents are up: one of its runs per round, so each of our runs
+    has a partner measured under the same load (`tp2_over_mlx` is the median of the
+    pairs' ratios). Ours is measured by `ours` only to keep the alternation; its figures
+    come from the bench's own paired decode."""
+    runs: list[dict[str, Any]] = []
+    for r in range(rounds):
+        order = ("ours", "mlx") if r % 2 else ("mlx", "ours")
+        pair: dict[str, Any] = {}
+        for side in order:
+            if side == "ours":
+                pair["ours"] = await ours()
+            else:
+                pair["mlx"] = await asyncio.to_thread(mlx_tp2_tps, model_dir, port, tokens)
+        runs.append(pair)
+    return runs
+
+
 def mlx_tp2_launch_tps(model_dir: Path, port: int, tokens: int) -> dict[str, Any] | None:
     """The same through `mlx.launch --backend ring -n 2`, launcher and all."""
     script = Path(__file__).with_name("tp_rank.py")
@@ -131,11 +158,17 @@ def summarize_tensor(
     # only where the margin allows); reported so a difference is seen.
     want = tp["single"][0]["tokens"]
     answers = list(tp["tokens"]) + ([mlx["tokens"]] if mlx else [])
+    pairs = [
+        p["ours"]["tps"] / p["mlx"]["tps"]
+        for p in tp.get("versus_mlx", [])
+        if p.get("mlx") and p["mlx"]["tps"] > 0
+    ]
     return {
         "tp2_tps": round(tp["tps"], 2),
         "tp2_ratio": round(tp["ratio"], 3),
         "mlx_tp2_tps": round(mlx["tps"], 2) if mlx else None,
         "mlx_tp2_ratio": round(mlx["tps"] / single, 3) if mlx else None,
         "mlx_tp2_launch_tps": round(launched["tps"], 2) if launched else None,
+        "tp2_over_mlx": round(statistics.median(pairs), 3) if pairs else None,
         "tp2_tokens_match": all(a == want for a in answers),
     }

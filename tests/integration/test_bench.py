@@ -55,6 +55,7 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
     assert figures["finetune2_ratio"] is None  # and so is fine-tuning
     assert figures["tp2_tps"] > 0 and figures["mlx_tp2_tps"] > 0  # both tensor-parallel runs ran
+    assert figures["tp2_over_mlx"] > 0  # and were paired run by run, under the same load
     assert figures["provision4_ratio"] is None  # --quick leaves provisioning out
     assert sum(figures["phases_s"].values()) <= figures["bench_seconds"] + 1
 
