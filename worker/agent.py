@@ -990,16 +990,16 @@ class Agent:
 
     async def _on_job_ports(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         """Free ports on this node's address, for a rank of a group job to listen on."""
-        count = msg.get("count", 1)
-        if not isinstance(count, int) or not 1 <= count <= 16:
+        count = control.parse(msg, control.JobPorts).count
+        if not 1 <= count <= 16:
             await self._reply(ident, re, "error", message="job_ports wants a count of 1-16")
             return
         await self._reply(ident, re, "job_ports", ports=self._free_ports(count))
 
     async def _on_start_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         try:
-            job = await self.jobs.start(msg)
-        except (jobs.JobError, KeyError, TypeError, ValueError) as exc:
+            job = await self.jobs.start(control.parse(msg, control.StartJob))
+        except jobs.JobError as exc:
             await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
             return
         assert job.proc is not None
@@ -1010,17 +1010,17 @@ class Agent:
 
     async def _on_follow_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         """Every event of a job's rank after `since`, a beat each second, then its end."""
-        since = msg.get("since", 0)
+        req = control.parse(msg, control.FollowJob)
         # A follower that went away (a closed TUI) is not told; its relay ends when the
         # job does. Bounded: the oldest relays of a job give way to new followers.
-        relays = self._follows.setdefault(str(msg.get("job")), [])
+        relays = self._follows.setdefault(req.job, [])
         relays[:] = [t for t in relays if not t.done()]
         if (me := asyncio.current_task()) is not None:
             relays.append(me)
         while len(relays) > MAX_FOLLOWERS:
             relays.pop(0).cancel()
         try:
-            async for kind, body in self.jobs.follow(str(msg.get("job")), int(since)):
+            async for kind, body in self.jobs.follow(req.job, req.since):
                 if kind == "event":
                     # The job's own fields stay in `data`: they cannot clash with ours.
                     await self._reply(
@@ -1039,14 +1039,13 @@ class Agent:
             await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
 
     async def _on_job_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        found = [j.describe() for j in self.jobs.jobs.values()]
-        if msg.get("job"):
-            found = [j for j in found if j["job"] == msg["job"]]
+        wanted = control.parse(msg, control.JobStatusAsk).job
+        found = [j.describe() for j in self.jobs.jobs.values() if j.job == wanted or not wanted]
         await self._reply(ident, re, "jobs", node=self.config.name, jobs=found)
 
     async def _on_stop_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         try:
-            job = await self.jobs.stop(str(msg.get("job")))
+            job = await self.jobs.stop(control.parse(msg, control.JobRef).job)
         except jobs.JobError as exc:
             await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
             return
@@ -1054,7 +1053,8 @@ class Agent:
         await self._reply(ident, re, "job_stopped", **job.describe())
 
     async def _on_forget_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        await self._reply(ident, re, "ok", forgotten=self.jobs.forget(str(msg.get("job"))))
+        name = control.parse(msg, control.JobRef).job
+        await self._reply(ident, re, "ok", forgotten=self.jobs.forget(name))
 
     # ---- telemetry ----------------------------------------------------------------------------
 

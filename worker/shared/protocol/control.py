@@ -136,6 +136,38 @@ class FetchFiles(Wire, frozen=True, kw_only=True):
     token: str  # the grant serve_files answered
 
 
+# Jobs (worker/jobs.py): one rank of a job per node, asked by studiotui.cluster.jobs.
+
+
+class JobPorts(Wire, frozen=True, kw_only=True):
+    count: int = 1  # free ports wanted (1-16, checked by the agent)
+
+
+class StartJob(Wire, frozen=True, kw_only=True):
+    job: str  # its name (checked by worker.jobs.check_name)
+    job_kind: str
+    rank: int
+    size: int
+    backend: str = "ring"
+    hosts: list[tuple[str, int]] = []  # each rank's address and group port, in rank order
+    devices: Any = None  # a jaccl group's device map, written as the rank's devices.json
+    spec: dict[str, Any] = {}  # the job's own settings, passed to it as they are
+
+
+class JobRef(Wire, frozen=True, kw_only=True):
+    """stop_job, forget_job."""
+
+    job: str
+
+
+class FollowJob(JobRef, frozen=True, kw_only=True):
+    since: int = 0  # the last event seen: only later ones are sent
+
+
+class JobStatusAsk(Wire, frozen=True, kw_only=True):
+    job: str = ""  # one job ("": all)
+
+
 # ---- agent -> agent (link measurement) ------------------------------------------------
 
 
@@ -354,3 +386,57 @@ class Downloaded(Wire, frozen=True, kw_only=True):
 
     path: str
     downloaded: int = 0
+
+
+class JobPortsFree(Wire, frozen=True, kw_only=True):
+    """The answer to job_ports."""
+
+    ports: list[int]
+
+
+class JobRank(Wire, frozen=True, kw_only=True):
+    """One rank of a job as its agent describes it (job_started, job_stopped, jobs)."""
+
+    job: str
+    job_kind: str = ""
+    rank: int = 0
+    size: int = 1
+    backend: str = ""
+    state: str = ""  # starting, running, silent, done, failed, stopped
+    message: str = ""
+    code: int | None = None
+    pid: int | None = None
+    started: float = 0.0
+    ended: float | None = None
+    seq: int = 0
+    latest: dict[str, Any] = {}  # the job's last event of each kind, as the job wrote it
+    directory: str = ""
+    spec: dict[str, Any] = {}
+
+
+class JobsFound(Wire, frozen=True, kw_only=True):
+    """The answer to job_status."""
+
+    node: str = ""
+    jobs: list[JobRank] = []
+
+
+class JobEvent(Wire, frozen=True, kw_only=True):
+    """One event of a followed rank; the job's own fields stay in `data`."""
+
+    node: str = ""
+    event: str
+    seq: int
+    data: dict[str, Any] = {}
+
+
+class JobBeat(Wire, frozen=True, kw_only=True):
+    """job_beat (the rank lives) and job_end (its last word)."""
+
+    node: str = ""
+    job: str = ""
+    rank: int = 0
+    state: str = ""
+    message: str = ""
+    code: int | None = None
+    seq: int = 0
