@@ -416,10 +416,13 @@ class Agent:
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if msg.get("group"):
+        asked = control.parse(msg, control.TensorMember)
+        if asked.group:
             try:
-                member, member_env = tensor_member(msg, self.config.address, run_dir / _safe(name))
-            except (group.GroupError, KeyError, TypeError, ValueError) as exc:
+                member, member_env = tensor_member(
+                    asked, self.config.address, run_dir / _safe(name)
+                )
+            except (group.GroupError, ValueError) as exc:
                 await self._reply(ident, re, "error", message=f"tensor group: {exc}")
                 return
             spec |= member
@@ -1085,15 +1088,15 @@ class Agent:
 
 
 def tensor_member(
-    msg: dict[str, Any], address: str, base: Path
+    asked: control.TensorMember, address: str, base: Path
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The runner fields and the environment of one rank of a tensor-parallel stage:
     the ring backend's hostfile (every rank's bridge address and group port, as
     `mlx.launch` writes it) or JACCL's device file and coordinator, via worker.group."""
-    nodes = [str(n) for n in msg["group"]]
-    addresses = [str(a) for a in msg["group_addresses"]]
-    ports = [int(p) for p in msg["group_ports"]]
-    rank, size, backend = int(msg["rank"]), len(nodes), str(msg["backend"])
+    nodes, addresses, ports = asked.group, asked.group_addresses, asked.group_ports
+    rank, size, backend = asked.rank, len(nodes), asked.backend
+    if not 0 <= rank < size or len(ports) != size:
+        raise ValueError(f"rank {rank} of a group of {size} with {len(ports)} ports")
     if len(addresses) != size or addresses[rank] != address:
         raise ValueError(f"rank {rank}'s address is not this node's ({address})")
     if backend == "ring":
@@ -1102,7 +1105,7 @@ def tensor_member(
         )
         env = group.rank_env(rank, size, "ring", hostfile=hosts)
     elif backend == "jaccl":
-        devices = group.write_json(base.with_suffix(".devices.json"), msg["devices"])
+        devices = group.write_json(base.with_suffix(".devices.json"), asked.devices)
         coordinator = f"{addresses[0]}:{ports[0]}"
         env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
     else:
@@ -1112,8 +1115,8 @@ def tensor_member(
         "group_size": size,
         "group": nodes,
         "backend": backend,
-        "followers": [[str(e), str(k)] for e, k in msg.get("followers", [])],
-        "leader_key": str(msg.get("leader_key", "")),
+        "followers": [[e, k] for e, k in asked.followers],
+        "leader_key": asked.leader_key,
     }
     return member, env
 

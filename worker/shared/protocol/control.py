@@ -76,6 +76,20 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     adapter_dir: str = ""  # where this node holds its files ("": layers it does not adapt)
 
 
+class TensorMember(Wire, frozen=True, kw_only=True):
+    """A tensor-parallel stage member's part of load_shard (no `group`: a one-node stage).
+    The agent writes the hostfile (ring) or device file (jaccl) from it, worker.group."""
+
+    group: list[str] = []  # the stage's nodes in rank order
+    rank: int = 0
+    backend: str = "ring"
+    group_addresses: list[str] = []  # each member's bridge address, in rank order
+    group_ports: list[int] = []  # each member's mx.distributed port
+    devices: Any = None  # jaccl's device map
+    followers: list[tuple[str, str]] = []  # the leader's: each follower's mirror endpoint, key
+    leader_key: str = ""  # a follower's: its leader's CURVE key
+
+
 class Unload(Wire, frozen=True, kw_only=True):
     placement: str
 
