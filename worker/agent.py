@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import logging.handlers
@@ -599,13 +600,14 @@ class Agent:
         await self._reply(ident, re, "ok", pad=echo)
 
     async def _on_measure_links(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        req = control.parse(msg, control.MeasureLinks)
         try:
-            sizes = link_sizes(msg.get("sizes") or {})
+            sizes = link_sizes(req.sizes)
         except ValueError as exc:
             await self._reply(ident, re, "error", message=str(exc))
             return
         results = []
-        for peer in control.parse(msg, control.MeasureLinks).peers:
+        for peer in req.peers:
             results.append(await self._measure(peer, sizes))
         await self._reply(ident, re, "links", links=results)
 
@@ -689,9 +691,10 @@ class Agent:
         return sent
 
     async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        token = control.parse(msg, control.Token).token
+        req = control.parse(msg, control.OpenSink)
+        token = req.token
         try:
-            in_flight = link_sizes({"in_flight": msg.get("in_flight", LINK_IN_FLIGHT)}).in_flight
+            in_flight = link_sizes(control.LinkSizes(in_flight=req.in_flight)).in_flight
         except ValueError as exc:
             await self._reply(ident, re, "error", message=str(exc))
             return
@@ -1132,20 +1135,15 @@ class LinkSizes:
     in_flight: int = LINK_IN_FLIGHT
 
 
-def link_sizes(asked: dict[str, Any]) -> LinkSizes:
-    """The sizes a `measure_links` request asks for, the defaults for the rest; a field
-    out of its bounds (limits.LINK_MEASURE_BOUNDS) or unknown is refused, naming it."""
-    problem = out_of_bounds(asked, LINK_MEASURE_BOUNDS)
+def link_sizes(asked: control.LinkSizes) -> LinkSizes:
+    """The sizes a `measure_links` request asks for, the defaults for the rest; a size
+    out of its bounds (limits.LINK_MEASURE_BOUNDS) is refused, naming it (its type and
+    an unknown one were checked by control.parse)."""
+    given = {k: v for k, v in msgspec.structs.asdict(asked).items() if v is not None}
+    problem = out_of_bounds(given, LINK_MEASURE_BOUNDS)
     if problem:
         raise ValueError(f"link measurement: {problem}")
-    base = LinkSizes()
-    return LinkSizes(
-        pings=int(asked.get("pings", base.pings)),
-        pad_bytes=int(asked.get("pad_bytes", base.pad_bytes)),
-        bulk_seconds=float(asked.get("bulk_seconds", base.bulk_seconds)),
-        chunk_bytes=int(asked.get("chunk_bytes", base.chunk_bytes)),
-        in_flight=int(asked.get("in_flight", base.in_flight)),
-    )
+    return dataclasses.replace(LinkSizes(), **given)
 
 
 class BenchError(RuntimeError):

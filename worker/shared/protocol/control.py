@@ -106,8 +106,20 @@ class LinkPeer(Wire, frozen=True, kw_only=True):
     key: str
 
 
+class LinkSizes(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How measure_links measures; a size not given is the agent's default. Each is
+    checked against limits.LINK_MEASURE_BOUNDS, and an unknown one is refused."""
+
+    pings: int | None = None
+    pad_bytes: int | None = None
+    bulk_seconds: float | None = None
+    chunk_bytes: int | None = None
+    in_flight: int | None = None
+
+
 class MeasureLinks(Wire, frozen=True, kw_only=True):
     peers: list[LinkPeer]
+    sizes: LinkSizes = LinkSizes()
 
 
 class HubDownload(Wire, frozen=True, kw_only=True):
@@ -189,6 +201,10 @@ class Token(Wire, frozen=True, kw_only=True):
     """open_sink and close_sink (a link measurement), unserve_files (a file grant)."""
 
     token: str
+
+
+class OpenSink(Token, frozen=True, kw_only=True):
+    in_flight: int | None = None  # messages the measuring side keeps in flight
 
 
 class SinkOpen(Wire, frozen=True, kw_only=True):
