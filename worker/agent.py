@@ -730,10 +730,7 @@ class Agent:
         if busy:
             await self._reply(ident, re, "error", message=busy)
             return
-        sizes = msg.get("sizes")
-        if not isinstance(sizes, dict):
-            await self._reply(ident, re, "error", message="device_bench needs its sizes")
-            return
+        sizes = control.parse(msg, control.DeviceBench).sizes
         try:
             figures = await self._measurement(
                 ident, re, ["-m", "worker.device_bench", json.dumps(sizes)]

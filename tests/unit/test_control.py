@@ -99,6 +99,12 @@ def test_telemetry_with_shards_and_unknown_fields_parses() -> None:
         ),
         ("follow_job", {"job": "j", "since": "0"}, control.FollowJob, "$.since"),
         (
+            "ok",
+            {"figures": {"matmul": {"float32": {"n": 512, "gflops": "fast"}}}},
+            control.DeviceBenchDone,
+            "$.figures.matmul[...].gflops",
+        ),
+        (
             "jobs",
             {"node": "n", "jobs": [{"job": "j", "seq": "1"}]},
             control.JobsFound,

@@ -131,6 +131,12 @@ class HubDownload(Wire, frozen=True, kw_only=True):
     total: int = 0  # bytes the files take, checked against the free disk first
 
 
+class DeviceBench(Wire, frozen=True, kw_only=True):
+    # matmul_n, copy_mib, seconds, dtypes: given as they are to worker.device_bench,
+    # which checks them (limits.DEVICE_BENCH_BOUNDS) and refuses bad ones in its words
+    sizes: dict[str, Any]
+
+
 # Model files (worker/files.py): `files` are the model's files by name, size and sha256.
 
 
@@ -470,3 +476,31 @@ class JobBeat(Wire, frozen=True, kw_only=True):
     message: str = ""
     code: int | None = None
     seq: int = 0
+
+
+class BenchStep(Wire, frozen=True, kw_only=True):
+    """A `bench_step` reply: the figure a benchmark starts on."""
+
+    step: str = ""
+
+
+class MatmulFigures(Wire, frozen=True, kw_only=True):
+    n: int
+    gflops: float
+
+
+class MemoryFigures(Wire, frozen=True, kw_only=True):
+    copy_gbs: float | None = None
+    read_gbs: float | None = None
+
+
+class DeviceFigures(Wire, frozen=True, kw_only=True):
+    """What worker.device_bench measured (the `ok` answer to device_bench)."""
+
+    device: str = ""  # which of the node's processors: "gpu" on a Mac, "cpu" here
+    matmul: dict[str, MatmulFigures] = {}  # by dtype
+    memory: MemoryFigures = MemoryFigures()
+
+
+class DeviceBenchDone(Wire, frozen=True, kw_only=True):
+    figures: DeviceFigures
