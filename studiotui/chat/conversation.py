@@ -386,7 +386,10 @@ class ChatSession:
         }
         meta: dict[str, Any] = {
             "placement": target.name or "",
-            "nodes": list(target.placement.nodes) if target.placement else [],
+            # One entry per stage, a tensor group's nodes as `a+b` (drawn `a+b → c+d`).
+            "nodes": ["+".join(n) for n, _, _ in target.placement.stages]
+            if target.placement
+            else [],
             "seed": seed,
             "temperature": s.temperature,
             "top_p": s.top_p,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -78,6 +79,23 @@ def _write(path: Path, text: str) -> None:
     errors.print(f"wrote {path}")
 
 
+def _check_writable(path: Path | None) -> None:
+    """Refuse a `--markdown FILE` that cannot be written before anything is measured: a
+    run takes minutes and the file is written last."""
+    if path is None:
+        return
+    target = path.expanduser()
+    if target.is_dir():
+        raise UserError(f"--markdown {path} is a folder", "name a file to write")
+    if not target.parent.is_dir():
+        raise UserError(
+            f"--markdown {path}: there is no folder {target.parent}",
+            "create it or name a file in a folder that exists",
+        )
+    if not os.access(target.parent, os.W_OK):
+        raise UserError(f"--markdown {path}: {target.parent} is not writable", "pick another file")
+
+
 def cmd_compare(args: argparse.Namespace, home: Path) -> int:
     a, b = (figures.find(home, ref) for ref in args.compare)
     rows = figures.compare(a, b)
@@ -117,6 +135,7 @@ def cmd_list(home: Path) -> int:
 
 
 async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
+    _check_writable(args.markdown)
     if args.compare:
         return cmd_compare(args, home)
     if args.list:

@@ -211,7 +211,11 @@ def print_nodes(ctl: Controller) -> None:
     console.print(table)
     for p in ctl.state.placements:
         gone = set(p.missing)
-        ring = " → ".join(f"{'✗' * (s.node in gone)}{s.node}[{s.start}:{s.end}]" for s in p.ring)
+        # A tensor group is one hop, `a+b[0:4]`, as the dashboard draws it.
+        ring = " → ".join(
+            "+".join(f"{'✗' * (n in gone)}{n}" for n in nodes) + f"[{start}:{end}]"
+            for nodes, start, end in p.stages
+        )
         console.print(f"placement [bold]{p.name}[/] ({p.label}) {p.state}, {p.shape}: {ring}")
 
 
@@ -329,7 +333,8 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             console=console,
             transient=False,
         ) as bar:
-            tasks = {s.node: bar.add_task(s.node, total=None) for s in the_plan.shards}
+            # One bar per process: every node of a tensor group loads (and reports) its own.
+            tasks = {n: bar.add_task(n, total=None) for s in the_plan.shards for n in s.nodes}
 
             def progress(node: str, done: int, total: int) -> None:
                 task = bar.tasks[tasks[node]]

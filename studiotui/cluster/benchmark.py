@@ -127,7 +127,11 @@ class Benchmark:
         down = [n for n in names if (s := state.node(n)) is None or s.state != "up"]
         if down or not names:
             raise BenchmarkError(
-                f"{', '.join(down) or 'no node'} is not up",
+                # Nothing asked and nothing up: "no node is up" (it once said "no node is
+                # not up").
+                f"{', '.join(down)} {'is' if len(down) == 1 else 'are'} not up"
+                if down
+                else "no node is up",
                 "start the cluster (studiotui up, or provision), or pick --nodes that are up",
             )
         chosen: list[PlacementState] = []

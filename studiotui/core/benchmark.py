@@ -81,11 +81,11 @@ class Sizes:
             current = getattr(self, name)
             try:
                 if isinstance(current, tuple):
-                    value: Any = tuple(int(x) for x in text.split(",") if x.strip())
+                    value: Any = tuple(_number(int, x) for x in text.split(",") if x.strip())
                     if not value or min(value) < 1:
                         raise ValueError("wants whole numbers of at least 1")
                 else:
-                    value = type(current)(text)
+                    value = _number(type(current), text)
                     if (value <= 0 and name != "link_pad_bytes") or value < 0:
                         raise ValueError("wants a positive number")
             except ValueError as exc:
@@ -98,9 +98,11 @@ class Sizes:
         return changed
 
     def problem(self) -> str:
-        """What the agents would refuse in these sizes, in words ("" if nothing)."""
+        """What the agents would refuse in these sizes, in words ("" if nothing), naming
+        each size as `--size` does (`link_seconds`, not the agent's `bulk_seconds`)."""
         device = out_of_bounds(self.device_spec(), DEVICE_BENCH_BOUNDS)
-        return device or out_of_bounds(self.link_spec(), LINK_MEASURE_BOUNDS)
+        bounds = {size: LINK_MEASURE_BOUNDS[wire] for size, wire in LINK_FIELDS.items()}
+        return device or out_of_bounds({size: getattr(self, size) for size in LINK_FIELDS}, bounds)
 
     def device_spec(self) -> dict[str, Any]:
         """What an agent's `device_bench` request carries."""
@@ -108,13 +110,26 @@ class Sizes:
 
     def link_spec(self) -> dict[str, Any]:
         """What an agent's `measure_links` request carries."""
-        return {
-            "pings": self.link_pings,
-            "pad_bytes": self.link_pad_bytes,
-            "bulk_seconds": self.link_seconds,
-            "chunk_bytes": self.link_chunk_bytes,
-            "in_flight": self.link_in_flight,
-        }
+        return {wire: getattr(self, size) for size, wire in LINK_FIELDS.items()}
+
+
+# Each link size's name in `Sizes` (and `--size`) and the one `measure_links` takes.
+LINK_FIELDS = {
+    "link_pings": "pings",
+    "link_pad_bytes": "pad_bytes",
+    "link_seconds": "bulk_seconds",
+    "link_chunk_bytes": "chunk_bytes",
+    "link_in_flight": "in_flight",
+}
+
+
+def _number(kind: type, text: str) -> Any:
+    """`text` as an int or a float, or a ValueError in the user's words (not Python's
+    "invalid literal for int() with base 10")."""
+    try:
+        return kind(text.strip())
+    except ValueError:
+        raise ValueError("wants a whole number" if kind is int else "wants a number") from None
 
 
 # ---- the figures ------------------------------------------------------------------------

@@ -241,8 +241,11 @@ def compare_table(a: Run, b: Run, rows: Sequence[CompareRow] | None = None) -> T
     group, placement); the change is green when better, red when worse (past 2 %)."""
     rows = compare(a, b) if rows is None else rows
     table = Table(title=f"A {a.label}\nB {b.label}", title_justify="left")
-    table.add_column("item", no_wrap=True)
-    table.add_column("figure", overflow="fold")
+    # The figure's name is what tells a node's five rows apart: it never shrinks (rich
+    # narrows wrappable columns first, to nothing at 80 columns); a long item (a group
+    # of four nodes) wraps instead.
+    table.add_column("item", overflow="fold", min_width=8)
+    table.add_column("figure", no_wrap=True)
     table.add_column("unit", no_wrap=True)
     for col in ("A", "B", "B vs A"):
         table.add_column(col, justify="right", no_wrap=True)

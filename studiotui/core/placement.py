@@ -218,6 +218,10 @@ class Refusal:
 # --------------------------------------------------------------------------- sizes
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def format_bytes(n: int) -> str:
     """A size for people: "1.5 GB", "512 MB", "3 KB", "12 B"."""
     sign = "-" if n < 0 else ""
@@ -706,7 +710,7 @@ def tensor_refusal(model: ModelFacts, n: int, node_count: int) -> str | None:
             "so it runs only as a pipeline (tensor 1)"
         )
     elif node_count % n:
-        why = f"a tensor group of {n} does not split {node_count} nodes into equal stages"
+        why = f"a tensor group of {n} does not split {_count(node_count, 'node')} into equal stages"
     elif node_count // n > model.n_layers:
         why = f"{node_count // n} stages need at least {node_count // n} layers"
     else:

@@ -145,6 +145,18 @@ class PlacementState:
         return self.planned or tuple(PlannedShard(s.node, s.start, s.end) for s in self.shards)
 
     @property
+    def stages(self) -> tuple[tuple[tuple[str, ...], int, int], ...]:
+        """The ring as stages: each stage's nodes (a tensor group's, in rank order) and
+        its layers. The nodes of a group share their layers and follow one another."""
+        out: list[tuple[tuple[str, ...], int, int]] = []
+        for p in self.ring:
+            if out and (out[-1][1], out[-1][2]) == (p.start, p.end):
+                out[-1] = ((*out[-1][0], p.node), p.start, p.end)
+            else:
+                out.append(((p.node,), p.start, p.end))
+        return tuple(out)
+
+    @property
     def shape(self) -> str:
         """ "4 stages", "2 stages × 2 (ring)": the nodes sharing a layer range are one
         stage's tensor group."""

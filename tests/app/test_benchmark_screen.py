@@ -113,6 +113,40 @@ async def test_a_fixed_view_lists_runs_but_cannot_run(tmp_path: Path) -> None:
         assert screen.running is None and "studio-1" in shown(screen)
 
 
+async def test_at_80_columns_the_figures_get_the_whole_width(tmp_path: Path) -> None:
+    """At 80 × 24 the saved runs sit above the figures: beside them (48 columns) the node
+    table's figure columns were squeezed to nothing and no number could be read."""
+    bm.save(tmp_path, sample_run())
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("b")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, BenchmarkScreen)
+        assert screen.query_one("#bench-results").size.width >= 76
+        text = shown(screen)
+        for word in ("float32", "bfloat16", "20,000", "40,000", "GFLOP/s"):
+            assert word in text, word
+        assert screen.query_one("#bench-runs", DataTable).row_count == 1
+
+
+async def test_at_80_columns_a_comparison_keeps_its_figures_in_view(tmp_path: Path) -> None:
+    """The compare table was drawn at its own width, wider than the pane: the A, B and
+    change columns were cut off at the right edge."""
+    bm.save(tmp_path, sample_run("20260101-000000-desk"))
+    bm.save(tmp_path, sample_run("20260102-000000-desk", scale=1.1))
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("b", "space", "down", "space", "c")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, BenchmarkScreen) and isinstance(screen.shown, tuple)
+        text = shown(screen)
+        row = next(line for line in text.splitlines() if "matmul float32" in line)
+        assert "20,000" in row and "22,000" in row and "+10.0 %" in row, row
+        assert max(len(line.rstrip()) for line in text.splitlines()) <= 76
+
+
 def test_benchmark_screen_snapshot(snap_compare, tmp_path: Path) -> None:
     bm.save(tmp_path, sample_run("20260101-000000-desk"))
     bm.save(tmp_path, sample_run("20260102-000000-desk", scale=1.1))

@@ -16,11 +16,12 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from textual.widgets import DataTable, Input, Markdown, Sparkline
+from textual.widgets import DataTable, Input, Markdown, Select, Sparkline
 
 from studiotui.app.app import StudioApp
 from studiotui.app.dialogs import ConfirmScreen
@@ -30,6 +31,7 @@ from studiotui.app.screens.conversations import ConversationsScreen
 from studiotui.chat.documents import split_passages
 from studiotui.chat.history import History, Settings
 from studiotui.core.inventory import Inventory
+from studiotui.core.state import ClusterState, ShardState, placements_from_shards
 from tests.cluster_fixture import placed_cluster
 from tests.pilot_helpers import run_from_palette
 from worker.shared.demo_model import DemoSpec
@@ -509,3 +511,49 @@ async def test_settings_fields_say_what_is_wrong_where_one_looks(tmp_path: Path)
         await pilot.pause()
         rename = app.screen.query_one("#conv-rename", Input)
         assert "Rename" in str(rename.border_title)
+
+
+async def test_a_tensor_placement_picked_by_hand_shows_its_stages(tmp_path: Path) -> None:
+    """Two stages × 2: each group's nodes are head or tail of the pipeline (the card
+    counted four shards and called the second stage "middle"); after ctrl+l picks it,
+    what one types goes to the prompt (the keys stayed on the menu)."""
+    from tests.app_fixtures import fixed_models, fixed_state
+
+    groups = (("studio-1", "studio-2"), ("studio-3", "studio-4"))
+    spans = ((0, 31), (31, 61))
+
+    def member(node: str) -> ShardState:
+        stage = next(i for i, g in enumerate(groups) if node in g)
+        start, end = spans[stage]
+        group = groups[stage]
+        return ShardState(
+            "tp", node, stage, 2, start, end, "ready", "/m/tp", rank=group.index(node), group=group
+        )
+
+    nodes = tuple(
+        replace(n, state="up", shards=(*n.shards, member(n.name))) for n in fixed_state().nodes
+    )
+    state = ClusterState(name="desk", nodes=nodes, placements=placements_from_shards(nodes))
+    app = StudioApp(tmp_path, state=state, models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("c")
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        select = screen.query_one("#chat-placement", Select)
+        await pilot.pause(0.3)  # the placements are listed on the screen's first poll
+        # The menu: the blank row, deepseek-v3, qwen3-32b, tp.
+        for key in ("ctrl+l", "down", "down", "down", "down", "enter"):
+            await pilot.press(key)
+            await pilot.pause()
+        assert select.selection == "tp"
+        card = content(screen, "#chat-nodes")
+        roles = {w[1]: w[2] for w in (line.split() for line in card.splitlines()[2:]) if w}
+        assert roles == {
+            "studio-1": "head",
+            "studio-2": "head",
+            "studio-3": "tail",
+            "studio-4": "tail",
+        }, card
+        assert app.focused is not None and app.focused.id == "chat-prompt"
+        await pilot.press("h", "i")
+        assert screen.query_one("#chat-prompt", Input).value == "hi"

@@ -24,6 +24,7 @@ import pytest
 from studiotui import __version__
 from studiotui.cli.main import main
 from studiotui.cluster.benchmark import Benchmark
+from studiotui.cluster.controller import Controller
 from studiotui.cluster.peers import AgentError
 from studiotui.core import benchmark as bm
 from studiotui.core.benchmark import DTYPES, BenchmarkError, Sizes, Step
@@ -171,6 +172,43 @@ def test_sizes_and_groups_are_refused_before_any_node_is_asked(
         asyncio.run(go(sizes=TINY, placements=["ghost"]))
     with pytest.raises(BenchmarkError, match="matmul_n"):
         asyncio.run(go(sizes=Sizes(matmul_n=8)))
+
+
+def test_with_no_node_up_it_says_so(bench_cluster: LocalCluster, tmp_path: Path) -> None:
+    async def go() -> None:
+        # Another home has other keys: the agents answer none of its requests.
+        ctl = Controller(tmp_path / "other-home", bench_cluster.inventory)
+        try:
+            await Benchmark(ctl, sizes=TINY).run()
+        finally:
+            await ctl.close()
+
+    with pytest.raises(BenchmarkError, match=r"^no node is up: start the cluster"):
+        asyncio.run(go())
+
+
+def test_a_markdown_file_that_cannot_be_written_is_refused_before_measuring(
+    bench_cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was written last, so a typo in its folder cost the whole run's minutes."""
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(bench_cluster.inventory))
+    home = tmp_path / "home"
+    os.environ["STUDIOTUI_HOME"] = str(home)
+    try:
+        for where, words in (
+            (tmp_path / "no" / "run.md", "there is no folder"),
+            (tmp_path, "is a folder"),
+        ):
+            capsys.readouterr()
+            argv = ["-i", str(inventory), "benchmark", *TINY_ARGS, "--markdown", str(where)]
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"--markdown {where}" in err and words in err, err
+            assert "Traceback" not in err
+            assert bm.saved(home) == []  # nothing was measured
+    finally:
+        os.environ.pop("STUDIOTUI_HOME", None)
 
 
 def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(

@@ -34,6 +34,22 @@ def test_tensor_sizes_are_refused_in_words_previewed_with_a_forecast_and_shapes_
         # …and what the other shape would do.
         assert "  --tensor 1, 2 stages: " in two.stdout
 
+        # And placed for real: every member's load reports progress under its own node
+        # (the command once kept a bar only per stage and failed on the follower's
+        # first report: "placement 'tp' failed and was rolled back: 'local-2'").
+        placed = run(home, "place", str(model), "--tensor", "2", "--name", "tp")
+        assert placed.returncode == 0, placed.stderr
+        assert "placement tp is ready" in placed.stdout
+        [tp] = status(home)["placements"]
+        assert tp["shape"] == "1 stage × 2 (ring)" and tp["state"] == "ready"
+        assert sorted(tp["nodes"]) == ["local-1", "local-2"]
+        shown = run(home, "status")
+        # One stage held by a group of two: one hop, not `local-1[0:4] → local-2[0:4]`.
+        assert "1 stage × 2 (ring): local-1+local-2[0:4]" in shown.stdout, shown.stdout
+        chat = run(home, "chat", "--placement", "tp", "--max-tokens", "4", "hello")
+        assert chat.returncode == 0, chat.stderr
+        assert run(home, "unload", "tp").returncode == 0
+
         # Unasked, two nodes of one machine: the pipeline (a group gains nothing there).
         chosen = run(home, "place", str(model), "--name", "tiny")
         assert chosen.returncode == 0, chosen.stderr

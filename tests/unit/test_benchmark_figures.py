@@ -83,10 +83,14 @@ def test_sizes_overrides_are_checked_before_anything_runs() -> None:
     assert (sizes.matmul_n, sizes.link_seconds, sizes.stream_counts) == (512, 0.2, (1, 2))
     for bad, word in (
         (["matmul=5"], "known name"),
-        (["matmul_n=abc"], "matmul_n"),
+        (["matmul_n=abc"], "matmul_n='abc': wants a whole number$"),
+        (["seconds=fast"], "seconds='fast': wants a number$"),
+        (["stream_counts=1,x"], "wants a whole number$"),
         (["matmul_n=16"], "between"),
         (["stream_counts=0"], "at least 1"),
-        (["link_chunk_bytes=1"], "chunk_bytes"),
+        # Named as the user typed it, not by the agent's field (chunk_bytes, bulk_seconds).
+        (["link_chunk_bytes=1"], "link_chunk_bytes must be between"),
+        (["link_seconds=nan"], "link_seconds must be between 0.01 and 10, not nan"),
     ):
         with pytest.raises(BenchmarkError, match=word):
             Sizes().changed(bad)
@@ -239,3 +243,27 @@ def test_number_keeps_three_significant_digits() -> None:
         "98,765",
     ]
     assert view.number(None) == "–" and view.number(float("nan")) == "–"
+
+
+def test_the_comparison_keeps_each_figure_named_at_80_columns() -> None:
+    """A group of four nodes made the item column so wide at 80 columns that rich
+    narrowed the figure column to nothing: a node's five rows could not be told apart."""
+    from rich.console import Console
+
+    a, b = sample_run("a"), sample_run("b", scale=2.0)
+    assert a.group is not None
+    four = replace(a.group, nodes=("local-1", "local-2", "local-3", "local-4"))
+    a, b = replace(a, group=four), replace(b, group=four)
+    console = Console(width=80, record=True)
+    console.print(view.compare_table(a, b))
+    text = console.export_text()
+    for figure in (
+        "matmul float32",
+        "matmul bfloat16",
+        "memory read",
+        "latency, activation",
+        "sum of parts",
+        "8 streams first token",
+    ):
+        assert figure in text, figure
+    assert max(len(line) for line in text.splitlines()) <= 80

@@ -130,6 +130,7 @@ def test_sizes_that_divide_follow_heads_and_quantization_groups(
     assert "KV heads 4" in (tensor_refusal(qwen, 3, 3) or "")
     # 3 does not split 4 nodes into equal stages.
     assert "does not split 4 nodes" in (tensor_refusal(qwen, 3, 4) or "")
+    assert "does not split 1 node into" in (tensor_refusal(qwen, 2, 1) or "")
     # MLA keeps one latent per token: DeepSeek's cache is whole on every node.
     assert ds.tensor is not None and not ds.tensor.kv_split
     assert qwen.tensor is not None and qwen.tensor.kv_split
@@ -273,6 +274,11 @@ def test_shape_labels_and_a_placements_shape_from_its_planned_ring() -> None:
     assert again == placed
     assert PlacementState("q", "qwen", "/m/qwen", (), planned=again.shards).shape == (
         "2 stages × 2 (ring)"
+    )
+    # …and its stages, a group's nodes together (status and the chat draw `a+b → c+d`).
+    assert PlacementState("q", "qwen", "/m/qwen", (), planned=ring).stages == (
+        (("a", "b"), 0, 40),
+        (("c", "d"), 40, 94),
     )
     # A ring written before shapes existed reads as the pipeline it was.
     old = PlannedPlacement.from_json({"model_dir": "/m", "shards": [["a", 0, 4], ["b", 4, 8]]})

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar, cast
 
 from rich.console import RenderableType
+from rich.constrain import Constrain
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -150,7 +151,9 @@ class BenchmarkScreen(Screen[None]):
         self.shown = what
         view: RenderableType
         if isinstance(what, tuple):
-            view = compare_table(*what)
+            # At most the pane's width: the Static draws at the table's own width
+            # otherwise, and at 80 columns the A, B and change columns fell off the edge.
+            view = Constrain(compare_table(*what), self._width())
             self.query_one("#bench-results").border_title = f"A {what[0].id} · B {what[1].id}"
         else:
             view = report(what, self._width())

@@ -447,7 +447,6 @@ class ChatScreen(Screen[None]):
             Content.styled(f"Nodes · {placement.name} ({placement.label})", "bold"),
             Content.styled(f"  {'node':<9} {'role':<6} {'layers':<6} {'reqs':>4}", "$text-muted"),
         ]
-        count = len(placement.shards)
         for s in placement.shards:
             working = mine or s.in_flight > 0
             mark = ("● ", "$success bold") if working else ("○ ", "$text-muted")
@@ -460,7 +459,7 @@ class ChatScreen(Screen[None]):
                     mark,
                     (f"{s.node:<9}", "bold" if working else ""),
                     (
-                        f" {shard_role(s.index, count):<6} {layers:<6} {reqs:>4}{state}",
+                        f" {shard_role(s.index, s.count):<6} {layers:<6} {reqs:>4}{state}",
                         "$text-muted",
                     ),
                 )
@@ -473,6 +472,9 @@ class ChatScreen(Screen[None]):
         if self._session is not None and event.value is not Select.BLANK:
             self.session.use_placement(str(event.value))
         self._show_nodes()
+        if event.select.has_focus and not event.select.expanded:
+            # Picked by hand (ctrl+l): the next keys are the question, not the menu's.
+            self.query_one("#chat-prompt").focus()
 
     # ---- settings ---------------------------------------------------------------------
 
