@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import logging.handlers
@@ -416,10 +417,13 @@ class Agent:
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if msg.get("group"):
+        asked = control.parse(msg, control.TensorMember)
+        if asked.group:
             try:
-                member, member_env = tensor_member(msg, self.config.address, run_dir / _safe(name))
-            except (group.GroupError, KeyError, TypeError, ValueError) as exc:
+                member, member_env = tensor_member(
+                    asked, self.config.address, run_dir / _safe(name)
+                )
+            except (group.GroupError, ValueError) as exc:
                 await self._reply(ident, re, "error", message=f"tensor group: {exc}")
                 return
             spec |= member
@@ -596,13 +600,14 @@ class Agent:
         await self._reply(ident, re, "ok", pad=echo)
 
     async def _on_measure_links(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        req = control.parse(msg, control.MeasureLinks)
         try:
-            sizes = link_sizes(msg.get("sizes") or {})
+            sizes = link_sizes(req.sizes)
         except ValueError as exc:
             await self._reply(ident, re, "error", message=str(exc))
             return
         results = []
-        for peer in control.parse(msg, control.MeasureLinks).peers:
+        for peer in req.peers:
             results.append(await self._measure(peer, sizes))
         await self._reply(ident, re, "links", links=results)
 
@@ -686,9 +691,10 @@ class Agent:
         return sent
 
     async def _on_open_sink(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        token = control.parse(msg, control.Token).token
+        req = control.parse(msg, control.OpenSink)
+        token = req.token
         try:
-            in_flight = link_sizes({"in_flight": msg.get("in_flight", LINK_IN_FLIGHT)}).in_flight
+            in_flight = link_sizes(control.LinkSizes(in_flight=req.in_flight)).in_flight
         except ValueError as exc:
             await self._reply(ident, re, "error", message=str(exc))
             return
@@ -724,10 +730,7 @@ class Agent:
         if busy:
             await self._reply(ident, re, "error", message=busy)
             return
-        sizes = msg.get("sizes")
-        if not isinstance(sizes, dict):
-            await self._reply(ident, re, "error", message="device_bench needs its sizes")
-            return
+        sizes = control.parse(msg, control.DeviceBench).sizes
         try:
             figures = await self._measurement(
                 ident, re, ["-m", "worker.device_bench", json.dumps(sizes)]
@@ -990,16 +993,16 @@ class Agent:
 
     async def _on_job_ports(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         """Free ports on this node's address, for a rank of a group job to listen on."""
-        count = msg.get("count", 1)
-        if not isinstance(count, int) or not 1 <= count <= 16:
+        count = control.parse(msg, control.JobPorts).count
+        if not 1 <= count <= 16:
             await self._reply(ident, re, "error", message="job_ports wants a count of 1-16")
             return
         await self._reply(ident, re, "job_ports", ports=self._free_ports(count))
 
     async def _on_start_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         try:
-            job = await self.jobs.start(msg)
-        except (jobs.JobError, KeyError, TypeError, ValueError) as exc:
+            job = await self.jobs.start(control.parse(msg, control.StartJob))
+        except jobs.JobError as exc:
             await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
             return
         assert job.proc is not None
@@ -1010,17 +1013,17 @@ class Agent:
 
     async def _on_follow_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         """Every event of a job's rank after `since`, a beat each second, then its end."""
-        since = msg.get("since", 0)
+        req = control.parse(msg, control.FollowJob)
         # A follower that went away (a closed TUI) is not told; its relay ends when the
         # job does. Bounded: the oldest relays of a job give way to new followers.
-        relays = self._follows.setdefault(str(msg.get("job")), [])
+        relays = self._follows.setdefault(req.job, [])
         relays[:] = [t for t in relays if not t.done()]
         if (me := asyncio.current_task()) is not None:
             relays.append(me)
         while len(relays) > MAX_FOLLOWERS:
             relays.pop(0).cancel()
         try:
-            async for kind, body in self.jobs.follow(str(msg.get("job")), int(since)):
+            async for kind, body in self.jobs.follow(req.job, req.since):
                 if kind == "event":
                     # The job's own fields stay in `data`: they cannot clash with ours.
                     await self._reply(
@@ -1039,14 +1042,13 @@ class Agent:
             await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
 
     async def _on_job_status(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        found = [j.describe() for j in self.jobs.jobs.values()]
-        if msg.get("job"):
-            found = [j for j in found if j["job"] == msg["job"]]
+        wanted = control.parse(msg, control.JobStatusAsk).job
+        found = [j.describe() for j in self.jobs.jobs.values() if j.job == wanted or not wanted]
         await self._reply(ident, re, "jobs", node=self.config.name, jobs=found)
 
     async def _on_stop_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         try:
-            job = await self.jobs.stop(str(msg.get("job")))
+            job = await self.jobs.stop(control.parse(msg, control.JobRef).job)
         except jobs.JobError as exc:
             await self._reply(ident, re, "error", message=f"{self.config.name}: {exc}")
             return
@@ -1054,7 +1056,8 @@ class Agent:
         await self._reply(ident, re, "job_stopped", **job.describe())
 
     async def _on_forget_job(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
-        await self._reply(ident, re, "ok", forgotten=self.jobs.forget(str(msg.get("job"))))
+        name = control.parse(msg, control.JobRef).job
+        await self._reply(ident, re, "ok", forgotten=self.jobs.forget(name))
 
     # ---- telemetry ----------------------------------------------------------------------------
 
@@ -1085,15 +1088,15 @@ class Agent:
 
 
 def tensor_member(
-    msg: dict[str, Any], address: str, base: Path
+    asked: control.TensorMember, address: str, base: Path
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The runner fields and the environment of one rank of a tensor-parallel stage:
     the ring backend's hostfile (every rank's bridge address and group port, as
     `mlx.launch` writes it) or JACCL's device file and coordinator, via worker.group."""
-    nodes = [str(n) for n in msg["group"]]
-    addresses = [str(a) for a in msg["group_addresses"]]
-    ports = [int(p) for p in msg["group_ports"]]
-    rank, size, backend = int(msg["rank"]), len(nodes), str(msg["backend"])
+    nodes, addresses, ports = asked.group, asked.group_addresses, asked.group_ports
+    rank, size, backend = asked.rank, len(nodes), asked.backend
+    if not 0 <= rank < size or len(ports) != size:
+        raise ValueError(f"rank {rank} of a group of {size} with {len(ports)} ports")
     if len(addresses) != size or addresses[rank] != address:
         raise ValueError(f"rank {rank}'s address is not this node's ({address})")
     if backend == "ring":
@@ -1102,7 +1105,7 @@ def tensor_member(
         )
         env = group.rank_env(rank, size, "ring", hostfile=hosts)
     elif backend == "jaccl":
-        devices = group.write_json(base.with_suffix(".devices.json"), msg["devices"])
+        devices = group.write_json(base.with_suffix(".devices.json"), asked.devices)
         coordinator = f"{addresses[0]}:{ports[0]}"
         env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
     else:
@@ -1112,8 +1115,8 @@ def tensor_member(
         "group_size": size,
         "group": nodes,
         "backend": backend,
-        "followers": [[str(e), str(k)] for e, k in msg.get("followers", [])],
-        "leader_key": str(msg.get("leader_key", "")),
+        "followers": [[e, k] for e, k in asked.followers],
+        "leader_key": asked.leader_key,
     }
     return member, env
 
@@ -1129,20 +1132,15 @@ class LinkSizes:
     in_flight: int = LINK_IN_FLIGHT
 
 
-def link_sizes(asked: dict[str, Any]) -> LinkSizes:
-    """The sizes a `measure_links` request asks for, the defaults for the rest; a field
-    out of its bounds (limits.LINK_MEASURE_BOUNDS) or unknown is refused, naming it."""
-    problem = out_of_bounds(asked, LINK_MEASURE_BOUNDS)
+def link_sizes(asked: control.LinkSizes) -> LinkSizes:
+    """The sizes a `measure_links` request asks for, the defaults for the rest; a size
+    out of its bounds (limits.LINK_MEASURE_BOUNDS) is refused, naming it (its type and
+    an unknown one were checked by control.parse)."""
+    given = {k: v for k, v in msgspec.structs.asdict(asked).items() if v is not None}
+    problem = out_of_bounds(given, LINK_MEASURE_BOUNDS)
     if problem:
         raise ValueError(f"link measurement: {problem}")
-    base = LinkSizes()
-    return LinkSizes(
-        pings=int(asked.get("pings", base.pings)),
-        pad_bytes=int(asked.get("pad_bytes", base.pad_bytes)),
-        bulk_seconds=float(asked.get("bulk_seconds", base.bulk_seconds)),
-        chunk_bytes=int(asked.get("chunk_bytes", base.chunk_bytes)),
-        in_flight=int(asked.get("in_flight", base.in_flight)),
-    )
+    return dataclasses.replace(LinkSizes(), **given)
 
 
 class BenchError(RuntimeError):

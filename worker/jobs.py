@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from worker import group
+from worker.shared.protocol import control
 
 # kind -> the module run as `python -m MODULE SPEC.json`; nothing else can be started.
 # Each kind of job adds its module here (and to the node's layers in pyproject.toml).
@@ -170,24 +171,25 @@ class Jobs:
             if j.proc is not None and j.proc.returncode is None
         ]
 
-    async def start(self, msg: dict[str, Any]) -> JobProc:
-        """Start this node's rank of a job as `msg` asks (see studiotui.cluster.jobs)."""
-        name = check_name(str(msg.get("job", "")))
-        kind = str(msg.get("job_kind", ""))
+    async def start(self, req: control.StartJob) -> JobProc:
+        """Start this node's rank of a job as `req` asks (see studiotui.cluster.jobs)."""
+        name = check_name(req.job)
+        kind = req.job_kind
         if kind not in KINDS:
             raise JobError(f"unknown job kind {kind!r}; this node runs {', '.join(sorted(KINDS))}")
         old = self.jobs.get(name)
         if old is not None and not old.finished:
             raise JobError(f"job {name!r} is {old.state} here: stop it first")
-        rank, size = int(msg["rank"]), int(msg["size"])
-        backend = str(msg.get("backend", "ring"))
+        rank, size, backend = req.rank, req.size, req.backend
+        if not 0 <= rank < size:
+            raise JobError(f"rank {rank} is not one of a group of {size} (0-{size - 1})")
         directory = self.home / "jobs" / name / f"rank{rank}"
         directory.mkdir(parents=True, exist_ok=True)
         env: dict[str, str] = {}
         ports: list[int] = []
         if size > 1:
-            env, ports = self._group_env(msg, directory, rank, size, backend)
-        spec = dict(msg.get("spec") or {})
+            env, ports = self._group_env(req, directory)
+        spec = dict(req.spec)
         spec.update(job=name, rank=rank, size=size, backend=backend, directory=str(directory))
         spec_path = group.write_json(directory / "spec.json", spec)
         job = JobProc(name, kind, rank, size, backend, directory, spec={**spec, "_ports": ports})
@@ -212,13 +214,13 @@ class Jobs:
         return job
 
     def _group_env(
-        self, msg: dict[str, Any], directory: Path, rank: int, size: int, backend: str
+        self, req: control.StartJob, directory: Path
     ) -> tuple[dict[str, str], list[int]]:
-        hosts = msg.get("hosts") or []
-        if len(hosts) != size:
-            raise JobError(f"a group of {size} needs {size} hosts, got {len(hosts)}")
-        addresses = [str(h[0]) for h in hosts]
-        ports = [int(h[1]) for h in hosts]
+        rank, size, backend = req.rank, req.size, req.backend
+        if len(req.hosts) != size:
+            raise JobError(f"a group of {size} needs {size} hosts, got {len(req.hosts)}")
+        addresses = [address for address, _ in req.hosts]
+        ports = [port for _, port in req.hosts]
         try:
             if backend == "ring":
                 hostfile = group.write_json(
@@ -226,7 +228,7 @@ class Jobs:
                 )
                 env = group.rank_env(rank, size, "ring", hostfile=hostfile)
             elif backend == "jaccl":
-                devices = group.write_json(directory / "devices.json", msg.get("devices"))
+                devices = group.write_json(directory / "devices.json", req.devices)
                 coordinator = f"{addresses[0]}:{ports[0]}"
                 env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
             else:

@@ -7,7 +7,6 @@ import asyncio
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -22,6 +21,7 @@ from studiotui.core.inventory import Inventory, SelectionError, resolve_group
 from studiotui.core.jobs import JobProgress, JobWatch
 from studiotui.core.placement import format_bytes
 from studiotui.tune import finetune as ft
+from worker.shared.protocol import control
 
 console = Console(highlight=False)
 
@@ -246,15 +246,15 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
-def _rank_cells(rank: dict[str, Any] | None) -> list[str]:
+def _rank_cells(rank: control.JobRank | None) -> list[str]:
     if rank is None:
         return ["unknown", "", "", "", "node down, or the job was forgotten there"]
-    metrics = (rank.get("latest") or {}).get("metrics") or {}
+    metrics = rank.latest.get("metrics") or {}
     it = f"{metrics.get('iteration', 0)}/{metrics.get('total', '?')}" if metrics else ""
     loss = f"{metrics['train_loss']:.3f}" if "train_loss" in metrics else ""
     rate = f"{metrics['tokens_per_second']:.0f}" if "tokens_per_second" in metrics else ""
-    note = str(rank.get("message", ""))
-    finished = (rank.get("latest") or {}).get("finished") or {}
+    note = rank.message
+    finished = rank.latest.get("finished") or {}
     if finished.get("adapter_dir") and not note:
         note = f"adapter: {finished['adapter_dir']}"
-    return [str(rank.get("state", "")), it, loss, rate, note]
+    return [rank.state, it, loss, rate, note]

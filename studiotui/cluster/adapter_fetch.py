@@ -22,7 +22,7 @@ import asyncio
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from studiotui.cluster.jobs import JobRecord
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
@@ -34,6 +34,7 @@ from studiotui.ssh import nodes
 from studiotui.ssh.client import SshError, get_files
 from worker.shared.adapters import FILES, Adapter, AdapterError, identity_mismatch, read_adapter
 from worker.shared.manifest import FileId, manifest, sha256_file
+from worker.shared.protocol import control
 
 STATUS_TIMEOUT_S = 60.0
 FINETUNE = "finetune"  # the job kind that saves an adapter (worker.jobs.KINDS)
@@ -68,12 +69,12 @@ def fetched_dir(home: Path, job: str) -> Path:
     return home / ADAPTERS_FOLDER / job
 
 
-def node_files(found: dict[str, Any]) -> dict[str, FileId]:
+def node_files(found: control.DirStatus) -> dict[str, FileId]:
     """The adapter files a `files_status` answer says the node holds, by name."""
     return {
-        str(f["name"]): FileId(str(f["name"]), int(f["size"]), str(f["sha256"]))
-        for f in found["files"]
-        if f.get("sha256") and f.get("size") is not None
+        f.name: FileId(f.name, f.size, f.sha256)
+        for f in found.files
+        if f.sha256 and f.size is not None
     }
 
 
@@ -99,8 +100,9 @@ async def fetch_adapter(ctl: Cluster, record: JobRecord, progress: Progress = No
             f"start it (studiotui up), then: studiotui jobs fetch {name}",
         )
     try:
-        reply = await ctl.peer(node).request(
+        reply = await ctl.peer(node).ask(
             "files_status",
+            control.FilesFound,
             timeout=STATUS_TIMEOUT_S,
             dirs=[job_adapter_dir(name)],
             files=[FileId(n, 0, "").as_dict() for n in FILES],
@@ -110,13 +112,14 @@ async def fetch_adapter(ctl: Cluster, record: JobRecord, progress: Progress = No
             f"{node} did not say what job {name} saved: {exc}",
             f"check the node (studiotui status), then: studiotui jobs fetch {name}",
         ) from None
-    found = reply["dirs"][0]
+    if not reply.dirs:
+        raise AdapterFetchError(f"{node} answered files_status without the folder asked")
+    found = reply.dirs[0]
     wanted = node_files(found)
     missing = [n for n in FILES if n not in wanted]
     if missing:
         raise AdapterFetchError(
-            f"job {name} has no saved adapter on {node} yet ({missing[0]} is not in "
-            f"{found['path']})",
+            f"job {name} has no saved adapter on {node} yet ({missing[0]} is not in {found.path})",
             f"it saves one every --save-every iterations and when it ends: follow it "
             f"(studiotui jobs follow {name}), then: studiotui jobs fetch {name}",
         )
@@ -128,7 +131,7 @@ async def fetch_adapter(ctl: Cluster, record: JobRecord, progress: Progress = No
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        how = await _copy(ctl, node, Path(found["path"]), staging, wanted, progress)
+        how = await _copy(ctl, node, Path(found.path), staging, wanted, progress)
         await asyncio.to_thread(_verify, staging, wanted, record)
         if target.exists():
             shutil.rmtree(target)

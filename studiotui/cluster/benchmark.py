@@ -49,6 +49,7 @@ from studiotui.core.benchmark import (
 from studiotui.core.jobs import choose_backend
 from studiotui.core.state import PlacementState
 from worker.shared import probes
+from worker.shared.protocol import control
 
 StepListener = Callable[[Step], None]
 # A device step's replies come as each figure starts; one figure takes seconds.
@@ -190,28 +191,27 @@ class Benchmark:
         node = self.ctl.state.node(name)
         chip = node.chip if node else ""
         try:
-            figures: dict[str, Any] = {}
-            async for msg in self.ctl.peer(name).stream(
+            figures = control.DeviceFigures()
+            peer = self.ctl.peer(name)
+            async for msg in peer.stream(
                 "device_bench", timeout=DEVICE_SILENCE_S, sizes=self.sizes.device_spec()
             ):
                 if msg["type"] == "bench_step":
-                    self._say(detail=str(msg.get("step", "")))
+                    self._say(detail=peer.read(msg, control.BenchStep).step)
                 elif msg["type"] == "ok":
-                    figures = dict(msg["figures"])
+                    figures = peer.read(msg, control.DeviceBenchDone).figures
         except (AgentError, AgentUnreachable) as exc:
             self._say("failed", str(exc))
             return NodeFigures(name, chip, error=str(exc))
-        matmul = figures.get("matmul", {})
-        memory = figures.get("memory", {})
         self._say("done")
         return NodeFigures(
             name,
             chip,
-            str(figures.get("device", "")),
-            gflops={d: float(f["gflops"]) for d, f in matmul.items()},
-            matmul_n={d: int(f["n"]) for d, f in matmul.items()},
-            copy_gbs=memory.get("copy_gbs"),
-            read_gbs=memory.get("read_gbs"),
+            figures.device,
+            gflops={d: f.gflops for d, f in figures.matmul.items()},
+            matmul_n={d: f.n for d, f in figures.matmul.items()},
+            copy_gbs=figures.memory.copy_gbs,
+            read_gbs=figures.memory.read_gbs,
         )
 
     async def links(self, names: list[str]) -> list[LinkFigures]:

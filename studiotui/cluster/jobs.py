@@ -32,6 +32,7 @@ from studiotui.core.errors import StudioError
 from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import blame
 from studiotui.core.state import LogLevel
+from worker.shared.protocol import control
 
 # Agents beat twice a second on a follow stream (worker.jobs.FOLLOW_BEAT_S); a node
 # silent this long is dead (the bound is 3 s from a kill to the job failing, node named).
@@ -128,7 +129,8 @@ async def start_group(
     hosts: list[list[Any]] = []
     if len(nodes) > 1:
         ports = await asyncio.gather(
-            *(ctl.peer(n).request("job_ports", count=1) for n in nodes), return_exceptions=True
+            *(ctl.peer(n).ask("job_ports", control.JobPortsFree, count=1) for n in nodes),
+            return_exceptions=True,
         )
         failed = [
             f"{n}: {p}" for n, p in zip(nodes, ports, strict=True) if isinstance(p, Exception)
@@ -136,13 +138,15 @@ async def start_group(
         if failed:
             raise JobFailed(f"cannot start job {record.name!r}: " + "; ".join(failed))
         hosts = [
-            [ctl.spec(n).address, int(p["ports"][0])]  # type: ignore[index]
+            [ctl.spec(n).address, p.ports[0]]
             for n, p in zip(nodes, ports, strict=True)
+            if not isinstance(p, BaseException)
         ]
     started = await asyncio.gather(
         *(
-            ctl.peer(n).request(
+            ctl.peer(n).ask(
                 "start_job",
+                control.JobRank,
                 timeout=START_TIMEOUT_S,
                 job=record.name,
                 job_kind=record.kind,
@@ -185,14 +189,18 @@ async def follow(
         stream = ctl.peer(node).stream(
             "follow_job", timeout=BEAT_TIMEOUT_S, job=name, since=seen.get(node, 0)
         )
+        peer = ctl.peer(node)
         async for msg in stream:
             if msg["type"] == "job_event":
-                seen[node] = max(seen.get(node, 0), int(msg.get("seq", 0)))
-                on_event(node, dict(msg.get("data") or {}))
+                event = peer.read(msg, control.JobEvent)
+                seen[node] = max(seen.get(node, 0), event.seq)
+                on_event(node, dict(event.data))
             elif msg["type"] == "job_beat" and on_beat is not None:
-                on_beat(node, str(msg.get("state", "")), str(msg.get("message", "")))
+                beat = peer.read(msg, control.JobBeat)
+                on_beat(node, beat.state, beat.message)
             elif msg["type"] == "job_end":
-                ends[node] = (str(msg.get("state", "")), str(msg.get("message", "")))
+                end = peer.read(msg, control.JobBeat)
+                ends[node] = (end.state, end.message)
 
     async def one(node: str) -> None:
         stale = 0
@@ -262,12 +270,15 @@ def outcome(
 async def stop(ctl: Cluster, name: str, nodes: list[str]) -> dict[str, str]:
     """Stop the job's rank on each node (SIGTERM, then SIGKILL); what each said."""
     replies = await asyncio.gather(
-        *(ctl.peer(n).request("stop_job", timeout=STOP_TIMEOUT_S, job=name) for n in nodes),
+        *(
+            ctl.peer(n).ask("stop_job", control.JobRank, timeout=STOP_TIMEOUT_S, job=name)
+            for n in nodes
+        ),
         return_exceptions=True,
     )
     said = {}
     for node, reply in zip(nodes, replies, strict=True):
-        said[node] = str(reply) if isinstance(reply, BaseException) else str(reply.get("state"))
+        said[node] = str(reply) if isinstance(reply, BaseException) else reply.state
     return said
 
 
@@ -275,7 +286,7 @@ async def forget(ctl: Cluster, record: JobRecord) -> None:
     """Drop an ended job: its nodes forget its events, the operator its record and
     dealt data (so its name can be used again). Its adapters stay on the nodes."""
     found = await status(ctl, list(record.nodes))
-    live = [n for n, rank in found.get(record.name, {}).items() if rank.get("ended") is None]
+    live = [n for n, rank in found.get(record.name, {}).items() if rank.ended is None]
     if live:
         raise JobFailed(
             f"job {record.name!r} still runs on {', '.join(live)}",
@@ -290,16 +301,17 @@ async def forget(ctl: Cluster, record: JobRecord) -> None:
     ctl.record(f"job {record.name!r} forgotten")
 
 
-async def status(ctl: Cluster, nodes: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+async def status(ctl: Cluster, nodes: list[str]) -> dict[str, dict[str, control.JobRank]]:
     """job name -> node -> that node's rank as its agent describes it (nodes that do
     not answer are left out)."""
     replies = await asyncio.gather(
-        *(ctl.peer(n).request("job_status", timeout=3.0) for n in nodes), return_exceptions=True
+        *(ctl.peer(n).ask("job_status", control.JobsFound, timeout=3.0) for n in nodes),
+        return_exceptions=True,
     )
-    out: dict[str, dict[str, dict[str, Any]]] = {}
+    out: dict[str, dict[str, control.JobRank]] = {}
     for node, reply in zip(nodes, replies, strict=True):
         if isinstance(reply, BaseException):
             continue
-        for job in reply.get("jobs", []):
-            out.setdefault(str(job["job"]), {})[node] = job
+        for job in reply.jobs:
+            out.setdefault(job.job, {})[node] = job
     return out

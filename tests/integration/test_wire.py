@@ -118,17 +118,21 @@ def test_agent_answers_bad_messages_and_keeps_serving(engine_cluster: LocalClust
             # well-formed envelopes whose fields are of the wrong type (control.parse)
             encode("read_log", lines="all"),
             encode("measure_links", peers=[{"name": "b"}]),
+            encode("start_job", job="j", job_kind="finetune", rank=0, size=1, spec=[1]),
+            encode("job_ports", count="2"),
         ):
             sock.send(data)
             assert sock.poll(5000), f"no answer to {data!r}"
             replies.append(decode(sock.recv()))
-        assert [r["type"] for r in replies] == ["error"] * 6
+        assert [r["type"] for r in replies] == ["error"] * 8
         assert "unknown message type 'bogus'" in replies[1]["message"]
         assert "missing field 'placement'" in replies[2]["message"]
         assert "not for an agent" in replies[3]["message"]
         assert "read_log: Expected `int`, got `str` - at `$.lines`" in replies[4]["message"]
         assert "measure_links: Object missing required field" in replies[5]["message"]
         assert "`$.peers[0]`" in replies[5]["message"]
+        assert "start_job: Expected `object`, got `array` - at `$.spec`" in replies[6]["message"]
+        assert "job_ports: Expected `int`, got `str` - at `$.count`" in replies[7]["message"]
         sock.send(encode("hello", id=7))
         assert sock.poll(5000)
         assert decode(sock.recv())["re"] == 7

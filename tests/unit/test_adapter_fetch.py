@@ -7,16 +7,18 @@ from pathlib import Path
 
 from studiotui.cluster.adapter_fetch import fetched_dir, job_adapter_dir, node_files, up_to_date
 from worker.shared.manifest import FileId, sha256_file
+from worker.shared.protocol import control
 
 
 def test_node_files_leaves_out_what_the_node_does_not_hold() -> None:
-    found = {
+    raw = {
         "path": "/n/jobs/a/adapters",
         "files": [
             {"name": "adapter_config.json", "state": "differs", "size": 9, "sha256": "ab"},
             {"name": "adapters.safetensors", "state": "missing", "size": None, "sha256": None},
         ],
     }
+    found = control.parse(raw, control.DirStatus)
     assert node_files(found) == {"adapter_config.json": FileId("adapter_config.json", 9, "ab")}
 
 

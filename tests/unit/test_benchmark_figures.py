@@ -21,6 +21,8 @@ from studiotui.core.benchmark import (
 from tests.benchmark_fixtures import sample_run
 from worker import device_bench
 from worker.agent import link_sizes
+from worker.shared.protocol import control
+from worker.shared.protocol.messages import MessageError
 
 # ---- node side: the device program's arithmetic and refusals ------------------------------
 
@@ -55,12 +57,22 @@ def test_device_sizes_out_of_bounds_are_refused(spec: dict, word: str) -> None:
         device_bench.check_spec(spec)
 
 
+def _sizes(**asked: object) -> control.LinkSizes:
+    msg = {"type": "measure_links", "peers": [], "sizes": asked}
+    return control.parse(msg, control.MeasureLinks).sizes
+
+
 def test_link_sizes_keep_defaults_and_refuse_out_of_bounds() -> None:
-    sizes = link_sizes({"bulk_seconds": 0.5, "in_flight": 8})
+    sizes = link_sizes(_sizes(bulk_seconds=0.5, in_flight=8))
     assert (sizes.bulk_seconds, sizes.in_flight, sizes.chunk_bytes) == (0.5, 8, 4 << 20)
-    for bad in ({"bulk_seconds": 600}, {"chunk_bytes": 1 << 30}, {"pings": True}, {"x": 1}):
+    for bad in ({"bulk_seconds": 600}, {"chunk_bytes": 1 << 30}, {"pings": 2}):
         with pytest.raises(ValueError, match="link measurement"):
-            link_sizes(bad)
+            link_sizes(_sizes(**bad))
+    # A size of the wrong type, or one no agent knows, is refused naming it.
+    for bad, words in (({"pings": True}, "$.sizes.pings"), ({"x": 1}, "unknown field `x`")):
+        with pytest.raises(MessageError, match="measure_links") as caught:
+            _sizes(**bad)
+        assert words in str(caught.value)
 
 
 # ---- operator side: sizes, steps, arithmetic ------------------------------------------------

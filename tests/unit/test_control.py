@@ -85,6 +85,31 @@ def test_telemetry_with_shards_and_unknown_fields_parses() -> None:
             control.MeasureLinks,
             "key",
         ),
+        (
+            "start_job",
+            {"job": "j", "job_kind": "finetune", "rank": 0, "size": 2, "hosts": [["a", "x"]]},
+            control.StartJob,
+            "$.hosts[0][1]",
+        ),
+        (
+            "start_job",
+            {"job": "j", "job_kind": "k", "rank": 0, "size": 1, "spec": 3},
+            control.StartJob,
+            "$.spec",
+        ),
+        ("follow_job", {"job": "j", "since": "0"}, control.FollowJob, "$.since"),
+        (
+            "ok",
+            {"figures": {"matmul": {"float32": {"n": 512, "gflops": "fast"}}}},
+            control.DeviceBenchDone,
+            "$.figures.matmul[...].gflops",
+        ),
+        (
+            "jobs",
+            {"node": "n", "jobs": [{"job": "j", "seq": "1"}]},
+            control.JobsFound,
+            "$.jobs[0].seq",
+        ),
     ],
 )
 def test_a_malformed_message_is_a_message_error_naming_it(

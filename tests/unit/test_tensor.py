@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from worker.agent import tensor_member
+from worker.shared.protocol import control
+from worker.shared.protocol.messages import MessageError
 from worker.tensor import (
     CANCEL,
     GENERATE,
@@ -145,10 +147,21 @@ def _load_msg(rank: int, backend: str, **extra: object) -> dict[str, object]:
     }
 
 
+def _member(msg: dict[str, object]) -> control.TensorMember:
+    return control.parse({"type": "load_shard", **msg}, control.TensorMember)
+
+
+def test_a_wrong_typed_group_field_is_a_message_error_naming_it() -> None:
+    with pytest.raises(MessageError, match=r"load_shard: .* at `\$.group_ports\[1\]`"):
+        _member(_load_msg(0, "ring", group_ports=[5010, "5020"]))
+    with pytest.raises(MessageError, match=r"`\$.followers\[0\]`"):
+        _member(_load_msg(0, "ring", followers=[["tcp://10.0.0.2:5011"]]))
+
+
 def test_a_ring_member_gets_the_hostfile_and_environment_mlx_reads(tmp_path: Path) -> None:
     follower = ["tcp://10.0.0.2:5011", "KEY"]
     member, env = tensor_member(
-        _load_msg(0, "ring", followers=[follower]), "10.0.0.1", tmp_path / "p"
+        _member(_load_msg(0, "ring", followers=[follower])), "10.0.0.1", tmp_path / "p"
     )
     assert member["rank"] == 0 and member["group_size"] == 2 and member["followers"] == [follower]
     assert env["MLX_RANK"] == "0" and env["MLX_WORLD_SIZE"] == "2"
@@ -159,7 +172,7 @@ def test_a_ring_member_gets_the_hostfile_and_environment_mlx_reads(tmp_path: Pat
 def test_a_jaccl_member_gets_devices_and_the_leaders_coordinator(tmp_path: Path) -> None:
     devices = [[None, "rdma_en3"], ["rdma_en5", None]]
     msg = _load_msg(1, "jaccl", devices=devices, leader_key="LEADER")
-    member, env = tensor_member(msg, "10.0.0.2", tmp_path / "p")
+    member, env = tensor_member(_member(msg), "10.0.0.2", tmp_path / "p")
     assert member["leader_key"] == "LEADER" and env["MLX_RANK"] == "1"
     assert env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:5010"
     assert json.loads(Path(env["MLX_IBV_DEVICES"]).read_text()) == devices
@@ -170,10 +183,11 @@ def test_a_jaccl_member_gets_devices_and_the_leaders_coordinator(tmp_path: Path)
     [
         (_load_msg(0, "ring"), "10.0.0.9", "not this node's"),
         (_load_msg(0, "nccl"), "10.0.0.1", "unknown backend"),
+        (_load_msg(2, "ring"), "10.0.0.1", "rank 2 of a group of 2"),
     ],
 )
 def test_a_member_refuses_a_wrong_group(
     tmp_path: Path, msg: dict[str, object], address: str, word: str
 ) -> None:
     with pytest.raises(ValueError, match=word):
-        tensor_member(msg, address, tmp_path / "p")
+        tensor_member(_member(msg), address, tmp_path / "p")

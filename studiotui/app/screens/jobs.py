@@ -266,11 +266,11 @@ class JobsScreen(Screen[None]):
                 known = self.records.get(name)
                 if known is None:
                     continue
-                states = {r.get("state") for r in ranks.values()}
+                states = {r.state for r in ranks.values()}
                 if states & {"running", "starting", "silent"}:
                     running.append(name)
                 if states & {"running", "starting", "silent"} or any(
-                    r.get("seq", 0) > self.watches[name].since(n) for n, r in ranks.items()
+                    r.seq > self.watches[name].since(n) for n, r in ranks.items()
                 ):
                     self.follow(known)
         self.redraw()

@@ -76,6 +76,20 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     adapter_dir: str = ""  # where this node holds its files ("": layers it does not adapt)
 
 
+class TensorMember(Wire, frozen=True, kw_only=True):
+    """A tensor-parallel stage member's part of load_shard (no `group`: a one-node stage).
+    The agent writes the hostfile (ring) or device file (jaccl) from it, worker.group."""
+
+    group: list[str] = []  # the stage's nodes in rank order
+    rank: int = 0
+    backend: str = "ring"
+    group_addresses: list[str] = []  # each member's bridge address, in rank order
+    group_ports: list[int] = []  # each member's mx.distributed port
+    devices: Any = None  # jaccl's device map
+    followers: list[tuple[str, str]] = []  # the leader's: each follower's mirror endpoint, key
+    leader_key: str = ""  # a follower's: its leader's CURVE key
+
+
 class Unload(Wire, frozen=True, kw_only=True):
     placement: str
 
@@ -92,8 +106,20 @@ class LinkPeer(Wire, frozen=True, kw_only=True):
     key: str
 
 
+class LinkSizes(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How measure_links measures; a size not given is the agent's default. Each is
+    checked against limits.LINK_MEASURE_BOUNDS, and an unknown one is refused."""
+
+    pings: int | None = None
+    pad_bytes: int | None = None
+    bulk_seconds: float | None = None
+    chunk_bytes: int | None = None
+    in_flight: int | None = None
+
+
 class MeasureLinks(Wire, frozen=True, kw_only=True):
     peers: list[LinkPeer]
+    sizes: LinkSizes = LinkSizes()
 
 
 class HubDownload(Wire, frozen=True, kw_only=True):
@@ -103,6 +129,12 @@ class HubDownload(Wire, frozen=True, kw_only=True):
     cache_dir: str | None = None  # relative to the agent's home, else the hub's cache
     endpoint: str | None = None
     total: int = 0  # bytes the files take, checked against the free disk first
+
+
+class DeviceBench(Wire, frozen=True, kw_only=True):
+    # matmul_n, copy_mib, seconds, dtypes: given as they are to worker.device_bench,
+    # which checks them (limits.DEVICE_BENCH_BOUNDS) and refuses bad ones in its words
+    sizes: dict[str, Any]
 
 
 # Model files (worker/files.py): `files` are the model's files by name, size and sha256.
@@ -136,6 +168,38 @@ class FetchFiles(Wire, frozen=True, kw_only=True):
     token: str  # the grant serve_files answered
 
 
+# Jobs (worker/jobs.py): one rank of a job per node, asked by studiotui.cluster.jobs.
+
+
+class JobPorts(Wire, frozen=True, kw_only=True):
+    count: int = 1  # free ports wanted (1-16, checked by the agent)
+
+
+class StartJob(Wire, frozen=True, kw_only=True):
+    job: str  # its name (checked by worker.jobs.check_name)
+    job_kind: str
+    rank: int
+    size: int
+    backend: str = "ring"
+    hosts: list[tuple[str, int]] = []  # each rank's address and group port, in rank order
+    devices: Any = None  # a jaccl group's device map, written as the rank's devices.json
+    spec: dict[str, Any] = {}  # the job's own settings, passed to it as they are
+
+
+class JobRef(Wire, frozen=True, kw_only=True):
+    """stop_job, forget_job."""
+
+    job: str
+
+
+class FollowJob(JobRef, frozen=True, kw_only=True):
+    since: int = 0  # the last event seen: only later ones are sent
+
+
+class JobStatusAsk(Wire, frozen=True, kw_only=True):
+    job: str = ""  # one job ("": all)
+
+
 # ---- agent -> agent (link measurement) ------------------------------------------------
 
 
@@ -143,6 +207,10 @@ class Token(Wire, frozen=True, kw_only=True):
     """open_sink and close_sink (a link measurement), unserve_files (a file grant)."""
 
     token: str
+
+
+class OpenSink(Token, frozen=True, kw_only=True):
+    in_flight: int | None = None  # messages the measuring side keeps in flight
 
 
 class SinkOpen(Wire, frozen=True, kw_only=True):
@@ -354,3 +422,85 @@ class Downloaded(Wire, frozen=True, kw_only=True):
 
     path: str
     downloaded: int = 0
+
+
+class JobPortsFree(Wire, frozen=True, kw_only=True):
+    """The answer to job_ports."""
+
+    ports: list[int]
+
+
+class JobRank(Wire, frozen=True, kw_only=True):
+    """One rank of a job as its agent describes it (job_started, job_stopped, jobs)."""
+
+    job: str
+    job_kind: str = ""
+    rank: int = 0
+    size: int = 1
+    backend: str = ""
+    state: str = ""  # starting, running, silent, done, failed, stopped
+    message: str = ""
+    code: int | None = None
+    pid: int | None = None
+    started: float = 0.0
+    ended: float | None = None
+    seq: int = 0
+    latest: dict[str, Any] = {}  # the job's last event of each kind, as the job wrote it
+    directory: str = ""
+    spec: dict[str, Any] = {}
+
+
+class JobsFound(Wire, frozen=True, kw_only=True):
+    """The answer to job_status."""
+
+    node: str = ""
+    jobs: list[JobRank] = []
+
+
+class JobEvent(Wire, frozen=True, kw_only=True):
+    """One event of a followed rank; the job's own fields stay in `data`."""
+
+    node: str = ""
+    event: str
+    seq: int
+    data: dict[str, Any] = {}
+
+
+class JobBeat(Wire, frozen=True, kw_only=True):
+    """job_beat (the rank lives) and job_end (its last word)."""
+
+    node: str = ""
+    job: str = ""
+    rank: int = 0
+    state: str = ""
+    message: str = ""
+    code: int | None = None
+    seq: int = 0
+
+
+class BenchStep(Wire, frozen=True, kw_only=True):
+    """A `bench_step` reply: the figure a benchmark starts on."""
+
+    step: str = ""
+
+
+class MatmulFigures(Wire, frozen=True, kw_only=True):
+    n: int
+    gflops: float
+
+
+class MemoryFigures(Wire, frozen=True, kw_only=True):
+    copy_gbs: float | None = None
+    read_gbs: float | None = None
+
+
+class DeviceFigures(Wire, frozen=True, kw_only=True):
+    """What worker.device_bench measured (the `ok` answer to device_bench)."""
+
+    device: str = ""  # which of the node's processors: "gpu" on a Mac, "cpu" here
+    matmul: dict[str, MatmulFigures] = {}  # by dtype
+    memory: MemoryFigures = MemoryFigures()
+
+
+class DeviceBenchDone(Wire, frozen=True, kw_only=True):
+    figures: DeviceFigures
