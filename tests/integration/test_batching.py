@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,19 +20,16 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_tokenizer
 
 from studiotui.cluster.controller import Controller
 from tests.cluster_fixture import LocalCluster
-from worker.shard import load_shard
+from tests.ring_harness import CHUNK, InProcessRing
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol.frames import (
     RingHeader,
 )
-from worker.stage import Stage
 
 SEED = 15
-CHUNK = 8
 PROMPT = list(range(40, 70))
 
 
@@ -81,60 +77,19 @@ def workload(
 # ---- in process ------------------------------------------------------------------------
 
 
-class Ring:
+class Ring(InProcessRing):
     """The stages of one placement in one process; frames cross a work queue as bytes."""
 
     def __init__(self, model: Path, ranges: list[tuple[int, int]], batch: bool = True) -> None:
-        self.work: deque[Callable[[], None]] = deque()
-        self.client: list[tuple[str, dict[str, Any]]] = []
-        tok = load_tokenizer(model)
-        self.stages = [
-            Stage(
-                load_shard(model, a, b),
-                tok,
-                Links(self, i),
-                schedule=self.work.append,
-                prefill_chunk=CHUNK,
-                hops=len(ranges),
-                streams=8,
-                batch=batch,
-            )
-            for i, (a, b) in enumerate(ranges)
-        ]
+        super().__init__(model, ranges, streams=8, batch=batch)
 
     def submit(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
         self.stages[0].submit(b"c", {"rid": rid, "params": params, "tokens": prompt})
-
-    def drain(self, steps: int | None = None) -> None:
-        done = 0
-        while self.work and (steps is None or done < steps):
-            self.work.popleft()()
-            done += 1
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for k, f in self.client if k == "delta" and f["rid"] == rid for t in f["tokens"]]
 
     def holds(self, rid: str) -> bool:
         return any(
             rid in s.caches or rid in s.group_of or rid in s.tail_requests for s in self.stages
         )
-
-
-class Links:
-    def __init__(self, ring: Ring, index: int) -> None:
-        self.ring, self.index = ring, index
-
-    def to_next(self, header: RingHeader, activation: mx.array | None) -> None:
-        payload = bytes(memoryview(activation)) if activation is not None else b""
-        nxt = self.ring.stages[self.index + 1]
-        self.ring.work.append(lambda: nxt.on_frame(header, payload))
-
-    def to_head(self, header: RingHeader) -> None:
-        head = self.ring.stages[0]
-        self.ring.work.append(lambda: head.on_frame(header, b""))
-
-    def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
-        self.ring.client.append((kind, fields))
 
 
 def alone(ring: Ring, jobs: list[tuple[list[int], dict[str, Any]]]) -> list[list[int]]:

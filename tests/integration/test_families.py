@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,18 +20,15 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_tokenizer
 
 from tests.cluster_fixture import LocalCluster
+from tests.ring_harness import CHUNK, InProcessRing
 from worker.shard import ShardLoadError, load_shard
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 from worker.shared.model_support import FAMILIES as SUPPORTED
 from worker.shared.model_support import unsupported_reason
-from worker.shared.protocol.frames import RingHeader
-from worker.stage import Stage
 
 LAYERS = 5
-CHUNK = 8
 N_TOKENS = 12
 PROMPT = list(range(40, 62))  # 22 tokens: three prefill chunks, past the 8-token windows
 SPLITS = {1: [(0, 5)], 2: [(0, 2), (2, 5)], 3: [(0, 1), (1, 4), (4, 5)]}
@@ -67,55 +63,11 @@ def reference(model: Path, n: int = N_TOKENS, sampler: Any = None) -> list[int]:
     return [int(tok) for tok, _ in steps]
 
 
-class Ring:
+class Ring(InProcessRing):
     """N stages of one placement in one process; frames go through a work queue as bytes."""
-
-    def __init__(self, model: Path, ranges: list[tuple[int, int]]) -> None:
-        self.work: deque[Callable[[], None]] = deque()
-        self.client: list[tuple[str, dict[str, Any]]] = []
-        tok = load_tokenizer(model)
-        self.stages = [
-            Stage(
-                load_shard(model, a, b),
-                tok,
-                _Links(self, i),
-                schedule=self.work.append,
-                prefill_chunk=CHUNK,
-                hops=len(ranges),
-            )
-            for i, (a, b) in enumerate(ranges)
-        ]
-
-    @classmethod
-    def from_parts(cls, parts: list[Path], ranges: list[tuple[int, int]]) -> Ring:
-        """A ring whose shard i loads from directory parts[i]."""
-        ring = cls.__new__(cls)
-        ring.work, ring.client = deque(), []
-        tok = load_tokenizer(parts[0])
-        ring.stages = [
-            Stage(
-                load_shard(part, a, b),
-                tok,
-                _Links(ring, i),
-                schedule=ring.work.append,
-                prefill_chunk=CHUNK,
-                hops=len(ranges),
-            )
-            for i, (part, (a, b)) in enumerate(zip(parts, ranges, strict=True))
-        ]
-        return ring
 
     def submit(self, rid: str, params: dict[str, Any], tokens: list[int] = PROMPT) -> None:
         self.stages[0].submit(b"c", {"rid": rid, "params": params, "tokens": tokens})
-
-    def drain(self, steps: int | None = None) -> None:
-        done = 0
-        while self.work and (steps is None or done < steps):
-            self.work.popleft()()
-            done += 1
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for k, f in self.client if k == "delta" and f["rid"] == rid for t in f["tokens"]]
 
     def answer(self, params: dict[str, Any], rid: str = "r") -> list[int]:
         self.submit(rid, params)
@@ -125,23 +77,6 @@ class Ring:
     def held(self) -> list[int]:
         """Per-request state each stage still keeps."""
         return [len(s.caches) + len(s.prebuilt) + len(s.tail_requests) for s in self.stages]
-
-
-class _Links:
-    def __init__(self, ring: Ring, index: int) -> None:
-        self.ring, self.index = ring, index
-
-    def to_next(self, header: RingHeader, activation: mx.array | None) -> None:
-        payload = bytes(memoryview(activation)) if activation is not None else b""
-        nxt = self.ring.stages[self.index + 1]
-        self.ring.work.append(lambda: nxt.on_frame(header, payload))
-
-    def to_head(self, header: RingHeader) -> None:
-        head = self.ring.stages[0]
-        self.ring.work.append(lambda: head.on_frame(header, b""))
-
-    def to_client(self, client: bytes, kind: str, **fields: Any) -> None:
-        self.ring.client.append((kind, fields))
 
 
 GREEDY = {"max_tokens": N_TOKENS, "temperature": 0.0, "ignore_eos": True}
