@@ -12,12 +12,36 @@ or, for a private server a test may break (e.g. by changing its host key)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
 from studiotui.bench.sshd import DEFAULT_ADDRESSES, SshdError, SshdServer, start_sshd
+from studiotui.core.inventory import NodeSpec
 
-__all__ = ["DEFAULT_ADDRESSES", "SshdError", "SshdServer", "sshd_factory", "sshd_server"]
+__all__ = [
+    "DEFAULT_ADDRESSES",
+    "SshdError",
+    "SshdServer",
+    "ssh_node",
+    "sshd_factory",
+    "sshd_server",
+]
+
+
+def ssh_node(server: SshdServer, addr: str, name: str, root: Path, port: int) -> NodeSpec:
+    """A node reached through `server` on `addr`, its agent's work folder root/name."""
+    return NodeSpec(
+        name=name,
+        host=addr,
+        port=server.port,
+        user=server.user,
+        identity=str(server.client_key),
+        address=addr,
+        control_port=port,
+        workdir=str(root / name),
+        memory_gb=2.0,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,10 @@ from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.jobs import JobRecord, save_record
-from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory
+from studiotui.core.inventory import Inventory, dump_inventory
 from tests.adapter_model import write_adapter
 from tests.integration.test_adapters import SPEC, collect, encode, reference
-from tests.sshd import SshdServer, sshd_server  # noqa: F401 - the fixture
+from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import FILES, identity_of
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
@@ -39,17 +39,7 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
 ) -> None:
     base = write_demo_model(tmp_path / "models" / "tiny", SPEC)
     nodes = tuple(
-        NodeSpec(
-            name=f"mac-{a[-2:]}",
-            host=a,
-            port=sshd_server.port,
-            user=sshd_server.user,
-            identity=str(sshd_server.client_key),
-            address=a,
-            control_port=59976,
-            workdir=str(tmp_path / "nodes" / f"mac-{a[-2:]}"),
-            memory_gb=2.0,
-        )
+        ssh_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path / "nodes", 59976)
         for a in sshd_server.addresses[2:4]
     )
     first, second = (n.name for n in nodes)

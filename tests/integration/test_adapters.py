@@ -25,12 +25,12 @@ from studiotui.cli.commands import status_json
 from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
-from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory, local_inventory
+from studiotui.core.inventory import Inventory, dump_inventory, local_inventory
 from studiotui.core.jobs import JobWatch
 from studiotui.tune import finetune as ft
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.sshd import SshdServer, sshd_server  # noqa: F401 - the fixture
+from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import base_digest
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
@@ -268,17 +268,7 @@ def test_over_ssh_the_adapter_reaches_only_the_nodes_it_adapts_and_a_mismatch_no
     # The last two layers of four: on an even split, the second shard's only.
     late = write_adapter(base, tmp_path / "late", num_layers=2)
     nodes = tuple(
-        NodeSpec(
-            name=f"mac-{a[-2:]}",
-            host=a,
-            port=sshd_server.port,
-            user=sshd_server.user,
-            identity=str(sshd_server.client_key),
-            address=a,
-            control_port=59960,
-            workdir=str(tmp_path / "nodes" / f"mac-{a[-2:]}"),
-            memory_gb=2.0,
-        )
+        ssh_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path / "nodes", 59960)
         for a in sshd_server.addresses[2:4]
     )
     inv = Inventory(name="desk", nodes=nodes)

@@ -24,9 +24,9 @@ from studiotui.app.place.preview import PlaceRequest, PreviewScreen
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.catalog import scan
-from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory, local_inventory
+from studiotui.core.inventory import Inventory, dump_inventory, local_inventory
 from tests.app_fixtures import fixed_state
-from tests.sshd import SshdServer, sshd_server  # noqa: F401
+from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.model_support import unsupported_reason
 
@@ -166,20 +166,6 @@ async def test_preview_in_the_tui_refuses_an_unsupported_family(
     assert "cannot run on a shard" not in str(screens["ok-text"])
 
 
-def _ssh_node(server: SshdServer, addr: str, name: str, root: Path, port: int) -> NodeSpec:
-    return NodeSpec(
-        name=name,
-        host=addr,
-        port=server.port,
-        user=server.user,
-        identity=str(server.client_key),
-        address=addr,
-        control_port=port,
-        workdir=str(root / name),
-        memory_gb=2.0,
-    )
-
-
 @pytest.fixture
 def ssh_cluster(
     sshd_server: SshdServer,  # noqa: F811
@@ -188,7 +174,7 @@ def ssh_cluster(
     """Two nodes reached over a real sshd, whose agents run here on the sshd's addresses."""
     addrs = sshd_server.addresses[2:4]
     nodes = tuple(
-        _ssh_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path / "nodes", 59970) for a in addrs
+        ssh_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path / "nodes", 59970) for a in addrs
     )
     inv = Inventory(name="desk", nodes=nodes)
     home = tmp_path / "home"
@@ -202,7 +188,7 @@ def ssh_cluster(
             local_cluster.kill_pid(pid)
 
 
-def test_controller_refuses_before_copying_to_an_ssh_node(
+def test_controller_refuses_before_copying_to_anssh_node(
     ssh_cluster: tuple[Path, Inventory], tmp_path: Path, models: dict[str, Path]
 ) -> None:
     home, inv = ssh_cluster
