@@ -58,3 +58,27 @@ def write_adapter(
     if stamp:
         stamp_identity(out, model_dir)
     return out
+
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "cats",
+    "sleep",
+]
+
+
+def write_training_text(path: Path, n: int = 48) -> Path:
+    """Text examples of 8 words, rotations of one sentence: a pattern to learn."""
+    rows = [{"text": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(8))} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

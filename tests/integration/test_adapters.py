@@ -7,7 +7,6 @@ nonzero lora_b); the reference is `mlx_lm.load(model, adapter_path=adapter)`.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory, dump_inventory, local_inventory
 from studiotui.core.jobs import JobWatch
 from studiotui.tune import finetune as ft
-from tests.adapter_model import write_adapter
+from tests.adapter_model import write_adapter, write_training_text
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import base_digest
@@ -375,24 +374,7 @@ def test_an_adapter_a_finetune_job_saved_is_placed_as_is(
     jobs/NAME/adapters stamped with the base; placed from there over 2 shards, it is
     named after the job and answers as mlx-lm loads it, unlike the base."""
     base = made["base"]
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "cats",
-        "sleep",
-    ]
-    rows = [{"text": " ".join(words[(i + j) % len(words)] for j in range(8))} for i in range(32)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_training_text(tmp_path / "data.jsonl", 32)
     names = list(adapter_cluster.inventory.names)
     req = ft.FinetuneRequest(
         str(base), str(data), tuple(names[:1]), "legal", iters=8, batch_size=4,

@@ -28,6 +28,7 @@ from studiotui.core.inventory import dump_inventory
 from studiotui.core.jobs import JobWatch
 from studiotui.tune import finetune as ft
 from studiotui.tune.data import DataError
+from tests.adapter_model import WORDS, write_training_text
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.adapters import check_identity, identity_of
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -35,21 +36,6 @@ from worker.shared.demo_model import DemoSpec, write_demo_model
 pytestmark = pytest.mark.integration
 BASE, PORT = 161, 58800  # 127.0.0.161-162
 NODES = ("local-1", "local-2")
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "cats",
-    "sleep",
-]
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +47,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=5)
     return write_demo_model(tmp_path_factory.mktemp("ft-model") / "tiny", spec)
-
-
-def write_data(path: Path, n: int = 48) -> Path:
-    """Text examples of 8 words, rotations of one sentence: a pattern to learn."""
-    rows = [{"text": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(8))} for i in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def run(cluster: LocalCluster, work: Any) -> Any:
@@ -104,7 +83,7 @@ def rank_pids(cluster: LocalCluster) -> list[int]:
 def test_loss_goes_down_and_the_adapter_is_mlx_lms(
     cluster: LocalCluster, model: Path, tmp_path: Path
 ) -> None:
-    data = write_data(tmp_path / "data.jsonl")
+    data = write_training_text(tmp_path / "data.jsonl")
     req = ft.FinetuneRequest(
         str(model), str(data), NODES, "down", iters=30, batch_size=4, learning_rate=2e-3
     )
@@ -185,7 +164,7 @@ def test_first_step_on_two_nodes_equals_one_node(
 
 
 def test_stop_leaves_no_process(cluster: LocalCluster, model: Path, tmp_path: Path) -> None:
-    data = write_data(tmp_path / "data.jsonl")
+    data = write_training_text(tmp_path / "data.jsonl")
     req = ft.FinetuneRequest(
         str(model), str(data), NODES, "stopme", iters=100000, batch_size=4, save_every=1000
     )
@@ -210,7 +189,7 @@ def test_stop_leaves_no_process(cluster: LocalCluster, model: Path, tmp_path: Pa
 def test_a_killed_node_fails_the_job_in_3_s_then_resume(
     cluster: LocalCluster, model: Path, tmp_path: Path
 ) -> None:
-    data = write_data(tmp_path / "data.jsonl")
+    data = write_training_text(tmp_path / "data.jsonl")
     req = ft.FinetuneRequest(
         str(model), str(data), NODES, "killed", iters=400, batch_size=4, save_every=4
     )
@@ -258,12 +237,12 @@ def test_a_killed_node_fails_the_job_in_3_s_then_resume(
 def test_bad_input_is_refused_before_anything_runs(
     cluster: LocalCluster, model: Path, tmp_path: Path
 ) -> None:
-    good = write_data(tmp_path / "good.jsonl")
+    good = write_training_text(tmp_path / "good.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "one"}\n{"text": "two"}\n{"prompt": 3}\n')
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "one"}\n\n{"text": "two"\n')
-    few = write_data(tmp_path / "few.jsonl", n=4)
+    few = write_training_text(tmp_path / "few.jsonl", n=4)
 
     def req(**changes: Any) -> ft.FinetuneRequest:
         base = {"model": str(model), "data": str(good), "nodes": NODES, "name": "bad"}
@@ -291,7 +270,7 @@ def test_bad_input_is_refused_before_anything_runs(
 def test_qlora_on_a_quantized_model(cluster: LocalCluster, tmp_path: Path) -> None:
     spec = DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, quantize="4", group_size=64, seed=6)
     quantized = write_demo_model(tmp_path / "q4", spec)
-    data = write_data(tmp_path / "data.jsonl", n=24)
+    data = write_training_text(tmp_path / "data.jsonl", n=24)
     req = ft.FinetuneRequest(
         str(quantized), str(data), NODES[:1], "qlora", iters=3, batch_size=4, learning_rate=1e-3
     )
@@ -315,7 +294,7 @@ def test_the_command_line(
 ) -> None:
     inventory = tmp_path / "cluster.toml"
     inventory.write_text(dump_inventory(cluster.inventory))
-    data = write_data(tmp_path / "data.jsonl", n=24)
+    data = write_training_text(tmp_path / "data.jsonl", n=24)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "typo"}\n')
     common = ["-i", str(inventory), "--nodes", "local-1,local-2", "--batch-size", "4"]
