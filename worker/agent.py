@@ -586,7 +586,8 @@ class Agent:
 
     async def _probe(self) -> None:
         """Gather RDMA and link facts off the loop: probes may take seconds on a Mac."""
-        rdma = await asyncio.to_thread(node_probe.rdma_facts)
+        replay = self.config.home / node_probe.REPLAY_FOLDER
+        rdma = await asyncio.to_thread(node_probe.rdma_facts, replay if replay.is_dir() else None)
         end = await asyncio.to_thread(node_probe.link_end, self.config.address)
         self.facts = {**self.facts, "rdma": rdma, "link_end": end, "link_kind": end["kind"]}
 

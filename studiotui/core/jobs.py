@@ -26,7 +26,9 @@ def choose_backend(nodes: list[str], links: Iterable[LinkState]) -> tuple[str, s
     ring), from the same measured links."""
     if len(nodes) < 2:
         return "ring", "one node: no group traffic"
-    return backend_for(nodes, [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma) for x in links])
+    return backend_for(
+        nodes, [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma, x.rdma_why) for x in links]
+    )
 
 
 def blame(ends: Mapping[str, tuple[str, str]], lost: Iterable[str]) -> list[str]:

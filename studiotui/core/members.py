@@ -1,4 +1,5 @@
-"""The processes a plan runs: one per one-node stage, one per node of a tensor group.
+"""The processes a plan runs: one per one-node stage, one per node of a tensor group;
+and which RDMA device reaches which node, for MLX's JACCL backend.
 
 Pure: the controller's load path asks this what to prepare and load where, and the
 state keeps the members in this order (stage by stage, each group's leader first), so
@@ -7,11 +8,14 @@ the first member is always the head stage's leader, which serves the clients.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from studiotui.core.placement import Plan
+from studiotui.core.placement import Link, Plan, backend_for
+from worker.shared.protocol.messages import MessageError
+from worker.shared.protocol.rdma import RdmaFacts, read_rdma
 
 
 @dataclass(frozen=True)
@@ -39,26 +43,146 @@ def members(the_plan: Plan) -> list[Member]:
     return out
 
 
-def jaccl_devices(
-    group: Sequence[str], rdma: Mapping[str, Mapping[str, Any]]
-) -> list[list[str | None]] | str:
-    """JACCL's device matrix (row i: the RDMA device rank i reaches rank j through), from
-    what each node's agent reports (`facts["rdma"]`), or why it cannot be made.
+Matrix = list[list[str | None]]
 
-    The agents report a node's active `rdma_enX` devices but not which peer each cable
-    leads to, so this is certain only when each node has one active device (two Macs,
-    one cable); otherwise it refuses rather than guess.
-    """
-    rows: list[list[str | None]] = []
-    for i, node in enumerate(group):
-        facts = rdma.get(node) or {}
-        active = [str(d) for d in facts.get("active_devices") or []]
-        if not facts.get("usable") or not active:
-            return f"{node} has no usable RDMA device (rdma_ctl status, ibv_devices)"
-        if len(group) > 2 or len(active) != 1:
-            return (
-                f"{node} has {len(active)} active RDMA devices and the agents do not report "
-                "which peer each one reaches; use the ring backend for this group"
-            )
-        rows.append([None if j == i else active[0] for j in range(len(group))])
-    return rows
+
+@dataclass(frozen=True)
+class Cable:
+    """One Thunderbolt cable as one end sees it: this node's port and RDMA device, the
+    node at the other end (None: a Mac that is not in the cluster, or none)."""
+
+    node: str
+    receptacle: int
+    device: str | None
+    state: str | None
+    peer: str | None
+    peer_uuid: str | None
+
+
+def read_facts(raw: Mapping[str, Any]) -> dict[str, RdmaFacts | str]:
+    """Each node's `facts["rdma"]` typed, or the words for why it cannot be used."""
+    out: dict[str, RdmaFacts | str] = {}
+    for node, value in raw.items():
+        try:
+            facts = read_rdma(value or None)
+        except MessageError as exc:
+            out[node] = f"{node} sent RDMA facts that cannot be read ({exc})"
+            continue
+        out[node] = facts if facts is not None else f"{node} has not reported its RDMA facts"
+    return out
+
+
+def cables(rdma: Mapping[str, Any]) -> list[Cable]:
+    """Every port with a Mac at its other end, on every node, with that Mac named
+    when it is one of `rdma`'s nodes: node A's port whose peer UUID is one of node B's
+    own port UUIDs is a cable from A to B."""
+    facts = {n: f for n, f in read_facts(rdma).items() if isinstance(f, RdmaFacts)}
+    owner = {u: n for n, f in facts.items() for u in f.own_uuids}
+    return [
+        Cable(n, p.receptacle, p.device, p.state, owner.get(p.peer_uuid), p.peer_uuid)
+        for n, f in facts.items()
+        for p in f.ports
+        if p.peer_uuid
+    ]
+
+
+def _end(a: str, b: str, fa: RdmaFacts, fb: RdmaFacts) -> tuple[str | None, str]:
+    """(the RDMA device `a` reaches `b` through, "") — the first active one by port
+    number when several cables join them — or (None, why there is none)."""
+    mine = [p for p in fa.ports if p.peer_uuid and p.peer_uuid in fb.own_uuids]
+    if not mine:
+        return None, f"{a} has no cable to {b}"
+    for p in mine:
+        if p.device and p.active:
+            return p.device, ""
+    p = mine[0]
+    if not p.device:
+        port = f"Thunderbolt {p.receptacle} ({p.interface or 'no interface'})"
+        return None, f"{port} on {a} has no RDMA device"
+    return None, f"{p.device} on {a} is {'down' if p.state else 'in an unknown state'}"
+
+
+def _usable(node: str, facts: RdmaFacts | str) -> str | RdmaFacts:
+    if isinstance(facts, str):
+        return facts
+    if not facts.usable:
+        return f"{node} has no usable RDMA device (rdma_ctl status, ibv_devices)"
+    if not facts.ports:
+        return f"{node} does not report its Thunderbolt ports (system_profiler, networksetup)"
+    return facts
+
+
+def rdma_pair(a: str, b: str, rdma: Mapping[str, Any]) -> tuple[str, str] | str:
+    """The devices `a` and `b` reach each other through (a's, b's), or why they
+    cannot talk over RDMA: one of them has none, no cable joins them, or a port of the
+    cable is down (both ends must be PORT_ACTIVE)."""
+    facts = read_facts({a: rdma.get(a), b: rdma.get(b)})
+    fa, fb = _usable(a, facts[a]), _usable(b, facts[b])
+    if isinstance(fa, str) or isinstance(fb, str):
+        return "; ".join(x for x in (fa, fb) if isinstance(x, str))
+    (ab, why_ab), (ba, why_ba) = _end(a, b, fa, fb), _end(b, a, fb, fa)
+    if ab is None or ba is None:
+        if why_ab.endswith(f"no cable to {b}") and why_ba.endswith(f"no cable to {a}"):
+            return why_ab  # one missing cable, said once
+        return "; ".join(w for w in (why_ab, why_ba) if w)
+    return ab, ba
+
+
+def rdma_link(a: str, b: str, rdma: Mapping[str, Any]) -> tuple[bool, str] | None:
+    """Whether the link between `a` and `b` carries RDMA, and why not when both nodes
+    have RDMA but no active cable joins them (the planner says that reason); None when
+    an agent has not reported readable RDMA facts, so nothing can be judged."""
+    facts = read_facts({a: rdma.get(a), b: rdma.get(b)})
+    fa, fb = facts[a], facts[b]
+    if not isinstance(fa, RdmaFacts) or not isinstance(fb, RdmaFacts):
+        return None
+    if not (fa.usable and fb.usable):
+        return False, ""
+    got = rdma_pair(a, b, rdma)
+    return (False, got) if isinstance(got, str) else (True, "")
+
+
+def jaccl_devices(group: Sequence[str], rdma: Mapping[str, Any]) -> Matrix | str:
+    """JACCL's device matrix (row i: the `rdma_enX` device rank i reaches rank j
+    through; None on the diagonal), from what each node's agent reports
+    (`facts["rdma"]`), or every reason it cannot be made ("studio-2 has no cable to
+    studio-4", "rdma_en3 on studio-1 is down").
+
+    MLX's JACCL backend runs only on a fully connected mesh (a cable between every
+    pair; MLX's distributed docs, "Defining a Mesh"), so every pair is checked. One
+    device per pair: where two cables join a pair the first active one by port number."""
+    n = len(group)
+    rows: Matrix = [[None] * n for _ in range(n)]
+    problems: list[str] = []
+    for i, j in itertools.combinations(range(n), 2):
+        got = rdma_pair(group[i], group[j], rdma)
+        if isinstance(got, str):
+            problems += [w for w in got.split("; ") if w not in problems]
+        else:
+            rows[i][j], rows[j][i] = got
+    return "; ".join(problems) if problems else rows
+
+
+@dataclass(frozen=True)
+class GroupBackend:
+    backend: str  # "ring" or "jaccl"
+    reason: str
+    devices: Matrix | None = None  # JACCL's device matrix, rank order
+
+
+def group_backend(
+    group: Sequence[str], links: Sequence[Link], rdma: Mapping[str, Any]
+) -> GroupBackend:
+    """The `mx.distributed` backend of a group of processes the agents run (a tensor
+    stage, a fine-tuning job, the benchmark's product), why, and JACCL's device matrix:
+    JACCL when the planner's rule says every pair has RDMA and the cables make a full
+    mesh, else the ring over TCP with the reason."""
+    if len(group) < 2:
+        return GroupBackend("ring", "one node: no group traffic")
+    backend, why = backend_for(group, links)
+    if backend != "jaccl":
+        return GroupBackend("ring", why)
+    devices = jaccl_devices(group, rdma)
+    if isinstance(devices, str):
+        return GroupBackend("ring", f"{devices}: ring backend over TCP on the bridge addresses")
+    return GroupBackend("jaccl", why, devices)
