@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from studiotui.cli.commands import status_json
 from studiotui.cluster.benchmark import Benchmark
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.benchmark import Sizes
@@ -92,6 +93,23 @@ def test_the_mesh_is_what_the_agents_report(mesh: LocalCluster) -> None:
         return jaccl_devices(NAMES, {n.name: n.facts["rdma"] for n in ctl.state.nodes})
 
     assert run(mesh, work) == MATRIX
+
+    async def shown(ctl: Controller) -> Any:
+        return status_json(ctl)
+
+    # `status --json` says which port of a node leads to which node.
+    nodes = {n["name"]: n["thunderbolt"] for n in run(mesh, shown)["nodes"]}
+    assert nodes["local-1"] == [
+        {"port": 1, "device": "rdma_en5", "state": "PORT_ACTIVE", "reaches": "local-2"},
+        {"port": 2, "device": "rdma_en2", "state": "PORT_ACTIVE", "reaches": "local-3"},
+        {"port": 3, "device": "rdma_en7", "state": "PORT_ACTIVE", "reaches": "local-4"},
+    ]
+    # local-4's port 4 holds the recorded drive: no Mac, so not listed.
+    assert [(c["port"], c["reaches"]) for c in nodes["local-4"]] == [
+        (1, "local-3"),
+        (5, "local-1"),
+        (6, "local-2"),
+    ]
 
 
 def test_a_tensor_placement_launches_every_rank_with_jaccls_files(
