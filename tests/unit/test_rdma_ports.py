@@ -17,10 +17,12 @@ import pytest
 
 from studiotui.core.forecast import links_from_state
 from studiotui.core.members import cables, group_backend, jaccl_devices, rdma_pair
-from studiotui.core.placement import backend_for
+from studiotui.core.model_facts import read_model
+from studiotui.core.placement import NodeBudget, Plan, backend_for, plan
 from studiotui.core.state import ClusterState, LinkState, NodeState
 from tests import rdma_mesh
 from tests.fixture_paths import read_fixture
+from tests.seed_models import seed_model
 from worker import node_probe
 from worker.shared.probes import (
     parse_ibv_devices,
@@ -58,6 +60,7 @@ NS_OSAURUS = (
 RDMA_CTL = "rdma_ctl_status.enabled.omlx-issue-3037.txt"
 
 STUDIOS = ["studio-1", "studio-2", "studio-3", "studio-4"]
+GiB = 1024**3
 SP = ("system_profiler", "SPThunderboltDataType", "-json")
 
 
@@ -368,3 +371,20 @@ def test_the_backend_reason_names_the_missing_cable(tmp_path: Path, measured: bo
     # The other three still form a mesh.
     three = ["studio-1", "studio-2", "studio-3"]
     assert group_backend(three, links_from_state(state), cut).backend == "jaccl"
+
+
+def test_the_planner_gives_a_four_studio_group_the_reason(tmp_path: Path) -> None:
+    # What the preview shows for `--tensor 4` on the published Qwen3-235B (header-only
+    # seed): JACCL on the full mesh; the ring, naming the cable, when one is missing.
+    qwen = read_model(seed_model(tmp_path / "seeds", "qwen3-235b-a22b", "8bit")).facts
+    four = [NodeBudget(n, 504 * GiB, 512 * GiB) for n in STUDIOS]
+    full = rdma_mesh.facts(rdma_mesh.mesh(rdma_mesh.STUDIO, STUDIOS), tmp_path / "full")
+    placed = plan(qwen, four, links_from_state(_state(full, measured=True)), tensor=4)
+    assert isinstance(placed, Plan) and placed.shape == "1 stage × 4 (jaccl)"
+    cut = rdma_mesh.mesh(rdma_mesh.STUDIO, STUDIOS, missing=[("studio-2", "studio-4")])
+    state = _state(rdma_mesh.facts(cut, tmp_path / "cut"), measured=True)
+    placed = plan(qwen, four, links_from_state(state), tensor=4)
+    assert isinstance(placed, Plan) and placed.shape == "1 stage × 4 (ring)"
+    assert placed.shards[0].backend_reason == (
+        "studio-2 has no cable to studio-4: ring backend over TCP on the bridge addresses"
+    )
