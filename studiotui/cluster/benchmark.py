@@ -249,12 +249,13 @@ class Benchmark:
         n = group_n(nodes, names, self.sizes.matmul_n)
         parts = parts_gflops(nodes, names, "float32")
         # JACCL when every pair is joined by an active RDMA cable, with the device
-        # matrix the ranks need; else the ring, and the run notes why.
+        # matrix the ranks need; else the ring, and where every node has RDMA the run
+        # notes why (a missing cable, a port down).
         state = self.ctl.state
         rdma = {x: s.facts.get("rdma") for x in names if (s := state.node(x)) is not None}
         chosen = group_backend(names, links_from_state(state), rdma)
-        if chosen.backend == "ring" and len(names) > 1:
-            self.notes.append(f"group measured over ring: {chosen.reason}")
+        if chosen.backend == "ring" and chosen.rdma_everywhere:
+            self.notes.append(f"the group was measured over ring: {chosen.reason}")
         backend = chosen.backend
         base = GroupFigures(
             nodes=tuple(names), backend=backend, n=n, parts_gflops=parts, launcher="jobs"

@@ -168,6 +168,8 @@ class GroupBackend:
     backend: str  # "ring" or "jaccl"
     reason: str
     devices: Matrix | None = None  # JACCL's device matrix, rank order
+    # Every node has RDMA: the ring, if chosen, is for want of cables or active ports.
+    rdma_everywhere: bool = False
 
 
 def group_backend(
@@ -179,10 +181,13 @@ def group_backend(
     mesh, else the ring over TCP with the reason."""
     if len(group) < 2:
         return GroupBackend("ring", "one node: no group traffic")
+    facts = read_facts({n: rdma.get(n) for n in group})
+    everywhere = all(isinstance(f, RdmaFacts) and f.usable for f in facts.values())
     backend, why = backend_for(group, links)
     if backend != "jaccl":
-        return GroupBackend("ring", why)
+        return GroupBackend("ring", why, rdma_everywhere=everywhere)
     devices = jaccl_devices(group, rdma)
     if isinstance(devices, str):
-        return GroupBackend("ring", f"{devices}: ring backend over TCP on the bridge addresses")
-    return GroupBackend("jaccl", why, devices)
+        why = f"{devices}: ring backend over TCP on the bridge addresses"
+        return GroupBackend("ring", why, rdma_everywhere=everywhere)
+    return GroupBackend("jaccl", why, devices, rdma_everywhere=everywhere)
