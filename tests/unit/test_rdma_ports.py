@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from studiotui.app.panes.rdma import rdma_content
 from studiotui.core.forecast import links_from_state
 from studiotui.core.members import cables, group_backend, jaccl_devices, rdma_pair
 from studiotui.core.model_facts import read_model
@@ -391,3 +392,13 @@ def test_the_planner_gives_a_four_studio_group_the_reason(tmp_path: Path) -> Non
     assert placed.shards[0].backend_reason == (
         "studio-2 has no cable to studio-4: ring backend over TCP on the bridge addresses"
     )
+
+
+def test_the_rdma_pane_lists_which_port_reaches_which_node(tmp_path: Path) -> None:
+    cut = rdma_mesh.mesh(rdma_mesh.STUDIO, STUDIOS[:3], down=[("studio-1", "rdma_en2")])
+    state = _state(rdma_mesh.facts(cut, tmp_path), measured=False)
+    text = rdma_content(state.nodes).plain
+    assert "Thunderbolt cables:" in text
+    assert "studio-1  port 1 rdma_en5 → studio-2\n" in text
+    assert "studio-1  port 2 rdma_en2 → studio-3 (port down)" in text
+    assert "studio-3  port 4" not in text  # the drive on port 4 is no Mac
