@@ -17,9 +17,15 @@ import pytest
 
 from studiotui.app.panes.rdma import rdma_content
 from studiotui.core.forecast import links_from_state
-from studiotui.core.members import cables, group_backend, jaccl_devices, rdma_pair
+from studiotui.core.members import (
+    GroupBackend,
+    cables,
+    group_backend,
+    jaccl_devices,
+    rdma_pair,
+)
 from studiotui.core.model_facts import read_model
-from studiotui.core.placement import NodeBudget, Plan, backend_for, plan
+from studiotui.core.placement import Link, NodeBudget, Plan, backend_for, plan
 from studiotui.core.state import ClusterState, LinkState, NodeState
 from tests import rdma_mesh
 from tests.fixture_paths import read_fixture
@@ -372,6 +378,11 @@ def test_the_backend_reason_names_the_missing_cable(tmp_path: Path, measured: bo
     # Ring for want of a cable, though every node has RDMA (the benchmark notes it).
     assert chosen.backend == "ring" and chosen.devices is None and chosen.rdma_everywhere
     assert chosen.reason.startswith("studio-2 ")
+    alone = GroupBackend("ring", "one node: no group traffic")
+    assert group_backend(["studio-1"], [], cut) == alone
+    # A pair of nodes whose links were measured, without RDMA: the planner's words.
+    plain = group_backend(["a", "b"], [Link("a", "b", 10.0, 40.0, "thunderbolt")], {})
+    assert plain.reason.startswith("a ↔ b has no RDMA at both ends")
     # The other three still form a mesh.
     three = ["studio-1", "studio-2", "studio-3"]
     assert group_backend(three, links_from_state(state), cut).backend == "jaccl"
