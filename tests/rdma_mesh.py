@@ -110,12 +110,17 @@ def mesh(
     names: Sequence[str],
     missing: Iterable[tuple[str, str]] = (),
     down: Iterable[tuple[str, str]] = (),
+    doubled: Iterable[tuple[str, str]] = (),
+    ifconfig: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, str]]:
     """Each node's recorded outputs (replay file name -> text) for `names` cabled into
     a full mesh, except the `missing` pairs; `down` names (node, rdma device) whose port
-    is PORT_DOWN although cabled."""
+    is PORT_DOWN although cabled; `doubled` pairs have a second cable, crossed (the first
+    port of one end joins the second port of the other); `ifconfig` gives nodes a
+    recorded `ifconfig` output (else none is recorded: the command failed)."""
     cut = {frozenset(p) for p in missing}
     downs = set(down)
+    twice = {frozenset(p) for p in doubled}
     doc = json.loads(read_fixture(model.thunderbolt))
     buses = doc["SPThunderboltDataType"]
     peer_bus = next(b for b in buses if any("domain_uuid_key" in i for i in b.get("_items", [])))
@@ -127,14 +132,23 @@ def mesh(
         if not [i for i in b.get("_items", []) if "domain_uuid_key" not in i]
     )
     pairs = [p for p in itertools.combinations(names, 2) if frozenset(p) not in cut]
-    port: dict[tuple[str, str], int] = {}
+    pairs += [p for p in itertools.combinations(names, 2) if frozenset(p) in twice]
+    ends: dict[tuple[str, str], list[int]] = {}
     for k, node in enumerate(names):
         peers = [b if a == node else a for a, b in pairs if node in (a, b)]
         if len(peers) > len(free):
             raise ValueError(f"a {model.name} has {len(free)} free ports, not {len(peers)}")
         # Each node cabled from another free port on: rows of the matrix then differ.
         turned = free[k % len(free) :] + free[: k % len(free)]
-        port |= {(node, peer): r for peer, r in zip(peers, turned, strict=False)}
+        for peer, r in zip(peers, turned, strict=False):
+            ends.setdefault((node, peer), []).append(r)
+    # Cable i of a pair joins the i-th port of its first node to the i-th of the second
+    # (the second's list reversed when doubled: the cables cross).
+    cable: dict[tuple[str, int], tuple[str, int]] = {}
+    for a, b in {(a, b) for a, b in pairs}:
+        there = ends[(b, a)][::-1] if frozenset((a, b)) in twice else ends[(b, a)]
+        for ra, rb in zip(ends[(a, b)], there, strict=True):
+            cable[(a, ra)], cable[(b, rb)] = (b, rb), (a, ra)
     hardware = _networksetup(model)
     ifaces = thunderbolt_ports(parse_networksetup_ports(hardware))
     devices = [
@@ -148,21 +162,20 @@ def mesh(
             r = _receptacle(bus)
             bus["domain_uuid_key"] = port_uuid(node, r)
             items = [i for i in bus.get("_items", []) if "domain_uuid_key" not in i]
-            peer = next((p for (n, p), pr in port.items() if n == node and pr == r), None)
+            far = cable.get((node, r))
             if not items:  # the port's state as recorded with a Mac on it, or idle
-                tag = peer_bus if peer is not None else {"receptacle_1_tag": idle_tag}
+                tag = peer_bus if far is not None else {"receptacle_1_tag": idle_tag}
                 bus["receptacle_1_tag"] = {
                     **copy.deepcopy(tag["receptacle_1_tag"]),
                     "receptacle_id_key": str(r),
                 }
-            if peer is not None:
+            if far is not None:
                 entry = copy.deepcopy(peer_entry)
-                entry["domain_uuid_key"] = port_uuid(peer, port[(peer, node)])
+                entry["domain_uuid_key"] = port_uuid(*far)
                 entry["_name"], entry["device_name_key"] = model.name, model.identifier
                 items.append(entry)
                 device = f"rdma_{ifaces[r]}"
-                far = f"rdma_{ifaces[port[(peer, node)]]}"
-                if (node, device) not in downs and (peer, far) not in downs:
+                if (node, device) not in downs and (far[0], f"rdma_{ifaces[far[1]]}") not in downs:
                     active.add(device)
             if items:
                 bus["_items"] = items
@@ -176,6 +189,8 @@ def mesh(
             ("rdma_ctl", "status"): read_fixture("rdma_ctl_status.enabled.omlx-issue-3037.txt"),
             ("sw_vers", "-productVersion"): model.os_version + "\n",
         }
+        if ifconfig and node in ifconfig:
+            files[("ifconfig",)] = read_fixture(ifconfig[node])
         out[node] = {node_probe.replay_name(argv): text for argv, text in files.items()}
     return out
 

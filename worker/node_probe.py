@@ -94,7 +94,7 @@ def rdma_facts(replay: Path | None = None) -> dict[str, Any]:
         )
         ifconfig = _parse(probes.parse_ifconfig, run(["ifconfig"]), {})
         if tb is not None:
-            port_map = probes.thunderbolt_port_map(tb, hardware, devices, ports)
+            port_map = probes.thunderbolt_port_map(tb, hardware, devices, ports, ifconfig)
     else:
         status, ports, tb, ifconfig = "unknown", (), None, {}
         devices = tuple(probes.IbvDevice(name=p.name, guid="") for p in _infiniband_dir().glob("*"))
@@ -122,6 +122,7 @@ def rdma_facts(replay: Path | None = None) -> dict[str, Any]:
                 peer_uuid=p.peer_uuid,
                 peer_model=p.peer_model,
                 link_gbps=p.link_gbps,
+                ipv4=p.ipv4,
             )
             for p in port_map
         ),

@@ -15,7 +15,7 @@ from typing import Any
 
 from studiotui.core.placement import Link, Plan, backend_for
 from worker.shared.protocol.messages import MessageError
-from worker.shared.protocol.rdma import RdmaFacts, read_rdma
+from worker.shared.protocol.rdma import RdmaFacts, RdmaPort, read_rdma
 
 
 @dataclass(frozen=True)
@@ -86,20 +86,27 @@ def cables(rdma: Mapping[str, Any]) -> list[Cable]:
     ]
 
 
-def _end(a: str, b: str, fa: RdmaFacts, fb: RdmaFacts) -> tuple[str | None, str]:
-    """(the RDMA device `a` reaches `b` through, "") — the first active one by port
-    number when several cables join them — or (None, why there is none)."""
-    mine = [p for p in fa.ports if p.peer_uuid and p.peer_uuid in fb.own_uuids]
-    if not mine:
-        return None, f"{a} has no cable to {b}"
-    for p in mine:
-        if p.device and p.active:
-            return p.device, ""
-    p = mine[0]
+def _wires(fa: RdmaFacts, fb: RdmaFacts) -> list[tuple[RdmaPort, RdmaPort]]:
+    """Every cable between two Macs as (a's port, b's port at its other end), by a's
+    port number: a's port whose peer UUID is b's port's own UUID."""
+    theirs = {p.domain_uuid: p for p in fb.ports if p.domain_uuid}
+    return [(p, theirs[p.peer_uuid]) for p in fa.ports if p.peer_uuid in theirs]
+
+
+def _port_problem(node: str, p: RdmaPort) -> str:
     if not p.device:
         port = f"Thunderbolt {p.receptacle} ({p.interface or 'no interface'})"
-        return None, f"{port} on {a} has no RDMA device"
-    return None, f"{p.device} on {a} is {'down' if p.state else 'in an unknown state'}"
+        return f"{port} on {node} has no RDMA device"
+    if not p.active:
+        return f"{p.device} on {node} is {'down' if p.state else 'in an unknown state'}"
+    if p.ipv4 == "":
+        # MLX's JACCL takes the device's IPv4-mapped GID, which exists only while the
+        # interface has an IPv4 address (MLX PR #4191): without one the join fails.
+        return (
+            f"{p.interface} on {node} has no IPv4 address (JACCL needs one on each cabled "
+            "port; a link-local 169.254.x.y will do)"
+        )
+    return ""
 
 
 def _usable(node: str, facts: RdmaFacts | str) -> str | RdmaFacts:
@@ -113,19 +120,26 @@ def _usable(node: str, facts: RdmaFacts | str) -> str | RdmaFacts:
 
 
 def rdma_pair(a: str, b: str, rdma: Mapping[str, Any]) -> tuple[str, str] | str:
-    """The devices `a` and `b` reach each other through (a's, b's), or why they
-    cannot talk over RDMA: one of them has none, no cable joins them, or a port of the
-    cable is down (both ends must be PORT_ACTIVE)."""
+    """The devices `a` and `b` reach each other through (a's, b's), both ends of one
+    cable, or why they cannot talk over RDMA: one of them has none, no cable joins
+    them, or a port of the cable is down (both ends must be PORT_ACTIVE).
+
+    Where several cables join the two, the first by a's port number whose two ends are
+    active, and b's device is that same cable's other end: JACCL pairs its queue pairs
+    across ranks by the devices named, so the two ends must be one cable (exo found a
+    load that hung when each side picked its own)."""
     facts = read_facts({a: rdma.get(a), b: rdma.get(b)})
     fa, fb = _usable(a, facts[a]), _usable(b, facts[b])
     if isinstance(fa, str) or isinstance(fb, str):
         return "; ".join(x for x in (fa, fb) if isinstance(x, str))
-    (ab, why_ab), (ba, why_ba) = _end(a, b, fa, fb), _end(b, a, fb, fa)
-    if ab is None or ba is None:
-        if why_ab.endswith(f"no cable to {b}") and why_ba.endswith(f"no cable to {a}"):
-            return why_ab  # one missing cable, said once
-        return "; ".join(w for w in (why_ab, why_ba) if w)
-    return ab, ba
+    wires = _wires(fa, fb)
+    if not wires:
+        return f"{a} has no cable to {b}"
+    for mine, theirs in wires:
+        if not _port_problem(a, mine) and not _port_problem(b, theirs):
+            return str(mine.device), str(theirs.device)
+    mine, theirs = wires[0]
+    return "; ".join(w for w in (_port_problem(a, mine), _port_problem(b, theirs)) if w)
 
 
 def rdma_link(a: str, b: str, rdma: Mapping[str, Any]) -> tuple[bool, str] | None:

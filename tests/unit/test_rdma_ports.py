@@ -34,6 +34,7 @@ from worker import node_probe
 from worker.shared.probes import (
     parse_ibv_devices,
     parse_ibv_devinfo,
+    parse_ifconfig,
     parse_networksetup_ports,
     parse_thunderbolt_json,
     parse_thunderbolt_text,
@@ -65,6 +66,9 @@ NS_OSAURUS = (
     "networksetup_-listallhardwareports.m5max-macbookpro.macos27.osaurus-test.REDACTED-MACS.txt"
 )
 RDMA_CTL = "rdma_ctl_status.enabled.omlx-issue-3037.txt"
+IFC_ALL = "ifconfig.all-interfaces.bridge0-members-en1-en3.apple-silicon-mac.jmw-parsing-test.txt"
+IFC_NOADDR = "ifconfig.tb-ports-en2-en4-no-address.m4pro-macmini.exo-issue-1390.txt"
+IFC_EN2 = "ifconfig_en2.tb-port-own-ipv4-ipv6.apple-tn3205.txt"
 
 STUDIOS = ["studio-1", "studio-2", "studio-3", "studio-4"]
 GiB = 1024**3
@@ -413,3 +417,73 @@ def test_the_rdma_pane_lists_which_port_reaches_which_node(tmp_path: Path) -> No
     assert "studio-1  port 1 rdma_en5 → studio-2\n" in text
     assert "studio-1  port 2 rdma_en2 → studio-3 (port down)" in text
     assert "studio-3  port 4" not in text  # the drive on port 4 is no Mac
+
+
+def test_two_cables_between_a_pair_name_both_ends_of_one_cable(tmp_path: Path) -> None:
+    # studio-1's ports 1 and 2 lead to studio-2's ports 3 and 2 (crossed): studio-2's
+    # lowest port is the *second* cable. Each side picking its own lowest would name two
+    # cables, which JACCL cannot pair (exo PR #2160: a load that hung).
+    pair = ["studio-1", "studio-2"]
+    outputs = rdma_mesh.mesh(rdma_mesh.STUDIO, pair, doubled=[("studio-1", "studio-2")])
+    rdma = rdma_mesh.facts(outputs, tmp_path / "both")
+    assert [(c.node, c.receptacle, c.peer) for c in cables(rdma)] == [
+        ("studio-1", 1, "studio-2"),
+        ("studio-1", 2, "studio-2"),
+        ("studio-2", 2, "studio-1"),
+        ("studio-2", 3, "studio-1"),
+    ]
+    # Port 1 of studio-1 is en5; its cable ends on studio-2's port 3, en7.
+    assert jaccl_devices(pair, rdma) == [[None, "rdma_en5"], ["rdma_en7", None]]
+    assert jaccl_devices(pair, rdma) == _oracle_one_cable(outputs, pair)
+    # That cable down: the other one, again both of its ends (en2 and en2).
+    down = rdma_mesh.mesh(
+        rdma_mesh.STUDIO, pair, doubled=[("studio-1", "studio-2")], down=[("studio-1", "rdma_en5")]
+    )
+    got = jaccl_devices(pair, rdma_mesh.facts(down, tmp_path / "down"))
+    assert got == [[None, "rdma_en2"], ["rdma_en2", None]]
+
+
+def _oracle_one_cable(outputs: dict[str, dict[str, str]], names: list[str]) -> list[list[Any]]:
+    """Rank 1's device as the far end of rank 0's first cable, read from the raw JSON."""
+    tb = node_probe.replay_name(SP)
+    first = json.loads(outputs[names[0]][tb])["SPThunderboltDataType"]
+    second = json.loads(outputs[names[1]][tb])["SPThunderboltDataType"]
+    by_uuid = {
+        b["domain_uuid_key"]: int(b["receptacle_1_tag"]["receptacle_id_key"]) for b in second
+    }
+    cabled = sorted(
+        (int(b["receptacle_1_tag"]["receptacle_id_key"]), i["domain_uuid_key"])
+        for b in first
+        for i in b.get("_items", [])
+        if i.get("domain_uuid_key") in by_uuid
+    )
+    mine, far = cabled[0]
+    ports = rdma_mesh.STUDIO_PORTS
+    return [[None, f"rdma_{ports[mine]}"], [f"rdma_{ports[by_uuid[far]]}", None]]
+
+
+def test_a_cabled_port_without_an_ipv4_address_is_named(tmp_path: Path) -> None:
+    # The recorded MacBook Pro's Thunderbolt ports are bridge0 members with no address
+    # of their own; JACCL needs each cabled port's own IPv4 (MLX PR #4191).
+    ports = _map(TB_ON, NS_OSAURUS, IBV_MBP, DEVINFO_DOWN)
+    assert [p.ipv4 for p in ports] == [None, None, None]  # ifconfig not given: unknown
+    bridged = thunderbolt_port_map(
+        parse_thunderbolt_json(fx(TB_ON)),
+        parse_networksetup_ports(fx(NS_OSAURUS)),
+        parse_ibv_devices(fx(IBV_MBP)),
+        (),
+        parse_ifconfig(fx(IFC_ALL)),
+    )
+    assert [(p.interface, p.ipv4) for p in bridged] == [("en1", ""), ("en6", ""), ("en2", "")]
+    # studio-1 reaches studio-3 through port 2, en2: recorded without an address, then
+    # with its own link-local one (Apple's TN3205).
+    three = STUDIOS[:3]
+    bare = rdma_mesh.mesh(rdma_mesh.STUDIO, three, ifconfig={"studio-1": IFC_NOADDR})
+    assert jaccl_devices(three, rdma_mesh.facts(bare, tmp_path / "bare")) == (
+        "en2 on studio-1 has no IPv4 address (JACCL needs one on each cabled port; "
+        "a link-local 169.254.x.y will do)"
+    )
+    own = rdma_mesh.mesh(rdma_mesh.STUDIO, three, ifconfig={"studio-1": IFC_EN2})
+    rdma = rdma_mesh.facts(own, tmp_path / "own")
+    assert isinstance(jaccl_devices(three, rdma), list)
+    assert read_rdma(rdma["studio-1"]).ports[1].ipv4 == "169.254.205.255"  # type: ignore[union-attr]

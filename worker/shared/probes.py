@@ -885,6 +885,9 @@ class ThunderboltPort:
     peer_uuid: str | None = None
     peer_model: str | None = None  # the peer's model identifier ("Mac15,14")
     link_gbps: float | None = None
+    # The interface's own IPv4 address; "" when ifconfig lists it without one (JACCL
+    # then finds no IPv4-mapped GID on the device: MLX PR #4191); None when unknown.
+    ipv4: str | None = None
 
     @property
     def active(self) -> bool:
@@ -896,10 +899,12 @@ def thunderbolt_port_map(
     ports: Sequence[HardwarePort],
     ibv_devices: Sequence[IbvDevice] = (),
     ibv_ports: Sequence[IbvPort] = (),
+    interfaces: Mapping[str, Interface] | None = None,
 ) -> tuple[ThunderboltPort, ...]:
     """Every receptacle of this Mac, joined by its number, never by position: receptacle
     N <-> networksetup "Thunderbolt N" <-> enX <-> rdma_enX (listed by ibv_devices) <->
-    that device's ibv_devinfo state. None of these lists is in port order (M5 Max MBP:
+    that device's ibv_devinfo state <-> the interface's IPv4 in `interfaces` (ifconfig).
+    None of these lists is in port order (M5 Max MBP:
     Thunderbolt 1/2/3 = en1/en6/en2; M3 Ultra lists rdma_en5 before rdma_en4). The peer
     is the first item on the bus with a domain UUID, a hub's children included."""
     by_receptacle = thunderbolt_ports(ports)
@@ -912,6 +917,7 @@ def thunderbolt_port_map(
         iface = by_receptacle.get(bus.receptacle)
         device = f"rdma_{iface}" if iface and f"rdma_{iface}" in listed else None
         peer = next(iter(bus.peers), None)
+        seen = (interfaces or {}).get(iface) if iface else None
         out[bus.receptacle] = ThunderboltPort(
             receptacle=bus.receptacle,
             domain_uuid=bus.domain_uuid.upper() if bus.domain_uuid else None,
@@ -921,6 +927,7 @@ def thunderbolt_port_map(
             peer_uuid=peer.domain_uuid.upper() if peer and peer.domain_uuid else None,
             peer_model=peer.model if peer else None,
             link_gbps=bus.link_gbps,
+            ipv4=None if seen is None else next(iter(seen.ipv4), ""),
         )
     return tuple(out[k] for k in sorted(out))
 

@@ -24,6 +24,7 @@ class RdmaPort(Wire, frozen=True, kw_only=True):
     peer_uuid: str | None = None  # the cabled Mac's domain UUID; None: no Mac there
     peer_model: str | None = None  # its model identifier ("Mac15,14")
     link_gbps: float | None = None
+    ipv4: str | None = None  # the interface's own; "" listed without one; None unknown
 
     @property
     def active(self) -> bool:
