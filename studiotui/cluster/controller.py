@@ -39,7 +39,7 @@ from studiotui.core.forecast import (
     measured_bandwidths,
 )
 from studiotui.core.inventory import Inventory, NodeSpec
-from studiotui.core.load_watch import LoadWatch
+from studiotui.core.load_watch import LoadWatch, node_gone
 from studiotui.core.members import Member, jaccl_devices, members, rdma_link
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes
@@ -711,16 +711,21 @@ class Controller:
         return where
 
     async def _watch_nodes(self, nodes: list[str]) -> str:
-        """Return (only) when one of `nodes` stops answering, saying which."""
+        """Return (only) when one of `nodes` is gone (see `node_gone`), saying which."""
+        heard = dict.fromkeys(nodes, time.monotonic())
         while True:
             await asyncio.sleep(HEALTH_CHECK_S)
             replies = await asyncio.gather(
                 *(self.peer(n).request("hello", timeout=HEALTH_CHECK_S) for n in nodes),
                 return_exceptions=True,
             )
+            now = time.monotonic()
             for node, reply in zip(nodes, replies, strict=True):
-                if isinstance(reply, BaseException):
-                    return f"node {node} stopped answering while loading"
+                if not isinstance(reply, BaseException):
+                    heard[node] = now
+                gone = node_gone(node, self.peer(node).down_for(), now - heard[node])
+                if gone:
+                    return gone
 
     async def unload(self, name: str) -> None:
         await self.refresh()
