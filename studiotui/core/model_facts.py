@@ -299,13 +299,30 @@ def tensor_dims(config: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     )
     unit = f" ({group}-wide quantization groups)" if group > 1 else ""
     for label, width in (
-        ("MLP width", _int(cfg, "intermediate_size")),
+        ("MLP width", _int(cfg, "intermediate_size") if _runs_dense_mlp(cfg) else 0),
         ("expert width", _int(cfg, "moe_intermediate_size")),
         ("shared expert width", shared),
     ):
         if width:
             dims.append((f"{label}{unit}", width // group if width % group == 0 else width))
     return tuple((label, size) for label, size in dims if size)
+
+
+def _runs_dense_mlp(cfg: dict[str, Any]) -> bool:
+    """Whether some layer runs the dense MLP `intermediate_size` is the width of. In a
+    MoE whose experts have their own `moe_intermediate_size`, only the layers the
+    config keeps dense do: DeepSeek's / GLM's first `first_k_dense_replace`, Qwen
+    MoE's `mlp_only_layers` and those off its `decoder_sparse_step` (mlx-lm's rule).
+    Elsewhere (dense models; Mixtral or gpt-oss, whose experts are that wide) it is."""
+    if not _int(cfg, "moe_intermediate_size"):
+        return True
+    if "first_k_dense_replace" in cfg:
+        return _int(cfg, "first_k_dense_replace") > 0 or _int(cfg, "moe_layer_freq") > 1
+    if "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:
+        experts = _int(cfg, "num_experts", "n_routed_experts")
+        step = _int(cfg, "decoder_sparse_step") or 1
+        return not experts or step > 1 or bool(cfg.get("mlp_only_layers"))
+    return True
 
 
 def _bits_per_weight(config: dict[str, Any], dtype: str) -> float:
