@@ -446,9 +446,7 @@ class Stage:
             else:
                 mx.eval(out)
             return
-        ahead = header.kind == "decode" and self.prebuild
-        idle_after = ahead and self._idle_between_steps()
-        if ahead and not idle_after:
+        if header.kind == "decode" and self.prebuild:
             self._build_ahead(header)
         mx.eval(out)
         if self.shard.is_first and header.kind == "decode":
@@ -465,8 +463,6 @@ class Stage:
             ),
             out,
         )
-        if idle_after:
-            self._build_ahead(header)
 
     def _complete_batch(self, step: Launched) -> None:
         header, out = step.header, step.out
@@ -516,29 +512,12 @@ class Stage:
         self.stats.prebuilt += 1
         return pre
 
-    def _idle_between_steps(self) -> bool:
-        """Whether the next step of the request in hand is built after this step's
-        output is sent, in the time the stage then waits for its next input, rather
-        than while the step computes.
-
-        `mx.async_eval` returns only once the step's kernels are at most ~100 dispatches
-        ahead of the compute (MLX bounds the work in flight), so a build started after it
-        overlaps only the step's last few hundred microseconds. A build longer than that
-        (four 4-bit MoE layers take 0.4-0.9 ms here) holds the frame back by the rest.
-        A stage serving one request waits idle between its steps while the other shards
-        compute, and builds there without delaying anything. (Where the shards share two
-        cores, as in `studiotui bench`, it takes CPU from the shard computing, less than
-        building in line cost: 2 shards of the bench's MoE model went from 136 to 159
-        tok/s, of its dense model from 159 to 178, in paired runs with the machine's
-        other load held off.) A stage with other requests in flight is not idle then
-        (another request's frame may be next, and a build would hold it back), so it
-        builds while the step computes."""
-        return self.held() <= 1
-
     def _build_ahead(self, done: RingHeader) -> None:
-        """Build the step after `done`, a decode step whose evaluation has begun or
-        ended (see `_idle_between_steps` for when). If building fails, the request
-        fails when that step is due, so the frame in hand still goes out."""
+        """Build the step after `done`, a decode step whose evaluation has begun, while
+        it computes: the stage's thread would otherwise wait for it idle, and after
+        sending the frame the CPU is better left to ZeroMQ's I/O threads (building
+        there delayed each frame by ~0.7 ms on two cores). If building fails, the
+        request fails when that step is due, so the frame in hand still goes out."""
         rid, offset = done.rid, done.offset + 1
         cache = self.caches.get(rid)
         if cache is None or rid in self.prebuilt or self.shard.cache_offset(cache) != offset:
@@ -611,12 +590,10 @@ class Stage:
         rid = header.rid
         req = self._tail(header)
         sampled = drawn[0] if isinstance(drawn, tuple) else drawn
-        more = req.generated + 1 < req.sampler.params.max_tokens
-        idle_after = more and self.prebuild and self._idle_between_steps()
-        if more:
+        if req.generated + 1 < req.sampler.params.max_tokens:
             if self.lone:
                 self._speculate(header, req, sampled)
-            elif self.prebuild and not idle_after:
+            elif self.prebuild:
                 self._build_ahead(header)
         token = int(cast(int, sampled.item()))
         req.generated += 1
@@ -639,8 +616,6 @@ class Stage:
         self.links.to_head(
             RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra)
         )
-        if idle_after and not finish:
-            self._build_ahead(header)
 
     def _speculate(self, header: RingHeader, req: TailRequest, sampled: mx.array) -> None:
         """Build and start the next step on `sampled` before it is known, as mlx-lm
