@@ -15,6 +15,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -41,7 +42,7 @@ from studiotui.core.inventory import (
     SelectionError,
     resolve_group,
 )
-from studiotui.core.model_facts import ModelDirError, read_model
+from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
 from studiotui.core.placement import (
     ModelFacts,
     Plan,
@@ -51,6 +52,7 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
+from worker.shared.adapters import Adapter
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -261,6 +263,34 @@ async def adapter_here(spec: str | Path, home: Path, inv: Inventory) -> Path:
     return resolve_adapter(spec, home)
 
 
+def check_adapter_shown(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
+    """`check_adapter`, with a progress bar while the base is hashed: its first check
+    reads every byte of the model (minutes for hundreds of GB), later ones hit the
+    hashes cached beside the files and show none."""
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task: TaskID | None = None
+
+    def hashed(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            what = f"hashing {model_dir.name} to check the adapter's base (once: cached)"
+            task = bar.add_task(what, total=total)
+        bar.update(task, completed=done)
+
+    try:
+        return check_adapter(adapter_dir, model_dir, info, hashed)
+    finally:
+        bar.stop()
+
+
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     args.model_dir = resolve_model(args.model_dir, home)
@@ -278,7 +308,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     if args.adapter:
         # Before asking any node anything too: another model's or a malformed adapter.
         args.adapter = await adapter_here(args.adapter, home, inv)
-        adapter = check_adapter(args.adapter, args.model_dir.expanduser().resolve(), info)
+        adapter = check_adapter_shown(args.adapter, args.model_dir.expanduser().resolve(), info)
         console.print(
             f"adapter [bold]{adapter.name}[/] ({adapter.fine_tune_type}, rank {adapter.rank}, "
             f"layers {adapter.layers[0]}-{adapter.layers[-1]}) matches {info.name}"
@@ -313,7 +343,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(f"--tensor {args.tensor}: {why}")
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams, tensor
+                args.model_dir.expanduser(), group, args.context, args.streams, tensor, adapter
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
@@ -375,6 +405,8 @@ def print_shapes(
     console.print(
         f"forecast ({the_plan.shape}): {describe(forecast(facts, the_plan, chips, links))}"
     )
+    if args.adapter:
+        return  # an adapter is applied by pipeline stages only (adapter_tensor): one shape
     for size in tensor_sizes(facts, len(group)):
         if size == the_plan.tensor:
             continue
