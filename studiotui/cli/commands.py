@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from studiotui.core.placement import (
     tensor_sizes,
 )
 from worker.shared.adapters import Adapter
+from worker.shared.manifest import Hashing
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -263,10 +265,12 @@ async def adapter_here(spec: str | Path, home: Path, inv: Inventory) -> Path:
     return resolve_adapter(spec, home)
 
 
-def check_adapter_shown(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
-    """`check_adapter`, with a progress bar while the base is hashed: its first check
-    reads every byte of the model (minutes for hundreds of GB), later ones hit the
-    hashes cached beside the files and show none."""
+@contextmanager
+def hashing_shown(model_dir: Path, why: str) -> Iterator[Hashing]:
+    """A callback for `manifest.model_digest(on_progress=...)` drawing a progress bar
+    in bytes, started at its first report: a model's first hashing reads every byte
+    (minutes for hundreds of GB), later ones hit the hashes cached beside the files and
+    report, and so show, nothing."""
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -281,14 +285,19 @@ def check_adapter_shown(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> 
         nonlocal task
         if task is None:
             bar.start()
-            what = f"hashing {model_dir.name} to check the adapter's base (once: cached)"
-            task = bar.add_task(what, total=total)
+            task = bar.add_task(f"hashing {model_dir.name} {why} (once: cached)", total=total)
         bar.update(task, completed=done)
 
     try:
-        return check_adapter(adapter_dir, model_dir, info, hashed)
+        yield hashed
     finally:
         bar.stop()
+
+
+def check_adapter_shown(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
+    """`check_adapter`, the base's hashing shown (see hashing_shown)."""
+    with hashing_shown(model_dir, "to check the adapter's base") as shown:
+        return check_adapter(adapter_dir, model_dir, info, shown)
 
 
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:

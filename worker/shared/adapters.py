@@ -255,16 +255,18 @@ def base_digest(model_dir: Path, on_progress: Hashing | None = None) -> str:
     return model_digest(model_dir, write_cache=write, on_progress=on_progress)
 
 
-def identity_of(model_dir: Path) -> BaseIdentity:
+def identity_of(model_dir: Path, on_progress: Hashing | None = None) -> BaseIdentity:
     model_dir = Path(model_dir)
-    return BaseIdentity(model_dir.resolve().name, base_digest(model_dir))
+    return BaseIdentity(model_dir.resolve().name, base_digest(model_dir, on_progress))
 
 
-def stamp_identity(adapter_dir: Path, model_dir: Path) -> BaseIdentity:
+def stamp_identity(
+    adapter_dir: Path, model_dir: Path, on_progress: Hashing | None = None
+) -> BaseIdentity:
     """Write the base model's identity into the adapter's config (other keys kept)."""
     adapter_dir = Path(adapter_dir)
     config = _config(adapter_dir)
-    identity = identity_of(model_dir)
+    identity = identity_of(model_dir, on_progress)
     config[BASE_KEY] = identity.as_dict()
     path = adapter_dir / CONFIG_NAME
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
