@@ -411,5 +411,10 @@ def test_a_stopped_adam_run_resumed_is_the_unstopped_run(
         for n in NODES
     ]
     assert set(states[0]) == set(states[1]) and any("lora_b" in k for k in states[0])
+    # Kept and pruned with the adapter checkpoints (the last three): one beside each.
+    kept = Path(cluster.inventory.node("local-1").workdir) / "jobs/stopped/adapters"
+    saved = sorted(p.name[:7] for p in kept.glob("*_adapters.safetensors"))
+    assert sorted(p.name[:7] for p in kept.glob("*_optimizer.safetensors")) == saved
+    assert saved[-1] == "0000040" and len(saved) == 3
     for key, value in states[0].items():
         assert mx.array_equal(value, states[1][key]), key
