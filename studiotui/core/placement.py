@@ -195,14 +195,14 @@ class ShardPlan:
     # `backend` ("ring" or "jaccl"), chosen for `backend_reason`. () for a one-node stage;
     # the byte figures above are then per node of the group.
     group: tuple[str, ...] = ()
-    # An adapter's share of these layers, held beside `weight_bytes` (counted in
-    # free_after); 0 without an adapter.
-    adapter_bytes: int = 0
     backend: str | None = None
     backend_reason: str = ""
     # Free memory of each node of the group before loading (rank order), so every
     # member's "after" can be shown; () for a one-node stage (`free_before` says it).
     group_free: tuple[int, ...] = ()
+    # An adapter's share of these layers, held beside `weight_bytes` (counted in
+    # free_after); 0 without an adapter.
+    adapter_bytes: int = 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -767,7 +767,7 @@ def plan(
     if found is None:
         return _adapter_refusal(
             model, nodes, links, usable, context_tokens, streams, reserve_fraction
-        ) or (_cut_refusal(model, list(usable.values()), costs))
+        ) or _cut_refusal(model, list(usable.values()), costs)
     order, cuts = found
     shards = tuple(_shard(by_name[name], i, cuts, model, kv_layers) for i, name in enumerate(order))
     return Plan(
