@@ -23,7 +23,8 @@ that state is identical on every rank too; each rank keeps its own copy because 
 rank resumes from its own node's disk. A resumed job starts from the last iteration
 every rank has saved (agreed with `all_min`), with that iteration's adapter and
 optimizer state, and the batches go on where they stopped (mlx-lm's permutations
-replayed from the job's seed): it is the run that would have happened unstopped.
+replayed from the job's seed, on a numpy generator validation does not draw from):
+it is the run that would have happened unstopped.
 mlx-lm's own `--resume-adapter-file` restores the adapter only.
 """
 
@@ -36,11 +37,13 @@ import signal
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_unflatten
 from mlx_lm import load
 from mlx_lm.tuner import trainer
@@ -187,6 +190,26 @@ class Reporter(TrainingCallback):
         )
 
 
+def own_generator(batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches` drawing on numpy's global generator as if no one else did. mlx-lm's
+    `iterate_batches` seeds it once and draws each pass's permutation from it, and so
+    does every validation pass (unseeded) in between: the training order would depend
+    on when validation ran, which differs between a run and the same run resumed."""
+    mine: Any = None
+    while True:
+        outer = np.random.get_state()
+        if mine is not None:
+            np.random.set_state(mine)
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        finally:
+            mine = np.random.get_state()
+            np.random.set_state(outer)
+        yield batch
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -275,9 +298,11 @@ def run(spec: dict[str, Any]) -> None:
             seed=int(spec.get("seed", 0)) if loop else None,
             comm_group=None,
         )
+        if not loop:
+            return found
         # Resumed: the same seeded permutations, past the `start` batches already
         # trained on, so step t gets the batch the unstopped run's step t got.
-        return itertools.islice(found, start, None) if loop else found
+        return itertools.islice(own_generator(found), start, None)
 
     args = trainer.TrainingArgs(
         batch_size=local * size,

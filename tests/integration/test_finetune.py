@@ -352,8 +352,15 @@ def test_a_stopped_adam_run_resumed_is_the_unstopped_run(
     saved beside each adapter and restored, and the batches go on where they stopped.
     Without the optimizer state the resumed run restarts Adam's moments at zero, and
     its first steps move the weights by about the learning rate each (measured: the
-    adapters then differ by 0.35 on weights of 0.34 after 40 iterations)."""
-    data = write_training_text(tmp_path / "data.jsonl")
+    adapters then differ by 0.23 on weights of 0.30 after 40 iterations; with the
+    state restored but the batch order drawn as mlx-lm draws it, by 0.15). Stopped in
+    the second pass over the data, with validation batches drawn in between (mlx-lm's
+    batching draws from numpy's global generator for both), so the batch order must
+    not depend on when validation ran either."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_training_text(data / "train.jsonl", n=40)  # 20 a rank: 10 batches a pass
+    write_training_text(data / "valid.jsonl", n=16)  # 4 validation batches a rank
 
     def req(name: str) -> ft.FinetuneRequest:
         return ft.FinetuneRequest(
@@ -372,7 +379,7 @@ def test_a_stopped_adam_run_resumed_is_the_unstopped_run(
         record = await ft.launch(ctl, ft.prepare(ctl, req("stopped")))
         watch = JobWatch(record.name, nodes=list(record.nodes))
         follow = asyncio.create_task(ft.attach(ctl, record, watch))
-        while (watch.progress.saved_iteration or 0) < 4:
+        while (watch.progress.saved_iteration or 0) < 16:
             assert not follow.done(), watch.progress
             await asyncio.sleep(0.02)
         await jobs.stop(ctl, "stopped", list(NODES))
@@ -386,7 +393,9 @@ def test_a_stopped_adam_run_resumed_is_the_unstopped_run(
         return await train(ctl, ft.resume_request(ctl, "stopped"), resume=True)
 
     resumed = run(cluster, resume)
-    assert 4 <= resumed.progress.start_iteration < 40
+    # From the last save every rank finished: the one seen (16+) or the one before,
+    # past the first pass over the data (10 batches) either way.
+    assert 12 <= resumed.progress.start_iteration < 40
     assert resumed.progress.iteration == 40
     for node in NODES:
         jobs_dir = Path(cluster.inventory.node(node).workdir) / "jobs"
@@ -396,7 +405,7 @@ def test_a_stopped_adam_run_resumed_is_the_unstopped_run(
         largest = max(float(mx.abs(v).max()) for v in one.values())
         worst = max(float(mx.abs(one[k] - two[k]).max()) for k in one)
         # Same inputs, same order of sums: measured equal to the bit; a few float32
-        # ulps allowed, far below the 0.13 a reset optimizer makes.
+        # ulps allowed, far below the 0.23 a reset optimizer makes.
         assert worst <= 1e-6 * largest, (node, worst, largest)
     # The saved optimizer states are the same on both ranks (the gradients were
     # all-reduced before every update), each beside its own node's adapter.
