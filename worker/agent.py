@@ -145,6 +145,7 @@ class ShardProc:
             "prefill_chunk": self.spec.get("prefill_chunk", 512),
             "adapter": self.spec.get("adapter", ""),
             "adapter_dir": self.spec.get("adapter_dir", ""),
+            "adapter_bytes": self.spec.get("adapter_bytes", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "group_port": self.group_port,
@@ -414,6 +415,7 @@ class Agent:
             # node holds its files ("" on a shard whose layers it does not adapt).
             "adapter": req.adapter,
             "adapter_dir": req.adapter_dir,
+            "adapter_bytes": req.adapter_bytes,
         }
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -86,13 +86,14 @@ Progress = Callable[[str, int, int], None]
 
 def committed_bytes(node: NodeState) -> int:
     """Memory a node has promised but not yet used: the KV caches its placements may
-    still grow to, and the weights of shards that are still loading."""
+    still grow to, and the weights of shards that are still loading with their share of
+    the adapter (applied once the weights are in, so none of it is used yet)."""
     total = 0
     for shard in node.shards:
         total += shard.kv_bytes
         if shard.state in ("prepared", "loading"):
             done, size = shard.progress
-            total += max(0, size - done)
+            total += max(0, size - done) + shard.adapter_bytes
     return total
 
 
@@ -583,6 +584,7 @@ class Controller:
                 **self._group_fields(m, port),
                 adapter=adapter.name if adapter else "",
                 adapter_dir=adapter_dirs.get(m.node, ""),
+                adapter_bytes=shards[m.stage].adapter_bytes,
             )
             try:
                 async for msg in stream:
@@ -1136,6 +1138,7 @@ class Controller:
             kv_bytes=shard.kv_bytes,
             adapter=shard.adapter,
             adapter_dir=shard.adapter_dir,
+            adapter_bytes=shard.adapter_bytes,
         )
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
@@ -1199,6 +1202,7 @@ class Controller:
             kv_bytes=r.kv_bytes,
             adapter=r.adapter,
             adapter_dir=r.adapter_dir,
+            adapter_bytes=r.adapter_bytes,
         ):
             pass
 
