@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from textual.containers import VerticalScroll
+
 from studiotui.app.app import StudioApp
 from studiotui.app.place.preview import PlaceRequest, PreviewScreen
+from studiotui.app.render import Drawing
 from studiotui.core.forecast import chips_from_state, choose, links_from_state
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import NodeBudget, Plan, Refusal
@@ -159,3 +163,46 @@ def test_the_topology_and_placements_panes_name_a_hybrid_placements_shape() -> N
     assert "2 stages × 2 (jaccl)" in ring
     # One hop per stage, its group's nodes joined.
     assert ring_text(placed) == "✗studio-1+✗studio-2[0:47] → ✗studio-3+✗studio-4[47:94]"
+
+
+def _in_view(screen: PreviewScreen) -> list[str]:
+    """The body's lines a user can see: those the scroll shows, within the dialog (a
+    scroll taller than its dialog was cut off, with nothing to scroll)."""
+    body = screen.query_one("#preview-body", Drawing)
+    scroll = screen.query_one("#preview-scroll", VerticalScroll)
+    seen = scroll.region.intersection(screen.query_one("#preview-dialog").content_region)
+    top = scroll.scroll_offset.y
+    return [body.render_line(y).text for y in range(top, top + seen.height)]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_the_chosen_shape_stays_in_view_as_t_cycles(
+    tmp_path: Path, size: tuple[int, int]
+) -> None:
+    """At 80 × 24 the plan, its caption and the shapes take more rows than the dialog
+    has: each `t` re-plans, and the ▸ row of the shape now shown must be on screen."""
+    info = read_model(seed_model(tmp_path / "seeds", "qwen3-235b-a22b", "8bit"))
+    state = cluster()
+    app = StudioApp(tmp_path / "home", state=state, models=fixed_models())
+    request = PlaceRequest(info.path, info.name, NAMES, "all up nodes", "qwen")
+    async with app.run_test(size=size) as pilot:
+        screen = PreviewScreen(request, Stand(state, info), lambda s: None)
+        app.push_screen(screen)
+
+        async def shown(shape: str) -> None:
+            for _ in range(200):
+                await pilot.pause(0.05)
+                if screen.phase == "plan" and screen.plan and screen.plan.shape == shape:
+                    await pilot.pause(0.1)  # drawn, and scrolled after the refresh
+                    return
+            raise AssertionError(f"{shape} not planned: {screen.phase} {screen.message}")
+
+        await shown("4 stages")
+        for shape in ("2 stages × 2 (jaccl)", "1 stage × 4 (ring)", "4 stages"):
+            await pilot.press("t")
+            await shown(shape)
+            seen = _in_view(screen)
+            assert any(line.startswith(f"▸ {shape}") for line in seen), (shape, seen)
+            # No shape's forecast runs past the dialog to be folded mid-figure.
+            width = screen.query_one("#preview-body", Drawing).content_size.width
+            assert all(len(line.rstrip()) <= width for line in seen)
