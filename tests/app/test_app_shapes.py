@@ -8,6 +8,7 @@ controller's `state` and `preview` and does no I/O.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,14 @@ from studiotui.app.render import Drawing
 from studiotui.core.forecast import chips_from_state, choose, links_from_state
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import NodeBudget, Plan, Refusal
-from studiotui.core.state import ClusterState, LinkState, NodeState, PlacementState, PlannedShard
+from studiotui.core.state import (
+    ClusterState,
+    LinkState,
+    NodeState,
+    PlacementState,
+    PlannedShard,
+    ShardState,
+)
 from tests.app_fixtures import fixed_models
 from tests.seed_models import seed_model
 
@@ -206,3 +214,46 @@ async def test_the_chosen_shape_stays_in_view_as_t_cycles(
             # No shape's forecast runs past the dialog to be folded mid-figure.
             width = screen.query_one("#preview-body", Drawing).content_size.width
             assert all(len(line.rstrip()) <= width for line in seen)
+
+
+@pytest.mark.parametrize(
+    ("names", "half", "expect"),
+    [
+        # `studiotui place DEMO --tensor 2` on `studiotui up --local 4`: the names fit.
+        (
+            ("local-1", "local-2", "local-3", "local-4"),
+            4,
+            ["local-1+local-2[0:4] → local-3+local-4[4:8]", "→ local-1+local-2"],
+        ),
+        # Names that would take a fourth line: the short names of the table's column.
+        (NAMES, 47, ["s1+s2[0:47] → s3+s4[47:94] → s1+s2"]),
+    ],
+)
+async def test_a_tensor_placements_ring_line_reads_whole_at_80_columns(
+    tmp_path: Path, names: tuple[str, ...], half: int, expect: list[str]
+) -> None:
+    """At 80 × 24 the line under the Placements table held `ring demo  2 stages × 2
+    (ring)` and then the hops indented under the first one, each past the pane's edge:
+    the terminal broke them anywhere, leaving an arrow on a line of its own."""
+    base = cluster()
+    nodes = tuple(replace(node, name=name) for node, name in zip(base.nodes, names, strict=True))
+    ring = [(n, 0, half) for n in names[:2]] + [(n, half, 2 * half) for n in names[2:]]
+    shards = tuple(
+        ShardState("demo", node, i // 2, 2, start, end, "ready", rank=i % 2,
+                   group=tuple(n for n, s, _ in ring if s == start))
+        for i, (node, start, end) in enumerate(ring)
+    )  # fmt: skip
+    planned = tuple(PlannedShard(node, start, end, "ring") for node, start, end in ring)
+    placed = PlacementState("demo", "demo", "/m/demo", shards, planned=planned)
+    assert placed.shape == "2 stages × 2 (ring)"
+    state = replace(base, nodes=nodes, links=(), placements=(placed,))
+    app = StudioApp(tmp_path, state=state, models=fixed_models())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.3)
+        line = app.query_one("#placement-ring")
+        width = line.content_size.width
+        assert 30 < width < 60  # the pane's share of 80 columns
+        shown = [line.render_line(y).text.rstrip() for y in range(line.size.height)]
+        # The shape on a line of its own, then every hop whole within the pane.
+        assert shown == ["ring demo  2 stages × 2 (ring)", *expect], shown
+        assert all(len(x) <= width for x in shown), shown
