@@ -51,6 +51,7 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
+from studiotui.core.text import printable
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -488,7 +489,8 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
         done: dict[str, Any] = {}
         async for msg in ctl.generate(args.placement, request, params):
             if msg["type"] == "delta":
-                sys.stdout.write(msg["text"])
+                # As the dashboard's chat: a model's ESC must not drive the terminal.
+                sys.stdout.write(printable(msg["text"]))
                 sys.stdout.flush()
             elif msg["type"] == "done":
                 done = msg
