@@ -112,9 +112,7 @@ class Benchmark:
 
     async def choose(self) -> tuple[list[str], list[PlacementState]]:
         """The nodes and placements to measure; refuse what cannot be, naming it."""
-        problem = self.sizes.problem()
-        if problem:
-            raise BenchmarkError(f"benchmark sizes: {problem}")
+        self.sizes.check("benchmark sizes")
         await self.ctl.refresh()
         state = self.ctl.state
         known = [n.name for n in state.nodes]

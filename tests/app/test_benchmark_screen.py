@@ -16,23 +16,13 @@ from textual.widgets import DataTable, Static
 from studiotui.app.app import StudioApp
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.core import benchmark as bm
-from studiotui.core.benchmark import Sizes
 from tests.app_fixtures import fixed_models, fixed_state
-from tests.benchmark_fixtures import sample_run
+from tests.benchmark_fixtures import TINY, sample_run
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.pilot_helpers import run_from_palette
 
 BASE, PORT = 236, 59750
 SIZE = (160, 48)
-TINY = Sizes(
-    matmul_n=128,
-    copy_mib=4,
-    seconds=0.05,
-    link_seconds=0.1,
-    link_pings=5,
-    link_pad_bytes=4096,
-    group_reps=3,
-)
 
 
 @pytest.fixture(scope="module")

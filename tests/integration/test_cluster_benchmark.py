@@ -29,29 +29,12 @@ from studiotui.cluster.peers import AgentError
 from studiotui.core import benchmark as bm
 from studiotui.core.benchmark import DTYPES, BenchmarkError, Sizes, Step
 from studiotui.core.inventory import dump_inventory
+from tests.benchmark_fixtures import TINY, size_args
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 231, 59700
-TINY = Sizes(
-    matmul_n=128,
-    copy_mib=4,
-    seconds=0.05,
-    link_seconds=0.1,
-    link_pings=5,
-    link_pad_bytes=4096,
-    group_reps=3,
-    stream_tokens=4,
-    prompt_tokens=8,
-)
-TINY_ARGS = [
-    "--size=matmul_n=128",
-    "--size=copy_mib=4",
-    "--size=seconds=0.05",
-    "--size=link_seconds=0.1",
-    "--size=link_pings=5",
-    "--size=group_reps=3",
-]
+TINY_ARGS = size_args(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +194,34 @@ def test_a_markdown_file_that_cannot_be_written_is_refused_before_measuring(
         os.environ.pop("STUDIOTUI_HOME", None)
 
 
+def test_sizes_past_their_bounds_are_refused_before_any_node_is_asked(
+    bench_cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--size stream_tokens=64000` (a typo for 64) asked for hours of decoding; it is
+    refused, naming the size, its bound and its default, and nothing is measured."""
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(bench_cluster.inventory))
+    home = tmp_path / "home"
+    os.environ["STUDIOTUI_HOME"] = str(home)
+    try:
+        for size, words in (
+            ("stream_tokens=64000", "stream_tokens must be between 1 and 4096, not 64000"),
+            ("stream_counts=1,2,4,80", "stream_counts must each be between 1 and 64, not 80"),
+            ("group_reps=500000", "group_reps must be between 1 and 1000, not 500000"),
+            ("prompt_tokens=1280000", "prompt_tokens must be between 1 and 32768"),
+        ):
+            capsys.readouterr()
+            argv = ["-i", str(inventory), "benchmark", *TINY_ARGS, f"--size={size}"]
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            name = size.partition("=")[0]
+            assert f"--size: {words}" in err and f"give {name} a value within them" in err, err
+            assert "Traceback" not in err and "asking the nodes" not in err
+            assert bm.saved(home) == []  # nothing was measured
+    finally:
+        os.environ.pop("STUDIOTUI_HOME", None)
+
+
 def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(
     bench_cluster: LocalCluster,
 ) -> None:
@@ -282,8 +293,9 @@ def test_a_rank_killed_mid_product_fails_the_group_alone(bench_cluster: LocalClu
     async def go() -> bm.Run:
         ctl = bench_cluster.controller()
         try:
-            # Enough steps of the product that it is still running when its rank dies.
-            long = replace(TINY, group_reps=100_000, stream_counts=())
+            # Enough steps of the product (the most a run may ask, of a product sized
+            # to a few ms) that it is still running when its rank dies.
+            long = replace(TINY, matmul_n=512, group_reps=1000, stream_counts=())
             task = asyncio.create_task(Benchmark(ctl, None, long).run())
             deadline = time.monotonic() + 60
             while not ranks(victim):
