@@ -161,10 +161,13 @@ class Benchmark:
         began, when = time.monotonic(), datetime.now(UTC)
         names, placements = await self.choose()
         self.steps = plan_steps(names, [p.name for p in placements], self.sizes.stream_counts)
-        nodes = [await self.device(name) for name in names]
-        links = await self.links(names)
-        group = await self.group(names, nodes) if len(names) >= 2 else None
-        measured = [await self.placement(p) for p in placements]
+        # The dashboard's periodic link measurement would share the wire and the CPUs
+        # with these figures: it waits until the run ends.
+        async with self.ctl.links_quiet():
+            nodes = [await self.device(name) for name in names]
+            links = await self.links(names)
+            group = await self.group(names, nodes) if len(names) >= 2 else None
+            measured = [await self.placement(p) for p in placements]
         if len(names) < 2:
             self.notes.append("one node: no link to measure and no group product")
         if not placements:
