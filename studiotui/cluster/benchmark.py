@@ -54,6 +54,9 @@ from worker.shared.protocol import control
 StepListener = Callable[[Step], None]
 # A device step's replies come as each figure starts; one figure takes seconds.
 DEVICE_SILENCE_S = 120.0
+# Ending a given-up measurement is a kill and a wait on the node: quick, unless the
+# node is gone (then its process went with it).
+STOP_BENCH_S = 5.0
 WARM_UP_TOKENS = 4
 
 
@@ -204,6 +207,12 @@ class Benchmark:
         except (AgentError, AgentUnreachable) as exc:
             self._say("failed", str(exc))
             return NodeFigures(name, chip, error=str(exc))
+        except asyncio.CancelledError:
+            # Given up (Esc, Ctrl-C): the node's measuring process goes too, so the
+            # device is free for the next run now rather than in its remaining seconds.
+            with contextlib.suppress(AgentError, AgentUnreachable):
+                await self.ctl.peer(name).request("stop_bench", timeout=STOP_BENCH_S)
+            raise
         self._say("done")
         return NodeFigures(
             name,

@@ -32,6 +32,7 @@ from studiotui.core.inventory import dump_inventory
 from tests.benchmark_fixtures import TINY, size_args
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 BASE, PORT = 231, 59700
 TINY_ARGS = size_args(TINY)
@@ -254,6 +255,48 @@ def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(
                 await task
             assert (await peer.request("hello", timeout=3))["name"] == name
             assert measuring() == []
+        finally:
+            await ctl.close()
+
+    asyncio.run(go())
+
+
+def test_a_given_up_measurement_ends_on_the_node_at_once(bench_cluster: LocalCluster) -> None:
+    """Cancelling a run (Esc on the Benchmark screen, Ctrl-C) while a node measures its
+    device ends the node's measuring process: the next measurement starts at once, not
+    after the given-up one's remaining seconds ("a benchmark already runs")."""
+    name = bench_cluster.inventory.names[0]
+    agent = psutil.Process(bench_cluster.pids[name])
+
+    def measuring() -> list[psutil.Process]:
+        found = []
+        for p in agent.children():
+            with contextlib.suppress(psutil.Error):
+                if "worker.device_bench" in " ".join(p.cmdline()):
+                    found.append(p)
+        return found
+
+    async def go() -> None:
+        ctl = bench_cluster.controller()
+        try:
+            # 30 s a figure, four figures: two minutes of measuring if left to run.
+            slow = replace(TINY, seconds=30.0)
+            task = asyncio.create_task(Benchmark(ctl, [name], slow).run())
+            deadline = time.monotonic() + 20
+            while not measuring():
+                assert time.monotonic() < deadline and not task.done(), "no measuring process"
+                await asyncio.sleep(0.1)
+            pid = measuring()[0].pid
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+            assert measuring() == []
+            again = await ctl.peer(name).request(
+                "device_bench", timeout=60, sizes=TINY.device_spec()
+            )
+            figures = ctl.peer(name).read(again, control.DeviceBenchDone).figures
+            assert figures.matmul and all(f.gflops > 0 for f in figures.matmul.values())
         finally:
             await ctl.close()
 
