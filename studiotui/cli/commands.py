@@ -41,6 +41,7 @@ from studiotui.core.inventory import (
     SelectionError,
     resolve_group,
 )
+from studiotui.core.members import cables
 from studiotui.core.model_facts import ModelDirError, read_model
 from studiotui.core.placement import (
     ModelFacts,
@@ -159,6 +160,9 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
 
 def status_json(ctl: Controller) -> dict[str, Any]:
     st = ctl.state
+    # Which Thunderbolt port of a node leads to which node (agents' RDMA facts matched
+    # by domain UUID, core/members.cables): the cabling JACCL's device matrix comes from.
+    wired = cables({n.name: n.facts.get("rdma") for n in st.nodes})
     return {
         "cluster": st.name,
         "nodes": [
@@ -172,6 +176,11 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "memory_used": n.memory_used,
                 "chip": n.chip,
                 "message": n.message,
+                "thunderbolt": [
+                    {"port": c.receptacle, "device": c.device, "state": c.state, "reaches": c.peer}
+                    for c in wired
+                    if c.node == n.name
+                ],
             }
             for n in st.nodes
         ],

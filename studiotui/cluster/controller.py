@@ -40,7 +40,7 @@ from studiotui.core.forecast import (
 )
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch
-from studiotui.core.members import Member, jaccl_devices, members
+from studiotui.core.members import Member, jaccl_devices, members, rdma_link
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes
 from studiotui.core.state import (
@@ -1066,10 +1066,11 @@ class Controller:
     def _link(self, pair: frozenset[str], results: list[control.LinkResult]) -> LinkState:
         a, b = sorted(pair)
         good = [r.latency_us for r in results if r.latency_us is not None]
-        rdma = all(
-            (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
-            for n in (a, b)
-        )
+        # RDMA when an active cable joins the two (core/members.rdma_link), with the
+        # reason when both have RDMA but no such cable.
+        facts = {n: (self.state.node(n) or NodeState(n, "", 0, "")).facts for n in (a, b)}
+        judged = rdma_link(a, b, {n: f.get("rdma") for n, f in facts.items()})
+        rdma, rdma_why = judged if judged is not None else (False, "")
         # The kind from both ends' interfaces; an agent's own end is the fallback.
         ends = [
             probes.LinkEnd.from_facts(
@@ -1087,7 +1088,8 @@ class Controller:
             gbps=max((r.gbps for r in results if r.gbps is not None), default=None),
             kind=kind,
             measured_at=time.time(),
-            rdma=bool(rdma),
+            rdma=rdma,
+            rdma_why=rdma_why,
         )
 
     # ---- nodes ---------------------------------------------------------------------------

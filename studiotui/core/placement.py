@@ -159,6 +159,9 @@ class Link:
     # Both ends report RDMA over Thunderbolt usable (the agents' `facts["rdma"]`):
     # MLX's JACCL backend can run a tensor group over it.
     rdma: bool = False
+    # Why not, when both nodes have RDMA but no active cable joins them
+    # ("studio-2 has no cable to studio-4"; core/members.rdma_pair); "" otherwise.
+    rdma_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -775,17 +778,22 @@ def backend_for(
     of its nodes has RDMA over Thunderbolt enabled at both ends, else the ring backend
     over TCP on the Thunderbolt bridge addresses."""
     best = links if isinstance(links, Mapping) else _best_links(links, frozenset(group))
-    missing = [
-        f"{a} ↔ {b}"
-        for a, b in itertools.combinations(group, 2)
-        if not ((link := best.get(_pair(a, b))) is not None and link.rdma)
-    ]
-    if not missing:
+    missing, named = [], []
+    for a, b in itertools.combinations(group, 2):
+        link = best.get(_pair(a, b))
+        if link is not None and link.rdma:
+            continue
+        if link is not None and link.rdma_why:
+            named.append(link.rdma_why)
+        else:
+            missing.append(f"{a} ↔ {b}")
+    if not missing and not named:
         return "jaccl", f"every pair of {', '.join(group)} has RDMA enabled: JACCL over RDMA"
-    return "ring", (
-        f"{_joined(missing, 'and')} {'has' if len(missing) == 1 else 'have'} no RDMA at both "
-        "ends: ring backend over TCP on the bridge addresses"
-    )
+    words = list(dict.fromkeys(named))
+    if missing:
+        verb = "has" if len(missing) == 1 else "have"
+        words.append(f"{_joined(missing, 'and')} {verb} no RDMA at both ends")
+    return "ring", f"{'; '.join(words)}: ring backend over TCP on the bridge addresses"
 
 
 def _plan_tensor(

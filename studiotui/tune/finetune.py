@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,8 +23,10 @@ from typing import Any, Protocol
 from studiotui.cluster import jobs, model_files, model_sync
 from studiotui.cluster.peers import Peer
 from studiotui.core.errors import StudioError
+from studiotui.core.forecast import links_from_state
 from studiotui.core.inventory import NodeSpec
-from studiotui.core.jobs import JobWatch, choose_backend
+from studiotui.core.jobs import JobWatch
+from studiotui.core.members import group_backend
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
 from studiotui.core.state import ClusterState, LogLevel
 from studiotui.tune.data import (
@@ -96,6 +98,7 @@ class Prepared:
     backend_reason: str
     method: str  # LoRA or QLoRA
     data_dir: Path  # the dealt shares, on the operator's machine
+    devices: list[list[str | None]] | None = None  # JACCL's device matrix (rank order)
 
 
 def data_folder(home: Path, name: str) -> Path:
@@ -148,18 +151,22 @@ def prepare(ctl: Cluster, req: FinetuneRequest, *, resuming: bool = False) -> Pr
             raise FinetuneError(f"{node} is {state.state}", "start it (studiotui up) first")
     examples = load_examples(Path(req.data), seed=req.seed, least=req.batch_size)
     check_counts(examples, req.batch_size, len(req.nodes))
-    backend, why = choose_backend(list(req.nodes), ctl.state.links)
-    if backend == "jaccl":
-        # The device file JACCL needs (which RDMA device reaches which node) is not
-        # probed yet; the ring over the Thunderbolt bridge's addresses works everywhere.
-        backend, why = "ring", f"{why}, but the RDMA device map is not probed yet: ring"
+    # JACCL when every pair is joined by an active RDMA cable (with the device matrix
+    # the ranks need); else the ring over the bridge addresses, with the reason.
+    chosen = group_backend(list(req.nodes), links_from_state(ctl.state), _rdma(ctl, req.nodes))
     folder = data_folder(ctl.home, req.name)
     size = len(req.nodes)
     write_shares(
         folder, deal(examples.train, req.batch_size, size), deal_valid(examples.valid, size)
     )
     method = "QLoRA" if info.quantization else "LoRA"
-    return Prepared(req, info, examples, backend, why, method, folder)
+    return Prepared(
+        req, info, examples, chosen.backend, chosen.reason, method, folder, chosen.devices
+    )
+
+
+def _rdma(ctl: Cluster, nodes: Sequence[str]) -> dict[str, Any]:
+    return {n: s.facts.get("rdma") for n in nodes if (s := ctl.state.node(n)) is not None}
 
 
 async def _where(
@@ -231,7 +238,7 @@ async def launch(
         request={**req.to_json(), "method": prepared.method, "base": base},
     )
     jobs.save_record(ctl.home, record)
-    await jobs.start_group(ctl, record, specs)
+    await jobs.start_group(ctl, record, specs, devices=prepared.devices)
     ctl.record(
         f"fine-tuning {info.name} ({prepared.method}, rank {req.lora_rank}) as {req.name!r} "
         f"on {', '.join(nodes)}: {prepared.backend_reason}"
