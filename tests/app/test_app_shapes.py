@@ -30,6 +30,7 @@ from studiotui.core.state import (
 )
 from tests.app_fixtures import fixed_models
 from tests.seed_models import seed_model
+from worker.shared.adapters import Adapter
 
 GiB = 1024**3
 NAMES = ("studio-1", "studio-2", "studio-3", "studio-4")
@@ -50,6 +51,7 @@ class Stand:
         context_tokens: int = 4096,
         streams: int | None = None,
         tensor: int | None = None,
+        adapter: Adapter | None = None,  # none asked for here
     ) -> tuple[ModelInfo, Plan | Refusal]:
         self.asked.append(tensor)
         budgets = [
