@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -162,6 +162,13 @@ class Controller:
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: dict[str, zmq.asyncio.Socket] = {}
         self.telemetry_dropped = 0
+        # While a benchmark runs (links_quiet) the periodic link measurement waits: it
+        # shares the wire and the CPUs with the figures being taken. One under way
+        # (holding _periodic) finishes before the benchmark starts.
+        self._quiet = 0
+        self._links_allowed = asyncio.Event()
+        self._links_allowed.set()
+        self._periodic = asyncio.Lock()
         # One routing identity per peer for this session: after a reconnect the agent
         # or head knows the socket as the same client (see peers.Peer).
         self.session = uuid.uuid4().hex[:16]
@@ -252,11 +259,32 @@ class Controller:
     async def _measure_periodically(self) -> None:
         await asyncio.sleep(LINKS_FIRST_S)
         while True:
-            try:
-                await self.measure_links()
-            except Exception as exc:  # a failed measurement must not stop the loop
-                self.record(f"link measurement failed: {exc}", "warning")
+            # Due during a benchmark: measured once it ends.
+            await self._links_allowed.wait()
+            async with self._periodic:
+                if not self._links_allowed.is_set():
+                    continue  # a benchmark began while this waited for the lock
+                try:
+                    await self.measure_links()
+                except Exception as exc:  # a failed measurement must not stop the loop
+                    self.record(f"link measurement failed: {exc}", "warning")
             await asyncio.sleep(LINKS_EVERY_S)
+
+    @contextlib.asynccontextmanager
+    async def links_quiet(self) -> AsyncIterator[None]:
+        """No periodic link measurement inside this block (a benchmark): one under way
+        finishes first, and one that comes due meanwhile runs when the last such block
+        ends."""
+        self._quiet += 1
+        self._links_allowed.clear()
+        try:
+            async with self._periodic:
+                pass
+            yield
+        finally:
+            self._quiet -= 1
+            if not self._quiet:
+                self._links_allowed.set()
 
     async def _read_telemetry(self, name: str, sub: zmq.asyncio.Socket) -> None:
         while True:

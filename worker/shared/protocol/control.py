@@ -508,3 +508,9 @@ class DeviceFigures(Wire, frozen=True, kw_only=True):
 
 class DeviceBenchDone(Wire, frozen=True, kw_only=True):
     figures: DeviceFigures
+
+
+class BenchStopped(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to stop_bench: how many measuring processes it ended."""
+
+    stopped: int = 0
