@@ -46,7 +46,8 @@ from studiotui.core.benchmark import (
     plan_steps,
     stream_point,
 )
-from studiotui.core.jobs import choose_backend
+from studiotui.core.forecast import links_from_state
+from studiotui.core.members import group_backend
 from studiotui.core.state import PlacementState
 from worker.shared import probes
 from worker.shared.protocol import control
@@ -54,6 +55,9 @@ from worker.shared.protocol import control
 StepListener = Callable[[Step], None]
 # A device step's replies come as each figure starts; one figure takes seconds.
 DEVICE_SILENCE_S = 120.0
+# Ending a given-up measurement is a kill and a wait on the node: quick, unless the
+# node is gone (then its process went with it).
+STOP_BENCH_S = 5.0
 WARM_UP_TOKENS = 4
 
 
@@ -112,9 +116,7 @@ class Benchmark:
 
     async def choose(self) -> tuple[list[str], list[PlacementState]]:
         """The nodes and placements to measure; refuse what cannot be, naming it."""
-        problem = self.sizes.problem()
-        if problem:
-            raise BenchmarkError(f"benchmark sizes: {problem}")
+        self.sizes.check("benchmark sizes")
         await self.ctl.refresh()
         state = self.ctl.state
         known = [n.name for n in state.nodes]
@@ -163,10 +165,13 @@ class Benchmark:
         began, when = time.monotonic(), datetime.now(UTC)
         names, placements = await self.choose()
         self.steps = plan_steps(names, [p.name for p in placements], self.sizes.stream_counts)
-        nodes = [await self.device(name) for name in names]
-        links = await self.links(names)
-        group = await self.group(names, nodes) if len(names) >= 2 else None
-        measured = [await self.placement(p) for p in placements]
+        # The dashboard's periodic link measurement would share the wire and the CPUs
+        # with these figures: it waits until the run ends.
+        async with self.ctl.links_quiet():
+            nodes = [await self.device(name) for name in names]
+            links = await self.links(names)
+            group = await self.group(names, nodes) if len(names) >= 2 else None
+            measured = [await self.placement(p) for p in placements]
         if len(names) < 2:
             self.notes.append("one node: no link to measure and no group product")
         if not placements:
@@ -203,6 +208,12 @@ class Benchmark:
         except (AgentError, AgentUnreachable) as exc:
             self._say("failed", str(exc))
             return NodeFigures(name, chip, error=str(exc))
+        except asyncio.CancelledError:
+            # Given up (Esc, Ctrl-C): the node's measuring process goes too, so the
+            # device is free for the next run now rather than in its remaining seconds.
+            with contextlib.suppress(AgentError, AgentUnreachable):
+                await self.ctl.peer(name).request("stop_bench", timeout=STOP_BENCH_S)
+            raise
         self._say("done")
         return NodeFigures(
             name,
@@ -247,16 +258,20 @@ class Benchmark:
         self._next()
         n = group_n(nodes, names, self.sizes.matmul_n)
         parts = parts_gflops(nodes, names, "float32")
-        backend, why = choose_backend(names, self.ctl.state.links)
-        if backend == "jaccl":
-            # JACCL needs the group's RDMA device matrix, which nothing here builds yet.
-            self.notes.append(f"{why}, but the group was measured over ring")
-            backend = "ring"
+        # JACCL when every pair is joined by an active RDMA cable, with the device
+        # matrix the ranks need; else the ring, and where every node has RDMA the run
+        # notes why (a missing cable, a port down).
+        state = self.ctl.state
+        rdma = {x: s.facts.get("rdma") for x in names if (s := state.node(x)) is not None}
+        chosen = group_backend(names, links_from_state(state), rdma)
+        if chosen.backend == "ring" and chosen.rdma_everywhere:
+            self.notes.append(f"the group was measured over ring: {chosen.reason}")
+        backend = chosen.backend
         base = GroupFigures(
             nodes=tuple(names), backend=backend, n=n, parts_gflops=parts, launcher="jobs"
         )
         try:
-            ranks = await self._ranks(names, n, backend)
+            ranks = await self._ranks(names, n, backend, chosen.devices)
         except (AgentError, AgentUnreachable, JobFailed, BenchmarkError) as exc:
             self._say("failed", str(exc))
             return replace(base, error=str(exc))
@@ -270,7 +285,9 @@ class Benchmark:
             max_error=max(float(r.get("max_error", 0.0)) for r in ranks),
         )
 
-    async def _ranks(self, names: list[str], n: int, backend: str) -> list[dict[str, Any]]:
+    async def _ranks(
+        self, names: list[str], n: int, backend: str, devices: Any = None
+    ) -> list[dict[str, Any]]:
         """One rank per node, started and followed as a job (cluster/jobs.py), on the
         nodes' own addresses (the Thunderbolt bridge's on a desk cluster)."""
         name = f"benchmark-{uuid.uuid4().hex[:8]}"
@@ -282,7 +299,7 @@ class Benchmark:
             if event.get("event") == "result":
                 found[node] = dict(event.get("figures") or {})
 
-        await jobs.start_group(self.ctl, record, [spec] * len(names))
+        await jobs.start_group(self.ctl, record, [spec] * len(names), devices)
         try:
             end = await jobs.follow(self.ctl, name, names, on_event)
         except asyncio.CancelledError:
