@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch, node_gone
 from studiotui.core.members import Member, jaccl_devices, members, rdma_link
 from studiotui.core.model_facts import ModelInfo, read_model
-from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes
+from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes, with_adapter
 from studiotui.core.state import (
     ClusterState,
     LinkState,
@@ -61,7 +61,7 @@ from studiotui.core.state import (
 from worker.shared import probes
 from worker.shared.adapters import FILES as ADAPTER_FILES
 from worker.shared.adapters import WEIGHTS_NAME, Adapter
-from worker.shared.manifest import manifest
+from worker.shared.manifest import Hashing, manifest
 from worker.shared.protocol import control, messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
@@ -86,13 +86,14 @@ Progress = Callable[[str, int, int], None]
 
 def committed_bytes(node: NodeState) -> int:
     """Memory a node has promised but not yet used: the KV caches its placements may
-    still grow to, and the weights of shards that are still loading."""
+    still grow to, and the weights of shards that are still loading with their share of
+    the adapter (applied once the weights are in, so none of it is used yet)."""
     total = 0
     for shard in node.shards:
         total += shard.kv_bytes
         if shard.state in ("prepared", "loading"):
             done, size = shard.progress
-            total += max(0, size - done)
+            total += max(0, size - done) + shard.adapter_bytes
     return total
 
 
@@ -161,6 +162,13 @@ class Controller:
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: dict[str, zmq.asyncio.Socket] = {}
         self.telemetry_dropped = 0
+        # While a benchmark runs (links_quiet) the periodic link measurement waits: it
+        # shares the wire and the CPUs with the figures being taken. One under way
+        # (holding _periodic) finishes before the benchmark starts.
+        self._quiet = 0
+        self._links_allowed = asyncio.Event()
+        self._links_allowed.set()
+        self._periodic = asyncio.Lock()
         # One routing identity per peer for this session: after a reconnect the agent
         # or head knows the socket as the same client (see peers.Peer).
         self.session = uuid.uuid4().hex[:16]
@@ -251,11 +259,32 @@ class Controller:
     async def _measure_periodically(self) -> None:
         await asyncio.sleep(LINKS_FIRST_S)
         while True:
-            try:
-                await self.measure_links()
-            except Exception as exc:  # a failed measurement must not stop the loop
-                self.record(f"link measurement failed: {exc}", "warning")
+            # Due during a benchmark: measured once it ends.
+            await self._links_allowed.wait()
+            async with self._periodic:
+                if not self._links_allowed.is_set():
+                    continue  # a benchmark began while this waited for the lock
+                try:
+                    await self.measure_links()
+                except Exception as exc:  # a failed measurement must not stop the loop
+                    self.record(f"link measurement failed: {exc}", "warning")
             await asyncio.sleep(LINKS_EVERY_S)
+
+    @contextlib.asynccontextmanager
+    async def links_quiet(self) -> AsyncIterator[None]:
+        """No periodic link measurement inside this block (a benchmark): one under way
+        finishes first, and one that comes due meanwhile runs when the last such block
+        ends."""
+        self._quiet += 1
+        self._links_allowed.clear()
+        try:
+            async with self._periodic:
+                pass
+            yield
+        finally:
+            self._quiet -= 1
+            if not self._quiet:
+                self._links_allowed.set()
 
     async def _read_telemetry(self, name: str, sub: zmq.asyncio.Socket) -> None:
         while True:
@@ -380,12 +409,17 @@ class Controller:
         context_tokens: int = 4096,
         streams: int | None = None,
         tensor: int | None = None,
+        adapter: Adapter | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
         DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one.
-        `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits."""
+        `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits.
+        `adapter` (checked already): each layer's share of it counts on its shard."""
         model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
+        if adapter is not None:
+            adapted = with_adapter(info.facts, adapter.bytes_by_layer(info.n_layers))
+            info = replace(info, facts=adapted)
         if info.unsupported:
             # Refused here, before the plan and so before any file is copied to a node.
             return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
@@ -457,7 +491,7 @@ class Controller:
         )
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
-        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor)
+        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor, adapter)
         if expected is not None:
             problem = self._no_longer_fits(expected)
             if problem:
@@ -578,6 +612,7 @@ class Controller:
                 **self._group_fields(m, port),
                 adapter=adapter.name if adapter else "",
                 adapter_dir=adapter_dirs.get(m.node, ""),
+                adapter_bytes=shards[m.stage].adapter_bytes,
             )
             try:
                 async for msg in stream:
@@ -672,14 +707,17 @@ class Controller:
                 raise PlacementError(str(exc)) from None
         return where
 
-    def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter:
+    def check_adapter(
+        self, adapter_dir: Path, model_dir: Path, on_progress: Hashing | None = None
+    ) -> Adapter:
         """The adapter, if it can be placed with this model; else PlacementError naming
-        what and what to do. Headers and (cached) hashes only: nothing copied or loaded.
+        what and what to do. Headers and (cached) hashes only: nothing copied or loaded;
+        the first check of a base hashes all of it (`on_progress(done, total)` in bytes).
         Records nothing: it runs in a worker thread, and listeners expect the loop's."""
         model_files.check_model_dir(model_dir)
         info = read_model(model_dir)
         try:
-            adapter = check_adapter(adapter_dir, model_dir, info)
+            adapter = check_adapter(adapter_dir, model_dir, info, on_progress)
         except AdapterRefused as exc:
             raise PlacementError(f"cannot place {info.name} with {adapter_dir}: {exc}") from None
         return adapter
@@ -1133,6 +1171,7 @@ class Controller:
             kv_bytes=shard.kv_bytes,
             adapter=shard.adapter,
             adapter_dir=shard.adapter_dir,
+            adapter_bytes=shard.adapter_bytes,
         )
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
@@ -1196,6 +1235,7 @@ class Controller:
             kv_bytes=r.kv_bytes,
             adapter=r.adapter,
             adapter_dir=r.adapter_dir,
+            adapter_bytes=r.adapter_bytes,
         ):
             pass
 

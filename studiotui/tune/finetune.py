@@ -38,6 +38,7 @@ from studiotui.tune.data import (
     write_shares,
 )
 from worker.shared.adapters import identity_of
+from worker.shared.manifest import Hashing
 
 KIND = "finetune"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -185,8 +186,15 @@ async def _where(
 
 
 async def launch(
-    ctl: Cluster, prepared: Prepared, *, resume: bool = False, progress: Progress | None = None
+    ctl: Cluster,
+    prepared: Prepared,
+    *,
+    resume: bool = False,
+    progress: Progress | None = None,
+    hashing: Hashing | None = None,
 ) -> jobs.JobRecord:
+    """Put the model and each rank's data on the nodes and start the ranks. `hashing`
+    hears the base's first hashing in bytes (its identity, stamped into the adapter)."""
     req, info = prepared.request, prepared.info
     model_dir = Path(req.model).expanduser().resolve()
     nodes = list(req.nodes)
@@ -202,7 +210,7 @@ async def launch(
     shares = {n: share(i) for i, n in enumerate(nodes)}
     data_where = await _where(ctl, prepared.data_dir, shares, progress)
     # The adapters' own identity of a base (worker.shared.adapters), checked when placed.
-    base = (await asyncio.to_thread(identity_of, model_dir)).as_dict()
+    base = (await asyncio.to_thread(identity_of, model_dir, hashing)).as_dict()
     # A report (losses and rates summed over the group) every step of a short job, every
     # tenth at most on a long one: the plot's points, and how fast a save can follow.
     steps_per_report = max(1, min(10, req.iters // 100))

@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.geometry import Region
 from textual.screen import ModalScreen
 
 from studiotui.app.guard import guard_actions
@@ -45,6 +46,7 @@ from studiotui.core.placement import (
 from studiotui.core.rates import Rates
 from studiotui.core.state import ClusterState, shape_label
 from worker.shared.adapters import Adapter
+from worker.shared.manifest import Hashing
 
 
 class Previewing(Protocol):
@@ -60,9 +62,12 @@ class Previewing(Protocol):
         context_tokens: int = ...,
         streams: int | None = ...,
         tensor: int | None = ...,
+        adapter: Adapter | None = ...,
     ) -> tuple[ModelInfo, Plan | Refusal]: ...
 
-    def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter: ...
+    def check_adapter(
+        self, adapter_dir: Path, model_dir: Path, on_progress: Hashing | None = ...
+    ) -> Adapter: ...
 
 
 MIN_CONTEXT = 256
@@ -175,16 +180,30 @@ def plan_lines(
     any_held = any(
         _holds(state, n, placement) for s in data["shards"] for n in s["group"] or [s["node"]]
     )
+    # With an adapter, each shard's share of it is shown beside (and counted with) its weights.
+    adapted = any(s["adapter_bytes"] for s in data["shards"])
+    weights = "weights+adapter" if adapted else "weights"
+
+    def weight_cell(shard: dict[str, Any]) -> Content:
+        if not adapted:
+            return Content(format_bytes(shard["weight_bytes"]))
+        extra = f" +{format_bytes(shard['adapter_bytes'])}"
+        return Content.assemble(format_bytes(shard["weight_bytes"]), (extra, "$accent"))
 
     def build(gauge: int, holds: bool, sizes: bool) -> list[Content]:
-        titles = ["node", "layers", "weights", "KV cache", "memory now", "after loading", ""]
+        titles = ["node", "layers", weights, "KV cache", "memory now", "after loading", ""]
         if not sizes:
             titles[2:4] = []
         if holds and any_held:
             titles.append("holds")
         rows = [[Content.styled(h, "bold $text-muted") for h in titles]]
         members = [
-            (i, shard, name, free - shard["weight_bytes"] - shard["kv_bytes"])
+            (
+                i,
+                shard,
+                name,
+                free - shard["weight_bytes"] - shard["adapter_bytes"] - shard["kv_bytes"],
+            )
             for i, shard in enumerate(data["shards"])
             for name, free in zip(
                 shard["group"] or [shard["node"]],
@@ -205,7 +224,7 @@ def plan_lines(
                     f"{span} ({shard['end'] - shard['start']}){part}",
                     (f" +{'+'.join(ends)}" if ends else "", "$text-muted"),
                 ),
-                Content(format_bytes(shard["weight_bytes"])),
+                weight_cell(shard),
                 Content(format_bytes(shard["kv_bytes"])),
                 # What the node reports in use, the figure its card shows; the plan's
                 # "free before" also holds back what loading shards and a runner take.
@@ -232,24 +251,42 @@ def shape_lines(
     shapes: Sequence[tuple[int, Plan | Refusal, Forecast | None]],
     shown: Plan | None,
     node_count: int,
+    width: int = 200,
 ) -> list[Content]:
     """Each shape that divides, with its forecast or why it does not fit; the one on
-    screen marked (its groups' backends and why are in the plan's caption above)."""
+    screen marked (its groups' backends and why are in the plan's caption above).
+
+    A forecast too long for `width` folds between its figures, under the forecast
+    column, rather than wherever the terminal breaks it."""
     lines = [Content(""), Content.styled("shapes (t cycles)  ·  forecast", "bold $text-muted")]
-    for size, verdict, guess in shapes:
+    labels = [
+        verdict.shape
+        if isinstance(verdict, Plan) and guess is not None
+        else shape_label(max(node_count // size, 1), size)
+        for size, verdict, guess in shapes
+    ]
+    column = max((len(label) for label in labels), default=0) + 2
+    indent = " " * (2 + column)
+    for (size, verdict, guess), label in zip(shapes, labels, strict=True):
         here = shown is not None and shown.tensor == size
         mark = ("▸ ", "bold $accent") if here else ("  ", "")
         if isinstance(verdict, Plan) and guess is not None:
-            lines.append(
-                Content.assemble(
-                    mark, (f"{verdict.shape:<22}", "bold" if here else ""), describe(guess)
-                )
-            )
+            head = Content.assemble(mark, (f"{label:<{column}}", "bold" if here else ""))
+            parts = describe(guess).split(" · ")
+            line = Content.assemble(head, parts[0])
+            for part in parts[1:]:
+                if line.cell_length + 3 + len(part) > width:
+                    lines.append(line)
+                    line = Content(indent + part)
+                else:
+                    line = Content.assemble(line, " · ", part)
+            lines.append(line)
         else:
             reason = verdict.reason if isinstance(verdict, Refusal) else ""
-            label = shape_label(max(node_count // size, 1), size)
             lines.append(
-                Content.assemble(mark, f"{label:<22}", ("does not fit: " + reason, "$text-muted"))
+                Content.assemble(
+                    mark, f"{label:<{column}}", ("does not fit: " + reason, "$text-muted")
+                )
             )
     return lines
 
@@ -345,6 +382,14 @@ class PreviewScreen(ModalScreen[None]):
         self.loads: dict[str, tuple[int, int]] = {}
         self.rates = Rates()
         self.adapter: Adapter | None = None  # the request's adapter, once it checked out
+        # Bytes of the base hashed to check the adapter against it (the first check of a
+        # base reads all of it; cached after): (done, total), or None when not hashing.
+        self.hashing: tuple[int, int] | None = None
+        self._hashing_shown = 0.0
+        # What the body draws above the shapes and how many lines they take (see
+        # _lines), and whether the next plan drawn should bring them into view.
+        self._shapes_at: tuple[Content, int] | None = None
+        self._to_shapes = False
 
     def compose(self) -> ComposeResult:
         with Vertical(id="preview-dialog") as dialog:
@@ -383,8 +428,9 @@ class PreviewScreen(ModalScreen[None]):
             # plan: the same check `place` makes before anything is copied.
             try:
                 self.adapter = await asyncio.to_thread(
-                    self.controller.check_adapter, request.adapter, request.model
+                    self.controller.check_adapter, request.adapter, request.model, self._hashed
                 )
+                self.hashing = None
             except Exception as exc:  # PlacementError with both digests, or a read error
                 self.verdict = Refusal(str(exc))
                 self.phase = "refused"
@@ -399,12 +445,26 @@ class PreviewScreen(ModalScreen[None]):
                 self.context_tokens,
                 self.streams,
                 self.tensor,
+                self.adapter,  # each layer's share counted on its shard
             )
             self.shapes = await asyncio.to_thread(self._shapes)
         except Exception as exc:  # a model directory gone or unreadable since the scan
             self.phase, self.message = "error", f"cannot read {request.model}: {exc}"
         else:
             self.phase = "refused" if isinstance(self.verdict, Refusal) else "plan"
+        self._draw()
+
+    def _hashed(self, done: int, total: int) -> None:
+        """From the hashing thread: a redraw at most 10 times a second (a 700 GB base
+        reports every 4 MB), and at the start and the end."""
+        now = time.monotonic()
+        if done in (0, total) or now - self._hashing_shown >= 0.1:
+            self._hashing_shown = now
+            self.app.call_from_thread(self._show_hashing, done, total)
+
+    def _show_hashing(self, done: int, total: int) -> None:
+        self.hashing = (done, total)
+        self.rates.update("operator", done, total, time.monotonic())
         self._draw()
 
     def _shapes(self) -> list[tuple[int, Plan | Refusal, Forecast | None]]:
@@ -424,7 +484,12 @@ class PreviewScreen(ModalScreen[None]):
                 verdict: Plan | Refusal = self.verdict
             else:
                 _, verdict = self.controller.preview(
-                    self.request.model, nodes, self.context_tokens, self.planned_streams, size
+                    self.request.model,
+                    nodes,
+                    self.context_tokens,
+                    self.planned_streams,
+                    size,
+                    self.adapter,
                 )
             guess = (
                 forecast(self.info.facts, verdict, chips, links)
@@ -487,6 +552,9 @@ class PreviewScreen(ModalScreen[None]):
             return
         later = [size for size in fitting if now is None or size > now]
         self.tensor = later[0] if later else fitting[0]
+        # While it re-plans the body is one line and the scroll goes back to the top:
+        # bring the shapes back into view once the new plan is drawn.
+        self._to_shapes = True
         self.replan()
 
     @property
@@ -529,6 +597,25 @@ class PreviewScreen(ModalScreen[None]):
             "loading": "esc hide (loading goes on; see Placements)",
         }.get(self.phase, "esc close")
         dialog.set_class(self.phase in ("refused", "error", "failed"), "-refused")
+        if self._to_shapes and self.phase in ("plan", "refused"):
+            self._to_shapes = False
+            self.call_after_refresh(self._show_shapes)
+
+    def _show_shapes(self) -> None:
+        """Scroll so the shapes, the chosen one marked ▸, are in view (the top of the
+        plan goes out of view first on a short terminal)."""
+        body = self.query_one("#preview-body", Drawing)
+        width = body.content_size.width
+        body.content_for(width)  # drawn for this width, so `_shapes_at` is too
+        if self._shapes_at is None:
+            return
+        above, count = self._shapes_at
+        # Lines above that the terminal folds count as they are drawn (as Drawing does).
+        top = above.get_height(body.styles, width)  # type: ignore[arg-type]
+        region = Region(0, body.virtual_region.y + top, width, count)
+        self.query_one("#preview-scroll", VerticalScroll).scroll_to_region(
+            region, animate=False, immediate=True
+        )
 
     def _lines(self, width: int) -> Content:
         request = self.request
@@ -556,6 +643,11 @@ class PreviewScreen(ModalScreen[None]):
         lines.append(Content(""))
         if self.phase == "measuring":
             lines.append(Content.styled("measuring the links between these nodes…", "$text-muted"))
+        elif self.phase == "planning" and self.hashing is not None:
+            name = self.request.model.name
+            said = f"hashing {name} to check the adapter was trained on it (once: cached)…"
+            lines.append(Content.styled(said, "$text-muted"))
+            lines += progress_lines({"operator": self.hashing}, rates=self.rates)
         elif self.phase == "planning":
             lines.append(Content.styled("planning…", "$text-muted"))
         elif self.phase == "error":
@@ -565,8 +657,11 @@ class PreviewScreen(ModalScreen[None]):
         elif isinstance(self.verdict, Plan):
             lines += plan_lines(self.verdict, state, request.name, width)
         # A refused single shape would only repeat the reason above.
+        self._shapes_at = None
         if self.phase in ("plan", "refused") and (self.plan or len(self.shapes) > 1):
-            lines += shape_lines(self.shapes, self.plan, len(request.nodes))
+            block = shape_lines(self.shapes, self.plan, len(request.nodes), width)
+            self._shapes_at = (Content("\n").join(lines), len(block))
+            lines += block
         for warning in warnings_for(state, request.nodes, request.name):
             lines.append(Content.styled(f"⚠ {warning}", "$warning"))
         if self.phase in ("loading", "ready", "failed"):
