@@ -538,13 +538,28 @@ class Controller:
         """The placement as the nodes now report it, if every planned shard is there.
 
         A node can die after its shard said ready and before the others finished,
-        faster than the load watchdog notices: ask them all once more."""
-        await self.refresh()
-        placed = self.state.placement(name)
-        lost = [m.node for m in members(the_plan) if placed is None or m.node not in placed.nodes]
-        if lost or placed is None:
-            raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
-        return placed
+        faster than the load watchdog notices: ask them all once more. One that does
+        not answer in time but keeps its connection is asked again, as the watchdog
+        would (`node_gone`): a busy node is not a lost one."""
+        started = time.monotonic()
+        while True:
+            await self.refresh()
+            placed = self.state.placement(name)
+            lost = [
+                m.node for m in members(the_plan) if placed is None or m.node not in placed.nodes
+            ]
+            if placed is not None and not lost:
+                return placed
+            now = time.monotonic()
+            # A node that answers without its shard has lost it; one that does not
+            # answer is given the watchdog's time.
+            answered = {n.name for n in self.state.nodes if n.state == "up"}
+            if any(
+                n in answered or node_gone(n, self.peer(n).down_for(), now - started) for n in lost
+            ):
+                break
+            await asyncio.sleep(CHECK_EVERY_S)
+        raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
 
     def _no_longer_fits(self, expected: Plan) -> str | None:
         for shard, name in ((s, n) for s in expected.shards for n in s.nodes):
