@@ -385,6 +385,25 @@ async def test_what_cannot_be_honoured_is_refused_not_ignored(served: Served) ->
     assert reply.choices[0].message.content
 
 
+async def test_a_base_url_without_v1_is_told_where_the_api_is(served: Served) -> None:
+    """The commonest client mistake: base_url without /v1. aiohttp's bare "Not Found"
+    did not say what is served."""
+    root = served.server.url.removesuffix("/v1")
+    client = openai.AsyncOpenAI(base_url=root, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.chat.completions.create(model=PLACEMENT, messages=MESSAGES, max_tokens=2)
+    message = caught.value.message
+    assert "/chat/completions" in message and "base_url ending in /v1" in message, message
+    assert "POST /v1/chat/completions" in message
+    async with httpx.AsyncClient(base_url=served.server.url) as http:
+        wrong = await http.get("/chat/completions")
+        assert_openai_error(wrong, 405)
+        assert "use POST" in wrong.json()["error"]["message"]
+        other = await http.post("/embeddings", json={"model": PLACEMENT, "input": "x"})
+        assert_openai_error(other, 404)
+        assert "GET /v1/models" in other.json()["error"]["message"]
+
+
 async def test_api_key_is_required_when_given(served: Served) -> None:
     def keyed(key: str) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=served.keyed.url, api_key=key, max_retries=0)
