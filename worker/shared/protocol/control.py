@@ -55,6 +55,13 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     data_port: int | None = None
     client_port: int | None = None
     tensor: bool = False  # a member of a tensor-parallel stage: a port for its group too
+    # The plan's memory for this shard (weights, KV reserve, adapter share), promised
+    # from now, through the copy of its files, until it is loaded: the agent reports
+    # it with the shard, so every operator (another CLI, a restarted TUI) sees it
+    # taken (controller.committed_bytes) while the node's own reports do not show it yet.
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    adapter_bytes: int = 0
 
 
 class LoadShard(Wire, frozen=True, kw_only=True):
@@ -264,6 +271,7 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     adapter: str = ""
     adapter_dir: str = ""
     adapter_bytes: int = 0  # the plan's share of the adapter on these layers
+    weight_bytes: int = 0  # the plan's weights for these layers (promised until loaded)
     data_port: int = 0
     client_port: int = 0
     # A member of a tensor-parallel stage: its group port, rank, the group's nodes in
