@@ -64,7 +64,8 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
     home.mkdir()
     server.write_known_hosts(home / "known_hosts")
     pids = [local_cluster.start_agent(home, node, inv) for node in nodes]
-    assert server.pid is not None
+    sshd_pid = server.pid
+    assert sshd_pid is not None
     # The KV cache per token of this model, to size a placement to most of a node.
     facts = read_model(model).facts
     per_token = sum(facts.kv_bytes(1000, 1)) / 1000
@@ -82,7 +83,7 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
             context = int(0.6 * room / per_token)
             _, first = watching.preview(model, [held], context, streams=1)
             assert isinstance(first, Plan), first
-            os.kill(server.pid, signal.SIGSTOP)  # the copy stalls in its SSH handshake
+            os.kill(sshd_pid, signal.SIGSTOP)  # the copy stalls in its SSH handshake
             try:
                 task = asyncio.ensure_future(
                     placing.place(model, [held], "first", context_tokens=context, streams=1)
@@ -119,7 +120,7 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
                 except PlacementError as exc:
                     assert "rolled back" in str(exc) and held in str(exc), exc
             finally:
-                os.kill(server.pid, signal.SIGCONT)
+                os.kill(sshd_pid, signal.SIGCONT)
             await _until(
                 watching,
                 lambda: not any(n.shards for n in watching.state.nodes),
@@ -135,6 +136,6 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
         asyncio.run(run())
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(server.pid, signal.SIGCONT)
+            os.kill(sshd_pid, signal.SIGCONT)
         for pid in pids:
             local_cluster.kill_pid(pid)
