@@ -125,9 +125,12 @@ def promises_note(nodes: Sequence[NodeState]) -> str:
     ]
     if not parts:
         return ""
+    # An operator killed while placing leaves its shards prepared: say how to free them.
+    unload = f"studiotui unload {next(iter(held))}" if len(held) == 1 else "studiotui unload NAME"
     return (
         "; ".join(parts)
-        + ": that memory is taken once it is loaded, or given back if it fails or is unloaded"
+        + ": that memory is taken once it is loaded, or given back if it fails or is "
+        + f"unloaded ({unload} if its placing was given up)"
     )
 
 

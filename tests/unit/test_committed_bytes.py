@@ -94,7 +94,10 @@ def test_the_note_names_each_placement_not_loaded_yet_and_its_promise_per_node()
     assert "placement 'small' (loading) is promised 100 MB on studio-2" in note
     assert "'old'" not in note  # loaded: its memory shows in the node's own report
     assert "given back if it fails or is unloaded" in note
+    assert "(studiotui unload NAME if its placing was given up)" in note
     assert promises_note([_node(ready)]) == ""
+    # One placement: the command to free it, should its operator have gone.
+    assert "(studiotui unload big if its placing was given up)" in promises_note([one])
 
 
 def test_a_prepare_from_an_older_controller_promises_nothing_it_did_not_say() -> None:
