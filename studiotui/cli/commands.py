@@ -433,6 +433,14 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     bar.reset(tasks[node], total=total)
                 bar.update(tasks[node], completed=done, total=total)
 
+            def hashed(done: int, total: int) -> None:
+                # From the copy's hashing thread (rich's bar takes its own lock): the
+                # model's first hashing, before its files go to a remote node.
+                if "" not in tasks:
+                    label = f"hashing {info.name} for the copy (once: cached)"
+                    tasks[""] = bar.add_task(label, total=total)
+                bar.update(tasks[""], completed=done, total=total)
+
             try:
                 result = await ctl.place(
                     args.model_dir,
@@ -444,6 +452,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     streams=args.streams,
                     tensor=tensor,
                     adapter_dir=args.adapter,
+                    hashing=hashed,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None

@@ -508,11 +508,14 @@ class Controller:
         streams: int | None = None,
         adapter_dir: Path | None = None,
         tensor: int | None = None,
+        hashing: Hashing | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else. With
         `adapter_dir`, the shards apply that mlx-lm adapter to the layers it adapts;
-        an adapter of another model, or malformed, is refused before anything moves."""
+        an adapter of another model, or malformed, is refused before anything moves.
+        `hashing(done, total)` hears, from a worker thread, the model's first hashing
+        for a copy to a remote node (every byte once; cached beside the files after)."""
         model_dir = model_dir.expanduser().resolve()
         adapter = None
         if adapter_dir is not None:
@@ -562,7 +565,7 @@ class Controller:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
         self._remember_plan(name, planned)
         try:
-            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter)
+            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter, hashing)
             self._placing.discard(name)
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError, SshError) as exc:
@@ -613,6 +616,7 @@ class Controller:
         progress: Progress | None,
         prefill_chunk: int,
         adapter: Adapter | None = None,
+        hashing: Hashing | None = None,
     ) -> None:
         shards = the_plan.shards
         procs = members(the_plan)
@@ -633,7 +637,7 @@ class Controller:
         )
         port = {m.node: p for m, p in zip(procs, prepared, strict=True)}
         count = len(shards)
-        dirs = await self._model_dirs(procs, model_dir, progress)
+        dirs = await self._model_dirs(procs, model_dir, progress, hashing)
         adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
         leaders = [next(m for m in procs if m.stage == i and m.rank == 0) for i in range(count)]
 
@@ -736,7 +740,11 @@ class Controller:
         return keys.node_public_key(self.home, node).decode()
 
     async def _model_dirs(
-        self, shards: Any, model_dir: Path, progress: Progress | None
+        self,
+        shards: Any,
+        model_dir: Path,
+        progress: Progress | None,
+        hashing: Hashing | None = None,
     ) -> dict[str, str]:
         """Where each node finds the model: the operator's path on this machine, else a
         folder holding (by content) the files its layers need, reused where it already
@@ -753,7 +761,9 @@ class Controller:
         if needs:
             wanted = {node: list(files.values()) for node, files in needs.items()}
             try:
-                where |= await model_sync.provide(self, model_dir, wanted, progress)
+                where |= await model_sync.provide(
+                    self, model_dir, wanted, progress, hashing=hashing
+                )
             except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
                 raise PlacementError(str(exc)) from None
         return where

@@ -1,5 +1,5 @@
-"""`studiotui finetune` on an SSH node: the base's first hashing and the copies to the
-node are shown in bytes.
+"""`studiotui finetune` (and `place`) on an SSH node: the base's first hashing and the
+copies to the node are shown in bytes.
 
 The node is reached over the real loopback sshd (its agent runs here, on its address,
 with its own home), so the model and the job's data are copied to it, not read where
@@ -7,13 +7,17 @@ they are. The base is fresh (no hashes cached beside it): it is hashed once, sho
 bar of every byte, and the copy (checked by those hashes) finds them cached instead of
 reading the base again unseen; the model's copy and the data's are each a bar of their
 own. Two iterations keep the job short; the training is covered by test_finetune.py.
+`studiotui place` of another fresh base on that node shows its hashing for the copy
+the same way, beside the node's bar.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,7 +46,7 @@ def _kb(n: int) -> str:
     return f"{n / unit:,.{places}f}/{n / unit:,.{places}f} {suffix}"
 
 
-def test_finetune_on_an_ssh_node_shows_the_bases_hashing_and_the_copies(
+def test_finetune_and_place_on_an_ssh_node_show_the_hashing_and_the_copies(
     sshd_server: SshdServer,  # noqa: F811
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -102,6 +106,20 @@ def test_finetune_on_an_ssh_node_shows_the_bases_hashing_and_the_copies(
         assert [p.read_bytes() == weights for p in copies] == [True], copies
         cached = json.loads((model / CACHE_NAME).read_text())
         assert {f.name for f in needed_files(model, 0, layers, layers, False)} <= set(cached)
+
+        # `place` of another fresh base on the node: its hashing for the copy shown too.
+        plain = write_demo_model(tmp_path / "models" / "plain", replace(SPEC, seed=6))
+        (plain / CACHE_NAME).unlink(missing_ok=True)
+        needed = sum(f.size for f in needed_files(plain, 0, layers, layers, False))
+        where = ["--nodes", "mac-22", "--prefill-chunk", "16", "-i", str(inventory)]
+        code = main(["place", str(plain), *where])
+        out = capsys.readouterr()
+        said = " ".join((out.out + out.err).split())
+        assert code == 0 and "placement plain is ready" in said, said
+        # Its bar reached every byte the copy needs (the node's own bar ends on its load).
+        bar = rf"hashing plain for the copy \(once: cached\) [━╸╺ ]*{re.escape(_kb(needed))}"
+        assert len(re.findall(bar, said)) == 1, (needed, said)
+        assert main(["unload", "plain", "-i", str(inventory)]) == 0
     finally:
         local_cluster.kill_pid(pid)
         shutil.rmtree(home / "adapters", ignore_errors=True)
