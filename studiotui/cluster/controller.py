@@ -636,6 +636,9 @@ class Controller:
             )
         )
         port = {m.node: p for m, p in zip(procs, prepared, strict=True)}
+        # The prepared shards, with their promise, in this controller's state now rather
+        # than at the next telemetry: a preview made during the copy counts them.
+        await asyncio.gather(*(self._hello(n, 2.0) for n in dict.fromkeys(port)))
         count = len(shards)
         dirs = await self._model_dirs(procs, model_dir, progress, hashing)
         adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}

@@ -113,6 +113,17 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
                 assert f"on {held}" in second.reason
                 _, elsewhere = watching.preview(model, [other], context, streams=1)
                 assert isinstance(elsewhere, Plan), elsewhere
+                # The placing controller (no telemetry here: only what it asks) knew it
+                # as soon as its shard was prepared, not at a later refresh.
+                for _ in range(100):
+                    mine_now = placing.state.node(held)
+                    if mine_now is not None and any(
+                        s.placement == "first" for s in mine_now.shards
+                    ):
+                        break
+                    await asyncio.sleep(0.05)
+                _, mine = placing.preview(model, [held], context, streams=1)
+                assert isinstance(mine, Refusal) and "'first'" in mine.reason, mine
                 # The copy gives up at the SSH handshake's timeout: rolled back.
                 try:
                     await task
