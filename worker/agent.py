@@ -40,6 +40,7 @@ from worker.shared.protocol.status import ShardStatus
 
 log = logging.getLogger("studiotui.agent")
 TELEMETRY_EVERY_S = 1.0
+PROBE_EVERY_S = 60.0  # RDMA and link facts (cables come and go)
 SHARD_PORT_OFFSET = 10
 LINK_PINGS = 21
 # Bandwidth the way the ring moves activations: CURVE PUSH -> PULL, several large
@@ -585,10 +586,21 @@ class Agent:
         await self._reply(ident, re, "log", lines=lines)
 
     async def _probe(self) -> None:
-        """Gather RDMA and link facts off the loop: probes may take seconds on a Mac."""
-        rdma = await asyncio.to_thread(node_probe.rdma_facts)
-        end = await asyncio.to_thread(node_probe.link_end, self.config.address)
-        self.facts = {**self.facts, "rdma": rdma, "link_end": end, "link_kind": end["kind"]}
+        """Gather RDMA and link facts off the loop (probes may take seconds on a Mac),
+        again every PROBE_EVERY_S: a cable plugged in or a port that went down changes
+        which RDMA device reaches which node, and JACCL's device matrix with it."""
+        replay = self.config.home / node_probe.REPLAY_FOLDER
+        while True:
+            try:
+                rdma = await asyncio.to_thread(
+                    node_probe.rdma_facts, replay if replay.is_dir() else None
+                )
+                end = await asyncio.to_thread(node_probe.link_end, self.config.address)
+            except Exception:  # a probe must never stop the agent: the next round retries
+                log.exception("probing RDMA and link facts failed")
+            else:
+                self.facts = {**self.facts, "rdma": rdma, "link_end": end, "link_kind": end["kind"]}
+            await asyncio.sleep(PROBE_EVERY_S)
 
     async def _meter(self) -> None:
         meter = await asyncio.to_thread(telemetry.Meter.for_this_machine)

@@ -16,23 +16,35 @@ one global batch of step t of a one-node run.
 Every rank saves the adapter (identical on all of them after each step) every
 `save_every` iterations as `NNNNNNN_adapters.safetensors` and `adapters.safetensors`,
 next to `adapter_config.json` (mlx-lm's format, plus `studiotui_base`: the base
-model's name and content digest). A resumed job starts from the last iteration every
-rank has saved (agreed with `all_min`).
+model's name and content digest), and beside it the optimizer's state as
+`NNNNNNN_optimizer.safetensors` (MLX's own `tree_flatten` of `optimizer.state`:
+Adam's moments, the step count). The ranks apply the same all-reduced gradients, so
+that state is identical on every rank too; each rank keeps its own copy because a
+rank resumes from its own node's disk. A resumed job starts from the last iteration
+every rank has saved (agreed with `all_min`), with that iteration's adapter and
+optimizer state, and the batches go on where they stopped (mlx-lm's permutations
+replayed from the job's seed, on a numpy generator validation does not draw from):
+it is the run that would have happened unstopped.
+mlx-lm's own `--resume-adapter-file` restores the adapter only.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_unflatten
 from mlx_lm import load
 from mlx_lm.tuner import trainer
 from mlx_lm.tuner.callbacks import TrainingCallback
@@ -48,6 +60,11 @@ OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD}
 
 def checkpoint_name(iteration: int) -> str:
     return f"{iteration:07d}_adapters.safetensors"
+
+
+def optimizer_name(iteration: int) -> str:
+    """The optimizer's state saved with the adapter of that iteration."""
+    return f"{iteration:07d}_optimizer.safetensors"
 
 
 def saved_iterations(adapter_dir: Path) -> list[int]:
@@ -95,15 +112,51 @@ def save_adapter(model: Any, adapter_dir: Path, iteration: int) -> Path:
     )
     for old in saved_iterations(adapter_dir)[:-KEEP_CHECKPOINTS]:
         (adapter_dir / checkpoint_name(old)).unlink(missing_ok=True)
+        (adapter_dir / optimizer_name(old)).unlink(missing_ok=True)
     return target
+
+
+def save_optimizer(optimizer: optim.Optimizer, adapter_dir: Path, iteration: int) -> Path:
+    """The optimizer's whole state (MLX's documented way: its flattened tree as
+    safetensors), written before the adapter of the same iteration so a saved adapter
+    always has its state beside it."""
+    state = dict(named_arrays(optimizer.state))
+    target = adapter_dir / optimizer_name(iteration)
+    _write_atomic(target, lambda p: mx.save_safetensors(str(p), state))
+    return target
+
+
+def restore_optimizer(optimizer: optim.Optimizer, model: Any, path: Path) -> None:
+    """Put a saved state back, after checking it is of this model's trainable tree (the
+    same LoRA layers and optimizer) so it cannot half-apply."""
+    saved = cast(dict[str, mx.array], mx.load(str(path)))
+    optimizer.init(model.trainable_parameters())
+    expected = {name for name, _ in named_arrays(optimizer.state)}
+    if set(saved) != expected:
+        odd = sorted(set(saved) ^ expected)
+        raise RuntimeError(
+            f"{path} is not this job's optimizer state ({len(odd)} names differ, e.g. "
+            f"{odd[0]}): resume with the settings the job was started with"
+        )
+    optimizer.state = tree_unflatten(list(saved.items()))
 
 
 class Reporter(TrainingCallback):
     """mlx-lm's reports as job events (iterations counted from the job's start), and
-    the adapter saved every `save_every` iterations on every rank."""
+    the adapter and the optimizer's state saved every `save_every` iterations on every
+    rank. mlx-lm calls the report after the step's update is evaluated, so both are
+    the state after iteration `it`."""
 
-    def __init__(self, model: Any, adapter_dir: Path, offset: int, total: int, every: int):
-        self.model, self.adapter_dir = model, adapter_dir
+    def __init__(
+        self,
+        model: Any,
+        optimizer: optim.Optimizer,
+        adapter_dir: Path,
+        offset: int,
+        total: int,
+        every: int,
+    ):
+        self.model, self.optimizer, self.adapter_dir = model, optimizer, adapter_dir
         self.offset, self.total, self.every = offset, total, every
         self.last_saved = offset
 
@@ -123,6 +176,7 @@ class Reporter(TrainingCallback):
             time=time.time(),
         )
         if it - self.last_saved >= self.every or it == self.total:
+            save_optimizer(self.optimizer, self.adapter_dir, it)
             path = save_adapter(self.model, self.adapter_dir, it)
             self.last_saved = it
             jobs.emit("saved", iteration=it, path=str(path))
@@ -134,6 +188,26 @@ class Reporter(TrainingCallback):
             val_loss=float(val_info["val_loss"]),
             val_time=float(val_info["val_time"]),
         )
+
+
+def own_generator(batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches` drawing on numpy's global generator as if no one else did. mlx-lm's
+    `iterate_batches` seeds it once and draws each pass's permutation from it, and so
+    does every validation pass (unseeded) in between: the training order would depend
+    on when validation ran, which differs between a run and the same run resumed."""
+    mine: Any = None
+    while True:
+        outer = np.random.get_state()
+        if mine is not None:
+            np.random.set_state(mine)
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        finally:
+            mine = np.random.get_state()
+            np.random.set_state(outer)
+        yield batch
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -179,9 +253,18 @@ def run(spec: dict[str, Any]) -> None:
     _write_atomic(adapter_dir / "adapter_config.json", lambda p: p.write_text(config_text))
 
     total = int(spec["iters"])
+    name = str(spec.get("optimizer", "adam"))
+    optimizer = OPTIMIZERS[name](learning_rate=float(spec["learning_rate"]))
     start = agreed_start(adapter_dir, world) if spec.get("resume") else 0
+    restored = False
     if start:
         model.load_weights(str(adapter_dir / checkpoint_name(start)), strict=False)
+        state = adapter_dir / optimizer_name(start)
+        # A job saved before optimizer states were kept resumes with a fresh one (said
+        # in the ready event): still trainable, not the unstopped run.
+        if state.is_file():
+            restore_optimizer(optimizer, model, state)
+            restored = True
     trainable = sum(v.size for _, v in named_arrays(model.trainable_parameters()))
     jobs.emit(
         "ready",
@@ -190,6 +273,7 @@ def run(spec: dict[str, Any]) -> None:
         trainable_parameters=int(trainable),
         train_examples=len(train_set),
         valid_examples=len(valid_rows),
+        optimizer_restored=restored,
     )
     if start >= total:
         jobs.emit("finished", iteration=start, adapter_dir=str(adapter_dir))
@@ -206,14 +290,19 @@ def run(spec: dict[str, Any]) -> None:
         comm_group: Any = None,
     ) -> Any:
         # mlx-lm's own batching of this rank's share: `batch_size` is the global batch.
-        return trainer.iterate_batches(
+        found = trainer.iterate_batches(
             dataset,
             batch_size // size,
             max_seq_length,
             loop=loop,
-            seed=(int(spec.get("seed", 0)) + start) if loop else None,
+            seed=int(spec.get("seed", 0)) if loop else None,
             comm_group=None,
         )
+        if not loop:
+            return found
+        # Resumed: the same seeded permutations, past the `start` batches already
+        # trained on, so step t gets the batch the unstopped run's step t got.
+        return itertools.islice(own_generator(found), start, None)
 
     args = trainer.TrainingArgs(
         batch_size=local * size,
@@ -226,9 +315,8 @@ def run(spec: dict[str, Any]) -> None:
         adapter_file=str(adapter_dir / f".final-rank{world.rank()}.safetensors"),
         max_seq_length=int(spec.get("max_seq_length", 2048)),
     )
-    name = str(spec.get("optimizer", "adam"))
-    optimizer = OPTIMIZERS[name](learning_rate=float(spec["learning_rate"]))
-    reporter = Reporter(model, adapter_dir, start, total, int(spec.get("save_every", 100)))
+    every = int(spec.get("save_every", 100))
+    reporter = Reporter(model, optimizer, adapter_dir, start, total, every)
     trainer.train(
         model=model,
         optimizer=optimizer,

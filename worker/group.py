@@ -20,6 +20,8 @@ from typing import Literal
 import mlx.core as mx
 
 Backend = Literal["ring", "jaccl"]
+# The variables a rank's join reads (rank_env), named when the join cannot happen.
+_SAID = ("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES")
 BACKENDS: tuple[Backend, ...] = ("ring", "jaccl")
 
 
@@ -81,7 +83,11 @@ def join(backend: Backend, env: Mapping[str, str] | None = None) -> mx.distribut
     compute a wrong answer (a 1/N slice of every layer) without any error.
     """
     if not mx.distributed.is_available(backend):
-        raise GroupError(f"MLX here has no {backend!r} distributed backend")
+        # Say what the rank was given, so a launch can be checked where it cannot run.
+        given = ", ".join(f"{k}={v}" for k, v in sorted((env or {}).items()) if k in _SAID)
+        raise GroupError(
+            f"MLX here has no {backend!r} distributed backend" + (f" ({given})" if given else "")
+        )
     group = mx.distributed.init(strict=True, backend=backend)
     want = (env or {}).get("MLX_WORLD_SIZE")
     if want is not None and group.size() != int(want):

@@ -11,14 +11,20 @@ import dataclasses
 import ipaddress
 import platform
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from worker.shared import probes
+from worker.shared.protocol.control import to_wire
+from worker.shared.protocol.rdma import RdmaFacts, RdmaPort
 
 TIMEOUT_S = 8.0
+# A folder of recorded command outputs in a node's work directory: when it is there,
+# the agent reports what they say instead of running the commands (see `replayer`).
+REPLAY_FOLDER = "probe-replay"
 
 
 def _run(argv: list[str]) -> str | None:
@@ -27,6 +33,28 @@ def _run(argv: list[str]) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
+
+
+def replay_name(argv: Sequence[str]) -> str:
+    """The file a recorded output of `argv` is replayed from: its words joined by "_"
+    ("system_profiler_SPThunderboltDataType_-json"), as tests/fixtures/macos names them."""
+    return "_".join(argv)
+
+
+def replayer(folder: Path) -> Callable[[list[str]], str | None]:
+    """A `_run` that reads each command's recorded output from `folder` instead of
+    running it; a command with no file there is one that failed. It lets a machine that
+    is not a Mac (a test's local agents, or a support session) report what a Mac's
+    commands printed, through the same parsers."""
+
+    def run(argv: list[str]) -> str | None:
+        path = folder / replay_name(argv)
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError:
+            return None
+
+    return run
 
 
 def _parse(parser: Any, text: str | None, default: Any) -> Any:
@@ -38,40 +66,68 @@ def _parse(parser: Any, text: str | None, default: Any) -> Any:
         return default
 
 
-def rdma_facts() -> dict[str, Any]:
-    """What `rdma_ctl`, `ibv_devices`, the Thunderbolt bus and bridge0 say, and the
-    steps to turn RDMA on where it is off."""
+def rdma_facts(replay: Path | None = None) -> dict[str, Any]:
+    """What `rdma_ctl`, `ibv_devices`, `ibv_devinfo`, the Thunderbolt bus, the hardware
+    ports and bridge0 say (a `RdmaFacts` as a plain map), and the steps to turn RDMA on
+    where it is off. With `replay` (a folder of recorded outputs, see `replayer`) the
+    node reports what those outputs say, as a Mac would."""
     system = platform.system()
-    os_name = "macOS" if system == "Darwin" else system
-    version = platform.mac_ver()[0] if system == "Darwin" else platform.release()
-    if system == "Darwin":
-        status = _parse(probes.parse_rdma_ctl_status, _run(["rdma_ctl", "status"]), "unknown")
-        devices = _parse(probes.parse_ibv_devices, _run(["ibv_devices"]), ())
-        ports = _parse(probes.parse_ibv_devinfo, _run(["ibv_devinfo"]), ())
+    mac = system == "Darwin" or replay is not None
+    run = replayer(replay) if replay is not None else _run
+    os_name = "macOS" if mac else system
+    if replay is not None:
+        version = (run(["sw_vers", "-productVersion"]) or "").strip()
+    else:
+        version = platform.mac_ver()[0] if system == "Darwin" else platform.release()
+    port_map: tuple[probes.ThunderboltPort, ...] = ()
+    if mac:
+        status = _parse(probes.parse_rdma_ctl_status, run(["rdma_ctl", "status"]), "unknown")
+        devices = _parse(probes.parse_ibv_devices, run(["ibv_devices"]), ())
+        ports = _parse(probes.parse_ibv_devinfo, run(["ibv_devinfo"]), ())
         tb = _parse(
             probes.parse_thunderbolt_json,
-            _run(["system_profiler", "SPThunderboltDataType", "-json"]),
+            run(["system_profiler", "SPThunderboltDataType", "-json"]),
             None,
         )
-        ifconfig = _parse(probes.parse_ifconfig, _run(["ifconfig"]), {})
+        hardware = _parse(
+            probes.parse_networksetup_ports, run(["networksetup", "-listallhardwareports"]), ()
+        )
+        ifconfig = _parse(probes.parse_ifconfig, run(["ifconfig"]), {})
+        if tb is not None:
+            port_map = probes.thunderbolt_port_map(tb, hardware, devices, ports, ifconfig)
     else:
         status, ports, tb, ifconfig = "unknown", (), None, {}
         devices = tuple(probes.IbvDevice(name=p.name, guid="") for p in _infiniband_dir().glob("*"))
     summary = probes.rdma_summary(status, devices, tb, ifconfig, ports)
-    return {
-        "os": os_name,
-        "os_version": version,
-        "status": summary.status,
-        "usable": summary.usable,
-        "devices": list(summary.devices),
-        "active_devices": list(summary.active_devices),
-        "peers": [p.name for p in summary.peers],
-        "bridge_exists": summary.bridge_exists,
-        "bridge_members": list(summary.bridge_members),
-        "bridge_active": summary.bridge_active,
-        "notes": list(summary.notes),
-        "steps": probes.rdma_enable_steps(summary, os_name, version),
-    }
+    facts = RdmaFacts(
+        os=os_name,
+        os_version=version,
+        status=summary.status,
+        usable=summary.usable,
+        devices=summary.devices,
+        active_devices=summary.active_devices,
+        peers=tuple(p.name for p in summary.peers),
+        bridge_exists=summary.bridge_exists,
+        bridge_members=summary.bridge_members,
+        bridge_active=summary.bridge_active,
+        notes=summary.notes,
+        steps=tuple(probes.rdma_enable_steps(summary, os_name, version)),
+        ports=tuple(
+            RdmaPort(
+                receptacle=p.receptacle,
+                domain_uuid=p.domain_uuid,
+                interface=p.interface,
+                device=p.rdma_device,
+                state=p.state,
+                peer_uuid=p.peer_uuid,
+                peer_model=p.peer_model,
+                link_gbps=p.link_gbps,
+                ipv4=p.ipv4,
+            )
+            for p in port_map
+        ),
+    )
+    return to_wire(facts)
 
 
 def _infiniband_dir() -> Path:

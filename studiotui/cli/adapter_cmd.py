@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from studiotui.cli.commands import resolve_model
+from studiotui.cli.commands import hashing_shown, resolve_model
 from studiotui.cluster import jobs
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
@@ -86,7 +86,8 @@ def cmd_fuse(args: argparse.Namespace, home: Path) -> int:
             f"{exc.message}; {name} is a job whose adapter is still on its nodes",
             f"bring it here first: studiotui jobs fetch {name}",
         ) from None
-    adapter = check_base(adapter_dir, model_dir)
+    with hashing_shown(model_dir, "to check the adapter's base") as shown:
+        adapter = check_base(adapter_dir, model_dir, shown)
     out = fuse_target(args.out, home, model_dir, adapter_dir)
     print(f"fusing {adapter.name} into {model_dir.name} with mlx-lm's fuse -> {out}")
     done = subprocess.run(
@@ -111,7 +112,8 @@ def cmd_adapter(args: argparse.Namespace, home: Path) -> int:
     if args.adapter_verb == "stamp":
         model_dir = resolve_model(args.model, home).expanduser().resolve()
         try:
-            identity = stamp_identity(args.dir.expanduser(), model_dir)
+            with hashing_shown(model_dir, "to stamp the adapter with its base") as hashed:
+                identity = stamp_identity(args.dir.expanduser(), model_dir, hashed)
         except AdapterError as exc:
             raise AdapterRefused(str(exc)) from None
         print(f"{args.dir}: base {identity.model} (digest {identity.digest[:12]})")

@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -41,7 +43,8 @@ from studiotui.core.inventory import (
     SelectionError,
     resolve_group,
 )
-from studiotui.core.model_facts import ModelDirError, read_model
+from studiotui.core.members import cables
+from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
 from studiotui.core.placement import (
     ModelFacts,
     Plan,
@@ -51,6 +54,8 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
+from worker.shared.adapters import Adapter
+from worker.shared.manifest import Hashing
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -158,6 +163,9 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
 
 def status_json(ctl: Controller) -> dict[str, Any]:
     st = ctl.state
+    # Which Thunderbolt port of a node leads to which node (agents' RDMA facts matched
+    # by domain UUID, core/members.cables): the cabling JACCL's device matrix comes from.
+    wired = cables({n.name: n.facts.get("rdma") for n in st.nodes})
     return {
         "cluster": st.name,
         "nodes": [
@@ -171,6 +179,11 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "memory_used": n.memory_used,
                 "chip": n.chip,
                 "message": n.message,
+                "thunderbolt": [
+                    {"port": c.receptacle, "device": c.device, "state": c.state, "reaches": c.peer}
+                    for c in wired
+                    if c.node == n.name
+                ],
             }
             for n in st.nodes
         ],
@@ -261,6 +274,41 @@ async def adapter_here(spec: str | Path, home: Path, inv: Inventory) -> Path:
     return resolve_adapter(spec, home)
 
 
+@contextmanager
+def hashing_shown(model_dir: Path, why: str) -> Iterator[Hashing]:
+    """A callback for `manifest.model_digest(on_progress=...)` drawing a progress bar
+    in bytes, started at its first report: a model's first hashing reads every byte
+    (minutes for hundreds of GB), later ones hit the hashes cached beside the files and
+    report, and so show, nothing."""
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task: TaskID | None = None
+
+    def hashed(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(f"hashing {model_dir.name} {why} (once: cached)", total=total)
+        bar.update(task, completed=done)
+
+    try:
+        yield hashed
+    finally:
+        bar.stop()
+
+
+def check_adapter_shown(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
+    """`check_adapter`, the base's hashing shown (see hashing_shown)."""
+    with hashing_shown(model_dir, "to check the adapter's base") as shown:
+        return check_adapter(adapter_dir, model_dir, info, shown)
+
+
 async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     args.model_dir = resolve_model(args.model_dir, home)
@@ -278,7 +326,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     if args.adapter:
         # Before asking any node anything too: another model's or a malformed adapter.
         args.adapter = await adapter_here(args.adapter, home, inv)
-        adapter = check_adapter(args.adapter, args.model_dir.expanduser().resolve(), info)
+        adapter = check_adapter_shown(args.adapter, args.model_dir.expanduser().resolve(), info)
         console.print(
             f"adapter [bold]{adapter.name}[/] ({adapter.fine_tune_type}, rank {adapter.rank}, "
             f"layers {adapter.layers[0]}-{adapter.layers[-1]}) matches {info.name}"
@@ -313,7 +361,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(f"--tensor {args.tensor}: {why}")
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams, tensor
+                args.model_dir.expanduser(), group, args.context, args.streams, tensor, adapter
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
@@ -375,6 +423,8 @@ def print_shapes(
     console.print(
         f"forecast ({the_plan.shape}): {describe(forecast(facts, the_plan, chips, links))}"
     )
+    if args.adapter:
+        return  # an adapter is applied by pipeline stages only (adapter_tensor): one shape
     for size in tensor_sizes(facts, len(group)):
         if size == the_plan.tensor:
             continue

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from studiotui.cli.args import inventory_of
-from studiotui.cli.commands import resolve_model, start_hint
+from studiotui.cli.commands import hashing_shown, resolve_model, start_hint
 from studiotui.cluster import jobs
 from studiotui.cluster.adapter_fetch import AdapterFetchError, fetch_adapter
 from studiotui.cluster.controller import Controller
@@ -123,7 +123,8 @@ async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
             f"{len(ex.valid)} validation examples ({ex.format}), batch {req.batch_size}, "
             f"{req.iters} iterations"
         )
-        record = await ft.launch(ctl, prepared, resume=bool(args.resume))
+        with hashing_shown(prepared.info.path, "to stamp the adapter with its base") as shown:
+            record = await ft.launch(ctl, prepared, resume=bool(args.resume), hashing=shown)
         if args.detach:
             console.print(f"job {req.name} runs on the nodes: studiotui jobs follow {req.name}")
             return 0

@@ -46,7 +46,8 @@ from studiotui.core.benchmark import (
     plan_steps,
     stream_point,
 )
-from studiotui.core.jobs import choose_backend
+from studiotui.core.forecast import links_from_state
+from studiotui.core.members import group_backend
 from studiotui.core.state import PlacementState
 from worker.shared import probes
 from worker.shared.protocol import control
@@ -247,16 +248,20 @@ class Benchmark:
         self._next()
         n = group_n(nodes, names, self.sizes.matmul_n)
         parts = parts_gflops(nodes, names, "float32")
-        backend, why = choose_backend(names, self.ctl.state.links)
-        if backend == "jaccl":
-            # JACCL needs the group's RDMA device matrix, which nothing here builds yet.
-            self.notes.append(f"{why}, but the group was measured over ring")
-            backend = "ring"
+        # JACCL when every pair is joined by an active RDMA cable, with the device
+        # matrix the ranks need; else the ring, and where every node has RDMA the run
+        # notes why (a missing cable, a port down).
+        state = self.ctl.state
+        rdma = {x: s.facts.get("rdma") for x in names if (s := state.node(x)) is not None}
+        chosen = group_backend(names, links_from_state(state), rdma)
+        if chosen.backend == "ring" and chosen.rdma_everywhere:
+            self.notes.append(f"the group was measured over ring: {chosen.reason}")
+        backend = chosen.backend
         base = GroupFigures(
             nodes=tuple(names), backend=backend, n=n, parts_gflops=parts, launcher="jobs"
         )
         try:
-            ranks = await self._ranks(names, n, backend)
+            ranks = await self._ranks(names, n, backend, chosen.devices)
         except (AgentError, AgentUnreachable, JobFailed, BenchmarkError) as exc:
             self._say("failed", str(exc))
             return replace(base, error=str(exc))
@@ -270,7 +275,9 @@ class Benchmark:
             max_error=max(float(r.get("max_error", 0.0)) for r in ranks),
         )
 
-    async def _ranks(self, names: list[str], n: int, backend: str) -> list[dict[str, Any]]:
+    async def _ranks(
+        self, names: list[str], n: int, backend: str, devices: Any = None
+    ) -> list[dict[str, Any]]:
         """One rank per node, started and followed as a job (cluster/jobs.py), on the
         nodes' own addresses (the Thunderbolt bridge's on a desk cluster)."""
         name = f"benchmark-{uuid.uuid4().hex[:8]}"
@@ -282,7 +289,7 @@ class Benchmark:
             if event.get("event") == "result":
                 found[node] = dict(event.get("figures") or {})
 
-        await jobs.start_group(self.ctl, record, [spec] * len(names))
+        await jobs.start_group(self.ctl, record, [spec] * len(names), devices)
         try:
             end = await jobs.follow(self.ctl, name, names, on_event)
         except asyncio.CancelledError:

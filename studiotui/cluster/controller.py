@@ -40,9 +40,9 @@ from studiotui.core.forecast import (
 )
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch
-from studiotui.core.members import Member, jaccl_devices, members
+from studiotui.core.members import Member, jaccl_devices, members, rdma_link
 from studiotui.core.model_facts import ModelInfo, read_model
-from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes
+from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes, with_adapter
 from studiotui.core.state import (
     ClusterState,
     LinkState,
@@ -61,7 +61,7 @@ from studiotui.core.state import (
 from worker.shared import probes
 from worker.shared.adapters import FILES as ADAPTER_FILES
 from worker.shared.adapters import WEIGHTS_NAME, Adapter
-from worker.shared.manifest import manifest
+from worker.shared.manifest import Hashing, manifest
 from worker.shared.protocol import control, messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
@@ -380,12 +380,17 @@ class Controller:
         context_tokens: int = 4096,
         streams: int | None = None,
         tensor: int | None = None,
+        adapter: Adapter | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
         DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one.
-        `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits."""
+        `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits.
+        `adapter` (checked already): each layer's share of it counts on its shard."""
         model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
+        if adapter is not None:
+            adapted = with_adapter(info.facts, adapter.bytes_by_layer(info.n_layers))
+            info = replace(info, facts=adapted)
         if info.unsupported:
             # Refused here, before the plan and so before any file is copied to a node.
             return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
@@ -457,7 +462,7 @@ class Controller:
         )
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
-        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor)
+        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor, adapter)
         if expected is not None:
             problem = self._no_longer_fits(expected)
             if problem:
@@ -672,14 +677,17 @@ class Controller:
                 raise PlacementError(str(exc)) from None
         return where
 
-    def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter:
+    def check_adapter(
+        self, adapter_dir: Path, model_dir: Path, on_progress: Hashing | None = None
+    ) -> Adapter:
         """The adapter, if it can be placed with this model; else PlacementError naming
-        what and what to do. Headers and (cached) hashes only: nothing copied or loaded.
+        what and what to do. Headers and (cached) hashes only: nothing copied or loaded;
+        the first check of a base hashes all of it (`on_progress(done, total)` in bytes).
         Records nothing: it runs in a worker thread, and listeners expect the loop's."""
         model_files.check_model_dir(model_dir)
         info = read_model(model_dir)
         try:
-            adapter = check_adapter(adapter_dir, model_dir, info)
+            adapter = check_adapter(adapter_dir, model_dir, info, on_progress)
         except AdapterRefused as exc:
             raise PlacementError(f"cannot place {info.name} with {adapter_dir}: {exc}") from None
         return adapter
@@ -1038,10 +1046,11 @@ class Controller:
     def _link(self, pair: frozenset[str], results: list[control.LinkResult]) -> LinkState:
         a, b = sorted(pair)
         good = [r.latency_us for r in results if r.latency_us is not None]
-        rdma = all(
-            (self.state.node(n) or NodeState(n, "", 0, "")).facts.get("rdma", {}).get("usable")
-            for n in (a, b)
-        )
+        # RDMA when an active cable joins the two (core/members.rdma_link), with the
+        # reason when both have RDMA but no such cable.
+        facts = {n: (self.state.node(n) or NodeState(n, "", 0, "")).facts for n in (a, b)}
+        judged = rdma_link(a, b, {n: f.get("rdma") for n, f in facts.items()})
+        rdma, rdma_why = judged if judged is not None else (False, "")
         # The kind from both ends' interfaces; an agent's own end is the fallback.
         ends = [
             probes.LinkEnd.from_facts(
@@ -1059,7 +1068,8 @@ class Controller:
             gbps=max((r.gbps for r in results if r.gbps is not None), default=None),
             kind=kind,
             measured_at=time.time(),
-            rdma=bool(rdma),
+            rdma=rdma,
+            rdma_why=rdma_why,
         )
 
     # ---- nodes ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from worker.shared.adapters import (
     outside_layers_reason,
     read_adapter,
 )
+from worker.shared.manifest import Hashing
 
 ADAPTERS_FOLDER = "adapters"
 CONFIG_FILE = "config.toml"
@@ -117,25 +118,28 @@ def resolve_adapter(spec: str | Path, home: Path) -> Path:
     )
 
 
-def check_base(adapter_dir: Path, model_dir: Path) -> Adapter:
+def check_base(adapter_dir: Path, model_dir: Path, on_progress: Hashing | None = None) -> Adapter:
     """The adapter, if well formed (as mlx-lm's load_adapters reads it) and trained on
     these very weights (the base's digest); else AdapterRefused naming both and what
-    to do. Reads the adapter's config and header and hashes the model (cached)."""
+    to do. Reads the adapter's config and header and hashes the model: every byte the
+    first time (`on_progress(done, total)` hears it), nothing once cached."""
     try:
         adapter = read_adapter(adapter_dir)
     except AdapterError as exc:
         raise AdapterRefused(str(exc)) from None
-    reason = identity_mismatch(adapter, model_dir)
+    reason = identity_mismatch(adapter, model_dir, on_progress)
     if reason:
         raise AdapterRefused(reason)
     return adapter
 
 
-def check_adapter(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
+def check_adapter(
+    adapter_dir: Path, model_dir: Path, info: ModelInfo, on_progress: Hashing | None = None
+) -> Adapter:
     """The adapter, if it can be placed with this model: `check_base`, and only in
     decoder layers the model has (a shard applies its own layers' part). No copy, no
     load."""
-    adapter = check_base(adapter_dir, model_dir)
+    adapter = check_base(adapter_dir, model_dir, on_progress)
     if adapter.outside:
         raise AdapterRefused(outside_layers_reason(adapter))
     beyond = [n for n in adapter.layers if n >= info.n_layers]

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from studiotui.core.benchmark import Run
+from studiotui.core.members import rdma_link
 from studiotui.core.placement import (
     Link,
     ModelFacts,
@@ -458,19 +459,22 @@ def measured_bandwidths(runs: Sequence[Run], cluster: str) -> dict[str, float]:
 
 
 def links_from_state(state: ClusterState) -> list[Link]:
-    """The measured links as the planner takes them, RDMA included; a pair not measured
-    yet whose two agents both report RDMA usable (`facts["rdma"]["usable"]`, as the
-    controller judges a measured pair) is listed with no figures but its RDMA."""
-    links = [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma) for x in state.links]
+    """The measured links as the planner takes them, RDMA included. Where both agents
+    report their Thunderbolt ports, a link's RDMA is judged from them now (an active
+    cable between the two, `members.rdma_link`, with the reason when there is none);
+    else it is what the controller judged when it measured the link. A pair not
+    measured yet that such a cable joins is listed with no figures but its RDMA."""
+    rdma = {n.name: n.facts.get("rdma") for n in state.nodes}
+    links = []
+    for x in state.links:
+        judged = rdma_link(x.a, x.b, rdma)
+        ok, why = judged if judged is not None else (x.rdma, x.rdma_why)
+        links.append(Link(x.a, x.b, x.latency_us, x.gbps, x.kind, ok, why))
     seen = {frozenset((x.a, x.b)) for x in links}
-    usable = [
-        n.name
-        for n in state.nodes
-        if isinstance(rdma := n.facts.get("rdma"), dict) and rdma.get("usable") is True
-    ]
-    for i, a in enumerate(usable):
-        for b in usable[i + 1 :]:
-            if frozenset((a, b)) not in seen:
+    names = [n.name for n in state.nodes]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if frozenset((a, b)) not in seen and rdma_link(a, b, rdma) == (True, ""):
                 links.append(Link(a, b, None, None, "unknown", True))
     return links
 

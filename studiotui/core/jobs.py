@@ -1,7 +1,8 @@
-"""Cluster jobs as facts and decisions: which backend a group uses, which node a failed
-job is to blame on, and what a job's stream of events adds up to (per node state,
-rates, losses over iterations, memory, time left). No I/O: studiotui/cluster/jobs.py
-talks to the agents and feeds `JobWatch`; the CLI and the Jobs screen show it.
+"""Cluster jobs as facts and decisions: which node a failed job is to blame on, and
+what a job's stream of events adds up to (per node state, rates, losses over
+iterations, memory, time left); a group's backend is core/members.group_backend's.
+No I/O: studiotui/cluster/jobs.py talks to the agents and feeds `JobWatch`; the CLI
+and the Jobs screen show it.
 """
 
 from __future__ import annotations
@@ -10,23 +11,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from studiotui.core.placement import Link, backend_for
-from studiotui.core.state import LinkState
-
 # A node that ends a job with this in its words was only a bystander: MLX's ring
 # backend fails every rank whose peer went away.
 BYSTANDER_WORDS = ("connection to a peer was lost", "peer", "connection reset")
 RATE_WINDOW = 5  # reports averaged for iterations/s and tokens/s
 ENDED = ("done", "failed", "stopped")
-
-
-def choose_backend(nodes: list[str], links: Iterable[LinkState]) -> tuple[str, str]:
-    """The backend a job's group uses, and why: the placement's own decision for a
-    tensor group (`placement.backend_for`: JACCL when every pair has RDMA, else the
-    ring), from the same measured links."""
-    if len(nodes) < 2:
-        return "ring", "one node: no group traffic"
-    return backend_for(nodes, [Link(x.a, x.b, x.latency_us, x.gbps, x.kind, x.rdma) for x in links])
 
 
 def blame(ends: Mapping[str, tuple[str, str]], lost: Iterable[str]) -> list[str]:

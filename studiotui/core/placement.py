@@ -15,7 +15,7 @@ import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from rich.table import Table
@@ -104,6 +104,9 @@ class ModelFacts:
     hidden_size: int = 0
     attn_width: int = 0
     bits_per_weight: float = 0.0
+    # An adapter placed with the model (see `with_adapter`): its bytes on each layer,
+    # held beside that layer's weights by the shard running it; () without one.
+    layer_adapter: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Bad facts are a bug in the caller, not something to explain to the operator.
@@ -120,10 +123,17 @@ class ModelFacts:
         for name, per_layer in (
             ("split", self.tensor.layer_split if self.tensor else ()),
             ("expert", self.layer_experts),
+            ("adapter", self.layer_adapter),
         ):
             if per_layer and len(per_layer) != self.n_layers:
                 raise ValueError(f"{self.name}: {len(per_layer)} {name} sizes for {self.n_layers}")
-        sizes = (*self.layer_bytes, self.embed_bytes, self.head_bytes, self.kv_bytes_per_token)
+        sizes = (
+            *self.layer_bytes,
+            *self.layer_adapter,
+            self.embed_bytes,
+            self.head_bytes,
+            self.kv_bytes_per_token,
+        )
         if min(sizes) < 0:
             raise ValueError(f"{self.name}: sizes cannot be negative")
 
@@ -136,6 +146,16 @@ class ModelFacts:
     @property
     def weight_bytes(self) -> int:
         return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes
+
+    @property
+    def adapter_bytes(self) -> int:
+        return sum(self.layer_adapter)
+
+
+def with_adapter(model: ModelFacts, adapter_layer_bytes: Sequence[int]) -> ModelFacts:
+    """The model as placed with an adapter: `adapter_layer_bytes[i]` more on layer i (its
+    LoRA/DoRA tensors, counted from the adapter's safetensors header by the caller)."""
+    return replace(model, layer_adapter=tuple(int(b) for b in adapter_layer_bytes))
 
 
 @dataclass(frozen=True)
@@ -159,6 +179,9 @@ class Link:
     # Both ends report RDMA over Thunderbolt usable (the agents' `facts["rdma"]`):
     # MLX's JACCL backend can run a tensor group over it.
     rdma: bool = False
+    # Why not, when both nodes have RDMA but no active cable joins them
+    # ("studio-2 has no cable to studio-4"; core/members.rdma_pair); "" otherwise.
+    rdma_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -180,6 +203,9 @@ class ShardPlan:
     # Free memory of each node of the group before loading (rank order), so every
     # member's "after" can be shown; () for a one-node stage (`free_before` says it).
     group_free: tuple[int, ...] = ()
+    # An adapter's share of these layers, held beside `weight_bytes` (counted in
+    # free_after); 0 without an adapter.
+    adapter_bytes: int = 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -626,8 +652,57 @@ def _shard(
     start, end = cuts[index], cuts[index + 1]
     weights = sum(model.layer_bytes[start:end]) + _fixed(index, len(cuts) - 1, model)
     kv = sum(kv_layers[start:end])
+    adapter = sum(model.layer_adapter[start:end])
+    after = node.free_bytes - weights - adapter - kv
     return ShardPlan(
-        node.name, start, end, weights, kv, node.free_bytes, node.free_bytes - weights - kv
+        node.name, start, end, weights, kv, node.free_bytes, after, adapter_bytes=adapter
+    )
+
+
+def _adapter_refusal(
+    model: ModelFacts,
+    nodes: Sequence[NodeBudget],
+    links: Sequence[Link],
+    usable: Mapping[str, int],
+    context_tokens: int,
+    streams: int,
+    reserve_fraction: float,
+) -> Refusal | None:
+    """Why the model fits these nodes but not with its adapter (None: no adapter, or it
+    does not fit without one either): the plan without the adapter, and the node(s) of
+    it whose layers' adapter share does not fit there, by how much."""
+    if not model.layer_adapter:
+        return None
+    without = plan(
+        replace(model, layer_adapter=()),
+        nodes,
+        links,
+        context_tokens=context_tokens,
+        streams=streams,
+        reserve_fraction=reserve_fraction,
+    )
+    if not isinstance(without, Plan):
+        return None
+    short = []
+    for s in without.shards:
+        share = sum(model.layer_adapter[s.start : s.end])
+        room = usable[s.node] - s.weight_bytes - s.kv_bytes
+        if share > room:
+            span = f"{s.start}–{s.end - 1}" if s.end - s.start > 1 else f"{s.start}"
+            short.append((s.node, span, share, share - room))
+    if not short:
+        return None
+    parts = [
+        f"{node} would hold layers {span} and {_gb(share)} of adapter tensors, "
+        f"{_gb(lack)} more than it has free"
+        for node, span, share, lack in short
+    ]
+    return Refusal(
+        f"{model.name} fits these nodes without its adapter but not with it "
+        f"({_gb(model.adapter_bytes)} of adapter tensors, each held by the shard of its "
+        f"layer): "
+        f"{_joined(parts, 'and')} after the reserve; free that much there, add a node, "
+        "or shorten the context"
     )
 
 
@@ -662,6 +737,11 @@ def plan(
         why = tensor_refusal(model, tensor, len(nodes))
         if why:
             return Refusal(why)
+        if model.layer_adapter:
+            # mlx-lm's LoRA layers wrap whole projections; a tensor rank holds slices.
+            return Refusal(
+                f"an adapter is applied by pipeline stages, not by tensor groups of {tensor}"
+            )
         return _plan_tensor(model, nodes, links, tensor, context_tokens, streams, reserve_fraction)
     by_name = {node.name: node for node in nodes}
     usable = {name: _usable(node, reserve_fraction) for name, node in by_name.items()}
@@ -669,6 +749,9 @@ def plan(
     # split follows bytes: DeepSeek's 3 dense layers weigh a fraction of its MoE ones.
     kv_layers = model.kv_bytes(context_tokens, streams)
     costs = [size + kv for size, kv in zip(model.layer_bytes, kv_layers, strict=True)]
+    if model.layer_adapter:
+        # An adapter's tensors sit beside their layer's weights, on that layer's shard.
+        costs = [c + a for c, a in zip(costs, model.layer_adapter, strict=True)]
     refusal = _total_refusal(
         model,
         list(usable.values()),
@@ -678,11 +761,16 @@ def plan(
         reserve_fraction,
     ) or _small_node_refusal(usable, costs)
     if refusal:
-        return refusal
+        return (
+            _adapter_refusal(model, nodes, links, usable, context_tokens, streams, reserve_fraction)
+            or refusal
+        )
     best_links = _best_links(links, frozenset(by_name))
     found = _best_fit(_ring_order(sorted(by_name), best_links), usable, costs, model)
     if found is None:
-        return _cut_refusal(model, list(usable.values()), costs)
+        return _adapter_refusal(
+            model, nodes, links, usable, context_tokens, streams, reserve_fraction
+        ) or _cut_refusal(model, list(usable.values()), costs)
     order, cuts = found
     shards = tuple(_shard(by_name[name], i, cuts, model, kv_layers) for i, name in enumerate(order))
     return Plan(
@@ -690,7 +778,7 @@ def plan(
         shards=shards,
         context_tokens=context_tokens,
         slowest_link=_slowest_link(order, best_links),
-        total_bytes=sum(s.weight_bytes + s.kv_bytes for s in shards),
+        total_bytes=sum(s.weight_bytes + s.adapter_bytes + s.kv_bytes for s in shards),
         streams=streams,
     )
 
@@ -775,17 +863,22 @@ def backend_for(
     of its nodes has RDMA over Thunderbolt enabled at both ends, else the ring backend
     over TCP on the Thunderbolt bridge addresses."""
     best = links if isinstance(links, Mapping) else _best_links(links, frozenset(group))
-    missing = [
-        f"{a} ↔ {b}"
-        for a, b in itertools.combinations(group, 2)
-        if not ((link := best.get(_pair(a, b))) is not None and link.rdma)
-    ]
-    if not missing:
+    missing, named = [], []
+    for a, b in itertools.combinations(group, 2):
+        link = best.get(_pair(a, b))
+        if link is not None and link.rdma:
+            continue
+        if link is not None and link.rdma_why:
+            named.append(link.rdma_why)
+        else:
+            missing.append(f"{a} ↔ {b}")
+    if not missing and not named:
         return "jaccl", f"every pair of {', '.join(group)} has RDMA enabled: JACCL over RDMA"
-    return "ring", (
-        f"{_joined(missing, 'and')} {'has' if len(missing) == 1 else 'have'} no RDMA at both "
-        "ends: ring backend over TCP on the bridge addresses"
-    )
+    words = list(dict.fromkeys(named))
+    if missing:
+        verb = "has" if len(missing) == 1 else "have"
+        words.append(f"{_joined(missing, 'and')} {verb} no RDMA at both ends")
+    return "ring", f"{'; '.join(words)}: ring backend over TCP on the bridge addresses"
 
 
 def _plan_tensor(
@@ -922,13 +1015,17 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
         caption_justify="left",
     )
     table.add_column("node")
-    for column in ("layers", "weights", "KV cache", "free before", "free after"):
+    # A placement with an adapter shows each shard's share of it beside its weights.
+    adapter = any(s.adapter_bytes for s in p.shards)
+    columns = ("layers", "weights", *(("adapter",) if adapter else ()), "KV cache")
+    for column in (*columns, "free before", "free after"):
         table.add_column(column, justify="right")
     for i, s in enumerate(p.shards):
         table.add_row(
             " + ".join(s.nodes),
             _layer_label(s, i, len(p.shards)),
             format_bytes(s.weight_bytes),
+            *((format_bytes(s.adapter_bytes),) if adapter else ()),
             format_bytes(s.kv_bytes),
             format_bytes(s.free_before),
             format_bytes(s.free_after),

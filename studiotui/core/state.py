@@ -222,6 +222,7 @@ class LinkState:
     kind: str  # thunderbolt, ethernet, wifi, loopback, unknown
     measured_at: float = 0.0
     rdma: bool = False
+    rdma_why: str = ""  # why not, when both nodes have RDMA (placement.Link.rdma_why)
 
 
 @dataclass(frozen=True)

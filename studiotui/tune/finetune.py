@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,8 +23,10 @@ from typing import Any, Protocol
 from studiotui.cluster import jobs, model_files, model_sync
 from studiotui.cluster.peers import Peer
 from studiotui.core.errors import StudioError
+from studiotui.core.forecast import links_from_state
 from studiotui.core.inventory import NodeSpec
-from studiotui.core.jobs import JobWatch, choose_backend
+from studiotui.core.jobs import JobWatch
+from studiotui.core.members import group_backend
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
 from studiotui.core.state import ClusterState, LogLevel
 from studiotui.tune.data import (
@@ -36,6 +38,7 @@ from studiotui.tune.data import (
     write_shares,
 )
 from worker.shared.adapters import identity_of
+from worker.shared.manifest import Hashing
 
 KIND = "finetune"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -96,6 +99,7 @@ class Prepared:
     backend_reason: str
     method: str  # LoRA or QLoRA
     data_dir: Path  # the dealt shares, on the operator's machine
+    devices: list[list[str | None]] | None = None  # JACCL's device matrix (rank order)
 
 
 def data_folder(home: Path, name: str) -> Path:
@@ -148,18 +152,22 @@ def prepare(ctl: Cluster, req: FinetuneRequest, *, resuming: bool = False) -> Pr
             raise FinetuneError(f"{node} is {state.state}", "start it (studiotui up) first")
     examples = load_examples(Path(req.data), seed=req.seed, least=req.batch_size)
     check_counts(examples, req.batch_size, len(req.nodes))
-    backend, why = choose_backend(list(req.nodes), ctl.state.links)
-    if backend == "jaccl":
-        # The device file JACCL needs (which RDMA device reaches which node) is not
-        # probed yet; the ring over the Thunderbolt bridge's addresses works everywhere.
-        backend, why = "ring", f"{why}, but the RDMA device map is not probed yet: ring"
+    # JACCL when every pair is joined by an active RDMA cable (with the device matrix
+    # the ranks need); else the ring over the bridge addresses, with the reason.
+    chosen = group_backend(list(req.nodes), links_from_state(ctl.state), _rdma(ctl, req.nodes))
     folder = data_folder(ctl.home, req.name)
     size = len(req.nodes)
     write_shares(
         folder, deal(examples.train, req.batch_size, size), deal_valid(examples.valid, size)
     )
     method = "QLoRA" if info.quantization else "LoRA"
-    return Prepared(req, info, examples, backend, why, method, folder)
+    return Prepared(
+        req, info, examples, chosen.backend, chosen.reason, method, folder, chosen.devices
+    )
+
+
+def _rdma(ctl: Cluster, nodes: Sequence[str]) -> dict[str, Any]:
+    return {n: s.facts.get("rdma") for n in nodes if (s := ctl.state.node(n)) is not None}
 
 
 async def _where(
@@ -178,8 +186,15 @@ async def _where(
 
 
 async def launch(
-    ctl: Cluster, prepared: Prepared, *, resume: bool = False, progress: Progress | None = None
+    ctl: Cluster,
+    prepared: Prepared,
+    *,
+    resume: bool = False,
+    progress: Progress | None = None,
+    hashing: Hashing | None = None,
 ) -> jobs.JobRecord:
+    """Put the model and each rank's data on the nodes and start the ranks. `hashing`
+    hears the base's first hashing in bytes (its identity, stamped into the adapter)."""
     req, info = prepared.request, prepared.info
     model_dir = Path(req.model).expanduser().resolve()
     nodes = list(req.nodes)
@@ -195,7 +210,7 @@ async def launch(
     shares = {n: share(i) for i, n in enumerate(nodes)}
     data_where = await _where(ctl, prepared.data_dir, shares, progress)
     # The adapters' own identity of a base (worker.shared.adapters), checked when placed.
-    base = (await asyncio.to_thread(identity_of, model_dir)).as_dict()
+    base = (await asyncio.to_thread(identity_of, model_dir, hashing)).as_dict()
     # A report (losses and rates summed over the group) every step of a short job, every
     # tenth at most on a long one: the plot's points, and how fast a save can follow.
     steps_per_report = max(1, min(10, req.iters // 100))
@@ -231,7 +246,7 @@ async def launch(
         request={**req.to_json(), "method": prepared.method, "base": base},
     )
     jobs.save_record(ctl.home, record)
-    await jobs.start_group(ctl, record, specs)
+    await jobs.start_group(ctl, record, specs, devices=prepared.devices)
     ctl.record(
         f"fine-tuning {info.name} ({prepared.method}, rank {req.lora_rank}) as {req.name!r} "
         f"on {', '.join(nodes)}: {prepared.backend_reason}"

@@ -19,10 +19,12 @@ from studiotui.app.panes.models import ModelsPane
 from studiotui.app.place.preview import PreviewScreen
 from studiotui.app.screens.chat import ChatScreen
 from studiotui.core.inventory import Inventory
+from studiotui.core.placement import format_bytes
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import start_cluster, stop_cluster
-from worker.shared.adapters import base_digest
+from worker.shared.adapters import base_digest, read_adapter
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.manifest import CACHE_NAME
 
 pytestmark = pytest.mark.integration
 SIZE = (160, 48)
@@ -77,7 +79,21 @@ async def open_preview(pilot, app: StudioApp, row_name: str) -> PreviewScreen:  
     return screen
 
 
-async def test_an_adapter_row_previews_places_and_is_named_everywhere(setup: Setup) -> None:
+async def test_an_adapter_row_previews_places_and_is_named_everywhere(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The base as never checked before: its first preview hashes it (shown in bytes).
+    (setup.home / "models" / "tiny" / CACHE_NAME).unlink(missing_ok=True)
+    shown: list[tuple[int, int]] = []
+    real = PreviewScreen._show_hashing
+
+    def show(screen: PreviewScreen, done: int, total: int) -> None:
+        shown.append((done, total))
+        real(screen, done, total)
+        assert "hashing tiny to check the adapter was trained on it" in screen.text
+        assert "operator" in screen.text  # the gauge, as the nodes' loads are shown
+
+    monkeypatch.setattr(PreviewScreen, "_show_hashing", show)
     app = StudioApp(setup.home, setup.inventory)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: "2/2 nodes up" in app.sub_title, 20, "cluster up")
@@ -94,12 +110,26 @@ async def test_an_adapter_row_previews_places_and_is_named_everywhere(setup: Set
         said = " ".join(screen.text.split())
         assert "trained on tiny (digest 000000000000)" in said, said
         assert f"(digest {base_digest(setup.home / 'models' / 'tiny')[:12]})" in said
+        tiny = setup.home / "models" / "tiny"
+        size = sum(p.stat().st_size for p in tiny.iterdir() if not p.name.startswith("."))
+        assert shown[0] == (0, size) and shown[-1] == (size, size), shown
         await pilot.press("escape")
+        shown.clear()
 
         screen = await open_preview(pilot, app, "tiny+style")
         assert screen.phase == "plan", screen.text
         assert screen.request.name == "tiny+style"
         assert "adapter style  lora rank 4, layers 1–3  ✓ trained on this model" in screen.text
+        assert shown == []  # the base's hashes were cached by the first look
+        # Each shard's share of the adapter beside its weights, counted in "after".
+        assert screen.plan is not None and "weights+adapter" in screen.text
+        style = read_adapter(setup.home / "adapters" / "style")
+        for shard in screen.plan.shards:
+            share = sum(style.bytes_by_layer(4)[shard.start : shard.end])
+            assert shard.adapter_bytes == share
+            if share:
+                assert f"+{format_bytes(share)}" in screen.text, screen.text
+        assert sum(s.adapter_bytes for s in screen.plan.shards) == sum(style.bytes_by_layer(4))
         await pilot.press("enter")
         await until(
             pilot,

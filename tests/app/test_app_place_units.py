@@ -40,6 +40,7 @@ from studiotui.core.state import (
     placements_from_shards,
 )
 from tests.app_fixtures import fixed_models, fixed_state
+from worker.shared.adapters import Adapter
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 GB = 1024**3
@@ -85,6 +86,7 @@ class FixedPreview:
         context_tokens: int = 4096,
         streams: int | None = None,
         tensor: int | None = None,
+        adapter: Adapter | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         budgets = []
         for name in nodes:

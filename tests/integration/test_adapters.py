@@ -7,7 +7,11 @@ nonzero lora_b); the reference is `mlx_lm.load(model, adapter_path=adapter)`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+import shutil
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,11 +30,12 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory, dump_inventory, local_inventory
 from studiotui.core.jobs import JobWatch
+from studiotui.core.placement import format_bytes
 from studiotui.tune import finetune as ft
 from tests.adapter_model import write_adapter, write_training_text
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
-from worker.shared.adapters import base_digest
+from worker.shared.adapters import base_digest, read_adapter, stamp_identity
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 CHUNK = 16
@@ -325,6 +330,89 @@ def test_over_ssh_the_adapter_reaches_only_the_nodes_it_adapts_and_a_mismatch_no
     ]
     assert "not on other" in refused and "trained on tiny" in refused, refused
     assert not any("placing" in line or "copied" in line for line in log), log
+
+
+def sparse_adapter(base: Path, out: Path, gib: int) -> Path:
+    """A LoRA adapter of layer 3's q_proj whose rank makes it `gib` GiB: a real
+    safetensors header over a sparse file (nothing is read past the header before the
+    planner refuses it, so no disk is spent)."""
+    rank = gib * 1024**3 // (2 * 64 * 4)
+    shapes = {"lora_a": [64, rank], "lora_b": [rank, 64]}
+    header, offset = {}, 0
+    for leaf, shape in shapes.items():
+        size = shape[0] * shape[1] * 4
+        name = f"model.layers.3.self_attn.q_proj.{leaf}"
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    out.mkdir(parents=True)
+    with open(out / "adapters.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    config = {"fine_tune_type": "lora", "num_layers": 1}
+    config["lora_parameters"] = {"rank": rank, "scale": 4.0, "dropout": 0.0}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    stamp_identity(out, base)
+    return out
+
+
+def test_place_counts_the_adapter_on_its_layers_shard_and_refuses_what_does_not_fit(
+    adapter_cluster: LocalCluster,
+    made: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`place --adapter` on a real cluster: the first check of a base shows its hashing
+    in bytes and the second none (cached); the plan counts the adapter on the shard of
+    its layers; an adapter the node cannot hold beside the model is refused naming the
+    node and the shortfall, before anything is loaded."""
+    monkeypatch.setenv("STUDIOTUI_HOME", str(adapter_cluster.home))
+    monkeypatch.setenv("COLUMNS", "200")
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(adapter_cluster.inventory))
+    fresh = tmp_path / "models" / "fresh"  # the base as just downloaded: nothing cached
+    shutil.copytree(made["base"], fresh, ignore=shutil.ignore_patterns(".studiotui-*"))
+    huge = sparse_adapter(made["base"], tmp_path / "adapters" / "huge", 12)
+    where = ["-i", str(inventory), "--nodes", "local-1"]
+
+    def place(adapter: Path, *more: str) -> tuple[int, str]:
+        code = main(["place", str(fresh), "--adapter", str(adapter), *where, *more])
+        out = capsys.readouterr()
+        return code, " ".join((out.out + out.err).split())
+
+    code, said = place(made["adapter"], "--dry-run")
+    assert code == 0, said
+    assert "hashing fresh to check the adapter's base (once: cached)" in said, said
+    size = sum(p.stat().st_size for p in fresh.iterdir() if not p.name.startswith("."))
+    # rich's download column: every byte of the copy, in decimal kB, hashed.
+    assert f"{size / 1000:.1f}/{size / 1000:.1f} kB" in said, (size, said)
+    # The plan's adapter column: the style adapter's bytes, all on local-1's shard.
+    share = sum(read_adapter(made["adapter"]).bytes_by_layer(4))
+    assert "adapter" in said and format_bytes(share) in said, said
+    code, again = place(made["adapter"], "--dry-run")
+    assert code == 0 and "hashing" not in again, again  # the cached hashes answered
+
+    for extra in (("--dry-run",), ()):
+        code, said = place(huge, *extra)
+        assert code == 1, said
+        assert "fresh fits these nodes without its adapter but not with it" in said, said
+        assert "local-1 would hold layers 0–3 and 12.0 GB of adapter tensors" in said, said
+        assert re.search(r"\d+\.\d GB more than it has free after the reserve", said), said
+
+    async def direct() -> tuple[str, list[str]]:
+        ctl = adapter_cluster.controller()
+        try:
+            with pytest.raises(PlacementError) as refused:
+                await ctl.place(fresh, ["local-1"], adapter_dir=huge)
+            await ctl.refresh()
+            return str(refused.value), [p.name for p in ctl.state.placements]
+        finally:
+            await ctl.close()
+
+    said, placed = asyncio.run(direct())
+    assert "local-1 would hold layers 0–3 and 12.0 GB of adapter tensors" in said, said
+    assert placed == []  # nothing was loaded anywhere
 
 
 def test_cli_stamps_lists_and_refuses_before_asking_any_node(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from studiotui.core.errors import UserError
 from studiotui.core.model_facts import read_model
 from tests.adapter_model import write_adapter
 from worker.shard import load_shard
+from worker.shared import manifest
 from worker.shared.adapters import (
     BASE_KEY,
     AdapterError,
@@ -64,6 +66,12 @@ def test_reads_a_real_adapter_and_the_layers_it_touches(adapter: Path) -> None:
     assert a.tensors_in(3, 4) and all(".layers.3." in t for t in a.tensors_in(3, 4))
     assert a.base is not None and a.base.model == "base"
     assert a.weight_bytes == (adapter / "adapters.safetensors").stat().st_size
+    # Each layer's bytes, as the tensors MLX itself loads from the file weigh.
+    loaded = mx.load(str(adapter / "adapters.safetensors"))
+    for layer in (2, 3):
+        mine = sum(v.nbytes for k, v in loaded.items() if f".layers.{layer}." in k)
+        assert dict(a.layer_sizes)[layer] == mine > 0
+    assert a.bytes_by_layer(4) == (0, 0, dict(a.layer_sizes)[2], dict(a.layer_sizes)[3])
 
 
 def test_layer_of_reads_decoder_layer_indices() -> None:
@@ -250,3 +258,36 @@ def test_an_adapter_whose_num_layers_does_not_cover_its_tensors_is_refused(
     with pytest.raises(AdapterRefused, match=r"tensors of layer 1, but its num_layers \(2\)"):
         check_adapter(ad, base, info)
     assert [converted_from(n, 4) for n in (-1, 0, 2, 4, 9)] == [0, 0, 2, 0, 0]
+
+
+def test_the_first_check_of_a_base_reports_hashing_in_bytes_and_the_second_reads_nothing(
+    models: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, _ = models
+    fresh = tmp_path / "fresh"  # a copy with no hashes cached yet, as a new download
+    shutil.copytree(base, fresh, ignore=shutil.ignore_patterns(".studiotui-manifest.json"))
+    ad = write_adapter(base, tmp_path / "ad", num_layers=2)  # stamped by content: fits fresh
+    read: list[str] = []
+    real = manifest.sha256_file
+    monkeypatch.setattr(
+        manifest, "sha256_file", lambda p, on=None: read.append(Path(p).name) or real(p, on)
+    )
+    heard: list[tuple[int, int]] = []
+    info = read_model(fresh)
+    check_adapter(ad, fresh, info, lambda done, total: heard.append((done, total)))
+    files = [p for p in fresh.iterdir() if not p.name.startswith(".")]
+    size = sum(p.stat().st_size for p in files)
+    assert sorted(read) == sorted(p.name for p in files)  # every byte, once
+    assert heard[0] == (0, size) and heard[-1] == (size, size)
+    assert [d for d, _ in heard] == sorted(d for d, _ in heard)  # only forward
+    assert len(heard) >= len(files) + 1
+    # The second check: the cache (size and mtime of every file) answers; nothing read.
+    read.clear()
+    heard.clear()
+    check_adapter(ad, fresh, info, lambda done, total: heard.append((done, total)))
+    assert read == [] and heard == []
+    # A file changed since (same size, new mtime) is read again, alone.
+    weights = next(p for p in files if p.suffix == ".safetensors")
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    check_adapter(ad, fresh, info, lambda done, total: heard.append((done, total)))
+    assert read == [weights.name] and heard[-1] == (weights.stat().st_size,) * 2

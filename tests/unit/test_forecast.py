@@ -95,13 +95,21 @@ def test_state_gives_chips_and_links_with_rdma() -> None:
     assert chips["a"].bandwidth_gbs == 546.0 and chips["b"].bandwidth_gbs == 500.0
     assert "CPU-only" in chips["gone"].source
     assert links_from_state(state) == [Link("a", "b", 40.0, 60.0, "thunderbolt", True)]
-    # Not measured yet: RDMA from what both agents report, and nothing else known.
-    usable = {"rdma": {"status": "enabled", "usable": True}}
+
+    # Not measured yet: RDMA when what both agents report shows an active cable between
+    # them (their Thunderbolt ports, core/members.rdma_link), and nothing else known.
+    def port(own: str, peer: str) -> dict[str, object]:
+        return {"receptacle": 1, "domain_uuid": own, "device": "rdma_en2",
+                "state": "PORT_ACTIVE", "peer_uuid": peer}  # fmt: skip
+
+    def rdma(own: str, peer: str) -> dict[str, object]:
+        return {"rdma": {"status": "enabled", "usable": True, "ports": [port(own, peer)]}}
+
     fresh = ClusterState(
         nodes=(
-            NodeState("x", "", 1, "ssh", facts=usable),
-            NodeState("y", "", 1, "ssh", facts=usable),
-            NodeState("z", "", 1, "ssh"),
+            NodeState("x", "", 1, "ssh", facts=rdma("X1", "Y1")),
+            NodeState("y", "", 1, "ssh", facts=rdma("Y1", "X1")),
+            NodeState("z", "", 1, "ssh", facts=rdma("Z1", "")),
         )
     )
     assert links_from_state(fresh) == [Link("x", "y", None, None, "unknown", True)]

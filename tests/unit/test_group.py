@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
-from worker.group import GroupError, rank_env, ring_hostfile, write_json
+from worker.group import GroupError, join, rank_env, ring_hostfile, write_json
 
 RANK = """
 import os, sys
@@ -79,3 +80,17 @@ def test_two_ranks_join_a_ring_and_sum(tmp_path: Path) -> None:
                 p.kill()
     assert sorted(outs) == [["0", "2", "3.0"], ["1", "2", "3.0"]]
     assert json.loads(hostfile.read_text())[0][0].startswith("127.0.0.1:")
+
+
+def test_a_join_mlx_cannot_make_names_what_the_rank_was_given(tmp_path: Path) -> None:
+    # No JACCL in MLX on Linux: the refusal names the coordinator and device file the
+    # rank was launched with, so a launch can be checked where it cannot run.
+    if mx.distributed.is_available("jaccl"):
+        pytest.skip("this MLX has JACCL")
+    env = rank_env(1, 4, "jaccl", coordinator="10.0.0.1:5000", devices=tmp_path / "d.json")
+    with pytest.raises(GroupError) as refused:
+        join("jaccl", {**env, "HOME": "/root"})
+    said = str(refused.value)
+    assert said.startswith("MLX here has no 'jaccl' distributed backend (")
+    assert "MLX_JACCL_COORDINATOR=10.0.0.1:5000" in said and "MLX_RANK=1" in said
+    assert f"MLX_IBV_DEVICES={tmp_path / 'd.json'}" in said and "HOME" not in said

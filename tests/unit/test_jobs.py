@@ -1,4 +1,5 @@
-"""core.jobs and the pure parts of cluster.jobs / worker.jobs: backend, blame, events."""
+"""core.jobs and the pure parts of cluster.jobs / worker.jobs: blame, events (a job's
+backend: core.members.group_backend, tests/unit/test_rdma_ports.py)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,9 @@ import pytest
 
 from studiotui.bench.finetune import BATCH, bench_data, job_rate
 from studiotui.cluster.jobs import JobRecord, outcome
-from studiotui.core.jobs import JobWatch, blame, choose_backend
-from studiotui.core.state import LinkState
+from studiotui.core.jobs import JobWatch, blame
 from studiotui.tune.data import load_examples
 from worker.jobs import JobError, check_name, exit_message
-
-
-def _link(a: str, b: str, rdma: bool) -> LinkState:
-    return LinkState(a, b, 10.0, 40.0, "thunderbolt", rdma=rdma)
-
-
-def test_jaccl_only_when_every_pair_has_rdma() -> None:
-    nodes = ["a", "b", "c"]
-    full = [_link("a", "b", True), _link("b", "c", True), _link("a", "c", True)]
-    assert choose_backend(nodes, full)[0] == "jaccl"
-    backend, why = choose_backend(nodes, [*full[:2], _link("a", "c", False)])
-    assert backend == "ring" and "a ↔ c" in why
-    assert choose_backend(nodes, full[:2])[0] == "ring"  # a pair never measured
-    assert choose_backend(["a"], [])[0] == "ring"
 
 
 def test_blame_falls_on_the_node_that_went_first() -> None:

@@ -6,7 +6,9 @@ import itertools
 import json
 import random
 import re
+from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -19,6 +21,7 @@ from studiotui.core.placement import (
     NodeBudget,
     Plan,
     Refusal,
+    TensorFacts,
     facts_from_config,
     format_bytes,
     kv_bytes_per_token,
@@ -26,9 +29,11 @@ from studiotui.core.placement import (
     plan_to_dict,
     render_plan,
     reserve_bytes,
+    with_adapter,
 )
 
 GB = 1024**3
+MB = 1024**2
 KINDS = ("thunderbolt", "ethernet", "wifi", "loopback", "unknown")
 
 
@@ -608,3 +613,68 @@ def test_a_mixed_precision_conversion_is_named_so() -> None:
     plain = facts_from_config({**config, "quantization": {"group_size": 64, "bits": 8}},
                               [1, 1], 0, 0, "p")  # fmt: skip
     assert plain.quantization == "8-bit"
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def test_an_adapter_counts_on_the_shard_holding_its_layers() -> None:
+    model = with_adapter(model_of([10 * MB] * 4, embed=MB, head=MB), [0, 0, 3 * MB, 5 * MB])
+    p = plan(model, [node("a", 100 * MB), node("b", 100 * MB)], [tb("a", "b")], reserve_fraction=0)
+    assert isinstance(p, Plan)
+    for s in p.shards:
+        share = sum(model.layer_adapter[s.start : s.end])
+        assert s.adapter_bytes == share
+        assert s.free_after == s.free_before - s.weight_bytes - share - s.kv_bytes
+    assert sum(s.adapter_bytes for s in p.shards) == 8 * MB
+    assert p.total_bytes == model.weight_bytes + 8 * MB
+    # The preview and `place --dry-run` show each shard's share; --json carries it.
+    table = render_plan(p)
+    assert isinstance(table, Table)
+    assert [c.header for c in table.columns][2:4] == ["weights", "adapter"]
+    shards = plan_to_dict(p)["shards"]
+    assert sorted(s["adapter_bytes"] for s in shards) == [0, 8 * MB]
+
+
+def test_an_adapter_moves_layers_off_the_node_it_would_overfill() -> None:
+    # Without the adapter the split is 2 + 2; with 3 MB of adapter on every layer two
+    # layers (26 MB) no longer fit a 25 MB node, so it gets one and the other node three.
+    bare = model_of([10 * MB] * 4)
+    model = with_adapter(bare, [3 * MB] * 4)
+    nodes = [node("a", 25 * MB), node("b", 40 * MB)]
+    before = plan(bare, nodes, [tb("a", "b")], reserve_fraction=0)
+    after = plan(model, nodes, [tb("a", "b")], reserve_fraction=0)
+    assert isinstance(before, Plan) and isinstance(after, Plan)
+    assert all(s.end - s.start == 2 for s in before.shards)
+    assert all(s.free_after >= 0 for s in after.shards)
+    assert {s.node: s.end - s.start for s in after.shards} == {"a": 1, "b": 3}
+
+
+def test_an_adapter_that_does_not_fit_is_refused_naming_the_node_and_shortfall() -> None:
+    # One node: the model fits with 4 MB to spare; its adapter needs 7 MB on layer 3.
+    model = with_adapter(model_of([10 * MB] * 4), [0, 0, 0, 7 * MB])
+    p = plan(model, [node("studio-1", 44 * MB)], reserve_fraction=0)
+    assert isinstance(p, Refusal)
+    assert "fits these nodes without its adapter but not with it" in p.reason
+    assert "studio-1 would hold layers 0–3 and 0.0068 GB of adapter tensors" in p.reason
+    # 7 MB of adapter, 4 MB of room: 3 MB short.
+    assert "0.0029 GB more than it has free after the reserve" in p.reason
+    # Without the adapter it fits: the refusal is the adapter's.
+    assert isinstance(plan(replace(model, layer_adapter=()), [node("studio-1", 44 * MB)]), Plan)
+    # A model too big even without its adapter keeps the planner's own words.
+    big = plan(model, [node("studio-1", 30 * MB)], reserve_fraction=0)
+    assert isinstance(big, Refusal) and "without its adapter" not in big.reason
+
+
+def test_an_adapter_is_planned_as_a_pipeline_only() -> None:
+    model = with_adapter(model_of([10 * MB] * 4), [MB] * 4)
+    tensor = replace(model, tensor=TensorFacts((("heads", 4),), (5 * MB,) * 4))
+    nodes = [node("a", GB), node("b", GB)]
+    refused = plan(tensor, nodes, [tb("a", "b")], tensor=2)
+    assert isinstance(refused, Refusal) and "pipeline stages" in refused.reason
+    assert isinstance(plan(tensor, nodes, [tb("a", "b")]), Plan)
+
+
+def test_adapter_sizes_must_match_the_layers() -> None:
+    with pytest.raises(ValueError, match="2 adapter sizes for 4"):
+        with_adapter(model_of([MB] * 4), [MB, MB])

@@ -12,8 +12,9 @@ file names does not. Hashes come from `worker.shared.manifest`, whose per-direct
 cache makes a second look free.
 
 A shard holds some layers only; `layers` says which decoder layers an adapter
-touches (read from the safetensors header, no tensor is read), so a shard can tell
-whether it has anything to apply.
+touches and `layer_sizes` how many bytes of it each holds (read from the safetensors
+header, no tensor is read), so a shard can tell whether it has anything to apply and
+the planner counts each layer's share on the shard holding it.
 
 Stdlib only: the operator refuses a mismatched or malformed adapter before copying
 anything, with the same reading the node uses.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.shared.manifest import in_hub_cache, model_digest
+from worker.shared.manifest import Hashing, in_hub_cache, model_digest
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapters.safetensors"
@@ -66,6 +67,9 @@ class Adapter:
     layers: tuple[int, ...]  # decoder layers the tensors adapt, ascending
     base: BaseIdentity | None
     weight_bytes: int
+    # (layer, bytes of its tensors) for each adapted layer, ascending: what the shard
+    # holding that layer holds more (mlx-lm loads the tensors as saved, dtype and all).
+    layer_sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -79,6 +83,15 @@ class Adapter:
     def touches(self, start: int, end: int) -> bool:
         """Whether a shard running layers [start, end) has any adapted layer."""
         return any(start <= n < end for n in self.layers)
+
+    def bytes_by_layer(self, n_layers: int) -> tuple[int, ...]:
+        """Bytes of adapter tensors on each of a model's `n_layers` layers (the planner's
+        input); layers beyond the model are the identity check's to refuse."""
+        out = [0] * n_layers
+        for layer, size in self.layer_sizes:
+            if layer < n_layers:
+                out[layer] += size
+        return tuple(out)
 
     def tensors_in(self, start: int, end: int) -> list[str]:
         """The adapter's tensors a shard of layers [start, end) applies."""
@@ -180,6 +193,10 @@ def read_adapter(adapter_dir: Path) -> Adapter:
             f"(their names end in {', '.join(ADAPTER_LEAVES)})"
         )
     layers = tuple(sorted({n for t in tensors if (n := layer_of(t)) is not None}))
+    sizes = dict.fromkeys(layers, 0)
+    for t in tensors:
+        if (n := layer_of(t)) is not None:
+            sizes[n] += _tensor_bytes(header[t], weights)
     return Adapter(
         path=adapter_dir,
         fine_tune_type=kind,
@@ -190,7 +207,21 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         layers=layers,
         base=_base(config.get(BASE_KEY)),
         weight_bytes=weights.stat().st_size,
+        layer_sizes=tuple(sizes.items()),
     )
+
+
+def _tensor_bytes(entry: Any, weights: Path) -> int:
+    """A tensor's bytes from its header entry (`data_offsets`: [begin, end))."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise AdapterError(f"{weights} is not a safetensors file (a tensor has no data offsets)")
+    return int(offsets[1] - offsets[0])
 
 
 def outside_layers_reason(adapter: Adapter) -> str:
@@ -211,26 +242,31 @@ def _base(raw: Any) -> BaseIdentity | None:
     return BaseIdentity(model, digest)
 
 
-def base_digest(model_dir: Path) -> str:
+def base_digest(model_dir: Path, on_progress: Hashing | None = None) -> str:
     """The digest an adapter's base is known by: `manifest.model_digest` of the model
     folder (every file's name, size and SHA-256; the fine-tuning job stamps the same),
-    with no cache written into a Hugging Face snapshot (the hub's folder)."""
+    with no cache written into a Hugging Face snapshot (the hub's folder). The hashes
+    are cached beside the files by size and mtime, so only the first look reads them;
+    `on_progress(done, total)` hears that reading in bytes."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise AdapterError(f"{model_dir} has no config.json: it is not a model directory")
-    return model_digest(model_dir, write_cache=not in_hub_cache(model_dir))
+    write = not in_hub_cache(model_dir)
+    return model_digest(model_dir, write_cache=write, on_progress=on_progress)
 
 
-def identity_of(model_dir: Path) -> BaseIdentity:
+def identity_of(model_dir: Path, on_progress: Hashing | None = None) -> BaseIdentity:
     model_dir = Path(model_dir)
-    return BaseIdentity(model_dir.resolve().name, base_digest(model_dir))
+    return BaseIdentity(model_dir.resolve().name, base_digest(model_dir, on_progress))
 
 
-def stamp_identity(adapter_dir: Path, model_dir: Path) -> BaseIdentity:
+def stamp_identity(
+    adapter_dir: Path, model_dir: Path, on_progress: Hashing | None = None
+) -> BaseIdentity:
     """Write the base model's identity into the adapter's config (other keys kept)."""
     adapter_dir = Path(adapter_dir)
     config = _config(adapter_dir)
-    identity = identity_of(model_dir)
+    identity = identity_of(model_dir, on_progress)
     config[BASE_KEY] = identity.as_dict()
     path = adapter_dir / CONFIG_NAME
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
@@ -249,8 +285,10 @@ def check_identity(adapter_dir: Path, model_dir: Path) -> str | None:
     return identity_mismatch(adapter, model_dir)
 
 
-def identity_mismatch(adapter: Adapter, model_dir: Path) -> str | None:
-    """`check_identity` for an adapter already read."""
+def identity_mismatch(
+    adapter: Adapter, model_dir: Path, on_progress: Hashing | None = None
+) -> str | None:
+    """`check_identity` for an adapter already read (`on_progress`: see base_digest)."""
     model_dir = Path(model_dir)
     if adapter.base is None:
         return (
@@ -259,7 +297,7 @@ def identity_mismatch(adapter: Adapter, model_dir: Path) -> str | None:
             f"stamp it: studiotui adapter stamp {adapter.path} --model {model_dir}"
         )
     try:
-        digest = base_digest(model_dir)
+        digest = base_digest(model_dir, on_progress)
     except AdapterError as exc:
         return str(exc)
     if digest == adapter.base.digest:

@@ -30,6 +30,8 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _HUB_SNAPSHOT = re.compile(r"(?:^|/)models--[^/]+/snapshots/[^/]+$")
 
 Hashed = Callable[[int], None]
+# (bytes hashed so far, bytes to hash): what a caller shows while a folder is hashed.
+Hashing = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,24 @@ def manifest(
     return out
 
 
+def unhashed_bytes(directory: Path, names: Iterable[str]) -> int:
+    """The bytes `manifest` would read for these files now: those whose cached hash no
+    longer matches their size and mtime_ns and whose hash no hub link states."""
+    cache = _load_cache(directory)
+    total = 0
+    for name in names:
+        path = directory / name
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        entry = cache.get(name) or {}
+        cached = (entry.get("size"), entry.get("mtime_ns")) == (st.st_size, st.st_mtime_ns)
+        if not cached and hub_blob_hash(path) is None:
+            total += st.st_size
+    return total
+
+
 def remember(directory: Path, file: FileId) -> None:
     """Record a hash just verified (a file that landed), so nobody hashes it again."""
     st = (directory / file.name).stat()
@@ -173,13 +193,30 @@ def digest_of(files: Iterable[FileId]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def model_digest(directory: Path, *, write_cache: bool = True) -> str:
+def model_digest(
+    directory: Path, *, write_cache: bool = True, on_progress: Hashing | None = None
+) -> str:
     """The folder's manifest digest: every file in it (not hidden ones such as this
     module's cache, nor copies still in a part file). It names a model by its bytes,
-    so an adapter can say which base it was trained on (see worker/finetune.py)."""
+    so an adapter can say which base it was trained on (see worker/finetune.py).
+
+    `on_progress(done, total)` hears the bytes hashed, first (0, total), when there
+    is anything to hash: a 700 GB model takes minutes once, then nothing (cached)."""
     names = sorted(
         p.name
         for p in directory.iterdir()
         if p.is_file() and not p.name.startswith(".") and not p.name.endswith(PART_SUFFIX)
     )
-    return digest_of(manifest(directory, names, write_cache=write_cache).values())
+    on_bytes: Hashed | None = None
+    total = unhashed_bytes(directory, names) if on_progress is not None else 0
+    if on_progress is not None and total:
+        done = 0
+        on_progress(0, total)
+
+        def on_bytes(n: int) -> None:
+            nonlocal done
+            done += n
+            on_progress(min(done, total), total)
+
+    files = manifest(directory, names, write_cache=write_cache, on_bytes=on_bytes)
+    return digest_of(files.values())

@@ -40,6 +40,7 @@ __all__ = [
     "RdmaSummary",
     "ThunderboltBus",
     "ThunderboltItem",
+    "ThunderboltPort",
     "ThunderboltReport",
     "VmStat",
     "end_kind",
@@ -69,6 +70,7 @@ __all__ = [
     "rapl_watts",
     "rdma_enable_steps",
     "rdma_summary",
+    "thunderbolt_port_map",
     "thunderbolt_ports",
 ]
 
@@ -864,6 +866,70 @@ def peer_links(report: ThunderboltReport, ports: Sequence[HardwarePort]) -> tupl
             rdma = f"rdma_{iface}" if iface else None
             links.append(PeerLink(bus.receptacle, iface, rdma, bus.link_gbps, peer))
     return tuple(links)
+
+
+@dataclass(frozen=True)
+class ThunderboltPort:
+    """One Thunderbolt port of this Mac as MLX's JACCL needs it: the port's own domain
+    UUID (each bus has one), its interface and RDMA device, that device's port state,
+    and the domain UUID of the Mac at the other end of its cable (None: nothing there,
+    or a drive or dock, which has no domain UUID). Another Mac's port whose peer UUID
+    is one of this Mac's own UUIDs is cabled to this Mac: that is how the operator
+    learns which device reaches which node (as `mlx.distributed_config` and exo do)."""
+
+    receptacle: int
+    domain_uuid: str | None = None
+    interface: str | None = None  # enX: networksetup's "Thunderbolt N" hardware port
+    rdma_device: str | None = None  # rdma_enX, when ibv_devices lists it
+    state: str | None = None  # ibv_devinfo's port state (PORT_ACTIVE, PORT_DOWN), if probed
+    peer_uuid: str | None = None
+    peer_model: str | None = None  # the peer's model identifier ("Mac15,14")
+    link_gbps: float | None = None
+    # The interface's own IPv4 address; "" when ifconfig lists it without one (JACCL
+    # then finds no IPv4-mapped GID on the device: MLX PR #4191); None when unknown.
+    ipv4: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state == "PORT_ACTIVE"
+
+
+def thunderbolt_port_map(
+    report: ThunderboltReport,
+    ports: Sequence[HardwarePort],
+    ibv_devices: Sequence[IbvDevice] = (),
+    ibv_ports: Sequence[IbvPort] = (),
+    interfaces: Mapping[str, Interface] | None = None,
+) -> tuple[ThunderboltPort, ...]:
+    """Every receptacle of this Mac, joined by its number, never by position: receptacle
+    N <-> networksetup "Thunderbolt N" <-> enX <-> rdma_enX (listed by ibv_devices) <->
+    that device's ibv_devinfo state <-> the interface's IPv4 in `interfaces` (ifconfig).
+    None of these lists is in port order (M5 Max MBP:
+    Thunderbolt 1/2/3 = en1/en6/en2; M3 Ultra lists rdma_en5 before rdma_en4). The peer
+    is the first item on the bus with a domain UUID, a hub's children included."""
+    by_receptacle = thunderbolt_ports(ports)
+    listed = {d.name for d in ibv_devices}
+    states = {p.device: p.state for p in ibv_ports}
+    out: dict[int, ThunderboltPort] = {}
+    for bus in report.buses:
+        if bus.receptacle is None or bus.receptacle in out:
+            continue
+        iface = by_receptacle.get(bus.receptacle)
+        device = f"rdma_{iface}" if iface and f"rdma_{iface}" in listed else None
+        peer = next(iter(bus.peers), None)
+        seen = (interfaces or {}).get(iface) if iface else None
+        out[bus.receptacle] = ThunderboltPort(
+            receptacle=bus.receptacle,
+            domain_uuid=bus.domain_uuid.upper() if bus.domain_uuid else None,
+            interface=iface,
+            rdma_device=device,
+            state=states.get(device) if device else None,
+            peer_uuid=peer.domain_uuid.upper() if peer and peer.domain_uuid else None,
+            peer_model=peer.model if peer else None,
+            link_gbps=bus.link_gbps,
+            ipv4=None if seen is None else next(iter(seen.ipv4), ""),
+        )
+    return tuple(out[k] for k in sorted(out))
 
 
 # ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 
 from studiotui.app.render import Drawing, wrapped
+from studiotui.core.members import cables
 from studiotui.core.state import NodeState
 from worker.shared.probes import MIN_RDMA_MACOS, RdmaSummary, rdma_enable_steps
 
@@ -97,6 +98,7 @@ def rdma_content(nodes: tuple[NodeState, ...], width: int = 0) -> Content:
     lines: list[Content] = [
         Content.assemble((f"{v.node:<{name_w}}  ", "bold"), (v.status, v.style)) for v in views
     ]
+    lines += _cable_lines(nodes, name_w)
     groups: dict[tuple[str, ...], list[str]] = {}
     for view in views:
         if view.steps:
@@ -110,6 +112,26 @@ def rdma_content(nodes: tuple[NodeState, ...], width: int = 0) -> Content:
             body = wrapped(step, width, len(bullet)) if width > 0 else Content(step)
             lines.append(Content.assemble(bullet, body))
     return Content("\n").join(lines)
+
+
+def _cable_lines(nodes: tuple[NodeState, ...], name_w: int) -> list[Content]:
+    """Which Thunderbolt port of each node leads to which node (core/members.cables):
+    the cabling JACCL's device matrix is made from."""
+    found = cables({n.name: n.facts.get("rdma") for n in nodes})
+    if not found:
+        return []
+    lines = [Content(""), Content.styled("Thunderbolt cables:", "$accent bold")]
+    for c in found:
+        down = c.state is not None and c.state != "PORT_ACTIVE"
+        lines.append(
+            Content.assemble(
+                (f"{c.node:<{name_w}}  ", "bold"),
+                f"port {c.receptacle} {c.device or '(no RDMA device)'} → ",
+                c.peer or "a Mac outside the cluster",
+                (" (port down)", "$error") if down else "",
+            )
+        )
+    return lines
 
 
 def rdma_signature(nodes: tuple[NodeState, ...]) -> tuple:

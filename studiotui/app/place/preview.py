@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -45,6 +45,7 @@ from studiotui.core.placement import (
 from studiotui.core.rates import Rates
 from studiotui.core.state import ClusterState, shape_label
 from worker.shared.adapters import Adapter
+from worker.shared.manifest import Hashing
 
 
 class Previewing(Protocol):
@@ -60,9 +61,12 @@ class Previewing(Protocol):
         context_tokens: int = ...,
         streams: int | None = ...,
         tensor: int | None = ...,
+        adapter: Adapter | None = ...,
     ) -> tuple[ModelInfo, Plan | Refusal]: ...
 
-    def check_adapter(self, adapter_dir: Path, model_dir: Path) -> Adapter: ...
+    def check_adapter(
+        self, adapter_dir: Path, model_dir: Path, on_progress: Hashing | None = ...
+    ) -> Adapter: ...
 
 
 MIN_CONTEXT = 256
@@ -175,16 +179,30 @@ def plan_lines(
     any_held = any(
         _holds(state, n, placement) for s in data["shards"] for n in s["group"] or [s["node"]]
     )
+    # With an adapter, each shard's share of it is shown beside (and counted with) its weights.
+    adapted = any(s["adapter_bytes"] for s in data["shards"])
+    weights = "weights+adapter" if adapted else "weights"
+
+    def weight_cell(shard: dict[str, Any]) -> Content:
+        if not adapted:
+            return Content(format_bytes(shard["weight_bytes"]))
+        extra = f" +{format_bytes(shard['adapter_bytes'])}"
+        return Content.assemble(format_bytes(shard["weight_bytes"]), (extra, "$accent"))
 
     def build(gauge: int, holds: bool, sizes: bool) -> list[Content]:
-        titles = ["node", "layers", "weights", "KV cache", "memory now", "after loading", ""]
+        titles = ["node", "layers", weights, "KV cache", "memory now", "after loading", ""]
         if not sizes:
             titles[2:4] = []
         if holds and any_held:
             titles.append("holds")
         rows = [[Content.styled(h, "bold $text-muted") for h in titles]]
         members = [
-            (i, shard, name, free - shard["weight_bytes"] - shard["kv_bytes"])
+            (
+                i,
+                shard,
+                name,
+                free - shard["weight_bytes"] - shard["adapter_bytes"] - shard["kv_bytes"],
+            )
             for i, shard in enumerate(data["shards"])
             for name, free in zip(
                 shard["group"] or [shard["node"]],
@@ -205,7 +223,7 @@ def plan_lines(
                     f"{span} ({shard['end'] - shard['start']}){part}",
                     (f" +{'+'.join(ends)}" if ends else "", "$text-muted"),
                 ),
-                Content(format_bytes(shard["weight_bytes"])),
+                weight_cell(shard),
                 Content(format_bytes(shard["kv_bytes"])),
                 # What the node reports in use, the figure its card shows; the plan's
                 # "free before" also holds back what loading shards and a runner take.
@@ -345,6 +363,10 @@ class PreviewScreen(ModalScreen[None]):
         self.loads: dict[str, tuple[int, int]] = {}
         self.rates = Rates()
         self.adapter: Adapter | None = None  # the request's adapter, once it checked out
+        # Bytes of the base hashed to check the adapter against it (the first check of a
+        # base reads all of it; cached after): (done, total), or None when not hashing.
+        self.hashing: tuple[int, int] | None = None
+        self._hashing_shown = 0.0
 
     def compose(self) -> ComposeResult:
         with Vertical(id="preview-dialog") as dialog:
@@ -383,8 +405,9 @@ class PreviewScreen(ModalScreen[None]):
             # plan: the same check `place` makes before anything is copied.
             try:
                 self.adapter = await asyncio.to_thread(
-                    self.controller.check_adapter, request.adapter, request.model
+                    self.controller.check_adapter, request.adapter, request.model, self._hashed
                 )
+                self.hashing = None
             except Exception as exc:  # PlacementError with both digests, or a read error
                 self.verdict = Refusal(str(exc))
                 self.phase = "refused"
@@ -399,12 +422,26 @@ class PreviewScreen(ModalScreen[None]):
                 self.context_tokens,
                 self.streams,
                 self.tensor,
+                self.adapter,  # each layer's share counted on its shard
             )
             self.shapes = await asyncio.to_thread(self._shapes)
         except Exception as exc:  # a model directory gone or unreadable since the scan
             self.phase, self.message = "error", f"cannot read {request.model}: {exc}"
         else:
             self.phase = "refused" if isinstance(self.verdict, Refusal) else "plan"
+        self._draw()
+
+    def _hashed(self, done: int, total: int) -> None:
+        """From the hashing thread: a redraw at most 10 times a second (a 700 GB base
+        reports every 4 MB), and at the start and the end."""
+        now = time.monotonic()
+        if done in (0, total) or now - self._hashing_shown >= 0.1:
+            self._hashing_shown = now
+            self.app.call_from_thread(self._show_hashing, done, total)
+
+    def _show_hashing(self, done: int, total: int) -> None:
+        self.hashing = (done, total)
+        self.rates.update("operator", done, total, time.monotonic())
         self._draw()
 
     def _shapes(self) -> list[tuple[int, Plan | Refusal, Forecast | None]]:
@@ -424,7 +461,12 @@ class PreviewScreen(ModalScreen[None]):
                 verdict: Plan | Refusal = self.verdict
             else:
                 _, verdict = self.controller.preview(
-                    self.request.model, nodes, self.context_tokens, self.planned_streams, size
+                    self.request.model,
+                    nodes,
+                    self.context_tokens,
+                    self.planned_streams,
+                    size,
+                    self.adapter,
                 )
             guess = (
                 forecast(self.info.facts, verdict, chips, links)
@@ -556,6 +598,11 @@ class PreviewScreen(ModalScreen[None]):
         lines.append(Content(""))
         if self.phase == "measuring":
             lines.append(Content.styled("measuring the links between these nodes…", "$text-muted"))
+        elif self.phase == "planning" and self.hashing is not None:
+            name = self.request.model.name
+            said = f"hashing {name} to check the adapter was trained on it (once: cached)…"
+            lines.append(Content.styled(said, "$text-muted"))
+            lines += progress_lines({"operator": self.hashing}, rates=self.rates)
         elif self.phase == "planning":
             lines.append(Content.styled("planning…", "$text-muted"))
         elif self.phase == "error":
