@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import msgspec
@@ -485,7 +485,7 @@ class Runner:
                 assert self.stage is not None
                 self.stage.stats.dropped += 1
                 print(f"dropped a message:\n{traceback.format_exc()}", file=sys.stderr)
-            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 return
 
     def _on_ring(self, frames: list[zmq.Frame]) -> None:
