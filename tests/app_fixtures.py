@@ -102,7 +102,13 @@ def fixed_state() -> ClusterState:
         512,
         441.0,
         shards=(_shard(ds, "studio-1", 0, 2, 0, 31, tokens=1834, in_flight=2),),
-        rdma={"status": "enabled", "usable": True, "devices": ["rdma_en3", "rdma_en5"]},
+        # A current agent's report: it has a `ports` field (an older one's has none).
+        rdma={
+            "status": "enabled",
+            "usable": True,
+            "devices": ["rdma_en3", "rdma_en5"],
+            "ports": [],
+        },
     )
     studio2 = _mac(
         "studio-2",
@@ -113,7 +119,7 @@ def fixed_state() -> ClusterState:
         gpu=96.0,
         watts=(18.7, 97.3, 0.0, 131.9),
         shards=(_shard(ds, "studio-2", 1, 2, 31, 61, tokens=1834, in_flight=2),),
-        rdma={"status": "enabled", "usable": True, "devices": ["rdma_en3"]},
+        rdma={"status": "enabled", "usable": True, "devices": ["rdma_en3"], "ports": []},
     )
     studio3 = _mac(
         "studio-3",

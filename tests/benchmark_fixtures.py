@@ -1,7 +1,10 @@
 """Saved benchmark runs with every section filled, literal so drawings are the same on
-every machine (the unit tests and the Benchmark screen's snapshot)."""
+every machine (the unit tests and the Benchmark screen's snapshot); the tiny sizes the
+tests measure real agents with."""
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 from studiotui.core.benchmark import (
     GroupFigures,
@@ -12,6 +15,33 @@ from studiotui.core.benchmark import (
     Sizes,
     StreamPoint,
 )
+
+# Seconds, not minutes, on two cores: these check the figures are real measurements,
+# not how fast anything is.
+TINY = Sizes(
+    matmul_n=128,
+    copy_mib=4,
+    seconds=0.05,
+    link_seconds=0.1,
+    link_pings=5,
+    link_pad_bytes=4096,
+    group_reps=3,
+    stream_tokens=4,
+    prompt_tokens=8,
+)
+
+
+def size_args(sizes: Sizes) -> list[str]:
+    """`studiotui benchmark` options asking for `sizes`: one --size for each that is
+    not the default."""
+    default = Sizes()
+    out = []
+    for f in fields(sizes):
+        value = getattr(sizes, f.name)
+        if value != getattr(default, f.name):
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            out.append(f"--size={f.name}={text}")
+    return out
 
 
 def sample_run(run_id: str = "20260101-000000-desk", scale: float = 1.0) -> Run:

@@ -145,6 +145,7 @@ class ShardProc:
             "prefill_chunk": self.spec.get("prefill_chunk", 512),
             "adapter": self.spec.get("adapter", ""),
             "adapter_dir": self.spec.get("adapter_dir", ""),
+            "adapter_bytes": self.spec.get("adapter_bytes", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "group_port": self.group_port,
@@ -183,6 +184,7 @@ class Agent:
         self.live: dict[str, Any] = {}
         self._sinks: dict[str, asyncio.Task[dict[str, Any]]] = {}
         self._benches: set[asyncio.subprocess.Process] = set()
+        self._stopped_benches: set[int] = set()  # pids ended by stop_bench
         self.jobs = jobs.Jobs(config.home, config.address)
         self._follows: dict[str, list[asyncio.Task[Any]]] = {}
 
@@ -414,6 +416,7 @@ class Agent:
             # node holds its files ("" on a shard whose layers it does not adapt).
             "adapter": req.adapter,
             "adapter_dir": req.adapter_dir,
+            "adapter_bytes": req.adapter_bytes,
         }
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -799,6 +802,9 @@ class Agent:
                 await proc.wait()
             await drain
             self._benches.discard(proc)
+        if proc.pid in self._stopped_benches:
+            self._stopped_benches.discard(proc.pid)
+            raise BenchError(f"the benchmark on {self.config.name} was stopped on request")
         if figures is not None:
             return figures
         why = fatal or bench_exit_reason(code)
@@ -813,11 +819,25 @@ class Agent:
             return ""
         return f"a benchmark already runs on {self.config.name} (pid {running[0]}): wait for it"
 
-    async def _stop_benches(self) -> None:
+    async def _stop_benches(self) -> int:
+        """End every measuring process (the agent stopping, or stop_bench); how many."""
+        ended = 0
         for proc in list(self._benches):
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+                ended += 1
+        return ended
+
+    async def _on_stop_bench(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        """The controller gave up a device measurement (Esc on the Benchmark screen,
+        Ctrl-C): end its process now, so the node's device is free and another can
+        start at once rather than after the rest of this one's seconds."""
+        self._stopped_benches.update(p.pid for p in self._benches if p.returncode is None)
+        ended = await self._stop_benches()
+        if ended:
+            log.info("stopped %d benchmark process(es) on request", ended)
+        await self._reply(ident, re, "ok", stopped=ended)
 
     async def _on_shutdown(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         await self._reply(ident, re, "ok")

@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from worker import jobs
 from worker.group import BACKENDS, GroupError, join
-from worker.shared.protocol.limits import DEVICE_BENCH_BOUNDS, out_of_bounds
+from worker.shared.protocol.limits import DEVICE_BENCH_BOUNDS, GROUP_BENCH_BOUNDS, out_of_bounds
 
 DTYPES = ("float32", "bfloat16", "float16")
 PROBE_N = 128
@@ -179,6 +179,10 @@ def group_run(spec: dict[str, Any]) -> dict[str, Any]:
     backend = str(spec.get("backend", "ring"))
     if backend not in BACKENDS:
         raise SpecError(f"unknown backend {backend!r}")
+    asked = spec.get("reps", TARGET_REPS)
+    problem = out_of_bounds({"reps": asked}, GROUP_BENCH_BOUNDS)
+    if problem:  # refused before joining: every rank refuses the same
+        raise SpecError(problem)
     group = join("jaccl" if backend == "jaccl" else "ring", os.environ)
     size, rank = group.size(), group.rank()
     n = int(spec["n"])
@@ -194,7 +198,7 @@ def group_run(spec: dict[str, Any]) -> dict[str, Any]:
         mx.eval(a @ b)
 
     # Every rank runs the same number of steps: all_sum waits for all of them.
-    reps = max(MIN_REPS, int(spec.get("reps", TARGET_REPS)))
+    reps = max(MIN_REPS, int(asked))
     step()
     together = [_time_one(step) for _ in range(reps)]
     own = [_time_one(alone) for _ in range(reps)]

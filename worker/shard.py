@@ -157,7 +157,7 @@ def load_shard(
     adapted = apply_adapter(model, adapter_dir, start, end) if adapter_dir else 0
     param_bytes = _evaluate(owned, progress)
     if fuse:
-        fuse_for_cpu([inner])  # a no-op where MLX computes on a GPU
+        fuse_for_cpu([inner], compile_moe=group is None)  # a no-op on a GPU
     dtype = _first_dtype(layers)
     return Shard(
         start=start,

@@ -237,9 +237,18 @@ def fit_hops(hops: Sequence[Content], width: int, arrow: str = "→") -> Content
 def wrap_hops(head: Content, hops: Sequence[Content], width: int, tail: Content) -> list[Content]:
     """`head` then the hops joined by arrows and `tail` two cells on, folded between
     hops (never inside one or an arrow), continuation lines indented under the first
-    hop."""
-    indent = head.cell_length
+    hop.
+
+    A head that leaves the hops less than half the width (a tensor placement's shape,
+    at 80 columns) stands on a line of its own and the hops start under it: folded
+    under a long head each hop ran past the edge, and the terminal broke it wherever
+    it fell."""
+    widest = max((hop.cell_length for hop in hops), default=0)
     lines: list[Content] = []
+    if hops and (head.cell_length + widest > width or head.cell_length > width // 2):
+        lines.append(head.rstrip())
+        head = Content("")
+    indent = head.cell_length
     line = head
     for i, hop in enumerate(hops):
         piece = hop if i == 0 else Content.assemble(" → ", hop)

@@ -54,17 +54,10 @@ from studiotui.chat.store import HistoryStore
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.errors import StudioError
 from studiotui.core.state import LogLevel, PlacementState
+from studiotui.core.text import printable
 
 CHECKPOINT_S = 2.0  # a crash mid-answer loses at most this much text
 NO_CLUSTER = "no cluster is connected (this is a fixed view)"
-
-# Control characters from a model (an ESC above all) must not reach the terminal.
-_CONTROL = {c: None for c in [*range(0x00, 0x09), 0x0B, 0x0C, 0x0D, *range(0x0E, 0x20), 0x7F]}
-_CONTROL.update({c: None for c in range(0x80, 0xA0)})
-
-
-def printable(text: str) -> str:
-    return text.translate(_CONTROL)
 
 
 class ChatError(StudioError):

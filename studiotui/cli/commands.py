@@ -54,6 +54,7 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
+from studiotui.core.text import printable
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 
@@ -538,7 +539,8 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
         done: dict[str, Any] = {}
         async for msg in ctl.generate(args.placement, request, params):
             if msg["type"] == "delta":
-                sys.stdout.write(msg["text"])
+                # As the dashboard's chat: a model's ESC must not drive the terminal.
+                sys.stdout.write(printable(msg["text"]))
                 sys.stdout.flush()
             elif msg["type"] == "done":
                 done = msg

@@ -55,6 +55,9 @@ from worker.shared.protocol import control
 StepListener = Callable[[Step], None]
 # A device step's replies come as each figure starts; one figure takes seconds.
 DEVICE_SILENCE_S = 120.0
+# Ending a given-up measurement is a kill and a wait on the node: quick, unless the
+# node is gone (then its process went with it).
+STOP_BENCH_S = 5.0
 WARM_UP_TOKENS = 4
 
 
@@ -113,9 +116,7 @@ class Benchmark:
 
     async def choose(self) -> tuple[list[str], list[PlacementState]]:
         """The nodes and placements to measure; refuse what cannot be, naming it."""
-        problem = self.sizes.problem()
-        if problem:
-            raise BenchmarkError(f"benchmark sizes: {problem}")
+        self.sizes.check("benchmark sizes")
         await self.ctl.refresh()
         state = self.ctl.state
         known = [n.name for n in state.nodes]
@@ -164,10 +165,13 @@ class Benchmark:
         began, when = time.monotonic(), datetime.now(UTC)
         names, placements = await self.choose()
         self.steps = plan_steps(names, [p.name for p in placements], self.sizes.stream_counts)
-        nodes = [await self.device(name) for name in names]
-        links = await self.links(names)
-        group = await self.group(names, nodes) if len(names) >= 2 else None
-        measured = [await self.placement(p) for p in placements]
+        # The dashboard's periodic link measurement would share the wire and the CPUs
+        # with these figures: it waits until the run ends.
+        async with self.ctl.links_quiet():
+            nodes = [await self.device(name) for name in names]
+            links = await self.links(names)
+            group = await self.group(names, nodes) if len(names) >= 2 else None
+            measured = [await self.placement(p) for p in placements]
         if len(names) < 2:
             self.notes.append("one node: no link to measure and no group product")
         if not placements:
@@ -204,6 +208,12 @@ class Benchmark:
         except (AgentError, AgentUnreachable) as exc:
             self._say("failed", str(exc))
             return NodeFigures(name, chip, error=str(exc))
+        except asyncio.CancelledError:
+            # Given up (Esc, Ctrl-C): the node's measuring process goes too, so the
+            # device is free for the next run now rather than in its remaining seconds.
+            with contextlib.suppress(AgentError, AgentUnreachable):
+                await self.ctl.peer(name).request("stop_bench", timeout=STOP_BENCH_S)
+            raise
         self._say("done")
         return NodeFigures(
             name,

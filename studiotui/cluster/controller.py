@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -86,13 +86,14 @@ Progress = Callable[[str, int, int], None]
 
 def committed_bytes(node: NodeState) -> int:
     """Memory a node has promised but not yet used: the KV caches its placements may
-    still grow to, and the weights of shards that are still loading."""
+    still grow to, and the weights of shards that are still loading with their share of
+    the adapter (applied once the weights are in, so none of it is used yet)."""
     total = 0
     for shard in node.shards:
         total += shard.kv_bytes
         if shard.state in ("prepared", "loading"):
             done, size = shard.progress
-            total += max(0, size - done)
+            total += max(0, size - done) + shard.adapter_bytes
     return total
 
 
@@ -161,6 +162,13 @@ class Controller:
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: dict[str, zmq.asyncio.Socket] = {}
         self.telemetry_dropped = 0
+        # While a benchmark runs (links_quiet) the periodic link measurement waits: it
+        # shares the wire and the CPUs with the figures being taken. One under way
+        # (holding _periodic) finishes before the benchmark starts.
+        self._quiet = 0
+        self._links_allowed = asyncio.Event()
+        self._links_allowed.set()
+        self._periodic = asyncio.Lock()
         # One routing identity per peer for this session: after a reconnect the agent
         # or head knows the socket as the same client (see peers.Peer).
         self.session = uuid.uuid4().hex[:16]
@@ -251,11 +259,32 @@ class Controller:
     async def _measure_periodically(self) -> None:
         await asyncio.sleep(LINKS_FIRST_S)
         while True:
-            try:
-                await self.measure_links()
-            except Exception as exc:  # a failed measurement must not stop the loop
-                self.record(f"link measurement failed: {exc}", "warning")
+            # Due during a benchmark: measured once it ends.
+            await self._links_allowed.wait()
+            async with self._periodic:
+                if not self._links_allowed.is_set():
+                    continue  # a benchmark began while this waited for the lock
+                try:
+                    await self.measure_links()
+                except Exception as exc:  # a failed measurement must not stop the loop
+                    self.record(f"link measurement failed: {exc}", "warning")
             await asyncio.sleep(LINKS_EVERY_S)
+
+    @contextlib.asynccontextmanager
+    async def links_quiet(self) -> AsyncIterator[None]:
+        """No periodic link measurement inside this block (a benchmark): one under way
+        finishes first, and one that comes due meanwhile runs when the last such block
+        ends."""
+        self._quiet += 1
+        self._links_allowed.clear()
+        try:
+            async with self._periodic:
+                pass
+            yield
+        finally:
+            self._quiet -= 1
+            if not self._quiet:
+                self._links_allowed.set()
 
     async def _read_telemetry(self, name: str, sub: zmq.asyncio.Socket) -> None:
         while True:
@@ -583,6 +612,7 @@ class Controller:
                 **self._group_fields(m, port),
                 adapter=adapter.name if adapter else "",
                 adapter_dir=adapter_dirs.get(m.node, ""),
+                adapter_bytes=shards[m.stage].adapter_bytes,
             )
             try:
                 async for msg in stream:
@@ -1136,6 +1166,7 @@ class Controller:
             kv_bytes=shard.kv_bytes,
             adapter=shard.adapter,
             adapter_dir=shard.adapter_dir,
+            adapter_bytes=shard.adapter_bytes,
         )
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
@@ -1199,6 +1230,7 @@ class Controller:
             kv_bytes=r.kv_bytes,
             adapter=r.adapter,
             adapter_dir=r.adapter_dir,
+            adapter_bytes=r.adapter_bytes,
         ):
             pass
 

@@ -19,12 +19,27 @@ from pathlib import Path
 from typing import Any
 
 from studiotui.core.errors import StudioError
-from worker.shared.protocol.limits import DEVICE_BENCH_BOUNDS, LINK_MEASURE_BOUNDS, out_of_bounds
+from worker.shared.protocol.limits import (
+    DEVICE_BENCH_BOUNDS,
+    GROUP_BENCH_BOUNDS,
+    LINK_MEASURE_BOUNDS,
+    out_of_bounds,
+)
 
 FORMAT = 1
 DTYPES = ("float32", "bfloat16", "float16")
 STREAM_COUNTS = (1, 2, 4, 8)
 BENCHMARKS_DIR = "benchmarks"
+# What the operator's own steps take at most. Each point of stream_counts decodes
+# count x stream_tokens tokens after a prompt_tokens prefill per stream: a typo
+# (stream_tokens=64000, stream_counts=1,2,4,800) would ask for hours of decoding.
+RUN_BOUNDS: dict[str, tuple[float, float]] = {
+    "group_reps": GROUP_BENCH_BOUNDS["reps"],
+    "stream_tokens": (1, 4096),
+    "prompt_tokens": (1, 32768),
+}
+MAX_STREAM_COUNT = 64  # streams at once in one point
+MAX_STREAM_POINTS = 16  # points in stream_counts
 
 
 class BenchmarkError(StudioError, RuntimeError):
@@ -67,7 +82,8 @@ class Sizes:
 
     def changed(self, overrides: Sequence[str]) -> Sizes:
         """These sizes with `NAME=VALUE` overrides (`--size matmul_n=512`); a name that is
-        not a size or a value of the wrong kind is refused, naming it."""
+        not a size, a value of the wrong kind or one out of its bounds is refused, naming
+        it."""
         known = {f.name: f for f in fields(self)}
         values: dict[str, Any] = {}
         for item in overrides:
@@ -92,17 +108,51 @@ class Sizes:
                 raise BenchmarkError(f"--size {name}={text!r}: {exc}") from None
             values[name] = value
         changed = replace(self, **values)
-        problem = changed.problem()
-        if problem:
-            raise BenchmarkError(f"--size: {problem}")
+        changed.check("--size")
         return changed
 
+    def check(self, where: str) -> None:
+        """Refuse sizes out of their bounds, before anything is measured: the message
+        names the size and its bounds, the hint its default."""
+        name, problem = self._problem()
+        if problem:
+            default = getattr(Sizes(), name)
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            raise BenchmarkError(
+                f"{where}: {problem}", f"give {name} a value within them (the default is {shown})"
+            )
+
     def problem(self) -> str:
-        """What the agents would refuse in these sizes, in words ("" if nothing), naming
-        each size as `--size` does (`link_seconds`, not the agent's `bulk_seconds`)."""
-        device = out_of_bounds(self.device_spec(), DEVICE_BENCH_BOUNDS)
-        bounds = {size: LINK_MEASURE_BOUNDS[wire] for size, wire in LINK_FIELDS.items()}
-        return device or out_of_bounds({size: getattr(self, size) for size in LINK_FIELDS}, bounds)
+        """What is out of bounds in these sizes, in words ("" if nothing), naming each
+        size as `--size` does (`link_seconds`, not the agent's `bulk_seconds`)."""
+        return self._problem()[1]
+
+    def _problem(self) -> tuple[str, str]:
+        """The first size out of bounds and why, or ("", "")."""
+        checks = (
+            (self.device_spec(), DEVICE_BENCH_BOUNDS),
+            (
+                {size: getattr(self, size) for size in LINK_FIELDS},
+                {size: LINK_MEASURE_BOUNDS[wire] for size, wire in LINK_FIELDS.items()},
+            ),
+            ({size: getattr(self, size) for size in RUN_BOUNDS}, RUN_BOUNDS),
+        )
+        for values, bounds in checks:
+            for name, value in values.items():
+                problem = out_of_bounds({name: value}, bounds)
+                if problem:
+                    return name, problem
+        counts = self.stream_counts
+        if len(counts) > MAX_STREAM_POINTS:
+            return "stream_counts", (
+                f"stream_counts may list at most {MAX_STREAM_POINTS} counts, not {len(counts)}"
+            )
+        wrong = [k for k in counts if not 1 <= k <= MAX_STREAM_COUNT]
+        if wrong:
+            return "stream_counts", (
+                f"stream_counts must each be between 1 and {MAX_STREAM_COUNT}, not {wrong[0]}"
+            )
+        return "", ""
 
     def device_spec(self) -> dict[str, Any]:
         """What an agent's `device_bench` request carries."""

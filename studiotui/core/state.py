@@ -44,6 +44,7 @@ class ShardState:
     streams: int = 1  # requests the head runs at once (the plan reserved KV for them)
     adapter: str = ""  # the placement's adapter, by name ("" none)
     adapter_dir: str = ""  # where this node holds it ("" when its layers are not adapted)
+    adapter_bytes: int = 0  # the plan's share of the adapter on this shard's layers
     # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
     # 0 and () for a one-node stage.
     rank: int = 0
@@ -378,6 +379,7 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         streams=report.streams,
         adapter=report.adapter,
         adapter_dir=report.adapter_dir,
+        adapter_bytes=report.adapter_bytes,
         rank=report.rank,
         group=tuple(report.group),
     )

@@ -29,6 +29,7 @@ from studiotui.app.panes.models import ModelsPane
 from studiotui.app.panes.nodes import NodesPane
 from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.panes.rdma import RdmaPane
+from studiotui.app.render import Drawing
 from studiotui.app.themes import load_ui
 from studiotui.cli.main import build_parser
 from studiotui.cli.serve import api_service
@@ -378,7 +379,7 @@ async def test_first_run_places_the_demo_model(
             table = pane.query_one("#placements-table")
             assert table.display and table.row_count == 1
             # The table's ring is short (l1[0:4]→l2[4:8]); the line under it is whole.
-            ring = pane.query_one("#placement-ring", Static).render().plain  # type: ignore[union-attr]
+            ring = pane.query_one("#placement-ring", Drawing).content.plain
             assert all(name in ring for name in inv.names), ring
             assert str(table.get_row_at(0)[7]).count("[") == len(inv.names)
             assert set(seen_progress) == set(inv.names)

@@ -8,16 +8,29 @@ controller's `state` and `preview` and does no I/O.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+
+import pytest
+from textual.containers import VerticalScroll
 
 from studiotui.app.app import StudioApp
 from studiotui.app.place.preview import PlaceRequest, PreviewScreen
+from studiotui.app.render import Drawing
 from studiotui.core.forecast import chips_from_state, choose, links_from_state
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import NodeBudget, Plan, Refusal
-from studiotui.core.state import ClusterState, LinkState, NodeState, PlacementState, PlannedShard
+from studiotui.core.state import (
+    ClusterState,
+    LinkState,
+    NodeState,
+    PlacementState,
+    PlannedShard,
+    ShardState,
+)
 from tests.app_fixtures import fixed_models
 from tests.seed_models import seed_model
+from worker.shared.adapters import Adapter
 
 GiB = 1024**3
 NAMES = ("studio-1", "studio-2", "studio-3", "studio-4")
@@ -38,6 +51,7 @@ class Stand:
         context_tokens: int = 4096,
         streams: int | None = None,
         tensor: int | None = None,
+        adapter: Adapter | None = None,  # none asked for here
     ) -> tuple[ModelInfo, Plan | Refusal]:
         self.asked.append(tensor)
         budgets = [
@@ -159,3 +173,89 @@ def test_the_topology_and_placements_panes_name_a_hybrid_placements_shape() -> N
     assert "2 stages × 2 (jaccl)" in ring
     # One hop per stage, its group's nodes joined.
     assert ring_text(placed) == "✗studio-1+✗studio-2[0:47] → ✗studio-3+✗studio-4[47:94]"
+
+
+def _in_view(screen: PreviewScreen) -> list[str]:
+    """The body's lines a user can see: those the scroll shows, within the dialog (a
+    scroll taller than its dialog was cut off, with nothing to scroll)."""
+    body = screen.query_one("#preview-body", Drawing)
+    scroll = screen.query_one("#preview-scroll", VerticalScroll)
+    seen = scroll.region.intersection(screen.query_one("#preview-dialog").content_region)
+    top = scroll.scroll_offset.y
+    return [body.render_line(y).text for y in range(top, top + seen.height)]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_the_chosen_shape_stays_in_view_as_t_cycles(
+    tmp_path: Path, size: tuple[int, int]
+) -> None:
+    """At 80 × 24 the plan, its caption and the shapes take more rows than the dialog
+    has: each `t` re-plans, and the ▸ row of the shape now shown must be on screen."""
+    info = read_model(seed_model(tmp_path / "seeds", "qwen3-235b-a22b", "8bit"))
+    state = cluster()
+    app = StudioApp(tmp_path / "home", state=state, models=fixed_models())
+    request = PlaceRequest(info.path, info.name, NAMES, "all up nodes", "qwen")
+    async with app.run_test(size=size) as pilot:
+        screen = PreviewScreen(request, Stand(state, info), lambda s: None)
+        app.push_screen(screen)
+
+        async def shown(shape: str) -> None:
+            for _ in range(200):
+                await pilot.pause(0.05)
+                if screen.phase == "plan" and screen.plan and screen.plan.shape == shape:
+                    await pilot.pause(0.1)  # drawn, and scrolled after the refresh
+                    return
+            raise AssertionError(f"{shape} not planned: {screen.phase} {screen.message}")
+
+        await shown("4 stages")
+        for shape in ("2 stages × 2 (jaccl)", "1 stage × 4 (ring)", "4 stages"):
+            await pilot.press("t")
+            await shown(shape)
+            seen = _in_view(screen)
+            assert any(line.startswith(f"▸ {shape}") for line in seen), (shape, seen)
+            # No shape's forecast runs past the dialog to be folded mid-figure.
+            width = screen.query_one("#preview-body", Drawing).content_size.width
+            assert all(len(line.rstrip()) <= width for line in seen)
+
+
+@pytest.mark.parametrize(
+    ("names", "half", "expect"),
+    [
+        # `studiotui place DEMO --tensor 2` on `studiotui up --local 4`: the names fit.
+        (
+            ("local-1", "local-2", "local-3", "local-4"),
+            4,
+            ["local-1+local-2[0:4] → local-3+local-4[4:8]", "→ local-1+local-2"],
+        ),
+        # Names that would take a fourth line: the short names of the table's column.
+        (NAMES, 47, ["s1+s2[0:47] → s3+s4[47:94] → s1+s2"]),
+    ],
+)
+async def test_a_tensor_placements_ring_line_reads_whole_at_80_columns(
+    tmp_path: Path, names: tuple[str, ...], half: int, expect: list[str]
+) -> None:
+    """At 80 × 24 the line under the Placements table held `ring demo  2 stages × 2
+    (ring)` and then the hops indented under the first one, each past the pane's edge:
+    the terminal broke them anywhere, leaving an arrow on a line of its own."""
+    base = cluster()
+    nodes = tuple(replace(node, name=name) for node, name in zip(base.nodes, names, strict=True))
+    ring = [(n, 0, half) for n in names[:2]] + [(n, half, 2 * half) for n in names[2:]]
+    shards = tuple(
+        ShardState("demo", node, i // 2, 2, start, end, "ready", rank=i % 2,
+                   group=tuple(n for n, s, _ in ring if s == start))
+        for i, (node, start, end) in enumerate(ring)
+    )  # fmt: skip
+    planned = tuple(PlannedShard(node, start, end, "ring") for node, start, end in ring)
+    placed = PlacementState("demo", "demo", "/m/demo", shards, planned=planned)
+    assert placed.shape == "2 stages × 2 (ring)"
+    state = replace(base, nodes=nodes, links=(), placements=(placed,))
+    app = StudioApp(tmp_path, state=state, models=fixed_models())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.3)
+        line = app.query_one("#placement-ring")
+        width = line.content_size.width
+        assert 30 < width < 60  # the pane's share of 80 columns
+        shown = [line.render_line(y).text.rstrip() for y in range(line.size.height)]
+        # The shape on a line of its own, then every hop whole within the pane.
+        assert shown == ["ring demo  2 stages × 2 (ring)", *expect], shown
+        assert all(len(x) <= width for x in shown), shown

@@ -99,13 +99,40 @@ def test_rdma_verdicts() -> None:
         facts={
             "os": "Darwin",
             "os_version": "26.2",
-            "rdma": {"status": "enabled", "usable": True, "devices": ["rdma_en3"]},
+            "rdma": {"status": "enabled", "usable": True, "devices": ["rdma_en3"], "ports": []},
         },
     )
     assert rdma_view(enabled).status == "enabled (rdma_en3)"
-    disabled = _node(4, facts={"os": "Darwin", "os_version": "26.2", "rdma": {"status": "x"}})
+    assert rdma_view(enabled).style == "$success"
+    disabled = _node(
+        4, facts={"os": "Darwin", "os_version": "26.2", "rdma": {"status": "disabled"}}
+    )
     view = rdma_view(disabled)
     assert view.style == "$error" and any("rdma_ctl enable" in s for s in view.steps)
+    assert view.status == "disabled"
+
+
+def test_rdma_verdicts_of_agents_older_than_the_operator() -> None:
+    mac = {"os": "Darwin", "os_version": "26.2"}
+    # Sent before agents named their ports: the verdict reads, the cables cannot.
+    no_ports = {"status": "enabled", "usable": True, "devices": ["rdma_en3"]}
+    view = rdma_view(_node(1, facts={**mac, "rdma": no_ports}))
+    assert view.status == "enabled (rdma_en3); agent too old to report its ports"
+    assert view.style == "$warning"
+    assert view.steps[-1].endswith("studiotui provision node-1")
+    # A shape this operator does not read (a field of another type): named, no crash.
+    for odd in ({"usable": "yes"}, {"ports": [{"receptacle": "one"}]}, ["enabled"]):
+        view = rdma_view(_node(2, facts={**mac, "rdma": odd}))
+        assert view.status.startswith("agent too old: its RDMA report does not read here ("), (
+            odd,
+            view.status,
+        )
+        assert view.style == "$warning"
+        assert view.steps == (
+            "Update the agent on node-2 to this operator's build: studiotui provision node-2",
+        )
+    # Nothing reported yet (the agent's first probe still running) is not "too old".
+    assert rdma_view(_node(3, facts=mac)).status == "not probed by this agent yet"
 
 
 def test_log_lines_wrap_under_themselves() -> None:

@@ -5,6 +5,7 @@ saved runs in a fixed view (no I/O)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -15,24 +16,16 @@ from textual.widgets import DataTable, Static
 
 from studiotui.app.app import StudioApp
 from studiotui.app.screens.benchmark import BenchmarkScreen
+from studiotui.cluster import controller as controller_module
 from studiotui.core import benchmark as bm
-from studiotui.core.benchmark import Sizes
+from studiotui.core.benchmark import Step
 from tests.app_fixtures import fixed_models, fixed_state
-from tests.benchmark_fixtures import sample_run
+from tests.benchmark_fixtures import TINY, sample_run
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.pilot_helpers import run_from_palette
 
 BASE, PORT = 236, 59750
 SIZE = (160, 48)
-TINY = Sizes(
-    matmul_n=128,
-    copy_mib=4,
-    seconds=0.05,
-    link_seconds=0.1,
-    link_pings=5,
-    link_pad_bytes=4096,
-    group_reps=3,
-)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +92,47 @@ async def test_the_screen_runs_draws_saves_and_compares(screen_cluster: LocalClu
         assert (home / "benchmarks" / f"{older.id}-vs-{run.id}.md").exists()
         table = screen.query_one("#bench-runs", DataTable)
         assert table.row_count == 2
+
+
+async def test_the_periodic_link_measurement_waits_while_a_benchmark_runs(
+    screen_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dashboard measures the links every LINKS_EVERY_S (300 s); run here every
+    0.2 s, it measured all through a benchmark, disturbing its figures. None may end
+    between the benchmark's first step and its last, and they go on after it."""
+    monkeypatch.setattr(controller_module, "LINKS_FIRST_S", 0.0)
+    monkeypatch.setattr(controller_module, "LINKS_EVERY_S", 0.2)
+    app = StudioApp(screen_cluster.home, screen_cluster.inventory)
+    app.benchmark_sizes = TINY
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "2/2 nodes up" in str(app.sub_title), 20, "nodes up")
+        ctl = app.controller
+        assert ctl is not None
+
+        def measured() -> list[float]:
+            return [e.time for e in ctl.state.log if re.fullmatch(r"measured \d+ links", e.text)]
+
+        await until(pilot, lambda: len(measured()) >= 2, 30, "the periodic measurement")
+        await pilot.press("b")
+        screen = app.screen
+        assert isinstance(screen, BenchmarkScreen)
+        # When each step was said: the run's first and last step are inside the pause.
+        said: list[tuple[float, Step]] = []
+        on_step = screen.on_step
+
+        def timed(step: Step) -> None:
+            said.append((time.time(), step))
+            on_step(step)
+
+        screen.on_step = timed  # type: ignore[method-assign]
+        saved = len(screen.runs)  # the module's other test saves runs here too
+        await pilot.press("r")
+        await until(pilot, lambda: len(screen.runs) > saved, 90, "the run is saved")
+        assert screen.runs[0].errors == [] and screen.runs[0].seconds > 0
+        first, last = said[0][0], said[-1][0]
+        assert said[-1][1].state == "done" and last - first > 0.5  # several periods long
+        assert [t for t in measured() if first <= t <= last] == []
+        await until(pilot, lambda: max(measured()) > last, 20, "measuring again after it")
 
 
 async def test_a_fixed_view_lists_runs_but_cannot_run(tmp_path: Path) -> None:

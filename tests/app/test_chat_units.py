@@ -7,7 +7,6 @@ from pathlib import Path
 from studiotui.app.screens.chat import code_blocks, shard_role
 from studiotui.chat.budget import CONTEXT_TOKENS, prompt_budget_chars, request_messages
 from studiotui.chat.commands import complete_path
-from studiotui.chat.conversation import printable
 from studiotui.chat.documents import local_chars_per_token
 from studiotui.chat.history import Message
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -65,10 +64,6 @@ def test_code_blocks_fenced_and_indented() -> None:
     text = "Run:\n\n```python\nprint(1)\n```\n\nor\n\n    echo hi\n\nand `inline` is not one."
     assert code_blocks(text) == ["print(1)\n", "echo hi\n"]
     assert code_blocks("no code") == []
-
-
-def test_printable_drops_control_characters_but_keeps_lines_and_tabs() -> None:
-    assert printable("a\x1b[31mb\x07c\r\n\td\x9b") == "a[31mbc\n\td"
 
 
 def test_complete_path(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from studiotui.core.jobs import Point
 from studiotui.tune import finetune as ft
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.manifest import CACHE_NAME
 
 pytestmark = pytest.mark.integration
 BASE, PORT = 165, 58900  # 127.0.0.165-166
@@ -56,7 +58,7 @@ def _cells(table: DataTable[Any], row: int) -> list[str]:
 
 
 async def test_jobs_screen_reattaches_stops_resumes_and_starts(
-    cluster: LocalCluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     home = cluster.home
     spec = DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=2)
@@ -79,6 +81,28 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
             await ctl.close()
 
     await start_elsewhere()
+    # Every report of the base's hashing as the screen shows it, and the thread each
+    # came from: the hashing must run off the loop (the keys stay answered).
+    shown: list[tuple[str, int, int] | None] = []
+    hashed_on: set[bool] = set()
+    real_show, real_hashed = JobsScreen._show_hashing, JobsScreen._hashed
+
+    def show(screen: JobsScreen, hashing: tuple[str, int, int] | None) -> None:
+        real_show(screen, hashing)
+        shown.append(hashing)
+        block = screen.query_one("#jobs-hashing", Static)
+        assert block.display == (hashing is not None)
+        if hashing is not None:
+            said = str(block.content)
+            assert "hashing tiny to stamp the adapter with its base (once: cached)" in said
+            assert "operator" in said  # the gauge, as the placement preview shows it
+
+    def hashed(screen: JobsScreen, model: str, done: int, total: int) -> None:
+        hashed_on.add(threading.current_thread() is threading.main_thread())
+        real_hashed(screen, model, done, total)
+
+    monkeypatch.setattr(JobsScreen, "_show_hashing", show)
+    monkeypatch.setattr(JobsScreen, "_hashed", hashed)
     app = StudioApp(home, cluster.inventory)
     async with app.run_test(size=SIZE) as pilot:
         await until(
@@ -120,6 +144,10 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
         stopped_at = earlier().saved_iteration
         assert stopped_at is not None
 
+        # The base's hashes forgotten: resuming stamps the adapter with its identity
+        # again, so it is hashed as the first time, shown in bytes.
+        (model / CACHE_NAME).unlink()
+        size = sum(p.stat().st_size for p in model.iterdir() if not p.name.startswith("."))
         await pilot.press("r")
         await until(
             pilot,
@@ -131,6 +159,12 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
         # wrote a save and before the other did, so it may be one save earlier (saves come
         # every max(report interval, save_every) = 10 iterations for 2000 iterations).
         assert stopped_at - 10 <= earlier().start_iteration <= stopped_at
+        reports = [h for h in shown if h is not None]
+        assert reports, "the base's first hashing was not shown"
+        assert reports[0] == ("tiny", 0, size) and reports[-1] == ("tiny", size, size), shown
+        assert shown[-1] is None and screen.hashing is None  # gone once the job started
+        assert hashed_on == {False}, "the base was hashed on the event loop"
+        shown.clear()
         await pilot.press("s")
         await until(pilot, lambda: earlier().state == "stopped", 20, "stopped again")
 
@@ -159,6 +193,7 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
             "the form's job done",
         )
         assert screen.watches["fromform"].progress.iteration == 4
+        assert shown == [None], shown  # the base's hashes were cached: nothing to show
         # Done: its adapter is fetched from its first node to where `place` finds it.
         fetched = home / "adapters" / "fromform" / "adapters.safetensors"
         await until(pilot, fetched.is_file, 30, "the form's adapter fetched")

@@ -101,9 +101,15 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
         out: dict[str, object] = {}
         try:
             for n in (1, 2):
-                await ctl.place(base, names[:n], prefill_chunk=CHUNK, adapter_dir=adapter)
+                done = await ctl.place(base, names[:n], prefill_chunk=CHUNK, adapter_dir=adapter)
                 placed = ctl.state.placement("tiny+style")
                 assert placed is not None
+                # Each agent reports its shard's planned share of the adapter (what
+                # committed_bytes counts while a shard loads), as the plan said.
+                out[f"adapter_bytes{n}"] = (
+                    {s.node: s.adapter_bytes for s in done.plan.shards},
+                    {s.node: s.adapter_bytes for s in placed.shards},
+                )
                 out[f"label{n}"] = (placed.label, [s.adapter for s in placed.shards])
                 out[f"status{n}"] = [
                     (p["name"], p["adapter"]) for p in status_json(ctl)["placements"]
@@ -124,6 +130,10 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
     assert got[1] == want, "adapter over 1 shard diverged from mlx_lm.load(adapter_path=...)"
     assert got[2] == want, f"adapter over 2 shards {got['layers2']} diverged"
     assert got["layers2"] == [[0, 2], [2, 4]]
+    share = read_adapter(adapter).bytes_by_layer(4)
+    planned, reported = got["adapter_bytes2"]  # type: ignore[misc]
+    assert reported == planned == {names[0]: sum(share[:2]), names[1]: sum(share[2:])}
+    assert got["adapter_bytes1"] == ({names[0]: sum(share)},) * 2
     assert got["label2"] == ("tiny + style", ["style", "style"])
     assert got["status2"] == [("tiny+style", "style")]  # `studiotui status --json`
 

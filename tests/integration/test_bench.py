@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from studiotui.bench.run import BenchConfig, run_bench, summarize
+from studiotui.bench.run import BenchConfig, moe_pairing, run_bench, summarize
 
 FIGURES = {
     "single_tps",
@@ -54,6 +54,7 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert all(r > 0 for r in rates + list(figures["streams"].values()))
     assert figures["hop_us_p50"] > 0 and figures["ttft_pipe2_ms"] > 0
     assert figures["moe_pipe2_tps"] > 0 and figures["moe_pipe2_ratio"] > 0
+    assert len(figures["moe_pipe2_pairs"]) == 4  # the pairs behind the MoE row's median
     assert figures["batch8_ratio"] > 0 and figures["mlx_batch8_ratio"] > 0
     assert figures["batch8_mean_rows"] > 1  # the eight streams really met in batches
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
@@ -131,3 +132,12 @@ def test_the_full_run_reports_the_engine_on_one_node_and_checks_its_tokens() -> 
     assert summarize(120.0, _figures([1, 2, 3]), None, cfg)["pipe1_tps"] is None
     figures["pipe1"] = _pipe([50.0], [55.0], [9, 9, 9])
     assert summarize(120.0, figures, None, cfg)["tokens_match"] is False
+
+
+def test_the_moe_row_pairs_an_even_number_of_runs_long_enough_to_span_a_hiccup() -> None:
+    quick, full = (moe_pairing(BenchConfig.make(quick=q)) for q in (True, False))
+    assert (quick.decode_rounds, quick.tokens) == (4, 96)  # was 2 runs of 48 a side
+    assert (full.decode_rounds, full.tokens) == (4, 256)
+    assert moe_pairing(BenchConfig(layers=8, hidden=256, tokens=300, decode_rounds=5)) == (
+        BenchConfig(layers=8, hidden=256, tokens=300, decode_rounds=6)
+    )  # more rounds asked for stay, made even (each order as often)

@@ -18,9 +18,14 @@ import pytest
 
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import load_inventory
+from tests.tool_model import write_tool_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
+# What a model may say that a terminal obeys: SGR red, OSC "set the window title" ended
+# by BEL, and the one-character C1 CSI (U+009B) clearing the screen.
+ESCAPES = "Red\x1b[31m alert\x1b]0;pwned\x07 done\x9b2J!"
+ESCAPES_SPEC = DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32")
 
 
 def run(
@@ -114,6 +119,16 @@ def test_up_place_chat_status_down(home: Path) -> None:
     out, finish = int(figures[2]), figures[3]
     assert finish in ("length", "stop") and 1 <= out <= 12
     assert (out == 12) == (finish == "length")
+
+    # A model whose answer holds terminal escapes (colour, the window title, a C1 CSI):
+    # what `chat` writes is the text without the controls, as the dashboard shows it.
+    escapes = write_tool_model(home / "escapes", ESCAPES_SPEC, ESCAPES)
+    placed = run(home, "place", str(escapes), "--name", "esc", "--nodes", "local-1")
+    assert placed.returncode == 0, placed.stderr
+    said = run(home, "chat", "--placement", "esc", "--max-tokens", "32", "hello")
+    assert said.returncode == 0 and "finish: stop" in said.stderr, said.stderr
+    assert said.stdout == "Red[31m alert]0;pwned done2J!\n", repr(said.stdout)
+    assert run(home, "unload", "esc").returncode == 0
 
     # The `serve` verb as a user runs it: its own process, the official client, then
     # SIGTERM stops it cleanly.

@@ -29,34 +29,44 @@ from studiotui.cluster.peers import AgentError
 from studiotui.core import benchmark as bm
 from studiotui.core.benchmark import DTYPES, BenchmarkError, Sizes, Step
 from studiotui.core.inventory import dump_inventory
+from tests.benchmark_fixtures import TINY, size_args
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 BASE, PORT = 231, 59700
-TINY = Sizes(
-    matmul_n=128,
-    copy_mib=4,
-    seconds=0.05,
-    link_seconds=0.1,
-    link_pings=5,
-    link_pad_bytes=4096,
-    group_reps=3,
-    stream_tokens=4,
-    prompt_tokens=8,
-)
-TINY_ARGS = [
-    "--size=matmul_n=128",
-    "--size=copy_mib=4",
-    "--size=seconds=0.05",
-    "--size=link_seconds=0.1",
-    "--size=link_pings=5",
-    "--size=group_reps=3",
-]
+TINY_ARGS = size_args(TINY)
+# What the agent's children run: a device measurement, a group job's rank.
+DEVICE_BENCH, RANK = "worker.device_bench", "spec.json"
 
 
 @pytest.fixture(scope="module")
 def bench_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     yield from cluster_fixture(tmp_path_factory.mktemp("benchmark-home"), 2, BASE, PORT)
+
+
+def children(agent: psutil.Process, word: str) -> list[psutil.Process]:
+    """The agent's child processes whose command line holds `word` (a device
+    measurement's `worker.device_bench`, a rank's `spec.json`)."""
+    found = []
+    for p in agent.children():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            if word in " ".join(p.cmdline()):
+                found.append(p)
+    return found
+
+
+async def first_child(
+    agent: psutil.Process, word: str, task: asyncio.Task | None = None, within: float = 20.0
+) -> psutil.Process:
+    """The agent's first child process holding `word`, once there is one; the test fails
+    if none comes within `within` seconds, or `task` (what starts it) ends first."""
+    deadline = time.monotonic() + within
+    while not (found := children(agent, word)):
+        assert time.monotonic() < deadline, f"no {word} process appeared"
+        assert task is None or not task.done(), f"ended before a {word} process appeared"
+        await asyncio.sleep(0.1)
+    return found[0]
 
 
 def positive(value: float | None) -> bool:
@@ -187,25 +197,39 @@ def test_with_no_node_up_it_says_so(bench_cluster: LocalCluster, tmp_path: Path)
         asyncio.run(go())
 
 
-def test_a_markdown_file_that_cannot_be_written_is_refused_before_measuring(
+def test_what_would_waste_a_run_is_refused_before_measuring(
     bench_cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """It was written last, so a typo in its folder cost the whole run's minutes."""
+    """A `--markdown` file was written last, so a typo in its folder cost the whole run's
+    minutes; `--size stream_tokens=64000` (a typo for 64) asked for hours of decoding.
+    Each is refused in words naming it (a size with its bounds and its default), and
+    nothing is measured."""
     inventory = tmp_path / "cluster.toml"
     inventory.write_text(dump_inventory(bench_cluster.inventory))
     home = tmp_path / "home"
+    missing = tmp_path / "no" / "run.md"
+    sizes = (
+        ("stream_tokens=64000", "stream_tokens must be between 1 and 4096, not 64000"),
+        ("stream_counts=1,2,4,80", "stream_counts must each be between 1 and 64, not 80"),
+        ("group_reps=500000", "group_reps must be between 1 and 1000, not 500000"),
+        ("prompt_tokens=1280000", "prompt_tokens must be between 1 and 32768"),
+    )
+    cases = [
+        (["--markdown", str(missing)], [f"--markdown {missing}", "there is no folder"]),
+        (["--markdown", str(tmp_path)], [f"--markdown {tmp_path}", "is a folder"]),
+        *(
+            ([f"--size={size}"], [f"--size: {words}", f"give {size.partition('=')[0]} a value"])
+            for size, words in sizes
+        ),
+    ]
     os.environ["STUDIOTUI_HOME"] = str(home)
     try:
-        for where, words in (
-            (tmp_path / "no" / "run.md", "there is no folder"),
-            (tmp_path, "is a folder"),
-        ):
+        for args, expected in cases:
             capsys.readouterr()
-            argv = ["-i", str(inventory), "benchmark", *TINY_ARGS, "--markdown", str(where)]
-            assert main(argv) == 2
+            assert main(["-i", str(inventory), "benchmark", *TINY_ARGS, *args]) == 2
             err = capsys.readouterr().err
-            assert f"--markdown {where}" in err and words in err, err
-            assert "Traceback" not in err
+            assert all(words in err for words in expected), err
+            assert "Traceback" not in err and "asking the nodes" not in err
             assert bm.saved(home) == []  # nothing was measured
     finally:
         os.environ.pop("STUDIOTUI_HOME", None)
@@ -217,9 +241,6 @@ def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(
     name = bench_cluster.inventory.names[0]
     agent = psutil.Process(bench_cluster.pids[name])
 
-    def measuring() -> list[psutil.Process]:
-        return [p for p in agent.children() if "worker.device_bench" in " ".join(p.cmdline())]
-
     async def go() -> None:
         ctl = bench_cluster.controller()
         peer = ctl.peer(name)
@@ -230,19 +251,46 @@ def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(
                 await peer.request("device_bench", timeout=30, sizes=bad)
             long = {"matmul_n": 256, "copy_mib": 4, "seconds": 30.0}
             task = asyncio.create_task(peer.request("device_bench", timeout=60, sizes=long))
-            deadline = time.monotonic() + 20
-            while not measuring():
-                assert time.monotonic() < deadline, "no measuring process appeared"
-                await asyncio.sleep(0.1)
+            measuring = await first_child(agent, DEVICE_BENCH)
             # The agent's loop is free while its device is measured.
             assert (await peer.request("hello", timeout=3))["name"] == name
             with pytest.raises(AgentError, match="already runs"):
                 await peer.request("device_bench", timeout=5, sizes=long)
-            os.kill(measuring()[0].pid, signal.SIGKILL)
+            os.kill(measuring.pid, signal.SIGKILL)
             with pytest.raises(AgentError, match="SIGKILL"):
                 await task
             assert (await peer.request("hello", timeout=3))["name"] == name
-            assert measuring() == []
+            assert children(agent, DEVICE_BENCH) == []
+        finally:
+            await ctl.close()
+
+    asyncio.run(go())
+
+
+def test_a_given_up_measurement_ends_on_the_node_at_once(bench_cluster: LocalCluster) -> None:
+    """Cancelling a run (Esc on the Benchmark screen, Ctrl-C) while a node measures its
+    device ends the node's measuring process: the next measurement starts at once, not
+    after the given-up one's remaining seconds ("a benchmark already runs")."""
+    name = bench_cluster.inventory.names[0]
+    agent = psutil.Process(bench_cluster.pids[name])
+
+    async def go() -> None:
+        ctl = bench_cluster.controller()
+        try:
+            # 30 s a figure, four figures: two minutes of measuring if left to run.
+            slow = replace(TINY, seconds=30.0)
+            task = asyncio.create_task(Benchmark(ctl, [name], slow).run())
+            measuring = await first_child(agent, DEVICE_BENCH, task)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert not measuring.is_running() or measuring.status() == psutil.STATUS_ZOMBIE
+            assert children(agent, DEVICE_BENCH) == []
+            again = await ctl.peer(name).request(
+                "device_bench", timeout=60, sizes=TINY.device_spec()
+            )
+            figures = ctl.peer(name).read(again, control.DeviceBenchDone).figures
+            assert figures.matmul and all(f.gflops > 0 for f in figures.matmul.values())
         finally:
             await ctl.close()
 
@@ -271,26 +319,16 @@ def test_a_rank_killed_mid_product_fails_the_group_alone(bench_cluster: LocalClu
     names = list(bench_cluster.inventory.names)
     victim = psutil.Process(bench_cluster.pids[names[1]])
 
-    def ranks(agent: psutil.Process) -> list[psutil.Process]:
-        found = []
-        for p in agent.children():
-            with contextlib.suppress(psutil.Error):
-                if "spec.json" in " ".join(p.cmdline()):
-                    found.append(p)
-        return found
-
     async def go() -> bm.Run:
         ctl = bench_cluster.controller()
         try:
-            # Enough steps of the product that it is still running when its rank dies.
-            long = replace(TINY, group_reps=100_000, stream_counts=())
+            # Enough steps of the product (the most a run may ask, of a product sized
+            # to a few ms) that it is still running when its rank dies.
+            long = replace(TINY, matmul_n=512, group_reps=1000, stream_counts=())
             task = asyncio.create_task(Benchmark(ctl, None, long).run())
-            deadline = time.monotonic() + 60
-            while not ranks(victim):
-                assert time.monotonic() < deadline and not task.done(), "no rank appeared"
-                await asyncio.sleep(0.1)
+            await first_child(victim, RANK, task, within=60)
             await asyncio.sleep(0.5)
-            for rank in ranks(victim):
+            for rank in children(victim, RANK):
                 rank.send_signal(signal.SIGKILL)
             run = await asyncio.wait_for(task, 60)
             for name in names:  # both agents answer, no rank is left anywhere
@@ -305,4 +343,4 @@ def test_a_rank_killed_mid_product_fails_the_group_alone(bench_cluster: LocalClu
     assert names[1] in group.error and "SIGKILL" in group.error, group.error
     assert [n.name for n in run.nodes if not n.error] == names and len(run.links) == 1
     for pid in bench_cluster.pids.values():
-        assert ranks(psutil.Process(pid)) == []
+        assert children(psutil.Process(pid), RANK) == []

@@ -57,6 +57,13 @@ def test_device_sizes_out_of_bounds_are_refused(spec: dict, word: str) -> None:
         device_bench.check_spec(spec)
 
 
+def test_a_rank_refuses_endless_steps_before_joining_its_group() -> None:
+    # No group environment here: a rank that got as far as joining would fail otherwise.
+    for reps in (1001, 10**9, "many"):
+        with pytest.raises(device_bench.SpecError, match="reps must be between 1 and 1000"):
+            device_bench.group_run({"n": 128, "reps": reps})
+
+
 def _sizes(**asked: object) -> control.LinkSizes:
     msg = {"type": "measure_links", "peers": [], "sizes": asked}
     return control.parse(msg, control.MeasureLinks).sizes
@@ -95,6 +102,35 @@ def test_sizes_overrides_are_checked_before_anything_runs() -> None:
         with pytest.raises(BenchmarkError, match=word):
             Sizes().changed(bad)
     assert Sizes().problem() == "" and Sizes.quick().problem() == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "words", "default"),
+    [
+        ("stream_tokens", 100000, "must be between 1 and 4096, not 100000", "64"),
+        ("prompt_tokens", 1280000, "must be between 1 and 32768, not 1280000", "128"),
+        ("group_reps", 50000, "must be between 1 and 1000, not 50000", "5"),
+        ("stream_counts", (1, 2, 4, 800), "must each be between 1 and 64, not 800", "1,2,4,8"),
+        ("stream_counts", (1,) * 17, "may list at most 16 counts, not 17", "1,2,4,8"),
+    ],
+)
+def test_run_sizes_have_upper_bounds(
+    name: str, value: int | tuple[int, ...], words: str, default: str
+) -> None:
+    """A typo (an extra zero or two) would ask for hours of decoding or products: the
+    size is refused naming itself, its bounds and its default."""
+    text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    with pytest.raises(BenchmarkError) as caught:
+        Sizes().changed([f"{name}={text}"])
+    assert caught.value.message == f"--size: {name} {words}"
+    assert caught.value.hint == f"give {name} a value within them (the default is {default})"
+    # Sizes made in code (the dashboard's) meet the same bounds.
+    assert replace(Sizes(), **{name: value}).problem() == f"{name} {words}"
+
+
+def test_run_sizes_at_their_bounds_are_taken() -> None:
+    sizes = Sizes().changed(["stream_tokens=4096", "group_reps=1000", "stream_counts=1,64"])
+    assert (sizes.stream_tokens, sizes.group_reps, sizes.stream_counts) == (4096, 1000, (1, 64))
 
 
 def test_plan_steps_orders_nodes_links_group_placements() -> None:

@@ -13,6 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from worker.cpu_fusion import (
+    DecodeCompiledMoE,
     DecodeRMSNorm,
     DecodeRoPE,
     PretransposedLinear,
@@ -21,7 +22,7 @@ from worker.cpu_fusion import (
     rotate,
 )
 from worker.shard import load_shard
-from worker.shared.demo_model import FAMILIES, MOE, DemoSpec, write_demo_model
+from worker.shared.demo_model import FAMILIES, HAS_EXPERTS, MOE, DemoSpec, write_demo_model
 
 FUSED = (DecodeRoPE, DecodeRMSNorm, PretransposedLinear)
 
@@ -107,6 +108,46 @@ def test_a_fused_shard_computes_what_the_plain_one_does(
             outs.append(shard.logits(h))
             token[i] = mx.argmax(outs[-1])
         assert mx.array_equal(outs[0], outs[1]).item(), f"{arch} fused differs"
+    compiled = [m for m in fused.inner.modules() if isinstance(m, DecodeCompiledMoE)]
+    if arch in HAS_EXPERTS:
+        # Every expert block ran compiled (none fell back to the plain one).
+        assert compiled and all(m.compiled for m in compiled), arch
+    else:
+        assert not compiled, arch
+
+
+def test_a_moe_block_that_cannot_be_traced_runs_as_it_is() -> None:
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    class Routed(nn.Module):
+        def __init__(self, reads_a_value: bool) -> None:
+            super().__init__()
+            self.gate = nn.Linear(16, 4)
+            self.switch_mlp = SwitchGLU(16, 32, 4)
+            self.reads_a_value = reads_a_value
+
+        def __call__(self, x: mx.array) -> mx.array:
+            inds = mx.argpartition(self.gate(x), kth=-2, axis=-1)[..., -2:]
+            if self.reads_a_value and inds.max().item() > 9:  # a value read in Python
+                return x
+            return self.switch_mlp(x, inds).sum(axis=-2)
+
+    one = mx.random.normal((1, 1, 16), key=mx.random.key(7))
+    many = mx.random.normal((1, 5, 16), key=mx.random.key(8))
+    for reads in (False, True):
+        block = Routed(reads)
+        want_one, want_many = block(one), block(many)
+        holder = nn.Module()
+        holder.mlp = block
+        assert fuse_for_cpu([holder]) == 2  # the router's Linear, and the block
+        assert isinstance(holder.mlp, DecodeCompiledMoE)
+        assert mx.array_equal(holder.mlp(one), want_one).item()
+        assert mx.array_equal(holder.mlp(many), want_many).item()  # prefill: not compiled
+        assert holder.mlp.compiled is not reads  # only the untraceable one fell back
+    tensor_rank = nn.Module()
+    tensor_rank.mlp = Routed(False)
+    fuse_for_cpu([tensor_rank], compile_moe=False)  # a tensor-parallel rank's blocks
+    assert type(tensor_rank.mlp) is Routed
 
 
 def test_fusion_swaps_only_on_the_cpu_and_only_exact_types() -> None:

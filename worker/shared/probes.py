@@ -16,7 +16,7 @@ import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 __all__ = [
     "LINK_KIND_LABELS",
@@ -38,6 +38,7 @@ __all__ = [
     "Psi",
     "RdmaStatus",
     "RdmaSummary",
+    "RdmaVerdict",
     "ThunderboltBus",
     "ThunderboltItem",
     "ThunderboltPort",
@@ -1301,7 +1302,21 @@ _BRIDGE_STEP = (
 )
 
 
-def rdma_enable_steps(summary: RdmaSummary, os_name: str, os_version: str) -> list[str]:
+class RdmaVerdict(Protocol):
+    """What the steps depend on: an RdmaSummary on the node, the agent's typed report
+    (protocol.rdma.RdmaFacts) on the operator."""
+
+    @property
+    def usable(self) -> bool: ...
+
+    @property
+    def devices(self) -> tuple[str, ...]: ...
+
+    @property
+    def bridge_members(self) -> tuple[str, ...]: ...
+
+
+def rdma_enable_steps(summary: RdmaVerdict, os_name: str, os_version: str) -> list[str]:
     """Steps a human follows to turn RDMA over Thunderbolt on for this node, or
     one sentence saying why it cannot be done here."""
     if os_name.strip().lower() not in _MAC_NAMES:

@@ -20,7 +20,15 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import DataTable, Static
 
-from studiotui.app.render import bar, fit_hops, join_hops, rich_colour, ring_hops, wrap_hops
+from studiotui.app.render import (
+    Drawing,
+    bar,
+    fit_hops,
+    join_hops,
+    rich_colour,
+    ring_hops,
+    wrap_hops,
+)
 from studiotui.core.placement import format_bytes
 from studiotui.core.rates import Rates
 from studiotui.core.state import PlacementState
@@ -38,6 +46,7 @@ _COLUMNS = (
     "ring",
 )
 _RING_MIN = 16
+RING_LINES = 3  # the most the ring under the table takes from the table's rows
 _STATE_COLOUR = {"ready": "success", "failed": "error", "broken": "error"}
 RATE_WINDOW_S = 5.0
 
@@ -146,13 +155,16 @@ class PlacementsPane(Vertical):
         )
         table: DataTable[Any] = DataTable(cursor_type="row", id="placements-table")
         yield table
-        yield Static(id="placement-ring")
+        # Drawn at the width it really has (the pane's width is not known yet at the
+        # first telemetry, and a ring folded for 80 cells was refolded by the terminal).
+        yield Drawing(self._ring_lines, id="placement-ring")
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         for column in _COLUMNS:
             table.add_column(column, key=column.split()[0])
         self.query_one("#place-progress").display = False
+        self.query_one("#placement-ring").styles.max_height = RING_LINES
 
     def show(
         self, placements: tuple[PlacementState, ...], theme: str, colours: dict[str, str]
@@ -221,18 +233,29 @@ class PlacementsPane(Vertical):
 
     def _show_ring(self) -> None:
         """The full ring of the placement under the cursor, folded between hops."""
-        line = self.query_one("#placement-ring", Static)
+        line = self.query_one("#placement-ring", Drawing)
+        line.display = self._ring_placement() is not None
+        line.redraw()
+
+    def _ring_placement(self) -> PlacementState | None:
         name = self.selected
-        placement = next((p for p in self.shown if p.name == name), None)
-        line.display = placement is not None
+        return next((p for p in self.shown if p.name == name), None)
+
+    def _ring_lines(self, width: int) -> Content:
+        """The ring with its nodes' names, or with the short names of the table's ring
+        column when the names would take more than RING_LINES lines."""
+        placement = self._ring_placement()
         if placement is None:
-            return
+            return Content("")
         head = Content.assemble(("ring ", "$text-muted"), (placement.name, "bold"), "  ")
         if "×" in placement.shape:
             head = Content.assemble(head, (f"{placement.shape}  ", "$text-muted"))
-        width = self.query_one(DataTable).size.width or 80
-        hops = ring_hops(placement, closed=True)
-        line.update(Content("\n").join(wrap_hops(head, hops, width, Content(""))))
+        for short in (False, True):
+            hops = ring_hops(placement, short=short, closed=True)
+            lines = wrap_hops(head, hops, width, Content(""))
+            if len(lines) <= RING_LINES:
+                break
+        return Content("\n").join(lines)
 
     @property
     def selected(self) -> str | None:

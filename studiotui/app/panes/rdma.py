@@ -1,8 +1,10 @@
 """The RDMA pane: per node whether RDMA over Thunderbolt works, and how to turn it on.
 
-The verdict comes from the agent's `facts["rdma"]` (a serialised
-`worker.shared.probes.RdmaSummary`) when the agent probes it; otherwise the pane says why
-RDMA cannot exist on that node. Nodes that need the same steps share one list.
+The verdict comes from the agent's `facts["rdma"]`, read once at this edge as the typed
+`worker.shared.protocol.rdma.RdmaFacts` it is sent as (`read_rdma`); otherwise the pane
+says why RDMA cannot exist on that node. A report this operator cannot read (an agent
+older than it sends another shape) is named as such, with the command that updates the
+agent, rather than breaking the pane. Nodes that need the same steps share one list.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from textual.content import Content
 from studiotui.app.render import Drawing, wrapped
 from studiotui.core.members import cables
 from studiotui.core.state import NodeState
-from worker.shared.probes import MIN_RDMA_MACOS, RdmaSummary, rdma_enable_steps
+from worker.shared.probes import MIN_RDMA_MACOS, rdma_enable_steps
+from worker.shared.protocol.messages import MessageError
+from worker.shared.protocol.rdma import RdmaFacts, read_rdma
 
 _MAC_NAMES = ("darwin", "macos", "mac os x", "macosx", "osx")
+TOO_OLD = "agent too old"
 
 
 @dataclass(frozen=True)
@@ -30,26 +35,23 @@ class RdmaView:
     steps: tuple[str, ...]
 
 
-def _summary(raw: Any) -> RdmaSummary | None:
-    if not isinstance(raw, dict):
-        return None
+@dataclass(frozen=True)
+class Unreadable:
+    """A `facts["rdma"]` that does not read as RdmaFacts: why, in the reader's words."""
 
-    def names(key: str) -> tuple[str, ...]:
-        value = raw.get(key) or ()
-        return tuple(str(v) for v in value) if isinstance(value, list | tuple) else ()
+    why: str
 
-    status = raw.get("status")
-    return RdmaSummary(
-        status=status if status in ("enabled", "disabled") else "unknown",
-        usable=bool(raw.get("usable")),
-        devices=names("devices"),
-        interfaces=names("interfaces"),
-        active_devices=names("active_devices"),
-        bridge_exists=bool(raw.get("bridge_exists")),
-        bridge_members=names("bridge_members"),
-        bridge_active=bool(raw.get("bridge_active")),
-        notes=names("notes"),
-    )
+
+def typed_rdma(node: NodeState) -> RdmaFacts | Unreadable | None:
+    """The node's `facts["rdma"]` as RdmaFacts; None while its agent has not probed yet."""
+    try:
+        return read_rdma(node.facts.get("rdma") or None)
+    except MessageError as exc:
+        return Unreadable(str(exc))
+
+
+def update_step(node: str) -> str:
+    return f"Update the agent on {node} to this operator's build: studiotui provision {node}"
 
 
 def _version(text: str) -> tuple[int, int] | None:
@@ -62,16 +64,12 @@ def _version(text: str) -> tuple[int, int] | None:
 
 def rdma_view(node: NodeState) -> RdmaView:
     facts = node.facts
-    os_name = str(facts.get("os") or node.os or "")
-    os_version = str(facts.get("os_version") or "")
-    summary = _summary(facts.get("rdma"))
-    steps = tuple(
-        rdma_enable_steps(
-            summary or RdmaSummary(status="unknown", usable=False, devices=(), interfaces=()),
-            os_name,
-            os_version,
-        )
-    )
+    report = typed_rdma(node)
+    typed = report if isinstance(report, RdmaFacts) else None
+    os_name = str(facts.get("os") or node.os or (typed.os if typed else ""))
+    os_version = str(facts.get("os_version") or (typed.os_version if typed else ""))
+    # Nothing reported (yet): the steps for a Mac whose RDMA state is unknown.
+    steps = tuple(rdma_enable_steps(typed or RdmaFacts(), os_name, os_version))
     if not os_name:
         return RdmaView(node.name, "unknown until the node answers", "$text-muted", ())
     if os_name.strip().lower() not in _MAC_NAMES:
@@ -79,15 +77,35 @@ def rdma_view(node: NodeState) -> RdmaView:
     version = _version(os_version)
     if version is not None and version < MIN_RDMA_MACOS:
         return RdmaView(node.name, f"not macOS 26.2+ ({os_version})", "$warning", steps)
-    if summary is None and node.state != "up":
+    if isinstance(report, Unreadable):
+        status = f"{TOO_OLD}: its RDMA report does not read here ({report.why})"
+        return RdmaView(node.name, status, "$warning", (update_step(node.name),))
+    if typed is None and node.state != "up":
         return RdmaView(node.name, f"unknown while the node is {node.state}", "$text-muted", ())
-    if summary is None:
-        return RdmaView(node.name, "not probed by this agent", "$text-muted", steps)
-    if summary.usable:
-        active = summary.active_devices or summary.devices
-        return RdmaView(node.name, f"enabled ({', '.join(active)})", "$success", steps)
-    notes = f": {summary.notes[0]}" if summary.notes else ""
-    return RdmaView(node.name, f"{summary.status}{notes}", "$error", steps)
+    if typed is None:
+        return RdmaView(node.name, "not probed by this agent yet", "$text-muted", steps)
+    if typed.usable:
+        active = typed.active_devices or typed.devices
+        status = f"enabled ({', '.join(active)})"
+        if not _reports_ports(node):
+            # Reported before agents named their Thunderbolt ports: no cable can be
+            # matched, so JACCL's device matrix cannot be made for this node.
+            return RdmaView(
+                node.name,
+                f"{status}; {TOO_OLD} to report its ports",
+                "$warning",
+                (*steps, update_step(node.name)),
+            )
+        return RdmaView(node.name, status, "$success", steps)
+    notes = f": {typed.notes[0]}" if typed.notes else ""
+    return RdmaView(node.name, f"{typed.status}{notes}", "$error", steps)
+
+
+def _reports_ports(node: NodeState) -> bool:
+    """Whether the report has a `ports` field at all (empty or not): every agent since
+    the ports were added sends it, typed or not, so its absence dates the agent."""
+    raw = node.facts.get("rdma")
+    return isinstance(raw, dict) and "ports" in raw
 
 
 def rdma_content(nodes: tuple[NodeState, ...], width: int = 0) -> Content:

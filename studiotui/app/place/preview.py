@@ -21,6 +21,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.geometry import Region
 from textual.screen import ModalScreen
 
 from studiotui.app.guard import guard_actions
@@ -250,24 +251,42 @@ def shape_lines(
     shapes: Sequence[tuple[int, Plan | Refusal, Forecast | None]],
     shown: Plan | None,
     node_count: int,
+    width: int = 200,
 ) -> list[Content]:
     """Each shape that divides, with its forecast or why it does not fit; the one on
-    screen marked (its groups' backends and why are in the plan's caption above)."""
+    screen marked (its groups' backends and why are in the plan's caption above).
+
+    A forecast too long for `width` folds between its figures, under the forecast
+    column, rather than wherever the terminal breaks it."""
     lines = [Content(""), Content.styled("shapes (t cycles)  ·  forecast", "bold $text-muted")]
-    for size, verdict, guess in shapes:
+    labels = [
+        verdict.shape
+        if isinstance(verdict, Plan) and guess is not None
+        else shape_label(max(node_count // size, 1), size)
+        for size, verdict, guess in shapes
+    ]
+    column = max((len(label) for label in labels), default=0) + 2
+    indent = " " * (2 + column)
+    for (size, verdict, guess), label in zip(shapes, labels, strict=True):
         here = shown is not None and shown.tensor == size
         mark = ("▸ ", "bold $accent") if here else ("  ", "")
         if isinstance(verdict, Plan) and guess is not None:
-            lines.append(
-                Content.assemble(
-                    mark, (f"{verdict.shape:<22}", "bold" if here else ""), describe(guess)
-                )
-            )
+            head = Content.assemble(mark, (f"{label:<{column}}", "bold" if here else ""))
+            parts = describe(guess).split(" · ")
+            line = Content.assemble(head, parts[0])
+            for part in parts[1:]:
+                if line.cell_length + 3 + len(part) > width:
+                    lines.append(line)
+                    line = Content(indent + part)
+                else:
+                    line = Content.assemble(line, " · ", part)
+            lines.append(line)
         else:
             reason = verdict.reason if isinstance(verdict, Refusal) else ""
-            label = shape_label(max(node_count // size, 1), size)
             lines.append(
-                Content.assemble(mark, f"{label:<22}", ("does not fit: " + reason, "$text-muted"))
+                Content.assemble(
+                    mark, f"{label:<{column}}", ("does not fit: " + reason, "$text-muted")
+                )
             )
     return lines
 
@@ -367,6 +386,10 @@ class PreviewScreen(ModalScreen[None]):
         # base reads all of it; cached after): (done, total), or None when not hashing.
         self.hashing: tuple[int, int] | None = None
         self._hashing_shown = 0.0
+        # What the body draws above the shapes and how many lines they take (see
+        # _lines), and whether the next plan drawn should bring them into view.
+        self._shapes_at: tuple[Content, int] | None = None
+        self._to_shapes = False
 
     def compose(self) -> ComposeResult:
         with Vertical(id="preview-dialog") as dialog:
@@ -529,6 +552,9 @@ class PreviewScreen(ModalScreen[None]):
             return
         later = [size for size in fitting if now is None or size > now]
         self.tensor = later[0] if later else fitting[0]
+        # While it re-plans the body is one line and the scroll goes back to the top:
+        # bring the shapes back into view once the new plan is drawn.
+        self._to_shapes = True
         self.replan()
 
     @property
@@ -571,6 +597,25 @@ class PreviewScreen(ModalScreen[None]):
             "loading": "esc hide (loading goes on; see Placements)",
         }.get(self.phase, "esc close")
         dialog.set_class(self.phase in ("refused", "error", "failed"), "-refused")
+        if self._to_shapes and self.phase in ("plan", "refused"):
+            self._to_shapes = False
+            self.call_after_refresh(self._show_shapes)
+
+    def _show_shapes(self) -> None:
+        """Scroll so the shapes, the chosen one marked ▸, are in view (the top of the
+        plan goes out of view first on a short terminal)."""
+        body = self.query_one("#preview-body", Drawing)
+        width = body.content_size.width
+        body.content_for(width)  # drawn for this width, so `_shapes_at` is too
+        if self._shapes_at is None:
+            return
+        above, count = self._shapes_at
+        # Lines above that the terminal folds count as they are drawn (as Drawing does).
+        top = above.get_height(body.styles, width)  # type: ignore[arg-type]
+        region = Region(0, body.virtual_region.y + top, width, count)
+        self.query_one("#preview-scroll", VerticalScroll).scroll_to_region(
+            region, animate=False, immediate=True
+        )
 
     def _lines(self, width: int) -> Content:
         request = self.request
@@ -612,8 +657,11 @@ class PreviewScreen(ModalScreen[None]):
         elif isinstance(self.verdict, Plan):
             lines += plan_lines(self.verdict, state, request.name, width)
         # A refused single shape would only repeat the reason above.
+        self._shapes_at = None
         if self.phase in ("plan", "refused") and (self.plan or len(self.shapes) > 1):
-            lines += shape_lines(self.shapes, self.plan, len(request.nodes))
+            block = shape_lines(self.shapes, self.plan, len(request.nodes), width)
+            self._shapes_at = (Content("\n").join(lines), len(block))
+            lines += block
         for warning in warnings_for(state, request.nodes, request.name):
             lines.append(Content.styled(f"⚠ {warning}", "$warning"))
         if self.phase in ("loading", "ready", "failed"):

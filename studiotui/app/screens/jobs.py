@@ -5,12 +5,18 @@ from the last event it saw) and shows per node state and memory, the rates, the 
 left and the train and validation loss over iterations. Opened after a restart, it
 finds the jobs the nodes still run (`job_status`) and follows them again. `s` stops
 the selected job, `r` resumes it from its last saved adapter.
+
+Starting a job (the form, `r`) stamps the adapter with its base's identity, which the
+first time reads every byte of the base (minutes for hundreds of GB; cached beside its
+files after): that hashing runs off the loop and is shown in bytes, as the placement
+preview shows it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -19,21 +25,25 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
+from studiotui.app.panes.placements import progress_lines
 from studiotui.cluster import jobs
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.core.errors import StudioError
 from studiotui.core.jobs import JobProgress, JobWatch, Point
 from studiotui.core.placement import format_bytes
+from studiotui.core.rates import Rates
 from studiotui.core.state import LogLevel
 from studiotui.tune import finetune as ft
 
 PLOT_HEIGHT = 10
 REDRAW_EVERY_S = 0.25
+HASHING_SHOWN_EVERY_S = 0.1  # a 700 GB base reports every 4 MB: drawn 10 times a second
 TRAIN_MARK, VAL_MARK = "•", "◆"
 
 
@@ -98,6 +108,17 @@ def summary(p: JobProgress) -> str:
         f"validation loss {val} · {rate} it/s · {tokens} tok/s · ETA {duration(p.eta_s)}{saved}"
     )
     return f"{text}\n{p.message}" if p.message else text
+
+
+def hashing_content(
+    hashing: tuple[str, int, int], rates: Rates | None = None, width: int = 20
+) -> Content:
+    """The first hashing of a job's base, in bytes, as the placement preview shows it:
+    the operator's gauge beside the nodes' (placements pane)."""
+    model, done, total = hashing
+    said = f"hashing {model} to stamp the adapter with its base (once: cached)…"
+    gauge = progress_lines({"operator": (done, total)}, width, rates)
+    return Content("\n").join([Content.styled(said, "$text-muted"), *gauge])
 
 
 @guard_actions
@@ -215,6 +236,11 @@ class JobsScreen(Screen[None]):
         self.following: dict[str, asyncio.Task[Any]] = {}
         self.selected: str | None = None
         self._redraw_due = False
+        # A job being started whose base is hashed for the first time: (its model's
+        # name, bytes hashed, of); None when nothing is hashed.
+        self.hashing: tuple[str, int, int] | None = None
+        self._hashing_shown = 0.0
+        self.rates = Rates()
 
     @property
     def dash(self) -> Dashboard:
@@ -226,6 +252,7 @@ class JobsScreen(Screen[None]):
             table.border_title = "Jobs"
             yield table
             yield Static("", id="jobs-summary")
+            yield Static("", id="jobs-hashing")
             with Horizontal(id="jobs-detail"):
                 nodes: DataTable[Any] = DataTable(id="jobs-nodes", cursor_type="none")
                 nodes.border_title = "Nodes"
@@ -323,12 +350,38 @@ class JobsScreen(Screen[None]):
             return
         # Reading and checking the data may take a moment: off the screen's loop.
         prepared = await asyncio.to_thread(ft.prepare, ctl, req, resuming=resume)
-        record = await ft.launch(ctl, prepared, resume=resume)
+        model = prepared.info.name
+        try:
+            # The base's identity is hashed in a thread of launch's (asyncio.to_thread):
+            # its reports come from there.
+            record = await ft.launch(
+                ctl, prepared, resume=resume, hashing=lambda d, t: self._hashed(model, d, t)
+            )
+        finally:
+            self._show_hashing(None)
         self.records[record.name] = record
         self.watches[record.name] = JobWatch(record.name, record.kind, [*record.nodes])
         self.selected = record.name
         self.follow(record)
         self.redraw()
+
+    def _hashed(self, model: str, done: int, total: int) -> None:
+        """From the hashing thread: shown at the start, the end, and at most
+        HASHING_SHOWN_EVERY_S apart between (call_from_thread waits for the loop)."""
+        now = time.monotonic()
+        if done in (0, total) or now - self._hashing_shown >= HASHING_SHOWN_EVERY_S:
+            self._hashing_shown = now
+            self.app.call_from_thread(self._show_hashing, (model, done, total))
+
+    def _show_hashing(self, hashing: tuple[str, int, int] | None) -> None:
+        self.hashing = hashing
+        if hashing is not None:
+            self.rates.update("operator", hashing[1], hashing[2], time.monotonic())
+        if not self.is_mounted:
+            return
+        shown = self.query_one("#jobs-hashing", Static)
+        shown.display = hashing is not None
+        shown.update(hashing_content(hashing, self.rates) if hashing is not None else "")
 
     # ---- keys -----------------------------------------------------------------------------
 

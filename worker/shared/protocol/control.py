@@ -74,6 +74,9 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     kv_bytes: int = 0
     adapter: str = ""  # the placement's adapter by name ("": none)
     adapter_dir: str = ""  # where this node holds its files ("": layers it does not adapt)
+    # The plan's bytes of the adapter on this shard's layers: reported back, so that
+    # memory promised to a shard still loading counts them (controller.committed_bytes).
+    adapter_bytes: int = 0
 
 
 class TensorMember(Wire, frozen=True, kw_only=True):
@@ -267,6 +270,7 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     prefill_chunk: int = 512
     adapter: str = ""
     adapter_dir: str = ""
+    adapter_bytes: int = 0  # the plan's share of the adapter on these layers
     data_port: int = 0
     client_port: int = 0
     # A member of a tensor-parallel stage: its group port, rank, the group's nodes in
@@ -511,3 +515,9 @@ class DeviceFigures(Wire, frozen=True, kw_only=True):
 
 class DeviceBenchDone(Wire, frozen=True, kw_only=True):
     figures: DeviceFigures
+
+
+class BenchStopped(Wire, frozen=True, kw_only=True):
+    """The `ok` answer to stop_bench: how many measuring processes it ended."""
+
+    stopped: int = 0

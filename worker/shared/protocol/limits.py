@@ -117,6 +117,9 @@ DEVICE_BENCH_BOUNDS: dict[str, tuple[float, float]] = {
     "copy_mib": (1, 1 << 16),
     "seconds": (0.001, 60.0),
 }
+# The group's distributed product (a `benchmark` job's rank): timed steps, each waiting
+# for every rank in all_sum. The default is 5; an extra zero or two is minutes of work.
+GROUP_BENCH_BOUNDS: dict[str, tuple[float, float]] = {"reps": (1, 1000)}
 
 
 def out_of_bounds(values: dict[str, object], bounds: dict[str, tuple[float, float]]) -> str:

@@ -69,6 +69,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     # a node's device benchmark (worker/device_bench.py): controller -> agent, then its steps
     "device_bench": {"sizes": (dict,)},
     "bench_step": {"step": (str,)},
+    "stop_bench": {},  # the measurement asked for was given up: end its process now
     # cluster jobs (worker/jobs.py): controller -> agent, then agent -> controller
     "job_ports": {},
     "start_job": {"job": (str,), "job_kind": (str,), "rank": (int,), "size": (int,)},
