@@ -252,7 +252,14 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     batched_steps: int = 0  # decode steps that ran several requests as one batch
     batched_rows: int = 0  # the requests those steps carried
     active_bytes: int = 0
+    # The head's figures of its decode steps, medians in µs (worker.stage.RING_FIGURES):
+    # a hop, a stage's Python per frame, the ring's overhead per token (hops and every
+    # stage's Python), a token's time, and the MLX evaluation in it; None elsewhere.
     hop_us_p50: float | None = None
+    frame_us_p50: float | None = None
+    overhead_us_p50: float | None = None
+    token_us_p50: float | None = None
+    mlx_us_p50: float | None = None
 
 
 class ShardReport(Wire, frozen=True, kw_only=True):
