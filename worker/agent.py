@@ -146,6 +146,7 @@ class ShardProc:
             "adapter": self.spec.get("adapter", ""),
             "adapter_dir": self.spec.get("adapter_dir", ""),
             "adapter_bytes": self.spec.get("adapter_bytes", 0),
+            "weight_bytes": self.spec.get("weight_bytes", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "group_port": self.group_port,
@@ -373,8 +374,19 @@ class Agent:
         ):
             data_port, client_port = req.data_port, req.client_port
         group_port = rest[0] if rest else 0
+        # The plan's memory for the shard, reported with it from now (describe): its
+        # files may take hours to copy here, and meanwhile that memory is promised.
+        promise = {
+            "weight_bytes": req.weight_bytes,
+            "kv_bytes": req.kv_bytes,
+            "adapter_bytes": req.adapter_bytes,
+        }
         self.shards[name] = ShardProc(
-            placement=name, data_port=data_port, client_port=client_port, group_port=group_port
+            placement=name,
+            data_port=data_port,
+            client_port=client_port,
+            group_port=group_port,
+            spec=promise,
         )
         await self._reply(
             ident,
@@ -417,6 +429,8 @@ class Agent:
             "adapter": req.adapter,
             "adapter_dir": req.adapter_dir,
             "adapter_bytes": req.adapter_bytes,
+            # Said at prepare_shard; weights not read yet stay promised while it loads.
+            "weight_bytes": shard.spec.get("weight_bytes", 0),
         }
         run_dir = self.config.home / "shards"
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import msgspec
@@ -472,6 +472,8 @@ class Runner:
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         # Bounded: past MAX_QUEUED_WORK what is unread waits in ZeroMQ's queue, whose
         # high-water mark pushes back on the sender, instead of in this process.
+        # The poll said a message is there; after it, the socket's events say whether
+        # another is, cheaper than a recv failing with an exception.
         while len(self.work) < MAX_QUEUED_WORK:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -483,8 +485,11 @@ class Runner:
                 assert self.stage is not None
                 self.stage.stats.dropped += 1
                 print(f"dropped a message:\n{traceback.format_exc()}", file=sys.stderr)
+            if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                return
 
     def _on_ring(self, frames: list[zmq.Frame]) -> None:
+        arrived = time.perf_counter()  # the recv has just returned: where a hop ends
         assert self.stage is not None
         if len(frames) != 2 or curve.sender(frames[0]) not in self.ring_keys:
             # Malformed, or from a key revoked since its connection was made.
@@ -492,10 +497,12 @@ class Runner:
             return
         header_bytes, payload = frames[0].bytes, frames[1].buffer
         self.work.append(
-            Outside(self._ring_job(header_bytes, payload), [RING, header_bytes, payload])
+            Outside(self._ring_job(header_bytes, payload, arrived), [RING, header_bytes, payload])
         )
 
-    def _ring_job(self, header_bytes: bytes, payload: bytes | memoryview) -> Callable[[], None]:
+    def _ring_job(
+        self, header_bytes: bytes, payload: bytes | memoryview, arrived: float | None = None
+    ) -> Callable[[], None]:
         assert self.stage is not None
         stage = self.stage
         try:
@@ -507,7 +514,7 @@ class Runner:
                 bad = RingHeader(rid=exc.rid, kind="error", message=f"bad frame: {exc}")
                 return lambda: stage.on_frame(bad, b"")
             return lambda: None
-        return self._for_request(header.rid, lambda: stage.on_frame(header, payload))
+        return self._for_request(header.rid, lambda: stage.on_frame(header, payload, arrived))
 
     def _generate_job(self, client: bytes, msg: dict[str, Any]) -> Callable[[], None]:
         assert self.stage is not None
@@ -568,7 +575,10 @@ class Runner:
             "batched_steps": s.batched,
             "batched_rows": s.batched_rows,
             "active_bytes": mx.get_active_memory(),
-            "hop_us_p50": statistics.median(self.stage.hop_us) if self.stage.hop_us else None,
+            **{
+                f"{name}_us_p50": statistics.median(values) if values else None
+                for name, values in self.stage.ring_us.items()
+            },
         }
 
     def _emit_stats(self, interval: float) -> None:

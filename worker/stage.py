@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -34,6 +34,12 @@ _NP_VIEW: dict[str, type[np.generic]] = {
 _MX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _DTYPE_NAME = {v: k for k, v in _MX_DTYPE.items()}
 _MX_OF = {np.int32: mx.int32, np.float32: mx.float32, np.float16: mx.float16, np.uint16: mx.uint16}
+# What the head measures of each decode step's round (`Stage._ring_figures`), in µs:
+# a hop (a send call to the next stage's recv returning), a stage's own time with a
+# frame less MLX's evaluation (its Python), the step's time less every stage's MLX
+# evaluation (the ring's whole overhead), the step's time, and the MLX evaluation.
+RING_FIGURES = ("hop", "frame", "overhead", "token", "mlx")
+_T = TypeVar("_T")
 
 
 class Links(Protocol):
@@ -78,7 +84,6 @@ class Launched:
 
     header: RingHeader
     out: Any  # the activation (or sampled token, or cache state) being evaluated
-    began: float
 
 
 @dataclass(frozen=True)
@@ -193,7 +198,10 @@ class Stage:
         ] = {}
         self.max_waiting = WAITING_PER_STREAM * self.streams
         self.sent_at: dict[str, float] = {}
-        self.hop_us: deque[float] = deque(maxlen=512)
+        self.ring_us = {name: deque[float](maxlen=512) for name in RING_FIGURES}
+        # The frame (or job) in hand: when it arrived, and how long MLX has evaluated since.
+        self.frame_began = time.perf_counter()
+        self.frame_mlx_s = 0.0
         self.vocab = int(shard.config.get("vocab_size", 0))
         self.hidden = hidden_size(shard.config)
         # A lone stage is never idle between steps: it builds each step on the lazy
@@ -329,6 +337,7 @@ class Stage:
         def step() -> None:
             if rid not in self.head_requests:
                 return
+            self._start_frame()
             remaining = len(prompt) - done - 1
             if remaining > 0:
                 n = min(self.prefill_chunk, remaining)
@@ -366,7 +375,11 @@ class Stage:
 
     # ---- every stage: ring frames ----------------------------------------------------
 
-    def on_frame(self, header: RingHeader, payload: bytes | memoryview) -> None:
+    def on_frame(
+        self, header: RingHeader, payload: bytes | memoryview, arrived: float | None = None
+    ) -> None:
+        """A ring frame; `arrived` is when its socket's recv returned (default: now)."""
+        self._start_frame(arrived)
         kind = header.kind
         if kind in ("prefill", "decode"):
             if self.shard.is_first:
@@ -420,7 +433,6 @@ class Stage:
         self, header: RingHeader, h: mx.array | None = None, pre: Prebuilt | None = None
     ) -> Launched:
         """Start this shard's layers on `h`, or the step prebuilt for this frame."""
-        began = time.perf_counter()
         if pre is not None:
             out: Any = pre.out
         else:
@@ -432,23 +444,24 @@ class Stage:
                     out = self._tail(header).sampler.draw(self.shard.logits(out))
                 else:
                     out = [c.state for c in cache]  # a prefill chunk only fills the cache
-        mx.async_eval(out)
-        return Launched(header=header, out=out, began=began)
+        self._mlx(mx.async_eval, out)
+        return Launched(header=header, out=out)
 
     def _complete(self, step: Launched) -> None:
-        header, out, began, rid = step.header, step.out, step.began, step.header.rid
+        header, out, rid = step.header, step.out, step.header.rid
         if header.batch:
             self._complete_batch(step)
             return
         if self.shard.is_last:
             if header.kind == "decode":
-                self._sample(header, out, began)
+                self._sample(header, out)
             else:
-                mx.eval(out)
+                self._mlx(mx.eval, out)
             return
         if header.kind == "decode" and self.prebuild:
             self._build_ahead(header)
-        mx.eval(out)
+        self._mlx(mx.eval, out)
+        extra = self._carry(header.extra)
         if self.shard.is_first and header.kind == "decode":
             self.sent_at[rid] = time.perf_counter()
         self.links.to_next(
@@ -459,7 +472,7 @@ class Stage:
                 dtype=dtype_name(out),
                 shape=tuple(out.shape),
                 params=header.params,
-                extra=_add_work(header.extra, began, not self.shard.is_first),
+                extra=extra,
             ),
             out,
         )
@@ -478,7 +491,8 @@ class Stage:
                 return
             if len(keep) < len(rows):
                 out, rows = out[mx.array(keep)], tuple(rows[i] for i in keep)
-        mx.eval(out)
+        self._mlx(mx.eval, out)
+        extra = self._carry(header.extra)
         if self.shard.is_first:
             self.sent_at[header.rid] = time.perf_counter()
         self.links.to_next(
@@ -487,7 +501,7 @@ class Stage:
                 dtype=dtype_name(out),
                 shape=tuple(out.shape),
                 batch=rows,
-                extra=_add_work(header.extra, step.began, not self.shard.is_first),
+                extra=extra,
             ),
             out,
         )
@@ -584,9 +598,7 @@ class Stage:
             self.tail_requests[header.rid] = req
         return req
 
-    def _sample(
-        self, header: RingHeader, drawn: mx.array | tuple[mx.array, ...], began: float
-    ) -> None:
+    def _sample(self, header: RingHeader, drawn: mx.array | tuple[mx.array, ...]) -> None:
         rid = header.rid
         req = self._tail(header)
         sampled = drawn[0] if isinstance(drawn, tuple) else drawn
@@ -595,7 +607,7 @@ class Stage:
                 self._speculate(header, req, sampled)
             elif self.prebuild:
                 self._build_ahead(header)
-        token = int(cast(int, sampled.item()))
+        token = int(cast(int, self._mlx(sampled.item)))
         req.generated += 1
         self.stats.tokens += 1
         # The token goes back at once; the head turns it into text (and looks for stop
@@ -610,7 +622,7 @@ class Stage:
             self.caches.pop(rid, None)
             self.prebuilt.pop(rid, None)  # built for a step that will not come
             self.slots.pop(rid, None)
-        extra = _add_work(header.extra, began, not self.shard.is_first)
+        extra = self._carry(header.extra)
         if isinstance(drawn, tuple):
             extra["logprobs"] = _logprobs(drawn)
         self.links.to_head(
@@ -644,10 +656,7 @@ class Stage:
         now = time.perf_counter()
         sent = self.sent_at.pop(rid, None)
         if sent is not None and self.hops > 1:
-            # Ring time less the work done on the other shards is what the hops cost;
-            # no clocks are compared across nodes.
-            work = float(header.extra.get("work_us", 0.0))
-            self.hop_us.append(max(0.0, ((now - sent) * 1e6 - work) / self.hops))
+            self._ring_figures(self.frame_began - sent, header.extra)
         if req.first_token_at is None:
             req.first_token_at = now
         req.generated += 1
@@ -732,6 +741,7 @@ class Stage:
             self.schedule(lambda: self._lane_step(lane))
 
     def _lane_step(self, lane: Lane) -> None:
+        self._start_frame()
         step = self._lane_launch(lane)
         if step is not None:
             self._complete_lane(step)
@@ -774,8 +784,7 @@ class Stage:
         now = time.perf_counter()
         sent = self.sent_at.pop(header.rid, None)
         if sent is not None and self.hops > 1:
-            work = float(header.extra.get("work_us", 0.0))
-            self.hop_us.append(max(0.0, ((now - sent) * 1e6 - work) / self.hops))
+            self._ring_figures(self.frame_began - sent, header.extra)
         arrived: list[tuple[str, HeadRequest, RingHeader]] = []
         for rid, token, finish, drawn in header.batch:
             req = self.head_requests.get(rid)
@@ -853,7 +862,6 @@ class Stage:
         (decoded alone so far) on its own cache, with the step built ahead for it if
         there is one. The joiners' caches then join the batch (mlx-lm's `merge` and
         `extend`); rows the frame no longer names left it (finished) and are dropped."""
-        began = time.perf_counter()
         gid, batch = header.rid, [(str(row[0]), int(row[1])) for row in header.batch]
         named = {rid for rid, _ in batch}
         group = self.groups.get(gid)
@@ -935,11 +943,11 @@ class Stage:
         result: Any
         if last:
             result = BatchDraw(rows=tuple(done), greedy=greedy, draws=draws)
-            mx.async_eval([x for x in (greedy, *draws.values()) if x is not None])
+            self._mlx(mx.async_eval, [x for x in (greedy, *draws.values()) if x is not None])
         else:
             result = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-            mx.async_eval(result)
-        return Launched(header=replace(header, batch=rows_done), out=result, began=began)
+            self._mlx(mx.async_eval, result)
+        return Launched(header=replace(header, batch=rows_done), out=result)
 
     def _input(self, header: RingHeader, rows: np.ndarray) -> mx.array:
         """A step's input from its rows' bytes: token ids on the head, else activations
@@ -1005,7 +1013,7 @@ class Stage:
         tokens: dict[str, int] = {}
         if drawn.greedy is not None:
             greedy_rows = [rid for rid in drawn.rows if rid not in drawn.draws]
-            values = cast(list[int], drawn.greedy.tolist())
+            values = cast(list[int], self._mlx(drawn.greedy.tolist))
             tokens.update(zip(greedy_rows, values, strict=True))
         rows: list[tuple[Any, ...]] = []
         for rid in drawn.rows:
@@ -1015,7 +1023,7 @@ class Stage:
             own = drawn.draws.get(rid)
             if own is not None:
                 sampled = own[0] if isinstance(own, tuple) else own
-                tokens[rid] = int(cast(int, sampled.item()))
+                tokens[rid] = int(cast(int, self._mlx(sampled.item)))
             token = tokens[rid]
             req.generated += 1
             self.stats.tokens += 1
@@ -1029,7 +1037,7 @@ class Stage:
                 self._leave_group(rid)
             logprobs = _logprobs(own) if isinstance(own, tuple) else None
             rows.append((rid, token, finish, logprobs))
-        extra = _add_work(header.extra, step.began, not self.shard.is_first)
+        extra = self._carry(header.extra)
         self.links.to_head(RingHeader(rid=header.rid, kind="token", batch=tuple(rows), extra=extra))
 
     def _logprobs_of(self, header: RingHeader) -> dict[str, Any]:
@@ -1094,6 +1102,51 @@ class Stage:
         self.tail_requests.pop(rid, None)
         if forward and not self.shard.is_last:
             self.links.to_next(RingHeader(rid=rid, kind="free"), None)
+
+    # ---- the ring's timing -------------------------------------------------------------
+
+    def _start_frame(self, arrived: float | None = None) -> None:
+        self.frame_began = time.perf_counter() if arrived is None else arrived
+        self.frame_mlx_s = 0.0
+
+    def _mlx(self, evaluate: Callable[..., _T], *args: Any) -> _T:
+        """Wait for MLX (an `eval`, `async_eval` or `item`), counting the time: the
+        ring's figures tell it apart from the Python around it."""
+        began = time.perf_counter()
+        try:
+            return evaluate(*args)
+        finally:
+            self.frame_mlx_s += time.perf_counter() - began
+
+    def _carry(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """The step's timing so far, for the next stage's frame: the head's time with
+        its frame (`head_us`), the other stages' (`work_us`: each from its recv to
+        its send), and the MLX evaluation of them all (`mlx_us`)."""
+        spent = (time.perf_counter() - self.frame_began) * 1e6
+        mlx = float(extra.get("mlx_us", 0.0)) + self.frame_mlx_s * 1e6
+        if self.shard.is_first:
+            return {"head_us": spent, "mlx_us": mlx}
+        work = float(extra.get("work_us", 0.0)) + spent
+        return {"head_us": float(extra.get("head_us", 0.0)), "work_us": work, "mlx_us": mlx}
+
+    def _ring_figures(self, ring_s: float, extra: dict[str, Any]) -> None:
+        """(head) A decode step's round, `ring_s` from its frame's send call to its
+        token's recv, both on this node's clock: what the stages spent is in the token
+        frame, so no clocks are compared across nodes. The step's time (the head's own
+        with the frame before, plus the round) is MLX's evaluation on every stage plus
+        the ring's overhead, which is the hops plus each stage's Python."""
+        ring, head = ring_s * 1e6, float(extra.get("head_us", 0.0))
+        work, mlx = float(extra.get("work_us", 0.0)), float(extra.get("mlx_us", 0.0))
+        token = ring + head
+        figures = {
+            "hop": (ring - work) / self.hops,
+            "frame": (work + head - mlx) / self.hops,
+            "overhead": token - mlx,
+            "token": token,
+            "mlx": mlx,
+        }
+        for name, value in figures.items():
+            self.ring_us[name].append(max(0.0, value))
 
     # ---- errors ------------------------------------------------------------------------
 
@@ -1184,11 +1237,3 @@ def _describe(exc: Exception) -> str:
     if isinstance(exc, RequestError | ValueError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-def _add_work(extra: dict[str, Any], began: float, count: bool) -> dict[str, Any]:
-    """Carry the time this shard spent on the step, for the head's hop figure."""
-    if not count:
-        return {}
-    spent = (time.perf_counter() - began) * 1e6
-    return {"work_us": float(extra.get("work_us", 0.0)) + spent}

@@ -8,6 +8,9 @@
 - `bare_hop_us`: one bare CURVE ZeroMQ message between two otherwise idle processes
   on this machine (PUSH/PULL like the ring, the ring's socket options, a decode frame's
   size), half a round trip, so `hop_us_p50` reads against its floor (`hop_over_bare`).
+  Both measure the same span: from a send call (the ring header packed in it, as a
+  stage's send packs it) to the receiver's recv returning; the poll the receiver
+  slept in is inside it, what it does with the frame after the recv is not.
 
 Run as `python -m studiotui.bench.batching echo ...`, this module is the far end of
 the bare hop.
@@ -137,10 +140,11 @@ async def batch_figures(
 # ---- one bare hop ---------------------------------------------------------------------
 
 
-def _frame(hidden: int) -> list[bytes]:
-    """A decode frame as the ring sends it: header and one token's float32 activation."""
+def _frame(hidden: int, payload: bytes) -> list[bytes]:
+    """A decode frame as the ring sends it: its header packed at the send, as a stage's
+    is, and one token's float32 activation."""
     header = RingHeader(rid="bare", kind="decode", offset=1, dtype="float32", shape=(1, 1, hidden))
-    return [encode_ring_header(header), bytes(4 * hidden)]
+    return [encode_ring_header(header), payload]
 
 
 def _token() -> list[bytes]:
@@ -175,64 +179,98 @@ class _End:
         self.ctx.term()
 
 
-def _echo(home: Path, bind: str, peer: str, rounds: int) -> None:
+# The near end's last frame: the far end leaves its loop (compared as bytes, so the echo
+# does nothing per frame a stage's recv would not).
+_STOP = encode_ring_header(RingHeader(rid="bare", kind="free"))
+
+
+def _echo(home: Path, bind: str, peer: str) -> None:
     end = _End(home, "b", bind, peer)
     try:
-        reply = _token()
-        for _ in range(rounds):
-            end.pull.recv_multipart(copy=False)
-            end.push.send_multipart(reply)
+        while end.pull.recv_multipart(copy=False)[0].bytes != _STOP:
+            end.push.send_multipart(_token())
     finally:
         end.close()
 
 
-def bare_hop_us(
-    address: str, port: int, hidden: int, rounds: int = 300, gap_s: float = 0.005
-) -> float | None:
-    """Half the median round trip of a decode frame out and a token frame back between
-    this process and a fresh one, both otherwise idle, each round trip `gap_s` after the
-    last (a decode step's time: the receiver has gone to sleep, as a ring stage has);
-    None if the far end fails."""
-    with tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-") as tmp:
-        home = Path(tmp)
+class BareHop:
+    """The bare hop's two ends: this process and a fresh one it starts, on keys of their
+    own. `measure` may be called between other work, so that the floor is taken under
+    the same load as the hops it is the floor of; `close` stops the far end."""
+
+    def __init__(self, address: str, port: int, hidden: int) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-")
+        home = Path(self._tmp.name)
         keys = curve.key_dir(home)
         for name in ("a", "b"):
             pair = curve.ensure_keypair(keys, name)
             curve.write_public_key(curve.authorized_dir(home), name, pair.public)
         here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
-        warm = 50
-        cmd = [sys.executable, "-m", "studiotui.bench.batching", "echo", tmp, there, here]
-        far = subprocess.Popen([*cmd, str(warm + rounds)])
-        end = _End(home, "a", here, there)
-        trips: list[float] = []
+        cmd = [sys.executable, "-m", "studiotui.bench.batching", "echo", str(home), there, here]
+        self.far = subprocess.Popen(cmd)
+        self.end = _End(home, "a", here, there)
+        self.poller = zmq.Poller()
+        self.poller.register(self.end.pull, zmq.POLLIN)
+        self.hidden = hidden
+        self.payload = bytes(4 * hidden)
+        self.trips: list[float] = []
+        self.failed = False
+
+    def measure(self, rounds: int, warm: int = 20, gap_s: float = 0.005) -> None:
+        """`rounds` round trips (after `warm` unrecorded ones), each `gap_s` after the
+        last: a decode step's time, so the receiver has gone to sleep, as a ring
+        stage has while the other computes."""
+        for i in range(warm + rounds):
+            if self.failed:
+                return
+            time.sleep(gap_s)
+            began = time.perf_counter()
+            self.end.push.send_multipart(_frame(self.hidden, self.payload))
+            if not self.poller.poll(10_000):
+                self.failed = True  # the far end is gone
+                return
+            self.end.pull.recv_multipart(copy=False)
+            if i >= warm:
+                self.trips.append(time.perf_counter() - began)
+
+    def hop_us(self) -> float | None:
+        """Half the median round trip so far; None if the far end failed."""
+        if self.failed or not self.trips:
+            return None
+        return statistics.median(self.trips) / 2 * 1e6
+
+    def close(self) -> None:
         try:
-            frame = _frame(hidden)
-            poller = zmq.Poller()
-            poller.register(end.pull, zmq.POLLIN)
-            for i in range(warm + rounds):
-                # Both ends asleep in between, as a stage is while the other computes.
-                time.sleep(gap_s)
-                began = time.perf_counter()
-                end.push.send_multipart(frame)
-                if not poller.poll(10_000):
-                    return None
-                end.pull.recv_multipart(copy=False)
-                if i >= warm:
-                    trips.append(time.perf_counter() - began)
-            far.wait(timeout=10)
+            if not self.failed:
+                self.end.push.send_multipart([_STOP, b""])
+                self.far.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
         finally:
-            end.close()
-            if far.poll() is None:
-                far.kill()  # the process this function started
-                far.wait()
-    return statistics.median(trips) / 2 * 1e6
+            self.end.close()
+            if self.far.poll() is None:
+                self.far.kill()  # the process this object started
+                self.far.wait()
+            self._tmp.cleanup()
+
+
+def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 300) -> float | None:
+    """Half the median round trip of a decode frame out and a token frame back between
+    this process and a fresh one, both otherwise idle (`BareHop`); None if the far end
+    fails."""
+    bare = BareHop(address, port, hidden)
+    try:
+        bare.measure(rounds)
+    finally:
+        bare.close()
+    return bare.hop_us()
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 5 and argv[0] == "echo":
-        _echo(Path(argv[1]), argv[2], argv[3], int(argv[4]))
+    if len(argv) == 4 and argv[0] == "echo":
+        _echo(Path(argv[1]), argv[2], argv[3])
         return 0
-    print("usage: python -m studiotui.bench.batching echo HOME BIND PEER ROUNDS", file=sys.stderr)
+    print("usage: python -m studiotui.bench.batching echo HOME BIND PEER", file=sys.stderr)
     return 2
 
 

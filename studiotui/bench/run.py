@@ -2,6 +2,24 @@
 
 It generates a model, starts its own local cluster (own STUDIOTUI_HOME, own
 loopback addresses), measures, and stops every agent it started by pid.
+
+What a token costs on pipe2's ring, medians over its single-stream decode steps,
+measured by its head on its own clock (worker/stage.py, `Stage._ring_figures`):
+
+- `hop_us_p50`: one hop, from a stage's send call (the header packed in it) to the
+  next stage's recv returning: what `bare_hop_us` measures between two bare
+  processes, so `hop_over_bare` compares like with like.
+- `frame_overhead_us_p50`: a stage's own time with a frame, from its recv returning
+  to its send call, less the time it waited for MLX to evaluate (`eval`,
+  `async_eval`, `item`): its Python per frame, the serve loop's queue, header
+  decoding and building the next step's graph ahead included.
+- `ring_overhead_us_p50`: a token's time less the MLX evaluation of every stage:
+  per step, exactly two hops plus two stages' frame overhead.
+- `ring_token_us_p50` / `ring_mlx_us_p50`: a token's time (the head's own with the
+  frame before, plus the round) and the MLX evaluation in it, on every stage.
+
+Each step's token time is its MLX evaluation plus its overhead, so no microsecond
+goes unseen; medians of the parts need not add up to the median of the whole.
 """
 
 from __future__ import annotations
@@ -12,7 +30,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +56,10 @@ from worker.shared.protocol import control
 
 BENCH_OCTET = 71
 BENCH_PORT = 56500
+# The bare hop's two ends listen beside the agents (127.0.0.71-74), on an address of
+# their own; its round trips per pipe2 decode run (`pipeline_figures`).
+BARE_ADDRESS = f"127.0.0.{BENCH_OCTET + 4}"
+BARE_ROUNDS = 100
 
 
 class BenchError(StudioError, RuntimeError):
@@ -129,14 +151,21 @@ class SingleProcess:
 
 
 async def paired_decode(
-    ctl: Controller, name: str, single: SingleProcess, cfg: BenchConfig
+    ctl: Controller,
+    name: str,
+    single: SingleProcess,
+    cfg: BenchConfig,
+    between: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
-    """Pipeline and single-process decode runs side by side, in alternating order."""
+    """Pipeline and single-process decode runs side by side, in alternating order;
+    `between` runs right after each pipeline run."""
     pipe_runs, single_runs = [], []
     for r in range(cfg.decode_rounds):
         for side in ("pipe", "single") if r % 2 else ("single", "pipe"):
             if side == "pipe":
                 pipe_runs.append(await stream(ctl, name, prompt_tokens(16), cfg.tokens))
+                if between is not None:
+                    await between()
             else:
                 # In a thread, so the controller keeps hearing its nodes meanwhile.
                 single_runs.append(await asyncio.to_thread(single.decode, cfg.tokens))
@@ -164,9 +193,12 @@ async def pipeline_figures(
                 await ctl.place(model_dir, names[:n], name, prefill_chunk=cfg.prefill_chunk)
             with phase(f"decode{n}"):
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
-                out[name] = await paired_decode(ctl, name, single, cfg)
+                if n == 2:
+                    out[name], out["bare_hop_us"] = await _with_bare_hop(ctl, name, single, cfg)
+                else:
+                    out[name] = await paired_decode(ctl, name, single, cfg)
             head = ctl.head_peer(ctl.pick_placement(name))
-            out[f"{name}_hop_us"] = (await head.ask("stats", control.ShardStats)).hop_us_p50
+            out[f"{name}_ring"] = ring_figures(await head.ask("stats", control.ShardStats))
             if n == 2:
                 with phase("ttft_pipe2"):
                     ttfts = [
@@ -198,6 +230,35 @@ async def pipeline_figures(
     finally:
         await ctl.close()
     return out
+
+
+async def _with_bare_hop(
+    ctl: Controller, name: str, single: SingleProcess, cfg: BenchConfig
+) -> tuple[dict[str, Any], float | None]:
+    """pipe2's paired decode runs, with the bare hop's round trips right after each: the
+    floor is measured under the same load, minute by minute, as the hops are."""
+    bare = await asyncio.to_thread(batching.BareHop, BARE_ADDRESS, BENCH_PORT + 950, cfg.hidden)
+    try:
+
+        async def measure() -> None:  # (its time counts in the decode2 phase)
+            await asyncio.to_thread(bare.measure, BARE_ROUNDS)
+
+        runs = await paired_decode(ctl, name, single, cfg, between=measure)
+    finally:
+        await asyncio.to_thread(bare.close)
+    return runs, bare.hop_us()
+
+
+def ring_figures(stats: control.ShardStats) -> dict[str, float]:
+    """The head's medians of its decode steps (worker.stage.RING_FIGURES), as the bench
+    names them; 0.0 for one it has none of."""
+    return {
+        "hop_us_p50": stats.hop_us_p50 or 0.0,
+        "frame_overhead_us_p50": stats.frame_us_p50 or 0.0,
+        "ring_overhead_us_p50": stats.overhead_us_p50 or 0.0,
+        "ring_token_us_p50": stats.token_us_p50 or 0.0,
+        "ring_mlx_us_p50": stats.mlx_us_p50 or 0.0,
+    }
 
 
 # ---- a mixture of experts -----------------------------------------------------------
@@ -335,12 +396,9 @@ def measure(quick: bool) -> dict[str, Any]:
         with phase("mlx_tp2"):
             mlx_tp = mlx_tp2_tps(model_dir, BENCH_PORT, cfg.tokens)
             launched = None if quick else mlx_tp2_launch_tps(model_dir, BENCH_PORT, cfg.tokens)
-        with phase("bare_hop"):  # the agents are gone: two otherwise idle processes
-            bare = batching.bare_hop_us(f"127.0.0.{BENCH_OCTET}", BENCH_PORT + 950, cfg.hidden)
     pipe["moe2"] = moe
     figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
-    figures.update(batch, bare_hop_us=round(bare, 1) if bare else None)
-    figures["hop_over_bare"] = round(figures["hop_us_p50"] / bare, 2) if bare else None
+    figures.update(batch)
     figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
@@ -396,7 +454,8 @@ def summarize(
     lone = pipe.get("pipe1")
     if lone:
         produced += lone["tokens"]
-    hop_us = pipe["pipe2_hop_us"] or 0.0
+    ring_us = {name: round(value, 1) for name, value in pipe["pipe2_ring"].items()}
+    bare = pipe.get("bare_hop_us")
     moe = pipe.get("moe2")
     moe_match = True
     if moe:
@@ -416,7 +475,9 @@ def summarize(
         "streams": {k: round(v, 2) for k, v in streams.items()},
         "streams4_ratio": round(streams["4"] / s, 3),
         "mlx_ring2_tps": round(ring, 2) if ring is not None else None,
-        "hop_us_p50": round(hop_us, 1),
+        **ring_us,
+        "bare_hop_us": round(bare, 1) if bare else None,
+        "hop_over_bare": round(ring_us["hop_us_p50"] / bare, 2) if bare else None,
         "ttft_single_ms": round(ttft_single_ms, 1),
         "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
         "moe_model": f"qwen3_moe demo, {cfg.layers} layers, hidden {cfg.hidden}, 8 experts, 4-bit"

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -287,33 +288,73 @@ async def adapter_here(spec: str | Path, home: Path, inv: Inventory) -> Path:
     return resolve_adapter(spec, home)
 
 
+class Bars:
+    """One progress display in bytes for an operation's steps (a model's first hashing,
+    each node's copies), started at the first report, so nothing is drawn when there is
+    nothing to do. A step whose total changes or whose count goes back is the next one
+    under that key (a node's model, then its data): a bar of its own below, the done
+    one kept. Reports may come from a worker thread (the hashing) and from the loop."""
+
+    def __init__(self) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self.tasks: dict[str, TaskID] = {}
+        self._lock = threading.Lock()
+
+    def show(self, key: str, label: str, done: int, total: int) -> None:
+        with self._lock:
+            if not self.tasks:
+                self.bar.start()
+            task = self.tasks.get(key)
+            if task is None or self._next_step(task, done, total):
+                task = self.tasks[key] = self.bar.add_task(label, total=total)
+            self.bar.update(task, completed=done)
+
+    def _next_step(self, task: TaskID, done: int, total: int) -> bool:
+        shown = next(t for t in self.bar.tasks if t.id == task)
+        return shown.total != total or done < shown.completed
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.tasks:
+                self.bar.stop()
+
+
 @contextmanager
 def hashing_shown(model_dir: Path, why: str) -> Iterator[Hashing]:
     """A callback for `manifest.model_digest(on_progress=...)` drawing a progress bar
     in bytes, started at its first report: a model's first hashing reads every byte
     (minutes for hundreds of GB), later ones hit the hashes cached beside the files and
     report, and so show, nothing."""
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    )
-    task: TaskID | None = None
+    with transfer_shown(model_dir, why) as (hashed, _copied):
+        yield hashed
+
+
+@contextmanager
+def transfer_shown(
+    model_dir: Path, why: str
+) -> Iterator[tuple[Hashing, Callable[[str, int, int], None]]]:
+    """`hashing_shown`'s callback, and one for copies to nodes (node, bytes, of), drawn
+    as bars of one display (only one can be live at a time)."""
+    bars = Bars()
+    label = f"hashing {model_dir.name} {why} (once: cached)"
 
     def hashed(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:
-            bar.start()
-            task = bar.add_task(f"hashing {model_dir.name} {why} (once: cached)", total=total)
-        bar.update(task, completed=done)
+        bars.show("", label, done, total)
+
+    def copied(node: str, done: int, total: int) -> None:
+        bars.show(node, f"copying to {node}", done, total)
 
     try:
-        yield hashed
+        yield hashed, copied
     finally:
-        bar.stop()
+        bars.stop()
 
 
 def check_adapter_shown(adapter_dir: Path, model_dir: Path, info: ModelInfo) -> Adapter:
@@ -404,6 +445,14 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     bar.reset(tasks[node], total=total)
                 bar.update(tasks[node], completed=done, total=total)
 
+            def hashed(done: int, total: int) -> None:
+                # From the copy's hashing thread (rich's bar takes its own lock): the
+                # model's first hashing, before its files go to a remote node.
+                if "" not in tasks:
+                    label = f"hashing {info.name} for the copy (once: cached)"
+                    tasks[""] = bar.add_task(label, total=total)
+                bar.update(tasks[""], completed=done, total=total)
+
             try:
                 result = await ctl.place(
                     args.model_dir,
@@ -415,6 +464,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     streams=args.streams,
                     tensor=tensor,
                     adapter_dir=args.adapter,
+                    hashing=hashed,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None

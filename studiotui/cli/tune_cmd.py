@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from studiotui.cli.args import inventory_of
-from studiotui.cli.commands import hashing_shown, resolve_model, start_hint
+from studiotui.cli.commands import resolve_model, start_hint, transfer_shown
 from studiotui.cluster import jobs
 from studiotui.cluster.adapter_fetch import AdapterFetchError, fetch_adapter
 from studiotui.cluster.controller import Controller
@@ -123,8 +123,13 @@ async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
             f"{len(ex.valid)} validation examples ({ex.format}), batch {req.batch_size}, "
             f"{req.iters} iterations"
         )
-        with hashing_shown(prepared.info.path, "to stamp the adapter with its base") as shown:
-            record = await ft.launch(ctl, prepared, resume=bool(args.resume), hashing=shown)
+        # The base's first hashing (its identity; what a copy to a remote node is
+        # checked by) and the copies of the model and the data shares, in bytes.
+        why = "to stamp the adapter with its base"
+        with transfer_shown(prepared.info.path, why) as (hashed, copied):
+            record = await ft.launch(
+                ctl, prepared, resume=bool(args.resume), hashing=hashed, progress=copied
+            )
         if args.detach:
             console.print(f"job {req.name} runs on the nodes: studiotui jobs follow {req.name}")
             return 0

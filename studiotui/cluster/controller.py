@@ -58,6 +58,7 @@ from studiotui.core.state import (
     pushed,
     shard_from_report,
 )
+from studiotui.ssh.client import SshError
 from worker.shared import probes
 from worker.shared.adapters import FILES as ADAPTER_FILES
 from worker.shared.adapters import WEIGHTS_NAME, Adapter
@@ -84,17 +85,53 @@ Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
 
 
+def promised_bytes(shard: ShardState) -> int:
+    """Memory a shard not loaded yet has been promised and does not hold yet: from the
+    moment its placement was decided (prepare_shard, through the copy of its files)
+    the plan's weights, less those already read once it loads, and its share of the
+    adapter (applied once the weights are in). Loaded, it is in the node's report."""
+    if shard.state not in ("prepared", "loading"):
+        return 0
+    done, size = shard.progress
+    # Before the runner's first progress the plan's figure stands for the file's.
+    return max(0, (size or shard.weight_bytes) - done) + shard.adapter_bytes
+
+
 def committed_bytes(node: NodeState) -> int:
     """Memory a node has promised but not yet used: the KV caches its placements may
-    still grow to, and the weights of shards that are still loading with their share of
-    the adapter (applied once the weights are in, so none of it is used yet)."""
-    total = 0
-    for shard in node.shards:
-        total += shard.kv_bytes
-        if shard.state in ("prepared", "loading"):
-            done, size = shard.progress
-            total += max(0, size - done) + shard.adapter_bytes
-    return total
+    still grow to, and what its shards not loaded yet will hold (promised_bytes)."""
+    return sum(shard.kv_bytes + promised_bytes(shard) for shard in node.shards)
+
+
+def promises_note(nodes: Sequence[NodeState]) -> str:
+    """Who holds the memory of these nodes that their reports still show free: the
+    placements not loaded yet, each with its promise per node, and what frees it; ""
+    when there are none. Said beside a refusal, which otherwise reads as a mystery."""
+    held: dict[str, list[str]] = {}
+    doing: dict[str, str] = {}
+    for node in nodes:
+        for shard in node.shards:
+            promised = shard.kv_bytes + promised_bytes(shard)
+            if shard.state not in ("prepared", "loading") or promised <= 0:
+                continue
+            held.setdefault(shard.placement, []).append(f"{format_bytes(promised)} on {node.name}")
+            if doing.get(shard.placement) != "copying its files":
+                doing[shard.placement] = (
+                    "copying its files" if shard.state == "prepared" else "loading"
+                )
+    parts = [
+        f"placement {name!r} ({doing[name]}) is promised {', '.join(where)}"
+        for name, where in held.items()
+    ]
+    if not parts:
+        return ""
+    # An operator killed while placing leaves its shards prepared: say how to free them.
+    unload = f"studiotui unload {next(iter(held))}" if len(held) == 1 else "studiotui unload NAME"
+    return (
+        "; ".join(parts)
+        + ": that memory is taken once it is loaded, or given back if it fails or is "
+        + f"unloaded ({unload} if its placing was given up)"
+    )
 
 
 def _tied(model_dir: Path) -> bool:
@@ -447,6 +484,10 @@ class Controller:
             ).verdict
             if isinstance(verdict, Plan):
                 break
+        if isinstance(verdict, Refusal):
+            group = [s for name in nodes if (s := self.state.node(name)) is not None]
+            if note := promises_note(group):
+                verdict = Refusal(f"{verdict.reason} ({note})")
         return info, verdict
 
     def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
@@ -467,11 +508,14 @@ class Controller:
         streams: int | None = None,
         adapter_dir: Path | None = None,
         tensor: int | None = None,
+        hashing: Hashing | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else. With
         `adapter_dir`, the shards apply that mlx-lm adapter to the layers it adapts;
-        an adapter of another model, or malformed, is refused before anything moves."""
+        an adapter of another model, or malformed, is refused before anything moves.
+        `hashing(done, total)` hears, from a worker thread, the model's first hashing
+        for a copy to a remote node (every byte once; cached beside the files after)."""
         model_dir = model_dir.expanduser().resolve()
         adapter = None
         if adapter_dir is not None:
@@ -521,10 +565,12 @@ class Controller:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
         self._remember_plan(name, planned)
         try:
-            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter)
+            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter, hashing)
             self._placing.discard(name)
             placed = await self._deployed(the_plan, name)
-        except (AgentError, AgentUnreachable, PlacementError) as exc:
+        except (AgentError, AgentUnreachable, PlacementError, SshError) as exc:
+            # SshError: the operator's copy over SFTP could not reach the node; its
+            # prepared shards (and the memory promised to them) are given back too.
             self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
             await self._unload_everywhere(name, [m.node for m in procs])
             self._remember_plan(name, None)
@@ -570,10 +616,11 @@ class Controller:
             adds = shard.free_before - shard.free_after
             room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
             if adds > room:
+                note = promises_note([node])
                 return (
                     f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
                     f"{format_bytes(adds)} there; preview again"
-                )
+                ) + (f" ({note})" if note else "")
         return None
 
     async def _deploy(
@@ -584,20 +631,31 @@ class Controller:
         progress: Progress | None,
         prefill_chunk: int,
         adapter: Adapter | None = None,
+        hashing: Hashing | None = None,
     ) -> None:
         shards = the_plan.shards
         procs = members(the_plan)
         prepared = await asyncio.gather(
             *(
                 self.peer(m.node).ask(
-                    "prepare_shard", control.Prepared, placement=name, tensor=bool(m.group)
+                    "prepare_shard",
+                    control.Prepared,
+                    placement=name,
+                    tensor=bool(m.group),
+                    # Promised from here, through the copy, until loaded (committed_bytes).
+                    weight_bytes=shards[m.stage].weight_bytes,
+                    kv_bytes=shards[m.stage].kv_bytes,
+                    adapter_bytes=shards[m.stage].adapter_bytes,
                 )
                 for m in procs
             )
         )
         port = {m.node: p for m, p in zip(procs, prepared, strict=True)}
+        # The prepared shards, with their promise, in this controller's state now rather
+        # than at the next telemetry: a preview made during the copy counts them.
+        await asyncio.gather(*(self._hello(n, 2.0) for n in dict.fromkeys(port)))
         count = len(shards)
-        dirs = await self._model_dirs(procs, model_dir, progress)
+        dirs = await self._model_dirs(procs, model_dir, progress, hashing)
         adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
         leaders = [next(m for m in procs if m.stage == i and m.rank == 0) for i in range(count)]
 
@@ -700,7 +758,11 @@ class Controller:
         return keys.node_public_key(self.home, node).decode()
 
     async def _model_dirs(
-        self, shards: Any, model_dir: Path, progress: Progress | None
+        self,
+        shards: Any,
+        model_dir: Path,
+        progress: Progress | None,
+        hashing: Hashing | None = None,
     ) -> dict[str, str]:
         """Where each node finds the model: the operator's path on this machine, else a
         folder holding (by content) the files its layers need, reused where it already
@@ -717,7 +779,9 @@ class Controller:
         if needs:
             wanted = {node: list(files.values()) for node, files in needs.items()}
             try:
-                where |= await model_sync.provide(self, model_dir, wanted, progress)
+                where |= await model_sync.provide(
+                    self, model_dir, wanted, progress, hashing=hashing
+                )
             except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
                 raise PlacementError(str(exc)) from None
         return where
@@ -1187,6 +1251,7 @@ class Controller:
             adapter=shard.adapter,
             adapter_dir=shard.adapter_dir,
             adapter_bytes=shard.adapter_bytes,
+            weight_bytes=shard.weight_bytes,
         )
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
@@ -1227,6 +1292,9 @@ class Controller:
             placement=saved.placement,
             data_port=ports[0],
             client_port=ports[1],
+            weight_bytes=r.weight_bytes,
+            kv_bytes=r.kv_bytes,
+            adapter_bytes=r.adapter_bytes,
         )
         if (prepared.data_port, prepared.client_port) != ports:
             await peer.request("unload", placement=saved.placement)

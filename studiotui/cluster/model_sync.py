@@ -38,7 +38,7 @@ from studiotui.cluster.peers import Peer
 from studiotui.core.inventory import NodeSpec
 from studiotui.core.state import ClusterState, LogLevel
 from studiotui.ssh import nodes
-from worker.shared.manifest import FileId
+from worker.shared.manifest import FileId, Hashing, unhashed_bytes
 from worker.shared.protocol import control
 from worker.shared.protocol.control import DirStatus
 
@@ -99,20 +99,30 @@ async def provide(
     progress: Progress | None = None,
     sources: list[str] | None = None,
     folder: str | None = None,
+    hashing: Hashing | None = None,
 ) -> dict[str, str]:
     """Make every node in `needs` hold its files; return where each finds the model.
 
     `sources`: the nodes that may serve files to others (default: every up node).
     `folder`: the copy folder's name under the node's `models/` (default: the model's;
-    an adapter's names its content, since mlx-lm names every adapter folder alike)."""
+    an adapter's names its content, since mlx-lm names every adapter folder alike).
+    `hashing(done, total)` hears, from a worker thread, the first hashing of the files
+    (every byte read once; cached beside them after), which the copy is checked by."""
     union = sorted({f.name: f for fs in needs.values() for f in fs}.values(), key=lambda f: f.name)
     began, hashed = time.monotonic(), [0]
-    ids = {
-        f.name: f for f in await asyncio.to_thread(local_manifest, model_dir, union, hashed.append)
-    }
-    if sum(hashed):  # the first time only: say where the wait went
+    total = unhashed_bytes(model_dir, [f.name for f in union]) if hashing is not None else 0
+
+    def counted(n: int) -> None:
+        hashed[0] += n
+        if hashing is not None and total:
+            hashing(min(hashed[0], total), total)
+
+    if hashing is not None and total:
+        hashing(0, total)
+    ids = {f.name: f for f in await asyncio.to_thread(local_manifest, model_dir, union, counted)}
+    if hashed[0]:  # the first time only: say where the wait went
         ctl.record(
-            f"hashed {sum(hashed) / 1e9:.2f} GB of {model_dir.name} in "
+            f"hashed {hashed[0] / 1e9:.2f} GB of {model_dir.name} in "
             f"{time.monotonic() - began:.1f} s (kept next to the files for next time)"
         )
     wanted = {node: [ids[f.name] for f in fs] for node, fs in needs.items()}

@@ -45,6 +45,7 @@ class ShardState:
     adapter: str = ""  # the placement's adapter, by name ("" none)
     adapter_dir: str = ""  # where this node holds it ("" when its layers are not adapted)
     adapter_bytes: int = 0  # the plan's share of the adapter on this shard's layers
+    weight_bytes: int = 0  # the plan's weights for them (0: an agent that does not say)
     # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
     # 0 and () for a one-node stage.
     rank: int = 0
@@ -380,6 +381,7 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         adapter=report.adapter,
         adapter_dir=report.adapter_dir,
         adapter_bytes=report.adapter_bytes,
+        weight_bytes=report.weight_bytes,
         rank=report.rank,
         group=tuple(report.group),
     )

@@ -171,15 +171,20 @@ def _rdma(ctl: Cluster, nodes: Sequence[str]) -> dict[str, Any]:
 
 
 async def _where(
-    ctl: Cluster, source: Path, needs: dict[str, list[model_files.NeededFile]], progress: Any
+    ctl: Cluster,
+    source: Path,
+    needs: dict[str, list[model_files.NeededFile]],
+    progress: Any,
+    hashing: Hashing | None = None,
 ) -> dict[str, str]:
     """Where each node reads `source`: the operator's own folder on a local node, else a
-    copy made (or found) by content, as placements get model files."""
+    copy made (or found) by content, as placements get model files (`hashing` hears
+    the files' first hashing, which only a copy needs)."""
     where = {n: str(source) for n in needs if ctl.spec(n).is_local}
     remote = {n: files for n, files in needs.items() if n not in where}
     if remote:
         try:
-            where |= await model_sync.provide(ctl, source, remote, progress)
+            where |= await model_sync.provide(ctl, source, remote, progress, hashing=hashing)
         except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
             raise FinetuneError(str(exc)) from None
     return where
@@ -194,13 +199,21 @@ async def launch(
     hashing: Hashing | None = None,
 ) -> jobs.JobRecord:
     """Put the model and each rank's data on the nodes and start the ranks. `hashing`
-    hears the base's first hashing in bytes (its identity, stamped into the adapter)."""
+    hears the base's first hashing in bytes (its identity, stamped into the adapter,
+    and the files' hashes a copy to a remote node is made and checked by); `progress`
+    each node's copy (node, bytes, of)."""
     req, info = prepared.request, prepared.info
     model_dir = Path(req.model).expanduser().resolve()
     nodes = list(req.nodes)
+    # The adapters' own identity of a base (worker.shared.adapters), checked when placed.
+    # Hashed first, where `hashing` shows it: the copy's manifest below then finds every
+    # file's hash cached beside it instead of reading the base again unseen.
+    base = (await asyncio.to_thread(identity_of, model_dir, hashing)).as_dict()
     # Every node trains the whole model: all its files (layers [0, n)).
     whole = model_files.needed_files(model_dir, 0, info.n_layers, info.n_layers, False)
-    model_where = await _where(ctl, model_dir, {n: whole for n in nodes}, progress)
+    # Hashed just above, so nothing here, unless its folder keeps no hashes (a read-only
+    # one): then the copy's hashing is shown as well.
+    model_where = await _where(ctl, model_dir, {n: whole for n in nodes}, progress, hashing)
 
     def share(rank: int) -> list[model_files.NeededFile]:
         names = (f"rank{rank}.train.jsonl", f"rank{rank}.valid.jsonl")
@@ -209,8 +222,6 @@ async def launch(
     # Each node gets only its own share of the data.
     shares = {n: share(i) for i, n in enumerate(nodes)}
     data_where = await _where(ctl, prepared.data_dir, shares, progress)
-    # The adapters' own identity of a base (worker.shared.adapters), checked when placed.
-    base = (await asyncio.to_thread(identity_of, model_dir, hashing)).as_dict()
     # A report (losses and rates summed over the group) every step of a short job, every
     # tenth at most on a long one: the plot's points, and how fast a save can follow.
     steps_per_report = max(1, min(10, req.iters // 100))

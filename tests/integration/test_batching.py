@@ -269,6 +269,13 @@ def test_batched_decode_over_two_real_shards_matches_each_answer_alone(
     assert head["batched_steps"] > 0, head
     assert head["batched_rows"] / head["batched_steps"] > 1.5, head
     assert freed == [0, 0]
+    # The head timed its steps, batched ones among them (worker/stage.py, `_ring_figures`):
+    # per step, the overhead is two hops plus two stages' Python per frame, and the
+    # token's time that overhead plus MLX's evaluation, none of them negative; so the
+    # medians keep those orders.
+    assert head["hop_us_p50"] > 0 and head["frame_us_p50"] > 0 and head["mlx_us_p50"] > 0
+    assert head["overhead_us_p50"] >= 2 * max(head["hop_us_p50"], head["frame_us_p50"])
+    assert head["token_us_p50"] >= max(head["overhead_us_p50"], head["mlx_us_p50"])
 
 
 async def _caches_freed(ctl: Controller, name: str) -> list[int]:

@@ -24,6 +24,10 @@ FIGURES = {
     "streams4_ratio",
     "mlx_ring2_tps",
     "hop_us_p50",
+    "frame_overhead_us_p50",
+    "ring_overhead_us_p50",
+    "ring_token_us_p50",
+    "ring_mlx_us_p50",
     "ttft_single_ms",
     "ttft_pipe2_ms",
     "tokens_match",
@@ -54,6 +58,14 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["batch8_ratio"] > 0 and figures["mlx_batch8_ratio"] > 0
     assert figures["batch8_mean_rows"] > 1  # the eight streams really met in batches
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
+    # pipe2's steps, measured on its head: per step, the token's time is MLX's evaluation
+    # plus the ring's overhead, and the overhead is two hops plus two stages' Python per
+    # frame, each part measured and none negative; so the medians keep those orders.
+    hop, frame = figures["hop_us_p50"], figures["frame_overhead_us_p50"]
+    overhead, token = figures["ring_overhead_us_p50"], figures["ring_token_us_p50"]
+    assert hop > 0 and frame > 0 and figures["ring_mlx_us_p50"] > 0
+    assert overhead >= 2 * hop - 0.2 and overhead >= 2 * frame - 0.2  # (each rounded)
+    assert token >= overhead and token >= figures["ring_mlx_us_p50"]
     assert figures["finetune2_ratio"] is None  # and so is fine-tuning
     assert figures["tp2_tps"] > 0 and figures["mlx_tp2_tps"] > 0  # both tensor-parallel runs ran
     assert figures["tp2_over_mlx"] > 0  # and were paired run by run, under the same load
@@ -83,7 +95,14 @@ def _figures(pipe4_tokens: list[int]) -> dict[str, Any]:
         "streams1_tokens": [[1, 2, 3]],
         "streams2_tokens": [[1, 2, 3]] * 2,
         "streams4_tokens": [[1, 2, 3]] * 4,
-        "pipe2_hop_us": 500.0,
+        "pipe2_ring": {
+            "hop_us_p50": 500.0,
+            "frame_overhead_us_p50": 300.0,
+            "ring_overhead_us_p50": 1600.0,
+            "ring_token_us_p50": 6000.0,
+            "ring_mlx_us_p50": 4400.0,
+        },
+        "bare_hop_us": 250.0,
         "ttft_pipe2_ms": 100.0,
         "tui_idle_cpu_pct": 1.0,
         "api": {"api_tps": 10.0, "direct_tps": 10.0, "api_overhead_ratio": 1.0},
@@ -97,6 +116,8 @@ def test_summary_takes_ratios_from_pairs_and_checks_every_run() -> None:
     assert out["pipe2_ratio"] == 0.9 and out["pipe4_ratio"] == 0.8
     assert out["streams4_ratio"] == 1.5
     assert out["tokens_match"] is True and out["mlx_ring2_tps"] is None
+    assert out["hop_us_p50"] == 500.0 and out["ring_overhead_us_p50"] == 1600.0
+    assert out["bare_hop_us"] == 250.0 and out["hop_over_bare"] == 2.0
     assert summarize(120.0, _figures([1, 2, 4]), None, cfg)["tokens_match"] is False
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from studiotui.cluster.controller import committed_bytes
+from studiotui.cluster.controller import committed_bytes, promises_note
 from studiotui.core.state import NodeState, shard_from_report
 from worker.agent import ShardProc
 from worker.shared.protocol import control, messages
@@ -16,17 +16,17 @@ from worker.shared.protocol import control, messages
 MB = 1024**2
 
 
-def _node(shard: ShardProc) -> NodeState:
-    wire = messages.decode(messages.encode("shards", shards=[shard.describe()]))
+def _node(*shard: ShardProc, name: str = "studio-1") -> NodeState:
+    wire = messages.decode(messages.encode("shards", shards=[s.describe() for s in shard]))
     reports = control.parse(wire, control.Shards).shards
     return NodeState(
-        "studio-1",
+        name,
         "10.0.0.11",
         52500,
         "ssh",
         state="up",
         memory_total=64 * 1024 * MB,
-        shards=tuple(shard_from_report("studio-1", r) for r in reports),
+        shards=tuple(shard_from_report(name, r) for r in reports),
     )
 
 
@@ -57,3 +57,50 @@ def test_a_report_without_adapter_bytes_reads_as_none() -> None:
     report = control.parse(described, control.ShardReport)
     assert report.adapter_bytes == 0
     assert committed_bytes(_node(older)) == 2 * MB + 6 * MB
+
+
+def _prepared(placement: str, weights: int, kv: int, adapter: int = 0) -> ShardProc:
+    # As the agent makes it on prepare_shard: ports, and the plan's promise only.
+    promise = {"weight_bytes": weights, "kv_bytes": kv, "adapter_bytes": adapter}
+    return ShardProc(placement, 1, 2, spec=promise)
+
+
+def test_a_prepared_shard_promises_its_whole_budget_through_the_copy() -> None:
+    # Its files are still being copied: nothing read, nothing in the node's report.
+    copying = _prepared("big", 700 * MB, 200 * MB, 30 * MB)
+    assert copying.state == "prepared"
+    node = _node(copying)
+    assert node.shards[0].weight_bytes == 700 * MB
+    assert committed_bytes(node) == 700 * MB + 200 * MB + 30 * MB
+    # Loading, before the runner's first progress: still the plan's weights.
+    copying.state = "loading"
+    assert committed_bytes(_node(copying)) == 700 * MB + 200 * MB + 30 * MB
+    # Its first progress: the file's own size stands, less what is read.
+    copying.progress = (500 * MB, 720 * MB)
+    assert committed_bytes(_node(copying)) == 220 * MB + 200 * MB + 30 * MB
+    # Loaded: the node's memory report has weights and adapter; only the KV may grow.
+    copying.state, copying.progress = "ready", (720 * MB, 720 * MB)
+    assert committed_bytes(_node(copying)) == 200 * MB
+
+
+def test_the_note_names_each_placement_not_loaded_yet_and_its_promise_per_node() -> None:
+    one = _node(_prepared("big", 700 * MB, 200 * MB), name="studio-1")
+    loading = ShardProc("small", 3, 4, spec={"kv_bytes": 10 * MB}, state="loading")
+    loading.progress = (0, 90 * MB)
+    ready = ShardProc("old", 5, 6, spec={"kv_bytes": 50 * MB}, state="ready")
+    two = _node(_prepared("big", 300 * MB, 0), loading, ready, name="studio-2")
+    note = promises_note([one, two])
+    assert "placement 'big' (copying its files) is promised 900 MB on studio-1, 300 MB on " in note
+    assert "placement 'small' (loading) is promised 100 MB on studio-2" in note
+    assert "'old'" not in note  # loaded: its memory shows in the node's own report
+    assert "given back if it fails or is unloaded" in note
+    assert "(studiotui unload NAME if its placing was given up)" in note
+    assert promises_note([_node(ready)]) == ""
+    # One placement: the command to free it, should its operator have gone.
+    assert "(studiotui unload big if its placing was given up)" in promises_note([one])
+
+
+def test_a_prepare_from_an_older_controller_promises_nothing_it_did_not_say() -> None:
+    req = control.parse({"placement": "p"}, control.PrepareShard)
+    assert (req.weight_bytes, req.kv_bytes, req.adapter_bytes) == (0, 0, 0)
+    assert committed_bytes(_node(_prepared("p", 0, 0))) == 0

