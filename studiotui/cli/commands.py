@@ -121,9 +121,15 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     ]
     ctl = Controller(home, inv)
     try:
-        results = await ctl.shutdown([n for n in names if n not in idle])
+        live = [n for n in names if n not in idle]
+        # Stopping an agent stops its shards: keep what `restart` needs to load them
+        # again where they were, so the placement can be whole again without a re-place.
+        kept, _ = await ctl.shards_on(live) if live else ([], [])
+        results = await ctl.shutdown(live)
         results.update({n: "not running" for n in idle})
-        ctl.forget_placements_on(names)
+        gone = ctl.forget_placements_on(names)
+        kept = [k for k in kept if k.placement not in gone]
+        ctl.keep_shards(kept, forget=[n for n in names if n not in {k.node for k in kept}])
     finally:
         await ctl.close()
     for name in names:
@@ -131,6 +137,11 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         if node.is_local:
             await asyncio.to_thread(_wait_local_stop, node)
         console.print(f"{name}: {results[name]}")
+    for name, placement in sorted({(k.node, k.placement) for k in kept}):
+        console.print(
+            f"{name} held a shard of {placement!r}: `studiotui restart {name}` starts it "
+            "and loads that shard again"
+        )
     return 0
 
 

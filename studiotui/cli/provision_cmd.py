@@ -214,7 +214,10 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     selected = _select(inv, getattr(args, "nodes", []) or [])
     ctl = Controller(home, inv)
     try:
-        saved, dropped = await ctl.shards_on([n.name for n in selected])
+        names = [n.name for n in selected]
+        # What `down` took off these nodes comes back with them.
+        kept = [k for k in ctl.kept_shards() if k.node in names]
+        saved, dropped = await ctl.shards_on(names, kept)
     finally:
         await ctl.close()
     for text in dropped:
@@ -242,9 +245,10 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
             highlight=False,
         )
     again = [s for s in saved if s.node in back and s.placement not in lost]
-    if again:
+    if again or kept:
         ctl = Controller(home, inv)
         try:
+            ctl.keep_shards([], forget=sorted(back))
             await ctl.refresh()
             for result in await ctl.reload_shards(again):
                 target = commands.console if result.ok else commands.errors

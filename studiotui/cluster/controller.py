@@ -1188,15 +1188,22 @@ class Controller:
 
     # ---- nodes ---------------------------------------------------------------------------
 
-    async def shards_on(self, names: list[str]) -> tuple[list[SavedShard], list[str]]:
+    async def shards_on(
+        self, names: list[str], kept: Sequence[SavedShard] = ()
+    ) -> tuple[list[SavedShard], list[str]]:
         """The shards held on `names`, saved to be loaded again after a restart, and
-        the words for placements that cannot be (so restart can name what it drops)."""
+        the words for placements that cannot be (so restart can name what it drops).
+
+        `kept` are shards `down` took off nodes that are still down: a placement they
+        complete counts as whole, and they are reloaded with it."""
         await self.refresh()
         saved: list[SavedShard] = []
         dropped: list[str] = []
         for placement in self.state.placements:
+            held = {s.node for s in placement.shards}
+            away = [k for k in kept if k.placement == placement.name and k.node not in held]
             mine = [s for s in placement.shards if s.node in names]
-            if not mine:
+            if not mine and not away:
                 continue
             if any(s.group for s in placement.shards):
                 # Its members join one mx.distributed group together; one alone would
@@ -1207,27 +1214,75 @@ class Controller:
                     "it again)"
                 )
                 continue
-            if placement.state not in ("ready", "broken") or len(placement.shards) != (
-                placement.shards[0].count
+            if placement.state not in ("ready", "broken") or len(placement.shards) + len(away) != (
+                away[0].report.count if away else placement.shards[0].count
             ):
                 dropped.append(
                     f"placement {placement.name!r} is {placement.state} and incomplete: "
                     "it is not reloaded (unload it and place it again)"
                 )
                 continue
+            # Where each stage listens, the kept ones' too (their nodes report nothing).
+            stages = {s.index: (s.node, s.data_port) for s in placement.shards}
+            stages.update({k.report.index: (k.node, k.report.data_port) for k in away})
             for shard in mine:
                 report = await self._shard_report(shard)
-                nxt = placement.shards[(shard.index + 1) % shard.count]
+                node, port = stages[(shard.index + 1) % shard.count]
                 saved.append(
                     SavedShard(
                         node=shard.node,
                         placement=placement.name,
                         report=report,
-                        next_endpoint=f"tcp://{self.spec(nxt.node).address}:{nxt.data_port}",
-                        next_key=keys.node_public_key(self.home, nxt.node).decode(),
+                        next_endpoint=f"tcp://{self.spec(node).address}:{port}",
+                        next_key=keys.node_public_key(self.home, node).decode(),
                     )
                 )
+            saved.extend(away)
         return saved, dropped
+
+    def _kept_file(self) -> Path:
+        return self.home / f"stopped-shards-{self.inventory.name}.json"
+
+    def kept_shards(self) -> list[SavedShard]:
+        """Shards `down` took off nodes, kept for `restart` to load again; only those of
+        placements still planned (an unloaded or forgotten one is not brought back)."""
+        try:
+            raw = json.loads(self._kept_file().read_text())
+            kept = [
+                SavedShard(
+                    node=str(row["node"]),
+                    placement=str(row["placement"]),
+                    report=control.parse(row["report"], control.ShardReport),
+                    next_endpoint=str(row["next_endpoint"]),
+                    next_key=str(row["next_key"]),
+                )
+                for row in raw
+            ]
+        except (OSError, ValueError, TypeError, KeyError, messages.MessageError):
+            return []  # none kept, or damaged: restart reloads what the agents report
+        planned = self._read_planned()
+        return [k for k in kept if k.placement in planned]
+
+    def keep_shards(self, saved: Sequence[SavedShard], forget: Sequence[str] = ()) -> None:
+        """Remember `saved` for `restart` (replacing what was kept for their nodes) and
+        forget what was kept for the nodes `forget` (restarted with their shards)."""
+        nodes = {s.node for s in saved} | set(forget)
+        kept = [k for k in self.kept_shards() if k.node not in nodes] + list(saved)
+        rows = [
+            {
+                "node": k.node,
+                "placement": k.placement,
+                "report": control.to_wire(k.report),
+                "next_endpoint": k.next_endpoint,
+                "next_key": k.next_key,
+            }
+            for k in kept
+        ]
+        path = self._kept_file()
+        with contextlib.suppress(OSError):
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_text(json.dumps(rows))
+            tmp.replace(path)
 
     async def _shard_report(self, shard: ShardState) -> control.ShardReport:
         """What the shard's agent says about it; what the controller last knew when the

@@ -647,6 +647,35 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
     assert before[4] == after_one[4] == after_all[4] == [2, 2, 2]
 
 
+def test_restart_after_down_loads_the_shard_down_stopped_and_the_placement_is_whole(
+    cluster: LocalCluster, placed: tuple[str, list[int], list[int]]
+) -> None:
+    """`down` on one node of a placement stops its shard; the advice it and `status`
+    give, `studiotui restart NODE`, loads that shard again: no unload, no re-place."""
+    name, tokens, expected = placed
+    last = stage_node(cluster, name, 2)
+
+    async def state() -> tuple[str, list[int]]:
+        ctl = cluster.controller()
+        try:
+            await ctl.refresh()
+            p = ctl.state.placement(name)
+            got = (await collect(ctl, name, tokens, N))[0] if p and p.state == "ready" else []
+            return (p.state if p else "gone"), got
+        finally:
+            await ctl.close()
+
+    down = studiotui_cli(cluster, "down", last)
+    status = studiotui_cli(cluster, "status")
+    assert asyncio.run(state())[0] == "broken"
+    again = studiotui_cli(cluster, "restart", last)
+    print(down.stdout, status.stdout, again.stdout, again.stderr, sep="\n")
+    assert down.returncode == 0 and again.returncode == 0
+    assert f"studiotui restart {last}" in down.stdout
+    assert f"reloaded its shards on {last}" in again.stdout
+    assert asyncio.run(state()) == ("ready", expected)
+
+
 # ---- the TUI and CLI re-attach -------------------------------------------------------------
 
 
