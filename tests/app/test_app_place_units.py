@@ -144,6 +144,15 @@ def test_group_and_state_labels() -> None:
     assert group_label(_placement("p", ["b", "a"]), groups) == "left"
     assert group_label(_placement("p", ["a", "c"]), groups) == "2 nodes"
     assert group_label(_placement("p", ["a"]), groups) == "1 node"
+    # A node of the ring down: still the placement's group (or count), the down one named.
+    plan = (PlannedShard("a", 0, 2), PlannedShard("b", 2, 4))
+    one_down = replace(_placement("p", ["a", "b"]), planned=plan)
+    one_down = replace(one_down, shards=one_down.shards[:1])
+    assert group_label(one_down, groups) == "left (✗ b)"
+    assert group_label(one_down, {}) == "2 nodes (✗ b)"
+    # Not planned here: the stage that does not answer is counted, not named.
+    unplanned = replace(one_down, planned=())
+    assert group_label(unplanned, {}) == "2 nodes (✗ ?)"
     loading = _placement("p", ["a", "b"], state="loading", progress=(25, 100))
     assert state_label(loading) == "loading 25%"
     assert state_label(_placement("p", ["a"])) == "ready"

@@ -67,13 +67,18 @@ def placement_tokens(placement: PlacementState) -> int:
 
 
 def group_label(placement: PlacementState, groups: Mapping[str, Sequence[str]]) -> str:
-    """The inventory group holding exactly its ring's nodes, else how many there are."""
+    """The inventory group holding exactly its ring's nodes, else how many there are;
+    nodes of the ring that hold no shard now are named after it (✗ b), so a placement
+    with a node down still shows all its nodes, not the ones left."""
     nodes = {p.node for p in placement.ring}
-    for name, members in groups.items():
-        if set(members) == nodes:
-            return name
-    count = len(nodes)
-    return f"{count} node{'s' if count != 1 else ''}"
+    # Not planned here: the ring is what answers; the stages that do not are counted.
+    unnamed = 0 if placement.planned else max(placement.expected - len(placement.shards), 0)
+    label = next((name for name, members in groups.items() if set(members) == nodes), "")
+    if not label:
+        count = len(nodes) + unnamed
+        label = f"{count} node{'s' if count != 1 else ''}"
+    away = [*placement.missing, *(["?"] * unnamed)]
+    return f"{label} (✗ {', '.join(away)})" if away else label
 
 
 def state_label(placement: PlacementState) -> str:
