@@ -226,6 +226,10 @@ class Controller:
 
     def _update_node(self, name: str, **changes: Any) -> None:
         nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
+        if not {s.placement for n in nodes for s in n.shards} <= self._planned.keys():
+            # Placed since by another process (the CLI, another dashboard), which saved
+            # its ring: without it, a node of it going down would hide that node.
+            self._planned = self._read_planned()
         placements = placements_from_shards(nodes, self._planned, self._placing)
         broken = newly_broken(self.state.placements, placements)
         was_down = {p.name for p in self.state.placements if p.state in ("broken", "failed")}

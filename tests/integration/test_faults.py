@@ -24,7 +24,7 @@ import zmq.asyncio
 from studiotui.api.server import start_server
 from studiotui.bench import soak
 from studiotui.cluster import keys
-from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.peers import Peer
 from studiotui.core.inventory import dump_inventory, local_inventory
 from tests.cluster_fixture import LocalCluster, cluster_fixture
@@ -674,6 +674,33 @@ def test_restart_after_down_loads_the_shard_down_stopped_and_the_placement_is_wh
     assert f"studiotui restart {last}" in down.stdout
     assert f"reloaded its shards on {last}" in again.stdout
     assert asyncio.run(state()) == ("ready", expected)
+
+
+def test_a_controller_open_before_a_placement_made_elsewhere_knows_its_ring(
+    cluster: LocalCluster, model: Path
+) -> None:
+    """A dashboard open while the CLI places a model shows that placement with its whole
+    ring (so a node of it going down is named, not dropped from its group)."""
+    two = list(cluster.inventory.names)[:2]
+
+    async def run() -> tuple[tuple[str, ...], tuple[str, ...]]:
+        early = cluster.controller()
+        other = cluster.controller()
+        try:
+            await other.refresh()
+            await other.place(model, two, "q", prefill_chunk=16)
+            await early.refresh()
+            placement = early.state.placement("q")
+            assert placement is not None
+            return tuple(p.node for p in placement.planned), tuple(sorted(placement.nodes))
+        finally:
+            with contextlib.suppress(PlacementError):
+                await other.unload("q")
+            await other.close()
+            await early.close()
+
+    planned, nodes = asyncio.run(run())
+    assert sorted(planned) == sorted(two) and nodes == tuple(sorted(two))
 
 
 # ---- the TUI and CLI re-attach -------------------------------------------------------------
