@@ -19,3 +19,8 @@ def printable(text: str) -> str:
     """`text` without the control characters a terminal would act on; lines and tabs
     stay."""
     return text.translate(_CONTROL)
+
+
+def counted(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless one: "1 training example", "3 nodes"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -26,6 +26,7 @@ from typing import Any
 
 from studiotui.chat.documents import TEXT_SUFFIXES, DocumentError, read_document, split_passages
 from studiotui.core.errors import StudioError
+from studiotui.core.text import counted
 
 VALID_SHARE = 0.1
 DOC_SUFFIXES = (TEXT_SUFFIXES - {""}) | {".pdf"}
@@ -172,14 +173,15 @@ def check_counts(examples: Examples, batch_size: int, size: int) -> None:
         )
     if len(examples.train) < batch_size:
         raise DataError(
-            f"{examples.source} gives {len(examples.train)} training examples, fewer than one "
-            f"batch of {batch_size} ({batch_size // size} per node on {size} nodes)",
+            f"{examples.source} gives {counted(len(examples.train), 'training example')}, "
+            f"fewer than one batch of {batch_size} ({batch_size // size} per node on "
+            f"{counted(size, 'node')})",
             "add examples or lower --batch-size",
         )
     if examples.valid and len(examples.valid) < batch_size:
         raise DataError(
-            f"{examples.source} gives {len(examples.valid)} validation examples, fewer than "
-            f"one batch of {batch_size}",
+            f"{examples.source} gives {counted(len(examples.valid), 'validation example')}, "
+            f"fewer than one batch of {batch_size}",
             "add examples (or a valid.jsonl) or lower --batch-size",
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,12 @@ def test_counts_are_checked_against_the_group(tmp_path: Path) -> None:
         check_counts(ex, 4, 3)
     with pytest.raises(DataError, match="fewer than one batch of 8"):
         check_counts(ex, 8, 2)
+    # One of a thing is said as one: "1 training example", "on 1 node".
+    one = Examples("d", "text", ({"text": "t"},), ())
+    with pytest.raises(DataError, match=r"gives 1 training example, .* on 1 node\)"):
+        check_counts(one, 2, 1)
+    with pytest.raises(DataError, match="gives 1 validation example, "):
+        check_counts(replace(ex, valid=({"text": "v"},)), 4, 2)
     names = write_shares(tmp_path, deal(ex.train, 4, 2), [[ex.valid[0]], [ex.valid[1]]])
     assert names == [
         "rank0.train.jsonl",
