@@ -8,8 +8,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.commands import resolve_model, start_hint, transfer_shown
@@ -20,6 +21,7 @@ from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, SelectionError, resolve_group
 from studiotui.core.jobs import JobProgress, JobWatch
 from studiotui.core.placement import format_bytes
+from studiotui.core.text import counted
 from studiotui.tune import finetune as ft
 from worker.shared.protocol import control
 
@@ -119,9 +121,10 @@ async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
         ex = prepared.examples
         console.print(
             f"{prepared.method} of {prepared.info.name} as job [bold]{req.name}[/] on "
-            f"{', '.join(req.nodes)} ({prepared.backend_reason}); {len(ex.train)} training and "
-            f"{len(ex.valid)} validation examples ({ex.format}), batch {req.batch_size}, "
-            f"{req.iters} iterations"
+            f"{', '.join(req.nodes)} ({prepared.backend_reason}); "
+            f"{counted(len(ex.train), 'training example')} and "
+            f"{counted(len(ex.valid), 'validation example')} ({ex.format}), "
+            f"batch {req.batch_size}, {req.iters} iterations"
         )
         # The base's first hashing (its identity; what a copy to a remote node is
         # checked by) and the copies of the model and the data shares, in bytes.
@@ -240,9 +243,7 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
                 console.print(f"{node}: {what}")
             return 0
         found = await jobs.status(ctl, up)
-        table = Table(title="jobs")
-        for col in ("job", "kind", "node", "state", "iteration", "loss", "tok/s", "message"):
-            table.add_column(col, overflow="fold")
+        rows = []
         names = [r.name for r in jobs.all_records(home)]
         names += [n for n in found if n not in names]
         for name in names:
@@ -250,11 +251,29 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
             nodes = record.nodes if record else tuple(found.get(name, {}))
             for node in nodes:
                 rank = found.get(name, {}).get(node)
-                table.add_row(name, record.kind if record else "?", node, *_rank_cells(rank))
-        console.print(table)
+                rows.append([name, record.kind if record else "?", node, *_rank_cells(rank)])
+        console.print(jobs_table(rows))
     finally:
         await ctl.close()
     return 0
+
+
+JOB_COLUMNS = ("job", "kind", "node", "state", "iteration", "loss", "tok/s")
+
+
+def jobs_table(rows: list[list[str]]) -> Group:
+    """The jobs, a row per node, each cell whole on its line (a job name folded over two
+    lines reads as two jobs); each row's message (an adapter's path, why it failed),
+    the long part, on its own line under the table, where it has the width."""
+    table = Table(title="jobs")
+    longest = max((len(row[0]) for row in rows), default=0)
+    for col in JOB_COLUMNS:
+        # The name is what a row is known by: the figures give way first.
+        table.add_column(col, no_wrap=True, min_width=longest if col == "job" else None)
+    for row in rows:
+        table.add_row(*row[: len(JOB_COLUMNS)])
+    notes = [Text(f"{row[0]} on {row[2]}: {row[-1]}", overflow="fold") for row in rows if row[-1]]
+    return Group(table, *notes)
 
 
 def _rank_cells(rank: control.JobRank | None) -> list[str]:
