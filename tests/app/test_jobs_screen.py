@@ -138,6 +138,20 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
         assert "MB" in _cells(node_rows, 0)[3] or "KB" in _cells(node_rows, 0)[3]
         summary = str(screen.query_one("#jobs-summary", Static).content)
         assert "tok/s" in summary and "ETA" in summary
+        # The peak beside the memory, by the same rule: under 1 GB in MB, not "0.08 GB".
+        await until(pilot, lambda: _cells(node_rows, 0)[4] != "", 30, "a peak reported")
+        peak = _cells(node_rows, 0)[4]
+        assert peak.split()[1] in ("KB", "MB") or float(peak.split()[0]) >= 1, peak
+
+        # At 80 columns the list's last column, the nodes, is whole on the screen.
+        await pilot.resize_terminal(80, 24)
+
+        def nodes_shown() -> bool:
+            fits = table.virtual_size.width <= table.scrollable_content_region.width
+            return fits and _cells(table, 0)[7] in (", ".join(nodes), "l1, l2", "2 nodes")
+
+        await until(pilot, nodes_shown, 10, f"the nodes whole at 80 columns: {_cells(table, 0)}")
+        await pilot.resize_terminal(*SIZE)
 
         await pilot.press("s")
         await until(pilot, lambda: earlier().state == "stopped", 20, "stopped")

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -32,6 +34,7 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
 from studiotui.app.panes.placements import progress_lines
+from studiotui.app.render import node_abbreviations
 from studiotui.cluster import jobs
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.core.errors import StudioError
@@ -39,8 +42,10 @@ from studiotui.core.jobs import JobProgress, JobWatch, Point
 from studiotui.core.placement import format_bytes
 from studiotui.core.rates import Rates
 from studiotui.core.state import LogLevel
+from studiotui.core.text import counted
 from studiotui.tune import finetune as ft
 
+JOB_LIST_COLUMNS = ("job", "kind", "state", "iteration", "loss", "tok/s", "ETA", "nodes")
 PLOT_HEIGHT = 10
 REDRAW_EVERY_S = 0.25
 HASHING_SHOWN_EVERY_S = 0.1  # a 700 GB base reports every 4 MB: drawn 10 times a second
@@ -95,6 +100,16 @@ def duration(seconds: float | None) -> str:
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s"
+
+
+def nodes_cell(names: Sequence[str], room: int) -> str:
+    """A job's nodes in at most `room` cells: the names, else short ones (l1, l2), else
+    how many (the Nodes table below names them all)."""
+    short = node_abbreviations(names)
+    for text in (", ".join(names), ", ".join(short[n] for n in names)):
+        if cell_len(text) <= room:
+            return text
+    return counted(len(names), "node")
 
 
 def summary(p: JobProgress) -> str:
@@ -277,9 +292,7 @@ class JobsScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#jobs-list", DataTable).add_columns(
-            "job", "kind", "state", "iteration", "loss", "tok/s", "ETA", "nodes"
-        )
+        self.query_one("#jobs-list", DataTable).add_columns(*JOB_LIST_COLUMNS)
         self.query_one("#jobs-nodes", DataTable).add_columns(
             "node", "rank", "state", "memory", "peak", "note"
         )
@@ -466,6 +479,9 @@ class JobsScreen(Screen[None]):
 
     # ---- drawing --------------------------------------------------------------------------
 
+    def on_resize(self) -> None:
+        self.redraw()  # the nodes column fits the width: a finished job draws no more
+
     def redraw(self) -> None:
         """Draw soon: events come as fast as steps (many a second); drawn at most
         REDRAW_EVERY_S apart, so the keys stay answered."""
@@ -484,10 +500,14 @@ class JobsScreen(Screen[None]):
         )
         if self.selected not in self.watches and names:
             self.selected = names[-1]
-        table.clear()
+        # Columns too: a DataTable column keeps the width of its widest cell ever, and
+        # the nodes' cell narrows with the screen.
+        table.clear(columns=True)
+        table.add_columns(*JOB_LIST_COLUMNS)
+        rows = {}
         for name in names:
             p = self.watches[name].progress
-            table.add_row(
+            rows[name] = [
                 name,
                 p.kind,
                 p.state,
@@ -495,9 +515,17 @@ class JobsScreen(Screen[None]):
                 f"{p.train_loss[-1].value:.3f}" if p.train_loss else "",
                 f"{p.tokens_per_second:.0f}" if p.tokens_per_second else "",
                 duration(p.eta_s),
-                ", ".join(n.node for n in p.nodes),
-                key=name,
-            )
+            ]
+        # The nodes come last and take what the other columns leave (each column has a
+        # cell of padding either side), so they are never cut off at the screen's edge.
+        widths = [
+            max([cell_len(c), *(cell_len(r[i]) for r in rows.values())]) + 2
+            for i, c in enumerate(JOB_LIST_COLUMNS[:-1])
+        ]
+        room = table.scrollable_content_region.width - sum(widths) - 2
+        for name, row in rows.items():
+            nodes = [n.node for n in self.watches[name].progress.nodes]
+            table.add_row(*row, nodes_cell(nodes, max(room, len("nodes"))), key=name)
         if self.selected in names:
             table.move_cursor(row=names.index(self.selected), animate=False)
         self._detail()
@@ -519,7 +547,9 @@ class JobsScreen(Screen[None]):
                 str(n.rank),
                 Text(n.state, style=colour),
                 format_bytes(n.memory) if n.memory else "",
-                f"{n.peak_memory_gb:.2f} GB" if n.peak_memory_gb else "",
+                # mlx-lm reports the peak in GB (bytes / 1e9): shown by the same rule
+                # as the memory beside it ("76 MB", "1.2 GB"), not "0.08 GB".
+                format_bytes(round(n.peak_memory_gb * 1e9)) if n.peak_memory_gb else "",
                 n.message[:60],
             )
         width = max(20, plot.size.width - 2 if plot.size.width else 60)
