@@ -87,6 +87,13 @@ SILENT_AFTER_S = 3.0
 # to a few seconds for a long prefill chunk.
 STUCK_AFTER_S = 60.0
 WATCH_EVERY_S = 0.5
+# A prepared shard holds its plan's memory (promised to every operator) while its
+# files are copied, which may take hours; its controller renews it every 30 s
+# (studiotui.cluster.controller.LEASE_RENEW_EVERY_S). Unrenewed this long, ten renewals
+# missed (far past a stalled copy chunk or a busy operator), the operator went away
+# mid-copy (killed, its laptop closed): the shard is dropped so its memory is free
+# again, rather than held until someone unloads it by name.
+PREPARED_LEASE_S = 300.0
 # Control requests handled at once; past it a request is answered "busy" at once, so a
 # flood of requests cannot grow the agent without bound.
 MAX_CONTROL_TASKS = 256
@@ -130,6 +137,9 @@ class ShardProc:
     step_s: float = 0.0
     silent_since: float = 0.0  # wall clock, for the words "silent since ..."
     bad_lines: int = 0
+    # While prepared: how long a lease lasts, and when this one lapses (monotonic).
+    lease_s: float = PREPARED_LEASE_S
+    lease_until: float = float("inf")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -360,6 +370,11 @@ class Agent:
                 ident, re, "error", message=f"placement {name!r} already has a shard here"
             )
             return
+        if req.lease_s is not None and not req.lease_s > 0:
+            await self._reply(
+                ident, re, "error", message=f"lease_s must be positive seconds, not {req.lease_s}"
+            )
+            return
         await self._stop_shard(name)
         # A member of a tensor-parallel stage also needs a port for mx.distributed.
         data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
@@ -381,12 +396,15 @@ class Agent:
             "kv_bytes": req.kv_bytes,
             "adapter_bytes": req.adapter_bytes,
         }
+        lease = req.lease_s or PREPARED_LEASE_S
         self.shards[name] = ShardProc(
             placement=name,
             data_port=data_port,
             client_port=client_port,
             group_port=group_port,
             spec=promise,
+            lease_s=lease,
+            lease_until=time.monotonic() + lease,
         )
         await self._reply(
             ident,
@@ -397,6 +415,30 @@ class Agent:
             client_port=client_port,
             group_port=group_port,
         )
+
+    async def _on_renew_shards(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        req = control.parse(msg, control.RenewShards)
+        now, renewed = time.monotonic(), []
+        for name in req.placements:
+            shard = self.shards.get(name)
+            if shard is not None and shard.state == "prepared":
+                shard.lease_until = now + shard.lease_s
+                renewed.append(name)
+        await self._reply(ident, re, "renewed", placements=renewed)
+
+    def _expire_leases(self, now: float) -> None:
+        """Drop the prepared shards whose controller stopped renewing them: the next
+        telemetry reports them gone, so every operator sees their memory free again.
+        A shard loading or loaded is not leased."""
+        for name, shard in list(self.shards.items()):
+            if shard.state == "prepared" and now > shard.lease_until:
+                del self.shards[name]
+                log.warning(
+                    "shard %s dropped: prepared but not renewed for %.0f s (its operator "
+                    "went away mid-copy?); its promised memory is free again",
+                    name,
+                    shard.lease_s,
+                )
 
     async def _on_load_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         req = control.parse(msg, control.LoadShard)
@@ -564,6 +606,7 @@ class Agent:
             last = now
             for shard in self.shards.values():
                 self._judge(shard, now)
+            self._expire_leases(now)
             self.jobs.judge(now)
 
     def _judge(self, shard: ShardProc, now: float) -> None:

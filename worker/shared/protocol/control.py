@@ -62,6 +62,23 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     weight_bytes: int = 0
     kv_bytes: int = 0
     adapter_bytes: int = 0
+    # How long the shard stays prepared unless its controller renews it (renew_shards);
+    # None: the agent's own (worker.agent.PREPARED_LEASE_S). A lapsed one is dropped.
+    lease_s: float | None = None
+
+
+class RenewShards(Wire, frozen=True, kw_only=True):
+    """The placing controller's "still copying": the leases of these placements'
+    prepared shards start again (a shard loading or loaded has none)."""
+
+    placements: list[str]
+
+
+class Renewed(Wire, frozen=True, kw_only=True):
+    """The placements whose prepared shard here was renewed (others are not prepared
+    here any more: loaded, unloaded, or dropped when their lease lapsed)."""
+
+    placements: list[str]
 
 
 class LoadShard(Wire, frozen=True, kw_only=True):
