@@ -87,13 +87,6 @@ SILENT_AFTER_S = 3.0
 # to a few seconds for a long prefill chunk.
 STUCK_AFTER_S = 60.0
 WATCH_EVERY_S = 0.5
-# A prepared shard holds its plan's memory (promised to every operator) while its
-# files are copied, which may take hours; its controller renews it every 30 s
-# (studiotui.cluster.controller.LEASE_RENEW_EVERY_S). Unrenewed this long, ten renewals
-# missed (far past a stalled copy chunk or a busy operator), the operator went away
-# mid-copy (killed, its laptop closed): the shard is dropped so its memory is free
-# again, rather than held until someone unloads it by name.
-PREPARED_LEASE_S = 300.0
 # Control requests handled at once; past it a request is answered "busy" at once, so a
 # flood of requests cannot grow the agent without bound.
 MAX_CONTROL_TASKS = 256
@@ -138,7 +131,7 @@ class ShardProc:
     silent_since: float = 0.0  # wall clock, for the words "silent since ..."
     bad_lines: int = 0
     # While prepared: how long a lease lasts, and when this one lapses (monotonic).
-    lease_s: float = PREPARED_LEASE_S
+    lease_s: float = control.PREPARED_LEASE_S
     lease_until: float = float("inf")
 
     def describe(self) -> dict[str, Any]:
@@ -396,7 +389,7 @@ class Agent:
             "kv_bytes": req.kv_bytes,
             "adapter_bytes": req.adapter_bytes,
         }
-        lease = req.lease_s or PREPARED_LEASE_S
+        lease = req.lease_s or control.PREPARED_LEASE_S
         self.shards[name] = ShardProc(
             placement=name,
             data_port=data_port,

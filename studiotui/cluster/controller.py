@@ -72,7 +72,7 @@ UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are e
 RUNNER_OVERHEAD_BYTES = 100 * 1024**2
 HEALTH_CHECK_S = 2.0
 # A placing controller renews its prepared shards this often while their files are
-# copied: an agent drops one unrenewed for 5 min (worker.agent.PREPARED_LEASE_S), so
+# copied: an agent drops one unrenewed for 5 min (control.PREPARED_LEASE_S), so
 # the memory promised to a placement whose operator died mid-copy is not held for ever.
 LEASE_RENEW_EVERY_S = 30.0
 # How long a tensor group's leader's "a member is gone" waits for the agents to say which.
@@ -129,12 +129,15 @@ def promises_note(nodes: Sequence[NodeState]) -> str:
     ]
     if not parts:
         return ""
-    # An operator killed while placing leaves its shards prepared: say how to free them.
+    # An operator killed while placing leaves its shards prepared until their lease
+    # lapses (the agents drop them): say how to free them sooner.
     unload = f"studiotui unload {next(iter(held))}" if len(held) == 1 else "studiotui unload NAME"
+    lease = f"{control.PREPARED_LEASE_S / 60:.0f} minutes"
     return (
         "; ".join(parts)
         + ": that memory is taken once it is loaded, or given back if it fails or is "
-        + f"unloaded ({unload} if its placing was given up)"
+        + f"unloaded ({unload} if its placing was given up); a copy whose operator "
+        + f"went away is given back after {lease}"
     )
 
 

@@ -49,6 +49,15 @@ def to_wire(struct: Wire) -> dict[str, Any]:
 # ---- controller -> agent --------------------------------------------------------------
 
 
+# A prepared shard holds its plan's memory (promised to every operator) while its
+# files are copied, which may take hours; its controller renews it every 30 s
+# (studiotui.cluster.controller.LEASE_RENEW_EVERY_S). Unrenewed this long, ten renewals
+# missed (far past a stalled copy chunk or a busy operator), the operator went away
+# mid-copy (killed, its laptop closed): the shard is dropped so its memory is free
+# again, rather than held until someone unloads it by name.
+PREPARED_LEASE_S = 300.0
+
+
 class PrepareShard(Wire, frozen=True, kw_only=True):
     placement: str
     # A shard reloaded after a restart asks for the ports it had (None: any free ones).
@@ -63,7 +72,7 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     kv_bytes: int = 0
     adapter_bytes: int = 0
     # How long the shard stays prepared unless its controller renews it (renew_shards);
-    # None: the agent's own (worker.agent.PREPARED_LEASE_S). A lapsed one is dropped.
+    # None: PREPARED_LEASE_S. A lapsed one is dropped.
     lease_s: float | None = None
 
 
