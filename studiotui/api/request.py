@@ -163,6 +163,28 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise bad("only n=1 is supported: ask several times for several answers", "n")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise bad(
+            f"response_format {kind!r} is not supported: nothing here constrains the answer "
+            "to JSON; ask for JSON in the prompt and check it, or leave response_format out",
+            "response_format",
+        )
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = body.get(name)
+        if value is not None and value != 0:
+            raise bad(
+                f"{name} is not supported: the shards sample without penalties; "
+                f"send {name} 0 or leave it out",
+                name,
+            )
+    if body.get("logit_bias"):
+        raise bad(
+            "logit_bias is not supported: the shards sample from the model's own "
+            "probabilities; leave it out",
+            "logit_bias",
+        )
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int:

@@ -189,6 +189,21 @@ def build_app(controller: Controller, api_key: str | None = None) -> web.Applica
     return app
 
 
+SERVED = ("GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions")
+
+
+def route_error(status: int, method: str, path: str) -> str:
+    """What to say for a request no route takes: aiohttp's "Not Found" does not say
+    what is served, nor that the usual mistake is a base_url without /v1."""
+    if status == 405:
+        wanted = next((r.split()[0] for r in SERVED if r.split()[1] == path), "POST")
+        return f"{method} is not allowed on {path}: use {wanted}"
+    served = f"this server answers {', '.join(SERVED)}"
+    if any(r.split()[1] == f"/v1{path}" for r in SERVED) or path.startswith("/models/"):
+        return f"no endpoint {path}: {served}; give your client a base_url ending in /v1"
+    return f"no endpoint {method} {path}: {served}"
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -204,7 +219,10 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         # aiohttp's own: unknown route, wrong method, body too large.
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return _error_response(ApiError(exc.status, exc.reason, type_=kind))
+        words = exc.reason
+        if exc.status in (404, 405):
+            words = route_error(exc.status, request.method, request.path)
+        return _error_response(ApiError(exc.status, words, type_=kind))
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return _error_response(

@@ -78,6 +78,10 @@ class Selection:
 def read_document(path: Path) -> tuple[str, str]:
     """(kind, text) of a text, Markdown or PDF file; DocumentError says why not."""
     path = path.expanduser()
+    if not path.exists():
+        raise DocumentError(f"{path} does not exist: check the path")
+    if path.is_dir():
+        raise DocumentError(f"{path} is a folder: attach one file (text, Markdown or PDF)")
     if not path.is_file():
         raise DocumentError(f"{path} is not a file")
     size = path.stat().st_size

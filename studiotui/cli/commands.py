@@ -42,6 +42,7 @@ from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
     Inventory,
     SelectionError,
+    local_inventory,
     resolve_group,
 )
 from studiotui.core.members import cables
@@ -69,9 +70,20 @@ errors = Console(stderr=True, highlight=False)
 async def cmd_up(args: argparse.Namespace, home: Path) -> int:
     if args.local:
         try:
-            inv = local_cluster.write_local_inventory(home, args.local, args.memory_gb, args.port)
+            inv = local_inventory(
+                args.local, home=home, memory_gb=args.memory_gb, control_port=args.port
+            )
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        orphans = local_cluster.running_outside(home, inv)
+        if orphans:
+            verb = "is" if len(orphans) == 1 else "are"
+            raise UserError(
+                f"{', '.join(orphans)} {verb} running in the local cluster that "
+                f"`up --local {args.local}` would replace",
+                "stop it first with `studiotui down`, then run this again",
+            )
+        local_cluster.save_local_inventory(home, inv)
     else:
         inv = inventory_of(args, home)
     local = [n for n in inv.nodes if n.is_local]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from studiotui import __version__
+from studiotui.cli.argtypes import port, positive, positive_float
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import DEFAULT_CONTROL_PORT
 from worker.shared.protocol.limits import DEFAULT_STREAMS
@@ -32,14 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start agents (with --local N: a simulated cluster here)")
     up.add_argument(
-        "--local", type=int, metavar="N", help="start N simulated nodes on this machine"
+        "--local", type=positive, metavar="N", help="start N simulated nodes on this machine"
     )
     up.add_argument(
-        "--memory-gb", type=float, default=None, help="memory each local node advertises"
+        "--memory-gb", type=positive_float, default=None, help="memory each local node advertises"
     )
     up.add_argument(
         "--port",
-        type=int,
+        type=port,
         default=DEFAULT_CONTROL_PORT,
         help="control port of the local nodes, to run a second simulated cluster beside one "
         f"(default {DEFAULT_CONTROL_PORT})",
@@ -57,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     place.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
     place.add_argument("--name", help="placement name (default: the model directory's name)")
-    place.add_argument("--prefill-chunk", type=int, default=512)
-    place.add_argument("--context", type=int, default=4096, help="context tokens to reserve KV for")
+    place.add_argument("--prefill-chunk", type=positive, default=512)
+    place.add_argument(
+        "--context", type=positive, default=4096, help="context tokens to reserve KV for"
+    )
     place.add_argument(
         "--streams",
-        type=_positive,
+        type=positive,
         default=None,
         help="requests served at once, each with the whole context (KV is reserved for all; "
         f"default: as many as fit, up to {DEFAULT_STREAMS}); more wait in a short queue or "
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     place.add_argument(
         "--tensor",
-        type=_positive,
+        type=positive,
         default=None,
         help="nodes per stage: each stage a tensor group of N nodes (1: a pipeline; "
         "default: the fastest shape that fits, by the forecast)",
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs = sub.add_parser("logs", help="a node agent's log")
     logs.add_argument("node")
-    logs.add_argument("--lines", type=int, default=100)
+    logs.add_argument("--lines", type=positive, default=100)
     logs.add_argument("--follow", action="store_true")
 
     _add_demo_parser(sub)
@@ -272,12 +275,6 @@ def _host_port(text: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"--serve wants [HOST:]PORT, got {text!r}")
     return host or "127.0.0.1", int(port)
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"wants a whole number of at least 1, got {text!r}")
-    return int(text)
 
 
 def home_dir() -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from studiotui.api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+from studiotui.cli.argtypes import listen_port
 
 if TYPE_CHECKING:  # the dashboard and the controller load only when they run
     from studiotui.app.app import ServiceStarter
@@ -23,7 +24,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
     )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument("--port", type=listen_port, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),

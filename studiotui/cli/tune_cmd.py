@@ -214,7 +214,12 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
         await ctl.refresh()
         up = [n.name for n in ctl.state.nodes if n.state == "up"]
         if args.action in ("stop", "follow", "forget", "fetch"):
-            record = jobs.load_record(home, args.name or "")
+            if not args.name:
+                raise UserError(
+                    f"jobs {args.action} needs a job's name: studiotui jobs {args.action} NAME",
+                    "`studiotui jobs` lists them",
+                )
+            record = jobs.load_record(home, args.name)
             if record is None:
                 known = ", ".join(r.name for r in jobs.all_records(home)) or "none"
                 raise UserError(f"no job named {args.name!r}", f"known: {known}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from studiotui.cli.argtypes import listen_port
 from studiotui.cli.serve import until_stopped
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def add_web_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
     )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument("--port", type=listen_port, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     return p
 
 

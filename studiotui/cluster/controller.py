@@ -39,7 +39,7 @@ from studiotui.core.forecast import (
     measured_bandwidths,
 )
 from studiotui.core.inventory import Inventory, NodeSpec
-from studiotui.core.load_watch import LoadWatch
+from studiotui.core.load_watch import LoadWatch, node_gone
 from studiotui.core.members import Member, jaccl_devices, members, rdma_link
 from studiotui.core.model_facts import ModelInfo, read_model
 from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes, with_adapter
@@ -595,13 +595,28 @@ class Controller:
         """The placement as the nodes now report it, if every planned shard is there.
 
         A node can die after its shard said ready and before the others finished,
-        faster than the load watchdog notices: ask them all once more."""
-        await self.refresh()
-        placed = self.state.placement(name)
-        lost = [m.node for m in members(the_plan) if placed is None or m.node not in placed.nodes]
-        if lost or placed is None:
-            raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
-        return placed
+        faster than the load watchdog notices: ask them all once more. One that does
+        not answer in time but keeps its connection is asked again, as the watchdog
+        would (`node_gone`): a busy node is not a lost one."""
+        started = time.monotonic()
+        while True:
+            await self.refresh()
+            placed = self.state.placement(name)
+            lost = [
+                m.node for m in members(the_plan) if placed is None or m.node not in placed.nodes
+            ]
+            if placed is not None and not lost:
+                return placed
+            now = time.monotonic()
+            # A node that answers without its shard has lost it; one that does not
+            # answer is given the watchdog's time.
+            answered = {n.name for n in self.state.nodes if n.state == "up"}
+            if any(
+                n in answered or node_gone(n, self.peer(n).down_for(), now - started) for n in lost
+            ):
+                break
+            await asyncio.sleep(CHECK_EVERY_S)
+        raise PlacementError(f"{', '.join(lost)} stopped answering while the shards loaded")
 
     def _no_longer_fits(self, expected: Plan) -> str | None:
         for shard, name in ((s, n) for s in expected.shards for n in s.nodes):
@@ -856,16 +871,21 @@ class Controller:
                 kept.remove(node)
 
     async def _watch_nodes(self, nodes: list[str]) -> str:
-        """Return (only) when one of `nodes` stops answering, saying which."""
+        """Return (only) when one of `nodes` is gone (see `node_gone`), saying which."""
+        heard = dict.fromkeys(nodes, time.monotonic())
         while True:
             await asyncio.sleep(HEALTH_CHECK_S)
             replies = await asyncio.gather(
                 *(self.peer(n).request("hello", timeout=HEALTH_CHECK_S) for n in nodes),
                 return_exceptions=True,
             )
+            now = time.monotonic()
             for node, reply in zip(nodes, replies, strict=True):
-                if isinstance(reply, BaseException):
-                    return f"node {node} stopped answering while loading"
+                if not isinstance(reply, BaseException):
+                    heard[node] = now
+                gone = node_gone(node, self.peer(node).down_for(), now - heard[node])
+                if gone:
+                    return gone
 
     async def unload(self, name: str) -> None:
         await self.refresh()

@@ -21,8 +21,10 @@ from studiotui.cluster import keys
 from studiotui.core.inventory import (
     DEFAULT_CONTROL_PORT,
     Inventory,
+    InventoryError,
     NodeSpec,
     dump_inventory,
+    load_inventory,
     local_inventory,
 )
 from worker.shared.protocol.limits import tail_lines
@@ -36,10 +38,33 @@ def write_local_inventory(
     home: Path, n: int, memory_gb: float | None, control_port: int = DEFAULT_CONTROL_PORT
 ) -> Inventory:
     inv = local_inventory(n, home=home, memory_gb=memory_gb, control_port=control_port)
+    save_local_inventory(home, inv)
+    return inv
+
+
+def save_local_inventory(home: Path, inv: Inventory) -> None:
     path = local_inventory_path(home)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_inventory(inv))
-    return inv
+
+
+def running_outside(home: Path, new: Inventory) -> list[str]:
+    """The running agents of the saved local cluster that `new` drops or moves to
+    another address or port: writing `new` over it would orphan them, since `down`
+    stops only the nodes the inventory names."""
+    path = local_inventory_path(home)
+    try:
+        old = load_inventory(path)
+    except (OSError, InventoryError):
+        return []  # none saved, or one nothing could have started from
+    kept = {(n.name, n.address, n.control_port) for n in new.nodes}
+    return [
+        n.name
+        for n in old.nodes
+        if n.is_local
+        and (n.name, n.address, n.control_port) not in kept
+        and running_pid(n) is not None
+    ]
 
 
 def pid_file(node: NodeSpec) -> Path:

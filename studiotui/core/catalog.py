@@ -21,11 +21,10 @@ it comes back as `Skipped` with the reason, for the pane to show.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -264,45 +263,7 @@ def _read(path: Path, name: str) -> ModelInfo | str:
         return str(exc)
     except Exception as exc:  # a damaged or half-downloaded file must not end the scan
         return f"{type(exc).__name__}: {exc}"
-    bits = _quant_bits(config)
-    params = info.params
-    if bits:
-        # On a header we cannot parse keep model_facts' figure: an undercount beats no row.
-        with contextlib.suppress(OSError, ValueError):
-            params = true_params(sorted(path.glob("*.safetensors")), bits)
-    return replace(info, name=name, params=params, facts=replace(info.facts, name=name))
-
-
-def _quant_bits(config: dict) -> int | None:
-    quant = config.get("quantization") or config.get("quantization_config")
-    if isinstance(quant, dict) and isinstance(quant.get("bits"), int) and quant["bits"] > 0:
-        return int(quant["bits"])
-    return None
-
-
-def true_params(files: Sequence[Path], bits: int) -> int:
-    """Parameters of an MLX-quantised model, counting packed weights unpacked.
-
-    MLX packs `32 // bits` values into each uint32 of a quantised `.weight` and keeps
-    `.scales` / `.biases` beside it; counting tensor elements, as for a float model,
-    gives a 4-bit model an eighth of its parameters.
-    """
-    tensors: dict[str, tuple[str, int]] = {}
-    for file in files:
-        for key, (dtype, count) in safetensors_header(file).items():
-            tensors[key] = (dtype, count)
-    quantised = {
-        key.removesuffix(".weight")
-        for key, (dtype, _) in tensors.items()
-        if key.endswith(".weight") and dtype == "U32" and f"{key[:-7]}.scales" in tensors
-    }
-    total = 0
-    for key, (_dtype, count) in tensors.items():
-        stem, _, leaf = key.rpartition(".")
-        if stem in quantised and leaf in ("scales", "biases"):
-            continue
-        total += count * (32 // bits) if stem in quantised and leaf == "weight" else count
-    return total
+    return replace(info, name=name, facts=replace(info.facts, name=name))
 
 
 def safetensors_header(file: Path) -> dict[str, tuple[str, int]]:

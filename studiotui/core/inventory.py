@@ -734,6 +734,8 @@ def local_inventory(
     """
     if n < 1:
         raise ValueError(f"a local cluster needs at least 1 node, got {n}")
+    if memory_gb is not None and not memory_gb > 0:
+        raise ValueError(f"memory_gb must be above 0, got {memory_gb}")
     if base_octet < 1 or base_octet + n - 1 > 254:
         raise ValueError(
             f"127.0.0.{base_octet}..127.0.0.{base_octet + n - 1} leaves the usable range 1-254"

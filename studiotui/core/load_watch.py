@@ -54,3 +54,23 @@ class LoadWatch:
             f"(its agent reports every few seconds while a shard loads): the node or its "
             "agent stopped; see `studiotui logs` for that node"
         )
+
+
+# A node whose agent process is gone has its connection closed by its kernel, so the
+# controller's socket sees it drop at once; a busy agent (a loaded machine, a long
+# file hash) keeps it up. Down this long is gone, not a reconnect.
+NODE_DOWN_S = 2.0
+
+
+def node_gone(
+    node: str, down_for: float, silent_for: float, silence_s: float = LOAD_SILENCE_S
+) -> str | None:
+    """Why a node loading a shard counts as gone, or None while it may just be slow:
+    its connection down for `down_for` seconds, or no answer to a health check for
+    `silent_for`. One missed check is not enough: an agent held off the CPU for a few
+    seconds answers late, and rolling back a placement for that loses the whole load."""
+    if down_for >= NODE_DOWN_S:
+        return f"node {node} stopped answering while loading: its connection closed"
+    if silent_for >= silence_s:
+        return f"node {node} stopped answering while loading: silent for {silent_for:.0f} s"
+    return None

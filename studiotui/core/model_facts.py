@@ -173,6 +173,35 @@ def _activation_dtype(tensors: dict[str, Tensor]) -> str | None:
     return _FLOAT_NAMES[max(floats, key=lambda k: floats[k])] if floats else None
 
 
+def count_params(tensors: dict[str, Tensor], config: dict[str, Any]) -> int:
+    """Parameters, a quantized weight's unpacked: MLX packs bits-wide values into
+    uint32 (bits per module where the config overrides them, as mlx-lm's mixed recipes
+    and a MoE's 8-bit router do), and its scales and biases are not parameters."""
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    q = q if isinstance(q, dict) else {}
+    mode = str(q.get("mode") or q.get("quant_method") or "affine")
+    default = {"mxfp4": 4, "nvfp4": 4, "mxfp8": 8}.get(mode) or q.get("bits") or 4
+
+    def bits(stem: str) -> int:
+        own = q.get(stem)
+        value = own.get("bits", default) if isinstance(own, dict) else default
+        return int(value) if isinstance(value, int) and 0 < value <= 32 else 4
+
+    packed = {
+        key[: -len(".weight")]
+        for key, t in tensors.items()
+        if key.endswith(".weight") and t.dtype == "U32" and f"{key[:-7]}.scales" in tensors
+    }
+    total = 0
+    for key, t in tensors.items():
+        stem, _, leaf = key.rpartition(".")
+        if stem in packed:
+            total += t.count * 32 // bits(stem) if leaf == "weight" else 0
+        else:
+            total += t.count
+    return total
+
+
 def read_model(path: Path) -> ModelInfo:
     path = path.expanduser()
     config = _config(path)
@@ -193,10 +222,10 @@ def read_model(path: Path) -> ModelInfo:
     per_layer = [0] * n_layers
     split = [0] * n_layers
     routed = [0] * n_layers
-    embed = head = params = 0
+    embed = head = 0
     dtypes: dict[str, int] = {}
+    params = count_params(tensors, config)
     for key, t in tensors.items():
-        params += t.count
         dtypes[t.dtype] = dtypes.get(t.dtype, 0) + t.nbytes
         if m := _LAYER.search(key):
             layer = int(m.group(1))
@@ -299,13 +328,30 @@ def tensor_dims(config: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     )
     unit = f" ({group}-wide quantization groups)" if group > 1 else ""
     for label, width in (
-        ("MLP width", _int(cfg, "intermediate_size")),
+        ("MLP width", _int(cfg, "intermediate_size") if _runs_dense_mlp(cfg) else 0),
         ("expert width", _int(cfg, "moe_intermediate_size")),
         ("shared expert width", shared),
     ):
         if width:
             dims.append((f"{label}{unit}", width // group if width % group == 0 else width))
     return tuple((label, size) for label, size in dims if size)
+
+
+def _runs_dense_mlp(cfg: dict[str, Any]) -> bool:
+    """Whether some layer runs the dense MLP `intermediate_size` is the width of. In a
+    MoE whose experts have their own `moe_intermediate_size`, only the layers the
+    config keeps dense do: DeepSeek's / GLM's first `first_k_dense_replace`, Qwen
+    MoE's `mlp_only_layers` and those off its `decoder_sparse_step` (mlx-lm's rule).
+    Elsewhere (dense models; Mixtral or gpt-oss, whose experts are that wide) it is."""
+    if not _int(cfg, "moe_intermediate_size"):
+        return True
+    if "first_k_dense_replace" in cfg:
+        return _int(cfg, "first_k_dense_replace") > 0 or _int(cfg, "moe_layer_freq") > 1
+    if "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:
+        experts = _int(cfg, "num_experts", "n_routed_experts")
+        step = _int(cfg, "decoder_sparse_step") or 1
+        return not experts or step > 1 or bool(cfg.get("mlp_only_layers"))
+    return True
 
 
 def _bits_per_weight(config: dict[str, Any], dtype: str) -> float:

@@ -119,7 +119,7 @@ async def test_without_a_cluster_the_chat_says_so_and_commands_work(tmp_path: Pa
         assert "no cluster is connected" in str(view.note.content)
 
         await enter(f"/attach {tmp_path / 'missing.txt'}")
-        assert any("missing.txt is not a file" in n.message for n in app._notifications)
+        assert any("missing.txt does not exist" in n.message for n in app._notifications)
         await enter(f"/attach {doc}")
         await pilot.pause(0.3)
         assert "notes.md" in str(screen.query_one("#chat-docs").content)

@@ -345,6 +345,65 @@ async def test_bad_request_through_the_client(served: Served) -> None:
     assert "temperature" in caught.value.message
 
 
+async def test_what_cannot_be_honoured_is_refused_not_ignored(served: Served) -> None:
+    """JSON mode, penalties and logit bias would change what the client gets; ignoring
+    them handed back something else than it asked for, with a 200."""
+    client = served.client()
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1.0}, "presence_penalty"),
+        ({"logit_bias": {"50": 10}}, "logit_bias"),
+    ]
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=PLACEMENT, messages=MESSAGES, max_tokens=2, **extra
+            )
+        assert caught.value.status_code == 400, extra
+        assert isinstance(caught.value.body, dict) and caught.value.body["param"] == param
+        assert param in caught.value.message and "not supported" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(
+            model=PLACEMENT, prompt="Once", max_tokens=2, frequency_penalty=1.0
+        )
+    assert "frequency_penalty" in caught.value.message
+    # What asks for nothing different still answers: plain text, zero penalties, no bias.
+    reply = await client.chat.completions.create(
+        model=PLACEMENT,
+        messages=MESSAGES,
+        max_tokens=2,
+        response_format={"type": "text"},
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logit_bias={},
+    )
+    assert reply.choices[0].message.content
+
+
+async def test_a_base_url_without_v1_is_told_where_the_api_is(served: Served) -> None:
+    """The commonest client mistake: base_url without /v1. aiohttp's bare "Not Found"
+    did not say what is served."""
+    root = served.server.url.removesuffix("/v1")
+    client = openai.AsyncOpenAI(base_url=root, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.chat.completions.create(model=PLACEMENT, messages=MESSAGES, max_tokens=2)
+    message = caught.value.message
+    assert "/chat/completions" in message and "base_url ending in /v1" in message, message
+    assert "POST /v1/chat/completions" in message
+    async with httpx.AsyncClient(base_url=served.server.url) as http:
+        wrong = await http.get("/chat/completions")
+        assert_openai_error(wrong, 405)
+        assert "use POST" in wrong.json()["error"]["message"]
+        other = await http.post("/embeddings", json={"model": PLACEMENT, "input": "x"})
+        assert_openai_error(other, 404)
+        assert "GET /v1/models" in other.json()["error"]["message"]
+
+
 async def test_api_key_is_required_when_given(served: Served) -> None:
     def keyed(key: str) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=served.keyed.url, api_key=key, max_retries=0)

@@ -272,3 +272,70 @@ def test_demo_model_help_describes_every_option(tmp_path: Path) -> None:
     ):
         assert option in out.stdout and words in out.stdout, (option, out.stdout)
     assert "(default: 8)" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["place", "MODEL", "--context", "-5", "--dry-run"], "--context"),
+        (["place", "MODEL", "--prefill-chunk", "0", "--dry-run"], "--prefill-chunk"),
+        (["up", "--local", "0"], "--local"),
+        (["up", "--local", "2", "--memory-gb", "-1"], "--memory-gb"),
+        (["up", "--local", "2", "--port", "70000"], "--port"),
+        (["serve", "--port", "99999"], "--port"),
+        (["web", "--port", "-1"], "--port"),
+        (["logs", "local-1", "--lines", "-5"], "--lines"),
+    ],
+)
+def test_a_bad_number_is_refused_naming_its_option_before_anything_is_written(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    argv: list[str],
+    named: str,
+) -> None:
+    """No traceback, no inventory written with a value it cannot read back."""
+    from studiotui.cli.main import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("STUDIOTUI_HOME", str(home))
+    model = tmp_path / "m"
+    argv = [str(model) if a == "MODEL" else a for a in argv]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {named}" in err and "Traceback" not in err, err
+    assert not local_cluster.local_inventory_path(home).exists()
+
+
+def test_jobs_follow_without_a_name_says_to_name_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from studiotui.cli.main import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("STUDIOTUI_HOME", str(home))
+    local_cluster.write_local_inventory(home, 1, 8.0, control_port=PORT + 20)
+    for action in ("follow", "stop", "forget", "fetch"):
+        assert main(["jobs", action]) == 2
+        err = capsys.readouterr().err
+        assert f"jobs {action} needs a job's name" in err and "None" not in err, err
+        assert "studiotui jobs" in err
+
+
+def test_up_local_of_another_size_is_refused_while_that_cluster_runs(home: Path) -> None:
+    """Rewriting the inventory under running agents would orphan the ones it drops:
+    `studiotui down` could no longer stop them."""
+    up = run(home, "up", "--local", "2", "--port", str(PORT + 30))
+    assert up.returncode == 0, up.stderr
+    path = local_cluster.local_inventory_path(home)
+    before = path.read_text()
+    smaller = run(home, "up", "--local", "1", "--port", str(PORT + 30))
+    assert smaller.returncode == 2
+    assert "local-2 is running" in smaller.stderr and "studiotui down" in smaller.stderr
+    assert path.read_text() == before
+    again = run(home, "up", "--local", "2", "--port", str(PORT + 30))
+    assert again.returncode == 0, again.stderr
+    down = run(home, "down")
+    assert down.returncode == 0, down.stderr

@@ -105,6 +105,22 @@ def test_a_model_too_big_for_the_disk_is_refused_before_writing(tmp_path: Path) 
         DemoSpec(hidden=96, heads=8, quantize="4", group_size=64)
 
 
+def test_a_folder_holding_another_model_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A real download (or any files) in DIR is not a demo to write over: its config
+    and weights would be replaced and its other model*.safetensors deleted."""
+    real = tmp_path / "Qwen3-30B-A3B"
+    real.mkdir()
+    files = {"config.json": '{"model_type": "qwen3_moe"}', "model-00002-of-00002.safetensors": "x"}
+    for name, text in files.items():
+        (real / name).write_text(text)
+    out = run_cli(tmp_path, str(real), "--layers", "2", "--hidden", "64", "--heads", "4")
+    assert out.returncode == 2, out.stdout
+    assert f"{real} already holds files" in out.stderr and "another directory" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert {p.name: p.read_text() for p in real.iterdir()} == files
+    assert not any(tmp_path.glob(".*partial"))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_write_leaves_no_directory(tmp_path: Path, sig: signal.Signals) -> None:
     target = tmp_path / "big"

@@ -6,8 +6,9 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,6 +74,46 @@ def test_node_killed_during_load_leaves_nothing_loaded(
     print(error)
     assert "rolled back" in error and f"{victim} stopped answering" in error
     assert all(not shards for shards in held.values()), held
+
+
+def test_an_agent_busy_for_seconds_while_loading_does_not_fail_the_placement(
+    small_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """An agent that answers a health check late while a shard loads (here: stopped
+    for 3 s as the check goes out, as a loaded machine can hold one off the CPU; short
+    of ZeroMQ's 4 s heartbeat, so its connection stays up) is slow, not gone: only
+    30 s of silence, or its connection dropping, ends a load (README)."""
+    model = _model(tmp_path, "m")
+    victim = small_cluster.inventory.nodes[1].name
+    pid = small_cluster.pids[victim]
+    held: list[float] = []
+
+    async def run() -> list[str]:
+        ctl = small_cluster.controller()
+        peer = ctl.peer(victim)
+        send = peer.stream
+        loading: list[str] = []
+
+        def late(kind: str, timeout: float = 5.0, **fields: Any) -> AsyncIterator[dict[str, Any]]:
+            loading.extend([kind] if kind == "load_shard" else [])
+            if kind == "hello" and loading and not held:  # the first check while loading
+                held.append(timeout)
+                os.kill(pid, signal.SIGSTOP)
+                asyncio.get_running_loop().call_later(timeout + 1.0, os.kill, pid, signal.SIGCONT)
+            return send(kind, timeout, **fields)
+
+        try:
+            await ctl.refresh()
+            peer.stream = late  # type: ignore[method-assign]
+            result = await ctl.place(model, list(small_cluster.inventory.names), "slow")
+            await ctl.unload("slow")
+            return list(result.placement.nodes)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await ctl.close()
+
+    assert sorted(asyncio.run(run())) == sorted(small_cluster.inventory.names)
+    assert held, "no health check went out while the shards loaded"
 
 
 def test_two_placements_answer_at_once_and_overcommit_is_refused(

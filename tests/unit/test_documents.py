@@ -122,8 +122,10 @@ def test_reads_text_markdown_and_refuses_what_is_not_text(tmp_path: Path) -> Non
         read_document(tmp_path / "c.bin")
     with pytest.raises(DocumentError, match="empty"):
         read_document(tmp_path / "d.txt")
-    with pytest.raises(DocumentError, match="not a file"):
+    with pytest.raises(DocumentError, match=r"missing\.txt does not exist: check the path"):
         read_document(tmp_path / "missing.txt")
+    with pytest.raises(DocumentError, match="is a folder: attach one file"):
+        read_document(tmp_path)
 
 
 def test_reads_a_pdf_with_pages(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from studiotui.core.load_watch import LOAD_SILENCE_S, LoadWatch
+from studiotui.core.load_watch import LOAD_SILENCE_S, NODE_DOWN_S, LoadWatch, node_gone
 from worker.agent import LOAD_HEARTBEAT_S, exit_reason
 from worker.runner import fatal_message
 from worker.shard import ShardLoadError
@@ -64,3 +64,14 @@ def test_a_shard_that_ran_out_of_memory_is_said_to_have() -> None:
     assert fatal_message(metal, loading=True).startswith("out of memory while loading")
     assert fatal_message(MemoryError(), loading=False) == "out of memory while serving: MemoryError"
     assert fatal_message(ShardLoadError("no config.json"), loading=True) == "no config.json"
+
+
+def test_a_node_is_gone_when_its_connection_closed_or_it_stayed_silent_not_at_one_late_check() -> (
+    None
+):
+    assert node_gone("studio-2", down_for=0.0, silent_for=4.0) is None  # one or two late checks
+    assert "connection closed" in (
+        node_gone("studio-2", down_for=NODE_DOWN_S, silent_for=2.0) or ""
+    )
+    silent = node_gone("studio-2", down_for=0.0, silent_for=LOAD_SILENCE_S)
+    assert silent is not None and "studio-2 stopped answering" in silent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,17 @@ def test_caches_take_the_activation_dtype_not_the_config_default(tmp_path: Path)
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     assert facts.kv_bytes(1) == [2 * heads * head_dim * 2] * 2
+
+
+@pytest.mark.parametrize("quantize", ["4", "mixed", "mxfp4"])
+def test_a_quantized_model_counts_as_many_parameters_as_its_float_original(
+    tmp_path: Path, quantize: str
+) -> None:
+    """MLX packs 32 // bits values into each uint32 of a quantized weight: counting
+    the packed elements gave the place preview a 4-bit model an eighth of its
+    parameters (1.3M where the Models pane said 8.0M). Per-module bits (mixed, and
+    the 8-bit router mlx-lm keeps in a 4-bit MoE) count too."""
+    spec = DemoSpec(arch="qwen3_moe", layers=2, hidden=128, heads=4, kv_heads=2)
+    plain = read_model(write_demo_model(tmp_path / "f", spec))
+    packed = read_model(write_demo_model(tmp_path / "q", replace(spec, quantize=quantize)))
+    assert packed.params == plain.params

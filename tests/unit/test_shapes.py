@@ -46,7 +46,7 @@ from studiotui.core.state import (
     shape_label,
 )
 from tests.seed_models import seed_model
-from worker.shared.demo_model import DemoSpec, build_model, make_config
+from worker.shared.demo_model import DemoSpec, build_model, make_config, write_demo_model
 from worker.shared.model_support import FAMILIES
 
 GiB = 1024**3
@@ -301,3 +301,23 @@ def test_a_tensor_group_must_beat_the_pipeline_by_the_margin(
     monkeypatch.setattr(forecast_module, "MARGIN", gain * 1.01)
     kept = choose(qwen, FOUR, mesh(True), M3_ULTRA, context_tokens=8192)
     assert isinstance(kept.verdict, Plan) and kept.verdict.tensor == 1
+
+
+def test_a_moe_whose_every_layer_is_sparse_is_not_held_to_its_unused_dense_width(
+    tmp_path: Path,
+) -> None:
+    """qwen3_moe's `intermediate_size` is the width of a dense MLP only layers in
+    `mlp_only_layers` (or off `decoder_sparse_step`) have; shard() never cuts it when
+    every layer has experts. The README's demo (`--arch qwen3_moe --quantize 4`,
+    hidden 256: a dense width of 704, 11 groups of 64) offered no tensor shape."""
+    spec = DemoSpec(arch="qwen3_moe", quantize="4")
+    info = read_model(write_demo_model(tmp_path / "moe", spec))
+    assert info.facts.tensor is not None
+    assert tensor_sizes(info.facts, 4) == (1, 2, 4)
+    # A layer that does run the dense MLP brings its width back into the rule.
+    config = make_config(DemoSpec(arch="qwen3_moe", quantize="4"))
+    config = {**config, "quantization": {"bits": 4, "group_size": 64}}
+    widths = dict(model_facts.tensor_dims(config))
+    assert "MLP width (64-wide quantization groups)" not in widths
+    dense = dict(model_facts.tensor_dims({**config, "mlp_only_layers": [0]}))
+    assert dense["MLP width (64-wide quantization groups)"] == 11
