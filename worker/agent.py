@@ -130,6 +130,9 @@ class ShardProc:
     step_s: float = 0.0
     silent_since: float = 0.0  # wall clock, for the words "silent since ..."
     bad_lines: int = 0
+    # While prepared: how long a lease lasts, and when this one lapses (monotonic).
+    lease_s: float = control.PREPARED_LEASE_S
+    lease_until: float = float("inf")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -360,6 +363,11 @@ class Agent:
                 ident, re, "error", message=f"placement {name!r} already has a shard here"
             )
             return
+        if req.lease_s is not None and not req.lease_s > 0:
+            await self._reply(
+                ident, re, "error", message=f"lease_s must be positive seconds, not {req.lease_s}"
+            )
+            return
         await self._stop_shard(name)
         # A member of a tensor-parallel stage also needs a port for mx.distributed.
         data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
@@ -381,12 +389,15 @@ class Agent:
             "kv_bytes": req.kv_bytes,
             "adapter_bytes": req.adapter_bytes,
         }
+        lease = req.lease_s or control.PREPARED_LEASE_S
         self.shards[name] = ShardProc(
             placement=name,
             data_port=data_port,
             client_port=client_port,
             group_port=group_port,
             spec=promise,
+            lease_s=lease,
+            lease_until=time.monotonic() + lease,
         )
         await self._reply(
             ident,
@@ -397,6 +408,30 @@ class Agent:
             client_port=client_port,
             group_port=group_port,
         )
+
+    async def _on_renew_shards(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
+        req = control.parse(msg, control.RenewShards)
+        now, renewed = time.monotonic(), []
+        for name in req.placements:
+            shard = self.shards.get(name)
+            if shard is not None and shard.state == "prepared":
+                shard.lease_until = now + shard.lease_s
+                renewed.append(name)
+        await self._reply(ident, re, "renewed", placements=renewed)
+
+    def _expire_leases(self, now: float) -> None:
+        """Drop the prepared shards whose controller stopped renewing them: the next
+        telemetry reports them gone, so every operator sees their memory free again.
+        A shard loading or loaded is not leased."""
+        for name, shard in list(self.shards.items()):
+            if shard.state == "prepared" and now > shard.lease_until:
+                del self.shards[name]
+                log.warning(
+                    "shard %s dropped: prepared but not renewed for %.0f s (its operator "
+                    "went away mid-copy?); its promised memory is free again",
+                    name,
+                    shard.lease_s,
+                )
 
     async def _on_load_shard(self, ident: bytes, re: Any, msg: dict[str, Any]) -> None:
         req = control.parse(msg, control.LoadShard)
@@ -564,6 +599,7 @@ class Agent:
             last = now
             for shard in self.shards.values():
                 self._judge(shard, now)
+            self._expire_leases(now)
             self.jobs.judge(now)
 
     def _judge(self, shard: ShardProc, now: float) -> None:

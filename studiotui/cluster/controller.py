@@ -71,6 +71,10 @@ UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are e
 # What a shard process holds before any weight (Python, MLX, tokenizer): measured ~80 MB.
 RUNNER_OVERHEAD_BYTES = 100 * 1024**2
 HEALTH_CHECK_S = 2.0
+# A placing controller renews its prepared shards this often while their files are
+# copied: an agent drops one unrenewed for 5 min (control.PREPARED_LEASE_S), so
+# the memory promised to a placement whose operator died mid-copy is not held for ever.
+LEASE_RENEW_EVERY_S = 30.0
 # How long a tensor group's leader's "a member is gone" waits for the agents to say which.
 GROUP_LOST_WAIT_S = 2.0
 # Once a stream is quiet this long, its placement's health is asked every second.
@@ -125,12 +129,15 @@ def promises_note(nodes: Sequence[NodeState]) -> str:
     ]
     if not parts:
         return ""
-    # An operator killed while placing leaves its shards prepared: say how to free them.
+    # An operator killed while placing leaves its shards prepared until their lease
+    # lapses (the agents drop them): say how to free them sooner.
     unload = f"studiotui unload {next(iter(held))}" if len(held) == 1 else "studiotui unload NAME"
+    lease = f"{control.PREPARED_LEASE_S / 60:.0f} minutes"
     return (
         "; ".join(parts)
         + ": that memory is taken once it is loaded, or given back if it fails or is "
-        + f"unloaded ({unload} if its placing was given up)"
+        + f"unloaded ({unload} if its placing was given up); a copy whose operator "
+        + f"went away is given back after {lease}"
     )
 
 
@@ -192,6 +199,10 @@ class Controller:
         # so a restarted TUI still knows a broken placement's nodes).
         self._planned: dict[str, PlannedPlacement] = self._read_planned()
         self._placing: set[str] = set()  # being loaded by this controller: not broken yet
+        # The lease its prepared shards ask for (None: the agent's, 5 min); renewed
+        # every lease_renew_s while their files are copied (see keep_leases).
+        self.lease_s: float | None = None
+        self.lease_renew_s = LEASE_RENEW_EVERY_S
         self._listeners: list[Listener] = []
         # Placements going away on purpose (unload, rollback), until when: their shards
         # vanish one node at a time, which must not read as "broken".
@@ -650,6 +661,7 @@ class Controller:
                     weight_bytes=shards[m.stage].weight_bytes,
                     kv_bytes=shards[m.stage].kv_bytes,
                     adapter_bytes=shards[m.stage].adapter_bytes,
+                    lease_s=self.lease_s,
                 )
                 for m in procs
             )
@@ -659,8 +671,14 @@ class Controller:
         # than at the next telemetry: a preview made during the copy counts them.
         await asyncio.gather(*(self._hello(n, 2.0) for n in dict.fromkeys(port)))
         count = len(shards)
-        dirs = await self._model_dirs(procs, model_dir, progress, hashing)
-        adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
+        # The copies may take hours: the shards' leases renewed until they load.
+        keeper = asyncio.create_task(self.keep_leases(name, list(port), self.lease_renew_s))
+        try:
+            dirs = await self._model_dirs(procs, model_dir, progress, hashing)
+            adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
         leaders = [next(m for m in procs if m.stage == i and m.rank == 0) for i in range(count)]
 
         async def load(m: Member) -> None:
@@ -830,6 +848,31 @@ class Controller:
             except (model_sync.SyncRefused, model_files.ModelFilesError) as exc:
                 raise PlacementError(str(exc)) from None
         return where
+
+    async def renew_leases(self, name: str, nodes: Sequence[str]) -> list[str]:
+        """Renew the leases of `name`'s prepared shards on `nodes`; the nodes that no
+        longer hold one prepared (a node not answering is left to the load's watch)."""
+        replies = await asyncio.gather(
+            *(self.peer(n).ask("renew_shards", control.Renewed, placements=[name]) for n in nodes),
+            return_exceptions=True,
+        )
+        return [
+            node
+            for node, reply in zip(nodes, replies, strict=True)
+            if isinstance(reply, control.Renewed) and name not in reply.placements
+        ]
+
+    async def keep_leases(self, name: str, nodes: Sequence[str], every: float) -> None:
+        """Renew `name`'s prepared shards on `nodes` every `every` seconds until
+        cancelled: while this controller copies their files, they stay prepared."""
+        kept = list(nodes)
+        while kept:
+            await asyncio.sleep(every)
+            for node in await self.renew_leases(name, kept):
+                self.record(
+                    f"{node} no longer holds {name!r} prepared (its lease lapsed?)", "warning"
+                )
+                kept.remove(node)
 
     async def _watch_nodes(self, nodes: list[str]) -> str:
         """Return (only) when one of `nodes` is gone (see `node_gone`), saying which."""

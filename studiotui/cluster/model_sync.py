@@ -117,9 +117,14 @@ async def provide(
         if hashing is not None and total:
             hashing(min(hashed[0], total), total)
 
-    if hashing is not None and total:
-        hashing(0, total)
-    ids = {f.name: f for f in await asyncio.to_thread(local_manifest, model_dir, union, counted)}
+    def manifest() -> list[FileId]:
+        # Its start is said from the thread too: a listener redrawing from the loop
+        # (call_from_thread) must hear every report from one side.
+        if hashing is not None and total:
+            hashing(0, total)
+        return local_manifest(model_dir, union, counted)
+
+    ids = {f.name: f for f in await asyncio.to_thread(manifest)}
     if hashed[0]:  # the first time only: say where the wait went
         ctl.record(
             f"hashed {hashed[0] / 1e9:.2f} GB of {model_dir.name} in "

@@ -32,6 +32,7 @@ T = TypeVar("T")
 FINAL = {
     "hello_reply",
     "prepared",
+    "renewed",
     "shard_ready",
     "unloaded",
     "shards",

@@ -95,6 +95,8 @@ def test_the_note_names_each_placement_not_loaded_yet_and_its_promise_per_node()
     assert "'old'" not in note  # loaded: its memory shows in the node's own report
     assert "given back if it fails or is unloaded" in note
     assert "(studiotui unload NAME if its placing was given up)" in note
+    # Else the agents give it back once its lease lapses (worker PREPARED_LEASE_S).
+    assert note.endswith("a copy whose operator went away is given back after 5 minutes")
     assert promises_note([_node(ready)]) == ""
     # One placement: the command to free it, should its operator have gone.
     assert "(studiotui unload big if its placing was given up)" in promises_note([one])

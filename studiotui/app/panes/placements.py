@@ -49,6 +49,10 @@ _RING_MIN = 16
 RING_LINES = 3  # the most the ring under the table takes from the table's rows
 _STATE_COLOUR = {"ready": "success", "failed": "error", "broken": "error"}
 RATE_WINDOW_S = 5.0
+# The gauge of the operator's own work for a placement: the model's first hashing
+# before its copy to a remote node (every byte once; cached beside its files after).
+OPERATOR = "operator"
+HASHING_SAID = "hashing the model for the copy to remote nodes (once: cached)…"
 
 
 def ring_text(placement: PlacementState) -> str:
@@ -141,6 +145,8 @@ class PlacementsPane(Vertical):
         self._signature: tuple | None = None
         self._loads: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
         self._rates: dict[str, Rates] = {}
+        # A load's model being hashed for its copy (done, total), by load key.
+        self._hashing: dict[str, tuple[int, int]] = {}
         self.rates = RateMeter()
         self.groups: Mapping[str, Sequence[str]] = {}
         self.shown: tuple[PlacementState, ...] = ()
@@ -292,8 +298,21 @@ class PlacementsPane(Vertical):
             self._rates.setdefault(key, Rates()).update(node, done, total, time.monotonic())
             self._render_progress()
 
+    def hashing(self, done: int, total: int, key: str = "") -> None:
+        """The operator's first hashing of the model for a copy to a remote node: its
+        gauge above the nodes' (gone with end_hashing, once the copies start)."""
+        if key in self._loads:
+            self._hashing[key] = (done, total)
+            self._rates.setdefault(key, Rates()).update(OPERATOR, done, total, time.monotonic())
+            self._render_progress()
+
+    def end_hashing(self, key: str = "") -> None:
+        if self._hashing.pop(key, None) is not None:
+            self._render_progress()
+
     def end_progress(self, key: str = "") -> None:
         self._loads.pop(key, None)
+        self._hashing.pop(key, None)
         self._rates.pop(key, None)
         self._render_progress()
 
@@ -309,6 +328,9 @@ class PlacementsPane(Vertical):
         lines: list[Content] = []
         for key, (title, nodes) in self._loads.items():
             lines.append(Content.styled(title, "$accent bold"))
+            if (hashing := self._hashing.get(key)) is not None:
+                lines.append(Content.styled(HASHING_SAID, "$text-muted"))
+                lines.extend(progress_lines({OPERATOR: hashing}, rates=self._rates.get(key)))
             lines.extend(progress_lines(nodes, rates=self._rates.get(key)))
         block.update(Content("\n").join(lines))
 

@@ -25,7 +25,7 @@ from textual.geometry import Region
 from textual.screen import ModalScreen
 
 from studiotui.app.guard import guard_actions
-from studiotui.app.panes.placements import progress_lines
+from studiotui.app.panes.placements import HASHING_SAID, OPERATOR, progress_lines
 from studiotui.app.render import Drawing, bar, short_count, state_style, usage_style
 from studiotui.core.forecast import (
     Forecast,
@@ -386,6 +386,9 @@ class PreviewScreen(ModalScreen[None]):
         # base reads all of it; cached after): (done, total), or None when not hashing.
         self.hashing: tuple[int, int] | None = None
         self._hashing_shown = 0.0
+        # Bytes of the model hashed for its copy to a remote node while loading (its
+        # first copy reads all of it; cached after), or None: gone once copies start.
+        self.copy_hashed: tuple[int, int] | None = None
         # What the body draws above the shapes and how many lines they take (see
         # _lines), and whether the next plan drawn should bring them into view.
         self._shapes_at: tuple[Content, int] | None = None
@@ -572,6 +575,19 @@ class PreviewScreen(ModalScreen[None]):
         if self.is_attached:
             self._draw()
 
+    def copy_hashing(self, done: int, total: int) -> None:
+        """The model's first hashing for its copy to a remote node (on the loop)."""
+        self.copy_hashed = (done, total)
+        self.rates.update(OPERATOR, done, total, time.monotonic())
+        if self.is_attached:
+            self._draw()
+
+    def end_copy_hashing(self) -> None:
+        if self.copy_hashed is not None:
+            self.copy_hashed = None
+            if self.is_attached:
+                self._draw()
+
     def finished(self, error: str | None) -> None:
         if error is None:
             self.phase = "ready"
@@ -666,6 +682,9 @@ class PreviewScreen(ModalScreen[None]):
             lines.append(Content.styled(f"⚠ {warning}", "$warning"))
         if self.phase in ("loading", "ready", "failed"):
             lines += [Content(""), Content.styled("loading", "bold $accent")]
+            if self.copy_hashed is not None:
+                lines.append(Content.styled(HASHING_SAID, "$text-muted"))
+                lines += progress_lines({OPERATOR: self.copy_hashed}, rates=self.rates)
             lines += progress_lines(self.loads, rates=self.rates)
         if self.phase == "failed":
             lines += [Content(""), Content.styled(self.message, "bold $error")]

@@ -49,6 +49,15 @@ def to_wire(struct: Wire) -> dict[str, Any]:
 # ---- controller -> agent --------------------------------------------------------------
 
 
+# A prepared shard holds its plan's memory (promised to every operator) while its
+# files are copied, which may take hours; its controller renews it every 30 s
+# (studiotui.cluster.controller.LEASE_RENEW_EVERY_S). Unrenewed this long, ten renewals
+# missed (far past a stalled copy chunk or a busy operator), the operator went away
+# mid-copy (killed, its laptop closed): the shard is dropped so its memory is free
+# again, rather than held until someone unloads it by name.
+PREPARED_LEASE_S = 300.0
+
+
 class PrepareShard(Wire, frozen=True, kw_only=True):
     placement: str
     # A shard reloaded after a restart asks for the ports it had (None: any free ones).
@@ -62,6 +71,23 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     weight_bytes: int = 0
     kv_bytes: int = 0
     adapter_bytes: int = 0
+    # How long the shard stays prepared unless its controller renews it (renew_shards);
+    # None: PREPARED_LEASE_S. A lapsed one is dropped.
+    lease_s: float | None = None
+
+
+class RenewShards(Wire, frozen=True, kw_only=True):
+    """The placing controller's "still copying": the leases of these placements'
+    prepared shards start again (a shard loading or loaded has none)."""
+
+    placements: list[str]
+
+
+class Renewed(Wire, frozen=True, kw_only=True):
+    """The placements whose prepared shard here was renewed (others are not prepared
+    here any more: loaded, unloaded, or dropped when their lease lapsed)."""
+
+    placements: list[str]
 
 
 class LoadShard(Wire, frozen=True, kw_only=True):

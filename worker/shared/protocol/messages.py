@@ -27,6 +27,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     # controller -> agent
     "hello": {},
     "prepare_shard": {"placement": (str,)},
+    "renew_shards": {"placements": _STR_LIST},
     "load_shard": {
         "placement": (str,),
         "model_dir": (str,),
@@ -86,6 +87,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     # agent -> controller
     "hello_reply": {"name": (str,), "version": (str,), "pid": (int,)},
     "prepared": {"placement": (str,), "data_port": (int,), "client_port": (int,)},
+    "renewed": {"placements": _STR_LIST},
     "progress": {"placement": (str,), "done": _NUM, "total": _NUM},
     "shard_ready": {"placement": (str,), "start": (int,), "end": (int,)},
     "unloaded": {"placement": (str,)},
