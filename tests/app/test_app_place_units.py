@@ -152,7 +152,7 @@ def test_group_and_state_labels() -> None:
     assert group_label(one_down, {}) == "2 nodes (✗ b)"
     # Not planned here: the stage that does not answer is counted, not named.
     unplanned = replace(one_down, planned=())
-    assert group_label(unplanned, {}) == "2 nodes (✗ ?)"
+    assert group_label(unplanned, groups) == "1 of 2 nodes"
     loading = _placement("p", ["a", "b"], state="loading", progress=(25, 100))
     assert state_label(loading) == "loading 25%"
     assert state_label(_placement("p", ["a"])) == "ready"

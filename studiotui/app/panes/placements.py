@@ -75,14 +75,13 @@ def group_label(placement: PlacementState, groups: Mapping[str, Sequence[str]]) 
     nodes of the ring that hold no shard now are named after it (✗ b), so a placement
     with a node down still shows all its nodes, not the ones left."""
     nodes = {p.node for p in placement.ring}
-    # Not planned here: the ring is what answers; the stages that do not are counted.
-    unnamed = 0 if placement.planned else max(placement.expected - len(placement.shards), 0)
+    if not placement.planned and len(placement.shards) < placement.expected:
+        # Not planned here: the ring is what answers; who else was in it is unknown.
+        return f"{len(nodes)} of {placement.expected} nodes"
     label = next((name for name, members in groups.items() if set(members) == nodes), "")
-    if not label:
-        count = len(nodes) + unnamed
-        label = f"{count} node{'s' if count != 1 else ''}"
-    away = [*placement.missing, *(["?"] * unnamed)]
-    return f"{label} (✗ {', '.join(away)})" if away else label
+    label = label or f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+    missing = placement.missing
+    return f"{label} (✗ {', '.join(missing)})" if missing else label
 
 
 def state_label(placement: PlacementState) -> str:
