@@ -28,7 +28,12 @@ from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
 from studiotui.cluster import jobs, local_cluster
 from studiotui.cluster.adapter_fetch import fetch_adapter
-from studiotui.cluster.controller import Controller, GenerationError, PlacementError
+from studiotui.cluster.controller import (
+    Controller,
+    GenerationError,
+    PlacementError,
+    SavedShard,
+)
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
@@ -122,14 +127,12 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         live = [n for n in names if n not in idle]
-        # Stopping an agent stops its shards: keep what `restart` needs to load them
-        # again where they were, so the placement can be whole again without a re-place.
-        kept, _ = await ctl.shards_on(live) if live else ([], [])
+        kept = await keep_for_restart(ctl, live)
         results = await ctl.shutdown(live)
         results.update({n: "not running" for n in idle})
+        # Every node of it stopped: gone, not broken; not brought back by a restart.
         gone = ctl.forget_placements_on(names)
         kept = [k for k in kept if k.placement not in gone]
-        ctl.keep_shards(kept, forget=[n for n in names if n not in {k.node for k in kept}])
     finally:
         await ctl.close()
     for name in names:
@@ -137,12 +140,25 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         if node.is_local:
             await asyncio.to_thread(_wait_local_stop, node)
         console.print(f"{name}: {results[name]}")
+    say_kept(kept)
+    return 0
+
+
+async def keep_for_restart(ctl: Controller, names: list[str]) -> list[SavedShard]:
+    """Before `down` stops `names`: stopping an agent stops its shards, so keep what
+    `restart` needs to load them again where they were (the placement whole again
+    without a re-place). What cannot be kept (a tensor stage) is said then."""
+    kept, _ = await ctl.shards_on(names) if names else ([], [])
+    ctl.keep_shards(kept, forget=names)
+    return kept
+
+
+def say_kept(kept: list[SavedShard]) -> None:
     for name, placement in sorted({(k.node, k.placement) for k in kept}):
         console.print(
             f"{name} held a shard of {placement!r}: `studiotui restart {name}` starts it "
             "and loads that shard again"
         )
-    return 0
 
 
 def _wait_local_stop(node: Any) -> None:

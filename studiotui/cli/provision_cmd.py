@@ -324,10 +324,18 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         except SshError as exc:
             return node.name, str(exc), False
 
+    kept = []
+    if remote_nodes:
+        ctl = Controller(home, inv)
+        try:
+            kept = await commands.keep_for_restart(ctl, [n.name for n in remote_nodes])
+        finally:
+            await ctl.close()
     for name, text, ok in await asyncio.gather(*(one(n) for n in remote_nodes)):
         target = commands.console if ok else commands.errors
         target.print(f"{name}: {text}", markup=False, highlight=False)
         code = code if ok else 1
+    commands.say_kept(kept)
     return code
 
 
