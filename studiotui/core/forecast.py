@@ -78,8 +78,11 @@ ALLREDUCE_SYNC_US = 50.0
 # shared/DESIGN.md; Jeff Geerling's article says "< 50 µs").
 RDMA_LATENCY_US = 30.0
 # What this engine adds to a link's own latency for each pipeline hop (Python,
-# ZeroMQ wake-ups at both ends): `studiotui bench` measured hop_us_p50 244-404 µs on
-# loopback, whose link latency is ~50 µs.
+# ZeroMQ wake-ups at both ends): `studiotui bench` measured 244-404 µs on loopback,
+# whose link latency is ~50 µs, when hop_us_p50 still held the receiver's Python up to
+# its compute. The bench now splits that into hop_us_p50 (send call to recv, ~225-460
+# µs loaded) and frame_overhead_us_p50 (a stage's Python per frame, mostly the next
+# step's graph build, which the per-layer dispatch cost of CPU-only nodes prices).
 ENGINE_HOP_US = 200.0
 # A prefill is cut into chunks (the runners' default prefill_chunk) that pipeline
 # across stages; decode is priced at the context a 2k-token prompt leaves.
