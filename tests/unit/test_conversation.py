@@ -208,7 +208,7 @@ async def test_commands_and_documents_without_a_cluster(tmp_path: Path) -> None:
     doc.write_text("# Notes\n\nThe vault code is tangerine.\n")
     async with session_in(tmp_path) as session:
         reply = await session.command(Command("/attach", str(tmp_path / "missing.txt")))
-        assert "missing.txt is not a file" in reply.report and reply.level == "warning"
+        assert "missing.txt does not exist" in reply.report and reply.level == "warning"
         assert session.conversation is None, "a failed attach made a conversation"
         reply = await session.command(Command("/attach", str(doc)), placement="demo")
         assert "attached notes.md" in reply.notify and "documents" in reply.redraw
