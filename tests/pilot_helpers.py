@@ -1,12 +1,26 @@
-"""Driving the command palette from a test without guessing how long a search takes."""
+"""Driving the real app under Pilot without guessing how long things take: waiting on a
+condition, and the command palette (whose search runs in the background)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from textual.app import App
 from textual.command import CommandList, CommandPalette
 from textual.pilot import Pilot
+
+
+async def until(
+    pilot: Any, ok: Callable[[], bool], timeout: float, what: str, step: float = 0.1
+) -> None:
+    """Let the app run until `ok()` holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await pilot.pause(step)
 
 
 async def run_from_palette(

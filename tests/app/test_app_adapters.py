@@ -6,8 +6,7 @@ pane and the chat's picker name it."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from studiotui.core.inventory import Inventory
 from studiotui.core.placement import format_bytes
 from tests.adapter_model import write_adapter
 from tests.cluster_fixture import start_cluster, stop_cluster
+from tests.pilot_helpers import until
 from worker.shared.adapters import base_digest, read_adapter
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
@@ -57,14 +57,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         yield Setup(home, cluster.inventory)
     finally:
         stop_cluster(cluster)
-
-
-async def until(pilot, predicate: Callable[[], bool], timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await pilot.pause(0.1)
 
 
 async def open_preview(pilot, app: StudioApp, row_name: str) -> PreviewScreen:  # type: ignore[no-untyped-def]

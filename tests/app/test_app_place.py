@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory
 from tests.cluster_fixture import LocalCluster, start_cluster, stop_cluster
-from tests.pilot_helpers import run_from_palette
+from tests.pilot_helpers import run_from_palette, until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 201, 59300
@@ -78,14 +78,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-async def until(pilot, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await pilot.pause(0.1)
 
 
 async def ready_app(pilot, app: StudioApp) -> None:

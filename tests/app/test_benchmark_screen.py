@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from studiotui.core.benchmark import Step
 from tests.app_fixtures import fixed_models, fixed_state
 from tests.benchmark_fixtures import TINY, sample_run
 from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.pilot_helpers import run_from_palette
+from tests.pilot_helpers import run_from_palette, until
 
 BASE, PORT = 236, 59750
 SIZE = (160, 48)
@@ -31,14 +31,6 @@ SIZE = (160, 48)
 @pytest.fixture(scope="module")
 def screen_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     yield from cluster_fixture(tmp_path_factory.mktemp("bench-screen-home"), 2, BASE, PORT)
-
-
-async def until(pilot, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await pilot.pause(0.1)
 
 
 def shown(screen: BenchmarkScreen) -> str:

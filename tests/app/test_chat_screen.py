@@ -15,7 +15,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from studiotui.chat.history import History, Settings
 from studiotui.core.inventory import Inventory
 from studiotui.core.state import ClusterState, ShardState, placements_from_shards
 from tests.cluster_fixture import placed_cluster
-from tests.pilot_helpers import run_from_palette
+from tests.pilot_helpers import run_from_palette, until
 from worker.shared.demo_model import DemoSpec
 
 BASE = 221
@@ -53,14 +53,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, In
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-async def until(pilot: Any, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await pilot.pause(0.05)
 
 
 async def open_chat(pilot: Any, app: StudioApp, via_palette: bool = False) -> ChatScreen:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from studiotui.cluster import jobs
 from studiotui.core.jobs import Point
 from studiotui.tune import finetune as ft
 from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
 
@@ -44,13 +44,6 @@ def test_loss_chart_draws_both_series() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     yield from cluster_fixture(tmp_path_factory.mktemp("jobs-home"), 2, BASE, PORT)
-
-
-async def until(pilot: Any, ok: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await pilot.pause(0.1)
 
 
 def _cells(table: DataTable[Any], row: int) -> list[str]:

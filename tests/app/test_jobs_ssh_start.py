@@ -11,10 +11,7 @@ share's; the block is gone once the job started. Two iterations keep the job sho
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from textual.widgets import Static
@@ -28,6 +25,7 @@ from studiotui.core.model_facts import read_model
 from studiotui.core.placement import format_bytes
 from studiotui.tune import finetune as ft
 from tests.adapter_model import write_training_text
+from tests.pilot_helpers import until
 from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
@@ -35,13 +33,6 @@ from worker.shared.manifest import CACHE_NAME
 pytestmark = pytest.mark.integration
 SPEC = DemoSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=4)
 PORT = 59955
-
-
-async def until(pilot: Any, ok: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await pilot.pause(0.1)
 
 
 async def test_a_job_started_on_an_ssh_node_shows_its_hashing_and_copies(

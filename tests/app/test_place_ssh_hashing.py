@@ -10,10 +10,7 @@ with its own home), so the model is copied to it.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from textual.widgets import Static
@@ -25,6 +22,7 @@ from studiotui.app.place.preview import PreviewScreen
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import Inventory
 from studiotui.core.placement import format_bytes
+from tests.pilot_helpers import until
 from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
@@ -32,13 +30,6 @@ from worker.shared.manifest import CACHE_NAME
 pytestmark = pytest.mark.integration
 SPEC = DemoSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=6)
 PORT = 59957
-
-
-async def until(pilot: Any, ok: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await pilot.pause(0.1)
 
 
 async def test_a_placement_on_an_ssh_node_shows_its_first_hashing(
