@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,12 @@ from studiotui.chat.history import History, Settings
 from studiotui.core.inventory import Inventory
 from studiotui.core.state import ClusterState, ShardState, placements_from_shards
 from tests.cluster_fixture import placed_cluster
-from tests.pilot_helpers import run_from_palette, until
+from tests.pilot_helpers import run_from_palette
+from tests.pilot_helpers import until as wait_until
 from worker.shared.demo_model import DemoSpec
+
+# Polled finely: a coarser step let a fast answer finish before the keys were sent.
+until = partial(wait_until, step=0.05)
 
 BASE = 221
 PORT = 59500
