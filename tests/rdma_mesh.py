@@ -34,7 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.fixture_paths import read_fixture
+from tests.fixture_paths import (
+    DEVINFO_DOWN,
+    IBV_MBP,
+    IBV_STUDIO,
+    NS_OSAURUS,
+    RDMA_CTL,
+    TB_ON,
+    TB_STUDIO,
+    read_fixture,
+)
 from worker import node_probe
 from worker.shared.probes import parse_networksetup_ports, thunderbolt_ports
 
@@ -55,22 +64,19 @@ class Model:
 STUDIO = Model(
     "Mac Studio",
     "Mac15,14",
-    "system_profiler_SPThunderboltDataType.json.tb5-peer-and-usb4v2-drive."
-    "m3ultra-studio-mac15-14.omlx-test.json",
-    "ibv_devices.m3ultra-6-ports.mlx-docs.txt",
+    TB_STUDIO,
+    IBV_STUDIO,
     None,
     "26.2",
 )
 MACBOOK = Model(
     "MacBook Pro",
     "Mac17,6",
-    "system_profiler_SPThunderboltDataType.json.tb5-peer-rdma-enabled-side."
-    "m5max-macbookpro-mac17-6.macos27.osaurus-test.REDACTED-IDS.json",
-    "ibv_devices.rdma-enabled-3-ports.m5max-macbookpro.macos27.osaurus-test.REDACTED-GUIDS.txt",
-    "networksetup_-listallhardwareports.m5max-macbookpro.macos27.osaurus-test.REDACTED-MACS.txt",
+    TB_ON,
+    IBV_MBP,
+    NS_OSAURUS,
     "27.0",
 )
-DEVINFO = "ibv_devinfo.3-ports-port-down.m5max-macbookpro.macos27.osaurus-test.REDACTED-GUIDS.txt"
 
 
 def port_uuid(node: str, receptacle: int) -> str:
@@ -94,7 +100,7 @@ def _networksetup(model: Model) -> str:
 
 
 def _devinfo(devices: Sequence[str], active: set[str]) -> str:
-    block = read_fixture(DEVINFO).split("\n\n")[0]
+    block = read_fixture(DEVINFO_DOWN).split("\n\n")[0]
     assert block.startswith("hca_id:\trdma_en1") and "PORT_DOWN (1)" in block
     out = []
     for device in devices:
@@ -186,7 +192,7 @@ def mesh(
             ("networksetup", "-listallhardwareports"): hardware,
             ("ibv_devices",): read_fixture(model.ibv_devices),
             ("ibv_devinfo",): _devinfo(devices, active),
-            ("rdma_ctl", "status"): read_fixture("rdma_ctl_status.enabled.omlx-issue-3037.txt"),
+            ("rdma_ctl", "status"): read_fixture(RDMA_CTL),
             ("sw_vers", "-productVersion"): model.os_version + "\n",
         }
         if ifconfig and node in ifconfig:

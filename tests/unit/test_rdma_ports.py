@@ -28,7 +28,25 @@ from studiotui.core.model_facts import read_model
 from studiotui.core.placement import Link, NodeBudget, Plan, backend_for, plan
 from studiotui.core.state import ClusterState, LinkState, NodeState
 from tests import rdma_mesh
-from tests.fixture_paths import read_fixture
+from tests.fixture_paths import (
+    DEVINFO_DOWN,
+    IBV_MBP,
+    IBV_NONE,
+    IBV_STUDIO,
+    IFC_ALL,
+    IFC_EN2,
+    IFC_NOADDR,
+    NS_EXO,
+    NS_OSAURUS,
+    RDMA_CTL,
+    TB_MBP,
+    TB_OFF,
+    TB_ON,
+    TB_STUDIO,
+    TB_TEXT_NONE,
+    TB_TEXT_PEER,
+    read_fixture,
+)
 from tests.seed_models import seed_model
 from worker import node_probe
 from worker.shared.probes import (
@@ -42,33 +60,6 @@ from worker.shared.probes import (
 )
 from worker.shared.protocol.messages import MessageError
 from worker.shared.protocol.rdma import read_rdma
-
-TB_STUDIO = "system_profiler_SPThunderboltDataType.json.tb5-peer-and-usb4v2-drive.m3ultra-studio-mac15-14.omlx-test.json"  # noqa: E501
-TB_MBP = (
-    "system_profiler_SPThunderboltDataType.json.tb5-peer.m5max-macbookpro-mac17-7.omlx-test.json"
-)
-TB_OFF = "system_profiler_SPThunderboltDataType.json.tb5-peer-rdma-disabled-side.m5max-macbookpro-mac17-6.macos27.osaurus-test.REDACTED-IDS.json"  # noqa: E501
-TB_ON = "system_profiler_SPThunderboltDataType.json.tb5-peer-rdma-enabled-side.m5max-macbookpro-mac17-6.macos27.osaurus-test.REDACTED-IDS.json"  # noqa: E501
-TB_TEXT_NONE = (
-    "system_profiler_SPThunderboltDataType.text.no-peer.m4pro-macmini.maccluster-fixture.txt"
-)
-TB_TEXT_PEER = "system_profiler_SPThunderboltDataType.text.tb5-peer-mac16-9.m4pro-macmini.exo-issue-1390.PARTIAL-truncated.txt"  # noqa: E501
-IBV_STUDIO = "ibv_devices.m3ultra-6-ports.mlx-docs.txt"
-IBV_NONE = "ibv_devices.rdma-disabled-header-only.osaurus-test.txt"
-IBV_MBP = (
-    "ibv_devices.rdma-enabled-3-ports.m5max-macbookpro.macos27.osaurus-test.REDACTED-GUIDS.txt"
-)
-DEVINFO_DOWN = (
-    "ibv_devinfo.3-ports-port-down.m5max-macbookpro.macos27.osaurus-test.REDACTED-GUIDS.txt"
-)
-NS_EXO = "networksetup_-listallhardwareports.m5max-macbookpro-macos26.5.team-wcv-exo-test.txt"
-NS_OSAURUS = (
-    "networksetup_-listallhardwareports.m5max-macbookpro.macos27.osaurus-test.REDACTED-MACS.txt"
-)
-RDMA_CTL = "rdma_ctl_status.enabled.omlx-issue-3037.txt"
-IFC_ALL = "ifconfig.all-interfaces.bridge0-members-en1-en3.apple-silicon-mac.jmw-parsing-test.txt"
-IFC_NOADDR = "ifconfig.tb-ports-en2-en4-no-address.m4pro-macmini.exo-issue-1390.txt"
-IFC_EN2 = "ifconfig_en2.tb-port-own-ipv4-ipv6.apple-tn3205.txt"
 
 STUDIOS = ["studio-1", "studio-2", "studio-3", "studio-4"]
 GiB = 1024**3
