@@ -137,11 +137,11 @@ def manifest(
         except OSError:
             continue
         entry = cache.get(name)
-        if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        if entry and _fresh(entry, st):
             digest = str(entry["sha256"])
         else:
             digest = hub_blob_hash(path) or sha256_file(path, on_bytes)
-            cache[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            cache[name] = _entry(st, digest)
             changed = True
         out[name] = FileId(name, st.st_size, digest)
     if changed and write_cache:
@@ -160,9 +160,8 @@ def unhashed_bytes(directory: Path, names: Iterable[str]) -> int:
             st = path.stat()
         except OSError:
             continue
-        entry = cache.get(name) or {}
-        cached = (entry.get("size"), entry.get("mtime_ns")) == (st.st_size, st.st_mtime_ns)
-        if not cached and hub_blob_hash(path) is None:
+        entry = cache.get(name)
+        if not (entry and _fresh(entry, st)) and hub_blob_hash(path) is None:
             total += st.st_size
     return total
 
@@ -171,8 +170,17 @@ def remember(directory: Path, file: FileId) -> None:
     """Record a hash just verified (a file that landed), so nobody hashes it again."""
     st = (directory / file.name).stat()
     cache = _load_cache(directory)
-    cache[file.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file.sha256}
+    cache[file.name] = _entry(st, file.sha256)
     _save_cache(directory, cache)
+
+
+def _fresh(entry: dict[str, object], st: os.stat_result) -> bool:
+    """A cached hash still stands for the file while its size and mtime_ns are unchanged."""
+    return entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+
+
+def _entry(st: os.stat_result, digest: str) -> dict[str, object]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
 
 
 def free_bytes(directory: Path) -> int:
