@@ -16,7 +16,7 @@ from studiotui.app.place.preview import PlaceRequest, PreviewScreen
 from studiotui.core.model_facts import read_model
 from studiotui.core.state import ClusterState, LinkState, NodeState
 from tests import rdma_mesh
-from tests.app.test_app_shapes import Stand
+from tests.app.test_app_shapes import Stand, planned
 from tests.app_fixtures import fixed_models
 from tests.seed_models import seed_model
 
@@ -64,19 +64,12 @@ async def test_the_preview_names_the_backend_and_a_missing_cable(
         screen = PreviewScreen(request, Stand(state, info), lambda s: None)
         app.push_screen(screen)
 
-        async def planned() -> None:
-            for _ in range(200):
-                await pilot.pause(0.05)
-                if screen.phase not in ("planning", "measuring") and screen.shapes:
-                    return
-            raise AssertionError(f"not planned: {screen.phase} {screen.message}")
-
-        await planned()
+        await planned(pilot, screen)
         for _ in range(3):
             if screen.plan is not None and screen.plan.shape.startswith("1 stage × 4"):
                 break
             await pilot.press("t")
-            await planned()
+            await planned(pilot, screen)
         assert screen.phase == "plan", screen.text
         assert screen.plan is not None and screen.plan.shape == shape
         assert reason in screen.text, screen.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.containers import VerticalScroll
@@ -71,6 +72,15 @@ class Stand:
         return self.info, verdict
 
 
+async def planned(pilot: Any, screen: PreviewScreen) -> None:
+    """Wait until the preview has planned its shapes (the planner runs in a worker)."""
+    for _ in range(200):
+        await pilot.pause(0.05)
+        if screen.phase not in ("planning", "measuring") and screen.shapes:
+            return
+    raise AssertionError(f"not planned: {screen.phase} {screen.message}")
+
+
 def cluster() -> ClusterState:
     nodes = tuple(
         NodeState(
@@ -110,14 +120,7 @@ async def test_the_preview_shows_each_shape_with_its_forecast_and_t_cycles_them(
         screen = PreviewScreen(request, stand, lambda s: None)
         app.push_screen(screen)
 
-        async def planned() -> None:
-            for _ in range(200):
-                await pilot.pause(0.05)
-                if screen.phase not in ("planning", "measuring") and screen.shapes:
-                    return
-            raise AssertionError(f"not planned: {screen.phase} {screen.message}")
-
-        await planned()
+        await planned(pilot, screen)
         assert screen.phase == "plan", screen.text
         text = screen.text
         # Every shape 4 nodes and Qwen3's heads divide into, each with its forecast.
@@ -139,7 +142,7 @@ async def test_the_preview_shows_each_shape_with_its_forecast_and_t_cycles_them(
         assert "t shape" in str(screen.query_one("#preview-dialog").border_subtitle)
 
         await pilot.press("t")
-        await planned()
+        await planned(pilot, screen)
         assert screen.tensor == 2 and screen.plan is not None
         assert screen.plan.shape == "2 stages × 2 (jaccl)"
         text = screen.text
@@ -148,13 +151,13 @@ async def test_the_preview_shows_each_shape_with_its_forecast_and_t_cycles_them(
         # One row per node of a group, each holding half of its stage's layers.
         assert sum("÷2" in x for x in text.splitlines()) == 4
         await pilot.press("t")
-        await planned()
+        await planned(pilot, screen)
         assert screen.tensor == 4 and screen.plan is not None
         assert screen.plan.shape == "1 stage × 4 (ring)"
         assert "▸ 1 stage × 4 (ring)" in screen.text
         assert "studio-1 ↔ studio-3" in screen.text  # why not JACCL: no RDMA there
         await pilot.press("t")
-        await planned()
+        await planned(pilot, screen)
         assert screen.plan is not None and screen.plan.shape == "4 stages"
         assert "▸ 4 stages" in screen.text
         # Asked for (then the other two shapes, for their forecasts), not chosen.
