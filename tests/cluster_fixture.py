@@ -35,12 +35,13 @@ def start_cluster(
     )
     pids = {node.name: local_cluster.start_agent(home, node, inv) for node in inv.nodes}
     cluster = LocalCluster(home=home, inventory=inv, pids=pids)
-    asyncio.run(_wait_up(cluster))
+    asyncio.run(wait_up(home, inv))
     return cluster
 
 
-async def _wait_up(cluster: LocalCluster, timeout: float = 30.0) -> None:
-    ctl = cluster.controller()
+async def wait_up(home: Path, inventory: Inventory, timeout: float = 30.0) -> None:
+    """Until every agent of `inventory` answers as up; fail naming those that do not."""
+    ctl = Controller(home, inventory)
     try:
         deadline = time.monotonic() + timeout
         while True:

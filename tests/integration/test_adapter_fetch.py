@@ -25,6 +25,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.jobs import JobRecord, save_record
 from studiotui.core.inventory import Inventory, dump_inventory
 from tests.adapter_model import write_adapter
+from tests.cluster_fixture import wait_up
 from tests.integration.test_adapters import SPEC, collect, encode, reference
 from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import FILES, identity_of
@@ -84,19 +85,8 @@ def test_a_jobs_adapter_on_an_ssh_node_is_fetched_then_placed_as_mlx_lm_loads_it
         finally:
             await ctl.close()
 
-    async def wait_up() -> None:
-        ctl = Controller(home, inv)
-        try:
-            for _ in range(100):
-                await ctl.refresh(timeout=1.0)
-                if all(n.state == "up" for n in ctl.state.nodes):
-                    return
-                await asyncio.sleep(0.2)
-        finally:
-            await ctl.close()
-
     try:
-        asyncio.run(wait_up())
+        asyncio.run(wait_up(home, inv, timeout=60))
         code, said = cli("jobs", "fetch", "ghost")
         assert code == 2 and "no job named 'ghost'" in said and "known: " in said, said
         # Nothing saved yet on the node: refused, saying how to go on.

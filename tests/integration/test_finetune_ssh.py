@@ -25,12 +25,12 @@ from rich import filesize
 
 from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
-from studiotui.cluster.controller import Controller
 from studiotui.cluster.model_files import needed_files
 from studiotui.core.inventory import Inventory, dump_inventory
 from studiotui.core.model_facts import read_model
 from studiotui.tune import finetune as ft
 from tests.adapter_model import write_training_text
+from tests.cluster_fixture import wait_up
 from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
@@ -69,20 +69,8 @@ def test_finetune_and_place_on_an_ssh_node_show_the_hashing_and_the_copies(
     copied = sum(f.size for f in needed_files(model, 0, layers, layers, False))
     pid = local_cluster.start_agent(home, node, inv)
 
-    async def wait_up() -> None:
-        ctl = Controller(home, inv)
-        try:
-            for _ in range(100):
-                await ctl.refresh(timeout=1.0)
-                if all(n.state == "up" for n in ctl.state.nodes):
-                    return
-                await asyncio.sleep(0.2)
-            raise AssertionError(f"the agent never came up: {ctl.state.nodes}")
-        finally:
-            await ctl.close()
-
     try:
-        asyncio.run(wait_up())
+        asyncio.run(wait_up(home, inv, timeout=60))
         argv = ["finetune", str(model), "--data", str(data), "--nodes", "mac-22"]
         more = ["--iters", "2", "--batch-size", "4", "--name", "remote", "-i", str(inventory)]
         code = main([*argv, *more])
