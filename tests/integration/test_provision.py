@@ -38,7 +38,7 @@ from studiotui.provision.deploy import (
     provision,
 )
 from studiotui.provision.remote import BUILD_MARKER
-from tests.sshd import SshdServer, sshd_factory, sshd_server  # noqa: F401
+from tests.sshd import SshdServer, ssh_node, sshd_factory, sshd_server  # noqa: F401
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [
@@ -98,19 +98,9 @@ def make_node(
     /,
     **changes: Any,
 ) -> NodeSpec:
-    node = NodeSpec(
-        name=name,
-        host=addr,
-        port=server.port,
-        user=server.user,
-        identity=str(server.client_key),
-        address=addr,
-        control_port=control_port,
-        workdir=str(root / "nodes dir 'q'" / name),
-        python=python,
-        memory_gb=2.0,
-    )
-    return replace(node, **changes)
+    # A work folder whose path needs quoting in every remote command.
+    node = ssh_node(server, addr, name, root / "nodes dir 'q'", control_port)
+    return replace(node, **{"python": python, **changes})
 
 
 def trust(server: SshdServer, home: Path) -> None:
