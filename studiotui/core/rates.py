@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MIN_SECONDS = 0.5  # before this, a rate is noise
+# A 700 GB base's first hashing reports every 4 MB, a copy every chunk: a view draws
+# them at most 10 times a second (call_from_thread waits for the loop each time).
+SHOWN_EVERY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,21 @@ class Rates:
         if speed is None or not total or done >= total:
             return ""
         return f"{format_speed(speed)}, {format_eta((total - done) / speed)} left"
+
+
+@dataclass
+class Paced:
+    """Which progress reports a view draws: the first and the last, and between them
+    at most one every `every_s`."""
+
+    every_s: float = SHOWN_EVERY_S
+    last: float = 0.0
+
+    def due(self, done: int, total: int, now: float) -> bool:
+        if done in (0, total) or now - self.last >= self.every_s:
+            self.last = now
+            return True
+        return False
 
 
 def format_speed(bytes_per_s: float) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from studiotui.app.panes.placements import progress_lines
-from studiotui.core.rates import Mark, Rates, format_eta, format_speed
+from studiotui.core.rates import Mark, Paced, Rates, format_eta, format_speed
 
 
 def test_a_phase_has_its_own_clock_and_says_speed_and_time_left() -> None:
@@ -29,3 +29,12 @@ def test_the_progress_block_shows_bytes_speed_and_eta_per_node() -> None:
     first, second = (line.plain for line in lines)
     assert "MB / " in first and "MB/s" in first and "left" in first
     assert second.endswith("waiting")
+
+
+def test_paced_reports_draw_the_first_the_last_and_one_per_interval() -> None:
+    paced = Paced(every_s=0.1)
+    assert paced.due(0, 100, now=10.0)  # the start
+    assert not paced.due(5, 100, now=10.05)
+    assert paced.due(10, 100, now=10.2)
+    assert not paced.due(20, 100, now=10.25)
+    assert paced.due(100, 100, now=10.26)  # the end, however soon

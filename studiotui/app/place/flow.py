@@ -22,15 +22,11 @@ from studiotui.app.panes.models import ModelRow, ModelsPane
 from studiotui.app.panes.nodes import NodesPane
 from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.place.preview import PlaceRequest, PreviewScreen
+from studiotui.core.rates import Paced
 
 if TYPE_CHECKING:
     from studiotui.cluster.controller import Controller
     from studiotui.core.state import ClusterState, PlacementState
-
-
-# A 700 GB base's first hashing reports every 4 MB from its thread: drawn at most 10
-# times a second (call_from_thread waits for the loop), and at its start and end.
-HASHING_SHOWN_EVERY_S = 0.1
 
 
 def placement_name(model: str, taken: set[str]) -> str:
@@ -114,7 +110,7 @@ class Placer:
         title = f"placing {request.model_name} as '{request.name}' on {', '.join(ring)}"
         pane.start_progress(title, ring, key=request.name)
 
-        hashing_shown = 0.0
+        paced = Paced()
 
         def show_hashing(done: int, total: int) -> None:
             pane.hashing(done, total, key=request.name)
@@ -123,10 +119,7 @@ class Placer:
         def hashed(done: int, total: int) -> None:
             # From the copy's hashing thread (a remote node's copy hashes the model once
             # first; cached beside its files after).
-            nonlocal hashing_shown
-            now = time.monotonic()
-            if done in (0, total) or now - hashing_shown >= HASHING_SHOWN_EVERY_S:
-                hashing_shown = now
+            if paced.due(done, total, time.monotonic()):
                 app.call_from_thread(show_hashing, done, total)
 
         def progress(node: str, done: int, total: int) -> None:

@@ -43,7 +43,7 @@ from studiotui.core.placement import (
     render_plan,
     tensor_sizes,
 )
-from studiotui.core.rates import Rates
+from studiotui.core.rates import Paced, Rates
 from studiotui.core.state import ClusterState, shape_label
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
@@ -385,7 +385,7 @@ class PreviewScreen(ModalScreen[None]):
         # Bytes of the base hashed to check the adapter against it (the first check of a
         # base reads all of it; cached after): (done, total), or None when not hashing.
         self.hashing: tuple[int, int] | None = None
-        self._hashing_shown = 0.0
+        self._hashing_paced = Paced()
         # Bytes of the model hashed for its copy to a remote node while loading (its
         # first copy reads all of it; cached after), or None: gone once copies start.
         self.copy_hashed: tuple[int, int] | None = None
@@ -460,9 +460,7 @@ class PreviewScreen(ModalScreen[None]):
     def _hashed(self, done: int, total: int) -> None:
         """From the hashing thread: a redraw at most 10 times a second (a 700 GB base
         reports every 4 MB), and at the start and the end."""
-        now = time.monotonic()
-        if done in (0, total) or now - self._hashing_shown >= 0.1:
-            self._hashing_shown = now
+        if self._hashing_paced.due(done, total, time.monotonic()):
             self.app.call_from_thread(self._show_hashing, done, total)
 
     def _show_hashing(self, done: int, total: int) -> None:

@@ -40,7 +40,7 @@ from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.core.errors import StudioError
 from studiotui.core.jobs import JobProgress, JobWatch, Point
 from studiotui.core.placement import format_bytes
-from studiotui.core.rates import Rates
+from studiotui.core.rates import Paced, Rates
 from studiotui.core.state import LogLevel
 from studiotui.core.text import counted
 from studiotui.tune import finetune as ft
@@ -48,7 +48,6 @@ from studiotui.tune import finetune as ft
 JOB_LIST_COLUMNS = ("job", "kind", "state", "iteration", "loss", "tok/s", "ETA", "nodes")
 PLOT_HEIGHT = 10
 REDRAW_EVERY_S = 0.25
-HASHING_SHOWN_EVERY_S = 0.1  # a 700 GB base reports every 4 MB: drawn 10 times a second
 TRAIN_MARK, VAL_MARK = "•", "◆"
 
 
@@ -264,11 +263,11 @@ class JobsScreen(Screen[None]):
         # A job being started whose base is hashed for the first time: (its model's
         # name, bytes hashed, of); None when nothing is hashed.
         self.hashing: tuple[str, int, int] | None = None
-        self._hashing_shown = 0.0
+        self._hashing_paced = Paced()
         # Its copies to remote nodes (local ones read the operator's folder): the base's
         # name and, by node, bytes copied of the step's (the model's, then the data's).
         self.copying: tuple[str, dict[str, tuple[int, int]]] | None = None
-        self._copying_shown = 0.0
+        self._copying_paced = Paced()
         self.rates = Rates()
 
     @property
@@ -401,10 +400,8 @@ class JobsScreen(Screen[None]):
 
     def _hashed(self, model: str, done: int, total: int) -> None:
         """From the hashing thread: shown at the start, the end, and at most
-        HASHING_SHOWN_EVERY_S apart between (call_from_thread waits for the loop)."""
-        now = time.monotonic()
-        if done in (0, total) or now - self._hashing_shown >= HASHING_SHOWN_EVERY_S:
-            self._hashing_shown = now
+        SHOWN_EVERY_S apart between (core.rates.Paced)."""
+        if self._hashing_paced.due(done, total, time.monotonic()):
             self.app.call_from_thread(self._show_hashing, (model, done, total))
 
     def _show_hashing(self, hashing: tuple[str, int, int] | None) -> None:
@@ -414,14 +411,13 @@ class JobsScreen(Screen[None]):
         self._show_start()
 
     def _copied(self, model: str, node: str, done: int, total: int) -> None:
-        """On the loop: a node's copy so far, drawn at most HASHING_SHOWN_EVERY_S apart
+        """On the loop: a node's copy so far, drawn at most SHOWN_EVERY_S apart
         besides each step's start and end (a copy reports every chunk)."""
         now = time.monotonic()
         copying = self.copying[1] if self.copying is not None else {}
         self.copying = (model, {**copying, node: (done, total)})
         self.rates.update(node, done, total, now)
-        if done in (0, total) or now - self._copying_shown >= HASHING_SHOWN_EVERY_S:
-            self._copying_shown = now
+        if self._copying_paced.due(done, total, now):
             self._show_start()
 
     def _show_start(self) -> None:
