@@ -91,8 +91,9 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert seen[0] == seen[1] and [name for name, _ in seen[1]] == ["local-1", "local-2"]
 
     model = home / "tiny"
-    made = run(home, "demo-model", str(model), "--layers", "4", "--hidden", "64")
-    assert made.returncode == 0, made.stderr
+    # What `demo-model DIR --layers 4 --hidden 64` writes (that verb is tested in
+    # test_demo_model), written here without another process's imports.
+    write_demo_model(model, DemoSpec(layers=4, hidden=64))
     placed = run(home, "place", str(model), "--name", "tiny")
     assert placed.returncode == 0, placed.stderr
     assert "placement tiny is ready" in placed.stdout
