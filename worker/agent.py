@@ -369,8 +369,6 @@ class Agent:
             )
             return
         await self._stop_shard(name)
-        # A member of a tensor-parallel stage also needs a port for mx.distributed.
-        data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
         # A shard reloaded after a restart asks for the ports it had, so its ring
         # neighbours and clients, which reconnect by themselves, find it again.
         wished = (req.data_port, req.client_port)
@@ -381,6 +379,12 @@ class Agent:
             and len(set(wished)) == 2
         ):
             data_port, client_port = req.data_port, req.client_port
+            # A tensor group member's new group port: any free one but those two.
+            spare = self._free_ports(3) if req.tensor else []
+            rest = [p for p in spare if p not in (data_port, client_port)][:1]
+        else:
+            # A member of a tensor-parallel stage also needs a port for mx.distributed.
+            data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
         group_port = rest[0] if rest else 0
         # The plan's memory for the shard, reported with it from now (describe): its
         # files may take hours to copy here, and meanwhile that memory is promised.
