@@ -1189,11 +1189,19 @@ def tensor_member(
         hosts = group.write_json(
             base.with_suffix(".hosts.json"), group.ring_hostfile(addresses, ports)
         )
-        env = group.rank_env(rank, size, "ring", hostfile=hosts)
+        env = group.rank_env(rank, size, "ring", hostfile=hosts, nodes=nodes, join_s=asked.join_s)
     elif backend == "jaccl":
         devices = group.write_json(base.with_suffix(".devices.json"), asked.devices)
         coordinator = f"{addresses[0]}:{ports[0]}"
-        env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
+        env = group.rank_env(
+            rank,
+            size,
+            "jaccl",
+            coordinator=coordinator,
+            devices=devices,
+            nodes=nodes,
+            join_s=asked.join_s,
+        )
     else:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(group.BACKENDS)}")
     member = {

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,9 @@ class Controller:
         # every lease_renew_s while their files are copied (see keep_leases).
         self.lease_s: float | None = None
         self.lease_renew_s = LEASE_RENEW_EVERY_S
+        # How long a tensor group's ranks wait for one another to start (each told it
+        # with its load; meanwhile the agents' heartbeats keep the load alive).
+        self.join_s = join_seconds(os.environ)
         self._listeners: list[Listener] = []
         # Placements going away on purpose (unload, rollback), until when: their shards
         # vanish one node at a time, which must not read as "broken".
@@ -758,6 +762,7 @@ class Controller:
             "backend": m.backend or "ring",
             "group_addresses": [self.spec(n).address for n in m.group],
             "group_ports": [port[n].group_port for n in m.group],
+            "join_s": self.join_s,
         }
         if m.backend == "jaccl":
             rdma = {
@@ -1532,6 +1537,16 @@ class Controller:
     async def read_log(self, name: str, lines: int = 200) -> list[str]:
         reply = await self.peer(name).ask("read_log", control.LogLines, lines=lines)
         return reply.lines
+
+
+def join_seconds(env: Mapping[str, str]) -> float:
+    """How long a tensor group's ranks wait for one another: STUDIOTUI_JOIN_S if it is
+    positive seconds (a loaded or slow machine), else GROUP_JOIN_S."""
+    try:
+        value = float(env.get(control.JOIN_S_VAR, control.GROUP_JOIN_S))
+    except ValueError:
+        return control.GROUP_JOIN_S
+    return value if 0 < value < float("inf") else control.GROUP_JOIN_S
 
 
 def _spans(adapter: Adapter) -> str:

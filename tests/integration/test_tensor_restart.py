@@ -14,13 +14,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from studiotui.cluster import keys
+from studiotui.cluster.controller import join_seconds
+from studiotui.cluster.peers import AgentError
 from studiotui.core.placement import Plan
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.integration.test_faults import studiotui_cli
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 pytestmark = pytest.mark.integration
 
@@ -59,12 +64,16 @@ async def _answer(cluster: LocalCluster) -> tuple[str, list[int], dict[str, int]
 
 
 @pytest.fixture(scope="module")
-def placed(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The placement: stage 1 alone, stage 2 a ring group of two. Its stages' nodes."""
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = DemoSpec(
         arch="qwen3", layers=4, hidden=128, heads=8, kv_heads=4, intermediate=384, seed=5
     )
-    model = write_demo_model(tmp_path_factory.mktemp("tp-restart-model") / "m", spec)
+    return write_demo_model(tmp_path_factory.mktemp("tp-restart-model") / "m", spec)
+
+
+@pytest.fixture(scope="module")
+def placed(cluster: LocalCluster, model: Path) -> dict[str, str]:
+    """The placement: stage 1 alone, stage 2 a ring group of two. Its stages' nodes."""
 
     async def run() -> dict[str, str]:
         ctl = cluster.controller()
@@ -124,3 +133,62 @@ def test_down_then_restart_relaunches_the_tensor_group_and_it_answers_the_same(
     state, third, last_pids = asyncio.run(_answer(cluster))
     assert state == "ready" and third == before
     assert last_pids[leader] != new_pids[leader] and last_pids[follower] != new_pids[follower]
+
+
+def test_a_rank_that_never_comes_fails_the_load_naming_it_within_the_join_time(
+    cluster: LocalCluster, model: Path
+) -> None:
+    """Rank 0 of a group of two is loaded on a real agent; rank 1's node is never asked.
+    With the join time the operator sends (3 s, from STUDIOTUI_JOIN_S as the
+    controller reads it), the load fails, from the runner through the agent, naming
+    rank 1's node and what to do, rather than MLX waiting in its accept for ever."""
+    join_s = join_seconds({"STUDIOTUI_JOIN_S": "3"})
+    assert join_s == 3.0 and join_seconds({"STUDIOTUI_JOIN_S": "-1"}) == 300.0
+
+    async def run() -> str:
+        ctl = cluster.controller()
+        try:
+            await ctl.refresh()
+            a, b, _ = cluster.inventory.names
+            ports = await ctl.peer(a).ask(
+                "prepare_shard", control.Prepared, placement="lonely", tensor=True
+            )
+            fields = {
+                "placement": "lonely",
+                "model_dir": str(model),
+                "start": 0,
+                "end": 4,
+                "index": 0,
+                "count": 1,
+                "data_port": ports.data_port,
+                "client_port": ports.client_port,
+                "next_endpoint": f"tcp://{ctl.spec(a).address}:{ports.data_port}",
+                "next_key": keys.node_public_key(cluster.home, a).decode(),
+                "group": [a, b],
+                "rank": 0,
+                "backend": "ring",
+                "group_addresses": [ctl.spec(a).address, ctl.spec(b).address],
+                "group_ports": [ports.group_port, ports.group_port],
+                "followers": [
+                    [
+                        f"tcp://{ctl.spec(b).address}:{ports.data_port}",
+                        keys.node_public_key(cluster.home, b).decode(),
+                    ]
+                ],
+                "join_s": join_s,
+            }
+            try:
+                async for _msg in ctl.peer(a).stream("load_shard", timeout=30.0, **fields):
+                    pass
+            except AgentError as exc:
+                return str(exc)
+            finally:
+                await ctl.peer(a).request("unload", placement="lonely")
+            return "loaded?!"
+        finally:
+            await ctl.close()
+
+    said = asyncio.run(run())
+    a, b, _ = cluster.inventory.names
+    assert f"the group of {a}, {b} did not form: rank 1 ({b}) was not there within 3 s" in said
+    assert f"studiotui logs {b}" in said and "STUDIOTUI_JOIN_S=600" in said
