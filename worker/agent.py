@@ -645,13 +645,18 @@ class Agent:
     async def _probe(self) -> None:
         """Gather RDMA and link facts off the loop (probes may take seconds on a Mac),
         again every PROBE_EVERY_S: a cable plugged in or a port that went down changes
-        which RDMA device reaches which node, and JACCL's device matrix with it."""
+        which RDMA device reaches which node, and JACCL's device matrix with it. Each
+        round runs the cheap probes; `system_profiler` (seconds) only on a change."""
         replay = self.config.home / node_probe.REPLAY_FOLDER
+        # Between rounds: the slow Thunderbolt listing is read again only when the
+        # cheap probes (ifconfig, the hardware ports, RDMA port states) changed.
+        memo = node_probe.ProbeMemo()
         while True:
             try:
                 rdma = await asyncio.to_thread(
-                    node_probe.rdma_facts, replay if replay.is_dir() else None
+                    node_probe.rdma_facts, replay if replay.is_dir() else None, memo
                 )
+                log.debug("probes ran: %s", ", ".join(memo.ran))
                 end = await asyncio.to_thread(node_probe.link_end, self.config.address)
             except Exception:  # a probe must never stop the agent: the next round retries
                 log.exception("probing RDMA and link facts failed")
