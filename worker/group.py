@@ -42,6 +42,7 @@ MLX_CONNECT_S = 60.0
 _HELLO = b"studiotui-join"
 # How often a waiting rank says in its log whom it waits for.
 _SAY_EVERY_S = 5.0
+_AFTER_GO_S = 0.2
 
 
 class GroupError(RuntimeError):
@@ -332,6 +333,9 @@ def _guest(place: Meeting, join_s: float, nodes: Sequence[str]) -> None:
             except OSError:
                 word = ""
         if word == "go":
+            # Rank 0 starts MLX's listener just after its last "go": connecting before
+            # it does costs a full second of MLX's retry wait.
+            time.sleep(_AFTER_GO_S)
             return
         if word.startswith("fail "):
             raise GroupError(word.removeprefix("fail "))
