@@ -33,8 +33,8 @@ Backend = Literal["ring", "jaccl"]
 # The variables a rank's join reads (rank_env), named when the join cannot happen.
 _SAID = ("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES")
 BACKENDS: tuple[Backend, ...] = ("ring", "jaccl")
-# Ours, not MLX's: how long the ranks wait for one another (seconds), and the group's
-# node names in rank order, for the words when one does not come.
+# Ours, not MLX's: the group's node names in rank order, for the words when one does
+# not come (JOIN_S_VAR, how long the ranks wait for one another, is the operator's too).
 NODES_VAR = "STUDIOTUI_GROUP_NODES"
 # After the ranks met, MLX connects them within milliseconds; past this, one of them
 # died or its network path is shut, and MLX's accept would wait for ever.
@@ -136,6 +136,8 @@ def join(backend: Backend, env: Mapping[str, str] | None = None) -> mx.distribut
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as exc:
+        if place is None:  # a launch that does not say where: MLX's own words
+            raise GroupError(f"MLX's {backend} backend cannot form the group: {exc}") from None
         raise GroupError(
             f"the ranks met, but MLX's {backend} backend could not connect them: {exc}; "
             "check that the nodes reach each other on the group's ports (a firewall?)"
