@@ -1380,6 +1380,10 @@ def run_agent(config: AgentConfig) -> int:
     # alone: model paths and prompts in error messages are private.
     os.umask(0o077)
     config.home.mkdir(parents=True, exist_ok=True)
+    # The node's own home is where it keeps what it may not write beside a model (the
+    # hashes of a read-only model folder, worker.shared.manifest.spill_path), not the
+    # operator's STUDIOTUI_HOME a local agent inherits, nor ~/.studiotui.
+    os.environ["STUDIOTUI_HOME"] = str(config.home)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",
