@@ -371,6 +371,10 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
             {"model": PLACEMENT, "messages": MESSAGES, "repetition_context_size": 0},
             "repetition_context_size",
         ),
+        (
+            {"model": PLACEMENT, "messages": MESSAGES, "presence_context_size": 2049},
+            "presence_context_size",
+        ),
         ({"model": PLACEMENT, "messages": MESSAGES, "logit_bias": [5]}, "logit_bias"),
         ({"model": PLACEMENT, "messages": MESSAGES, "logit_bias": {"5": 101}}, "logit_bias"),
         ({"model": PLACEMENT, "messages": MESSAGES, "logit_bias": {"5": "x"}}, "logit_bias"),

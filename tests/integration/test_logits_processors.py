@@ -115,6 +115,23 @@ def test_greedy_answers_with_processors_equal_mlx_lm(
     assert plain[0] not in banned
 
 
+def test_log_probabilities_are_those_after_the_processors_as_mlx_lms(model: Path) -> None:
+    options = PROCESSORS["everything"]
+    loaded, _ = mlx_lm.load(str(model))
+    steps = generate_step(
+        mx.array(PROMPT),
+        loaded,
+        max_tokens=8,
+        prefill_step_size=CHUNK,
+        logits_processors=make_logits_processors(**options),
+    )
+    want = [float(logprobs[tok].item()) for tok, logprobs in steps]
+    ring = Ring(model, SPLITS["two stages"])
+    params = {"max_tokens": 8, "ignore_eos": True, "logprobs": 0, **wire(options)}
+    ring.answer("lp", PROMPT, params)
+    assert _logprobs(ring, "lp") == pytest.approx(want, abs=1e-4)
+
+
 @pytest.mark.parametrize("split", SPLITS)
 def test_rows_of_a_batch_keep_their_own_processors(model: Path, split: str) -> None:
     """Requests decoded together: one without processors, others with different ones,
