@@ -194,8 +194,12 @@ def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
                 f"logit_bias for token {token} must be from -{MAX_LOGIT_BIAS:g} to "
                 f"{MAX_LOGIT_BIAS:g}, got {bias}"
             )
-    if len(params.recent) > MAX_PENALTY_CONTEXT or any(t < 0 for t in params.recent):
-        return f"recent must be at most {MAX_PENALTY_CONTEXT} token ids"
+    if len(params.recent) > MAX_PENALTY_CONTEXT or any(
+        t < 0 or 0 < vocab <= t for t in params.recent
+    ):
+        # The head fills it from the prompt; a tail checks it all the same, since an
+        # index past the logits is no error MLX would raise.
+        return f"recent must be at most {MAX_PENALTY_CONTEXT} token ids of the vocabulary"
     return ""
 
 

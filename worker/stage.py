@@ -598,6 +598,8 @@ class Stage:
         req = self.tail_requests.get(header.rid)
         if req is None:
             params = SamplingParams.from_dict(header.params or {})
+            if problem := processor_problem(params, self.vocab):
+                raise RequestError(problem)
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
             req = TailRequest(
                 sampler=Sampler(params), eos=frozenset() if params.ignore_eos else eos

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
@@ -23,6 +24,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from tests.ring_harness import CHUNK, InProcessRing
 from worker.sampling import SamplingParams
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol.frames import RingHeader
 
 PROMPT = list(range(40, 70))
 N = 24
@@ -193,3 +195,19 @@ def test_params_travel_and_come_back_the_same() -> None:
     assert params.logit_bias == ((5, 2.0),) and params.window == 3
     assert SamplingParams.from_dict(params.to_dict()) == params
     assert SamplingParams().processors() == [] and SamplingParams().window == 0
+
+
+def test_a_tail_refuses_recent_tokens_outside_the_vocabulary(model: Path) -> None:
+    """The head fills `recent` from the checked prompt; a frame that brings ids past the
+    logits anyway fails that request on the tail (MLX would index past the logits)."""
+    ring = Ring(model, SPLITS["two stages"])
+    tail = ring.stages[1]
+    params = {"max_tokens": 2, "repetition_penalty": 1.5, "recent": [3, 999_999]}
+    header = RingHeader(
+        rid="x", kind="decode", offset=0, dtype="float32", shape=(1, 1, 64), params=params
+    )
+    tail.on_frame(header, np.zeros(64, np.float32).tobytes())
+    assert tail.stats.errors == 1 and "x" not in tail.caches and "x" not in tail.tail_requests
+    assert len(ring.work) == 1  # the error on its way to the head, and no token
+    fine = ring.answer("fine", PROMPT, {"max_tokens": 3, "repetition_penalty": 1.5})
+    assert len(fine) == 3
