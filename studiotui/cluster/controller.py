@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -107,13 +107,30 @@ def committed_bytes(node: NodeState) -> int:
     return sum(shard.kv_bytes + promised_bytes(shard) for shard in node.shards)
 
 
-def promises_note(nodes: Sequence[NodeState]) -> str:
+Pledges = Mapping[str, Mapping[str, int]]  # placement -> node -> bytes
+
+
+def pledged_bytes(pledges: Pledges, node: NodeState) -> int:
+    """Memory this controller has planned onto `node` for placements whose prepared
+    shards the node has not reported yet (the round trip of prepare_shard): counted
+    once, so a placement the node already reports is the report's, not the pledge's."""
+    reported = {shard.placement for shard in node.shards}
+    return sum(on.get(node.name, 0) for name, on in pledges.items() if name not in reported)
+
+
+def promises_note(nodes: Sequence[NodeState], pledges: Pledges | None = None) -> str:
     """Who holds the memory of these nodes that their reports still show free: the
     placements not loaded yet, each with its promise per node, and what frees it; ""
-    when there are none. Said beside a refusal, which otherwise reads as a mystery."""
+    when there are none. Said beside a refusal, which otherwise reads as a mystery.
+    `pledges`: this controller's placements not reported by their nodes yet."""
     held: dict[str, list[str]] = {}
     doing: dict[str, str] = {}
     for node in nodes:
+        for name, on in (pledges or {}).items():
+            mine = pledged_bytes({name: on}, node)
+            if mine > 0:
+                held.setdefault(name, []).append(f"{format_bytes(mine)} on {node.name}")
+                doing.setdefault(name, "being prepared")
         for shard in node.shards:
             promised = shard.kv_bytes + promised_bytes(shard)
             if shard.state not in ("prepared", "loading") or promised <= 0:
@@ -199,6 +216,9 @@ class Controller:
         # so a restarted TUI still knows a broken placement's nodes).
         self._planned: dict[str, PlannedPlacement] = self._read_planned()
         self._placing: set[str] = set()  # being loaded by this controller: not broken yet
+        # What a placement being decided holds on each node until the node reports its
+        # prepared shard: a preview in that round trip must not offer the same memory.
+        self._pledges: dict[str, dict[str, int]] = {}
         # The lease its prepared shards ask for (None: the agent's, 5 min); renewed
         # every lease_renew_s while their files are copied (see keep_leases).
         self.lease_s: float | None = None
@@ -482,7 +502,7 @@ class Controller:
                 return info, Refusal(f"unknown node {name!r}")
             if node.state != "up":
                 return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
-            free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
+            free = max(0, self._room(node))
             budgets.append(NodeBudget(name, free, node.memory_total))
         links = links_from_state(self.state)
         chips = self.node_chips(nodes)
@@ -501,9 +521,25 @@ class Controller:
                 break
         if isinstance(verdict, Refusal):
             group = [s for name in nodes if (s := self.state.node(name)) is not None]
-            if note := promises_note(group):
+            if note := promises_note(group, self._pledges):
                 verdict = Refusal(f"{verdict.reason} ({note})")
         return info, verdict
+
+    @property
+    def pledges(self) -> Pledges:
+        """The placements this controller is deciding, by node, until their nodes
+        report the prepared shards (a copy: for views and tests)."""
+        return {name: dict(on) for name, on in self._pledges.items()}
+
+    def _room(self, node: NodeState) -> int:
+        """What a new shard may still take on `node`: its free memory less what is
+        promised there (reported or only pledged by this controller) and a runner."""
+        return (
+            node.memory_free
+            - committed_bytes(node)
+            - pledged_bytes(self._pledges, node)
+            - RUNNER_OVERHEAD_BYTES
+        )
 
     def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
         """What the forecast knows of each node's speed: its chip, or a bandwidth its
@@ -575,6 +611,10 @@ class Controller:
             for node in s.nodes
         )
         self._placing.add(name)
+        pledge = self._pledges.setdefault(name, {})
+        for shard in the_plan.shards:
+            for node in shard.nodes:
+                pledge[node] = shard.weight_bytes + shard.kv_bytes + shard.adapter_bytes
         planned = PlannedPlacement(str(model_dir), ring)
         if adapter is not None:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
@@ -592,6 +632,7 @@ class Controller:
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
         finally:
             self._placing.discard(name)
+            self._pledges.pop(name, None)
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
 
@@ -629,9 +670,9 @@ class Controller:
             if node is None or node.state != "up":
                 return f"{name} is not up"
             adds = shard.free_before - shard.free_after
-            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            room = self._room(node)
             if adds > room:
-                note = promises_note([node])
+                note = promises_note([node], self._pledges)
                 return (
                     f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
                     f"{format_bytes(adds)} there; preview again"
@@ -670,6 +711,7 @@ class Controller:
         # The prepared shards, with their promise, in this controller's state now rather
         # than at the next telemetry: a preview made during the copy counts them.
         await asyncio.gather(*(self._hello(n, 2.0) for n in dict.fromkeys(port)))
+        self._pledges.pop(name, None)  # the nodes' reports hold the promise from here
         count = len(shards)
         # The copies may take hours: the shards' leases renewed until they load.
         keeper = asyncio.create_task(self.keep_leases(name, list(port), self.lease_renew_s))
