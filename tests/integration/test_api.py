@@ -486,6 +486,12 @@ async def test_penalties_and_logit_bias_are_honoured_as_mlx_lm_applies_them(
         extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
     )
     assert reply.choices[0].message.content == text
+    # Beside a request without processors, at once: each answers as alone.
+    greedy = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    both = await asyncio.gather(
+        engine_tokens(served.ctl, **greedy, **options), engine_tokens(served.ctl, **greedy)
+    )
+    assert [tokens for tokens, _ in both] == [want, plain]
     # logit_bias, as the client sends it (string keys): +100 forces a token, -100 bans one.
     forced = next(t for t in range(97, 123) if tokenizer.decode([t]) == chr(t))  # a letter
     reply = await client.chat.completions.create(
