@@ -38,6 +38,7 @@ from studiotui.cluster.controller import DOWN_AFTER_S, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.inventory import Inventory, load_inventory, local_inventory
 from tests.app_fixtures import fixed_models, fixed_state
+from tests.cluster_fixture import runner_pids
 from tests.integration.test_engine import CHUNK, collect, prompt_tokens, reference_tokens
 from tests.pilot_helpers import run_from_palette
 from worker import telemetry
@@ -267,17 +268,6 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
         assert again.theme != "studio-light"
     assert load_ui(home)["theme"] == again.theme
     (home / "ui.json").unlink()
-
-
-async def runner_pids(ctl: Controller, placement: str) -> dict[str, int]:
-    """The pid of the placement's runner process on each node, as its agent says."""
-    out = {}
-    for name in ctl.inventory.names:
-        reply = await ctl.peer(name).request("list_shards")
-        for shard in reply["shards"]:
-            if shard["placement"] == placement:
-                out[name] = int(shard["pid"])
-    return out
 
 
 async def test_restart_key_reloads_the_shard_and_the_answer_is_the_same(
