@@ -303,13 +303,15 @@ async def test_restart_key_reloads_the_shard_and_the_answer_is_the_same(
             question = app.screen.question
             assert "rs" in question and "loaded again" in question, question
             await pilot.press("y")
+            # The outcome is said once the whole sequence is done, reload and check too.
             await until(
                 pilot,
-                lambda: f"'rs': reloaded its shards on {head}" in log_text(app),
+                lambda: f"{head}: restarted: agent" in log_text(app),
                 90,
-                "the shard reloaded",
+                "the restart done",
             )
-            assert f"{head}: restarted: agent" in log_text(app)
+            assert f"'rs': reloaded its shards on {head}" in log_text(app)
+            assert "after the restart" not in log_text(app)  # nothing named not whole
             await until(pilot, lambda: placement_state(app, "rs") == "ready", 10, "rs ready")
             again = app.cluster.placement("rs")
             assert again is not None and again.layers == layers
