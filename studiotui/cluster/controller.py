@@ -198,6 +198,7 @@ class Controller:
         # The ring each placement was planned on, kept until it is unloaded (and saved,
         # so a restarted TUI still knows a broken placement's nodes).
         self._planned: dict[str, PlannedPlacement] = self._read_planned()
+        self._planned_mtime = self._planned_stamp()  # the saved file this _planned follows
         self._placing: set[str] = set()  # being loaded by this controller: not broken yet
         # The lease its prepared shards ask for (None: the agent's, 5 min); renewed
         # every lease_renew_s while their files are copied (see keep_leases).
@@ -237,10 +238,7 @@ class Controller:
 
     def _update_node(self, name: str, **changes: Any) -> None:
         nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
-        if not {s.placement for n in nodes for s in n.shards} <= self._planned.keys():
-            # Placed since by another process (the CLI, another dashboard), which saved
-            # its ring: without it, a node of it going down would hide that node.
-            self._planned = self._read_planned()
+        self._follow_planned(nodes)
         placements = placements_from_shards(nodes, self._planned, self._placing)
         broken = newly_broken(self.state.placements, placements)
         was_down = {p.name for p in self.state.placements if p.state in ("broken", "failed")}
@@ -896,8 +894,10 @@ class Controller:
         placement = self.state.placement(name)
         if placement is None:
             raise PlacementError(f"no placement named {name!r}")
-        await self._unload_everywhere(name, list(placement.nodes))
+        # Forgotten first: a dashboard watching reads that before a shard stops.
+        self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
         self._remember_plan(name, None)
+        await self._unload_everywhere(name, list(placement.nodes))
         await self.refresh()
         self.record(f"placement {name!r} unloaded")
 
@@ -912,8 +912,33 @@ class Controller:
             self._remember_plan(name, None)
         return gone
 
+    def _follow_planned(self, nodes: tuple[NodeState, ...]) -> None:
+        """Follow the rings other processes (the CLI, another dashboard) saved.
+
+        One they placed joins once its shards report (its saved ring keeps a node of it
+        that goes down in view); one they unloaded leaves, and its shards stopping are
+        an unload, not a breakage. Their plan is forgotten before the shards stop (see
+        `unload`), so the change is read before the first stopped shard is."""
+        reported = {s.placement for n in nodes for s in n.shards}
+        stamp = self._planned_stamp()
+        if stamp == self._planned_mtime and reported <= self._planned.keys():
+            return
+        saved = self._read_planned()
+        self._planned_mtime = stamp
+        for name in self._planned.keys() - saved.keys() - self._placing:
+            self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
+        # A ring saved before its shards report stays out: it would read as broken.
+        known = self._planned.keys() | reported | self._placing
+        self._planned = {k: v for k, v in saved.items() if k in known}
+
     def _planned_file(self) -> Path:
         return self.home / f"placements-{self.inventory.name}.json"
+
+    def _planned_stamp(self) -> int:
+        try:
+            return self._planned_file().stat().st_mtime_ns
+        except OSError:
+            return 0  # none saved yet
 
     def _read_planned(self) -> dict[str, PlannedPlacement]:
         try:
@@ -936,6 +961,7 @@ class Controller:
             tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
             tmp.write_text(json.dumps({k: v.to_json() for k, v in planned.items()}))
             tmp.replace(path)
+            self._planned_mtime = self._planned_stamp()
         placements = placements_from_shards(self.state.nodes, planned, self._placing)
         self._set(replace(self.state, placements=placements))
 

@@ -1,0 +1,65 @@
+"""A dashboard open while the CLI (another process, its own controller) places and
+unloads on the same cluster: real agents, real telemetry.
+
+What a user does first with two terminals: `studiotui place` and `studiotui unload` in
+one while the dashboard runs in the other. The dashboard follows both: the placement
+appears, and once unloaded it goes, without being called broken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+BASE, PORT = 236, 58940
+SPEC = DemoSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=3)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from cluster_fixture(tmp_path_factory.mktemp("other-home"), 1, BASE, PORT)
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+def test_a_placement_the_cli_unloads_leaves_the_dashboard_unbroken(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    model = write_demo_model(tmp_path / "tiny", SPEC)
+
+    async def run() -> None:
+        dashboard, cli = cluster.controller(), cluster.controller()
+        await dashboard.start()  # with telemetry, as the dashboard runs it
+        try:
+            await cli.place(model, name="theirs", context_tokens=256, streams=1)
+
+            def shown() -> str | None:
+                p = dashboard.state.placement("theirs")
+                return p.state if p is not None else None
+
+            await _until(lambda: shown() == "ready", "the CLI's placement ready on the dashboard")
+            await cli.unload("theirs")
+            await _until(lambda: shown() is None, "the unloaded placement gone from the dashboard")
+            # Telemetry goes on: the plan another process dropped stays dropped.
+            await asyncio.sleep(2.0)
+            assert shown() is None
+            errors = [e.text for e in dashboard.state.log if e.level == "error"]
+            assert not errors, errors
+        finally:
+            await cli.close()
+            await dashboard.close()
+
+    asyncio.run(run())
