@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from studiotui.cluster import jobs, model_files, model_sync
 from studiotui.cluster.peers import Peer
@@ -39,6 +39,7 @@ from studiotui.tune.data import (
 )
 from worker.shared.adapters import identity_of
 from worker.shared.manifest import Hashing
+from worker.shared.protocol import control
 
 KIND = "finetune"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -203,6 +204,18 @@ async def launch(
     and the files' hashes a copy to a remote node is made and checked by); `progress`
     each node's copy (node, bytes, of)."""
     req, info = prepared.request, prepared.info
+    if resume:
+        # Refused before anything is hashed or copied: a rerun with nothing to train
+        # would replace the job's record on the nodes (its losses) with an empty one.
+        ranks = (await jobs.status(ctl, list(req.nodes))).get(req.name, {})
+        trained = trained_through(ranks.values())
+        if trained is not None and req.iters <= trained:
+            raise FinetuneError(
+                f"job {req.name!r} is done: its {trained} iterations are trained, "
+                "nothing to resume",
+                f"to train on, give it more: studiotui finetune --resume {req.name} "
+                f"--iters N (N above {trained})",
+            )
     model_dir = Path(req.model).expanduser().resolve()
     nodes = list(req.nodes)
     # The adapters' own identity of a base (worker.shared.adapters), checked when placed.
@@ -263,6 +276,15 @@ async def launch(
         f"on {', '.join(nodes)}: {prepared.backend_reason}"
     )
     return record
+
+
+def trained_through(ranks: Iterable[control.JobRank]) -> int | None:
+    """The iteration a job finished at, when every rank reported it finished; else
+    None (stopped, failed or still running: there is something to resume)."""
+    reached = [r.latest.get("finished", {}).get("iteration") for r in ranks]
+    if not reached or not all(isinstance(i, int) for i in reached):
+        return None
+    return min(cast(list[int], reached))
 
 
 def resume_request(ctl: Cluster, name: str) -> FinetuneRequest:

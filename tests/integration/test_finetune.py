@@ -323,6 +323,15 @@ def test_the_command_line(
         listed = capsys.readouterr().out
         assert "cli" in listed and "done" in listed and "3/3" in listed
         assert "adapter:" in listed  # where the finished job's adapter is (folded here)
+        # Resumed with nothing more to train: refused, and its record on the nodes
+        # (iterations, losses) stays as it was.
+        for more in ([], ["--iters", "3"]):
+            assert main(["finetune", "--resume", "cli", *more, "-i", str(inventory)]) == 2
+            err = " ".join(capsys.readouterr().err.split())
+            assert "job 'cli' is done: its 3 iterations are trained, nothing to resume" in err
+            assert "studiotui finetune --resume cli --iters N (N above 3)" in err
+        assert main(["jobs", "-i", str(inventory)]) == 0
+        assert capsys.readouterr().out == listed
         # Resumed with more iterations: on from its last save (iteration 3) to 5.
         assert main(["finetune", "--resume", "cli", "--iters", "5", "-i", str(inventory)]) == 0
         out = capsys.readouterr().out
