@@ -141,10 +141,28 @@ class DemoSpec:
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
             raise DemoModelError(f"unknown arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
-        if self.layers < 1 or self.hidden < 8 or self.hidden % self.heads:
-            raise DemoModelError("need layers >= 1 and hidden a multiple of heads")
+        for option, value, least in (
+            ("--layers", self.layers, 1),
+            ("--hidden", self.hidden, 8),
+            ("--heads", self.heads, 1),
+            ("--kv-heads", self.kv_heads, 1),
+            ("--files", self.files, 1),
+        ):
+            if value < least:
+                raise DemoModelError(f"{option} must be at least {least}, got {value}")
+        if self.hidden % self.heads:
+            fit = -(-self.hidden // self.heads) * self.heads
+            raise DemoModelError(
+                f"--hidden {self.hidden} is not a multiple of --heads {self.heads}: "
+                f"each head gets an equal share (--hidden {fit} would do)"
+            )
         if self.heads % self.kv_heads:
-            raise DemoModelError("heads must be a multiple of kv_heads")
+            raise DemoModelError(
+                f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}: "
+                "key/value heads are shared by equal groups of heads"
+            )
+        if self.seed < 0 or (self.intermediate is not None and self.intermediate < 1):
+            raise DemoModelError("--seed must be 0 or more and --intermediate at least 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise DemoModelError(f"unknown dtype {self.dtype!r}")
         if self.recite and self.tie_embeddings:
