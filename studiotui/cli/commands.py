@@ -47,6 +47,7 @@ from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
     Inventory,
     SelectionError,
+    free_control_port,
     local_inventory,
     resolve_group,
 )
@@ -87,6 +88,17 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
                 f"{', '.join(orphans)} {verb} running in the local cluster that "
                 f"`up --local {args.local}` would replace",
                 "stop it first with `studiotui down`, then run this again",
+            )
+        taken = local_cluster.ports_taken(inv)
+        if taken:
+            # Refused before anything starts: the agents would exit at once and `up`
+            # would wait out its 30 s for them.
+            free = free_control_port(args.local, sys.platform, local_cluster.port_free, args.port)
+            raise UserError(
+                f"{', '.join(taken)} already in use: another simulated cluster (from "
+                "another STUDIOTUI_HOME) or another program holds it",
+                "stop that one, or start this cluster beside it"
+                + (f": studiotui up --local {args.local} --port {free}" if free else ""),
             )
         local_cluster.save_local_inventory(home, inv)
     else:

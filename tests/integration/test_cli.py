@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -339,3 +340,23 @@ def test_up_local_of_another_size_is_refused_while_that_cluster_runs(home: Path)
     assert again.returncode == 0, again.stderr
     down = run(home, "down")
     assert down.returncode == 0, down.stderr
+
+
+def test_up_local_on_ports_something_else_holds_is_refused_naming_a_free_port(
+    home: Path,
+) -> None:
+    """Another simulated cluster (another STUDIOTUI_HOME's) on the same addresses: the
+    agents could not bind, so nothing is started and a --port beside it is named."""
+    port = PORT + 60
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.12", port + 1))  # local-2's telemetry port
+        held.listen()
+        up = run(home, "up", "--local", "2", "--port", str(port))
+    err = " ".join(up.stderr.split())
+    assert up.returncode == 2, up.stderr
+    assert f"127.0.0.12:{port + 1} already in use" in err, err
+    suggested = re.search(r"studiotui up --local 2 --port (\d+)", err)
+    assert suggested is not None, err
+    assert int(suggested.group(1)) > port
+    assert not local_cluster.local_inventory_path(home).exists()
+    assert "did not answer" not in err
