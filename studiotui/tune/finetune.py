@@ -13,6 +13,7 @@ after a restart — into a `JobWatch`. The training itself is mlx-lm's
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -114,11 +115,20 @@ def check_request(req: FinetuneRequest) -> None:
             f"job name {req.name!r} must be 1-64 letters, digits, '.', '_' or '-'",
             "pick another --name",
         )
-    for label, value in (("--iters", req.iters), ("--rank", req.lora_rank)):
+    for label, value in (
+        ("--iters", req.iters),
+        ("--rank", req.lora_rank),
+        ("--batch-size", req.batch_size),
+        ("--layers", req.num_layers),
+    ):
         if value < 1:
             raise FinetuneError(f"{label} must be at least 1, got {value}")
-    if req.learning_rate <= 0:
-        raise FinetuneError(f"--learning-rate must be above 0, got {req.learning_rate}")
+    # NaN passes a plain `<= 0` and would train a NaN adapter to the end.
+    if not (math.isfinite(req.learning_rate) and req.learning_rate > 0):
+        raise FinetuneError(
+            f"--learning-rate must be a number above 0, got {req.learning_rate}",
+            "e.g. 1e-5 (the default) to 1e-3",
+        )
     if req.optimizer not in OPTIMIZERS:
         raise FinetuneError(f"unknown optimizer {req.optimizer!r}; use {', '.join(OPTIMIZERS)}")
     if not req.nodes:

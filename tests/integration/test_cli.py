@@ -286,6 +286,10 @@ def test_demo_model_help_describes_every_option(tmp_path: Path) -> None:
         (["serve", "--port", "99999"], "--port"),
         (["web", "--port", "-1"], "--port"),
         (["logs", "local-1", "--lines", "-5"], "--lines"),
+        (["finetune", "MODEL", "--data", "d.jsonl", "--learning-rate", "nan"], "--learning-rate"),
+        (["finetune", "MODEL", "--data", "d.jsonl", "--batch-size", "0"], "--batch-size"),
+        (["finetune", "MODEL", "--data", "d.jsonl", "--layers", "0"], "--layers"),
+        (["finetune", "--resume", "job", "--iters", "-1"], "--iters"),
     ],
 )
 def test_a_bad_number_is_refused_naming_its_option_before_anything_is_written(

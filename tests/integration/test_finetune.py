@@ -255,6 +255,10 @@ def test_bad_input_is_refused_before_anything_runs(
             (req(data=str(broken)), f"{broken}:3: not JSON"),
             (req(data=str(few)), "fewer than one batch of 8"),
             (req(batch_size=3), "cannot be split evenly over 2 nodes"),
+            (req(batch_size=0), "--batch-size must be at least 1, got 0"),
+            (req(num_layers=0), "--layers must be at least 1, got 0"),
+            (req(learning_rate=float("nan")), "--learning-rate must be a number above 0"),
+            (req(learning_rate=float("inf")), "--learning-rate must be a number above 0"),
             (req(nodes=("local-1", "nowhere")), "unknown node 'nowhere'"),
             (req(name="../x"), "job name"),
         ]
@@ -332,6 +336,11 @@ def test_the_command_line(
             assert "studiotui finetune --resume cli --iters N (N above 3)" in err
         assert main(["jobs", "-i", str(inventory)]) == 0
         assert capsys.readouterr().out == listed
+        # What a resumed job cannot change is refused, not silently ignored.
+        other = ["--nodes", "local-1", "--data", str(bad), "--rank", "4"]
+        assert main(["finetune", "--resume", "cli", *other, "-i", str(inventory)]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "--data, --nodes, --rank cannot change them" in err, err
         # Resumed with more iterations: on from its last save (iteration 3) to 5.
         assert main(["finetune", "--resume", "cli", "--iters", "5", "-i", str(inventory)]) == 0
         out = capsys.readouterr().out
