@@ -550,9 +550,13 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     source = Path(args.source).expanduser()
     if not source.is_dir() and not model_fetch.is_repo_id(args.source):
-        raise UserError(
-            f"{args.source!r} is neither a model directory nor a Hugging Face repo id (org/name)"
-        )
+        # A model's name in the catalog, as `place` and `finetune` take it.
+        try:
+            source = resolve_model(Path(args.source), home)
+        except UserError as exc:
+            raise UserError(
+                f"{args.source!r} is not a Hugging Face repo id (org/name), and {exc.message}"
+            ) from None
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:

@@ -87,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser(
         "fetch", help="put a model's files on nodes ahead of placing it, each node its share"
     )
-    fetch.add_argument("source", help="a Hugging Face repo id (org/name) or a model directory")
+    fetch.add_argument(
+        "source",
+        help="a Hugging Face repo id (org/name), a model directory, or a model's catalog name",
+    )
     fetch.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
     fetch.add_argument("--revision", default="main", help="hub branch, tag or commit")
     fetch.add_argument(
