@@ -509,6 +509,9 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
+            except asyncio.CancelledError:  # Ctrl-C: ctl.place has unloaded what it loaded
+                errors.print(f"interrupted: placement {name} rolled back, nothing left loaded")
+                raise
         console.print(
             f"placement [bold]{result.placement.name}[/] is ready ({result.placement.label})"
         )

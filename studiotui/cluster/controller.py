@@ -629,9 +629,15 @@ class Controller:
             # SshError: the operator's copy over SFTP could not reach the node; its
             # prepared shards (and the memory promised to them) are given back too.
             self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
-            await self._unload_everywhere(name, [m.node for m in procs])
-            self._remember_plan(name, None)
+            await self._roll_back(name, [m.node for m in procs])
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
+        except asyncio.CancelledError:
+            # Interrupted (Ctrl-C on `place`, the dashboard quitting): what was loaded so
+            # far is unloaded, as after a failure, rather than left half made with nobody
+            # watching it (a load under way would otherwise finish and stay).
+            self.record(f"placement {name!r} interrupted, rolling back", "warning")
+            await asyncio.shield(self._roll_back(name, [m.node for m in procs]))
+            raise
         finally:
             self._placing.discard(name)
             self._pledges.pop(name, None)
@@ -1011,6 +1017,10 @@ class Controller:
             self._planned_mtime = self._planned_stamp()
         placements = placements_from_shards(self.state.nodes, planned, self._placing)
         self._set(replace(self.state, placements=placements))
+
+    async def _roll_back(self, name: str, nodes: list[str]) -> None:
+        await self._unload_everywhere(name, nodes)
+        self._remember_plan(name, None)
 
     async def _unload_everywhere(self, name: str, nodes: list[str]) -> None:
         self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S

@@ -63,3 +63,51 @@ def test_a_placement_the_cli_unloads_leaves_the_dashboard_unbroken(
             await dashboard.close()
 
     asyncio.run(run())
+
+
+def test_a_placement_interrupted_while_loading_is_rolled_back(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Ctrl-C on `studiotui place` (its task cancelled) once a shard is loading: what
+    was loaded is unloaded and the ring forgotten, not left to finish with nobody
+    watching it."""
+    model = write_demo_model(tmp_path / "tiny", SPEC)
+
+    async def run() -> None:
+        ctl, other = cluster.controller(), cluster.controller()
+        try:
+            started = asyncio.Event()
+            task = asyncio.ensure_future(
+                ctl.place(
+                    model,
+                    name="halfway",
+                    context_tokens=256,
+                    streams=1,
+                    progress=lambda node, done, total: started.set(),
+                )
+            )
+            await asyncio.wait_for(started.wait(), 30)  # a shard is loading
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+            async def gone() -> bool:
+                await other.refresh(timeout=1.0)
+                return not any(
+                    s.placement == "halfway" for n in other.state.nodes for s in n.shards
+                )
+
+            deadline = time.monotonic() + 20
+            while not await gone():
+                assert time.monotonic() < deadline, other.state.nodes
+                await asyncio.sleep(0.2)
+            # Still gone once a load that was under way would have finished.
+            await asyncio.sleep(2.0)
+            assert await gone()
+            assert other.state.placement("halfway") is None
+            assert any("'halfway' interrupted, rolling back" in e.text for e in ctl.state.log)
+        finally:
+            await ctl.close()
+            await other.close()
+
+    asyncio.run(run())
