@@ -647,13 +647,21 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
         if not ctl.state.placements:
             raise UserError(f"no placement yet: {place}, then chat")
         done: dict[str, Any] = {}
-        async for msg in ctl.generate(args.placement, request, params):
-            if msg["type"] == "delta":
-                # As the dashboard's chat: a model's ESC must not drive the terminal.
-                sys.stdout.write(printable(msg["text"]))
-                sys.stdout.flush()
-            elif msg["type"] == "done":
-                done = msg
+        try:
+            async for msg in ctl.generate(args.placement, request, params):
+                if msg["type"] == "delta":
+                    # As the dashboard's chat: a model's ESC must not drive the terminal.
+                    sys.stdout.write(printable(msg["text"]))
+                    sys.stdout.flush()
+                elif msg["type"] == "done":
+                    done = msg
+        except asyncio.CancelledError:
+            # Ctrl-C: the request is cancelled on the cluster as the generator closes;
+            # the shell's prompt goes on a line of its own.
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            errors.print("[dim]stopped: the answer was cancelled[/]")
+            raise
         sys.stdout.write("\n")
         t = done.get("timings", {})
         u = done.get("usage", {})

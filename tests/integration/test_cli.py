@@ -121,6 +121,24 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert finish in ("length", "stop") and 1 <= out <= 12
     assert (out == 12) == (finish == "length")
 
+    # Ctrl-C mid-answer: the answer so far ends its line and says it stopped. (Greedy
+    # on the demo's noise never picks end-of-text: only letters' output rows are set.)
+    env = {**os.environ, "STUDIOTUI_HOME": str(home), "NO_COLOR": "1"}
+    argv = ["chat", "--placement", "tiny", "--temperature", "0", "--max-tokens", "3000", "hi"]
+    long = subprocess.Popen(
+        [sys.executable, "-m", "studiotui", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert long.stdout is not None
+    assert long.stdout.read(1), "no answer began"
+    long.send_signal(signal.SIGINT)
+    rest, err = long.communicate(timeout=30)
+    assert long.returncode == 130, err
+    assert rest.endswith(b"\n") and b"stopped: the answer was cancelled" in err, (rest, err)
+
     # A model whose answer holds terminal escapes (colour, the window title, a C1 CSI):
     # what `chat` writes is the text without the controls, as the dashboard shows it.
     escapes = write_tool_model(home / "escapes", ESCAPES_SPEC, ESCAPES)
