@@ -218,6 +218,7 @@ class Controller:
         self._planned: dict[str, PlannedPlacement] = self._read_planned()
         self._planned_mtime = self._planned_stamp()  # the saved file this _planned follows
         self._placing: set[str] = set()  # being loaded by this controller: not broken yet
+        self._answered: set[str] = set()  # placements seen ready in this session
         # What a placement being decided holds on each node until the node reports its
         # prepared shard: a preview in that round trip must not offer the same memory.
         self._pledges: dict[str, dict[str, int]] = {}
@@ -274,8 +275,13 @@ class Controller:
                     f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
                 )
         for placement in placements:
-            if placement.name in was_down and placement.state == "ready":
+            if placement.state != "ready":
+                continue
+            # Only what this session saw answer before: a placement found ready as its
+            # nodes report one by one (a dashboard just opened) never stopped answering.
+            if placement.name in was_down and placement.name in self._answered:
                 self.record(f"placement {placement.name!r} answers again")
+            self._answered.add(placement.name)
 
     def mark_provisioning(self, names: list[str]) -> None:
         """Show `names` as being provisioned until the next refresh says otherwise."""

@@ -24,7 +24,7 @@ SPEC = DemoSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, dtype="f
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from cluster_fixture(tmp_path_factory.mktemp("other-home"), 1, BASE, PORT)
+    yield from cluster_fixture(tmp_path_factory.mktemp("other-home"), 2, BASE, PORT)
 
 
 async def _until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -51,6 +51,17 @@ def test_a_placement_the_cli_unloads_leaves_the_dashboard_unbroken(
                 return p.state if p is not None else None
 
             await _until(lambda: shown() == "ready", "the CLI's placement ready on the dashboard")
+            # A dashboard opened now finds it ready as its nodes report one by one:
+            # nothing "answers again", since nothing stopped answering.
+            later = cluster.controller()
+            try:
+                await later.start(telemetry=False)
+                p = later.state.placement("theirs")
+                assert p is not None and p.state == "ready", p
+                log = [e.text for e in later.state.log]
+                assert not any("answers again" in line for line in log), log
+            finally:
+                await later.close()
             await cli.unload("theirs")
             await _until(lambda: shown() is None, "the unloaded placement gone from the dashboard")
             # Telemetry goes on: the plan another process dropped stays dropped.
