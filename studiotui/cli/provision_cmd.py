@@ -267,11 +267,13 @@ async def _say_broken(home: Path, inv: Inventory, restarted: set[str]) -> int:
     ctl = Controller(home, inv)
     try:
         await ctl.refresh()
+        # Planned on a restarted node, or missing a shard anywhere (a placement whose
+        # every shard is gone reports none: its ring is the plan's).
         broken = [
             p
             for p in ctl.state.placements
             if p.state != "ready"
-            and (restarted & set(p.nodes) or len(p.shards) != p.shards[0].count)
+            and (restarted & {s.node for s in p.ring} or len(p.shards) != p.expected)
         ]
     finally:
         await ctl.close()

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from studiotui.cli.main import main
+from studiotui.cluster import local_cluster
+from studiotui.core.inventory import dump_inventory
+from tests.cluster_fixture import LocalCluster, cluster_fixture, wait_up
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 236, 58940
@@ -122,3 +125,36 @@ def test_a_placement_interrupted_while_loading_is_rolled_back(
             await other.close()
 
     asyncio.run(run())
+
+
+def test_restart_names_a_placement_whose_every_shard_is_gone(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Its node's agent was replaced (killed and started again, as `provision --upgrade`
+    does): the placement reports no shard at all. `restart` of another node names it
+    broken instead of failing on it."""
+    model = write_demo_model(tmp_path / "tiny", SPEC)
+    one, two = cluster.inventory.nodes
+
+    async def place() -> None:
+        ctl = cluster.controller()
+        try:
+            await ctl.place(model, [two.name], "emptied", context_tokens=256, streams=1)
+        finally:
+            await ctl.close()
+
+    asyncio.run(place())
+    local_cluster.stop_agent(two)
+    local_cluster.start_agent(cluster.home, two, cluster.inventory)
+    asyncio.run(wait_up(cluster.home, cluster.inventory))
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(cluster.inventory))
+    monkeypatch.setenv("STUDIOTUI_HOME", str(cluster.home))
+    code = main(["restart", one.name, "-i", str(inventory)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1, err
+    assert "placement 'emptied' is broken after the restart" in err, err
+    assert main(["unload", "emptied", "-i", str(inventory)]) == 0
