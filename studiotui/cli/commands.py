@@ -62,6 +62,7 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
+from studiotui.core.state import node_start_hint
 from studiotui.core.text import printable
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
@@ -570,7 +571,12 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         down = [n for n in group if (s := ctl.state.node(n)) is None or s.state != "up"]
         if down or not group:
-            raise UserError(f"{', '.join(down) or 'no node'} is not up: start it first")
+            if not group:
+                raise UserError(f"no node is up: start the cluster with {start_hint(inv)}")
+            raise UserError(
+                f"{', '.join(down)} {'is' if len(down) == 1 else 'are'} not up",
+                "; ".join(node_start_hint(n) for n in down),
+            )
         with Progress(
             TextColumn("{task.description:>12}"),
             BarColumn(),

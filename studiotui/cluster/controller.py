@@ -55,6 +55,7 @@ from studiotui.core.state import (
     PlannedShard,
     ShardState,
     newly_broken,
+    node_start_hint,
     placements_from_shards,
     pushed,
     shard_from_report,
@@ -509,7 +510,7 @@ class Controller:
             if node is None:
                 return info, Refusal(f"unknown node {name!r}")
             if node.state != "up":
-                return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
+                return info, Refusal(f"{name} is {node.state}: {node_start_hint(name)}")
             free = max(0, self._room(node))
             budgets.append(NodeBudget(name, free, node.memory_total))
         links = links_from_state(self.state)

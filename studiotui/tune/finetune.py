@@ -29,7 +29,7 @@ from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import JobWatch
 from studiotui.core.members import group_backend
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
-from studiotui.core.state import ClusterState, LogLevel
+from studiotui.core.state import ClusterState, LogLevel, node_start_hint
 from studiotui.tune.data import (
     Examples,
     check_counts,
@@ -160,7 +160,7 @@ def prepare(ctl: Cluster, req: FinetuneRequest, *, resuming: bool = False) -> Pr
             known = ", ".join(n.name for n in ctl.state.nodes)
             raise FinetuneError(f"unknown node {node!r}", f"known: {known}")
         if state.state != "up":
-            raise FinetuneError(f"{node} is {state.state}", "start it (studiotui up) first")
+            raise FinetuneError(f"{node} is {state.state}", node_start_hint(node))
     examples = load_examples(Path(req.data), seed=req.seed, least=req.batch_size)
     check_counts(examples, req.batch_size, len(req.nodes))
     # JACCL when every pair is joined by an active RDMA cable (with the device matrix

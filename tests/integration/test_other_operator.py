@@ -158,3 +158,35 @@ def test_restart_names_a_placement_whose_every_shard_is_gone(
     assert code == 1, err
     assert "placement 'emptied' is broken after the restart" in err, err
     assert main(["unload", "emptied", "-i", str(inventory)]) == 0
+
+
+def test_a_node_that_is_down_is_refused_with_the_command_that_starts_it(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`studiotui up` starts local nodes only; `restart NODE` starts any node's agent
+    (over SSH for an SSH node): what placing, fetching and fine-tuning say, and it
+    works."""
+    model = write_demo_model(tmp_path / "tiny", SPEC)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(f'{{"text": "line {i}"}}\n' for i in range(20)))
+    _, two = cluster.inventory.nodes
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(cluster.inventory))
+    monkeypatch.setenv("STUDIOTUI_HOME", str(cluster.home))
+    hint = f"start it: studiotui restart {two.name} (r on the dashboard)"
+    local_cluster.stop_agent(two)
+    try:
+        placed = ["place", str(model), "--nodes", two.name, "--dry-run", "-i", str(inventory)]
+        assert main(placed) == 1  # the plan shown: a refusal
+        assert main(["fetch", str(model), "--nodes", two.name, "-i", str(inventory)]) == 2
+        tune = ["finetune", str(model), "--data", str(data), "--nodes", two.name]
+        assert main([*tune, "--batch-size", "1", "-i", str(inventory)]) == 2
+        shown = capsys.readouterr()
+        said = " ".join((shown.out + shown.err).split())  # rich folds long lines
+        assert said.count(hint) == 3, said
+    finally:
+        assert main(["restart", two.name, "-i", str(inventory)]) == 0
+    asyncio.run(wait_up(cluster.home, cluster.inventory))
