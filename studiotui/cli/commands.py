@@ -57,6 +57,7 @@ from studiotui.core.placement import (
     ModelFacts,
     Plan,
     Refusal,
+    context_beyond,
     format_bytes,
     render_plan,
     tensor_refusal,
@@ -464,6 +465,8 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         console.print(render_plan(the_plan))
         if isinstance(the_plan, Refusal):
             return 1
+        if beyond := context_beyond(info.facts, the_plan.context_tokens):
+            errors.print(f"[yellow]note:[/] {beyond}", highlight=False)
         if isinstance(the_plan, Plan):
             print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:

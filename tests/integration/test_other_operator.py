@@ -190,3 +190,20 @@ def test_a_node_that_is_down_is_refused_with_the_command_that_starts_it(
     finally:
         assert main(["restart", two.name, "-i", str(inventory)]) == 0
     asyncio.run(wait_up(cluster.home, cluster.inventory))
+
+
+def test_place_notes_a_context_beyond_the_models_positions(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = write_demo_model(tmp_path / "tiny", SPEC)  # max_position_embeddings 4096
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(cluster.inventory))
+    monkeypatch.setenv("STUDIOTUI_HOME", str(cluster.home))
+    for context, noted in ((4096, False), (8192, True)):
+        argv = ["place", str(model), "--context", str(context), "--dry-run"]
+        assert main([*argv, "-i", str(inventory)]) == 0
+        err = " ".join(capsys.readouterr().err.split())
+        assert ("beyond the 4096 positions tiny was trained for" in err) == noted, err
