@@ -201,3 +201,18 @@ def test_bad_numbers_are_refused_naming_the_option(
     assert code == 2 and said in err, err
     assert "Traceback" not in err
     assert not target.exists() and not any(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.parametrize(("arch", "least"), [("gemma3_text", 3), ("qwen3_next", 3), ("gpt_oss", 2)])
+def test_a_family_with_a_layer_pattern_refuses_fewer_layers_than_it_needs(
+    tmp_path: Path, arch: str, least: int
+) -> None:
+    """With fewer, mlx-lm's own model loaded and then failed every forward with an
+    IndexError (or ValueError); at the least, mlx-lm generates from it."""
+    spec = {"arch": arch, "hidden": 64, "heads": 4, "kv_heads": 2, "dtype": "float32"}
+    with pytest.raises(DemoModelError, match=f"--arch {arch} needs at least {least} --layers"):
+        DemoSpec(**spec, layers=least - 1)
+    model, tokenizer = mlx_lm.load(
+        str(write_demo_model(tmp_path / arch, DemoSpec(**spec, layers=least)))
+    )
+    assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2)
