@@ -20,7 +20,7 @@ import numpy as np
 
 from worker import families
 from worker.families import LayerCaches
-from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
+from worker.sampling import ParamError, Sampler, SamplingParams, TextStream, processor_problem
 from worker.shard import Shard
 from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
@@ -245,8 +245,15 @@ class Stage:
                     f"{len(self.waiting)} more are waiting; try again shortly, or place the "
                     "model with more --streams"
                 )
+            if problem := processor_problem(params, self.vocab):
+                raise RequestError(problem)
             prompt = self._prompt_tokens(msg, tools)
             params = self._fit_context(prompt, params)
+            # The penalties look back on the prompt's last tokens too (as mlx-lm's do);
+            # the tail never sees the prompt, so those travel with the params.
+            params = replace(
+                params, recent=tuple(prompt[-params.window :] if params.window else ())
+            )
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
@@ -593,6 +600,8 @@ class Stage:
         req = self.tail_requests.get(header.rid)
         if req is None:
             params = SamplingParams.from_dict(header.params or {})
+            if problem := processor_problem(params, self.vocab):
+                raise RequestError(problem)
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
             req = TailRequest(
                 sampler=Sampler(params), eos=frozenset() if params.ignore_eos else eos
@@ -964,11 +973,12 @@ class Stage:
     def _draw_rows(
         self, rids: list[str], logits: mx.array
     ) -> tuple[mx.array | None, dict[str, Any]]:
-        """Each row's token by its own sampler (its own PRNG key): rows that are greedy
-        and want no log-probabilities share one argmax, which is what each would take."""
+        """Each row's token by its own sampler (its own PRNG key, its own logits
+        processors over its own recent tokens): rows that are greedy on the model's own
+        logits and want no log-probabilities share one argmax, which is what each would
+        take."""
         samplers = [self.tail_requests[rid].sampler for rid in rids]
-        plain = all(s.params.temperature == 0.0 and s.params.logprobs < 0 for s in samplers)
-        if plain:
+        if all(s.plain for s in samplers):
             return mx.argmax(logits, axis=-1), {}
         return None, {
             rid: s.draw(logits[i]) for i, (rid, s) in enumerate(zip(rids, samplers, strict=True))

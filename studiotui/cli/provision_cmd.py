@@ -236,7 +236,8 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     print_outcomes(commands.console, commands.errors, results)
     code = 0 if all(o.ok for o in results) else 1
     back = {o.node for o in results if o.ok}
-    lost = sorted({s.placement for s in saved if s.node not in back})
+    # A tensor group's members on nodes not restarted are relaunched with it (saved too).
+    lost = sorted({s.placement for s in saved if s.node in names and s.node not in back})
     for name in lost:
         commands.errors.print(
             f"placement {name!r} is broken: a node holding it did not come back; "
@@ -244,7 +245,9 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
             markup=False,
             highlight=False,
         )
-    again = [s for s in saved if s.node in back and s.placement not in lost]
+    again = [
+        s for s in saved if (s.node in back or s.node not in names) and s.placement not in lost
+    ]
     if again or kept:
         ctl = Controller(home, inv)
         try:

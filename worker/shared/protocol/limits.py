@@ -17,6 +17,15 @@ MAX_SEED = (1 << 63) - 1
 # the text a token adds (worker/sampling.py), so their total length bounds the work.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+# Logits processors (worker/sampling.py, mlx-lm's own): OpenAI's ranges for its
+# penalties and logit_bias, and how many tokens back a penalty may look. mlx-lm's
+# default window is 20; the head ships the prompt's last tokens of the widest window to
+# the tail in the request's parameters, so the window is bounded like any header field.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
+DEFAULT_PENALTY_CONTEXT = 20
+MAX_PENALTY_CONTEXT = 2048
 # No tokenizer studiotui serves has a token longer than this many characters (the
 # longest are runs of spaces or dashes in code vocabularies, 20-60). A prompt with
 # more characters than context x this cannot fit the context whatever its text, so
