@@ -53,6 +53,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import prompt_tokens, stream
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, local_inventory
+from studiotui.core.placement import Plan
 from worker.shared.protocol import control
 
 BENCH_OCTET = 71
@@ -326,16 +327,25 @@ async def moe_figures(
     pipe_floor: PipeFloor | None = None
     try:
         await ctl.refresh()
+        nodes = list(inv.names)[:2]
+        # The plan is made first, so the floor's processes start loading its split while
+        # the placement loads that very plan (`expected`).
+        _, plan = ctl.preview(model_dir, nodes)
+        if not isinstance(plan, Plan):
+            raise BenchError(f"the MoE model cannot be placed on two nodes: {plan.reason}")
+        split = plan.shards[0].end
+        pipe_floor = PipeFloor(model_dir, split, BARE_ADDRESS, FLOOR_PORT, cfg.prefill_chunk)
         with phase("place_moe2"):
-            await ctl.place(model_dir, list(inv.names)[:2], "moe2", prefill_chunk=cfg.prefill_chunk)
-        split = ctl.pick_placement("moe2").shards[0].end
-        with phase("decode_moe2"):
-            # The floor's processes load while both sides warm up: the pipeline's shards
-            # and mlx-lm's first steps (its first run would otherwise pay the
-            # allocations, flattering the pipeline).
-            pipe_floor = await asyncio.to_thread(
-                PipeFloor, model_dir, split, BARE_ADDRESS, FLOOR_PORT, cfg.prefill_chunk
+            await ctl.place(
+                model_dir, nodes, "moe2", prefill_chunk=cfg.prefill_chunk, expected=plan
             )
+        placed = ctl.pick_placement("moe2").shards[0].end
+        if placed != split:
+            raise BenchError(f"moe2 was placed split at layer {placed}, its floor at {split}")
+        with phase("decode_moe2"):
+            # Both sides warm: the pipeline's shards and mlx-lm's first steps (its first
+            # run would otherwise pay the allocations, flattering the pipeline); and the
+            # floor, once its processes have loaded.
             await stream(ctl, "moe2", prompt_tokens(16), 8)
             await asyncio.to_thread(single.decode, 8)
             floor = pipe_floor  # (a name the closure below knows is set)
