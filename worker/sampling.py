@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, cast
 
 import mlx.core as mx
@@ -269,9 +270,13 @@ def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
 
 # How many keys a request's `_Keys` computes at a time.
 KEY_CHUNK = 64
-# The keys are computed on a stream of their own, so reading them back waits for no
-# model step in flight on the default one.
-_KEY_STREAM = mx.new_stream(mx.cpu)
+
+
+@cache
+def _key_stream() -> mx.Stream:
+    """The keys are computed on a stream of their own, so reading them back waits for
+    no model step in flight on the default one (made on first use, not on import)."""
+    return mx.new_stream(mx.cpu)
 
 
 class _Keys:
@@ -296,7 +301,7 @@ class _Keys:
 
     def next(self) -> int:
         if not self._ahead:
-            with mx.stream(_KEY_STREAM):
+            with mx.stream(_key_stream()):
                 keys = []
                 key = self._key
                 for _ in range(KEY_CHUNK):
