@@ -45,17 +45,23 @@ SAMPLERS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def reference(model: Path) -> Callable[[list[int], dict[str, Any], int], list[int]]:
+def reference(model: Path) -> Callable[..., list[int]]:
     """mlx-lm's seeded answer: `generate_step` with `make_sampler(**options)` (XTC's
-    special tokens as mlx_lm.server names them) after `mx.random.seed(seed)`."""
+    special tokens as mlx_lm.server names them, unless told) after
+    `mx.random.seed(seed)`, and `make_logits_processors` for the penalties and bias."""
     loaded, tokenizer = mlx_lm.load(str(model))
-    special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+    server_special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
 
-    def tokens(prompt: list[int], options: dict[str, Any], seed: int = SEED) -> list[int]:
-        processors = {k: options[k] for k in options if k.endswith("penalty")}
+    def tokens(
+        prompt: list[int],
+        options: dict[str, Any],
+        seed: int = SEED,
+        special: list[int] | None = None,
+    ) -> list[int]:
+        processors = {k: options[k] for k in options if k.endswith("penalty") or k == "logit_bias"}
         sampler = make_sampler(
             **{k: v for k, v in options.items() if k not in processors},
-            xtc_special_tokens=special,
+            xtc_special_tokens=server_special if special is None else special,
         )
         mx.random.seed(seed)
         steps = generate_step(
@@ -74,6 +80,8 @@ def reference(model: Path) -> Callable[[list[int], dict[str, Any], int], list[in
 def wire(options: dict[str, Any], seed: int = SEED) -> dict[str, Any]:
     """make_sampler's options as a request names them (temperature, not temp)."""
     out = {("temperature" if k == "temp" else k): v for k, v in options.items()}
+    if "logit_bias" in out:
+        out["logit_bias"] = [[t, b] for t, b in out["logit_bias"].items()]
     return {"max_tokens": N, "ignore_eos": True, "seed": seed, **out}
 
 
@@ -106,6 +114,26 @@ def test_top_k_of_one_is_greedy_and_past_the_vocabulary_is_none(
         assert ring.answer(f"k{k}", PROMPT, wire({"temp": 1.5, "top_k": k})) == sampled
     # At temperature 0 the samplers do nothing, as in mlx-lm's make_sampler.
     assert ring.answer("t0", PROMPT, wire({"temp": 0.0, "top_k": 2, "min_p": 0.5})) == greedy
+
+
+def test_xtc_spares_a_newline_and_the_end_tokens_as_mlx_lm_server(
+    model: Path, reference: Callable[..., list[int]]
+) -> None:
+    """XTC drops every token above its threshold but the least likely of them, except
+    the ones mlx_lm.server spares (a newline's tokens, the end-of-sequence ones): with
+    the newline pushed up by logit_bias, the answer is mlx-lm's with them spared."""
+    ring = Ring(model, SPLITS["two stages"])
+    newline = ring.stages[-1].tokenizer.encode("\n")[-1]
+    assert newline in ring.stages[-1].xtc_special
+    options = {
+        "temp": 0.8,
+        "xtc_probability": 1.0,
+        "xtc_threshold": 0.05,
+        "logit_bias": {newline: 15.0},
+    }
+    want = reference(PROMPT, options)
+    assert want != reference(PROMPT, options, special=[]), "sparing changes nothing here"
+    assert ring.answer("xtc", PROMPT, wire(options)) == want
 
 
 @pytest.mark.parametrize("split", SPLITS)
