@@ -205,6 +205,12 @@ class Stage:
         self.frame_began = time.perf_counter()
         self.frame_mlx_s = 0.0
         self.vocab = int(shard.config.get("vocab_size", 0))
+        # The tokens XTC never drops, as mlx_lm.server names them: a newline's tokens
+        # (as its tokenizer encodes "\n") and the end-of-sequence ones.
+        self.xtc_special: tuple[int, ...] = ()
+        if shard.is_last and tokenizer is not None:
+            eos = getattr(tokenizer, "eos_token_ids", ()) or ()
+            self.xtc_special = (*tokenizer.encode("\n"), *eos)
         self.hidden = hidden_size(shard.config)
         # A lone stage is never idle between steps: it builds each step on the lazy
         # token of the one before (`_speculate`), as mlx-lm's loop does, instead.
@@ -604,7 +610,8 @@ class Stage:
                 raise RequestError(problem)
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
             req = TailRequest(
-                sampler=Sampler(params), eos=frozenset() if params.ignore_eos else eos
+                sampler=Sampler(params, self.xtc_special),
+                eos=frozenset() if params.ignore_eos else eos,
             )
             self.tail_requests[header.rid] = req
         return req
