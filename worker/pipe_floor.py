@@ -76,6 +76,7 @@ class FloorStage:
         self.cache = shard.make_cache()
         self.ahead: Ahead | None = None
         self.slots: tuple[mx.array, mx.array] | None = None
+        self.slots_of: tuple[tuple[int, ...], type[np.generic]] | None = None
         self.ran_ahead = 0  # decode steps of this sequence that ran the graph built ahead
         self.poller = zmq.Poller()
         self.poller.register(end.pull, zmq.POLLIN)
@@ -83,6 +84,7 @@ class FloorStage:
     def reset(self) -> None:
         """A new sequence: fresh caches, nothing built ahead."""
         self.cache = self.shard.make_cache()
+        self.sampler = Sampler(SamplingParams())  # one per sequence, as per request
         self.ahead = None
         self.ran_ahead = 0
 
@@ -116,8 +118,9 @@ class FloorStage:
         """Build the step at `offset` on a placeholder (two kept, alternating, so the
         step built never shares a buffer with the one computing)."""
         view = np.int32 if self.shard.is_first else NP_VIEW[dtype]
-        if self.slots is None or tuple(self.slots[0].shape) != shape:
+        if self.slots is None or self.slots_of != (shape, view):
             self.slots = (mx.array(np.zeros(shape, view)), mx.array(np.zeros(shape, view)))
+            self.slots_of = (shape, view)
         slot = self.slots[offset % 2]
         h = slot.view(mx.bfloat16) if dtype == "bfloat16" else slot
         out = self.forward(self.shard.embed(h) if self.shard.is_first else h)
