@@ -355,7 +355,6 @@ async def moe_figures(
 
             await asyncio.to_thread(floor_run, 8)
             out = await paired_decode(ctl, "moe2", single, moe_pairing(cfg), floor=floor_run)
-            out["split"] = split
         await ctl.unload("moe2")
     finally:
         if pipe_floor is not None:
