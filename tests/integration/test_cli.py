@@ -131,6 +131,8 @@ def test_up_place_chat_status_down(home: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
+        # A run started in the background inherits SIGINT ignored: as from a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert long.stdout is not None
     assert long.stdout.read(1), "no answer began"
