@@ -218,6 +218,13 @@ async def launch(
         # Refused before anything is hashed or copied: a rerun with nothing to train
         # would replace the job's record on the nodes (its losses) with an empty one.
         ranks = (await jobs.status(ctl, list(req.nodes))).get(req.name, {})
+        running = sorted(n for n, r in ranks.items() if r.state in RUNNING)
+        if running:
+            raise FinetuneError(
+                f"job {req.name!r} still runs on {', '.join(running)}",
+                f"stop it first (studiotui jobs stop {req.name}), or watch it "
+                f"(studiotui jobs follow {req.name})",
+            )
         trained = trained_through(ranks.values())
         if trained is not None and req.iters <= trained:
             raise FinetuneError(
@@ -286,6 +293,9 @@ async def launch(
         f"on {', '.join(nodes)}: {prepared.backend_reason}"
     )
     return record
+
+
+RUNNING = ("starting", "running", "silent")  # a rank's states before it ends
 
 
 def trained_through(ranks: Iterable[control.JobRank]) -> int | None:

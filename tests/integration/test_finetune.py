@@ -400,6 +400,10 @@ def test_a_stopped_adam_run_resumed_is_the_unstopped_run(
         while (watch.progress.saved_iteration or 0) < 16:
             assert not follow.done(), watch.progress
             await asyncio.sleep(0.02)
+        # Resumed while it runs: refused before anything is copied, naming its nodes.
+        again = ft.prepare(ctl, ft.resume_request(ctl, "stopped"), resuming=True)
+        with pytest.raises(ft.FinetuneError, match="job 'stopped' still runs on local-1, local-2"):
+            await ft.launch(ctl, again, resume=True)
         await jobs.stop(ctl, "stopped", list(NODES))
         return await asyncio.wait_for(follow, 10), watch
 
