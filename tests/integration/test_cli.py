@@ -384,3 +384,20 @@ def test_up_local_on_ports_something_else_holds_is_refused_naming_a_free_port(
     assert int(suggested.group(1)) > port
     assert not local_cluster.local_inventory_path(home).exists()
     assert "did not answer" not in err
+
+
+def test_a_port_whose_connections_linger_in_time_wait_is_free_to_an_agent() -> None:
+    """Right after `down`, the agents' closed connections linger in TIME_WAIT on their
+    ports: ZeroMQ binds there all the same, so `up` must not call them taken."""
+    address, port = "127.0.0.12", PORT + 70
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an earlier run's
+        server.bind((address, port))
+        server.listen()
+        assert not local_cluster.port_free(address, port)  # a live listener holds it
+        client = socket.create_connection((address, port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: its port goes to TIME_WAIT
+        time.sleep(0.2)
+        client.close()
+    assert local_cluster.port_free(address, port)
