@@ -26,7 +26,8 @@ from rich.table import Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import jobs, local_cluster
+from studiotui.cluster import jobs, local_cluster, model_fetch
+from studiotui.cluster import peers as agents
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import (
     Controller,
@@ -34,6 +35,7 @@ from studiotui.cluster.controller import (
     PlacementError,
     SavedShard,
 )
+from studiotui.cluster.model_sync import SyncRefused
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
@@ -42,6 +44,7 @@ from studiotui.core.adapter_catalog import (
     check_adapter,
     resolve_adapter,
 )
+from studiotui.core.catalog import scan_home
 from studiotui.core.errors import UserError
 from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
@@ -296,8 +299,6 @@ def resolve_model(spec: Path, home: Path) -> Path:
     """A model directory, or the catalog's model of that name (models folders, HF cache)."""
     if spec.expanduser().exists():
         return spec.expanduser()
-    from studiotui.core.catalog import scan_home
-
     catalog = scan_home(home)
     named = [m.path for m in catalog.models if m.name == str(spec) or m.path.name == str(spec)]
     if len(named) == 1:
@@ -550,10 +551,6 @@ def print_shapes(
 
 
 async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.cluster import model_fetch
-    from studiotui.cluster import peers as agents
-    from studiotui.cluster.model_sync import SyncRefused
-
     inv = inventory_of(args, home)
     source = Path(args.source).expanduser()
     if not source.is_dir() and not model_fetch.is_repo_id(args.source):
