@@ -26,7 +26,9 @@ from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
 from worker.tool_calls import ToolCallStream, supports_tools
 
-_NP_VIEW: dict[str, type[np.generic]] = {
+# How an activation of each dtype is read and written with numpy (bfloat16, which numpy
+# lacks, as its uint16 bits).
+NP_VIEW: dict[str, type[np.generic]] = {
     "float32": np.float32,
     "float16": np.float16,
     "bfloat16": np.uint16,
@@ -151,7 +153,7 @@ class Stats:
 
 
 def to_array(header: RingHeader, payload: bytes | memoryview) -> mx.array:
-    flat = np.frombuffer(payload, dtype=_NP_VIEW[header.dtype])
+    flat = np.frombuffer(payload, dtype=NP_VIEW[header.dtype])
     arr = mx.array(flat)
     if header.dtype == "bfloat16":
         arr = arr.view(mx.bfloat16)
@@ -203,6 +205,12 @@ class Stage:
         self.frame_began = time.perf_counter()
         self.frame_mlx_s = 0.0
         self.vocab = int(shard.config.get("vocab_size", 0))
+        # The tokens XTC never drops, as mlx_lm.server names them: a newline's tokens
+        # (as its tokenizer encodes "\n") and the end-of-sequence ones.
+        self.xtc_special: tuple[int, ...] = ()
+        if shard.is_last and tokenizer is not None:
+            eos = getattr(tokenizer, "eos_token_ids", ()) or ()
+            self.xtc_special = (*tokenizer.encode("\n"), *eos)
         self.hidden = hidden_size(shard.config)
         # A lone stage is never idle between steps: it builds each step on the lazy
         # token of the one before (`_speculate`), as mlx-lm's loop does, instead.
@@ -376,7 +384,7 @@ class Stage:
         pre = self._take_prebuilt(header) if kind == "decode" else None
         if pre is not None:
             if pre.slot is not None:
-                _fill(pre.slot, np.array([tokens], dtype=np.int32))
+                fill_slot(pre.slot, np.array([tokens], dtype=np.int32))
             return self._launch(header, pre=pre)
         return self._launch(header, self.shard.embed(mx.array([tokens])))
 
@@ -403,7 +411,7 @@ class Stage:
             try:
                 pre = self._take_prebuilt(header) if kind == "decode" else None
                 if pre is not None and pre.slot is not None:
-                    _fill(pre.slot, np.frombuffer(payload, dtype=_NP_VIEW[header.dtype]))
+                    fill_slot(pre.slot, np.frombuffer(payload, dtype=NP_VIEW[header.dtype]))
                     self._complete(self._launch(header, pre=pre))
                 else:
                     self._complete(self._launch(header, to_array(header, payload)))
@@ -549,7 +557,7 @@ class Stage:
             h = self.shard.embed(slot)
         else:
             # bfloat16 has no numpy type: fill its bits, view them as bfloat16.
-            slot = self._slot(rid, offset, done.shape, _NP_VIEW[done.dtype])
+            slot = self._slot(rid, offset, done.shape, NP_VIEW[done.dtype])
             h = slot.view(mx.bfloat16) if done.dtype == "bfloat16" else slot
         try:
             out = self.shard.forward(h, cache)
@@ -602,7 +610,8 @@ class Stage:
                 raise RequestError(problem)
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
             req = TailRequest(
-                sampler=Sampler(params), eos=frozenset() if params.ignore_eos else eos
+                sampler=Sampler(params, self.xtc_special),
+                eos=frozenset() if params.ignore_eos else eos,
             )
             self.tail_requests[header.rid] = req
         return req
@@ -840,7 +849,7 @@ class Stage:
                 self._fail(rid, problem)
             return
         try:
-            flat = np.frombuffer(payload, dtype=_NP_VIEW[header.dtype])
+            flat = np.frombuffer(payload, dtype=NP_VIEW[header.dtype])
             step = self._launch_batch(header, flat)
         except Exception as exc:  # one bad batch must not take the stage down
             for rid in rows:
@@ -920,7 +929,7 @@ class Stage:
                 pre = self._take_prebuilt(one)
                 if pre is not None:
                     if pre.slot is not None:
-                        _fill(pre.slot, rows[i])
+                        fill_slot(pre.slot, rows[i])
                     step = pre.out
                 else:
                     step = self.shard.forward(
@@ -1230,7 +1239,7 @@ def _logprobs(drawn: tuple[mx.array, ...]) -> tuple[float, list[tuple[int, float
     return float(cast(float, chosen.item())), list(pairs)
 
 
-def _fill(slot: mx.array, values: np.ndarray) -> None:
+def fill_slot(slot: mx.array, values: np.ndarray) -> None:
     """Write an input into an evaluated placeholder, in place; MLX reads the bytes
     when the step built on it is evaluated. (copy=False fails rather than copies.)"""
     view = np.array(slot, copy=False)

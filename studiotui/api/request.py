@@ -9,7 +9,6 @@ refusal there costs a round trip and comes back as plain text.
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -17,14 +16,19 @@ from typing import Any
 
 # The runners refuse past these too (worker/sampling.py); one table, so both agree.
 from worker.shared.protocol.limits import (
+    DEFAULT_XTC_THRESHOLD,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
     MAX_PENALTY_CONTEXT,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    MAX_XTC_THRESHOLD,
+    MIN_REPETITION_PENALTY,
     prompt_chars,
     prompt_too_long,
 )
@@ -282,8 +286,37 @@ def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         "stop": _stop(body.get("stop")),
         # vLLM's extension, for benchmarks that need a fixed number of tokens.
         "ignore_eos": _boolean(body, "ignore_eos", False),
+        **_samplers(body),
         **_processors(body),
     }
+
+
+def _samplers(body: dict[str, Any]) -> dict[str, Any]:
+    """mlx_lm.server's sampler fields beyond OpenAI's, as mlx-lm's `make_sampler` takes
+    them (worker/sampling.py uses it): top_k (an integer, 0: off; mlx_lm.server's type
+    and floor), min_p and xtc_probability (0 to 1) and xtc_threshold (0 to 0.5, which
+    mlx-lm's XTC checks when it draws; mlx_lm.server lets up to 1 through). Only what
+    changes the sampler is passed on; each acts only when temperature > 0, as in
+    mlx-lm."""
+    out: dict[str, Any] = {}
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < 0:
+            raise bad(
+                "top_k must be an integer of at least 0: sample among the k likeliest "
+                f"tokens (0 means all, as in mlx-lm); got {top_k!r}",
+                "top_k",
+            )
+        if top_k:
+            # Past any vocabulary, where it keeps every token: the same, and it travels.
+            out["top_k"] = min(top_k, MAX_TOP_K)
+    for name in ("min_p", "xtc_probability"):
+        if value := _number(body, name, 0.0, 1.0, 0.0):
+            out[name] = value
+    threshold = _number(body, "xtc_threshold", 0.0, MAX_XTC_THRESHOLD, DEFAULT_XTC_THRESHOLD)
+    if "xtc_probability" in out and threshold != DEFAULT_XTC_THRESHOLD:
+        out["xtc_threshold"] = threshold
+    return out
 
 
 def _processors(body: dict[str, Any]) -> dict[str, Any]:
@@ -297,10 +330,14 @@ def _processors(body: dict[str, Any]) -> dict[str, Any]:
             out[name] = value
     repetition = body.get("repetition_penalty")
     if repetition is not None:
-        if not _positive(repetition):
+        # Past this range the penalised logits overflow float32 (limits.py).
+        if not (_is_int(repetition) or isinstance(repetition, float)) or not (
+            MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY
+        ):
             raise bad(
-                "repetition_penalty must be a number above 0: 1 means none, above 1 "
-                f"discourages repeating recent tokens (1.1-1.3 is usual); got {repetition!r}",
+                f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
+                f"{MAX_REPETITION_PENALTY:g}: 1 means none, above 1 discourages repeating "
+                f"recent tokens (1.1-1.3 is usual); got {repetition!r}",
                 "repetition_penalty",
             )
         if repetition != 1:
@@ -312,15 +349,6 @@ def _processors(body: dict[str, Any]) -> dict[str, Any]:
     if bias := _logit_bias(body.get("logit_bias")):
         out["logit_bias"] = bias
     return out
-
-
-def _positive(value: Any) -> bool:
-    if not (_is_int(value) or isinstance(value, float)):
-        return False
-    try:
-        return math.isfinite(float(value)) and value > 0
-    except OverflowError:  # an integer past any float
-        return False
 
 
 def _logit_bias(raw: Any) -> list[list[int | float]]:

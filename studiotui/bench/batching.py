@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import stream
 from studiotui.core.inventory import Inventory
-from worker.shared.protocol import curve
+from worker.shared.protocol.bare import BareEnd, pair_keys
 from worker.shared.protocol.frames import RingHeader, encode_ring_header
 
 STREAMS = 8
@@ -151,41 +150,13 @@ def _token() -> list[bytes]:
     return [encode_ring_header(RingHeader(rid="bare", kind="token", token=1)), b""]
 
 
-class _End:
-    """One end of the bare hop: a CURVE PULL server and a PUSH client to the other end,
-    with the ring's options (`curve.make_server` / `make_client`, LINGER 0) and an
-    authenticator that knows the other end's key, as a runner does."""
-
-    def __init__(self, home: Path, me: str, bind: str, peer: str) -> None:
-        keys = curve.load_keypair(curve.key_dir(home) / f"{me}.key_secret")
-        other = "b" if me == "a" else "a"
-        peer_key = curve.load_public_key(curve.key_dir(home) / f"{other}.key")
-        self.ctx = zmq.Context()
-        self.auth = ThreadAuthenticator(self.ctx)
-        self.auth.start()
-        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(home)))
-        self.pull = self.ctx.socket(zmq.PULL)
-        curve.make_server(self.pull, keys, max_bytes=1 << 20)
-        self.pull.bind(bind)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        curve.make_client(self.push, keys, peer_key)
-        self.push.connect(peer)
-
-    def close(self) -> None:
-        self.pull.close(linger=0)
-        self.push.close(linger=0)
-        self.auth.stop()
-        self.ctx.term()
-
-
 # The near end's last frame: the far end leaves its loop (compared as bytes, so the echo
 # does nothing per frame a stage's recv would not).
 _STOP = encode_ring_header(RingHeader(rid="bare", kind="free"))
 
 
 def _echo(home: Path, bind: str, peer: str) -> None:
-    end = _End(home, "b", bind, peer)
+    end = BareEnd(home, "b", bind, peer)
     try:
         while end.pull.recv_multipart(copy=False)[0].bytes != _STOP:
             end.push.send_multipart(_token())
@@ -201,14 +172,11 @@ class BareHop:
     def __init__(self, address: str, port: int, hidden: int) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-")
         home = Path(self._tmp.name)
-        keys = curve.key_dir(home)
-        for name in ("a", "b"):
-            pair = curve.ensure_keypair(keys, name)
-            curve.write_public_key(curve.authorized_dir(home), name, pair.public)
+        pair_keys(home)
         here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
         cmd = [sys.executable, "-m", "studiotui.bench.batching", "echo", str(home), there, here]
         self.far = subprocess.Popen(cmd)
-        self.end = _End(home, "a", here, there)
+        self.end = BareEnd(home, "a", here, there)
         self.poller = zmq.Poller()
         self.poller.register(self.end.pull, zmq.POLLIN)
         self.hidden = hidden

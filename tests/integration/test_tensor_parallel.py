@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.core.placement import Plan
@@ -195,6 +195,51 @@ def test_logits_processors_on_a_group_answer_as_mlx_lm(
             await ctl.close()
 
     assert asyncio.run(run())[:judged] == want[:judged]
+
+
+@pytest.mark.parametrize("shape", ["tp2", "2x2"])
+def test_samplers_on_a_group_draw_as_mlx_lm(
+    tp_cluster: LocalCluster, placed: dict[str, tuple[Path, dict[str, list[int]]]], shape: str
+) -> None:
+    """Every rank of the tail's group seeds mlx-lm's `make_sampler` with the request's
+    own keys and draws from the same all-reduced logits, so all draw the same token
+    (the followers build the next step on their own draw): mlx-lm's seeded tokens. The
+    whole answer is compared: a draw flips only where two tokens' noisy scores lie
+    within the group's rounding of each other, and the greedy test above finds this
+    model's margins far wider than that. top_k=1 is the greedy answer."""
+    model, answers = placed["dense-float"]
+    loaded, _ = mlx_lm.load(str(model))
+
+    def reference(**options: Any) -> list[int]:
+        mx.random.seed(9)
+        steps = generate_step(
+            mx.array(PROMPT),
+            loaded,
+            max_tokens=N_TOKENS,
+            prefill_step_size=8,
+            sampler=make_sampler(**options),
+        )
+        return [int(tok) for tok, _ in steps]
+
+    want = reference(temp=1.3, top_k=4, min_p=0.05)
+    assert want != reference(temp=1.3), "top_k and min_p change nothing: they test nothing"
+    sampled = {"temperature": 1.3, "seed": 9}
+
+    async def run() -> tuple[list[int], list[int]]:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            placement = f"dense-float-{shape}"
+            return (
+                await _answer(ctl, placement, **sampled, top_k=4, min_p=0.05),
+                await _answer(ctl, placement, **sampled, top_k=1),
+            )
+        finally:
+            await ctl.close()
+
+    got, first = asyncio.run(run())
+    assert got == want
+    assert first == answers[shape]
 
 
 def test_members_report_their_group(tp_cluster: LocalCluster, placed: dict[str, object]) -> None:
