@@ -44,7 +44,7 @@ FIGURES = {
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # 232 s measured on this 2-vCPU VM at load average ~20
 def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench(quick=True, as_json=True) == 0
     figures = json.loads(capsys.readouterr().out)

@@ -183,17 +183,19 @@ def test_up_place_chat_status_down(home: Path) -> None:
 def serve_it(home: Path, placement: str) -> None:
     from openai import OpenAI
 
-    port = PORT + 50
+    # Not 127.0.0.1: every loopback connection's own end takes an ephemeral port there
+    # (32768-60999, which holds this port), so a fixed port on it is sometimes taken.
+    host, port = "127.0.0.14", PORT + 50
     env = {**os.environ, "STUDIOTUI_HOME": str(home), "STUDIOTUI_API_KEY": "s3cret"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "studiotui", "serve", "--port", str(port)],
+        [sys.executable, "-m", "studiotui", "serve", "--host", host, "--port", str(port)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0)
+        client = OpenAI(base_url=f"http://{host}:{port}/v1", api_key="s3cret", max_retries=0)
         deadline = time.monotonic() + 30
         while True:
             try:
