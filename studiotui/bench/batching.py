@@ -7,10 +7,13 @@
   the median of the rounds' own ratios, as the pipeline figures are paired.
 - `bare_hop_us`: one bare CURVE ZeroMQ message between two otherwise idle processes
   on this machine (PUSH/PULL like the ring, the ring's socket options, a decode frame's
-  size), half a round trip, so `hop_us_p50` reads against its floor (`hop_over_bare`).
-  Both measure the same span: from a send call (the ring header packed in it, as a
-  stage's send packs it) to the receiver's recv returning; the poll the receiver
-  slept in is inside it, what it does with the frame after the recv is not.
+  size), so `hop_us_p50` reads against its floor (`hop_over_bare`). Both measure the
+  same span: from a send call (the ring header packed in it, as a stage's send packs
+  it) to the receiver's recv returning; the poll the receiver slept in is inside it,
+  what it does with the frame after the recv is not. Both are worked out alike: a
+  round trip less what the far end spent between its recv and its send (which it
+  says in its reply, as a ring stage does), halved; and in both, each message finds
+  its receiver asleep for a decode step's time.
 
 Run as `python -m studiotui.bench.batching echo ...`, this module is the far end of
 the bare hop.
@@ -34,7 +37,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import stream
 from studiotui.core.inventory import Inventory
 from worker.shared.protocol import curve
-from worker.shared.protocol.frames import RingHeader, encode_ring_header
+from worker.shared.protocol.frames import RingHeader, decode_ring_header, encode_ring_header
 
 STREAMS = 8
 PROMPT_LEN = 16
@@ -147,8 +150,11 @@ def _frame(hidden: int, payload: bytes) -> list[bytes]:
     return [encode_ring_header(header), payload]
 
 
-def _token() -> list[bytes]:
-    return [encode_ring_header(RingHeader(rid="bare", kind="token", token=1)), b""]
+def _token(work_us: float) -> list[bytes]:
+    """A token frame back, saying what the far end spent since its recv returned, as a
+    ring stage's token frame says it (`extra["work_us"]`), packed at the send."""
+    header = RingHeader(rid="bare", kind="token", token=1, extra={"work_us": work_us})
+    return [encode_ring_header(header), b""]
 
 
 class _End:
@@ -184,11 +190,19 @@ class _End:
 _STOP = encode_ring_header(RingHeader(rid="bare", kind="free"))
 
 
-def _echo(home: Path, bind: str, peer: str) -> None:
+def _echo(home: Path, bind: str, peer: str, gap_s: float) -> None:
+    """The far end: each frame answered `gap_s` after it came, so that the answer too
+    finds its receiver asleep, as every hop of a ring does (its receiver waited through
+    the other stage's step); the wait is inside the span the reply reports."""
     end = _End(home, "b", bind, peer)
     try:
-        while end.pull.recv_multipart(copy=False)[0].bytes != _STOP:
-            end.push.send_multipart(_token())
+        while True:
+            frames = end.pull.recv_multipart(copy=False)
+            got = time.perf_counter()
+            if frames[0].bytes == _STOP:
+                return
+            time.sleep(gap_s)
+            end.push.send_multipart(_token((time.perf_counter() - got) * 1e6))
     finally:
         end.close()
 
@@ -196,9 +210,11 @@ def _echo(home: Path, bind: str, peer: str) -> None:
 class BareHop:
     """The bare hop's two ends: this process and a fresh one it starts, on keys of their
     own. `measure` may be called between other work, so that the floor is taken under
-    the same load as the hops it is the floor of; `close` stops the far end."""
+    the same load as the hops it is the floor of; `close` stops the far end. Each end
+    waits `gap_s` (a decode step's time) before it sends, so every message finds its
+    receiver asleep, as a stage is when a frame reaches it."""
 
-    def __init__(self, address: str, port: int, hidden: int) -> None:
+    def __init__(self, address: str, port: int, hidden: int, gap_s: float = 0.005) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-")
         home = Path(self._tmp.name)
         keys = curve.key_dir(home)
@@ -206,38 +222,50 @@ class BareHop:
             pair = curve.ensure_keypair(keys, name)
             curve.write_public_key(curve.authorized_dir(home), name, pair.public)
         here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
-        cmd = [sys.executable, "-m", "studiotui.bench.batching", "echo", str(home), there, here]
+        cmd = [
+            sys.executable,
+            "-m",
+            "studiotui.bench.batching",
+            "echo",
+            str(home),
+            there,
+            here,
+            str(gap_s),
+        ]
         self.far = subprocess.Popen(cmd)
         self.end = _End(home, "a", here, there)
         self.poller = zmq.Poller()
         self.poller.register(self.end.pull, zmq.POLLIN)
         self.hidden = hidden
+        self.gap_s = gap_s
         self.payload = bytes(4 * hidden)
-        self.trips: list[float] = []
+        self.hops: list[float] = []
         self.failed = False
 
-    def measure(self, rounds: int, warm: int = 20, gap_s: float = 0.005) -> None:
-        """`rounds` round trips (after `warm` unrecorded ones), each `gap_s` after the
-        last: a decode step's time, so the receiver has gone to sleep, as a ring
-        stage has while the other computes."""
+    def measure(self, rounds: int, warm: int = 20) -> None:
+        """`rounds` round trips (after `warm` unrecorded ones), each a hop out and a hop
+        back, as a decode step is on two stages: (round - far end's span) / 2 µs each,
+        `Stage._ring_figures`'s hop."""
         for i in range(warm + rounds):
             if self.failed:
                 return
-            time.sleep(gap_s)
+            time.sleep(self.gap_s)
             began = time.perf_counter()
             self.end.push.send_multipart(_frame(self.hidden, self.payload))
             if not self.poller.poll(10_000):
                 self.failed = True  # the far end is gone
                 return
-            self.end.pull.recv_multipart(copy=False)
+            frames = self.end.pull.recv_multipart(copy=False)
+            round_us = (time.perf_counter() - began) * 1e6
             if i >= warm:
-                self.trips.append(time.perf_counter() - began)
+                header = decode_ring_header(frames[0].bytes, len(frames[1]))
+                self.hops.append((round_us - float(header.extra["work_us"])) / 2)
 
     def hop_us(self) -> float | None:
-        """Half the median round trip so far; None if the far end failed."""
-        if self.failed or not self.trips:
+        """The median hop so far; None if the far end failed."""
+        if self.failed or not self.hops:
             return None
-        return statistics.median(self.trips) / 2 * 1e6
+        return statistics.median(self.hops)
 
     def close(self) -> None:
         try:
@@ -255,9 +283,8 @@ class BareHop:
 
 
 def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 300) -> float | None:
-    """Half the median round trip of a decode frame out and a token frame back between
-    this process and a fresh one, both otherwise idle (`BareHop`); None if the far end
-    fails."""
+    """The median hop of a decode frame out and a token frame back between this process
+    and a fresh one, both otherwise idle (`BareHop`); None if the far end fails."""
     bare = BareHop(address, port, hidden)
     try:
         bare.measure(rounds)
@@ -267,10 +294,10 @@ def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 300) -> floa
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 4 and argv[0] == "echo":
-        _echo(Path(argv[1]), argv[2], argv[3])
+    if len(argv) == 5 and argv[0] == "echo":
+        _echo(Path(argv[1]), argv[2], argv[3], float(argv[4]))
         return 0
-    print("usage: python -m studiotui.bench.batching echo HOME BIND PEER", file=sys.stderr)
+    print("usage: python -m studiotui.bench.batching echo HOME BIND PEER GAP_S", file=sys.stderr)
     return 2
 
 

@@ -57,9 +57,8 @@ from worker.shared.protocol import control
 BENCH_OCTET = 71
 BENCH_PORT = 56500
 # The bare hop's two ends listen beside the agents (127.0.0.71-74), on an address of
-# their own; its round trips per pipe2 decode run (`pipeline_figures`).
+# their own.
 BARE_ADDRESS = f"127.0.0.{BENCH_OCTET + 4}"
-BARE_ROUNDS = 100
 
 
 class BenchError(StudioError, RuntimeError):
@@ -236,12 +235,13 @@ async def _with_bare_hop(
     ctl: Controller, name: str, single: SingleProcess, cfg: BenchConfig
 ) -> tuple[dict[str, Any], float | None]:
     """pipe2's paired decode runs, with the bare hop's round trips right after each: the
-    floor is measured under the same load, minute by minute, as the hops are."""
+    floor is measured under the same load, minute by minute, as the hops are, and as
+    often (a round trip per decode step of the run before)."""
     bare = await asyncio.to_thread(batching.BareHop, BARE_ADDRESS, BENCH_PORT + 950, cfg.hidden)
     try:
 
         async def measure() -> None:  # (its time counts in the decode2 phase)
-            await asyncio.to_thread(bare.measure, BARE_ROUNDS)
+            await asyncio.to_thread(bare.measure, cfg.tokens)
 
         runs = await paired_decode(ctl, name, single, cfg, between=measure)
     finally:
