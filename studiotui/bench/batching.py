@@ -261,11 +261,12 @@ class BareHop:
                 header = decode_ring_header(frames[0].bytes, len(frames[1]))
                 self.hops.append((round_us - float(header.extra["work_us"])) / 2)
 
-    def hop_us(self) -> float | None:
-        """The median hop so far; None if the far end failed."""
-        if self.failed or not self.hops:
+    def hop_us(self, since: int = 0) -> float | None:
+        """The median hop so far (of those from the `since`th on); None if the far end
+        failed."""
+        if self.failed or not self.hops[since:]:
             return None
-        return statistics.median(self.hops)
+        return statistics.median(self.hops[since:])
 
     def close(self) -> None:
         try:

@@ -58,6 +58,9 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["batch8_ratio"] > 0 and figures["mlx_batch8_ratio"] > 0
     assert figures["batch8_mean_rows"] > 1  # the eight streams really met in batches
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
+    # One hop-over-floor pair per pipe2 run: the run's own hops (its head's, in the
+    # answer's timings) over the bare hops measured right after it.
+    assert len(figures["hop_over_bare_pairs"]) == 2
     # pipe2's steps, measured on its head: per step, the token's time is MLX's evaluation
     # plus the ring's overhead, and the overhead is two hops plus two stages' Python per
     # frame, each part measured and none negative; so the medians keep those orders.
@@ -89,7 +92,11 @@ def _pipe(single: list[float], pipe: list[float], tokens: list[int]) -> dict[str
 
 def _figures(pipe4_tokens: list[int]) -> dict[str, Any]:
     return {
-        "pipe2": _pipe([50.0, 60.0, 70.0], [45.0, 54.0, 70.0], [1, 2, 3]),
+        "pipe2": {
+            **_pipe([50.0, 60.0, 70.0], [45.0, 54.0, 70.0], [1, 2, 3]),
+            # each run's hop over the bare hop measured right after it
+            "hop_over_bare": [1.8, 2.4, 1.9],
+        },
         "pipe4": _pipe([50.0, 60.0, 70.0], [40.0, 48.0, 56.0], pipe4_tokens),
         "streams": {"1": 40.0, "2": 70.0, "4": 90.0},
         "streams1_tokens": [[1, 2, 3]],
@@ -117,7 +124,9 @@ def test_summary_takes_ratios_from_pairs_and_checks_every_run() -> None:
     assert out["streams4_ratio"] == 1.5
     assert out["tokens_match"] is True and out["mlx_ring2_tps"] is None
     assert out["hop_us_p50"] == 500.0 and out["ring_overhead_us_p50"] == 1600.0
-    assert out["bare_hop_us"] == 250.0 and out["hop_over_bare"] == 2.0
+    # The hop's ratio is the median of the runs' own (not 500 / 250 of the medians).
+    assert out["bare_hop_us"] == 250.0 and out["hop_over_bare"] == 1.9
+    assert out["hop_over_bare_pairs"] == [1.8, 2.4, 1.9]
     assert summarize(120.0, _figures([1, 2, 4]), None, cfg)["tokens_match"] is False
 
 
