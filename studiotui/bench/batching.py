@@ -240,6 +240,7 @@ class BareHop:
         self.gap_s = gap_s
         self.payload = bytes(4 * hidden)
         self.hops: list[float] = []
+        self.answered = False
         self.failed = False
 
     def measure(self, rounds: int, warm: int = 20) -> None:
@@ -252,9 +253,12 @@ class BareHop:
             time.sleep(self.gap_s)
             began = time.perf_counter()
             self.end.push.send_multipart(_frame(self.hidden, self.payload))
-            if not self.poller.poll(10_000):
-                self.failed = True  # the far end is gone
+            # The far end's first answer waits for its process to start (imports take
+            # seconds on a loaded machine); after that, 10 s of silence means it is gone.
+            if not self.poller.poll(10_000 if self.answered else 120_000):
+                self.failed = True
                 return
+            self.answered = True
             frames = self.end.pull.recv_multipart(copy=False)
             round_us = (time.perf_counter() - began) * 1e6
             if i >= warm:

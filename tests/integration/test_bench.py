@@ -8,10 +8,12 @@ this machine's speed comes and goes.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 
+from studiotui.bench.batching import BareHop
 from studiotui.bench.run import BenchConfig, moe_pairing, run_bench, summarize
 
 FIGURES = {
@@ -74,6 +76,25 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["tp2_over_mlx"] > 0  # and were paired run by run, under the same load
     assert figures["provision4_ratio"] is None  # --quick leaves provisioning out
     assert sum(figures["phases_s"].values()) <= figures["bench_seconds"] + 1
+
+
+def test_the_bare_hop_finds_each_receiver_asleep_and_is_worked_out_as_the_rings() -> None:
+    """Both ends wait a decode step before they send, so each message reaches a receiver
+    that has slept (the far end used to answer at once); the far end's own span, wait
+    included, comes back in its token frame and is taken off the round trip, as a ring
+    stage's `work_us` is: what is left is two hops, not the waits."""
+    gap = 0.02
+    bare = BareHop("127.0.0.76", 56700, 64, gap_s=gap)
+    try:
+        began = time.monotonic()
+        bare.measure(4, warm=1)
+        elapsed = time.monotonic() - began
+    finally:
+        bare.close()
+    assert not bare.failed and len(bare.hops) == 4
+    assert elapsed >= 5 * 2 * gap  # each of the 5 round trips waited at both ends
+    hop = bare.hop_us()
+    assert hop is not None and 0 < hop < gap * 1e6 / 2  # the far end's wait is not in it
 
 
 def _run(tps: float, tokens: list[int]) -> dict[str, Any]:
