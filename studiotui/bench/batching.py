@@ -15,13 +15,14 @@
   says in its reply, as a ring stage does), halved; and in both, each message finds
   its receiver asleep for a decode step's time.
 
-Run as `python -m studiotui.bench.batching echo ...`, this module is the far end of
+Run as `python -m studiotui.bench.batching echo|near ...`, this module is either end of
 the bare hop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -207,12 +208,63 @@ def _echo(home: Path, bind: str, peer: str, gap_s: float) -> None:
         end.close()
 
 
+def _round_trips(end: _End, hidden: int, gap_s: float, rounds: int, warm: int) -> list[float]:
+    """`rounds` round trips (after `warm` unrecorded ones), each a hop out and a hop back,
+    as a decode step is on two stages: (round - far end's span) / 2 µs each,
+    `Stage._ring_figures`'s hop. Raises TimeoutError if the far end stops answering."""
+    poller = zmq.Poller()
+    poller.register(end.pull, zmq.POLLIN)
+    payload = bytes(4 * hidden)
+    hops: list[float] = []
+    for i in range(warm + rounds):
+        time.sleep(gap_s)
+        began = time.perf_counter()
+        end.push.send_multipart(_frame(hidden, payload))
+        if not poller.poll(10_000):
+            raise TimeoutError("the bare hop's far end stopped answering")
+        frames = end.pull.recv_multipart(copy=False)
+        round_us = (time.perf_counter() - began) * 1e6
+        if i >= warm:
+            header = decode_ring_header(frames[0].bytes, len(frames[1]))
+            hops.append((round_us - float(header.extra["work_us"])) / 2)
+    return hops
+
+
+def _near(home: Path, bind: str, peer: str, hidden: int, gap_s: float) -> None:
+    """The near end, a process of its own: round trips when asked on stdin ("N WARM"),
+    the hops back on stdout (a JSON list; null if the far end is gone); an empty line
+    or end of input stops both ends."""
+    end = _End(home, "a", bind, peer)
+    try:
+        # The far end's first answer waits for its process to start (imports take
+        # seconds on a loaded machine); the frame waits in ZeroMQ's queue meanwhile.
+        end.push.send_multipart(_frame(hidden, bytes(4 * hidden)))
+        started = bool(end.pull.poll(120_000))
+        if started:
+            end.pull.recv_multipart()
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            rounds, warm = (int(x) for x in line.split())
+            hops: list[float] | None = None
+            if started:
+                try:
+                    hops = _round_trips(end, hidden, gap_s, rounds, warm)
+                except TimeoutError:
+                    started = False  # gone: every later request fails too
+            print(json.dumps(hops), flush=True)
+        end.push.send_multipart([_STOP, b""])
+    finally:
+        end.close()
+
+
 class BareHop:
-    """The bare hop's two ends: this process and a fresh one it starts, on keys of their
-    own. `measure` may be called between other work, so that the floor is taken under
-    the same load as the hops it is the floor of; `close` stops the far end. Each end
-    waits `gap_s` (a decode step's time) before it sends, so every message finds its
-    receiver asleep, as a stage is when a frame reaches it."""
+    """The bare hop's two ends: two fresh processes it starts, on keys of their own, so
+    both are otherwise idle (this process may run a controller meanwhile). `measure`
+    may be called between other work, so that the floor is taken under the same load
+    as the hops it is the floor of; `close` stops both. Each end waits `gap_s` (a decode
+    step's time) before it sends, so every message finds its receiver asleep, as a stage
+    is when a frame reaches it."""
 
     def __init__(self, address: str, port: int, hidden: int, gap_s: float = 0.005) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-")
@@ -222,51 +274,35 @@ class BareHop:
             pair = curve.ensure_keypair(keys, name)
             curve.write_public_key(curve.authorized_dir(home), name, pair.public)
         here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "studiotui.bench.batching",
-            "echo",
-            str(home),
-            there,
-            here,
-            str(gap_s),
-        ]
-        self.far = subprocess.Popen(cmd)
-        self.end = _End(home, "a", here, there)
-        self.poller = zmq.Poller()
-        self.poller.register(self.end.pull, zmq.POLLIN)
-        self.hidden = hidden
-        self.gap_s = gap_s
-        self.payload = bytes(4 * hidden)
+        me = [sys.executable, "-m", "studiotui.bench.batching"]
+        self.far = subprocess.Popen([*me, "echo", str(home), there, here, str(gap_s)])
+        self.near = subprocess.Popen(
+            [*me, "near", str(home), here, there, str(hidden), str(gap_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.hops: list[float] = []
-        self.answered = False
         self.failed = False
 
     def measure(self, rounds: int, warm: int = 20) -> None:
-        """`rounds` round trips (after `warm` unrecorded ones), each a hop out and a hop
-        back, as a decode step is on two stages: (round - far end's span) / 2 µs each,
-        `Stage._ring_figures`'s hop."""
-        for i in range(warm + rounds):
-            if self.failed:
-                return
-            time.sleep(self.gap_s)
-            began = time.perf_counter()
-            self.end.push.send_multipart(_frame(self.hidden, self.payload))
-            # The far end's first answer waits for its process to start (imports take
-            # seconds on a loaded machine); after that, 10 s of silence means it is gone.
-            if not self.poller.poll(10_000 if self.answered else 120_000):
-                self.failed = True
-                return
-            self.answered = True
-            frames = self.end.pull.recv_multipart(copy=False)
-            round_us = (time.perf_counter() - began) * 1e6
-            if i >= warm:
-                header = decode_ring_header(frames[0].bytes, len(frames[1]))
-                self.hops.append((round_us - float(header.extra["work_us"])) / 2)
+        """`rounds` round trips after `warm` unrecorded ones (`_round_trips`)."""
+        if self.failed:
+            return
+        assert self.near.stdin is not None and self.near.stdout is not None
+        try:
+            self.near.stdin.write(f"{rounds} {warm}\n")
+            self.near.stdin.flush()
+            hops = json.loads(self.near.stdout.readline() or "null")
+        except (OSError, ValueError):
+            hops = None
+        if hops is None:
+            self.failed = True  # an end is gone
+            return
+        self.hops += hops
 
     def hop_us(self, since: int = 0) -> float | None:
-        """The median hop so far (of those from the `since`th on); None if the far end
+        """The median hop so far (of those from the `since`th on); None if an end
         failed."""
         if self.failed or not self.hops[since:]:
             return None
@@ -274,22 +310,25 @@ class BareHop:
 
     def close(self) -> None:
         try:
-            if not self.failed:
-                self.end.push.send_multipart([_STOP, b""])
-                self.far.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            if self.near.stdin is not None:
+                self.near.stdin.close()  # the near end stops the far one, then itself
+            for proc in (self.near, self.far):
+                proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
             pass
         finally:
-            self.end.close()
-            if self.far.poll() is None:
-                self.far.kill()  # the process this object started
-                self.far.wait()
+            for proc in (self.near, self.far):
+                if proc.poll() is None:
+                    proc.kill()  # a process this object started
+                    proc.wait()
+            if self.near.stdout is not None:
+                self.near.stdout.close()
             self._tmp.cleanup()
 
 
 def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 300) -> float | None:
-    """The median hop of a decode frame out and a token frame back between this process
-    and a fresh one, both otherwise idle (`BareHop`); None if the far end fails."""
+    """The median hop of a decode frame out and a token frame back between two fresh
+    processes, both otherwise idle (`BareHop`); None if an end fails."""
     bare = BareHop(address, port, hidden)
     try:
         bare.measure(rounds)
@@ -302,7 +341,14 @@ def main(argv: list[str]) -> int:
     if len(argv) == 5 and argv[0] == "echo":
         _echo(Path(argv[1]), argv[2], argv[3], float(argv[4]))
         return 0
-    print("usage: python -m studiotui.bench.batching echo HOME BIND PEER GAP_S", file=sys.stderr)
+    if len(argv) == 6 and argv[0] == "near":
+        _near(Path(argv[1]), argv[2], argv[3], int(argv[4]), float(argv[5]))
+        return 0
+    print(
+        "usage: python -m studiotui.bench.batching echo HOME BIND PEER GAP_S\n"
+        "       python -m studiotui.bench.batching near HOME BIND PEER HIDDEN GAP_S",
+        file=sys.stderr,
+    )
     return 2
 
 
