@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from studiotui.bench.batching import BareHop
-from studiotui.bench.run import BenchConfig, moe_pairing, run_bench, summarize
+from studiotui.bench.run import BenchConfig, hop_pairing, moe_pairing, run_bench, summarize
 
 FIGURES = {
     "single_tps",
@@ -62,7 +62,7 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
     # One hop-over-floor pair per pipe2 run: the run's own hops (its head's, in the
     # answer's timings) over the bare hops measured right after it.
-    assert len(figures["hop_over_bare_pairs"]) == 2
+    assert len(figures["hop_over_bare_pairs"]) == 3  # --quick too runs pipe2 three times
     # pipe2's steps, measured on its head: per step, the token's time is MLX's evaluation
     # plus the ring's overhead, and the overhead is two hops plus two stages' Python per
     # frame, each part measured and none negative; so the medians keep those orders.
@@ -162,6 +162,12 @@ def test_the_full_run_reports_the_engine_on_one_node_and_checks_its_tokens() -> 
     assert summarize(120.0, _figures([1, 2, 3]), None, cfg)["pipe1_tps"] is None
     figures["pipe1"] = _pipe([50.0], [55.0], [9, 9, 9])
     assert summarize(120.0, figures, None, cfg)["tokens_match"] is False
+
+
+def test_the_hop_ratio_has_a_median_of_at_least_three_pairs() -> None:
+    quick, full = (hop_pairing(BenchConfig.make(quick=q)) for q in (True, False))
+    assert quick.decode_rounds == 3 and quick.tokens == BenchConfig.make(quick=True).tokens
+    assert full == BenchConfig.make(quick=False)  # the full run had three already
 
 
 def test_the_moe_row_pairs_an_even_number_of_runs_long_enough_to_span_a_hiccup() -> None:
