@@ -99,3 +99,14 @@ async def _place_warm(cluster: LocalCluster, model: Path) -> None:
             pass
     finally:
         await ctl.close()
+
+
+async def runner_pids(ctl: Controller, placement: str) -> dict[str, int]:
+    """The pid of the placement's runner process on each node, as its agent says."""
+    out = {}
+    for name in ctl.inventory.names:
+        reply = await ctl.peer(name).request("list_shards")
+        for shard in reply["shards"]:
+            if shard["placement"] == placement:
+                out[name] = int(shard["pid"])
+    return out

@@ -369,8 +369,6 @@ class Agent:
             )
             return
         await self._stop_shard(name)
-        # A member of a tensor-parallel stage also needs a port for mx.distributed.
-        data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
         # A shard reloaded after a restart asks for the ports it had, so its ring
         # neighbours and clients, which reconnect by themselves, find it again.
         wished = (req.data_port, req.client_port)
@@ -381,6 +379,12 @@ class Agent:
             and len(set(wished)) == 2
         ):
             data_port, client_port = req.data_port, req.client_port
+            # A tensor group member's new group port: any free one but those two.
+            spare = self._free_ports(3) if req.tensor else []
+            rest = [p for p in spare if p not in (data_port, client_port)][:1]
+        else:
+            # A member of a tensor-parallel stage also needs a port for mx.distributed.
+            data_port, client_port, *rest = self._free_ports(3 if req.tensor else 2)
         group_port = rest[0] if rest else 0
         # The plan's memory for the shard, reported with it from now (describe): its
         # files may take hours to copy here, and meanwhile that memory is promised.
@@ -641,13 +645,18 @@ class Agent:
     async def _probe(self) -> None:
         """Gather RDMA and link facts off the loop (probes may take seconds on a Mac),
         again every PROBE_EVERY_S: a cable plugged in or a port that went down changes
-        which RDMA device reaches which node, and JACCL's device matrix with it."""
+        which RDMA device reaches which node, and JACCL's device matrix with it. Each
+        round runs the cheap probes; `system_profiler` (seconds) only on a change."""
         replay = self.config.home / node_probe.REPLAY_FOLDER
+        # Between rounds: the slow Thunderbolt listing is read again only when the
+        # cheap probes (ifconfig, the hardware ports, RDMA port states) changed.
+        memo = node_probe.ProbeMemo()
         while True:
             try:
                 rdma = await asyncio.to_thread(
-                    node_probe.rdma_facts, replay if replay.is_dir() else None
+                    node_probe.rdma_facts, replay if replay.is_dir() else None, memo
                 )
+                log.debug("probes ran: %s", ", ".join(memo.ran))
                 end = await asyncio.to_thread(node_probe.link_end, self.config.address)
             except Exception:  # a probe must never stop the agent: the next round retries
                 log.exception("probing RDMA and link facts failed")
@@ -1185,11 +1194,19 @@ def tensor_member(
         hosts = group.write_json(
             base.with_suffix(".hosts.json"), group.ring_hostfile(addresses, ports)
         )
-        env = group.rank_env(rank, size, "ring", hostfile=hosts)
+        env = group.rank_env(rank, size, "ring", hostfile=hosts, nodes=nodes, join_s=asked.join_s)
     elif backend == "jaccl":
         devices = group.write_json(base.with_suffix(".devices.json"), asked.devices)
         coordinator = f"{addresses[0]}:{ports[0]}"
-        env = group.rank_env(rank, size, "jaccl", coordinator=coordinator, devices=devices)
+        env = group.rank_env(
+            rank,
+            size,
+            "jaccl",
+            coordinator=coordinator,
+            devices=devices,
+            nodes=nodes,
+            join_s=asked.join_s,
+        )
     else:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(group.BACKENDS)}")
     member = {
@@ -1363,6 +1380,10 @@ def run_agent(config: AgentConfig) -> int:
     # alone: model paths and prompts in error messages are private.
     os.umask(0o077)
     config.home.mkdir(parents=True, exist_ok=True)
+    # The node's own home is where it keeps what it may not write beside a model (the
+    # hashes of a read-only model folder, worker.shared.manifest.spill_path), not the
+    # operator's STUDIOTUI_HOME a local agent inherits, nor ~/.studiotui.
+    os.environ["STUDIOTUI_HOME"] = str(config.home)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",

@@ -11,6 +11,7 @@ import dataclasses
 import ipaddress
 import platform
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,34 @@ from worker.shared.protocol.control import to_wire
 from worker.shared.protocol.rdma import RdmaFacts, RdmaPort
 
 TIMEOUT_S = 8.0
+# The slow Thunderbolt listing is read again when the cheap probes see a change, and
+# at least this often anyway (a Mac swapped at the far end of a cable, link unchanged).
+THUNDERBOLT_AT_LEAST_EVERY_S = 1800.0
+SYSTEM_PROFILER = ["system_profiler", "SPThunderboltDataType", "-json"]
+
+
+@dataclasses.dataclass
+class ProbeMemo:
+    """What the last round of probes saw, kept by the agent between rounds: the cheap
+    probes' link signal (probes.link_signal), the Thunderbolt bus read with it and when,
+    and the commands the last round ran (by `replay_name`), for its log and tests."""
+
+    signal: tuple[Any, ...] | None = None
+    thunderbolt: probes.ThunderboltReport | None = None
+    read_at: float = 0.0
+    ran: list[str] = dataclasses.field(default_factory=list)
+
+
+def thunderbolt_again(memo: ProbeMemo, signal: tuple[Any, ...], now: float) -> bool:
+    """Whether this round reads the Thunderbolt bus again: the first round, a change in
+    the cheap probes, a last listing that failed, or a long time since."""
+    return (
+        memo.thunderbolt is None
+        or memo.signal != signal
+        or now - memo.read_at >= THUNDERBOLT_AT_LEAST_EVERY_S
+    )
+
+
 # A folder of recorded command outputs in a node's work directory: when it is there,
 # the agent reports what they say instead of running the commands (see `replayer`).
 REPLAY_FOLDER = "probe-replay"
@@ -66,14 +95,25 @@ def _parse(parser: Any, text: str | None, default: Any) -> Any:
         return default
 
 
-def rdma_facts(replay: Path | None = None) -> dict[str, Any]:
+def rdma_facts(replay: Path | None = None, memo: ProbeMemo | None = None) -> dict[str, Any]:
     """What `rdma_ctl`, `ibv_devices`, `ibv_devinfo`, the Thunderbolt bus, the hardware
     ports and bridge0 say (a `RdmaFacts` as a plain map), and the steps to turn RDMA on
     where it is off. With `replay` (a folder of recorded outputs, see `replayer`) the
-    node reports what those outputs say, as a Mac would."""
+    node reports what those outputs say, as a Mac would.
+
+    With `memo` (the agent's, from the last round) the slow Thunderbolt listing is read
+    again only when the cheap probes changed (`thunderbolt_again`); else the bus it read
+    last time stands."""
     system = platform.system()
     mac = system == "Darwin" or replay is not None
-    run = replayer(replay) if replay is not None else _run
+    memo = memo if memo is not None else ProbeMemo()
+    memo.ran = []
+    command = replayer(replay) if replay is not None else _run
+
+    def run(argv: list[str]) -> str | None:
+        memo.ran.append(replay_name(argv))
+        return command(argv)
+
     os_name = "macOS" if mac else system
     if replay is not None:
         version = (run(["sw_vers", "-productVersion"]) or "").strip()
@@ -84,15 +124,16 @@ def rdma_facts(replay: Path | None = None) -> dict[str, Any]:
         status = _parse(probes.parse_rdma_ctl_status, run(["rdma_ctl", "status"]), "unknown")
         devices = _parse(probes.parse_ibv_devices, run(["ibv_devices"]), ())
         ports = _parse(probes.parse_ibv_devinfo, run(["ibv_devinfo"]), ())
-        tb = _parse(
-            probes.parse_thunderbolt_json,
-            run(["system_profiler", "SPThunderboltDataType", "-json"]),
-            None,
-        )
         hardware = _parse(
             probes.parse_networksetup_ports, run(["networksetup", "-listallhardwareports"]), ()
         )
         ifconfig = _parse(probes.parse_ifconfig, run(["ifconfig"]), {})
+        signal = probes.link_signal(ifconfig, hardware, ports)
+        now = time.monotonic()
+        if thunderbolt_again(memo, signal, now):
+            memo.thunderbolt = _parse(probes.parse_thunderbolt_json, run(SYSTEM_PROFILER), None)
+            memo.signal, memo.read_at = signal, now
+        tb = memo.thunderbolt
         if tb is not None:
             port_map = probes.thunderbolt_port_map(tb, hardware, devices, ports, ifconfig)
     else:

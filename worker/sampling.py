@@ -1,22 +1,40 @@
 """Per-request sampling and streaming text on the tail shard.
 
-Each request carries its own PRNG key derived from its seed, so a request's
-tokens do not depend on which other requests share the pipeline.
+A request samples with mlx-lm's own sampler (`make_sampler`: temperature, top_p,
+min_p, top_k and XTC, in mlx-lm's order) from its own PRNG keys, derived from its
+seed, so a request's tokens do not depend on which other requests share the
+pipeline, and equal `generate_step`'s after `mx.random.seed(seed)`. Its logits
+processors (logit_bias and the penalties) are mlx-lm's own
+(`make_logits_processors`), fed that request's own recent tokens, so they too are
+the request's alone, whatever it is batched with.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from worker.shared.protocol.limits import (
+    DEFAULT_PENALTY_CONTEXT,
+    DEFAULT_XTC_THRESHOLD,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    MAX_PENALTY_CONTEXT,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    MAX_XTC_THRESHOLD,
+    MIN_REPETITION_PENALTY,
 )
 
 # OpenAI's ceiling for top_logprobs; each one costs the tail a sort of the vocabulary.
@@ -32,11 +50,34 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    # mlx-lm's `make_sampler`, with its meanings (each only when temperature > 0): keep
+    # the `top_k` likeliest tokens (0: all), those at least `min_p` times as likely as
+    # the likeliest (0: all); XTC drops, with probability `xtc_probability`, every
+    # token above `xtc_threshold` but the least likely of them.
+    top_k: int = 0
+    min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = DEFAULT_XTC_THRESHOLD
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     # -1: none; 0: the chosen token's log-probability; k: that and the k likeliest.
     logprobs: int = -1
+    # Logits processors, mlx-lm's own (`make_logits_processors`), with its meanings: a
+    # bias added to a token's logit; a repetition penalty dividing (multiplying, when
+    # negative) the logits of tokens among the last `repetition_context_size` (1: none);
+    # presence and frequency penalties subtracted once, or once per occurrence, for the
+    # tokens among their last `*_context_size`. The window counts the prompt too.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = DEFAULT_PENALTY_CONTEXT
+    presence_penalty: float = 0.0
+    presence_context_size: int = DEFAULT_PENALTY_CONTEXT
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = DEFAULT_PENALTY_CONTEXT
+    # The prompt's last `window` tokens, set by the head: the tail shard, which applies
+    # the penalties, never sees the prompt.
+    recent: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
@@ -52,10 +93,28 @@ class SamplingParams:
                 max_tokens=int(raw.get("max_tokens", 256)),
                 temperature=float(raw.get("temperature", 0.0)),
                 top_p=float(raw.get("top_p", 1.0)),
+                top_k=_whole(raw.get("top_k", 0)),
+                min_p=float(raw.get("min_p", 0.0)),
+                xtc_probability=float(raw.get("xtc_probability", 0.0)),
+                xtc_threshold=float(raw.get("xtc_threshold", DEFAULT_XTC_THRESHOLD)),
                 seed=int(raw.get("seed", 0)),
                 stop=tuple(x for x in stop if x),
                 ignore_eos=bool(raw.get("ignore_eos", False)),
                 logprobs=int(raw.get("logprobs", -1)),
+                logit_bias=_logit_bias(raw.get("logit_bias")),
+                repetition_penalty=float(raw.get("repetition_penalty", 1.0)),
+                repetition_context_size=int(
+                    raw.get("repetition_context_size", DEFAULT_PENALTY_CONTEXT)
+                ),
+                presence_penalty=float(raw.get("presence_penalty", 0.0)),
+                presence_context_size=int(
+                    raw.get("presence_context_size", DEFAULT_PENALTY_CONTEXT)
+                ),
+                frequency_penalty=float(raw.get("frequency_penalty", 0.0)),
+                frequency_context_size=int(
+                    raw.get("frequency_context_size", DEFAULT_PENALTY_CONTEXT)
+                ),
+                recent=tuple(int(t) for t in raw.get("recent") or ()),
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
@@ -67,42 +126,268 @@ class SamplingParams:
             raise ParamError(f"temperature must be 0..10, got {params.temperature}")
         if not 0.0 < params.top_p <= 1.0:
             raise ParamError(f"top_p must be in (0, 1], got {params.top_p}")
+        if problem := sampler_problem(params):
+            raise ParamError(problem)
         if not -1 <= params.logprobs <= MAX_TOP_LOGPROBS:
             raise ParamError(f"logprobs must be -1..{MAX_TOP_LOGPROBS}, got {params.logprobs}")
+        if problem := processor_problem(params):
+            raise ParamError(problem)
         return params
+
+    @property
+    def window(self) -> int:
+        """How many recent tokens the penalties look back on (0: no penalty)."""
+        sizes = [
+            size
+            for penalty, size, neutral in (
+                (self.repetition_penalty, self.repetition_context_size, 1.0),
+                (self.presence_penalty, self.presence_context_size, 0.0),
+                (self.frequency_penalty, self.frequency_context_size, 0.0),
+            )
+            if penalty != neutral
+        ]
+        return max(sizes, default=0)
+
+    def processors(self) -> list[Any]:
+        """mlx-lm's logits processors for these parameters ([] if none changes a logit)."""
+        return make_logits_processors(
+            logit_bias=dict(self.logit_bias) or None,
+            # mlx-lm leaves out a penalty of 0 (or None); a repetition penalty of 1
+            # would divide by 1: left out too.
+            repetition_penalty=None if self.repetition_penalty == 1.0 else self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+            presence_penalty=self.presence_penalty,
+            presence_context_size=self.presence_context_size,
+            frequency_penalty=self.frequency_penalty,
+            frequency_context_size=self.frequency_context_size,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "xtc_probability": self.xtc_probability,
+            "xtc_threshold": self.xtc_threshold,
             "seed": self.seed,
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
+            # Pairs, not a map: every key of a header's map is a string.
+            "logit_bias": [list(pair) for pair in self.logit_bias],
+            "repetition_penalty": self.repetition_penalty,
+            "repetition_context_size": self.repetition_context_size,
+            "presence_penalty": self.presence_penalty,
+            "presence_context_size": self.presence_context_size,
+            "frequency_penalty": self.frequency_penalty,
+            "frequency_context_size": self.frequency_context_size,
+            "recent": list(self.recent),
         }
 
 
+def sampler_problem(params: SamplingParams) -> str:
+    """What is wrong with the sampler's parameters ("" if nothing): the ranges mlx-lm's
+    `make_sampler` pieces check (they would raise only when a token is drawn)."""
+    if not 0 <= params.top_k <= MAX_TOP_K:
+        return f"top_k must be an integer from 0 (off) to {MAX_TOP_K}, got {params.top_k}"
+    for name, top in (
+        ("min_p", 1.0),
+        ("xtc_probability", 1.0),
+        ("xtc_threshold", MAX_XTC_THRESHOLD),
+    ):
+        value = getattr(params, name)
+        if not 0.0 <= value <= top:
+            return f"{name} must be a number from 0 to {top:g}, got {value}"
+    return ""
+
+
+def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
+    """What is wrong with the logits processors' parameters ("" if nothing); token ids
+    are checked against the vocabulary when it is known (`vocab` > 0)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            return f"{name} must be a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value}"
+    if not MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY:
+        # NaN fails the comparison too. Why the range: limits.py.
+        return (
+            f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
+            f"{MAX_REPETITION_PENALTY:g} (1 means none), got {params.repetition_penalty}"
+        )
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        value = getattr(params, name)
+        if not 1 <= value <= MAX_PENALTY_CONTEXT:
+            return f"{name} must be 1..{MAX_PENALTY_CONTEXT}, got {value}"
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        return (
+            f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(params.logit_bias)}"
+        )
+    if len({token for token, _ in params.logit_bias}) != len(params.logit_bias):
+        return "logit_bias names a token twice"
+    for token, bias in params.logit_bias:
+        if token < 0 or (vocab > 0 and token >= vocab):
+            top = f"0..{vocab - 1}" if vocab > 0 else "0 or above"
+            return (
+                f"logit_bias token {token} is not in this model's vocabulary ({top}): "
+                "use the model's own token ids"
+            )
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            return (
+                f"logit_bias for token {token} must be from -{MAX_LOGIT_BIAS:g} to "
+                f"{MAX_LOGIT_BIAS:g}, got {bias}"
+            )
+    if len(params.recent) > MAX_PENALTY_CONTEXT or any(
+        t < 0 or 0 < vocab <= t for t in params.recent
+    ):
+        # The head fills it from the prompt; a tail checks it all the same, since an
+        # index past the logits is no error MLX would raise.
+        return f"recent must be at most {MAX_PENALTY_CONTEXT} token ids of the vocabulary"
+    return ""
+
+
+def _whole(raw: Any) -> int:
+    """An integer as it travels; 2.5 is no top_k (int() would make it 2)."""
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise TypeError(f"expected an integer, got {raw!r}")
+    return raw
+
+
+def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """[[token, bias], ...] (as it travels) or {token: bias} (as OpenAI writes it)."""
+    if not raw:
+        return ()
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    out = []
+    for pair in pairs:
+        token, bias = pair
+        if isinstance(token, bool) or isinstance(bias, bool):
+            raise TypeError(f"logit_bias entry {list(pair)} is not [token id, bias]")
+        out.append((int(token), float(bias)))
+    return tuple(out)
+
+
+# How many keys a request's `_Keys` computes at a time.
+KEY_CHUNK = 64
+
+
+@cache
+def _key_stream() -> mx.Stream:
+    """The keys are computed on a stream of their own, so reading them back waits for
+    no model step in flight on the default one (made on first use, not on import)."""
+    return mx.new_stream(mx.cpu)
+
+
+class _Keys:
+    """A request's PRNG keys: the state MLX's global PRNG holds before each step of
+    mlx-lm's `generate_step` after `mx.random.seed(seed)`, each as the integer
+    `mx.random.seed` turns back into it (a key is two uint32 words, `key(n)` is
+    [n >> 32, n & 0xffffffff]).
+
+    mlx-lm's sampler takes no key: it draws from the global state (its compiled pieces
+    take and give back `mx.random.state`, which cannot be assigned from Python), and a
+    request cannot own that while others are sampled beside it. So a request seeds the
+    global state with its own key before each draw. Every random call splits the state
+    and keeps the first half; the state left by the sampler cannot be read back without
+    waiting for the logits it was drawn on (a step built ahead on a token not yet known
+    could not be), so the keys are computed from the seed alone: `draws` splits a step
+    (the tests check this against mlx-lm's own generate)."""
+
+    def __init__(self, seed: int, draws: int) -> None:
+        self._key = mx.random.key(seed)
+        self._draws = draws
+        self._ahead: deque[int] = deque()
+
+    def next(self) -> int:
+        if not self._ahead:
+            with mx.stream(_key_stream()):
+                keys = []
+                key = self._key
+                for _ in range(KEY_CHUNK):
+                    keys.append(key)
+                    for _ in range(self._draws):
+                        key = mx.random.split(key)[0]
+                self._key = key
+                words = cast(list[list[int]], mx.stack(keys).tolist())
+            self._ahead.extend((hi << 32) | lo for hi, lo in words)
+        return self._ahead.popleft()
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams) -> None:
+    """One request's sampler. Its draws are that request's tokens in order: each is
+    remembered (lazily, so a step built ahead on it costs no wait) as the next recent
+    token the penalties see, as mlx-lm's `generate_step` extends its `tokens`.
+
+    `special` are the tokens XTC never drops: mlx_lm.server's, the tokens of a newline
+    and the end-of-sequence tokens."""
+
+    def __init__(self, params: SamplingParams, special: tuple[int, ...] = ()) -> None:
         self.params = params
-        self._key = mx.random.key(params.seed)
+        self.special = special
+        # mlx-lm's sampler draws once for the token, and once more for XTC's coin.
+        self._keys = _Keys(params.seed, 2 if params.xtc_probability > 0 else 1)
+        self._sample: Callable[[mx.array], mx.array] | None = None
+        self.processors = params.processors()
+        self._window = params.window
+        self._recent = mx.array(list(params.recent[-self._window :] if self._window else ()))
+        self._recent = self._recent.astype(mx.int32)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy on the model's own logits, wanting no log-probabilities: a batch's
+        rows that are all plain share one argmax."""
+        p = self.params
+        return p.temperature == 0.0 and p.logprobs < 0 and not self.processors
+
+    def _process(self, logits: mx.array) -> mx.array:
+        if not self.processors:
+            return logits
+        # mlx-lm's processors take [batch, vocab] and may write into it: a new array.
+        out = logits.reshape(1, -1)
+        for processor in self.processors:
+            out = processor(self._recent, out)
+        return out.reshape(-1)
+
+    def _remember(self, token: mx.array) -> None:
+        if self._window:
+            recent = mx.concatenate([self._recent, token.reshape(1).astype(mx.int32)])
+            self._recent = recent[-self._window :]
+
+    def _sampler(self, vocab: int) -> Callable[[mx.array], mx.array]:
+        if self._sample is None:
+            p = self.params
+            self._sample = make_sampler(
+                p.temperature,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                # mlx-lm's `apply_top_k` raises for a k at or past the vocabulary, which
+                # would keep every token: that is no top_k.
+                top_k=p.top_k if p.top_k < vocab else 0,
+                xtc_probability=p.xtc_probability,
+                xtc_threshold=p.xtc_threshold,
+                xtc_special_tokens=list(self.special),
+            )
+        return self._sample
 
     def __call__(self, logits: mx.array) -> mx.array:
         if self.params.temperature == 0.0:
-            return mx.argmax(logits, axis=-1)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        if self.params.top_p < 1.0:
-            logprobs = apply_top_p(logprobs[None], self.params.top_p)[0]
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=sub)
+            return mx.argmax(logits, axis=-1)  # mlx-lm's greedy_sampler
+        # As `generate_step` hands them to the sampler: log-probabilities, [1, vocab].
+        logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
+        mx.random.seed(self._keys.next())
+        return self._sampler(logprobs.shape[-1])(logprobs)[0]
 
     def draw(self, logits: mx.array) -> mx.array | tuple[mx.array, ...]:
         """The sampled token; with logprobs asked for, a tuple of the token, its
         log-probability, and the ids and log-probabilities of the k likeliest. They are
-        the model's own (a log-softmax of the logits, before temperature and top_p), as
-        mlx-lm's server and OpenAI give them."""
+        the model's own (a log-softmax of the logits, before temperature and the
+        sampler's top_p, min_p, top_k and XTC), as mlx-lm's server and OpenAI give them,
+        after the request's logits processors (mlx-lm's `generate_step` takes them from
+        the processed logits too)."""
+        logits = self._process(logits)
         token = self(logits)
+        self._remember(token)
         k = self.params.logprobs
         if k < 0:
             return token

@@ -21,7 +21,7 @@ import numpy as np
 
 from worker import families
 from worker.families import LayerCaches
-from worker.sampling import ParamError, Sampler, SamplingParams, TextStream
+from worker.sampling import ParamError, Sampler, SamplingParams, TextStream, processor_problem
 from worker.shard import Shard
 from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
@@ -205,6 +205,12 @@ class Stage:
         self.frame_began = time.perf_counter()
         self.frame_mlx_s = 0.0
         self.vocab = int(shard.config.get("vocab_size", 0))
+        # The tokens XTC never drops, as mlx_lm.server names them: a newline's tokens
+        # (as its tokenizer encodes "\n") and the end-of-sequence ones.
+        self.xtc_special: tuple[int, ...] = ()
+        if shard.is_last and tokenizer is not None:
+            eos = getattr(tokenizer, "eos_token_ids", ()) or ()
+            self.xtc_special = (*tokenizer.encode("\n"), *eos)
         self.hidden = hidden_size(shard.config)
         # A lone stage is never idle between steps: it builds each step on the lazy
         # token of the one before (`_speculate`), as mlx-lm's loop does, instead.
@@ -245,8 +251,15 @@ class Stage:
                     f"{len(self.waiting)} more are waiting; try again shortly, or place the "
                     "model with more --streams"
                 )
+            if problem := processor_problem(params, self.vocab):
+                raise RequestError(problem)
             prompt = self._prompt_tokens(msg, tools)
             params = self._fit_context(prompt, params)
+            # The penalties look back on the prompt's last tokens too (as mlx-lm's do);
+            # the tail never sees the prompt, so those travel with the params.
+            params = replace(
+                params, recent=tuple(prompt[-params.window :] if params.window else ())
+            )
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
@@ -593,9 +606,12 @@ class Stage:
         req = self.tail_requests.get(header.rid)
         if req is None:
             params = SamplingParams.from_dict(header.params or {})
+            if problem := processor_problem(params, self.vocab):
+                raise RequestError(problem)
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
             req = TailRequest(
-                sampler=Sampler(params), eos=frozenset() if params.ignore_eos else eos
+                sampler=Sampler(params, self.xtc_special),
+                eos=frozenset() if params.ignore_eos else eos,
             )
             self.tail_requests[header.rid] = req
         return req
@@ -964,11 +980,12 @@ class Stage:
     def _draw_rows(
         self, rids: list[str], logits: mx.array
     ) -> tuple[mx.array | None, dict[str, Any]]:
-        """Each row's token by its own sampler (its own PRNG key): rows that are greedy
-        and want no log-probabilities share one argmax, which is what each would take."""
+        """Each row's token by its own sampler (its own PRNG key, its own logits
+        processors over its own recent tokens): rows that are greedy on the model's own
+        logits and want no log-probabilities share one argmax, which is what each would
+        take."""
         samplers = [self.tail_requests[rid].sampler for rid in rids]
-        plain = all(s.params.temperature == 0.0 and s.params.logprobs < 0 for s in samplers)
-        if plain:
+        if all(s.plain for s in samplers):
             return mx.argmax(logits, axis=-1), {}
         return None, {
             rid: s.draw(logits[i]) for i, (rid, s) in enumerate(zip(rids, samplers, strict=True))

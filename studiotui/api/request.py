@@ -16,10 +16,19 @@ from typing import Any
 
 # The runners refuse past these too (worker/sampling.py); one table, so both agree.
 from worker.shared.protocol.limits import (
+    DEFAULT_XTC_THRESHOLD,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    MAX_PENALTY_CONTEXT,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    MAX_XTC_THRESHOLD,
+    MIN_REPETITION_PENALTY,
     prompt_chars,
     prompt_too_long,
 )
@@ -40,6 +49,10 @@ MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's own limits: a function name of letters, digits, _ and -, up to 64; 128 tools.
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
+# A logit_bias key: a token id as OpenAI writes it, a decimal string ("50256").
+TOKEN_ID = re.compile(r"^(0|[1-9][0-9]{0,9})$")
+# mlx_lm.server's window parameters for its penalties (mlx-lm's default is 20 tokens).
+PENALTY_WINDOWS = ("repetition_context_size", "presence_context_size", "frequency_context_size")
 
 
 class ApiError(Exception):
@@ -171,20 +184,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
             "to JSON; ask for JSON in the prompt and check it, or leave response_format out",
             "response_format",
         )
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = body.get(name)
-        if value is not None and value != 0:
-            raise bad(
-                f"{name} is not supported: the shards sample without penalties; "
-                f"send {name} 0 or leave it out",
-                name,
-            )
-    if body.get("logit_bias"):
-        raise bad(
-            "logit_bias is not supported: the shards sample from the model's own "
-            "probabilities; leave it out",
-            "logit_bias",
-        )
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int:
@@ -287,7 +286,103 @@ def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         "stop": _stop(body.get("stop")),
         # vLLM's extension, for benchmarks that need a fixed number of tokens.
         "ignore_eos": _boolean(body, "ignore_eos", False),
+        **_samplers(body),
+        **_processors(body),
     }
+
+
+def _samplers(body: dict[str, Any]) -> dict[str, Any]:
+    """mlx_lm.server's sampler fields beyond OpenAI's, as mlx-lm's `make_sampler` takes
+    them (worker/sampling.py uses it): top_k (an integer, 0: off; mlx_lm.server's type
+    and floor), min_p and xtc_probability (0 to 1) and xtc_threshold (0 to 0.5, which
+    mlx-lm's XTC checks when it draws; mlx_lm.server lets up to 1 through). Only what
+    changes the sampler is passed on; each acts only when temperature > 0, as in
+    mlx-lm."""
+    out: dict[str, Any] = {}
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < 0:
+            raise bad(
+                "top_k must be an integer of at least 0: sample among the k likeliest "
+                f"tokens (0 means all, as in mlx-lm); got {top_k!r}",
+                "top_k",
+            )
+        if top_k:
+            # Past any vocabulary, where it keeps every token: the same, and it travels.
+            out["top_k"] = min(top_k, MAX_TOP_K)
+    for name in ("min_p", "xtc_probability"):
+        if value := _number(body, name, 0.0, 1.0, 0.0):
+            out[name] = value
+    threshold = _number(body, "xtc_threshold", 0.0, MAX_XTC_THRESHOLD, DEFAULT_XTC_THRESHOLD)
+    if "xtc_probability" in out and threshold != DEFAULT_XTC_THRESHOLD:
+        out["xtc_threshold"] = threshold
+    return out
+
+
+def _processors(body: dict[str, Any]) -> dict[str, Any]:
+    """The logits processors asked for, in mlx-lm's terms (worker/sampling.py applies
+    them with `make_logits_processors`): OpenAI's logit_bias, presence_penalty and
+    frequency_penalty, and repetition_penalty as vLLM, llama.cpp and mlx_lm.server take
+    it, with mlx_lm.server's windows. Only what changes a logit is passed on."""
+    out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if value := _number(body, name, -MAX_PENALTY, MAX_PENALTY, 0.0):
+            out[name] = value
+    repetition = body.get("repetition_penalty")
+    if repetition is not None:
+        # Past this range the penalised logits overflow float32 (limits.py).
+        if not (_is_int(repetition) or isinstance(repetition, float)) or not (
+            MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY
+        ):
+            raise bad(
+                f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
+                f"{MAX_REPETITION_PENALTY:g}: 1 means none, above 1 discourages repeating "
+                f"recent tokens (1.1-1.3 is usual); got {repetition!r}",
+                "repetition_penalty",
+            )
+        if repetition != 1:
+            out["repetition_penalty"] = float(repetition)
+    for name in PENALTY_WINDOWS:
+        size = _integer(body, name, 1, MAX_PENALTY_CONTEXT)
+        if size is not None:
+            out[name] = size
+    if bias := _logit_bias(body.get("logit_bias")):
+        out["logit_bias"] = bias
+    return out
+
+
+def _logit_bias(raw: Any) -> list[list[int | float]]:
+    """OpenAI's {"token id": bias} as [[token, bias], ...], the form that travels. The
+    head shard checks the ids against the model's vocabulary, which it alone knows."""
+    if raw is None:
+        return []
+    shape = 'an object of token ids to a bias from -100 to 100, such as {"50256": -100}'
+    if not isinstance(raw, dict):
+        raise bad(f"logit_bias must be {shape}", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad(
+            f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens; got {len(raw)}",
+            "logit_bias",
+        )
+    pairs: list[list[int | float]] = []
+    for key, value in raw.items():
+        if not TOKEN_ID.match(key):
+            raise bad(
+                f"logit_bias key {key!r} is not a token id: the keys are the model's token "
+                f"ids, written as strings without leading zeros; logit_bias must be {shape}",
+                "logit_bias",
+            )
+        if (
+            not (_is_int(value) or isinstance(value, float))
+            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+        ):
+            raise bad(
+                f"logit_bias[{key!r}] must be a number from -{MAX_LOGIT_BIAS:g} to "
+                f"{MAX_LOGIT_BIAS:g} (-100 bans the token, 100 forces it); got {value!r}",
+                "logit_bias",
+            )
+        pairs.append([int(key), float(value)])
+    return pairs
 
 
 def _stop(raw: Any) -> list[str]:

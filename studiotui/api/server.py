@@ -65,6 +65,24 @@ REFUSALS = (
     "tools must",
     "seed must",
     "stop strings",
+    "logit_bias",
+    "repetition_penalty must",
+    "presence_penalty must",
+    "frequency_penalty must",
+    "repetition_context_size must",
+    "presence_context_size must",
+    "frequency_context_size must",
+)
+# A refusal that begins with a parameter's name blames that parameter.
+BLAMED = (
+    "tools",
+    "logit_bias",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_context_size",
+    "presence_context_size",
+    "frequency_context_size",
 )
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE_HEADERS = {
@@ -357,7 +375,7 @@ async def _accepted(
                 429, f"placement {name!r} is {text}", type_="rate_limit_error", code="busy"
             ) from None
         if text.startswith(REFUSALS):
-            blamed = "tools" if text.startswith("tools") else param
+            blamed = next((name for name in BLAMED if text.startswith(name + " ")), param)
             raise bad(f"the model refused the request: {text}", blamed) from None
         raise _unavailable(f"placement {name!r} cannot answer: {text}", "cluster_error") from None
     except StopAsyncIteration:

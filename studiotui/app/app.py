@@ -45,7 +45,8 @@ from studiotui.core.benchmark import Sizes
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
-from studiotui.provision.deploy import provision_logged, restart_logged
+from studiotui.provision.deploy import provision_logged
+from studiotui.provision.restart import restart_nodes
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
 # once per burst keeps an idle dashboard cheap.
@@ -695,25 +696,26 @@ class StudioApp(Dashboard):
 
         question = (
             f"Restart {name}? It holds shards of {', '.join(held)}; "
-            "they stop with the agent and the placement breaks."
+            "they stop with the agent (answers in progress fail) and are loaded again on "
+            "the same layers when it is back."
         )
         self.push_screen(ConfirmScreen(question), answered)
 
     async def _restart(self, ctl: Controller, name: str) -> None:
-        assert self.inventory is not None
-        spec = self.inventory.node(name)
-        if not spec.is_local:
-            await restart_logged(ctl, [name])
-            return
+        """What `studiotui restart NAME` does (`restart_nodes`), said in the log."""
         self.report(f"restarting {name}…")
-        await asyncio.to_thread(local_cluster.stop_agent, spec)
-        pid = await asyncio.to_thread(local_cluster.start_agent, self.home, spec, self.inventory)
-        missing = await wait_until_up(ctl, [name], timeout=UP_TIMEOUT_S)
-        if missing:
-            tail = local_cluster.agent_output_tail(spec)
-            self.report(f"{name} did not come back (pid {pid}): {tail or 'no output'}", "error")
-        else:
-            self.report(f"{name} restarted (pid {pid})")
+        done = await restart_nodes(ctl, [name], timeout=UP_TIMEOUT_S)
+        for text in done.dropped:
+            self.report(text, "warning")
+        for outcome in done.outcomes:
+            self.report(str(outcome), "info" if outcome.ok else "error")
+        for text in done.lost:
+            self.report(text, "error")
+        # reload_shards logged these already; a notification says them too.
+        for result in done.reloads:
+            self.notify(result.text, severity="information" if result.ok else "error")
+        for text in done.broken:
+            self.report(text, "error")
 
     def action_provision(self) -> None:
         ctl = self.need_controller("provisioning")

@@ -147,8 +147,10 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
 async def keep_for_restart(ctl: Controller, names: list[str]) -> list[SavedShard]:
     """Before `down` stops `names`: stopping an agent stops its shards, so keep what
     `restart` needs to load them again where they were (the placement whole again
-    without a re-place). What cannot be kept (a tensor stage) is said then."""
-    kept, _ = await ctl.shards_on(names) if names else ([], [])
+    without a re-place). Only the stopped nodes' own: a tensor group's members that go
+    on running elsewhere are found again (and relaunched with it) by `restart`."""
+    saved, _ = await ctl.shards_on(names) if names else ([], [])
+    kept = [s for s in saved if s.node in names]
     ctl.keep_shards(kept, forget=names)
     return kept
 

@@ -22,13 +22,12 @@ from rich.text import Text
 
 from studiotui.cli import commands
 from studiotui.cli.args import inventory_of
-from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
-from studiotui.cluster.session import wait_until_up
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import format_bytes
 from studiotui.provision import deploy as provision
+from studiotui.provision import restart
 from studiotui.provision.deploy import Outcome
 from studiotui.ssh.client import SshError
 
@@ -209,100 +208,25 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
 
 async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     """Restart agents, then load again the shards they held (same layers and ports), so
-    placements stay whole; what cannot be reloaded is named."""
+    placements stay whole; what cannot be reloaded is named (`restart.restart_nodes`)."""
     inv = inventory_of(args, home)
     selected = _select(inv, getattr(args, "nodes", []) or [])
     ctl = Controller(home, inv)
     try:
-        names = [n.name for n in selected]
-        # What `down` took off these nodes comes back with them.
-        kept = [k for k in ctl.kept_shards() if k.node in names]
-        saved, dropped = await ctl.shards_on(names, kept)
+        done = await restart.restart_nodes(ctl, [n.name for n in selected])
     finally:
         await ctl.close()
-    for text in dropped:
-        commands.errors.print(text, markup=False, highlight=False)
-
-    async def one(node: NodeSpec) -> Outcome:
-        started = time.monotonic()
-        try:
-            if node.is_local:
-                return await _restart_local(home, inv, node, started)
-            return await provision.restart_agent(home, inv, node)
-        except SshError as exc:
-            return Outcome(node.name, "failed", exc.message, exc.hint)
-
-    results = await asyncio.gather(*(one(n) for n in selected))
-    print_outcomes(commands.console, commands.errors, results)
-    code = 0 if all(o.ok for o in results) else 1
-    back = {o.node for o in results if o.ok}
-    lost = sorted({s.placement for s in saved if s.node not in back})
-    for name in lost:
-        commands.errors.print(
-            f"placement {name!r} is broken: a node holding it did not come back; "
-            "unload it and place it again",
-            markup=False,
-            highlight=False,
-        )
-    again = [s for s in saved if s.node in back and s.placement not in lost]
-    if again or kept:
-        ctl = Controller(home, inv)
-        try:
-            ctl.keep_shards([], forget=sorted(back))
-            await ctl.refresh()
-            for result in await ctl.reload_shards(again):
-                target = commands.console if result.ok else commands.errors
-                target.print(result.text, markup=False, highlight=False)
-                code = code if result.ok else 1
-        finally:
-            await ctl.close()
-    return 1 if lost else code + await _say_broken(home, inv, {n.name for n in selected})
-
-
-async def _say_broken(home: Path, inv: Inventory, restarted: set[str]) -> int:
-    """Name every placement on the restarted nodes that is not whole after all."""
-    ctl = Controller(home, inv)
-    try:
-        await ctl.refresh()
-        broken = [
-            p
-            for p in ctl.state.placements
-            if p.state != "ready"
-            and (restarted & set(p.nodes) or len(p.shards) != p.shards[0].count)
-        ]
-    finally:
-        await ctl.close()
-    for p in broken:
-        commands.errors.print(
-            f"placement {p.name!r} is {p.state} after the restart: unload it and place it "
-            "again (studiotui unload, then studiotui place)",
-            markup=False,
-            highlight=False,
-        )
-    return 1 if broken else 0
-
-
-async def _restart_local(home: Path, inv: Inventory, node: NodeSpec, started: float) -> Outcome:
-    await asyncio.to_thread(local_cluster.stop_agent, node)
-    await asyncio.to_thread(local_cluster.start_agent, home, node, inv)
-    ctl = Controller(home, inv)
-    try:
-        missing = await wait_until_up(ctl, [node.name], timeout=30.0)
-        state = ctl.state.node(node.name)
-    finally:
-        await ctl.close()
-    if missing or state is None:
-        tail = local_cluster.agent_output_tail(node)
-        return Outcome(node.name, "failed", "the local agent did not come back", log_tail=tail)
-    return Outcome(
-        node.name,
-        "up",
-        f"restarted: agent {state.version} up",
-        version=state.version,
-        address=state.endpoint,
-        memory_total=state.memory_total,
-        seconds=time.monotonic() - started,
-    )
+    console, errors = commands.console, commands.errors
+    for text in done.dropped:
+        errors.print(text, markup=False, highlight=False)
+    print_outcomes(console, errors, done.outcomes)
+    for text in done.lost:
+        errors.print(text, markup=False, highlight=False)
+    for result in done.reloads:
+        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
+    for text in done.broken:
+        errors.print(text, markup=False, highlight=False)
+    return 0 if done.ok else 1
 
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -107,13 +108,30 @@ def committed_bytes(node: NodeState) -> int:
     return sum(shard.kv_bytes + promised_bytes(shard) for shard in node.shards)
 
 
-def promises_note(nodes: Sequence[NodeState]) -> str:
+Pledges = Mapping[str, Mapping[str, int]]  # placement -> node -> bytes
+
+
+def pledged_bytes(pledges: Pledges, node: NodeState) -> int:
+    """Memory this controller has planned onto `node` for placements whose prepared
+    shards the node has not reported yet (the round trip of prepare_shard): counted
+    once, so a placement the node already reports is the report's, not the pledge's."""
+    reported = {shard.placement for shard in node.shards}
+    return sum(on.get(node.name, 0) for name, on in pledges.items() if name not in reported)
+
+
+def promises_note(nodes: Sequence[NodeState], pledges: Pledges | None = None) -> str:
     """Who holds the memory of these nodes that their reports still show free: the
     placements not loaded yet, each with its promise per node, and what frees it; ""
-    when there are none. Said beside a refusal, which otherwise reads as a mystery."""
+    when there are none. Said beside a refusal, which otherwise reads as a mystery.
+    `pledges`: this controller's placements not reported by their nodes yet."""
     held: dict[str, list[str]] = {}
     doing: dict[str, str] = {}
     for node in nodes:
+        for name, on in (pledges or {}).items():
+            mine = pledged_bytes({name: on}, node)
+            if mine > 0:
+                held.setdefault(name, []).append(f"{format_bytes(mine)} on {node.name}")
+                doing.setdefault(name, "being prepared")
         for shard in node.shards:
             promised = shard.kv_bytes + promised_bytes(shard)
             if shard.state not in ("prepared", "loading") or promised <= 0:
@@ -199,10 +217,16 @@ class Controller:
         # so a restarted TUI still knows a broken placement's nodes).
         self._planned: dict[str, PlannedPlacement] = self._read_planned()
         self._placing: set[str] = set()  # being loaded by this controller: not broken yet
+        # What a placement being decided holds on each node until the node reports its
+        # prepared shard: a preview in that round trip must not offer the same memory.
+        self._pledges: dict[str, dict[str, int]] = {}
         # The lease its prepared shards ask for (None: the agent's, 5 min); renewed
         # every lease_renew_s while their files are copied (see keep_leases).
         self.lease_s: float | None = None
         self.lease_renew_s = LEASE_RENEW_EVERY_S
+        # How long a tensor group's ranks wait for one another to start (each told it
+        # with its load; meanwhile the agents' heartbeats keep the load alive).
+        self.join_s = join_seconds(os.environ)
         self._listeners: list[Listener] = []
         # Placements going away on purpose (unload, rollback), until when: their shards
         # vanish one node at a time, which must not read as "broken".
@@ -482,7 +506,7 @@ class Controller:
                 return info, Refusal(f"unknown node {name!r}")
             if node.state != "up":
                 return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
-            free = max(0, node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES)
+            free = max(0, self._room(node))
             budgets.append(NodeBudget(name, free, node.memory_total))
         links = links_from_state(self.state)
         chips = self.node_chips(nodes)
@@ -501,9 +525,25 @@ class Controller:
                 break
         if isinstance(verdict, Refusal):
             group = [s for name in nodes if (s := self.state.node(name)) is not None]
-            if note := promises_note(group):
+            if note := promises_note(group, self._pledges):
                 verdict = Refusal(f"{verdict.reason} ({note})")
         return info, verdict
+
+    @property
+    def pledges(self) -> Pledges:
+        """The placements this controller is deciding, by node, until their nodes
+        report the prepared shards (a copy: for views and tests)."""
+        return {name: dict(on) for name, on in self._pledges.items()}
+
+    def _room(self, node: NodeState) -> int:
+        """What a new shard may still take on `node`: its free memory less what is
+        promised there (reported or only pledged by this controller) and a runner."""
+        return (
+            node.memory_free
+            - committed_bytes(node)
+            - pledged_bytes(self._pledges, node)
+            - RUNNER_OVERHEAD_BYTES
+        )
 
     def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
         """What the forecast knows of each node's speed: its chip, or a bandwidth its
@@ -575,6 +615,10 @@ class Controller:
             for node in s.nodes
         )
         self._placing.add(name)
+        pledge = self._pledges.setdefault(name, {})
+        for shard in the_plan.shards:
+            for node in shard.nodes:
+                pledge[node] = shard.weight_bytes + shard.kv_bytes + shard.adapter_bytes
         planned = PlannedPlacement(str(model_dir), ring)
         if adapter is not None:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
@@ -592,6 +636,7 @@ class Controller:
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
         finally:
             self._placing.discard(name)
+            self._pledges.pop(name, None)
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
 
@@ -629,9 +674,9 @@ class Controller:
             if node is None or node.state != "up":
                 return f"{name} is not up"
             adds = shard.free_before - shard.free_after
-            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            room = self._room(node)
             if adds > room:
-                note = promises_note([node])
+                note = promises_note([node], self._pledges)
                 return (
                     f"{name} now has {format_bytes(max(room, 0))} free, the plan needs "
                     f"{format_bytes(adds)} there; preview again"
@@ -670,6 +715,7 @@ class Controller:
         # The prepared shards, with their promise, in this controller's state now rather
         # than at the next telemetry: a preview made during the copy counts them.
         await asyncio.gather(*(self._hello(n, 2.0) for n in dict.fromkeys(port)))
+        self._pledges.pop(name, None)  # the nodes' reports hold the promise from here
         count = len(shards)
         # The copies may take hours: the shards' leases renewed until they load.
         keeper = asyncio.create_task(self.keep_leases(name, list(port), self.lease_renew_s))
@@ -758,6 +804,7 @@ class Controller:
             "backend": m.backend or "ring",
             "group_addresses": [self.spec(n).address for n in m.group],
             "group_ports": [port[n].group_port for n in m.group],
+            "join_s": self.join_s,
         }
         if m.backend == "jaccl":
             rdma = {
@@ -1242,7 +1289,9 @@ class Controller:
         the words for placements that cannot be (so restart can name what it drops).
 
         `kept` are shards `down` took off nodes that are still down: a placement they
-        complete counts as whole, and they are reloaded with it."""
+        complete counts as whole, and they are reloaded with it. A tensor group is saved
+        whole, its members on other nodes too: its ranks join one `mx.distributed` group
+        together, so one rank cannot rejoin the others; the whole group is relaunched."""
         await self.refresh()
         saved: list[SavedShard] = []
         dropped: list[str] = []
@@ -1252,27 +1301,33 @@ class Controller:
             mine = [s for s in placement.shards if s.node in names]
             if not mine and not away:
                 continue
-            if any(s.group for s in placement.shards):
-                # Its members join one mx.distributed group together; one alone would
-                # wait in the join for the others for ever.
-                dropped.append(
-                    f"placement {placement.name!r} has a tensor-parallel stage, whose "
-                    "members load only together: it is not reloaded (unload it and place "
-                    "it again)"
-                )
-                continue
-            if placement.state not in ("ready", "broken") or len(placement.shards) + len(away) != (
-                away[0].report.count if away else placement.shards[0].count
-            ):
+            want = placement.expected or (away[0].report.count if away else 0)
+            grouped = any(s.group for s in placement.shards) or any(k.report.group for k in away)
+            # A tensor group's rank fails once a member is gone ([ring] ...): relaunching
+            # the group mends that; a pipeline stage that failed is not a restart's to mend.
+            states = ("ready", "broken", "failed") if grouped else ("ready", "broken")
+            if placement.state not in states or len(placement.shards) + len(away) != want:
                 dropped.append(
                     f"placement {placement.name!r} is {placement.state} and incomplete: "
                     "it is not reloaded (unload it and place it again)"
                 )
                 continue
-            # Where each stage listens, the kept ones' too (their nodes report nothing).
-            stages = {s.index: (s.node, s.data_port) for s in placement.shards}
-            stages.update({k.report.index: (k.node, k.report.data_port) for k in away})
-            for shard in mine:
+            # Where each stage's leader listens, the kept ones' too (their nodes report
+            # nothing); a tensor group's members all send on to the next stage's leader.
+            stages = {s.index: (s.node, s.data_port) for s in placement.shards if s.rank == 0}
+            stages.update(
+                {k.report.index: (k.node, k.report.data_port) for k in away if k.report.rank == 0}
+            )
+            # The stages a restarted (or kept) node is a member of a group of.
+            relaunched = {s.index for s in mine if s.group} | {
+                k.report.index for k in away if k.report.group
+            }
+            chosen = [
+                s
+                for s in placement.shards
+                if s.node in names or (s.group and s.index in relaunched)
+            ]
+            for shard in chosen:
                 report = await self._shard_report(shard)
                 node, port = stages[(shard.index + 1) % shard.count]
                 saved.append(
@@ -1354,23 +1409,45 @@ class Controller:
             adapter_dir=shard.adapter_dir,
             adapter_bytes=shard.adapter_bytes,
             weight_bytes=shard.weight_bytes,
+            rank=shard.rank,
+            group=list(shard.group),
+            backend=self._planned_backend(shard),
         )
+
+    def _planned_backend(self, shard: ShardState) -> str:
+        """A tensor group member's backend as planned ("" for a one-node stage)."""
+        if not shard.group:
+            return ""
+        planned = self._planned.get(shard.placement)
+        ring = planned.shards if planned else ()
+        return next((p.backend for p in ring if p.node == shard.node and p.backend), "ring")
 
     async def reload_shards(self, saved: list[SavedShard]) -> list[ReloadResult]:
         """Load again, on the same nodes, layers and ports, shards a restart stopped.
 
         The same ports let the ring's other stages and the controller's head socket
-        reconnect by themselves: nothing else of the placement is reloaded."""
-        groups: dict[str, list[SavedShard]] = {}
+        reconnect by themselves: nothing else of the placement is reloaded. A tensor
+        group is relaunched whole (`shards_on` saved every member): its members still
+        running are unloaded, then every rank is prepared and loaded together, so the
+        group is formed again (`mx.distributed` cannot take one rank back)."""
+        by_placement: dict[str, list[SavedShard]] = {}
         for shard in saved:
-            groups.setdefault(shard.placement, []).append(shard)
+            by_placement.setdefault(shard.placement, []).append(shard)
         results = []
-        for name, shards in groups.items():
+        for name, shards in by_placement.items():
             where = ", ".join(
                 f"{s.node} (layers {s.report.start}-{s.report.end - 1})" for s in shards
             )
+            groups: dict[int, list[SavedShard]] = {}
+            for s in shards:
+                if s.report.group:
+                    groups.setdefault(s.report.index, []).append(s)
+            alone = [s for s in shards if not s.report.group]
             try:
-                await asyncio.gather(*(self._reload_one(s) for s in shards))
+                await asyncio.gather(
+                    *(self._reload_one(s) for s in alone),
+                    *(self._reload_group(g) for g in groups.values()),
+                )
             except (AgentError, AgentUnreachable, PlacementError) as exc:
                 text = (
                     f"placement {name!r} is broken: its shards on {where} could not be "
@@ -1380,12 +1457,15 @@ class Controller:
                 results.append(ReloadResult(name, False, text))
                 continue
             text = f"placement {name!r}: reloaded its shards on {where}"
+            if groups:
+                text += f" (tensor group{'s' if len(groups) > 1 else ''} formed again)"
             self.record(text)
             results.append(ReloadResult(name, True, text))
         await self.refresh()
         return results
 
-    async def _reload_one(self, saved: SavedShard) -> None:
+    async def _prepare_again(self, saved: SavedShard, tensor: bool = False) -> control.Prepared:
+        """The shard prepared again on its node, with the ports it had."""
         r, peer = saved.report, self.peer(saved.node)
         ports = (r.data_port, r.client_port)
         prepared = await peer.ask(
@@ -1394,6 +1474,7 @@ class Controller:
             placement=saved.placement,
             data_port=ports[0],
             client_port=ports[1],
+            tensor=tensor,
             weight_bytes=r.weight_bytes,
             kv_bytes=r.kv_bytes,
             adapter_bytes=r.adapter_bytes,
@@ -1401,7 +1482,11 @@ class Controller:
         if (prepared.data_port, prepared.client_port) != ports:
             await peer.request("unload", placement=saved.placement)
             raise PlacementError(f"{saved.node} could not take back its ports {ports}")
-        async for _msg in peer.stream(
+        return prepared
+
+    async def _load_again(self, saved: SavedShard, group: dict[str, Any] | None = None) -> None:
+        r = saved.report
+        async for _msg in self.peer(saved.node).stream(
             "load_shard",
             timeout=120.0,
             placement=saved.placement,
@@ -1410,8 +1495,8 @@ class Controller:
             end=r.end,
             index=r.index,
             count=r.count,
-            data_port=ports[0],
-            client_port=ports[1],
+            data_port=r.data_port,
+            client_port=r.client_port,
             next_endpoint=saved.next_endpoint,
             next_key=saved.next_key,
             prefill_chunk=r.prefill_chunk,
@@ -1421,8 +1506,65 @@ class Controller:
             adapter=r.adapter,
             adapter_dir=r.adapter_dir,
             adapter_bytes=r.adapter_bytes,
+            **(group or {}),
         ):
             pass
+
+    async def _reload_one(self, saved: SavedShard) -> None:
+        await self._prepare_again(saved)
+        await self._load_again(saved)
+
+    async def _reload_group(self, saved: list[SavedShard]) -> None:
+        """Relaunch one tensor group: every member unloaded (a rank still running sits
+        in a group that lost a member), prepared with its ports (and a new group port
+        each), then all loaded at once, each told the others' group ports, so they
+        join one new group. Any member failing unloads them all: the others would only
+        wait in the join."""
+        first = saved[0].report
+        order = {node: rank for rank, node in enumerate(first.group)}
+        members = sorted(saved, key=lambda s: order.get(s.node, len(order)))
+        if [s.node for s in members] != list(first.group):
+            raise PlacementError(
+                f"the tensor group {', '.join(first.group)} of stage {first.index + 1} "
+                f"is not whole (saved: {', '.join(s.node for s in members)})"
+            )
+        await asyncio.gather(
+            *(self.peer(s.node).request("unload", placement=s.placement) for s in members)
+        )
+        try:
+            prepared = await asyncio.gather(*(self._prepare_again(s, tensor=True) for s in members))
+            port = {s.node: p for s, p in zip(members, prepared, strict=True)}
+            fields = [
+                self._group_fields(
+                    Member(
+                        stage=s.report.index,
+                        rank=s.report.rank,
+                        node=s.node,
+                        start=s.report.start,
+                        end=s.report.end,
+                        group=tuple(first.group),
+                        backend=s.report.backend or "ring",
+                    ),
+                    port,
+                )
+                for s in members
+            ]
+            loads = [
+                asyncio.ensure_future(self._load_again(s, f))
+                for s, f in zip(members, fields, strict=True)
+            ]
+            try:
+                await asyncio.gather(*loads)
+            finally:
+                for task in loads:
+                    task.cancel()
+                await asyncio.gather(*loads, return_exceptions=True)
+        except BaseException:
+            await asyncio.gather(
+                *(self.peer(s.node).request("unload", placement=s.placement) for s in members),
+                return_exceptions=True,
+            )
+            raise
 
     async def shutdown(self, names: list[str]) -> dict[str, str]:
         results = await asyncio.gather(
@@ -1437,6 +1579,16 @@ class Controller:
     async def read_log(self, name: str, lines: int = 200) -> list[str]:
         reply = await self.peer(name).ask("read_log", control.LogLines, lines=lines)
         return reply.lines
+
+
+def join_seconds(env: Mapping[str, str]) -> float:
+    """How long a tensor group's ranks wait for one another: STUDIOTUI_JOIN_S if it is
+    positive seconds (a loaded or slow machine), else GROUP_JOIN_S."""
+    try:
+        value = float(env.get(control.JOIN_S_VAR, control.GROUP_JOIN_S))
+    except ValueError:
+        return control.GROUP_JOIN_S
+    return value if 0 < value < float("inf") else control.GROUP_JOIN_S
 
 
 def _spans(adapter: Adapter) -> str:

@@ -999,18 +999,3 @@ async def provision_logged(
         ctl.record(str(outcome), "info" if outcome.ok else "error")
     await ctl.refresh()
     return dict(outcomes)
-
-
-async def restart_logged(ctl: Controller, names: list[str]) -> dict[str, Outcome]:
-    """Stop and start SSH nodes' agents (the same build), each outcome in the cluster log."""
-    results = {}
-    for name in names:
-        try:
-            outcome = await restart_agent(ctl.home, ctl.inventory, ctl.spec(name))
-        except Exception as exc:  # SSH errors carry their own words
-            ctl.record(f"{name}: restart failed: {exc}", "error")
-            continue
-        results[name] = outcome
-        ctl.record(str(outcome), "info" if outcome.ok else "error")
-    await ctl.refresh()
-    return results

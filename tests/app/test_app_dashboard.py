@@ -22,7 +22,7 @@ from textual.widgets import Static
 
 from studiotui.app import launch
 from studiotui.app.app import StudioApp
-from studiotui.app.dialogs import HelpScreen, NodeLogScreen, QuitScreen
+from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.launch import free_local_base
 from studiotui.app.panes.log import LogPane
 from studiotui.app.panes.models import ModelsPane
@@ -38,8 +38,11 @@ from studiotui.cluster.controller import DOWN_AFTER_S, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.inventory import Inventory, load_inventory, local_inventory
 from tests.app_fixtures import fixed_models, fixed_state
+from tests.cluster_fixture import runner_pids
+from tests.integration.test_engine import CHUNK, collect, prompt_tokens, reference_tokens
 from tests.pilot_helpers import run_from_palette
 from worker import telemetry
+from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.telemetry import choose_power_source, choose_pressure_source
 
 PORT = 57300  # far from the default 52500 and from other test modules
@@ -267,19 +270,81 @@ async def test_keys_and_palette_do_what_they_say(cluster: tuple[Path, Inventory]
     (home / "ui.json").unlink()
 
 
-async def test_restart_node(cluster: tuple[Path, Inventory]) -> None:
+async def test_restart_key_reloads_the_shard_and_the_answer_is_the_same(
+    cluster: tuple[Path, Inventory], tmp_path: Path
+) -> None:
+    """`r` on a node holding a pipeline stage does what `studiotui restart` does: a new
+    agent, a new runner for its shard on the same layers, the placement ready again
+    with the same greedy tokens (mlx-lm's own), the other stage's runner untouched."""
     home, inv = cluster
-    node = inv.node("local-3")
+    spec = DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=11)
+    model = write_demo_model(tmp_path / "restart-model", spec)
+    tokens = prompt_tokens(model)
+    expected = reference_tokens(model, tokens, 12)
+    app = StudioApp(home, inv)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "4/4 nodes up" in app.sub_title, 10, "cluster up")
+        ctl = app.controller
+        assert ctl is not None
+        await ctl.place(model, ["local-3", "local-4"], "rs", prefill_chunk=CHUNK)
+        try:
+            placement = app.controller.state.placement("rs")
+            assert placement is not None and placement.state == "ready"
+            layers = placement.layers
+            head = placement.shards[0].node  # the head: the controller's way in, too
+            other = placement.shards[1].node
+            before = await runner_pids(ctl, "rs")
+            assert (await collect(ctl, "rs", tokens, 12))[0] == expected
+            agent_before = local_cluster.running_pid(inv.node(head))
+
+            app.query_one(NodesPane).select(head)
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "asked")
+            question = app.screen.question
+            assert "rs" in question and "loaded again" in question, question
+            await pilot.press("y")
+            # The outcome is said once the whole sequence is done, reload and check too.
+            await until(
+                pilot,
+                lambda: f"{head}: restarted: agent" in log_text(app),
+                90,
+                "the restart done",
+            )
+            assert f"'rs': reloaded its shards on {head}" in log_text(app)
+            assert "after the restart" not in log_text(app)  # nothing named not whole
+            await until(pilot, lambda: placement_state(app, "rs") == "ready", 10, "rs ready")
+            again = app.cluster.placement("rs")
+            assert again is not None and again.layers == layers
+            assert (await collect(ctl, "rs", tokens, 12))[0] == expected
+            after = await runner_pids(ctl, "rs")
+            assert after[head] != before[head] and after[other] == before[other]
+            agent_after = local_cluster.running_pid(inv.node(head))
+            assert agent_after is not None and agent_after != agent_before
+            await until(pilot, lambda: " up " in card_text(app, head), 5, f"{head} up")
+        finally:
+            await ctl.unload("rs")
+
+
+async def test_restart_key_on_an_idle_node_asks_nothing(cluster: tuple[Path, Inventory]) -> None:
+    home, inv = cluster
+    node = inv.node("local-1")
     before = local_cluster.running_pid(node)
     app = StudioApp(home, inv)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: "4/4 nodes up" in app.sub_title, 10, "cluster up")
-        app.query_one(NodesPane).select("local-3")
+        app.query_one(NodesPane).select("local-1")
         await pilot.press("r")
-        await until(pilot, lambda: "local-3 restarted" in log_text(app), 20, "restart done")
+        assert not isinstance(app.screen, ConfirmScreen)
+        await until(pilot, lambda: "local-1: restarted" in log_text(app), 30, "restart done")
         after = local_cluster.running_pid(node)
         assert after is not None and after != before
-        await until(pilot, lambda: " up " in card_text(app, "local-3"), 5, "local-3 up")
+        assert f"(pid {after})" in log_text(app)
+        await until(pilot, lambda: " up " in card_text(app, "local-1"), 5, "local-1 up")
+
+
+def placement_state(app: StudioApp, name: str) -> str | None:
+    found = app.cluster.placement(name)
+    return found.state if found else None
 
 
 async def test_killed_agent_is_shown_down(cluster: tuple[Path, Inventory]) -> None:

@@ -27,7 +27,7 @@ from studiotui.cluster import keys
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.cluster.peers import Peer
 from studiotui.core.inventory import dump_inventory, local_inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
 from worker import agent as agent_mod
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -88,16 +88,6 @@ def stage_node(cluster: LocalCluster, placement: str, index: int) -> str:
             await ctl.close()
 
     return asyncio.run(run())
-
-
-async def runner_pids(ctl: Controller, placement: str) -> dict[str, int]:
-    out = {}
-    for name in ctl.inventory.names:
-        reply = await ctl.peer(name).request("list_shards")
-        for shard in reply["shards"]:
-            if shard["placement"] == placement:
-                out[name] = int(shard["pid"])
-    return out
 
 
 async def listed_models(ctl: Controller) -> list[str]:

@@ -107,6 +107,11 @@ def generate_messages() -> st.SearchStrategy[bytes]:
             "seed": st.one_of(st.integers(-(2**63), 2**64 - 1), values),
             "stop": st.one_of(st.lists(st.text(max_size=8), max_size=20), values),
             "ignore_eos": values,
+            "top_k": st.one_of(st.integers(-(2**63), 2**64 - 1), values),
+            "min_p": st.one_of(st.floats(-1, 2), values),
+            "xtc_probability": st.one_of(st.floats(-1, 2), values),
+            "xtc_threshold": st.one_of(st.floats(-1, 2), values),
+            "repetition_penalty": st.one_of(st.floats(0, 1e-30) | st.floats(-1, 20), values),
         },
     )
     body = st.one_of(
@@ -511,7 +516,9 @@ def test_fuzz_the_api(fuzz_cluster: Target) -> None:
     mutated = st.builds(
         lambda k, v: {**base, k: v},
         st.sampled_from(["model", "messages", "max_tokens", "temperature", "top_p", "seed",
-                         "stop", "stream", "n", "stream_options", "max_completion_tokens"]),
+                         "stop", "stream", "n", "stream_options", "max_completion_tokens",
+                         "top_k", "min_p", "xtc_probability", "xtc_threshold",
+                         "repetition_penalty"]),
         json_values,
     )  # fmt: skip
     bodies = st.one_of(

@@ -11,13 +11,17 @@ with that short lease stays: a shard loading or loaded has no lease.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from studiotui.cluster.controller import Controller, committed_bytes
+from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller, committed_bytes
 from studiotui.cluster.peers import AgentError
+from studiotui.core.model_facts import read_model
+from studiotui.core.placement import Plan, Refusal
 from tests.cluster_fixture import LocalCluster, start_cluster, stop_cluster
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import control
@@ -137,6 +141,58 @@ def test_a_loaded_shard_outlives_its_lease(cluster: LocalCluster) -> None:
             # Its renewals stopped once it loaded: nothing is prepared to renew.
             assert await ctl.renew_leases("leased", [NODE]) == [NODE]
             await ctl.unload("leased")
+        finally:
+            await ctl.close()
+
+    asyncio.run(run())
+
+
+def test_a_preview_in_the_prepare_round_trip_counts_the_placement_being_decided(
+    cluster: LocalCluster,
+) -> None:
+    """The memory a placement is planned onto is the placing controller's from the plan
+    on, not from the node's reply: the agent is held (SIGSTOP) while its prepare_shard
+    is in flight, and a preview then refuses, naming the placement, what it would have
+    offered again."""
+    spec = DemoSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32")
+    model = write_demo_model(cluster.home / "models" / "pledged", spec)
+    agent = cluster.pids[NODE]
+
+    async def run() -> None:
+        ctl = cluster.controller()
+        try:
+            await until(ctl, lambda: NODE in str(ctl.state.nodes), 10, "the node")
+            node = ctl.state.node(NODE)
+            assert node is not None
+            per_token = sum(read_model(model).facts.kv_bytes(1000, 1)) / 1000
+            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            context = int(0.6 * room / per_token)  # one fits, two do not
+            _, alone = ctl.preview(model, [NODE], context, streams=1)
+            assert isinstance(alone, Plan), alone
+            task = asyncio.ensure_future(
+                ctl.place(model, [NODE], "first", context_tokens=context, streams=1)
+            )
+            # Every turn of the loop: the first one after place() sent its prepare_shard
+            # sees the pledge, before any reply can have been read.
+            for _ in range(10_000):
+                if "first" in ctl.pledges:
+                    break
+                assert not task.done(), task
+                await asyncio.sleep(0)
+            os.kill(agent, signal.SIGSTOP)
+            try:
+                assert ctl.pledges["first"][NODE] >= alone.shards[0].kv_bytes
+                assert not any(s.placement == "first" for s in node.shards)
+                _, second = ctl.preview(model, [NODE], context, streams=1)
+                assert isinstance(second, Refusal), second
+                assert "placement 'first' (being prepared) is promised" in second.reason
+            finally:
+                os.kill(agent, signal.SIGCONT)
+            await task
+            assert "first" not in ctl.pledges  # the node's report holds it now
+            _, third = ctl.preview(model, [NODE], context, streams=1)
+            assert isinstance(third, Refusal), third
+            await ctl.unload("first")
         finally:
             await ctl.close()
 

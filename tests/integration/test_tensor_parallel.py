@@ -23,11 +23,13 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.core.placement import Plan
@@ -64,12 +66,17 @@ def _spec(kind: str, quant: str) -> DemoSpec:
     )
 
 
-def _reference(model: Path) -> tuple[list[int], list[float]]:
-    """mlx-lm's greedy tokens and, per step, its top-1 minus top-2 log-probability."""
+def _reference(model: Path, **processors: Any) -> tuple[list[int], list[float]]:
+    """mlx-lm's greedy tokens and, per step, its top-1 minus top-2 log-probability,
+    with `processors` (make_logits_processors' options) if given."""
     loaded, _ = mlx_lm.load(str(model))
     tokens, margins = [], []
     for tok, logprobs in generate_step(
-        mx.array(PROMPT), loaded, max_tokens=N_TOKENS, prefill_step_size=8
+        mx.array(PROMPT),
+        loaded,
+        max_tokens=N_TOKENS,
+        prefill_step_size=8,
+        logits_processors=make_logits_processors(**processors),
     ):
         top2 = mx.sort(logprobs)[-2:]
         tokens.append(int(tok))
@@ -143,10 +150,10 @@ def placed(
 
 
 async def _answer(
-    ctl: Controller, placement: str, prompt: list[int] = PROMPT, n: int = N_TOKENS
+    ctl: Controller, placement: str, prompt: list[int] = PROMPT, n: int = N_TOKENS, **more: Any
 ) -> list[int]:
     got: list[int] = []
-    params = {"max_tokens": n, "ignore_eos": True}
+    params = {"max_tokens": n, "ignore_eos": True, **more}
     async for msg in ctl.generate(placement, {"tokens": prompt}, params):
         if msg["type"] == "delta":
             got += msg["tokens"]
@@ -163,6 +170,76 @@ def test_tensor_group_answers_as_mlx_lm(
     assert judged >= MIN_COMPARED, f"margins too thin to judge {model.name}: {margins}"
     assert len(set(want[:judged])) > 2, "a model that repeats one token tests little"
     assert answers[shape][:judged] == want[:judged]
+
+
+@pytest.mark.parametrize("shape", ["tp2", "2x2"])
+def test_logits_processors_on_a_group_answer_as_mlx_lm(
+    tp_cluster: LocalCluster, placed: dict[str, tuple[Path, object]], shape: str
+) -> None:
+    """Every rank of the tail's group applies the request's processors to the same
+    all-reduced logits with the same recent tokens: the group draws mlx-lm's tokens."""
+    model, _ = placed["dense-float"]
+    options = {"repetition_penalty": 1.4, "presence_penalty": 0.8, "logit_bias": {50: 3.0}}
+    want, margins = _reference(model, **options)
+    assert want != _reference(model)[0], "the processors change nothing: they test nothing"
+    judged = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+    assert judged >= MIN_COMPARED, f"margins too thin to judge: {margins}"
+
+    async def run() -> list[int]:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            wire = {**options, "logit_bias": [[50, 3.0]]}
+            return await _answer(ctl, f"dense-float-{shape}", **wire)
+        finally:
+            await ctl.close()
+
+    assert asyncio.run(run())[:judged] == want[:judged]
+
+
+@pytest.mark.parametrize("shape", ["tp2", "2x2"])
+def test_samplers_on_a_group_draw_as_mlx_lm(
+    tp_cluster: LocalCluster, placed: dict[str, tuple[Path, dict[str, list[int]]]], shape: str
+) -> None:
+    """Every rank of the tail's group seeds mlx-lm's `make_sampler` with the request's
+    own keys and draws from the same all-reduced logits, so all draw the same token
+    (the followers build the next step on their own draw): mlx-lm's seeded tokens. The
+    whole answer is compared: a draw flips only where two tokens' noisy scores lie
+    within the group's rounding of each other, and the greedy test above finds this
+    model's margins far wider than that. top_k=1 is the greedy answer."""
+    model, answers = placed["dense-float"]
+    loaded, _ = mlx_lm.load(str(model))
+
+    def reference(**options: Any) -> list[int]:
+        mx.random.seed(9)
+        steps = generate_step(
+            mx.array(PROMPT),
+            loaded,
+            max_tokens=N_TOKENS,
+            prefill_step_size=8,
+            sampler=make_sampler(**options),
+        )
+        return [int(tok) for tok, _ in steps]
+
+    want = reference(temp=1.3, top_k=4, min_p=0.05)
+    assert want != reference(temp=1.3), "top_k and min_p change nothing: they test nothing"
+    sampled = {"temperature": 1.3, "seed": 9}
+
+    async def run() -> tuple[list[int], list[int]]:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            placement = f"dense-float-{shape}"
+            return (
+                await _answer(ctl, placement, **sampled, top_k=4, min_p=0.05),
+                await _answer(ctl, placement, **sampled, top_k=1),
+            )
+        finally:
+            await ctl.close()
+
+    got, first = asyncio.run(run())
+    assert got == want
+    assert first == answers[shape]
 
 
 def test_members_report_their_group(tp_cluster: LocalCluster, placed: dict[str, object]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from studiotui.cluster.controller import committed_bytes, promises_note
+from studiotui.cluster.controller import committed_bytes, pledged_bytes, promises_note
 from studiotui.core.state import NodeState, shard_from_report
 from worker.agent import ShardProc
 from worker.shared.protocol import control, messages
@@ -106,3 +106,19 @@ def test_a_prepare_from_an_older_controller_promises_nothing_it_did_not_say() ->
     req = control.parse({"placement": "p"}, control.PrepareShard)
     assert (req.weight_bytes, req.kv_bytes, req.adapter_bytes) == (0, 0, 0)
     assert committed_bytes(_node(_prepared("p", 0, 0))) == 0
+
+
+def test_a_pledge_counts_until_its_node_reports_the_placement_and_never_twice() -> None:
+    pledges = {"new": {"studio-1": 40 * MB, "studio-2": 60 * MB}}
+    empty = _node(name="studio-1")
+    assert pledged_bytes(pledges, empty) == 40 * MB
+    assert pledged_bytes(pledges, _node(name="studio-3")) == 0
+    # Once the node reports the prepared shard, its report holds the promise.
+    reported = _node(_prepared("new", 30 * MB, 10 * MB), name="studio-1")
+    assert pledged_bytes(pledges, reported) == 0
+    assert committed_bytes(reported) == 40 * MB
+    note = promises_note([empty, _node(name="studio-2")], pledges)
+    assert "placement 'new' (being prepared) is promised 40 MB on studio-1, 60 MB on studio-2" in (
+        note
+    )
+    assert promises_note([reported], pledges).count("'new'") == 1

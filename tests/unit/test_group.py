@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -94,3 +95,89 @@ def test_a_join_mlx_cannot_make_names_what_the_rank_was_given(tmp_path: Path) ->
     assert said.startswith("MLX here has no 'jaccl' distributed backend (")
     assert "MLX_JACCL_COORDINATOR=10.0.0.1:5000" in said and "MLX_RANK=1" in said
     assert f"MLX_IBV_DEVICES={tmp_path / 'd.json'}" in said and "HOME" not in said
+
+
+JOINING = """
+import os, sys
+from worker.group import GroupError, join
+try:
+    group = join("ring", os.environ)
+except GroupError as exc:
+    print("refused:", exc)
+else:
+    print("joined", group.rank(), group.size())
+"""
+
+
+def _ranks(
+    tmp_path: Path, ranks: list[int], size: int, join_s: float
+) -> tuple[list[str], list[str]]:
+    """Start only `ranks` of a ring group of `size` (nodes n0, n1, ... by name) with a
+    join time of `join_s`; what each printed, and the group's addresses."""
+    ends = ["127.0.0.1"] * size, [_free_port() for _ in range(size)]
+    hostfile = write_json(tmp_path / "hosts.json", ring_hostfile(*ends))
+    nodes = [f"n{r}" for r in range(size)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOINING],
+            env={
+                **os.environ,
+                **rank_env(rank, size, "ring", hostfile=hostfile, nodes=nodes, join_s=join_s),
+            },
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in ranks
+    ]
+    try:
+        outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs, [f"127.0.0.1:{p}" for p in ends[1]]
+
+
+def test_a_rank_that_never_comes_is_named_by_every_rank_that_did(tmp_path: Path) -> None:
+    """Ranks 0 and 1 of three start, rank 2 never does: within the join time (2 s here,
+    set as the launcher sets it) both refuse with the same words, naming rank 2 and its
+    node, where the ranks meet, and what to do, instead of MLX waiting in accept."""
+    outs, ends = _ranks(tmp_path, [0, 1], 3, 2.0)
+    assert outs[0] == outs[1], outs
+    said = outs[0]
+    assert said.startswith("refused: the group of n0, n1, n2 did not form: rank 2 (n2) was ")
+    assert f"not there within 2 s (the ranks meet at {ends[0]})" in said
+    assert "studiotui logs n2" in said and "give the join more time (STUDIOTUI_JOIN_S=600" in said
+
+
+def test_a_missing_rank_0_is_named_by_the_others(tmp_path: Path) -> None:
+    outs, ends = _ranks(tmp_path, [1], 2, 1.5)
+    assert outs[0].startswith("refused: the group of n0, n1 did not form: rank 0 (n0) was ")
+    assert ends[0] in outs[0]
+
+
+def test_ranks_started_seconds_apart_still_join(tmp_path: Path) -> None:
+    """Rank 1 (the one MLX has connect first) waits at the meeting for rank 0,
+    started 3 s later, and the group forms."""
+    ends = ["127.0.0.1"] * 2, [_free_port(), _free_port()]
+    hostfile = write_json(tmp_path / "hosts.json", ring_hostfile(*ends))
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        env = rank_env(rank, 2, "ring", hostfile=hostfile, nodes=["a", "b"], join_s=60)
+        return subprocess.Popen(
+            [sys.executable, "-c", JOINING],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    late = start(1)
+    time.sleep(3.0)
+    procs = [start(0), late]
+    try:
+        outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert outs == ["joined 0 2", "joined 1 2"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ from studiotui.cluster.model_files import (
 from studiotui.core.model_facts import ModelDirError, read_model
 from worker.shard import ShardLoadError, load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.manifest import CACHE_NAME, FileId, manifest, plain_name
+from worker.shared.manifest import CACHE_NAME, FileId, manifest, plain_name, spill_path
 from worker.shared.protocol import control
 
 
@@ -139,6 +142,63 @@ def test_the_manifest_is_hashed_once_and_again_only_when_a_file_changes(tmp_path
     assert again["model.safetensors"].sha256 != first["model.safetensors"].sha256
     # The needed files never include the cache itself.
     assert CACHE_NAME not in {f.name for f in needed_files(model, 0, 2, 2)}
+
+
+# Two checks of a folder, each the bytes it hashed, in a process of its own: as root a
+# chmod does not stop writes, so there the folder is made a read-only mount instead.
+_CHECK_TWICE = """
+import json, sys
+from pathlib import Path
+from worker.shared.manifest import manifest
+model = Path(sys.argv[1])
+names = sorted(p.name for p in model.iterdir())
+hashed = [[], []]
+for seen in hashed:
+    manifest(model, names, on_bytes=seen.append)
+print(json.dumps([sum(seen) for seen in hashed]))
+"""
+_READ_ONLY_MOUNT = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+
+
+def test_a_read_only_folder_is_hashed_once_its_hashes_kept_under_the_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its cache cannot be written beside the files: it goes under STUDIOTUI_HOME,
+    named by the folder's path, and the second check reads no file."""
+    model = write_demo_model(tmp_path / "m", DemoSpec(layers=2, hidden=32, heads=4, kv_heads=2))
+    home = tmp_path / "home"
+    check = [sys.executable, "-c", _CHECK_TWICE, str(model)]
+    if os.geteuid() == 0:
+        if (
+            shutil.which("unshare") is None
+            or subprocess.run(
+                ["unshare", "--mount", "sh", "-c", _READ_ONLY_MOUNT, "sh", str(model), "true"],
+                capture_output=True,
+            ).returncode
+        ):
+            pytest.skip("root here, and no mount namespace to make a read-only folder in")
+        check = ["unshare", "--mount", "sh", "-c", _READ_ONLY_MOUNT, "sh", str(model), *check]
+    model.chmod(0o555)
+    try:
+        done = subprocess.run(
+            check,
+            env={**os.environ, "STUDIOTUI_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        model.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    first, second = json.loads(done.stdout)
+    files = [p for p in model.iterdir() if p.is_file()]
+    assert first == sum(p.stat().st_size for p in files)
+    assert second == 0
+    assert not (model / CACHE_NAME).exists()
+    monkeypatch.setenv("STUDIOTUI_HOME", str(home))
+    kept = json.loads(spill_path(model).read_text())
+    assert spill_path(model).parent == home / "hashes"
+    assert kept["dir"] == str(model.resolve()) and set(kept["files"]) == {p.name for p in files}
 
 
 def test_a_hub_blob_link_states_its_hash_and_its_snapshot_is_not_written_to(

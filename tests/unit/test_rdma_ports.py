@@ -190,6 +190,55 @@ def test_an_agent_reports_its_ports_typed_from_the_recorded_macbook(tmp_path: Pa
     assert read_rdma(node_probe.rdma_facts(folder)).ports == ()  # type: ignore[union-attr]
 
 
+def test_the_periodic_probe_lists_the_thunderbolt_bus_again_only_when_a_link_changed(
+    tmp_path: Path,
+) -> None:
+    """An agent's rounds of probes, replayed from recorded MacBook outputs, counting the
+    commands each round ran: the first lists the Thunderbolt bus (`system_profiler`,
+    seconds on a Mac); the next, with nothing changed in the cheap probes, does not and
+    reports the same facts (even with that recording gone: the listing was not read);
+    a port whose link goes down in `ifconfig` brings the listing back (and its loss
+    shows: no ports)."""
+    folder = _replay(
+        tmp_path,
+        {
+            ("rdma_ctl", "status"): RDMA_CTL,
+            ("ibv_devices",): IBV_MBP,
+            ("ibv_devinfo",): DEVINFO_DOWN,
+            SP: TB_ON,
+            ("networksetup", "-listallhardwareports"): NS_OSAURUS,
+            ("ifconfig",): IFC_ALL,
+        },
+    )
+    cheap = {
+        "sw_vers_-productVersion",
+        "rdma_ctl_status",
+        "ibv_devices",
+        "ibv_devinfo",
+        "networksetup_-listallhardwareports",
+        "ifconfig",
+    }
+    listing = node_probe.replay_name(SP)
+    memo = node_probe.ProbeMemo()
+    first = node_probe.rdma_facts(folder, memo)
+    assert set(memo.ran) == cheap | {listing} and len(memo.ran) == 7
+    assert read_rdma(first).ports  # type: ignore[union-attr]
+
+    (folder / listing).unlink()
+    second = node_probe.rdma_facts(folder, memo)
+    assert set(memo.ran) == cheap and len(memo.ran) == 6
+    assert second == first
+
+    ifconfig = folder / "ifconfig"
+    ifconfig.write_text(ifconfig.read_text().replace("status: inactive", "status: active", 1))
+    third = node_probe.rdma_facts(folder, memo)
+    assert listing in memo.ran
+    assert read_rdma(third).ports == ()  # type: ignore[union-attr]
+    # Unchanged again: the failed listing is tried again (it may have been a hiccup).
+    node_probe.rdma_facts(folder, memo)
+    assert listing in memo.ran
+
+
 def test_unreadable_rdma_facts_are_refused_by_name() -> None:
     with pytest.raises(MessageError, match="ports"):
         read_rdma({"ports": [{"receptacle": "one"}]})

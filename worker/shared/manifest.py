@@ -3,7 +3,9 @@
 A model is known by its bytes, not by its folder's or its files' names: a fine-tune
 has the same file names and sizes as its base. Hashing hundreds of GB takes
 minutes, so each directory keeps a cache (`.studiotui-manifest.json`, next to the
-files) keyed by (size, mtime_ns): a second look hashes nothing. A file in a
+files) keyed by (size, mtime_ns): a second look hashes nothing. A folder that cannot
+be written to (read-only, a mount, another user's) has its cache kept under
+STUDIOTUI_HOME instead (`hashes/`, one file per folder, named by its absolute path). A file in a
 Hugging Face snapshot links to `blobs/<sha256>` for weights (Git LFS objects), so
 its hash is read from the link, not computed.
 
@@ -24,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 CACHE_NAME = ".studiotui-manifest.json"
+# Where the hashes of folders that cannot be written to are kept, under the home
+# (the same STUDIOTUI_HOME, or ~/.studiotui, as the operator's and an agent's own).
+SPILL_DIR = "hashes"
 PART_SUFFIX = ".studiotui-part"
 CHUNK = 4 * 1024 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -99,22 +104,71 @@ def hub_blob_hash(path: Path) -> str | None:
     return target if _SHA256.match(target) and path.resolve().parent.name == "blobs" else None
 
 
-def _load_cache(directory: Path) -> dict[str, dict[str, object]]:
+Cache = dict[str, dict[str, object]]
+
+
+def spill_path(directory: Path) -> Path:
+    """Where the hashes of `directory` are kept when it cannot be written to: under
+    STUDIOTUI_HOME, named by the folder's absolute path (each entry still keyed by its
+    file's size and mtime_ns)."""
+    home = Path(os.environ.get("STUDIOTUI_HOME") or "~/.studiotui").expanduser()
+    key = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:32]
+    return home / SPILL_DIR / f"{key}.json"
+
+
+def _read_json(path: Path) -> Any:
     try:
-        raw = json.loads((directory / CACHE_NAME).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
+        return None
 
 
-def _save_cache(directory: Path, cache: dict[str, dict[str, object]]) -> None:
-    """Written atomically; a directory we may not write to just stays uncached."""
-    tmp = directory / f"{CACHE_NAME}.{os.getpid()}.tmp"
+def _load_cache(directory: Path) -> tuple[Cache, Cache]:
+    """The cache beside the files, and the one kept for the folder under the home
+    (only that folder's: the file says whose it is)."""
+    beside = _read_json(directory / CACHE_NAME)
+    spilled = _read_json(spill_path(directory))
+    ok = isinstance(spilled, dict) and spilled.get("dir") == str(directory.resolve())
+    files = spilled.get("files") if ok else None
+    return (
+        beside if isinstance(beside, dict) else {},
+        files if isinstance(files, dict) else {},
+    )
+
+
+def _cached(caches: tuple[Cache, Cache], name: str, st: os.stat_result) -> str | None:
+    """The hash a cache still holds for this file (size and mtime_ns unchanged)."""
+    for cache in caches:
+        entry = cache.get(name)
+        if isinstance(entry, dict) and _fresh(entry, st):
+            return str(entry["sha256"])
+    return None
+
+
+def _write(path: Path, text: str) -> bool:
+    """Written atomically; False where it cannot be."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return False
+    return True
+
+
+def _save_cache(directory: Path, caches: tuple[Cache, Cache], updates: Cache) -> None:
+    """Beside the files; where that cannot be written (a read-only folder), under the
+    home, so the next look does not hash every byte again."""
+    beside, spilled = caches
+    if _write(directory / CACHE_NAME, json.dumps({**beside, **updates}, sort_keys=True)):
+        return
+    where = spill_path(directory)
     with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps(cache, sort_keys=True))
-        os.replace(tmp, directory / CACHE_NAME)
-    with contextlib.suppress(OSError):
-        tmp.unlink()
+        where.parent.mkdir(parents=True, exist_ok=True)
+        body = {"dir": str(directory.resolve()), "files": {**spilled, **updates}}
+        _write(where, json.dumps(body, sort_keys=True))
 
 
 def manifest(
@@ -127,8 +181,8 @@ def manifest(
     """Size and hash of each named file that exists (missing ones are left out).
 
     A cached hash is used while the file's size and mtime_ns are unchanged."""
-    cache = _load_cache(directory)
-    changed = False
+    caches = _load_cache(directory)
+    updates: Cache = {}
     out: dict[str, FileId] = {}
     for name in names:
         path = directory / name
@@ -136,23 +190,20 @@ def manifest(
             st = path.stat()
         except OSError:
             continue
-        entry = cache.get(name)
-        if entry and _fresh(entry, st):
-            digest = str(entry["sha256"])
-        else:
+        digest = _cached(caches, name, st)
+        if digest is None:
             digest = hub_blob_hash(path) or sha256_file(path, on_bytes)
-            cache[name] = _entry(st, digest)
-            changed = True
+            updates[name] = _entry(st, digest)
         out[name] = FileId(name, st.st_size, digest)
-    if changed and write_cache:
-        _save_cache(directory, cache)
+    if updates and write_cache:
+        _save_cache(directory, caches, updates)
     return out
 
 
 def unhashed_bytes(directory: Path, names: Iterable[str]) -> int:
     """The bytes `manifest` would read for these files now: those whose cached hash no
     longer matches their size and mtime_ns and whose hash no hub link states."""
-    cache = _load_cache(directory)
+    caches = _load_cache(directory)
     total = 0
     for name in names:
         path = directory / name
@@ -160,8 +211,7 @@ def unhashed_bytes(directory: Path, names: Iterable[str]) -> int:
             st = path.stat()
         except OSError:
             continue
-        entry = cache.get(name)
-        if not (entry and _fresh(entry, st)) and hub_blob_hash(path) is None:
+        if _cached(caches, name, st) is None and hub_blob_hash(path) is None:
             total += st.st_size
     return total
 
@@ -169,9 +219,7 @@ def unhashed_bytes(directory: Path, names: Iterable[str]) -> int:
 def remember(directory: Path, file: FileId) -> None:
     """Record a hash just verified (a file that landed), so nobody hashes it again."""
     st = (directory / file.name).stat()
-    cache = _load_cache(directory)
-    cache[file.name] = _entry(st, file.sha256)
-    _save_cache(directory, cache)
+    _save_cache(directory, _load_cache(directory), {file.name: _entry(st, file.sha256)})
 
 
 def _fresh(entry: dict[str, object], st: os.stat_result) -> bool:

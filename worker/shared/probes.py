@@ -895,6 +895,23 @@ class ThunderboltPort:
         return self.state == "PORT_ACTIVE"
 
 
+def link_signal(
+    ifconfig: Mapping[str, Interface],
+    hardware: Sequence[HardwarePort],
+    ports: Sequence[IbvPort],
+) -> tuple[Any, ...]:
+    """What changes, in the cheap probes' words, when a Thunderbolt cable is plugged
+    in or pulled or a port goes up or down: each interface's link status, addresses and
+    bridge members, the hardware port list, each RDMA port's state. While it is the
+    same, the slow Thunderbolt bus listing (`system_profiler`, seconds on a Mac) would
+    say what it said last time."""
+    return (
+        tuple(sorted((n, i.status, i.ipv4, i.members) for n, i in ifconfig.items())),
+        tuple(hardware),
+        tuple(sorted((p.device, p.port, p.state or "") for p in ports)),
+    )
+
+
 def thunderbolt_port_map(
     report: ThunderboltReport,
     ports: Sequence[HardwarePort],

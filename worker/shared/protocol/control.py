@@ -57,6 +57,17 @@ def to_wire(struct: Wire) -> dict[str, Any]:
 # again, rather than held until someone unloads it by name.
 PREPARED_LEASE_S = 300.0
 
+# How long the ranks of an `mx.distributed` group wait for one another to start before
+# they give up naming who did not come (worker.group.meet). Each rank is a process that
+# imports MLX and mlx-lm first: seconds on an idle Mac, far more on a loaded one, so
+# minutes, not MLX's own connect retries (about 15 s to its last attempt). The operator
+# sends it with each member's load (TensorMember.join_s) and waits on the agents'
+# heartbeats meanwhile.
+GROUP_JOIN_S = 300.0
+# Where that time is set: the operator's environment (for `studiotui place` and the
+# dashboard), and a rank's, from its load (worker.group.rank_env).
+JOIN_S_VAR = "STUDIOTUI_JOIN_S"
+
 
 class PrepareShard(Wire, frozen=True, kw_only=True):
     placement: str
@@ -124,6 +135,7 @@ class TensorMember(Wire, frozen=True, kw_only=True):
     devices: Any = None  # jaccl's device map
     followers: list[tuple[str, str]] = []  # the leader's: each follower's mirror endpoint, key
     leader_key: str = ""  # a follower's: its leader's CURVE key
+    join_s: float = GROUP_JOIN_S  # how long the ranks wait for one another (GROUP_JOIN_S)
 
 
 class Unload(Wire, frozen=True, kw_only=True):

@@ -17,6 +17,32 @@ MAX_SEED = (1 << 63) - 1
 # the text a token adds (worker/sampling.py), so their total length bounds the work.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+# Logits processors (worker/sampling.py, mlx-lm's own): OpenAI's ranges for its
+# penalties and logit_bias, and how many tokens back a penalty may look. mlx-lm's
+# default window is 20; the head ships the prompt's last tokens of the widest window to
+# the tail in the request's parameters, so the window is bounded like any header field.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
+DEFAULT_PENALTY_CONTEXT = 20
+MAX_PENALTY_CONTEXT = 2048
+# repetition_penalty divides a recent token's positive logit by the penalty and
+# multiplies its negative one: a penalty of 1e-40 turns a logit of 10 into inf in
+# float32 (and the log-probabilities into NaN, which no JSON can carry). Within
+# 0.01..10 the logits stay finite in float32 and bfloat16 for any logit below 3e36, and
+# in float16 (max 65504) for any below 650. vLLM and Hugging Face take any value above
+# 0, OpenRouter documents (0, 2]; the usual ones are 1.05-1.5, and below 1 it favours
+# repeating.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+# Samplers (worker/sampling.py, mlx-lm's `make_sampler`): top_k is an integer >= 0 as
+# mlx_lm.server takes it (0: off); one at or past the vocabulary keeps every token.
+# Past this it could not travel in a msgpack header, and no vocabulary is that large.
+MAX_TOP_K = (1 << 31) - 1
+# mlx-lm's `apply_xtc` raises past a threshold of 0.5 (mlx_lm.server lets up to 1 through
+# and fails later); its default threshold is 0.1.
+MAX_XTC_THRESHOLD = 0.5
+DEFAULT_XTC_THRESHOLD = 0.1
 # No tokenizer studiotui serves has a token longer than this many characters (the
 # longest are runs of spaces or dashes in code vocabularies, 20-60). A prompt with
 # more characters than context x this cannot fit the context whatever its text, so
