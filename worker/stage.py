@@ -68,7 +68,8 @@ class HeadRequest:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generated: int = 0
-    hops_us: list[float] = field(default_factory=list)  # its decode steps' hops (ring)
+    # Its decode steps' hops on a ring (the last 512, as the stage keeps its own).
+    hops_us: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
 
 @dataclass
