@@ -27,7 +27,9 @@ from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
 from worker.tool_calls import ToolCallStream, supports_tools
 
-_NP_VIEW: dict[str, type[np.generic]] = {
+# How an activation of each dtype is read and written with numpy (bfloat16, which numpy
+# lacks, as its uint16 bits).
+NP_VIEW: dict[str, type[np.generic]] = {
     "float32": np.float32,
     "float16": np.float16,
     "bfloat16": np.uint16,
@@ -154,7 +156,7 @@ class Stats:
 
 
 def to_array(header: RingHeader, payload: bytes | memoryview) -> mx.array:
-    flat = np.frombuffer(payload, dtype=_NP_VIEW[header.dtype])
+    flat = np.frombuffer(payload, dtype=NP_VIEW[header.dtype])
     arr = mx.array(flat)
     if header.dtype == "bfloat16":
         arr = arr.view(mx.bfloat16)
@@ -385,7 +387,7 @@ class Stage:
         pre = self._take_prebuilt(header) if kind == "decode" else None
         if pre is not None:
             if pre.slot is not None:
-                _fill(pre.slot, np.array([tokens], dtype=np.int32))
+                fill_slot(pre.slot, np.array([tokens], dtype=np.int32))
             return self._launch(header, pre=pre)
         return self._launch(header, self.shard.embed(mx.array([tokens])))
 
@@ -412,7 +414,7 @@ class Stage:
             try:
                 pre = self._take_prebuilt(header) if kind == "decode" else None
                 if pre is not None and pre.slot is not None:
-                    _fill(pre.slot, np.frombuffer(payload, dtype=_NP_VIEW[header.dtype]))
+                    fill_slot(pre.slot, np.frombuffer(payload, dtype=NP_VIEW[header.dtype]))
                     self._complete(self._launch(header, pre=pre))
                 else:
                     self._complete(self._launch(header, to_array(header, payload)))
@@ -558,7 +560,7 @@ class Stage:
             h = self.shard.embed(slot)
         else:
             # bfloat16 has no numpy type: fill its bits, view them as bfloat16.
-            slot = self._slot(rid, offset, done.shape, _NP_VIEW[done.dtype])
+            slot = self._slot(rid, offset, done.shape, NP_VIEW[done.dtype])
             h = slot.view(mx.bfloat16) if done.dtype == "bfloat16" else slot
         try:
             out = self.shard.forward(h, cache)
@@ -850,7 +852,7 @@ class Stage:
                 self._fail(rid, problem)
             return
         try:
-            flat = np.frombuffer(payload, dtype=_NP_VIEW[header.dtype])
+            flat = np.frombuffer(payload, dtype=NP_VIEW[header.dtype])
             step = self._launch_batch(header, flat)
         except Exception as exc:  # one bad batch must not take the stage down
             for rid in rows:
@@ -930,7 +932,7 @@ class Stage:
                 pre = self._take_prebuilt(one)
                 if pre is not None:
                     if pre.slot is not None:
-                        _fill(pre.slot, rows[i])
+                        fill_slot(pre.slot, rows[i])
                     step = pre.out
                 else:
                     step = self.shard.forward(
@@ -1246,7 +1248,7 @@ def _logprobs(drawn: tuple[mx.array, ...]) -> tuple[float, list[tuple[int, float
     return float(cast(float, chosen.item())), list(pairs)
 
 
-def _fill(slot: mx.array, values: np.ndarray) -> None:
+def fill_slot(slot: mx.array, values: np.ndarray) -> None:
     """Write an input into an evaluated placeholder, in place; MLX reads the bytes
     when the step built on it is evaluated. (copy=False fails rather than copies.)"""
     view = np.array(slot, copy=False)

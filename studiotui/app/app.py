@@ -376,7 +376,15 @@ class StudioApp(Dashboard):
         down = [n.name for n in nodes if n.state != "up"]
         summary = f"cluster {ctl.state.name}: {len(nodes) - len(down)}/{len(nodes)} nodes up"
         if down:
-            self.report(f"{summary}; not answering: {', '.join(down)}", "warning")
+            ssh = any(not self.inventory.node(n).is_local for n in down)
+            # A new cluster.toml's Macs have no agent yet: say what starts one.
+            how = (
+                "P on a node provisions it (installs and starts its agent; "
+                "studiotui provision does every node), r restarts one installed"
+                if ssh
+                else "r on a node restarts its agent"
+            )
+            self.report(f"{summary}; not answering: {', '.join(down)}: {how}", "warning")
         else:
             ctl.record(summary)
         for starter in self.starters:

@@ -9,8 +9,6 @@ running for the next start (`studiotui down` stops them).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,21 +31,13 @@ LOCAL_NODES = 4
 LOCAL_MEMORY_GB = 16.0
 
 
-def _port_free(address: str, port: int) -> bool:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        try:
-            sock.bind((address, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_local_base(
     n: int, control_port: int = DEFAULT_CONTROL_PORT, first: int = LOCAL_BASE_OCTET
 ) -> int:
     """The first loopback range 127.0.0.B… (Linux) whose agent ports are all free."""
     try:
-        return choose_local_layout(n, "linux", _port_free, control_port, first).base_octet
+        layout = choose_local_layout(n, "linux", local_cluster.port_free, control_port, first)
+        return layout.base_octet
     except ValueError as exc:
         raise RuntimeError(str(exc)) from exc
 
@@ -69,7 +59,7 @@ def first_run(
     """A new simulated cluster here, with the demo model placed on it."""
     n = n or LOCAL_NODES
     try:
-        layout = choose_local_layout(n, platform, _port_free)
+        layout = choose_local_layout(n, platform, local_cluster.port_free)
     except ValueError as exc:
         raise UserError(f"{exc}; stop another simulated cluster (studiotui down)") from exc
     inventory = local_inventory(

@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import stream
 from studiotui.core.inventory import Inventory
-from worker.shared.protocol import curve
+from worker.shared.protocol.bare import BareEnd, pair_keys
 from worker.shared.protocol.frames import RingHeader, decode_ring_header, encode_ring_header
 
 STREAMS = 8
@@ -158,34 +157,6 @@ def _token(work_us: float) -> list[bytes]:
     return [encode_ring_header(header), b""]
 
 
-class _End:
-    """One end of the bare hop: a CURVE PULL server and a PUSH client to the other end,
-    with the ring's options (`curve.make_server` / `make_client`, LINGER 0) and an
-    authenticator that knows the other end's key, as a runner does."""
-
-    def __init__(self, home: Path, me: str, bind: str, peer: str) -> None:
-        keys = curve.load_keypair(curve.key_dir(home) / f"{me}.key_secret")
-        other = "b" if me == "a" else "a"
-        peer_key = curve.load_public_key(curve.key_dir(home) / f"{other}.key")
-        self.ctx = zmq.Context()
-        self.auth = ThreadAuthenticator(self.ctx)
-        self.auth.start()
-        self.auth.configure_curve(domain="*", location=str(curve.authorized_dir(home)))
-        self.pull = self.ctx.socket(zmq.PULL)
-        curve.make_server(self.pull, keys, max_bytes=1 << 20)
-        self.pull.bind(bind)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        curve.make_client(self.push, keys, peer_key)
-        self.push.connect(peer)
-
-    def close(self) -> None:
-        self.pull.close(linger=0)
-        self.push.close(linger=0)
-        self.auth.stop()
-        self.ctx.term()
-
-
 # The near end's last frame: the far end leaves its loop (compared as bytes, so the echo
 # does nothing per frame a stage's recv would not).
 _STOP = encode_ring_header(RingHeader(rid="bare", kind="free"))
@@ -195,7 +166,7 @@ def _echo(home: Path, bind: str, peer: str, gap_s: float) -> None:
     """The far end: each frame answered `gap_s` after it came, so that the answer too
     finds its receiver asleep, as every hop of a ring does (its receiver waited through
     the other stage's step); the wait is inside the span the reply reports."""
-    end = _End(home, "b", bind, peer)
+    end = BareEnd(home, "b", bind, peer)
     try:
         while True:
             frames = end.pull.recv_multipart(copy=False)
@@ -208,7 +179,7 @@ def _echo(home: Path, bind: str, peer: str, gap_s: float) -> None:
         end.close()
 
 
-def _round_trips(end: _End, hidden: int, gap_s: float, rounds: int, warm: int) -> list[float]:
+def _round_trips(end: BareEnd, hidden: int, gap_s: float, rounds: int, warm: int) -> list[float]:
     """`rounds` round trips (after `warm` unrecorded ones), each a hop out and a hop back,
     as a decode step is on two stages: (round - far end's span) / 2 µs each,
     `Stage._ring_figures`'s hop. Raises TimeoutError if the far end stops answering."""
@@ -234,7 +205,7 @@ def _near(home: Path, bind: str, peer: str, hidden: int, gap_s: float) -> None:
     """The near end, a process of its own: round trips when asked on stdin ("N WARM"),
     the hops back on stdout (a JSON list; null if the far end is gone); an empty line
     or end of input stops both ends."""
-    end = _End(home, "a", bind, peer)
+    end = BareEnd(home, "a", bind, peer)
     try:
         # The far end's first answer waits for its process to start (imports take
         # seconds on a loaded machine); the frame waits in ZeroMQ's queue meanwhile.
@@ -269,10 +240,7 @@ class BareHop:
     def __init__(self, address: str, port: int, hidden: int, gap_s: float = 0.005) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-")
         home = Path(self._tmp.name)
-        keys = curve.key_dir(home)
-        for name in ("a", "b"):
-            pair = curve.ensure_keypair(keys, name)
-            curve.write_public_key(curve.authorized_dir(home), name, pair.public)
+        pair_keys(home)
         here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
         me = [sys.executable, "-m", "studiotui.bench.batching"]
         self.far = subprocess.Popen([*me, "echo", str(home), there, here, str(gap_s)])

@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from studiotui.bench import batching
+from studiotui.bench.floor import PipeFloor
 from studiotui.bench.launch import ring_of_two
 from studiotui.bench.tensor import (
     mlx_tp2_launch_tps,
@@ -52,6 +53,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import prompt_tokens, stream
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, local_inventory
+from studiotui.core.placement import Plan
 from worker.shared.protocol import control
 
 BENCH_OCTET = 71
@@ -59,6 +61,8 @@ BENCH_PORT = 56500
 # The bare hop's two ends listen beside the agents (127.0.0.71-74), on an address of
 # their own.
 BARE_ADDRESS = f"127.0.0.{BENCH_OCTET + 4}"
+# The MoE row's floor (two shard processes over bare hops) listens there too.
+FLOOR_PORT = BENCH_PORT + 960
 
 
 class BenchError(StudioError, RuntimeError):
@@ -155,27 +159,44 @@ async def paired_decode(
     single: SingleProcess,
     cfg: BenchConfig,
     between: Callable[[], Awaitable[None]] | None = None,
+    floor: Callable[[int], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Pipeline and single-process decode runs side by side, in alternating order;
-    `between` runs right after each pipeline run."""
-    pipe_runs, single_runs = [], []
+    `between` runs right after each pipeline run. With `floor` (a blocking run of n
+    tokens), each round also runs it, on the single run's other side (floor, single,
+    pipeline; then the reverse), so both are paired with the same single run and each
+    goes first as often; its figures are under "floor"."""
+    pipe_runs, single_runs, floor_runs = [], [], []
+    order = ("single", "pipe") if floor is None else ("floor", "single", "pipe")
     for r in range(cfg.decode_rounds):
-        for side in ("pipe", "single") if r % 2 else ("single", "pipe"):
+        for side in order[::-1] if r % 2 else order:
             if side == "pipe":
                 pipe_runs.append(await stream(ctl, name, prompt_tokens(16), cfg.tokens))
                 if between is not None:
                     await between()
+            elif side == "floor":
+                assert floor is not None
+                floor_runs.append(await asyncio.to_thread(floor, cfg.tokens))
             else:
                 # In a thread, so the controller keeps hearing its nodes meanwhile.
                 single_runs.append(await asyncio.to_thread(single.decode, cfg.tokens))
-    ratios = [p["tps"] / s["tps"] for p, s in zip(pipe_runs, single_runs, strict=True)]
+    out = _paired(pipe_runs, single_runs)
+    out["single"] = single_runs
+    if floor_runs:
+        out["floor"] = _paired(floor_runs, single_runs)
+    return out
+
+
+def _paired(runs: list[dict[str, Any]], singles: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs over the single-process runs they were paired with: the median of the
+    pairs' own ratios."""
+    ratios = [p["tps"] / s["tps"] for p, s in zip(runs, singles, strict=True)]
     return {
-        "runs": pipe_runs,
-        "tps": statistics.median(r["tps"] for r in pipe_runs),
+        "runs": runs,
+        "tps": statistics.median(r["tps"] for r in runs),
         "ratio": statistics.median(ratios),
         "ratios": ratios,
-        "tokens": [r["tokens"] for r in pipe_runs],
-        "single": single_runs,
+        "tokens": [r["tokens"] for r in runs],
     }
 
 
@@ -316,20 +337,45 @@ def moe_pairing(cfg: BenchConfig) -> BenchConfig:
 async def moe_figures(
     home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
 ) -> dict[str, Any]:
-    """The MoE model over 2 shards, paired with mlx-lm's loop on it, as pipe2 is."""
+    """The MoE model over 2 shards, paired with mlx-lm's loop on it, as pipe2 is; and in
+    the same rounds its floor (`floor.PipeFloor`): the same two shards of the placement,
+    run by two plain processes over a bare hop each way, paired with the same runs."""
     ctl = Controller(home, inv)
+    pipe_floor: PipeFloor | None = None
     try:
         await ctl.refresh()
+        nodes = list(inv.names)[:2]
+        # The plan is made first, so the floor's processes start loading its split while
+        # the placement loads that very plan (`expected`).
+        _, plan = ctl.preview(model_dir, nodes)
+        if not isinstance(plan, Plan):
+            raise BenchError(f"the MoE model cannot be placed on two nodes: {plan.reason}")
+        split = plan.shards[0].end
+        pipe_floor = PipeFloor(model_dir, split, BARE_ADDRESS, FLOOR_PORT, cfg.prefill_chunk)
         with phase("place_moe2"):
-            await ctl.place(model_dir, list(inv.names)[:2], "moe2", prefill_chunk=cfg.prefill_chunk)
+            await ctl.place(
+                model_dir, nodes, "moe2", prefill_chunk=cfg.prefill_chunk, expected=plan
+            )
+        placed = ctl.pick_placement("moe2").shards[0].end
+        if placed != split:
+            raise BenchError(f"moe2 was placed split at layer {placed}, its floor at {split}")
         with phase("decode_moe2"):
             # Both sides warm: the pipeline's shards and mlx-lm's first steps (its first
-            # run would otherwise pay the allocations, flattering the pipeline).
+            # run would otherwise pay the allocations, flattering the pipeline); and the
+            # floor, once its processes have loaded.
             await stream(ctl, "moe2", prompt_tokens(16), 8)
             await asyncio.to_thread(single.decode, 8)
-            out = await paired_decode(ctl, "moe2", single, moe_pairing(cfg))
+            floor = pipe_floor  # (a name the closure below knows is set)
+
+            def floor_run(n: int) -> dict[str, Any]:
+                return floor.decode(prompt_tokens(16), n)
+
+            await asyncio.to_thread(floor_run, 8)
+            out = await paired_decode(ctl, "moe2", single, moe_pairing(cfg), floor=floor_run)
         await ctl.unload("moe2")
     finally:
+        if pipe_floor is not None:
+            await asyncio.to_thread(pipe_floor.close)
         await ctl.close()
     return out
 
@@ -476,9 +522,12 @@ def summarize(
     pairs = pipe["pipe2"].get("hop_over_bare", []) if bare else []
     moe = pipe.get("moe2")
     moe_match = True
+    floor = moe.get("floor") if moe else None
     if moe:
-        # Its own reference: every MoE run, either side, gives the same tokens.
+        # Its own reference: every MoE run, either side and the floor, gives the same
+        # tokens.
         moe_runs = [r["tokens"] for r in moe["single"]] + moe["tokens"]
+        moe_runs += floor["tokens"] if floor else []
         moe_match = all(t == moe_runs[0] for t in moe_runs)
     return {
         "model": f"qwen2 demo, {cfg.layers} layers, hidden {cfg.hidden}, float32",
@@ -513,6 +562,12 @@ def summarize(
         "moe_pipe2_ratio": round(moe["ratio"], 3) if moe else None,
         # Each pair's own ratio, so the spread behind the median shows.
         "moe_pipe2_pairs": [round(r, 3) for r in moe["ratios"]] if moe else None,
+        # The floor: the same two shards in two plain processes over a bare hop each way,
+        # paired with the same single runs; and the pipeline's ratio over it.
+        "moe_pipe2_floor_tps": round(floor["tps"], 2) if floor else None,
+        "moe_pipe2_floor_ratio": round(floor["ratio"], 3) if floor else None,
+        "moe_pipe2_floor_pairs": [round(r, 3) for r in floor["ratios"]] if floor else None,
+        "moe_pipe2_over_floor": round(moe["ratio"] / floor["ratio"], 3) if moe and floor else None,
         "tokens_match": all(p == expected for p in produced) and moe_match,
         "tui_idle_cpu_pct": round(pipe["tui_idle_cpu_pct"], 2),
         "api_tps": round(pipe["api"]["api_tps"], 2),

@@ -16,6 +16,13 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def whole(text: str) -> int:
+    """A whole number, 0 included (a seed, say)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"wants a whole number (0 or more), got {text!r}")
+    return int(text)
+
+
 def positive_float(text: str) -> float:
     """A finite number above 0 (gigabytes, say)."""
     try:

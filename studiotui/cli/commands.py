@@ -26,7 +26,8 @@ from rich.table import Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import jobs, local_cluster
+from studiotui.cluster import jobs, local_cluster, model_fetch
+from studiotui.cluster import peers as agents
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import (
     Controller,
@@ -34,6 +35,7 @@ from studiotui.cluster.controller import (
     PlacementError,
     SavedShard,
 )
+from studiotui.cluster.model_sync import SyncRefused
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
@@ -42,11 +44,13 @@ from studiotui.core.adapter_catalog import (
     check_adapter,
     resolve_adapter,
 )
+from studiotui.core.catalog import scan_home
 from studiotui.core.errors import UserError
 from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
     Inventory,
     SelectionError,
+    free_control_port,
     local_inventory,
     resolve_group,
 )
@@ -56,11 +60,13 @@ from studiotui.core.placement import (
     ModelFacts,
     Plan,
     Refusal,
+    context_beyond,
     format_bytes,
     render_plan,
     tensor_refusal,
     tensor_sizes,
 )
+from studiotui.core.state import node_start_hint
 from studiotui.core.text import printable
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
@@ -87,6 +93,17 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
                 f"{', '.join(orphans)} {verb} running in the local cluster that "
                 f"`up --local {args.local}` would replace",
                 "stop it first with `studiotui down`, then run this again",
+            )
+        taken = local_cluster.ports_taken(inv)
+        if taken:
+            # Refused before anything starts: the agents would exit at once and `up`
+            # would wait out its 30 s for them.
+            free = free_control_port(args.local, sys.platform, local_cluster.port_free, args.port)
+            raise UserError(
+                f"{', '.join(taken)} already in use: another simulated cluster (from "
+                "another STUDIOTUI_HOME) or another program holds it",
+                "stop that one, or start this cluster beside it"
+                + (f": studiotui up --local {args.local} --port {free}" if free else ""),
             )
         local_cluster.save_local_inventory(home, inv)
     else:
@@ -282,8 +299,6 @@ def resolve_model(spec: Path, home: Path) -> Path:
     """A model directory, or the catalog's model of that name (models folders, HF cache)."""
     if spec.expanduser().exists():
         return spec.expanduser()
-    from studiotui.core.catalog import scan_home
-
     catalog = scan_home(home)
     named = [m.path for m in catalog.models if m.name == str(spec) or m.path.name == str(spec)]
     if len(named) == 1:
@@ -451,6 +466,8 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         console.print(render_plan(the_plan))
         if isinstance(the_plan, Refusal):
             return 1
+        if beyond := context_beyond(info.facts, the_plan.context_tokens):
+            errors.print(f"[yellow]note:[/] {beyond}", highlight=False)
         if isinstance(the_plan, Plan):
             print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:
@@ -497,6 +514,9 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
+            except asyncio.CancelledError:  # Ctrl-C: ctl.place has unloaded what it loaded
+                errors.print(f"interrupted: placement {name} rolled back, nothing left loaded")
+                raise
         console.print(
             f"placement [bold]{result.placement.name}[/] is ready ({result.placement.label})"
         )
@@ -531,16 +551,16 @@ def print_shapes(
 
 
 async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.cluster import model_fetch
-    from studiotui.cluster import peers as agents
-    from studiotui.cluster.model_sync import SyncRefused
-
     inv = inventory_of(args, home)
     source = Path(args.source).expanduser()
     if not source.is_dir() and not model_fetch.is_repo_id(args.source):
-        raise UserError(
-            f"{args.source!r} is neither a model directory nor a Hugging Face repo id (org/name)"
-        )
+        # A model's name in the catalog, as `place` and `finetune` take it.
+        try:
+            source = resolve_model(Path(args.source), home)
+        except UserError as exc:
+            raise UserError(
+                f"{args.source!r} is not a Hugging Face repo id (org/name), and {exc.message}"
+            ) from None
     try:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
@@ -551,7 +571,12 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         down = [n for n in group if (s := ctl.state.node(n)) is None or s.state != "up"]
         if down or not group:
-            raise UserError(f"{', '.join(down) or 'no node'} is not up: start it first")
+            if not group:
+                raise UserError(f"no node is up: start the cluster with {start_hint(inv)}")
+            raise UserError(
+                f"{', '.join(down)} {'is' if len(down) == 1 else 'are'} not up",
+                "; ".join(node_start_hint(n) for n in down),
+            )
         with Progress(
             TextColumn("{task.description:>12}"),
             BarColumn(),
@@ -628,13 +653,21 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
         if not ctl.state.placements:
             raise UserError(f"no placement yet: {place}, then chat")
         done: dict[str, Any] = {}
-        async for msg in ctl.generate(args.placement, request, params):
-            if msg["type"] == "delta":
-                # As the dashboard's chat: a model's ESC must not drive the terminal.
-                sys.stdout.write(printable(msg["text"]))
-                sys.stdout.flush()
-            elif msg["type"] == "done":
-                done = msg
+        try:
+            async for msg in ctl.generate(args.placement, request, params):
+                if msg["type"] == "delta":
+                    # As the dashboard's chat: a model's ESC must not drive the terminal.
+                    sys.stdout.write(printable(msg["text"]))
+                    sys.stdout.flush()
+                elif msg["type"] == "done":
+                    done = msg
+        except asyncio.CancelledError:
+            # Ctrl-C: the request is cancelled on the cluster as the generator closes;
+            # the shell's prompt goes on a line of its own.
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            errors.print("[dim]stopped: the answer was cancelled[/]")
+            raise
         sys.stdout.write("\n")
         t = done.get("timings", {})
         u = done.get("usage", {})

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from studiotui import __version__
-from studiotui.cli.argtypes import port, positive, positive_float
+from studiotui.cli.argtypes import port, positive, positive_float, whole
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import DEFAULT_CONTROL_PORT
 from worker.shared.protocol.limits import DEFAULT_STREAMS
@@ -87,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser(
         "fetch", help="put a model's files on nodes ahead of placing it, each node its share"
     )
-    fetch.add_argument("source", help="a Hugging Face repo id (org/name) or a model directory")
+    fetch.add_argument(
+        "source",
+        help="a Hugging Face repo id (org/name), a model directory, or a model's catalog name",
+    )
     fetch.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
     fetch.add_argument("--revision", default="main", help="hub branch, tag or commit")
     fetch.add_argument(
@@ -165,27 +168,30 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         help=f"model family, as config.json's model_type: {', '.join(FAMILIES)} (default: llama)",
     )
     demo.add_argument(
-        "--layers", type=int, default=8, help="decoder layers: what shards split (default: 8)"
+        "--layers", type=positive, default=8, help="decoder layers: what shards split (default: 8)"
     )
-    demo.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
-    demo.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
+    demo.add_argument("--hidden", type=positive, default=256, help="hidden size (default: 256)")
+    demo.add_argument("--heads", type=positive, default=8, help="attention heads (default: 8)")
     demo.add_argument(
-        "--kv-heads", type=int, default=4, help="key/value heads, dividing --heads (default: 4)"
+        "--kv-heads",
+        type=positive,
+        default=4,
+        help="key/value heads, dividing --heads (default: 4)",
     )
     demo.add_argument(
         "--intermediate",
-        type=int,
+        type=positive,
         default=None,
         help="width of the dense MLP (default: 8/3 of --hidden)",
     )
     demo.add_argument(
         "--experts",
-        type=int,
+        type=positive,
         default=4,
         help="routed experts of a mixture-of-experts family, 2 active a token (default: 4)",
     )
     demo.add_argument(
-        "--seed", type=int, default=0, help="random seed: same seed, same weights (default: 0)"
+        "--seed", type=whole, default=0, help="random seed: same seed, same weights (default: 0)"
     )
     demo.add_argument(
         "--dtype",
@@ -212,7 +218,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--files",
-        type=int,
+        type=positive,
         default=1,
         help="safetensors files, split by layer with an index as big downloads are (default: 1)",
     )

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from studiotui.cli.args import inventory_of
+from studiotui.cli.argtypes import positive, positive_float
 from studiotui.cli.commands import resolve_model, start_hint, transfer_shown
 from studiotui.cluster import jobs
 from studiotui.cluster.adapter_fetch import AdapterFetchError, fetch_adapter
@@ -43,17 +44,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "(train.jsonl, valid.jsonl), or a folder of text, Markdown and PDF documents",
     )
     tune.add_argument("--nodes", help="a group name or comma list of nodes (default: all up)")
-    tune.add_argument("--iters", type=int, default=None, help="iterations (default: 100)")
-    tune.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8)")
+    # The defaults are the request's (ft.FinetuneRequest), filled in by request_of: an
+    # option left out is None, so --resume can refuse one that was given.
+    tune.add_argument("--iters", type=positive, help="iterations (default: 100)")
+    tune.add_argument("--rank", type=positive, help="LoRA rank (default: 8)")
     tune.add_argument("--name", help="job name (default: the model's name and a time)")
     tune.add_argument(
-        "--batch-size", type=int, default=8, help="global batch, split over the nodes (8)"
+        "--batch-size", type=positive, help="global batch, split over the nodes (default: 8)"
     )
-    tune.add_argument("--learning-rate", type=float, default=1e-5, help="(default: 1e-5)")
-    tune.add_argument("--layers", type=int, default=16, help="last layers given LoRA (16)")
-    tune.add_argument("--save-every", type=int, default=50, help="iterations between saves")
+    tune.add_argument("--learning-rate", type=positive_float, help="(default: 1e-5)")
+    tune.add_argument("--layers", type=positive, help="last layers given LoRA (default: 16)")
+    tune.add_argument("--save-every", type=positive, help="iterations between saves (default: 50)")
     tune.add_argument(
-        "--resume", metavar="NAME", help="go on with job NAME from its last saved adapter"
+        "--resume",
+        metavar="NAME",
+        help="go on with job NAME from its last saved adapter, with its own model, data, "
+        "nodes and settings (--iters: to how many iterations)",
     )
     tune.add_argument(
         "--detach", action="store_true", help="start the job and return (it runs on the nodes)"
@@ -97,13 +103,36 @@ def request_of(args: argparse.Namespace, home: Path, nodes: tuple[str, ...]) -> 
         data=str(Path(args.data).expanduser().resolve()),
         nodes=nodes,
         name=name,
-        iters=args.iters if args.iters is not None else 100,
-        lora_rank=args.rank,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        num_layers=args.layers,
-        save_every=args.save_every,
+        **{
+            field: value
+            for field, value in (
+                ("iters", args.iters),
+                ("lora_rank", args.rank),
+                ("batch_size", args.batch_size),
+                ("learning_rate", args.learning_rate),
+                ("num_layers", args.layers),
+                ("save_every", args.save_every),
+            )
+            if value is not None
+        },
     )
+
+
+def resume_conflicts(args: argparse.Namespace) -> list[str]:
+    """What was given beside --resume that a resumed job cannot change (it goes on with
+    its own model, data, nodes and settings; only --iters says how far)."""
+    given = [
+        ("MODEL", args.model),
+        ("--data", args.data),
+        ("--nodes", args.nodes),
+        ("--name", args.name),
+        ("--rank", args.rank),
+        ("--batch-size", args.batch_size),
+        ("--learning-rate", args.learning_rate),
+        ("--layers", args.layers),
+        ("--save-every", args.save_every),
+    ]
+    return [option for option, value in given if value is not None]
 
 
 async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
@@ -112,6 +141,14 @@ async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
     try:
         await ctl.refresh()
         if args.resume:
+            conflicts = resume_conflicts(args)
+            if conflicts:
+                raise UserError(
+                    f"--resume {args.resume} goes on with the job's own model, data, nodes "
+                    f"and settings: {', '.join(conflicts)} cannot change them",
+                    f"leave {'it' if len(conflicts) == 1 else 'them'} out (--iters says "
+                    "how far it trains), or start a new job without --resume",
+                )
             req = ft.resume_request(ctl, args.resume)
             if args.iters is not None:
                 req = replace(req, iters=args.iters)

@@ -29,7 +29,7 @@ from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core.adapter_catalog import ADAPTERS_FOLDER
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import NodeSpec
-from studiotui.core.state import ClusterState, LogLevel
+from studiotui.core.state import ClusterState, LogLevel, node_start_hint
 from studiotui.ssh import nodes
 from studiotui.ssh.client import SshError, get_files
 from worker.shared.adapters import FILES, Adapter, AdapterError, identity_mismatch, read_adapter
@@ -97,7 +97,7 @@ async def fetch_adapter(ctl: Cluster, record: JobRecord, progress: Progress = No
         raise AdapterFetchError(
             f"job {name}'s adapter is on {node} (its rank 0), which is "
             f"{state.state if state else 'not in the inventory'}",
-            f"start it (studiotui up), then: studiotui jobs fetch {name}",
+            f"{node_start_hint(node)}, then: studiotui jobs fetch {name}",
         )
     try:
         reply = await ctl.peer(node).ask(

@@ -55,6 +55,7 @@ from studiotui.core.state import (
     PlannedShard,
     ShardState,
     newly_broken,
+    node_start_hint,
     placements_from_shards,
     pushed,
     shard_from_report,
@@ -216,7 +217,9 @@ class Controller:
         # The ring each placement was planned on, kept until it is unloaded (and saved,
         # so a restarted TUI still knows a broken placement's nodes).
         self._planned: dict[str, PlannedPlacement] = self._read_planned()
+        self._planned_mtime = self._planned_stamp()  # the saved file this _planned follows
         self._placing: set[str] = set()  # being loaded by this controller: not broken yet
+        self._answered: set[str] = set()  # placements seen ready in this session
         # What a placement being decided holds on each node until the node reports its
         # prepared shard: a preview in that round trip must not offer the same memory.
         self._pledges: dict[str, dict[str, int]] = {}
@@ -261,10 +264,7 @@ class Controller:
 
     def _update_node(self, name: str, **changes: Any) -> None:
         nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
-        if not {s.placement for n in nodes for s in n.shards} <= self._planned.keys():
-            # Placed since by another process (the CLI, another dashboard), which saved
-            # its ring: without it, a node of it going down would hide that node.
-            self._planned = self._read_planned()
+        self._follow_planned(nodes)
         placements = placements_from_shards(nodes, self._planned, self._placing)
         broken = newly_broken(self.state.placements, placements)
         was_down = {p.name for p in self.state.placements if p.state in ("broken", "failed")}
@@ -276,8 +276,13 @@ class Controller:
                     f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
                 )
         for placement in placements:
-            if placement.name in was_down and placement.state == "ready":
+            if placement.state != "ready":
+                continue
+            # Only what this session saw answer before: a placement found ready as its
+            # nodes report one by one (a dashboard just opened) never stopped answering.
+            if placement.name in was_down and placement.name in self._answered:
                 self.record(f"placement {placement.name!r} answers again")
+            self._answered.add(placement.name)
 
     def mark_provisioning(self, names: list[str]) -> None:
         """Show `names` as being provisioned until the next refresh says otherwise."""
@@ -505,7 +510,7 @@ class Controller:
             if node is None:
                 return info, Refusal(f"unknown node {name!r}")
             if node.state != "up":
-                return info, Refusal(f"{name} is {node.state}: start it (studiotui up) first")
+                return info, Refusal(f"{name} is {node.state}: {node_start_hint(name)}")
             free = max(0, self._room(node))
             budgets.append(NodeBudget(name, free, node.memory_total))
         links = links_from_state(self.state)
@@ -631,9 +636,15 @@ class Controller:
             # SshError: the operator's copy over SFTP could not reach the node; its
             # prepared shards (and the memory promised to them) are given back too.
             self.record(f"placement {name!r} failed, rolling back: {exc}", "error")
-            await self._unload_everywhere(name, [m.node for m in procs])
-            self._remember_plan(name, None)
+            await self._roll_back(name, [m.node for m in procs])
             raise PlacementError(f"placement {name!r} failed and was rolled back: {exc}") from None
+        except asyncio.CancelledError:
+            # Interrupted (Ctrl-C on `place`, the dashboard quitting): what was loaded so
+            # far is unloaded, as after a failure, rather than left half made with nobody
+            # watching it (a load under way would otherwise finish and stay).
+            self.record(f"placement {name!r} interrupted, rolling back", "warning")
+            await asyncio.shield(self._roll_back(name, [m.node for m in procs]))
+            raise
         finally:
             self._placing.discard(name)
             self._pledges.pop(name, None)
@@ -943,8 +954,10 @@ class Controller:
         placement = self.state.placement(name)
         if placement is None:
             raise PlacementError(f"no placement named {name!r}")
-        await self._unload_everywhere(name, list(placement.nodes))
+        # Forgotten first: a dashboard watching reads that before a shard stops.
+        self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
         self._remember_plan(name, None)
+        await self._unload_everywhere(name, list(placement.nodes))
         await self.refresh()
         self.record(f"placement {name!r} unloaded")
 
@@ -959,8 +972,33 @@ class Controller:
             self._remember_plan(name, None)
         return gone
 
+    def _follow_planned(self, nodes: tuple[NodeState, ...]) -> None:
+        """Follow the rings other processes (the CLI, another dashboard) saved.
+
+        One they placed joins once its shards report (its saved ring keeps a node of it
+        that goes down in view); one they unloaded leaves, and its shards stopping are
+        an unload, not a breakage. Their plan is forgotten before the shards stop (see
+        `unload`), so the change is read before the first stopped shard is."""
+        reported = {s.placement for n in nodes for s in n.shards}
+        stamp = self._planned_stamp()
+        if stamp == self._planned_mtime and reported <= self._planned.keys():
+            return
+        saved = self._read_planned()
+        self._planned_mtime = stamp
+        for name in self._planned.keys() - saved.keys() - self._placing:
+            self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
+        # A ring saved before its shards report stays out: it would read as broken.
+        known = self._planned.keys() | reported | self._placing
+        self._planned = {k: v for k, v in saved.items() if k in known}
+
     def _planned_file(self) -> Path:
         return self.home / f"placements-{self.inventory.name}.json"
+
+    def _planned_stamp(self) -> int:
+        try:
+            return self._planned_file().stat().st_mtime_ns
+        except OSError:
+            return 0  # none saved yet
 
     def _read_planned(self) -> dict[str, PlannedPlacement]:
         try:
@@ -983,8 +1021,13 @@ class Controller:
             tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
             tmp.write_text(json.dumps({k: v.to_json() for k, v in planned.items()}))
             tmp.replace(path)
+            self._planned_mtime = self._planned_stamp()
         placements = placements_from_shards(self.state.nodes, planned, self._placing)
         self._set(replace(self.state, placements=placements))
+
+    async def _roll_back(self, name: str, nodes: list[str]) -> None:
+        await self._unload_everywhere(name, nodes)
+        self._remember_plan(name, None)
 
     async def _unload_everywhere(self, name: str, nodes: list[str]) -> None:
         self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S

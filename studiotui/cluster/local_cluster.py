@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +65,32 @@ def running_outside(home: Path, new: Inventory) -> list[str]:
         if n.is_local
         and (n.name, n.address, n.control_port) not in kept
         and running_pid(n) is not None
+    ]
+
+
+def port_free(address: str, port: int) -> bool:
+    """Nothing listens on address:port now (an agent could bind it)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        # As ZeroMQ binds: a port whose last connections linger in TIME_WAIT (agents
+        # `down` just stopped) is free to it, and only a live socket holds it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def ports_taken(inv: Inventory) -> list[str]:
+    """The agent ports (control, telemetry) of `inv`'s local nodes that something else
+    holds now: another simulated cluster (another STUDIOTUI_HOME's) or any program.
+    A node whose own agent runs holds its ports itself."""
+    return [
+        f"{node.address}:{port}"
+        for node in inv.nodes
+        if node.is_local and running_pid(node) is None
+        for port in (node.control_port, node.telemetry_port)
+        if not port_free(node.address, port)
     ]
 
 

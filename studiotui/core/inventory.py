@@ -697,11 +697,7 @@ def choose_local_layout(
     """
 
     def free(base: int, port: int) -> bool:
-        return all(
-            is_free(address, p)
-            for address, control in local_endpoints(n, platform, base, port)
-            for p in (control, control + TELEMETRY_PORT_OFFSET)
-        )
+        return _layout_free(n, platform, is_free, base, port)
 
     if shares_loopback(platform):
         step = n * MAC_PORT_STRIDE
@@ -714,6 +710,34 @@ def choose_local_layout(
         if free(base, control_port):
             return LocalLayout(base, control_port)
     raise ValueError(f"no free loopback range for {n} local nodes on port {control_port}")
+
+
+def _layout_free(
+    n: int, platform: str, is_free: Callable[[str, int], bool], base: int, port: int
+) -> bool:
+    return all(
+        is_free(address, p)
+        for address, control in local_endpoints(n, platform, base, port)
+        for p in (control, control + TELEMETRY_PORT_OFFSET)
+    )
+
+
+def free_control_port(
+    n: int,
+    platform: str,
+    is_free: Callable[[str, int], bool],
+    after: int = DEFAULT_CONTROL_PORT,
+    base_octet: int = LOCAL_BASE_OCTET,
+) -> int | None:
+    """The first control port above `after`, in whole blocks, where `n` simulated
+    nodes' agent ports are all free: what `up --local N --port P` can be given when
+    something else holds `after`'s. None when no block is free."""
+    step = n * MAC_PORT_STRIDE if shares_loopback(platform) else MAC_PORT_STRIDE
+    last = _MAX_CONTROL_PORT - (n - 1) * MAC_PORT_STRIDE
+    for port in range(after + step, last + 1, step):
+        if _layout_free(n, platform, is_free, base_octet, port):
+            return port
+    return None
 
 
 def local_inventory(

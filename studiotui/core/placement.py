@@ -107,6 +107,9 @@ class ModelFacts:
     # An adapter placed with the model (see `with_adapter`): its bytes on each layer,
     # held beside that layer's weights by the shard running it; () without one.
     layer_adapter: tuple[int, ...] = ()
+    # The positions the model was trained for (config.json's max_position_embeddings,
+    # stretched by a RoPE scaling factor); 0: not said.
+    max_positions: int = 0
 
     def __post_init__(self) -> None:
         # Bad facts are a bug in the caller, not something to explain to the operator.
@@ -1116,4 +1119,31 @@ def facts_from_config(
         dtype=dtype,
         quantization=_quantization(config),
         layer_kv=caches,
+        max_positions=trained_positions(cfg),
+    )
+
+
+def trained_positions(cfg: Mapping[str, Any]) -> int:
+    """How many positions a (text) config says its model was trained for, its RoPE
+    scaling's stretch included (YaRN: original × factor); 0 when it does not say."""
+    most = cfg.get("max_position_embeddings")
+    positions = most if isinstance(most, int) and not isinstance(most, bool) else 0
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, Mapping):
+        original, factor = scaling.get("original_max_position_embeddings"), scaling.get("factor")
+        if isinstance(original, int) and isinstance(factor, int | float) and factor > 1:
+            positions = max(positions, int(original * factor))
+    return max(0, positions)
+
+
+def context_beyond(facts: ModelFacts, context_tokens: int) -> str:
+    """A word for a context longer than the model was trained for ("" when it is not):
+    the KV cache is reserved all the same, but what comes past those positions is
+    unreliable, and the memory could serve more streams instead."""
+    if not facts.max_positions or context_tokens <= facts.max_positions:
+        return ""
+    return (
+        f"{context_tokens} tokens of context is beyond the {facts.max_positions} positions "
+        f"{facts.name} was trained for (max_position_embeddings): answers past them are "
+        f"unreliable; --context {facts.max_positions} or less keeps to them"
     )

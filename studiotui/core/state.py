@@ -387,6 +387,13 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
     )
 
 
+def node_start_hint(node: str) -> str:
+    """How to bring one node that is not up back, local or SSH alike: `restart` starts
+    its agent (over SSH for an SSH node) and loads again the shards `down` took off it;
+    `studiotui up` starts local nodes only."""
+    return f"start it: studiotui restart {node} (r on the dashboard)"
+
+
 def shape_label(stages: int, tensor: int, backend: str | None = None) -> str:
     """A placement's shape in words: "4 stages", "2 stages × 2 (ring)", "1 node".
 

@@ -151,6 +151,8 @@ def _not_whole(placement: PlacementState, restarted: Sequence[str]) -> bool:
     """A placement on the restarted nodes that is not ready, or one missing shards."""
     if placement.state == "ready":
         return False
-    on_them = bool(set(restarted) & set(placement.nodes))
-    missing = bool(placement.shards) and len(placement.shards) != placement.shards[0].count
+    # Planned on them (a placement whose every shard is gone reports none: its ring is
+    # the plan's), or missing a shard anywhere (a tensor group's every member counts).
+    on_them = bool(set(restarted) & {s.node for s in placement.ring})
+    missing = len(placement.shards) != placement.expected
     return on_them or missing

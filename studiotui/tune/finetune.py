@@ -13,12 +13,13 @@ after a restart — into a `JobWatch`. The training itself is mlx-lm's
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from studiotui.cluster import jobs, model_files, model_sync
 from studiotui.cluster.peers import Peer
@@ -28,7 +29,7 @@ from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import JobWatch
 from studiotui.core.members import group_backend
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
-from studiotui.core.state import ClusterState, LogLevel
+from studiotui.core.state import ClusterState, LogLevel, node_start_hint
 from studiotui.tune.data import (
     Examples,
     check_counts,
@@ -39,6 +40,7 @@ from studiotui.tune.data import (
 )
 from worker.shared.adapters import identity_of
 from worker.shared.manifest import Hashing
+from worker.shared.protocol import control
 
 KIND = "finetune"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -113,11 +115,20 @@ def check_request(req: FinetuneRequest) -> None:
             f"job name {req.name!r} must be 1-64 letters, digits, '.', '_' or '-'",
             "pick another --name",
         )
-    for label, value in (("--iters", req.iters), ("--rank", req.lora_rank)):
+    for label, value in (
+        ("--iters", req.iters),
+        ("--rank", req.lora_rank),
+        ("--batch-size", req.batch_size),
+        ("--layers", req.num_layers),
+    ):
         if value < 1:
             raise FinetuneError(f"{label} must be at least 1, got {value}")
-    if req.learning_rate <= 0:
-        raise FinetuneError(f"--learning-rate must be above 0, got {req.learning_rate}")
+    # NaN passes a plain `<= 0` and would train a NaN adapter to the end.
+    if not (math.isfinite(req.learning_rate) and req.learning_rate > 0):
+        raise FinetuneError(
+            f"--learning-rate must be a number above 0, got {req.learning_rate}",
+            "e.g. 1e-5 (the default) to 1e-3",
+        )
     if req.optimizer not in OPTIMIZERS:
         raise FinetuneError(f"unknown optimizer {req.optimizer!r}; use {', '.join(OPTIMIZERS)}")
     if not req.nodes:
@@ -149,7 +160,7 @@ def prepare(ctl: Cluster, req: FinetuneRequest, *, resuming: bool = False) -> Pr
             known = ", ".join(n.name for n in ctl.state.nodes)
             raise FinetuneError(f"unknown node {node!r}", f"known: {known}")
         if state.state != "up":
-            raise FinetuneError(f"{node} is {state.state}", "start it (studiotui up) first")
+            raise FinetuneError(f"{node} is {state.state}", node_start_hint(node))
     examples = load_examples(Path(req.data), seed=req.seed, least=req.batch_size)
     check_counts(examples, req.batch_size, len(req.nodes))
     # JACCL when every pair is joined by an active RDMA cable (with the device matrix
@@ -203,6 +214,25 @@ async def launch(
     and the files' hashes a copy to a remote node is made and checked by); `progress`
     each node's copy (node, bytes, of)."""
     req, info = prepared.request, prepared.info
+    if resume:
+        # Refused before anything is hashed or copied: a rerun with nothing to train
+        # would replace the job's record on the nodes (its losses) with an empty one.
+        ranks = (await jobs.status(ctl, list(req.nodes))).get(req.name, {})
+        running = sorted(n for n, r in ranks.items() if r.state in RUNNING)
+        if running:
+            raise FinetuneError(
+                f"job {req.name!r} still runs on {', '.join(running)}",
+                f"stop it first (studiotui jobs stop {req.name}), or watch it "
+                f"(studiotui jobs follow {req.name})",
+            )
+        trained = trained_through(ranks.values())
+        if trained is not None and req.iters <= trained:
+            raise FinetuneError(
+                f"job {req.name!r} is done: its {trained} iterations are trained, "
+                "nothing to resume",
+                f"to train on, give it more: studiotui finetune --resume {req.name} "
+                f"--iters N (N above {trained})",
+            )
     model_dir = Path(req.model).expanduser().resolve()
     nodes = list(req.nodes)
     # The adapters' own identity of a base (worker.shared.adapters), checked when placed.
@@ -263,6 +293,18 @@ async def launch(
         f"on {', '.join(nodes)}: {prepared.backend_reason}"
     )
     return record
+
+
+RUNNING = ("starting", "running", "silent")  # a rank's states before it ends
+
+
+def trained_through(ranks: Iterable[control.JobRank]) -> int | None:
+    """The iteration a job finished at, when every rank reported it finished; else
+    None (stopped, failed or still running: there is something to resume)."""
+    reached = [r.latest.get("finished", {}).get("iteration") for r in ranks]
+    if not reached or not all(isinstance(i, int) for i in reached):
+        return None
+    return min(cast(list[int], reached))
 
 
 def resume_request(ctl: Cluster, name: str) -> FinetuneRequest:

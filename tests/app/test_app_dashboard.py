@@ -36,7 +36,7 @@ from studiotui.cli.serve import api_service
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import DOWN_AFTER_S, Controller
 from studiotui.cluster.session import wait_until_up
-from studiotui.core.inventory import Inventory, load_inventory, local_inventory
+from studiotui.core.inventory import Inventory, NodeSpec, load_inventory, local_inventory
 from tests.app_fixtures import fixed_models, fixed_state
 from tests.cluster_fixture import runner_pids
 from tests.integration.test_engine import CHUNK, collect, prompt_tokens, reference_tokens
@@ -686,3 +686,15 @@ async def test_one_meaning_per_key_and_the_chat_keeps_its_own(tmp_path: Path) ->
         assert app.focused is not None and app.focused.id == "chat-prompt"
         await pilot.press("h", "i")
         assert app.focused.value == "hi"  # type: ignore[attr-defined]
+
+
+async def test_ssh_nodes_with_no_agent_at_start_are_told_how_to_get_one(tmp_path: Path) -> None:
+    """A new cluster.toml's Macs answer nothing until provisioned: the first thing the
+    dashboard says names the key (and the command) that installs their agents."""
+    mac = NodeSpec(name="studio-1", host="127.0.0.251", address="127.0.0.251", control_port=PORT)
+    app = StudioApp(tmp_path / "home", Inventory(name="desk", nodes=(mac,)))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "not answering" in log_text(app), 20, "the summary")
+        text = " ".join(log_text(app).split())
+        assert "cluster desk: 0/1 nodes up; not answering: studio-1" in text, text
+        assert "P on a node provisions it" in text and "studiotui provision" in text, text

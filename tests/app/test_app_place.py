@@ -308,6 +308,17 @@ async def test_keys_two_placements_at_once_and_an_overcommit_refused(setup: Setu
             await pilot.press("p")
             screen = await preview(pilot, app)
             assert screen.request.target == "marked nodes"
+            # Past the 4096 positions the demo was trained for, the preview says so.
+            assert "positions" not in screen.text
+            await pilot.press("plus")
+            await until(pilot, lambda: screen.context_tokens == 8192, 5, "context doubled")
+            await until(pilot, lambda: "positions" in screen.text, 10, "the note")
+            assert "8192 tokens of context is beyond the 4096 positions gamma" in " ".join(
+                screen.text.split()
+            ), screen.text
+            await pilot.press("minus")
+            await until(pilot, lambda: "positions" not in screen.text, 10, "the note gone")
+            await until(pilot, lambda: screen.phase == "plan", 10, "planned again")
             await deploy(pilot, app, screen, "gamma")
 
             # Two placements on disjoint groups answer at the same time.

@@ -34,6 +34,8 @@ FIGURES = {
     "ttft_pipe2_ms",
     "tokens_match",
     "moe_pipe2_ratio",
+    "moe_pipe2_floor_ratio",
+    "moe_pipe2_over_floor",
     "batch8_ratio",
     "mlx_batch8_ratio",
     "bare_hop_us",
@@ -57,6 +59,12 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["hop_us_p50"] > 0 and figures["ttft_pipe2_ms"] > 0
     assert figures["moe_pipe2_tps"] > 0 and figures["moe_pipe2_ratio"] > 0
     assert len(figures["moe_pipe2_pairs"]) == 4  # the pairs behind the MoE row's median
+    # Its floor ran in the same rounds, paired with the same single runs (and its tokens
+    # are in tokens_match).
+    assert figures["moe_pipe2_floor_ratio"] > 0 and len(figures["moe_pipe2_floor_pairs"]) == 4
+    assert figures["moe_pipe2_over_floor"] == pytest.approx(
+        figures["moe_pipe2_ratio"] / figures["moe_pipe2_floor_ratio"], abs=0.01
+    )
     assert figures["batch8_ratio"] > 0 and figures["mlx_batch8_ratio"] > 0
     assert figures["batch8_mean_rows"] > 1  # the eight streams really met in batches
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
@@ -106,6 +114,7 @@ def _pipe(single: list[float], pipe: list[float], tokens: list[int]) -> dict[str
     return {
         "tps": sorted(pipe)[len(pipe) // 2],
         "ratio": ratios[len(ratios) // 2],
+        "ratios": ratios,
         "tokens": [tokens for _ in pipe],
         "single": [_run(s, [1, 2, 3]) for s in single],
     }
@@ -177,3 +186,21 @@ def test_the_moe_row_pairs_an_even_number_of_runs_long_enough_to_span_a_hiccup()
     assert moe_pairing(BenchConfig(layers=8, hidden=256, tokens=300, decode_rounds=5)) == (
         BenchConfig(layers=8, hidden=256, tokens=300, decode_rounds=6)
     )  # more rounds asked for stay, made even (each order as often)
+
+
+def test_the_moe_row_reads_against_its_floor_and_checks_the_floors_tokens() -> None:
+    cfg = BenchConfig.make(quick=True)
+    figures = _figures([1, 2, 3])
+    moe = _pipe([100.0, 120.0, 140.0], [90.0, 108.0, 126.0], [5, 6])
+    moe["single"] = [_run(s, [5, 6]) for s in (100.0, 120.0, 140.0)]
+    moe["floor"] = _pipe([100.0, 120.0, 140.0], [100.0, 120.0, 140.0], [5, 6])
+    figures["moe2"] = moe
+    out = summarize(120.0, figures, None, cfg)
+    assert out["moe_pipe2_ratio"] == 0.9 and out["moe_pipe2_floor_ratio"] == 1.0
+    assert out["moe_pipe2_floor_pairs"] == [1.0, 1.0, 1.0]
+    assert out["moe_pipe2_over_floor"] == 0.9 and out["tokens_match"] is True
+    moe["floor"]["tokens"][1] = [5, 7]  # one floor run strayed from mlx-lm's answer
+    assert summarize(120.0, figures, None, cfg)["tokens_match"] is False
+    del moe["floor"]  # a run without a floor reports none
+    out = summarize(120.0, figures, None, cfg)
+    assert out["moe_pipe2_floor_ratio"] is None and out["moe_pipe2_over_floor"] is None

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,8 +92,9 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert seen[0] == seen[1] and [name for name, _ in seen[1]] == ["local-1", "local-2"]
 
     model = home / "tiny"
-    made = run(home, "demo-model", str(model), "--layers", "4", "--hidden", "64")
-    assert made.returncode == 0, made.stderr
+    # What `demo-model DIR --layers 4 --hidden 64` writes (that verb is tested in
+    # test_demo_model), written here without another process's imports.
+    write_demo_model(model, DemoSpec(layers=4, hidden=64))
     placed = run(home, "place", str(model), "--name", "tiny")
     assert placed.returncode == 0, placed.stderr
     assert "placement tiny is ready" in placed.stdout
@@ -119,6 +121,26 @@ def test_up_place_chat_status_down(home: Path) -> None:
     out, finish = int(figures[2]), figures[3]
     assert finish in ("length", "stop") and 1 <= out <= 12
     assert (out == 12) == (finish == "length")
+
+    # Ctrl-C mid-answer: the answer so far ends its line and says it stopped. (Greedy
+    # on the demo's noise never picks end-of-text: only letters' output rows are set.)
+    env = {**os.environ, "STUDIOTUI_HOME": str(home), "NO_COLOR": "1"}
+    argv = ["chat", "--placement", "tiny", "--temperature", "0", "--max-tokens", "3000", "hi"]
+    long = subprocess.Popen(
+        [sys.executable, "-m", "studiotui", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        # A run started in the background inherits SIGINT ignored: as from a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert long.stdout is not None
+    assert long.stdout.read(1), "no answer began"
+    long.send_signal(signal.SIGINT)
+    rest, err = long.communicate(timeout=30)
+    assert long.returncode == 130, err
+    assert rest.endswith(b"\n") and b"stopped: the answer was cancelled" in err, (rest, err)
 
     # A model whose answer holds terminal escapes (colour, the window title, a C1 CSI):
     # what `chat` writes is the text without the controls, as the dashboard shows it.
@@ -285,6 +307,10 @@ def test_demo_model_help_describes_every_option(tmp_path: Path) -> None:
         (["serve", "--port", "99999"], "--port"),
         (["web", "--port", "-1"], "--port"),
         (["logs", "local-1", "--lines", "-5"], "--lines"),
+        (["finetune", "MODEL", "--data", "d.jsonl", "--learning-rate", "nan"], "--learning-rate"),
+        (["finetune", "MODEL", "--data", "d.jsonl", "--batch-size", "0"], "--batch-size"),
+        (["finetune", "MODEL", "--data", "d.jsonl", "--layers", "0"], "--layers"),
+        (["finetune", "--resume", "job", "--iters", "-1"], "--iters"),
     ],
 )
 def test_a_bad_number_is_refused_naming_its_option_before_anything_is_written(
@@ -339,3 +365,40 @@ def test_up_local_of_another_size_is_refused_while_that_cluster_runs(home: Path)
     assert again.returncode == 0, again.stderr
     down = run(home, "down")
     assert down.returncode == 0, down.stderr
+
+
+def test_up_local_on_ports_something_else_holds_is_refused_naming_a_free_port(
+    home: Path,
+) -> None:
+    """Another simulated cluster (another STUDIOTUI_HOME's) on the same addresses: the
+    agents could not bind, so nothing is started and a --port beside it is named."""
+    port = PORT + 60
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.12", port + 1))  # local-2's telemetry port
+        held.listen()
+        up = run(home, "up", "--local", "2", "--port", str(port))
+    err = " ".join(up.stderr.split())
+    assert up.returncode == 2, up.stderr
+    assert f"127.0.0.12:{port + 1} already in use" in err, err
+    suggested = re.search(r"studiotui up --local 2 --port (\d+)", err)
+    assert suggested is not None, err
+    assert int(suggested.group(1)) > port
+    assert not local_cluster.local_inventory_path(home).exists()
+    assert "did not answer" not in err
+
+
+def test_a_port_whose_connections_linger_in_time_wait_is_free_to_an_agent() -> None:
+    """Right after `down`, the agents' closed connections linger in TIME_WAIT on their
+    ports: ZeroMQ binds there all the same, so `up` must not call them taken."""
+    address, port = "127.0.0.12", PORT + 70
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an earlier run's
+        server.bind((address, port))
+        server.listen()
+        assert not local_cluster.port_free(address, port)  # a live listener holds it
+        client = socket.create_connection((address, port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: its port goes to TIME_WAIT
+        time.sleep(0.2)
+        client.close()
+    assert local_cluster.port_free(address, port)

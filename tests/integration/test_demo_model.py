@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx_lm
 import pytest
 
+from studiotui.cli.main import main
 from worker.shared.demo_model import DemoModelError, DemoSpec, write_demo_model
 
 CLI = [sys.executable, "-m", "studiotui"]
@@ -96,7 +97,9 @@ def test_writing_takes_a_fraction_of_the_model_in_memory(tmp_path: Path) -> None
 
 
 def test_a_model_too_big_for_the_disk_is_refused_before_writing(tmp_path: Path) -> None:
-    out = run_cli(tmp_path, str(tmp_path / "huge"), "--layers", "4000", "--hidden", "8192")
+    # Terabytes in a few wide layers: as far past any disk, and quick to size (the
+    # size comes from the lazy module tree, which grows with the layer count).
+    out = run_cli(tmp_path, str(tmp_path / "huge"), "--layers", "64", "--hidden", "65536")
     assert out.returncode == 2
     assert "of disk at" in out.stderr and "is free" in out.stderr
     assert "fewer --layers" in out.stderr
@@ -167,3 +170,51 @@ def test_the_command_writes_a_quantized_moe_model_mlx_lm_loads(tmp_path: Path) -
                   "--heads", "2", "--kv-heads", "1")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads((moe / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--heads", "0"], "argument --heads: wants a whole number of at least 1, got '0'"),
+        (["--kv-heads", "0"], "argument --kv-heads: wants a whole number of at least 1"),
+        (["--seed", "-1"], "argument --seed: wants a whole number (0 or more), got '-1'"),
+        (["--intermediate", "0"], "argument --intermediate: wants a whole number of at least 1"),
+        (["--files", "0"], "argument --files: wants a whole number of at least 1"),
+        (["--hidden", "100"], "--hidden 100 is not a multiple of --heads 8"),
+        (["--hidden", "4"], "--hidden must be at least 8, got 4"),
+        (["--heads", "6", "--hidden", "240"], "--heads 6 is not a multiple of --kv-heads 4"),
+    ],
+)
+def test_bad_numbers_are_refused_naming_the_option(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    said: str,
+) -> None:
+    """Each refused with exit status 2, its option named, no traceback, nothing written."""
+    monkeypatch.setenv("STUDIOTUI_HOME", str(tmp_path / "home"))
+    target = tmp_path / "demo"
+    try:
+        code = main(["demo-model", str(target), *args])
+    except SystemExit as exc:  # argparse's own refusal
+        code = int(exc.code or 0)
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and said in err, err
+    assert "Traceback" not in err
+    assert not target.exists() and not any(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.parametrize(("arch", "least"), [("gemma3_text", 3), ("qwen3_next", 3), ("gpt_oss", 2)])
+def test_a_family_with_a_layer_pattern_refuses_fewer_layers_than_it_needs(
+    tmp_path: Path, arch: str, least: int
+) -> None:
+    """With fewer, mlx-lm's own model loaded and then failed every forward with an
+    IndexError (or ValueError); at the least, mlx-lm generates from it."""
+    spec = {"arch": arch, "hidden": 64, "heads": 4, "kv_heads": 2, "dtype": "float32"}
+    with pytest.raises(DemoModelError, match=f"--arch {arch} needs at least {least} --layers"):
+        DemoSpec(**spec, layers=least - 1)
+    model, tokenizer = mlx_lm.load(
+        str(write_demo_model(tmp_path / arch, DemoSpec(**spec, layers=least)))
+    )
+    assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2)

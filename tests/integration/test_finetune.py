@@ -255,6 +255,10 @@ def test_bad_input_is_refused_before_anything_runs(
             (req(data=str(broken)), f"{broken}:3: not JSON"),
             (req(data=str(few)), "fewer than one batch of 8"),
             (req(batch_size=3), "cannot be split evenly over 2 nodes"),
+            (req(batch_size=0), "--batch-size must be at least 1, got 0"),
+            (req(num_layers=0), "--layers must be at least 1, got 0"),
+            (req(learning_rate=float("nan")), "--learning-rate must be a number above 0"),
+            (req(learning_rate=float("inf")), "--learning-rate must be a number above 0"),
             (req(nodes=("local-1", "nowhere")), "unknown node 'nowhere'"),
             (req(name="../x"), "job name"),
         ]
@@ -323,6 +327,20 @@ def test_the_command_line(
         listed = capsys.readouterr().out
         assert "cli" in listed and "done" in listed and "3/3" in listed
         assert "adapter:" in listed  # where the finished job's adapter is (folded here)
+        # Resumed with nothing more to train: refused, and its record on the nodes
+        # (iterations, losses) stays as it was.
+        for more in ([], ["--iters", "3"]):
+            assert main(["finetune", "--resume", "cli", *more, "-i", str(inventory)]) == 2
+            err = " ".join(capsys.readouterr().err.split())
+            assert "job 'cli' is done: its 3 iterations are trained, nothing to resume" in err
+            assert "studiotui finetune --resume cli --iters N (N above 3)" in err
+        assert main(["jobs", "-i", str(inventory)]) == 0
+        assert capsys.readouterr().out == listed
+        # What a resumed job cannot change is refused, not silently ignored.
+        other = ["--nodes", "local-1", "--data", str(bad), "--rank", "4"]
+        assert main(["finetune", "--resume", "cli", *other, "-i", str(inventory)]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "--data, --nodes, --rank cannot change them" in err, err
         # Resumed with more iterations: on from its last save (iteration 3) to 5.
         assert main(["finetune", "--resume", "cli", "--iters", "5", "-i", str(inventory)]) == 0
         out = capsys.readouterr().out
@@ -382,6 +400,10 @@ def test_a_stopped_adam_run_resumed_is_the_unstopped_run(
         while (watch.progress.saved_iteration or 0) < 16:
             assert not follow.done(), watch.progress
             await asyncio.sleep(0.02)
+        # Resumed while it runs: refused before anything is copied, naming its nodes.
+        again = ft.prepare(ctl, ft.resume_request(ctl, "stopped"), resuming=True)
+        with pytest.raises(ft.FinetuneError, match="job 'stopped' still runs on local-1, local-2"):
+            await ft.launch(ctl, again, resume=True)
         await jobs.stop(ctl, "stopped", list(NODES))
         return await asyncio.wait_for(follow, 10), watch
 

@@ -113,8 +113,14 @@ def test_each_node_downloads_only_its_share_from_the_hub(
     assert main(["-i", str(inventory), "fetch", "not a repo"]) == 2
     assert main(["-i", str(inventory), "fetch", "org/missing", "--nodes", nodes[0]]) == 2
     err = capsys.readouterr().err
-    assert "neither a model directory nor a Hugging Face repo id" in err
+    assert "'not a repo' is not a Hugging Face repo id (org/name), and model directory" in err
     assert "cannot read org/missing@main from the hub" in err
+    assert sum(hub.served.values()) == served
+    # A model's name in the catalog, as `place` takes it: its folder, sent as placing does.
+    write_demo_model(pair.home / "models" / "named", DemoSpec(layers=2, hidden=64, heads=4))
+    assert main(["-i", str(inventory), "fetch", "named", "--nodes", nodes[0]]) == 0
+    out = "".join(capsys.readouterr().out.split())  # rich folds the path anywhere
+    assert f"{nodes[0]}:{pair.home / 'models' / 'named'}" in out, out
     assert sum(hub.served.values()) == served
 
     # A node whose disk cannot hold its share refuses before downloading any of it.

@@ -20,6 +20,7 @@ from studiotui.core.inventory import (
     dump_inventory,
     find_field_line,
     find_inventory,
+    free_control_port,
     load_inventory,
     local_endpoints,
     local_inventory,
@@ -612,6 +613,23 @@ def test_choose_local_layout(
 def test_choose_local_layout_says_when_nothing_is_free(platform: str) -> None:
     with pytest.raises(ValueError, match="no free"):
         choose_local_layout(4, platform, lambda address, port: False)
+
+
+@pytest.mark.parametrize(
+    ("platform", "busy", "expected"),
+    [
+        # The next block of ports on the same addresses, past any busy one.
+        ("linux", [("127.0.0.12", 52501)], 52600),
+        ("linux", [("127.0.0.12", 52501), ("127.0.0.11", 52600)], 52700),
+        # On macOS the nodes are 127.0.0.1 ports P, P+100, …: a whole block further.
+        ("darwin", [("127.0.0.1", 52500)], 52900),
+        ("darwin", [("127.0.0.1", 52500), ("127.0.0.1", 53001)], 53300),
+    ],
+)
+def test_free_control_port(platform: str, busy: list[tuple[str, int]], expected: int) -> None:
+    is_free, _ = _free_except(*busy)
+    assert free_control_port(4, platform, is_free, 52500) == expected
+    assert free_control_port(4, platform, lambda address, port: False, 52500) is None
 
 
 # --------------------------------------------------------------------------- round trip

@@ -22,6 +22,7 @@ from studiotui.core.placement import (
     Plan,
     Refusal,
     TensorFacts,
+    context_beyond,
     facts_from_config,
     format_bytes,
     kv_bytes_per_token,
@@ -29,6 +30,7 @@ from studiotui.core.placement import (
     plan_to_dict,
     render_plan,
     reserve_bytes,
+    trained_positions,
     with_adapter,
 )
 
@@ -678,3 +680,17 @@ def test_an_adapter_is_planned_as_a_pipeline_only() -> None:
 def test_adapter_sizes_must_match_the_layers() -> None:
     with pytest.raises(ValueError, match="2 adapter sizes for 4"):
         with_adapter(model_of([MB] * 4), [MB, MB])
+
+
+def test_trained_positions_and_a_context_beyond_them() -> None:
+    assert trained_positions({"max_position_embeddings": 40960}) == 40960
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert trained_positions({"max_position_embeddings": 40960, "rope_scaling": yarn}) == 131072
+    assert trained_positions({"rope_scaling": {"factor": 8.0}}) == 0  # nothing to stretch
+    assert trained_positions({"max_position_embeddings": True}) == 0
+    facts = ModelFacts("m", "llama", 1, (1,), 1, 1, 1, max_positions=4096)
+    assert context_beyond(facts, 4096) == ""
+    said = context_beyond(facts, 8192)
+    assert "8192 tokens of context is beyond the 4096 positions m was trained for" in said
+    assert "--context 4096 or less" in said
+    assert context_beyond(ModelFacts("m", "llama", 1, (1,), 1, 1, 1), 10**6) == ""

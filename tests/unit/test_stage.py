@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 from worker.shard import load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol.frames import RingHeader
-from worker.stage import RequestError, Stage, _fill
+from worker.stage import RequestError, Stage, fill_slot
 
 
 class Loopback:
@@ -178,6 +178,6 @@ def test_a_frame_of_another_dtype_is_refused_not_converted() -> None:
     slot = mx.zeros((1, 1, 4), dtype=mx.float16)
     mx.eval(slot)
     with pytest.raises(RequestError, match="frame holds uint16 x 4, the step expects float16"):
-        _fill(slot, np.zeros(4, dtype=np.uint16))
-    _fill(slot, np.arange(4, dtype=np.float16))
+        fill_slot(slot, np.zeros(4, dtype=np.uint16))
+    fill_slot(slot, np.arange(4, dtype=np.float16))
     assert slot.tolist() == [[[0.0, 1.0, 2.0, 3.0]]]

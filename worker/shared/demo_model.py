@@ -65,6 +65,18 @@ MOE = (
     "qwen2_moe",
 )
 FAMILIES = DENSE + MOE
+# Families whose mlx-lm model looks up one layer of a repeating pattern by its index
+# (the demo's patterns below): with fewer layers that layer is missing, and the model
+# loads but fails its first forward with an IndexError.
+_EVERY_THIRD = "mlx-lm's model finds its first full-attention layer, every third one"
+LEAST_LAYERS_WHY = {
+    "qwen3_next": _EVERY_THIRD,
+    "qwen3_5": _EVERY_THIRD,
+    "qwen3_5_moe": _EVERY_THIRD,
+    "gemma3_text": "mlx-lm's model finds its first global-attention layer, every third one",
+    "gpt_oss": "its layers alternate sliding and full attention, and mlx-lm needs a full one",
+}
+LEAST_LAYERS = {"gpt_oss": 2} | {arch: 3 for arch in LEAST_LAYERS_WHY if arch != "gpt_oss"}
 # Those whose experts are SwitchLinear (mlx-lm's gather_mm): all of MOE but two dense hybrids.
 HAS_EXPERTS = tuple(f for f in MOE if f not in ("qwen3_5", "gemma3_text"))
 # --quantize: affine 4 or 8 bits, MLX's float formats, or mlx-lm's "mixed_4_6" recipe.
@@ -141,10 +153,34 @@ class DemoSpec:
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
             raise DemoModelError(f"unknown arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
-        if self.layers < 1 or self.hidden < 8 or self.hidden % self.heads:
-            raise DemoModelError("need layers >= 1 and hidden a multiple of heads")
+        for option, value, least in (
+            ("--layers", self.layers, 1),
+            ("--hidden", self.hidden, 8),
+            ("--heads", self.heads, 1),
+            ("--kv-heads", self.kv_heads, 1),
+            ("--files", self.files, 1),
+        ):
+            if value < least:
+                raise DemoModelError(f"{option} must be at least {least}, got {value}")
+        if self.hidden % self.heads:
+            fit = -(-self.hidden // self.heads) * self.heads
+            raise DemoModelError(
+                f"--hidden {self.hidden} is not a multiple of --heads {self.heads}: "
+                f"each head gets an equal share (--hidden {fit} would do)"
+            )
         if self.heads % self.kv_heads:
-            raise DemoModelError("heads must be a multiple of kv_heads")
+            raise DemoModelError(
+                f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}: "
+                "key/value heads are shared by equal groups of heads"
+            )
+        least = LEAST_LAYERS.get(self.arch, 1)
+        if self.layers < least:
+            raise DemoModelError(
+                f"--arch {self.arch} needs at least {least} --layers, got {self.layers}: "
+                f"{LEAST_LAYERS_WHY[self.arch]}"
+            )
+        if self.seed < 0 or (self.intermediate is not None and self.intermediate < 1):
+            raise DemoModelError("--seed must be 0 or more and --intermediate at least 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise DemoModelError(f"unknown dtype {self.dtype!r}")
         if self.recite and self.tie_embeddings:

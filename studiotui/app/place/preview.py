@@ -38,6 +38,7 @@ from studiotui.core.model_facts import ModelInfo
 from studiotui.core.placement import (
     Plan,
     Refusal,
+    context_beyond,
     format_bytes,
     plan_to_dict,
     render_plan,
@@ -654,6 +655,10 @@ class PreviewScreen(ModalScreen[None]):
                 " at once",
             )
         )
+        if self.info is not None and (
+            beyond := context_beyond(self.info.facts, self.context_tokens)
+        ):
+            lines.append(Content.styled(beyond, "$warning"))
         lines.append(Content(""))
         if self.phase == "measuring":
             lines.append(Content.styled("measuring the links between these nodes…", "$text-muted"))
