@@ -51,6 +51,9 @@ from worker.tensor import (
 )
 
 STATS_EVERY_S = 1.0
+# How long the serving loop waits for a message before it looks at its clock (stats,
+# keys, a parent that is gone) and at `running` again.
+IDLE_WAIT_MS = 100
 # The agent declares a runner silent when it hears nothing for a few of these: a
 # thread beats (SIGSTOP stops it too), and says how long the serving loop has been
 # inside one step, so a hang inside MLX shows as well (MLX releases the GIL).
@@ -352,14 +355,22 @@ class Runner:
         for sock in (self.ring_in, self.client):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
+        # A stage without a client socket (every stage but the head) hears only the
+        # ring: with nothing to do it waits in the ring socket's recv, which returns with
+        # the frame, rather than in a poll it must leave for a recv. A hop ends when
+        # that recv returns, so the steps between the two are the hop's.
+        only_ring = self.ring_in if self.client is None else None
+        if only_ring is not None:
+            only_ring.setsockopt(zmq.RCVTIMEO, IDLE_WAIT_MS)
         last_stats = time.monotonic()
         parent = os.getppid()
         while self.running:
-            ready = dict(poller.poll(0 if self.work else 100))
-            if self.ring_in is not None and self.ring_in in ready:
-                self._drain(self.ring_in, self._on_ring)
-            if self.client is not None and self.client in ready:
-                self._drain(self.client, self._on_client)
+            if only_ring is not None and not self.work:
+                self._wait(only_ring, self._on_ring)
+            else:
+                for sock, _ in poller.poll(0 if self.work else IDLE_WAIT_MS):
+                    # (in the order registered: the ring first)
+                    self._drain(sock, self._on_ring if sock is self.ring_in else self._on_client)
             if self.work:
                 assert not isinstance(self.work, FollowerQueue)
                 self._timed(self.work.popleft())
@@ -479,14 +490,28 @@ class Runner:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            try:
-                handle(frames)
-            except Exception:  # one bad message must not end the runner
-                assert self.stage is not None
-                self.stage.stats.dropped += 1
-                print(f"dropped a message:\n{traceback.format_exc()}", file=sys.stderr)
+            self._handle(frames, handle)
             if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 return
+
+    def _wait(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
+        """Wait in `sock`'s recv (its RCVTIMEO at most) for a message, then take what
+        else is there as `_drain` does."""
+        try:
+            frames = sock.recv_multipart(copy=False)
+        except zmq.Again:
+            return  # nothing for IDLE_WAIT_MS: the loop's own checks run
+        self._handle(frames, handle)
+        if cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            self._drain(sock, handle)
+
+    def _handle(self, frames: list[zmq.Frame], handle: Callable[[list[zmq.Frame]], None]) -> None:
+        try:
+            handle(frames)
+        except Exception:  # one bad message must not end the runner
+            assert self.stage is not None
+            self.stage.stats.dropped += 1
+            print(f"dropped a message:\n{traceback.format_exc()}", file=sys.stderr)
 
     def _on_ring(self, frames: list[zmq.Frame]) -> None:
         arrived = time.perf_counter()  # the recv has just returned: where a hop ends

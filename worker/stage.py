@@ -9,6 +9,7 @@ a one-stage pipeline in a single process and a ring spread over nodes.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,6 +70,8 @@ class HeadRequest:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generated: int = 0
+    # Its decode steps' hops on a ring (the last 512, as the stage keeps its own).
+    hops_us: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
 
 @dataclass
@@ -674,7 +677,7 @@ class Stage:
         now = time.perf_counter()
         sent = self.sent_at.pop(rid, None)
         if sent is not None and self.hops > 1:
-            self._ring_figures(self.frame_began - sent, header.extra)
+            req.hops_us.append(self._ring_figures(self.frame_began - sent, header.extra))
         if req.first_token_at is None:
             req.first_token_at = now
         req.generated += 1
@@ -1096,6 +1099,10 @@ class Stage:
             "total_ms": (end - req.started) * 1000,
             "decode_tps": (req.generated - 1) / decode_s if decode_s > 0 else 0.0,
         }
+        if req.hops_us:
+            # This answer's own hops, so a hop can be paired with what else was measured
+            # in its minute (`studiotui bench` pairs it with the bare hop's).
+            timings["hop_us_p50"] = statistics.median(req.hops_us)
         self.links.to_client(
             req.client, "done", rid=rid, finish_reason=reason, usage=usage, timings=timings
         )
@@ -1148,12 +1155,13 @@ class Stage:
         work = float(extra.get("work_us", 0.0)) + spent
         return {"head_us": float(extra.get("head_us", 0.0)), "work_us": work, "mlx_us": mlx}
 
-    def _ring_figures(self, ring_s: float, extra: dict[str, Any]) -> None:
+    def _ring_figures(self, ring_s: float, extra: dict[str, Any]) -> float:
         """(head) A decode step's round, `ring_s` from its frame's send call to its
         token's recv, both on this node's clock: what the stages spent is in the token
         frame, so no clocks are compared across nodes. The step's time (the head's own
         with the frame before, plus the round) is MLX's evaluation on every stage plus
-        the ring's overhead, which is the hops plus each stage's Python."""
+        the ring's overhead, which is the hops plus each stage's Python. Returns the
+        step's hop."""
         ring, head = ring_s * 1e6, float(extra.get("head_us", 0.0))
         work, mlx = float(extra.get("work_us", 0.0)), float(extra.get("mlx_us", 0.0))
         token = ring + head
@@ -1166,6 +1174,7 @@ class Stage:
         }
         for name, value in figures.items():
             self.ring_us[name].append(max(0.0, value))
+        return max(0.0, figures["hop"])
 
     # ---- errors ------------------------------------------------------------------------
 

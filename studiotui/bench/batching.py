@@ -7,18 +7,22 @@
   the median of the rounds' own ratios, as the pipeline figures are paired.
 - `bare_hop_us`: one bare CURVE ZeroMQ message between two otherwise idle processes
   on this machine (PUSH/PULL like the ring, the ring's socket options, a decode frame's
-  size), half a round trip, so `hop_us_p50` reads against its floor (`hop_over_bare`).
-  Both measure the same span: from a send call (the ring header packed in it, as a
-  stage's send packs it) to the receiver's recv returning; the poll the receiver
-  slept in is inside it, what it does with the frame after the recv is not.
+  size), so `hop_us_p50` reads against its floor (`hop_over_bare`). Both measure the
+  same span: from a send call (the ring header packed in it, as a stage's send packs
+  it) to the receiver's recv returning; the poll the receiver slept in is inside it,
+  what it does with the frame after the recv is not. Both are worked out alike: a
+  round trip less what the far end spent between its recv and its send (which it
+  says in its reply, as a ring stage does), halved; and in both, each message finds
+  its receiver asleep for a decode step's time.
 
-Run as `python -m studiotui.bench.batching echo ...`, this module is the far end of
+Run as `python -m studiotui.bench.batching echo|near ...`, this module is either end of
 the bare hop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -33,7 +37,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import stream
 from studiotui.core.inventory import Inventory
 from worker.shared.protocol.bare import BareEnd, pair_keys
-from worker.shared.protocol.frames import RingHeader, encode_ring_header
+from worker.shared.protocol.frames import RingHeader, decode_ring_header, encode_ring_header
 
 STREAMS = 8
 PROMPT_LEN = 16
@@ -146,8 +150,11 @@ def _frame(hidden: int, payload: bytes) -> list[bytes]:
     return [encode_ring_header(header), payload]
 
 
-def _token() -> list[bytes]:
-    return [encode_ring_header(RingHeader(rid="bare", kind="token", token=1)), b""]
+def _token(work_us: float) -> list[bytes]:
+    """A token frame back, saying what the far end spent since its recv returned, as a
+    ring stage's token frame says it (`extra["work_us"]`), packed at the send."""
+    header = RingHeader(rid="bare", kind="token", token=1, extra={"work_us": work_us})
+    return [encode_ring_header(header), b""]
 
 
 # The near end's last frame: the far end leaves its loop (compared as bytes, so the echo
@@ -155,77 +162,141 @@ def _token() -> list[bytes]:
 _STOP = encode_ring_header(RingHeader(rid="bare", kind="free"))
 
 
-def _echo(home: Path, bind: str, peer: str) -> None:
+def _echo(home: Path, bind: str, peer: str, gap_s: float) -> None:
+    """The far end: each frame answered `gap_s` after it came, so that the answer too
+    finds its receiver asleep, as every hop of a ring does (its receiver waited through
+    the other stage's step); the wait is inside the span the reply reports."""
     end = BareEnd(home, "b", bind, peer)
     try:
-        while end.pull.recv_multipart(copy=False)[0].bytes != _STOP:
-            end.push.send_multipart(_token())
+        while True:
+            frames = end.pull.recv_multipart(copy=False)
+            got = time.perf_counter()
+            if frames[0].bytes == _STOP:
+                return
+            time.sleep(gap_s)
+            end.push.send_multipart(_token((time.perf_counter() - got) * 1e6))
+    finally:
+        end.close()
+
+
+def _round_trips(end: BareEnd, hidden: int, gap_s: float, rounds: int, warm: int) -> list[float]:
+    """`rounds` round trips (after `warm` unrecorded ones), each a hop out and a hop back,
+    as a decode step is on two stages: (round - far end's span) / 2 µs each,
+    `Stage._ring_figures`'s hop. Raises TimeoutError if the far end stops answering."""
+    poller = zmq.Poller()
+    poller.register(end.pull, zmq.POLLIN)
+    payload = bytes(4 * hidden)
+    hops: list[float] = []
+    for i in range(warm + rounds):
+        time.sleep(gap_s)
+        began = time.perf_counter()
+        end.push.send_multipart(_frame(hidden, payload))
+        if not poller.poll(10_000):
+            raise TimeoutError("the bare hop's far end stopped answering")
+        frames = end.pull.recv_multipart(copy=False)
+        round_us = (time.perf_counter() - began) * 1e6
+        if i >= warm:
+            header = decode_ring_header(frames[0].bytes, len(frames[1]))
+            hops.append((round_us - float(header.extra["work_us"])) / 2)
+    return hops
+
+
+def _near(home: Path, bind: str, peer: str, hidden: int, gap_s: float) -> None:
+    """The near end, a process of its own: round trips when asked on stdin ("N WARM"),
+    the hops back on stdout (a JSON list; null if the far end is gone); an empty line
+    or end of input stops both ends."""
+    end = BareEnd(home, "a", bind, peer)
+    try:
+        # The far end's first answer waits for its process to start (imports take
+        # seconds on a loaded machine); the frame waits in ZeroMQ's queue meanwhile.
+        end.push.send_multipart(_frame(hidden, bytes(4 * hidden)))
+        started = bool(end.pull.poll(120_000))
+        if started:
+            end.pull.recv_multipart()
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            rounds, warm = (int(x) for x in line.split())
+            hops: list[float] | None = None
+            if started:
+                try:
+                    hops = _round_trips(end, hidden, gap_s, rounds, warm)
+                except TimeoutError:
+                    started = False  # gone: every later request fails too
+            print(json.dumps(hops), flush=True)
+        end.push.send_multipart([_STOP, b""])
     finally:
         end.close()
 
 
 class BareHop:
-    """The bare hop's two ends: this process and a fresh one it starts, on keys of their
-    own. `measure` may be called between other work, so that the floor is taken under
-    the same load as the hops it is the floor of; `close` stops the far end."""
+    """The bare hop's two ends: two fresh processes it starts, on keys of their own, so
+    both are otherwise idle (this process may run a controller meanwhile). `measure`
+    may be called between other work, so that the floor is taken under the same load
+    as the hops it is the floor of; `close` stops both. Each end waits `gap_s` (a decode
+    step's time) before it sends, so every message finds its receiver asleep, as a stage
+    is when a frame reaches it."""
 
-    def __init__(self, address: str, port: int, hidden: int) -> None:
+    def __init__(self, address: str, port: int, hidden: int, gap_s: float = 0.005) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="studiotui-bare-hop-")
         home = Path(self._tmp.name)
         pair_keys(home)
         here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
-        cmd = [sys.executable, "-m", "studiotui.bench.batching", "echo", str(home), there, here]
-        self.far = subprocess.Popen(cmd)
-        self.end = BareEnd(home, "a", here, there)
-        self.poller = zmq.Poller()
-        self.poller.register(self.end.pull, zmq.POLLIN)
-        self.hidden = hidden
-        self.payload = bytes(4 * hidden)
-        self.trips: list[float] = []
+        me = [sys.executable, "-m", "studiotui.bench.batching"]
+        self.far = subprocess.Popen([*me, "echo", str(home), there, here, str(gap_s)])
+        self.near = subprocess.Popen(
+            [*me, "near", str(home), here, there, str(hidden), str(gap_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.hops: list[float] = []
         self.failed = False
 
-    def measure(self, rounds: int, warm: int = 20, gap_s: float = 0.005) -> None:
-        """`rounds` round trips (after `warm` unrecorded ones), each `gap_s` after the
-        last: a decode step's time, so the receiver has gone to sleep, as a ring
-        stage has while the other computes."""
-        for i in range(warm + rounds):
-            if self.failed:
-                return
-            time.sleep(gap_s)
-            began = time.perf_counter()
-            self.end.push.send_multipart(_frame(self.hidden, self.payload))
-            if not self.poller.poll(10_000):
-                self.failed = True  # the far end is gone
-                return
-            self.end.pull.recv_multipart(copy=False)
-            if i >= warm:
-                self.trips.append(time.perf_counter() - began)
+    def measure(self, rounds: int, warm: int = 20) -> None:
+        """`rounds` round trips after `warm` unrecorded ones (`_round_trips`)."""
+        if self.failed:
+            return
+        assert self.near.stdin is not None and self.near.stdout is not None
+        try:
+            self.near.stdin.write(f"{rounds} {warm}\n")
+            self.near.stdin.flush()
+            hops = json.loads(self.near.stdout.readline() or "null")
+        except (OSError, ValueError):
+            hops = None
+        if hops is None:
+            self.failed = True  # an end is gone
+            return
+        self.hops += hops
 
-    def hop_us(self) -> float | None:
-        """Half the median round trip so far; None if the far end failed."""
-        if self.failed or not self.trips:
+    def hop_us(self, since: int = 0) -> float | None:
+        """The median hop so far (of those from the `since`th on); None if an end
+        failed."""
+        if self.failed or not self.hops[since:]:
             return None
-        return statistics.median(self.trips) / 2 * 1e6
+        return statistics.median(self.hops[since:])
 
     def close(self) -> None:
         try:
-            if not self.failed:
-                self.end.push.send_multipart([_STOP, b""])
-                self.far.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            if self.near.stdin is not None:
+                self.near.stdin.close()  # the near end stops the far one, then itself
+            for proc in (self.near, self.far):
+                proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
             pass
         finally:
-            self.end.close()
-            if self.far.poll() is None:
-                self.far.kill()  # the process this object started
-                self.far.wait()
+            for proc in (self.near, self.far):
+                if proc.poll() is None:
+                    proc.kill()  # a process this object started
+                    proc.wait()
+            if self.near.stdout is not None:
+                self.near.stdout.close()
             self._tmp.cleanup()
 
 
 def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 300) -> float | None:
-    """Half the median round trip of a decode frame out and a token frame back between
-    this process and a fresh one, both otherwise idle (`BareHop`); None if the far end
-    fails."""
+    """The median hop of a decode frame out and a token frame back between two fresh
+    processes, both otherwise idle (`BareHop`); None if an end fails."""
     bare = BareHop(address, port, hidden)
     try:
         bare.measure(rounds)
@@ -235,10 +306,17 @@ def bare_hop_us(address: str, port: int, hidden: int, rounds: int = 300) -> floa
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 4 and argv[0] == "echo":
-        _echo(Path(argv[1]), argv[2], argv[3])
+    if len(argv) == 5 and argv[0] == "echo":
+        _echo(Path(argv[1]), argv[2], argv[3], float(argv[4]))
         return 0
-    print("usage: python -m studiotui.bench.batching echo HOME BIND PEER", file=sys.stderr)
+    if len(argv) == 6 and argv[0] == "near":
+        _near(Path(argv[1]), argv[2], argv[3], int(argv[4]), float(argv[5]))
+        return 0
+    print(
+        "usage: python -m studiotui.bench.batching echo HOME BIND PEER GAP_S\n"
+        "       python -m studiotui.bench.batching near HOME BIND PEER HIDDEN GAP_S",
+        file=sys.stderr,
+    )
     return 2
 
 

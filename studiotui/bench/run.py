@@ -59,9 +59,8 @@ from worker.shared.protocol import control
 BENCH_OCTET = 71
 BENCH_PORT = 56500
 # The bare hop's two ends listen beside the agents (127.0.0.71-74), on an address of
-# their own; its round trips per pipe2 decode run (`pipeline_figures`).
+# their own.
 BARE_ADDRESS = f"127.0.0.{BENCH_OCTET + 4}"
-BARE_ROUNDS = 100
 # The MoE row's floor (two shard processes over bare hops) listens there too.
 FLOOR_PORT = BENCH_PORT + 960
 
@@ -193,6 +192,7 @@ def _paired(runs: list[dict[str, Any]], singles: list[dict[str, Any]]) -> dict[s
     pairs' own ratios."""
     ratios = [p["tps"] / s["tps"] for p, s in zip(runs, singles, strict=True)]
     return {
+        "runs": runs,
         "tps": statistics.median(r["tps"] for r in runs),
         "ratio": statistics.median(ratios),
         "ratios": ratios,
@@ -257,17 +257,34 @@ async def _with_bare_hop(
     ctl: Controller, name: str, single: SingleProcess, cfg: BenchConfig
 ) -> tuple[dict[str, Any], float | None]:
     """pipe2's paired decode runs, with the bare hop's round trips right after each: the
-    floor is measured under the same load, minute by minute, as the hops are."""
+    floor is measured under the same load, minute by minute, as the hops are, and as
+    often (a round trip per decode step of the run before)."""
     bare = await asyncio.to_thread(batching.BareHop, BARE_ADDRESS, BENCH_PORT + 950, cfg.hidden)
+    floors: list[float | None] = []
     try:
 
         async def measure() -> None:  # (its time counts in the decode2 phase)
-            await asyncio.to_thread(bare.measure, BARE_ROUNDS)
+            began = len(bare.hops)
+            await asyncio.to_thread(bare.measure, cfg.tokens)
+            floors.append(bare.hop_us(since=began))
 
-        runs = await paired_decode(ctl, name, single, cfg, between=measure)
+        runs = await paired_decode(ctl, name, single, hop_pairing(cfg), between=measure)
     finally:
         await asyncio.to_thread(bare.close)
+    # Each run's hops over the floor measured right after it (reported beside the ratio
+    # of the medians, so their spread shows).
+    hops = [r.get("hop_us_p50") for r in runs["runs"]]
+    runs["hop_over_bare"] = [
+        hop / floor for hop, floor in zip(hops, floors, strict=True) if hop and floor
+    ]
     return runs, bare.hop_us()
+
+
+def hop_pairing(cfg: BenchConfig) -> BenchConfig:
+    """pipe2's runs: at least three, each followed by as many round trips of the floor
+    as it had decode steps, so the hop and its floor are each a median of ~150 steps
+    or more, taken in turns over the same minute."""
+    return replace(cfg, decode_rounds=max(3, cfg.decode_rounds))
 
 
 def ring_figures(stats: control.ShardStats) -> dict[str, float]:
@@ -502,6 +519,7 @@ def summarize(
         produced += lone["tokens"]
     ring_us = {name: round(value, 1) for name, value in pipe["pipe2_ring"].items()}
     bare = pipe.get("bare_hop_us")
+    pairs = pipe["pipe2"].get("hop_over_bare", []) if bare else []
     moe = pipe.get("moe2")
     moe_match = True
     floor = moe.get("floor") if moe else None
@@ -526,7 +544,12 @@ def summarize(
         "mlx_ring2_tps": round(ring, 2) if ring is not None else None,
         **ring_us,
         "bare_hop_us": round(bare, 1) if bare else None,
+        # The medians of all pipe2 steps' hops and of all the floor's, taken in turns
+        # and as many: a pair of one run (~50 steps, half a second) and the floor right
+        # after it moved 0.5-1.5 within a run, more than the minutes do (below).
         "hop_over_bare": round(ring_us["hop_us_p50"] / bare, 2) if bare else None,
+        # Each pipe2 run's hop over the floor measured right after it, so the spread shows.
+        "hop_over_bare_pairs": [round(r, 2) for r in pairs],
         "ttft_single_ms": round(ttft_single_ms, 1),
         "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
         "moe_model": f"qwen3_moe demo, {cfg.layers} layers, hidden {cfg.hidden}, 8 experts, 4-bit"

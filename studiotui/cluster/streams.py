@@ -20,12 +20,15 @@ async def stream(ctl: Controller, name: str, tokens: list[int], n: int) -> dict[
     """Decode `n` tokens (end of turn ignored) after `tokens`; the tokens and their timing."""
     got: list[int] = []
     stamps: list[float] = []
+    timings: dict[str, Any] = {}
     start = time.perf_counter()
     params = {"max_tokens": n, "ignore_eos": True}
     async for msg in ctl.generate(name, {"tokens": tokens}, params):
         if msg["type"] == "delta":
             got += msg["tokens"]
             stamps.append(time.perf_counter())
+        elif msg["type"] == "done":
+            timings = msg.get("timings") or {}
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return {
         "tokens": got,
@@ -34,4 +37,6 @@ async def stream(ctl: Controller, name: str, tokens: list[int], n: int) -> dict[
         "ttft_ms": (stamps[0] - start) * 1000 if stamps else 0.0,
         "start": start,
         "end": stamps[-1] if stamps else start,
+        # The median hop of its decode steps, as its head measured them (a ring's only).
+        "hop_us_p50": timings.get("hop_us_p50"),
     }

@@ -8,11 +8,13 @@ this machine's speed comes and goes.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 
-from studiotui.bench.run import BenchConfig, moe_pairing, run_bench, summarize
+from studiotui.bench.batching import BareHop
+from studiotui.bench.run import BenchConfig, hop_pairing, moe_pairing, run_bench, summarize
 
 FIGURES = {
     "single_tps",
@@ -66,6 +68,9 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["batch8_ratio"] > 0 and figures["mlx_batch8_ratio"] > 0
     assert figures["batch8_mean_rows"] > 1  # the eight streams really met in batches
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
+    # One hop-over-floor pair per pipe2 run, shown beside the ratio: the run's own hops
+    # (its head's, in the answer's timings) over the bare hops measured right after it.
+    assert len(figures["hop_over_bare_pairs"]) == 3  # --quick too runs pipe2 three times
     # pipe2's steps, measured on its head: per step, the token's time is MLX's evaluation
     # plus the ring's overhead, and the overhead is two hops plus two stages' Python per
     # frame, each part measured and none negative; so the medians keep those orders.
@@ -79,6 +84,25 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert figures["tp2_over_mlx"] > 0  # and were paired run by run, under the same load
     assert figures["provision4_ratio"] is None  # --quick leaves provisioning out
     assert sum(figures["phases_s"].values()) <= figures["bench_seconds"] + 1
+
+
+def test_the_bare_hop_finds_each_receiver_asleep_and_is_worked_out_as_the_rings() -> None:
+    """Both ends wait a decode step before they send, so each message reaches a receiver
+    that has slept (the far end used to answer at once); the far end's own span, wait
+    included, comes back in its token frame and is taken off the round trip, as a ring
+    stage's `work_us` is: what is left is two hops, not the waits."""
+    gap = 0.02
+    bare = BareHop("127.0.0.76", 56700, 64, gap_s=gap)
+    try:
+        began = time.monotonic()
+        bare.measure(4, warm=1)
+        elapsed = time.monotonic() - began
+    finally:
+        bare.close()
+    assert not bare.failed and len(bare.hops) == 4
+    assert elapsed >= 5 * 2 * gap  # each of the 5 round trips waited at both ends
+    hop = bare.hop_us()
+    assert hop is not None and 0 < hop < gap * 1e6 / 2  # the far end's wait is not in it
 
 
 def _run(tps: float, tokens: list[int]) -> dict[str, Any]:
@@ -98,7 +122,11 @@ def _pipe(single: list[float], pipe: list[float], tokens: list[int]) -> dict[str
 
 def _figures(pipe4_tokens: list[int]) -> dict[str, Any]:
     return {
-        "pipe2": _pipe([50.0, 60.0, 70.0], [45.0, 54.0, 70.0], [1, 2, 3]),
+        "pipe2": {
+            **_pipe([50.0, 60.0, 70.0], [45.0, 54.0, 70.0], [1, 2, 3]),
+            # each run's hop over the bare hop measured right after it
+            "hop_over_bare": [1.8, 2.4, 1.9],
+        },
         "pipe4": _pipe([50.0, 60.0, 70.0], [40.0, 48.0, 56.0], pipe4_tokens),
         "streams": {"1": 40.0, "2": 70.0, "4": 90.0},
         "streams1_tokens": [[1, 2, 3]],
@@ -126,7 +154,9 @@ def test_summary_takes_ratios_from_pairs_and_checks_every_run() -> None:
     assert out["streams4_ratio"] == 1.5
     assert out["tokens_match"] is True and out["mlx_ring2_tps"] is None
     assert out["hop_us_p50"] == 500.0 and out["ring_overhead_us_p50"] == 1600.0
+    # The hop's ratio is that of the medians of all steps; each run's own is shown too.
     assert out["bare_hop_us"] == 250.0 and out["hop_over_bare"] == 2.0
+    assert out["hop_over_bare_pairs"] == [1.8, 2.4, 1.9]
     assert summarize(120.0, _figures([1, 2, 4]), None, cfg)["tokens_match"] is False
 
 
@@ -141,6 +171,12 @@ def test_the_full_run_reports_the_engine_on_one_node_and_checks_its_tokens() -> 
     assert summarize(120.0, _figures([1, 2, 3]), None, cfg)["pipe1_tps"] is None
     figures["pipe1"] = _pipe([50.0], [55.0], [9, 9, 9])
     assert summarize(120.0, figures, None, cfg)["tokens_match"] is False
+
+
+def test_pipe2_runs_at_least_three_times_for_the_hop_and_its_floor() -> None:
+    quick, full = (hop_pairing(BenchConfig.make(quick=q)) for q in (True, False))
+    assert quick.decode_rounds == 3 and quick.tokens == BenchConfig.make(quick=True).tokens
+    assert full == BenchConfig.make(quick=False)  # the full run had three already
 
 
 def test_the_moe_row_pairs_an_even_number_of_runs_long_enough_to_span_a_hiccup() -> None:
