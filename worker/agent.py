@@ -15,7 +15,6 @@ import logging
 import logging.handlers
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from worker import __version__, files, group, jobs, node_probe, telemetry
+from worker.shared.ports import port_free
 from worker.shared.protocol import control, curve, events, messages
 from worker.shared.protocol.limits import (
     LINK_MEASURE_BOUNDS,
@@ -1063,7 +1063,7 @@ class Agent:
             p for s in self.shards.values() for p in (s.data_port, s.client_port, s.group_port)
         }
         taken |= self.jobs.ports_held()
-        return 0 < port <= 65535 and port not in taken and _port_free(self.config.address, port)
+        return 0 < port <= 65535 and port not in taken and port_free(self.config.address, port)
 
     def _free_ports(self, count: int) -> list[int]:
         taken = {
@@ -1075,7 +1075,7 @@ class Agent:
         while len(found) < count:
             if port > 65535:
                 raise RuntimeError("no free port for a shard")
-            if port not in taken and _port_free(self.config.address, port):
+            if port not in taken and port_free(self.config.address, port):
                 found.append(port)
             port += 1
         return found
@@ -1347,16 +1347,6 @@ async def _events(stream: asyncio.StreamReader, shard: ShardProc) -> Any:
 
 def _clock(when: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(when))
-
-
-def _port_free(address: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((address, port))
-        except OSError:
-            return False
-    return True
 
 
 def _safe(name: str) -> str:

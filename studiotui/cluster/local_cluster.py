@@ -10,7 +10,6 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from studiotui.core.inventory import (
     load_inventory,
     local_inventory,
 )
+from worker.shared.ports import port_free
 from worker.shared.protocol.limits import tail_lines
 
 
@@ -66,19 +66,6 @@ def running_outside(home: Path, new: Inventory) -> list[str]:
         and (n.name, n.address, n.control_port) not in kept
         and running_pid(n) is not None
     ]
-
-
-def port_free(address: str, port: int) -> bool:
-    """Nothing listens on address:port now (an agent could bind it)."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        # As ZeroMQ binds: a port whose last connections linger in TIME_WAIT (agents
-        # `down` just stopped) is free to it, and only a live socket holds it.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-        except OSError:
-            return False
-    return True
 
 
 def ports_taken(inv: Inventory) -> list[str]:
