@@ -214,12 +214,16 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         done = await restart.keep_placements(
-            ctl, names, run, on_reload=_say_reloading, doing="upgrade"
+            ctl, names, run, on_reload=_say_reloading, doing="upgrade", on_back=_say_back
         )
     finally:
         await ctl.close()
     print_restarted(done)
     return 0 if done.ok else 1
+
+
+def _say_back(outcomes: Sequence[Outcome]) -> None:
+    print_outcomes(commands.console, commands.errors, outcomes)
 
 
 def _say_reloading(placement: str, where: str) -> None:
@@ -231,11 +235,11 @@ def _say_reloading(placement: str, where: str) -> None:
 
 
 def print_restarted(done: restart.Restarted) -> None:
-    """What a restart or an upgrade did: the nodes, then each placement's fate."""
+    """What a restart or an upgrade did to the placements (its nodes' outcomes were
+    printed as they came back, `_say_back`)."""
     console, errors = commands.console, commands.errors
     for text in done.dropped:
         errors.print(text, markup=False, highlight=False)
-    print_outcomes(console, errors, done.outcomes)
     for text in done.lost:
         errors.print(text, markup=False, highlight=False)
     for result in done.reloads:
@@ -252,7 +256,7 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         done = await restart.restart_nodes(
-            ctl, [n.name for n in selected], on_reload=_say_reloading
+            ctl, [n.name for n in selected], on_reload=_say_reloading, on_back=_say_back
         )
     finally:
         await ctl.close()

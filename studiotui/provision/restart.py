@@ -109,6 +109,7 @@ async def restart_nodes(
     names: Sequence[str],
     timeout: float = UP_TIMEOUT_S,
     on_reload: OnReload | None = None,
+    on_back: Callable[[Sequence[Outcome]], None] | None = None,
 ) -> Restarted:
     """Restart the agents of `names` and load again the shards they held, so their
     placements stay whole; what cannot be reloaded is named in the result."""
@@ -122,7 +123,7 @@ async def restart_nodes(
         )
         return [*local_outcomes, *ssh_outcomes]
 
-    return await keep_placements(ctl, names, bounce, on_reload)
+    return await keep_placements(ctl, names, bounce, on_reload, on_back=on_back)
 
 
 async def keep_placements(
@@ -131,6 +132,7 @@ async def keep_placements(
     bounce: Bounce,
     on_reload: OnReload | None = None,
     doing: str = "restart",
+    on_back: Callable[[Sequence[Outcome]], None] | None = None,
 ) -> Restarted:
     """Run `bounce` (whatever restarts or replaces the agents of `names`: `restart`,
     `provision --upgrade`), then load again the shards it took away, on the same layers
@@ -145,6 +147,8 @@ async def keep_placements(
     by_name = {o.node: o for o in await bounce()}
     outcomes = tuple(by_name[n] for n in names)
     back = {o.node for o in outcomes if o.ok}
+    if on_back is not None:
+        on_back(outcomes)  # said before the reloads begin: they take a while
 
     await ctl.refresh()
     held = {(s.node, s.placement) for p in ctl.state.placements for s in p.shards}
@@ -216,7 +220,7 @@ def _why_lost(nodes: Sequence[str], outcomes: Mapping[str, Outcome]) -> str:
     parts = []
     for node in sorted(set(nodes)):
         outcome = outcomes.get(node)
-        said = outcome.message.splitlines()[0] if outcome and outcome.message else ""
+        said = outcome.message.splitlines()[0].rstrip(":") if outcome and outcome.message else ""
         parts.append(
             f"{node}, which held a shard of it, did not come back"
             + (f" ({said})" if said else " (it is down)")
