@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, ReloadResult, SavedShard
+from studiotui.cluster.peers import AgentError, AgentUnreachable
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.inventory import NodeSpec
 from studiotui.core.state import PlacementState
 from studiotui.provision.deploy import Outcome, restart_agent
 from studiotui.ssh.client import SshError
+from worker.shared.protocol import control
 
 UP_TIMEOUT_S = 30.0
 
@@ -150,8 +152,7 @@ async def keep_placements(
     if on_back is not None:
         on_back(outcomes)  # said before the reloads begin: they take a while
 
-    await ctl.refresh()
-    held = {(s.node, s.placement) for p in ctl.state.placements for s in p.shards}
+    held = await _held(ctl, sorted({s.node for s in saved}))
     again, lost = to_reload(saved, held, back)
     reloads: list[ReloadResult] = []
     if again or kept:
@@ -206,6 +207,21 @@ def to_reload(
         and ((s.node, s.placement) not in held or (s.placement, s.report.index) in regroup)
     ]
     return again, lost
+
+
+async def _held(ctl: Controller, nodes: Sequence[str]) -> set[tuple[str, str]]:
+    """The (node, placement) shards the agents of `nodes` run now, asked of each agent:
+    not the controller's state, where a late telemetry message from a runner that
+    died with its agent could still show the shard."""
+
+    async def one(node: str) -> set[tuple[str, str]]:
+        try:
+            reply = await ctl.peer(node).ask("list_shards", control.Shards, timeout=5.0)
+        except (AgentError, AgentUnreachable):
+            return set()  # no agent answering: it runs nothing
+        return {(node, r.placement) for r in reply.shards}
+
+    return set().union(*await asyncio.gather(*(one(n) for n in nodes)))
 
 
 def _by_placement(shards: Sequence[SavedShard]) -> dict[str, list[SavedShard]]:
