@@ -153,7 +153,10 @@ async def keep_placements(
         on_back(outcomes)  # said before the reloads begin: they take a while
 
     held = await _held(ctl, sorted({s.node for s in saved}))
-    again, lost = to_reload(saved, held, back)
+    # A tensor group's members elsewhere are relaunched with it where their agents are up.
+    await ctl.refresh()
+    up = back | {n.name for n in ctl.state.nodes if n.name not in names and n.state == "up"}
+    again, lost = to_reload(saved, held, up)
     reloads: list[ReloadResult] = []
     if again or kept:
         ctl.keep_shards([], forget=sorted(back))
