@@ -3,7 +3,8 @@
 Two "Macs" are provisioned over a real sshd on loopback and hold a two-stage
 pipeline. Upgrading their agents (a wheel that reports another version) stops every
 shard; the verb then loads them again on the same layers and ports, showing it, and
-the placement answers with mlx-lm's own greedy tokens, as before. An upgrade whose
+the placement answers with mlx-lm's own greedy tokens, as before; a second upgrade
+finds nothing to replace and leaves the shards running. An upgrade whose
 new build cannot start on a node names the placement that could not come back and
 why.
 """
@@ -134,6 +135,14 @@ async def test_upgrade_loads_the_placements_again_and_they_answer_the_same(
         assert sorted((s.node, s.start, s.end, s.data_port) for s in again.shards) == layers
     finally:
         await ctl.close()
+    assert await _answer(home, inv, tokens) == ("ready", reference)
+
+    # Upgraded already: nothing is replaced, and nothing reloaded (the shards ran on).
+    pids = {n.name: agent_pid(n) for n in nodes}
+    assert await provision_cmd.cmd_provision(args, home) == 0
+    out = capsys.readouterr()
+    assert all(agent_pid(n) == pids[n.name] for n in nodes)
+    assert "unchanged" in out.out and "loading its shards again" not in out.out, out.out
     assert await _answer(home, inv, tokens) == ("ready", reference)
 
     # A build that cannot start on the second node: the placement is named, with why.
