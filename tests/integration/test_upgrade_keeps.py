@@ -139,6 +139,7 @@ async def test_upgrade_loads_the_placements_again_and_they_answer_the_same(
 
     # Upgraded already: nothing is replaced, and nothing reloaded (the shards ran on).
     pids = {n.name: agent_pid(n) for n in nodes}
+    capsys.readouterr()
     assert await provision_cmd.cmd_provision(args, home) == 0
     out = capsys.readouterr()
     assert all(agent_pid(n) == pids[n.name] for n in nodes)
