@@ -32,8 +32,10 @@ from studiotui.api.request import (
     CompletionRequest,
     bad,
     check_prompt_size,
+    parse_body,
     parse_chat_request,
     parse_completion_request,
+    shown,
 )
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
@@ -49,6 +51,8 @@ log.addHandler(logging.NullHandler())
 # Long documents go into prompts; aiohttp's 1 MiB default would cut them off.
 MAX_BODY_BYTES = 16 << 20
 SHUTDOWN_GRACE_S = 2.0
+# Seconds a client has to send its whole body once it has sent the headers.
+BODY_TIMEOUT_S = 30.0
 # The head shard's own refusals (worker/stage.py, worker/sampling.py) arrive as text
 # before "accepted"; they are the client's fault, everything else is the cluster's.
 REFUSALS = (
@@ -170,15 +174,15 @@ class Models:
             return min(ready, key=lambda p: self.stats.in_flight[p.name])
         if matches:
             states = ", ".join(f"{p.name} is {p.state}" for p in matches)
-            raise _unavailable(f"model {model!r} is not ready ({states})")
+            raise _unavailable(f"model {shown(model)} is not ready ({states})")
         if model in self.first_seen:
             raise _unavailable(
-                f"model {model!r} is no longer loaded (unloaded, or its nodes went down)"
+                f"model {shown(model)} is no longer loaded (unloaded, or its nodes went down)"
             )
         known = ", ".join(p.name for p in self.ready()) or "none"
         raise ApiError(
             404,
-            f"The model {model!r} does not exist; ready models: {known}",
+            f"The model {shown(model)} does not exist; ready models: {known}",
             param="model",
             code="model_not_found",
         )
@@ -312,11 +316,19 @@ async def _get_model(request: web.Request) -> web.Response:
 
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"the request body is not valid JSON: {exc}") from None
+        # A client that sends half a body and stops would hold its handler (and
+        # connection) for ever: it gets a 408 instead.
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {BODY_TIMEOUT_S:g} s: send the whole "
+            "body (its Content-Length) at once",
+            code="timeout",
+        ) from None
+    return parse_body(raw)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
