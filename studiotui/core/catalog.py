@@ -245,9 +245,11 @@ def _snapshot(repo: Path) -> Path | None:
 def _read(path: Path, name: str) -> ModelInfo | str:
     """The model's facts under its catalog name, or why it cannot be placed."""
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return f"cannot read config.json: {exc}"
+        config = json.loads((path / "config.json").read_bytes())
+    except OSError as exc:
+        return f"cannot read config.json: {exc.strerror or exc}"
+    except (ValueError, RecursionError) as exc:
+        return f"config.json is not valid JSON: {exc}"
     if not isinstance(config, dict):
         return "config.json is not a JSON object"
     architectures = config.get("architectures") or []

@@ -297,6 +297,7 @@ def _read_model(path: Path, config: dict[str, Any]) -> ModelInfo:
             f"{path}/config.json: num_hidden_layers is {raw_layers!r}, not a whole number"
         )
     n_layers = raw_layers
+    _check_quantization(path, config)
     if n_layers < 1:
         if not unsupported:
             raise ModelDirError(f"{path}/config.json has no num_hidden_layers")
@@ -337,7 +338,10 @@ def _read_model(path: Path, config: dict[str, Any]) -> ModelInfo:
         facts = with_shape_facts(facts, config, split, routed)
     except (ValueError, TypeError) as exc:
         if not unsupported:
-            raise ModelDirError(f"{path}/config.json: {exc}") from None
+            raise ModelDirError(
+                f"{path}/config.json has a value mlx-lm cannot use ({exc})",
+                "compare it with the config.json of the model's original download",
+            ) from None
         # A family without attention fields (Mamba…): the reason it cannot run is
         # what the operator needs, not that its cache cannot be sized.
         family = str(config.get("model_type") or "unknown")
@@ -354,6 +358,23 @@ def _read_model(path: Path, config: dict[str, Any]) -> ModelInfo:
         facts=facts,
         unsupported=unsupported,
     )
+
+
+def _check_quantization(path: Path, config: dict[str, Any]) -> None:
+    """mlx-lm builds a quantized model's layers from these numbers before it reads a
+    weight: a wrong type there fails on every node, after the copy."""
+    for key in ("quantization", "quantization_config"):
+        q = config.get(key)
+        if q is None:
+            continue
+        if not isinstance(q, dict):
+            raise ModelDirError(f"{path}/config.json: {key} is {q!r}, not an object")
+        for field in ("bits", "group_size"):
+            value = q.get(field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ModelDirError(
+                    f"{path}/config.json: {key}.{field} is {value!r}, not a whole number"
+                )
 
 
 # The files a tokenizer comes in: Hugging Face's fast tokenizer, sentencepiece, GPT-2's
