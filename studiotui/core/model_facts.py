@@ -289,8 +289,9 @@ def read_model(path: Path) -> ModelInfo:
 def _read_model(path: Path, config: dict[str, Any]) -> ModelInfo:
     cfg = text_config(config)
     files = weight_files(path)
-    check_tokenizer(path)
     unsupported = unsupported_reason(config)
+    if not unsupported:  # else why it cannot run at all is the news, not its tokenizer
+        check_tokenizer(path)
     raw_layers = cfg.get("num_hidden_layers") or 0
     if not isinstance(raw_layers, int) or isinstance(raw_layers, bool):
         raise ModelDirError(
