@@ -95,7 +95,7 @@ def settings(home: Path) -> Settings:
     if path.is_file():
         try:
             config = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
             problems.append(Skipped(CONFIG_FILE, path, f"cannot read {path}: {exc}", "config"))
     dirs = config.get("models_dirs", [])
     if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
