@@ -24,6 +24,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -421,3 +422,41 @@ async def test_bodies_that_broke_the_server_are_refused_naming_the_field(
         resp = await http.post(path, content=body)
     check(Attack(path, body, field), resp)
     assert 400 <= resp.status_code < 500, resp.text[:300]
+
+
+async def test_a_client_that_stops_reading_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a client that kept its connection open but read nothing held its stream
+    (a KV cache, one of the placement's streams) for as long as it stayed: the write
+    waited for ever. A tiny model's answer fits the sockets' buffers, so a handler that
+    writes without end stands in for a long answer; the writing is the server's own."""
+    monkeypatch.setattr(api_server, "WRITE_STALL_S", 1.0)
+    outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        try:
+            while True:
+                await api_server.write_or_give_up(request, resp, b"x" * (1 << 16))
+        except ConnectionError as exc:
+            outcome.set_result(str(exc))
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", endless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        sock.send(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+        async with asyncio.timeout(30):
+            assert await outcome == "the client stopped reading"
+    finally:
+        sock.close()
+        await runner.cleanup()
