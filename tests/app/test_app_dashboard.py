@@ -380,6 +380,7 @@ async def test_killed_agent_is_shown_down(cluster: tuple[Path, Inventory]) -> No
         local_cluster.start_agent(home, node, inv)
 
 
+@pytest.mark.integration  # it starts the first run's agents, without a cluster fixture
 @pytest.mark.parametrize("platform", ["linux", "darwin"])
 async def test_first_run_places_the_demo_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
