@@ -18,6 +18,10 @@ def test_ci_runs_the_readme_test_command_from_a_lone_clone() -> None:
     assert "pytest" in tests and "studiotui" in install
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert tests in ci.splitlines(), "CI must run the README's test command as written"
+    # README: the suite needs sshd, which .ci/install-sshd.sh installs; CI runs it first.
+    lines = ci.splitlines()
+    assert "bash .ci/install-sshd.sh" in lines and (ROOT / ".ci" / "install-sshd.sh").is_file()
+    assert lines.index("bash .ci/install-sshd.sh") < lines.index(tests)
     assert "git clone" in ci and "mktemp -d" in ci
 
 
