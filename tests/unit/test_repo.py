@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,3 +49,38 @@ def test_imports_run_one_way() -> None:
     assert exe, "import-linter is a test dependency: pip install -e '.[test]'"
     run = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_the_docs_name_only_files_that_exist_and_the_layout_names_every_module() -> None:
+    """docs/architecture.md is the truth about what exists: every path the docs name is
+    there, and its Layout tree names every module of both sides; every test
+    docs/claims.md cites is defined where it says."""
+    docs = {p: (ROOT / p).read_text(encoding="utf-8") for p in ARCH_DOCS}
+    for doc, text in docs.items():
+        for path in set(re.findall(r"\b(?:studiotui|worker|tests)/[\w/]+\.(?:py|tcss)\b", text)):
+            assert (ROOT / path).is_file(), f"{doc} names {path}, which does not exist"
+    arch = docs["docs/architecture.md"]
+    layout = arch.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    modules = [
+        p
+        for side in ("studiotui", "worker")
+        for p in (ROOT / side).rglob("*.py")
+        if p.name != "__init__.py"
+    ]
+    # By name: the tree says `run.py, ring.py` or, for the panes, `nodes, topology`.
+    unnamed = [str(p.relative_to(ROOT)) for p in modules if not re.search(rf"\b{p.stem}\b", layout)]
+    assert not unnamed, f"docs/architecture.md's Layout does not name {unnamed}"
+    # claims.md cites `dir/file.py::test`, and `::test` for another of the same file.
+    cited = 0
+    for row in docs["docs/claims.md"].splitlines():
+        file = None
+        for named, test in re.findall(r"(?:((?:app|unit|integration)/\w+\.py))?::(test_\w+)", row):
+            file = named or file
+            assert file, row
+            source = (ROOT / "tests" / file).read_text(encoding="utf-8")
+            assert re.search(rf"def {test}\(", source), f"claims.md cites {file}::{test}"
+            cited += 1
+    assert cited > 100, cited
+
+
+ARCH_DOCS = ("README.md", "docs/architecture.md", "docs/reliability.md", "docs/claims.md")
