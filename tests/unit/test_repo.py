@@ -84,3 +84,22 @@ def test_the_docs_name_only_files_that_exist_and_the_layout_names_every_module()
 
 
 ARCH_DOCS = ("README.md", "docs/architecture.md", "docs/reliability.md", "docs/claims.md")
+
+
+def test_every_bench_field_the_readme_names_is_one_the_bench_reports() -> None:
+    """README's Performance figures are measurements, but the fields it names are
+    claims: each is a key `studiotui bench --json` prints (a string in studiotui/bench)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Performance", 1)[1].replace("\n", " ")
+    not_fields = {"all_sum", "async_eval", "sgemm_", "qwen3_moe", "tp_rank"}
+    fields = {
+        name
+        for name in re.findall(r"`([^`]+)`", section)
+        if re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9*]+)+|streams", name) and name not in not_fields
+    }
+    assert len(fields) > 30, fields
+    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "studiotui/bench").glob("*.py"))
+    keys = set(re.findall(r"""["']([a-z][a-z0-9_]*)["']""", code))
+    for name in sorted(fields):
+        pattern = re.compile(name.replace("*", r"\w+"))
+        assert any(pattern.fullmatch(key) for key in keys), f"the bench reports no {name}"
