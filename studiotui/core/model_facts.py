@@ -202,8 +202,8 @@ def weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             listed = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelDirError(f"{index} is not a safetensors index: {exc}") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise ModelDirError(f"{index} is not a safetensors index: {exc!r}") from None
         missing = sorted(f for f in listed if not (path / f).is_file())
         if missing:
             raise ModelDirError(

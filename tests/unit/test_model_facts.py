@@ -173,6 +173,10 @@ DAMAGE: dict[str, tuple[Callable[[Path], Any], str]] = {
         ),
         r"lacks 1 of the 1 weight files .*finish the download",
     ),
+    "index map a list": (
+        lambda m: (m / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+        r"index\.json is not a safetensors index",
+    ),
     "index not JSON": (
         lambda m: (m / "model.safetensors.index.json").write_text("{"),
         r"index\.json is not a safetensors index",
