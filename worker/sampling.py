@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import cache, partial
 from typing import Any, cast
 
@@ -28,22 +28,13 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 from worker.shared.protocol.limits import (
     DEFAULT_PENALTY_CONTEXT,
     DEFAULT_XTC_THRESHOLD,
-    MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_PENALTY,
     MAX_PENALTY_CONTEXT,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TOKENS_LIMIT,
-    MAX_TOP_K,
-    MAX_XTC_THRESHOLD,
-    MIN_REPETITION_PENALTY,
+    SAMPLING_LIMITS,
+    limit_problem,
 )
-
-# OpenAI's ceiling for top_logprobs; each one costs the tail a sort of the vocabulary.
-MAX_TOP_LOGPROBS = 20
 
 
 class ParamError(ValueError):
@@ -123,18 +114,17 @@ class SamplingParams:
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
-        if not 0 <= params.seed <= MAX_SEED:
-            raise ParamError(f"seed must be 0..2**63-1, got {params.seed}")
-        if not 1 <= params.max_tokens <= MAX_TOKENS_LIMIT:
-            raise ParamError(f"max_tokens must be 1..{MAX_TOKENS_LIMIT}, got {params.max_tokens}")
-        if not 0.0 <= params.temperature <= 10.0:
-            raise ParamError(f"temperature must be 0..10, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ParamError(f"top_p must be in (0, 1], got {params.top_p}")
-        if problem := sampler_problem(params):
+        if problem := limits_problem(params):
             raise ParamError(problem)
-        if not -1 <= params.logprobs <= MAX_TOP_LOGPROBS:
-            raise ParamError(f"logprobs must be -1..{MAX_TOP_LOGPROBS}, got {params.logprobs}")
+        if params.top_p == 0.0:
+            # Nucleus sampling over no mass keeps only the likeliest token (as OpenAI
+            # means it; mlx-lm's `make_sampler` would take 0 for "off").
+            params = replace(params, temperature=0.0, top_p=1.0)
+        # -1: none; else as many of the likeliest as the API's top_logprobs takes.
+        if params.logprobs != -1 and (
+            problem := limit_problem("top_logprobs", params.logprobs, "logprobs")
+        ):
+            raise ParamError(problem)
         if problem := processor_problem(params):
             raise ParamError(problem)
         return params
@@ -192,39 +182,28 @@ class SamplingParams:
         }
 
 
-def sampler_problem(params: SamplingParams) -> str:
-    """What is wrong with the sampler's parameters ("" if nothing): the ranges mlx-lm's
-    `make_sampler` pieces check (they would raise only when a token is drawn)."""
-    if not 0 <= params.top_k <= MAX_TOP_K:
-        return f"top_k must be an integer from 0 (off) to {MAX_TOP_K}, got {params.top_k}"
-    for name, top in (
-        ("min_p", 1.0),
-        ("xtc_probability", 1.0),
-        ("xtc_threshold", MAX_XTC_THRESHOLD),
-    ):
-        value = getattr(params, name)
-        if not 0.0 <= value <= top:
-            return f"{name} must be a number from 0 to {top:g}, got {value}"
+# SAMPLING_LIMITS' parameters that are one number of SamplingParams each (a logit_bias
+# is a number per token, top_logprobs is the API's name for `logprobs`).
+SCALAR_LIMITS = tuple(
+    name
+    for name in SAMPLING_LIMITS
+    if name != "logit_bias" and name in {f.name for f in fields(SamplingParams)}
+)
+
+
+def limits_problem(params: SamplingParams) -> str:
+    """The first parameter outside its range in SAMPLING_LIMITS, the table the API
+    checks too ("" if none). mlx-lm's pieces check some of them only when a token is
+    drawn, or not at all (a repetition penalty of 1e-40 overflows the logits)."""
+    for name in SCALAR_LIMITS:
+        if problem := limit_problem(name, getattr(params, name)):
+            return problem
     return ""
 
 
 def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
-    """What is wrong with the logits processors' parameters ("" if nothing); token ids
-    are checked against the vocabulary when it is known (`vocab` > 0)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(params, name)
-        if not -MAX_PENALTY <= value <= MAX_PENALTY:
-            return f"{name} must be a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value}"
-    if not MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY:
-        # NaN fails the comparison too. Why the range: limits.py.
-        return (
-            f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
-            f"{MAX_REPETITION_PENALTY:g} (1 means none), got {params.repetition_penalty}"
-        )
-    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-        value = getattr(params, name)
-        if not 1 <= value <= MAX_PENALTY_CONTEXT:
-            return f"{name} must be 1..{MAX_PENALTY_CONTEXT}, got {value}"
+    """What is wrong with the logits processors' tokens ("" if nothing); token ids are
+    checked against the vocabulary when it is known (`vocab` > 0)."""
     if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
         return (
             f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(params.logit_bias)}"
@@ -238,11 +217,8 @@ def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
                 f"logit_bias token {token} is not in this model's vocabulary ({top}): "
                 "use the model's own token ids"
             )
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            return (
-                f"logit_bias for token {token} must be from -{MAX_LOGIT_BIAS:g} to "
-                f"{MAX_LOGIT_BIAS:g}, got {bias}"
-            )
+        if problem := limit_problem("logit_bias", bias, f"logit_bias for token {token}"):
+            return problem
     if len(params.recent) > MAX_PENALTY_CONTEXT or any(
         t < 0 or 0 < vocab <= t for t in params.recent
     ):
