@@ -297,8 +297,9 @@ def sampler_chain(
 
     steps: list[Callable[[mx.array], mx.array]] = []
     if 0 < p.top_p < 1.0:
-        # mlx-lm's own piece takes an array: it multiplies float32 probabilities by it.
-        top_p = scalar(p.top_p, mx.float32)
+        # mlx-lm's own piece takes an array (its annotation says float): it multiplies
+        # float32 probabilities by it.
+        top_p: Any = scalar(p.top_p, mx.float32)
         steps.append(lambda x: apply_top_p(x, top_p))
     if p.min_p != 0.0:
         log_min_p = scalar(math.log(p.min_p))

@@ -26,7 +26,7 @@ from worker.sampling import Sampler, SamplingParams, sampler_chain
 # step draws from the categorical.
 BODIES = {"sort": "top_p", "max": "min_p", "softmax": "xtc", "categorical": "temperature"}
 # Five requests, each with values of its own.
-VALUES = [
+VALUES: list[dict[str, Any]] = [
     {
         "temperature": 0.5 + i / 7,
         "top_p": 0.6 + i / 17,
@@ -67,7 +67,7 @@ def test_distinct_values_are_traced_once(traces: Counter[str]) -> None:
     # A vocabulary no other test uses: the first request here is the first trace.
     vocab = 97
     logits = logprobs(vocab)[0]
-    tokens = []
+    tokens: list[Any] = []
     for values in VALUES:
         sampler = Sampler(SamplingParams(**values, top_k=11, seed=3), special=(2,))
         tokens.append(sampler.draw(logits))
