@@ -288,7 +288,7 @@ def _samplers(body: dict[str, Any]) -> dict[str, Any]:
     mlx_lm.server lets up to 1 through). Only what changes the sampler is passed on;
     each acts only when temperature > 0, as in mlx-lm."""
     out: dict[str, Any] = {}
-    top_k = body.get("top_k")
+    top_k: Any = body.get("top_k")
     if _is_int(top_k) and top_k > MAX_TOP_K:
         # Past any vocabulary, where it keeps every token: the same, and it travels.
         out["top_k"] = MAX_TOP_K
