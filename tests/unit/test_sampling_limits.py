@@ -1,16 +1,18 @@
 """One table of sampling ranges (worker/shared/protocol/limits.py SAMPLING_LIMITS) for
-the API and the head shard: every limit in it is refused at the API with a 400 naming
-the parameter, its range and what was sent, and by the head shard's parser
-(`SamplingParams.from_dict`) with the same words; both take its ends."""
+the API, the head shard and the chat's settings: every limit in it is refused at the
+API with a 400 naming the parameter, its range and what was sent, and by the head
+shard's parser (`SamplingParams.from_dict`) with the same words; both take its ends."""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
 
 from studiotui.api.request import ApiError, parse_chat_request
+from studiotui.chat.history import Settings
 from worker.sampling import ParamError, SamplingParams
 from worker.shared.protocol.limits import MAX_TOP_K, SAMPLING_LIMITS, Limit
 
@@ -81,3 +83,16 @@ def test_top_p_zero_is_greedy_on_both_sides() -> None:
     assert params["temperature"] == 1.0  # OpenAI's default, sent along as asked
     sampled = SamplingParams.from_dict(params)
     assert (sampled.temperature, sampled.top_p) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "max_tokens"])
+def test_the_chat_settings_take_the_same_ranges(name: str) -> None:
+    """The chat (studiotui/chat/history.py) sends these three: it refuses what the shards
+    would, before a question is sent, and takes their ends."""
+    limit = SAMPLING_LIMITS[name]
+    span = f"{limit.number(limit.lo)}..{limit.number(limit.hi)}"
+    for value in outside(limit):
+        with pytest.raises(ValueError, match=f"must be {re.escape(span)}, got"):
+            Settings(**{name: value}).validated()
+    for value in (limit.lo, limit.hi):
+        Settings(**{name: int(value) if limit.integer else value}).validated()

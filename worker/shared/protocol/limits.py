@@ -68,11 +68,13 @@ class Limit:
             return False
         return self.lo <= value <= self.hi
 
+    def number(self, value: float) -> str:
+        """A value as this limit's kind writes it (an integer whole, a number short)."""
+        return str(int(value)) if self.integer else f"{value:g}"
+
     def words(self) -> str:
-        if self.integer:
-            span = f"an integer from {int(self.lo)} to {int(self.hi)}"
-        else:
-            span = f"a number from {self.lo:g} to {self.hi:g}"
+        kind = "an integer" if self.integer else "a number"
+        span = f"{kind} from {self.number(self.lo)} to {self.number(self.hi)}"
         return span + (f" ({self.meaning})" if self.meaning else "")
 
     def problem(self, name: str, value: object) -> str:
