@@ -9,26 +9,20 @@ refusal there costs a round trip and comes back as plain text.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
-# The runners refuse past these too (worker/sampling.py); one table, so both agree.
+# The runners refuse past these too (worker/sampling.py): one table, so both agree.
 from worker.shared.protocol.limits import (
     DEFAULT_XTC_THRESHOLD,
-    MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_PENALTY,
-    MAX_PENALTY_CONTEXT,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TOKENS_LIMIT,
     MAX_TOP_K,
-    MAX_XTC_THRESHOLD,
-    MIN_REPETITION_PENALTY,
+    limit_problem,
     prompt_chars,
     prompt_too_long,
 )
@@ -43,8 +37,7 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 # Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# OpenAI's ceilings: top_logprobs on chat, logprobs on completions (the runners take 20).
-MAX_TOP_LOGPROBS = 20
+# OpenAI's ceiling for logprobs on completions (top_logprobs on chat: SAMPLING_LIMITS).
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's own limits: a function name of letters, digits, _ and -, up to 64; 128 tools.
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -86,6 +79,112 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+# How deep a body may nest: msgpack, which carries the request to the head shard, stops
+# at 511 levels and Python's JSON parser at about 1000 (a RecursionError); no OpenAI body
+# or tool schema comes near this.
+MAX_DEPTH = 64
+# The integers msgpack can carry; JSON has no bound of its own.
+MIN_INT, MAX_INT = -(2**63), 2**64 - 1
+# A lone UTF-16 surrogate ("\ud800" in JSON) is no character: no UTF-8 encodes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# How much of a client's value an error message quotes back.
+SHOWN_CHARS = 80
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message quotes it: its repr, cut short (a 16 MB string sent
+    where a number belongs is not worth sending back)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**60 else "a huge integer"
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
+
+
+class _Huge:
+    """An integer literal too long to be any parameter's value: kept as this marker,
+    so the check below names where it was (Python refuses to convert past 4300 digits,
+    with no word of where)."""
+
+
+def _parse_int(text: str) -> int | _Huge:
+    return _Huge() if len(text.lstrip("-")) > 20 else int(text)
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 saying what is wrong with it and where: not
+    JSON, NaN or Infinity (not JSON either, nor is 1e999's overflow), nested too deep,
+    an integer no wire format carries, or text that is not Unicode."""
+    if not raw.strip():
+        raise bad("the request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw, parse_int=_parse_int)
+    except RecursionError:
+        where = _deep_field(raw)
+        raise bad(
+            f"{where or 'the request body'} nests deeper than {MAX_DEPTH} levels", where
+        ) from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+    _check_value(body, "", 0)
+    return body
+
+
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _deep_field(raw: bytes) -> str | None:
+    """The top-level field under which `raw` nests past MAX_DEPTH, found by the
+    brackets outside strings (the parser that gave up says nowhere where)."""
+    depth, key = 0, None
+    for token in _TOKENS.finditer(raw):
+        text = token.group()
+        if text[:1] == b'"':
+            if depth == 1:
+                key = text
+        elif text in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                break
+        else:
+            depth -= 1
+    try:
+        return json.loads(key) if key else None
+    except ValueError:
+        return None
+
+
+def _check_value(value: Any, where: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise bad(f"the request body nests deeper than {MAX_DEPTH} levels (at {where})", where)
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise bad(
+                f"{where or 'the body'} holds a lone UTF-16 surrogate (such as \\ud800), "
+                "which is not a character: send valid Unicode",
+                where or None,
+            )
+    elif isinstance(value, _Huge) or (
+        isinstance(value, int) and not isinstance(value, bool) and not MIN_INT <= value <= MAX_INT
+    ):
+        raise bad(
+            f"{where or 'the body'} is an integer beyond 64 bits: no parameter takes one",
+            where or None,
+        )
+    elif isinstance(value, float) and not math.isfinite(value):
+        # NaN and Infinity are not JSON, though Python's and JavaScript's writers emit them.
+        raise bad(
+            f"{where or 'the body'} is {value}: JSON has no such number; send a finite one",
+            where or None,
+        )
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_value(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            at = f"{where}.{key}" if where else key
+            if _SURROGATE.search(key):
+                raise bad(f"a key in {where or 'the body'} is not valid Unicode", where or None)
+            _check_value(item, at, depth + 1)
 
 
 @dataclass(frozen=True)
@@ -180,7 +279,7 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     if fmt is not None and fmt != {"type": "text"}:
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt
         raise bad(
-            f"response_format {kind!r} is not supported: nothing here constrains the answer "
+            f"response_format {shown(kind)} is not supported: nothing here constrains the answer "
             "to JSON; ask for JSON in the prompt and check it, or leave response_format out",
             "response_format",
         )
@@ -188,7 +287,7 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
 
 def _chat_logprobs(body: dict[str, Any]) -> int:
     wanted = _boolean(body, "logprobs", False)
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = _limited(body, "top_logprobs")
     if top is not None and not wanted:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     return (top or 0) if wanted else -1
@@ -233,7 +332,7 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
             continue
         if role not in ROLES:
             allowed = ", ".join([*ROLES, "tool"])
-            raise bad(f"{where}.role must be one of {allowed}; got {role!r}", f"{where}.role")
+            raise bad(f"{where}.role must be one of {allowed}; got {shown(role)}", f"{where}.role")
         turn: dict[str, Any] = {
             "role": ROLES[role],
             "content": _content(msg.get("content"), role, where),
@@ -255,7 +354,7 @@ def _content(raw: Any, role: str, where: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise bad(
-                    f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
+                    f"{where}.content[{j}]: only text parts are supported, got {shown(kind)}",
                     f"{where}.content",
                 )
             texts.append(part["text"])
@@ -264,23 +363,20 @@ def _content(raw: Any, role: str, where: str) -> str:
 
 
 def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
-    temperature = _number(body, "temperature", 0.0, 2.0, DEFAULT_TEMPERATURE)
-    top_p = _number(body, "top_p", 0.0, 1.0, DEFAULT_TOP_P)
-    if top_p == 0.0:
-        # Nucleus sampling over no mass keeps only the likeliest token: greedy. The
-        # runners want top_p > 0, so say the same thing their way.
-        temperature, top_p = 0.0, 1.0
+    temperature = _limited(body, "temperature")
+    top_p = _limited(body, "top_p")
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    max_tokens = _integer(body, name, 1, MAX_TOKENS_LIMIT)
+    max_tokens = _limited(body, name, "max_tokens")
     # The runners' PRNG takes 0..2**63-1. Wrapping other values silently made 2**64
     # the same answer as 0 and a negative seed a 503: refuse them instead.
-    seed = _integer(body, "seed", 0, MAX_SEED)
+    seed = _limited(body, "seed")
     return {
         "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
+        "temperature": DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+        # 0 (greedy, as OpenAI means it) travels: the runners read it the same way.
+        "top_p": DEFAULT_TOP_P if top_p is None else float(top_p),
         # Without a seed OpenAI samples afresh each time.
         "seed": secrets.randbits(63) if seed is None else seed,
         "stop": _stop(body.get("stop")),
@@ -293,29 +389,24 @@ def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) 
 
 def _samplers(body: dict[str, Any]) -> dict[str, Any]:
     """mlx_lm.server's sampler fields beyond OpenAI's, as mlx-lm's `make_sampler` takes
-    them (worker/sampling.py uses it): top_k (an integer, 0: off; mlx_lm.server's type
-    and floor), min_p and xtc_probability (0 to 1) and xtc_threshold (0 to 0.5, which
-    mlx-lm's XTC checks when it draws; mlx_lm.server lets up to 1 through). Only what
-    changes the sampler is passed on; each acts only when temperature > 0, as in
-    mlx-lm."""
+    them (worker/sampling.py follows it): top_k (an integer, 0: off; mlx_lm.server's
+    type and floor), min_p, xtc_probability and xtc_threshold, in the ranges of
+    SAMPLING_LIMITS (xtc_threshold to 0.5, which mlx-lm's XTC checks when it draws;
+    mlx_lm.server lets up to 1 through). Only what changes the sampler is passed on;
+    each acts only when temperature > 0, as in mlx-lm."""
     out: dict[str, Any] = {}
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k) or top_k < 0:
-            raise bad(
-                "top_k must be an integer of at least 0: sample among the k likeliest "
-                f"tokens (0 means all, as in mlx-lm); got {top_k!r}",
-                "top_k",
-            )
-        if top_k:
-            # Past any vocabulary, where it keeps every token: the same, and it travels.
-            out["top_k"] = min(top_k, MAX_TOP_K)
+    top_k: Any = body.get("top_k")
+    if _is_int(top_k) and top_k > MAX_TOP_K:
+        # Past any vocabulary, where it keeps every token: the same, and it travels.
+        out["top_k"] = MAX_TOP_K
+    elif top_k := _limited(body, "top_k"):
+        out["top_k"] = top_k
     for name in ("min_p", "xtc_probability"):
-        if value := _number(body, name, 0.0, 1.0, 0.0):
-            out[name] = value
-    threshold = _number(body, "xtc_threshold", 0.0, MAX_XTC_THRESHOLD, DEFAULT_XTC_THRESHOLD)
-    if "xtc_probability" in out and threshold != DEFAULT_XTC_THRESHOLD:
-        out["xtc_threshold"] = threshold
+        if value := _limited(body, name):
+            out[name] = float(value)
+    threshold = _limited(body, "xtc_threshold")
+    if "xtc_probability" in out and threshold not in (None, DEFAULT_XTC_THRESHOLD):
+        out["xtc_threshold"] = float(threshold)
     return out
 
 
@@ -326,24 +417,14 @@ def _processors(body: dict[str, Any]) -> dict[str, Any]:
     it, with mlx_lm.server's windows. Only what changes a logit is passed on."""
     out: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
-        if value := _number(body, name, -MAX_PENALTY, MAX_PENALTY, 0.0):
-            out[name] = value
-    repetition = body.get("repetition_penalty")
-    if repetition is not None:
-        # Past this range the penalised logits overflow float32 (limits.py).
-        if not (_is_int(repetition) or isinstance(repetition, float)) or not (
-            MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY
-        ):
-            raise bad(
-                f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
-                f"{MAX_REPETITION_PENALTY:g}: 1 means none, above 1 discourages repeating "
-                f"recent tokens (1.1-1.3 is usual); got {repetition!r}",
-                "repetition_penalty",
-            )
-        if repetition != 1:
-            out["repetition_penalty"] = float(repetition)
+        if value := _limited(body, name):
+            out[name] = float(value)
+    # Past its range the penalised logits overflow float32 (limits.py).
+    repetition = _limited(body, "repetition_penalty")
+    if repetition is not None and repetition != 1:
+        out["repetition_penalty"] = float(repetition)
     for name in PENALTY_WINDOWS:
-        size = _integer(body, name, 1, MAX_PENALTY_CONTEXT)
+        size = _limited(body, name)
         if size is not None:
             out[name] = size
     if bias := _logit_bias(body.get("logit_bias")):
@@ -368,19 +449,12 @@ def _logit_bias(raw: Any) -> list[list[int | float]]:
     for key, value in raw.items():
         if not TOKEN_ID.match(key):
             raise bad(
-                f"logit_bias key {key!r} is not a token id: the keys are the model's token "
+                f"logit_bias key {shown(key)} is not a token id: the keys are the model's token "
                 f"ids, written as strings without leading zeros; logit_bias must be {shape}",
                 "logit_bias",
             )
-        if (
-            not (_is_int(value) or isinstance(value, float))
-            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
-        ):
-            raise bad(
-                f"logit_bias[{key!r}] must be a number from -{MAX_LOGIT_BIAS:g} to "
-                f"{MAX_LOGIT_BIAS:g} (-100 bans the token, 100 forces it); got {value!r}",
-                "logit_bias",
-            )
+        if problem := limit_problem("logit_bias", value, f"logit_bias for token {key}"):
+            raise bad(problem, "logit_bias")
         pairs.append([int(key), float(value)])
     return pairs
 
@@ -406,7 +480,7 @@ def check_prompt_size(parsed: ChatRequest | CompletionRequest, context_tokens: i
     """Refuse a prompt that cannot fit the placement's context, by counting characters:
     tokenising megabytes would hold the head shard's serving thread for seconds."""
     if isinstance(parsed, ChatRequest):
-        param, problem = "messages", prompt_too_long(prompt_chars(parsed.messages), context_tokens)
+        param, problem = "messages", prompt_too_long(_chat_chars(parsed), context_tokens)
     elif isinstance(parsed.prompt, str):
         param, problem = "prompt", prompt_too_long(len(parsed.prompt), context_tokens)
     else:
@@ -420,18 +494,31 @@ def check_prompt_size(parsed: ChatRequest | CompletionRequest, context_tokens: i
         raise bad(problem, param, "context_length_exceeded")
 
 
+def _chat_chars(parsed: ChatRequest) -> int:
+    """The characters a chat prompt is made of: the messages' text, and the tools and
+    earlier tool calls the template writes into the prompt as JSON too (megabytes of
+    tool schema cost the head shard as much to tokenise as megabytes of message)."""
+    extra = [parsed.tools or []] + [m["tool_calls"] for m in parsed.messages if "tool_calls" in m]
+    return prompt_chars(parsed.messages) + sum(
+        len(json.dumps(x, ensure_ascii=False)) for x in extra if x
+    )
+
+
 def _is_int(value: Any) -> bool:
     # JSON true/false arrive as bool, which Python counts as int.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
+def _limited(body: dict[str, Any], name: str, limit: str = "") -> Any:
+    """body[name] (None if absent), refused with a 400 outside its range in
+    SAMPLING_LIMITS (`limit`'s, if another name shares it), the table the runners
+    check too."""
     value = body.get(name)
-    if value is None:
-        return default
-    if not (_is_int(value) or isinstance(value, float)) or not lo <= value <= hi:
-        raise bad(f"{name} must be a number from {lo:g} to {hi:g}; got {value!r}", name)
-    return float(value)
+    if value is not None and (problem := limit_problem(limit or name, value, name)):
+        # The words end with the value's repr: cut to what `shown` quotes.
+        head, got, _ = problem.rpartition("; got ")
+        raise bad(f"{head}{got}{shown(value)}" if got else problem, name)
+    return value
 
 
 def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
@@ -439,7 +526,7 @@ def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or not lo <= value <= hi:
-        raise bad(f"{name} must be an integer from {lo} to {hi}; got {value!r}", name)
+        raise bad(f"{name} must be an integer from {lo} to {hi}; got {shown(value)}", name)
     return int(value)
 
 
@@ -498,7 +585,9 @@ def _parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             "model decides whether to call a tool; send tool_choice 'auto' (or leave it out)",
             "tool_choice",
         )
-    raise bad(f"tool_choice must be 'auto', 'none' or 'required'; got {choice!r}", "tool_choice")
+    raise bad(
+        f"tool_choice must be 'auto', 'none' or 'required'; got {shown(choice)}", "tool_choice"
+    )
 
 
 def _tool(raw: Any, where: str) -> dict[str, Any]:
@@ -507,7 +596,7 @@ def _tool(raw: Any, where: str) -> dict[str, Any]:
     if raw.get("type") != "function":
         raise bad(
             f"{where}.type must be 'function' (the only kind of tool a model's template "
-            f"knows); got {raw.get('type')!r}",
+            f"knows); got {shown(raw.get('type'))}",
             f"{where}.type",
         )
     fn = raw.get("function")
@@ -516,7 +605,7 @@ def _tool(raw: Any, where: str) -> dict[str, Any]:
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
         raise bad(
-            f"{where}.function.name must be 1-64 letters, digits, _ or -; got {name!r}",
+            f"{where}.function.name must be 1-64 letters, digits, _ or -; got {shown(name)}",
             f"{where}.function.name",
         )
     out: dict[str, Any] = {"name": name}

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from studiotui.core.errors import StudioError
+from worker.shared.protocol.limits import SAMPLING_LIMITS
 
 SCHEMA_VERSION = 1
 DB_NAME = "chat.sqlite3"
@@ -73,7 +74,13 @@ CREATE TABLE IF NOT EXISTS documents (
 
 
 class HistoryError(StudioError, RuntimeError):
-    pass
+    def __init__(self, message: str, hint: str = "", sqlite_code: int | None = None) -> None:
+        super().__init__(message, hint)
+        self.sqlite_code = sqlite_code
+
+
+# SQLite's codes for a file that is no database, or a damaged one: kept aside by open().
+_DAMAGED = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
 
 @dataclass(frozen=True)
@@ -86,13 +93,17 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS
 
     def validated(self) -> Settings:
-        """The same settings, or ValueError naming the field that the shards would refuse."""
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"temperature must be 0..10, got {self.temperature:g}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top-p must be above 0 and at most 1, got {self.top_p:g}")
-        if not 1 <= self.max_tokens <= 1 << 20:
-            raise ValueError(f"max tokens must be 1..{1 << 20}, got {self.max_tokens}")
+        """The same settings, or ValueError naming the field that the shards would refuse
+        (their ranges: SAMPLING_LIMITS, the table the API and the shards check)."""
+        for name, label, value in (
+            ("temperature", "temperature", self.temperature),
+            ("top_p", "top-p", self.top_p),
+            ("max_tokens", "max tokens", self.max_tokens),
+        ):
+            limit = SAMPLING_LIMITS[name]
+            if not limit.admits(value):
+                span = f"{limit.number(limit.lo)}..{limit.number(limit.hi)}"
+                raise ValueError(f"{label} must be {span}, got {limit.number(value)}")
         return self
 
 
@@ -154,13 +165,28 @@ class History:
         if on_disk:
             # Created 0600 before SQLite opens it: SQLite gives its -wal and -shm the
             # database's mode, and conversations are private whatever the umask.
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            except OSError as exc:
+                raise HistoryError(
+                    f"cannot open the chat history {path}: {exc.strerror}",
+                    "make it a file studiotui can write, or move it away",
+                ) from None
         try:
             self.db = sqlite3.connect(path, isolation_level=None)
             self.db.row_factory = sqlite3.Row
             self.db.execute("PRAGMA foreign_keys = ON")
             # WAL so a second studiotui on the same home reads while this one writes.
             self.db.execute("PRAGMA journal_mode = WAL")
+            # A damaged page shows only when read: look at every one now (milliseconds
+            # for a chat history), not when a conversation is opened.
+            check = self.db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                self.db.close()
+                raise HistoryError(
+                    f"cannot open the chat history {path}: it is damaged ({check})",
+                    sqlite_code=sqlite3.SQLITE_CORRUPT,
+                )
             version = self.db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise HistoryError(
@@ -170,15 +196,40 @@ class History:
             self.db.executescript(_SCHEMA)
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
-            raise HistoryError(f"cannot open the chat history {path}: {exc}") from None
+            with contextlib.suppress(AttributeError):
+                self.db.close()
+            raise HistoryError(
+                f"cannot open the chat history {path}: {exc}",
+                sqlite_code=getattr(exc, "sqlite_errorcode", None),
+            ) from None
         if on_disk:
             _make_private(
                 path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
             )
 
+    # Set when open() found the history damaged and kept it aside: what to tell the user.
+    note: str | None = None
+
     @classmethod
     def open(cls, home: Path) -> History:
-        return cls(default_path(home))
+        """The history of `home`. One SQLite cannot read (not a database, or damaged:
+        a crash mid-write, a disk filling up, a truncated copy) is kept aside under a
+        new name, never overwritten, and a new one is started; `note` says where."""
+        path = default_path(home)
+        try:
+            return cls(path)
+        except HistoryError as exc:
+            if exc.sqlite_code not in _DAMAGED:
+                raise
+            why = exc.message.rpartition(": ")[2]
+            aside = set_aside(path)
+        history = cls(path)
+        history.note = (
+            f"the chat history {path} could not be read ({why}); it is kept as "
+            f"{aside.name} beside it and a new history is started: open the old one with "
+            "sqlite3's .recover to get conversations out of it"
+        )
+        return history
 
     def close(self) -> None:
         self.db.close()
@@ -388,6 +439,23 @@ class History:
             f.write(self.export_markdown(conversation_id))
         _make_private(path)  # an export written before, with a wider mode
         return path
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged database (and its -wal and -shm, which belong to it) to
+    `NAME.damaged-STAMP`; the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    for suffix in ("-wal", "-shm"):
+        extra = path.with_name(path.name + suffix)
+        if extra.exists():
+            extra.rename(aside.with_name(aside.name + suffix))
+    path.rename(aside)
+    return aside
 
 
 def _make_private(*paths: Path) -> None:

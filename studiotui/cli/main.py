@@ -1,4 +1,9 @@
-"""The command line: every verb drives the same Controller the TUI uses."""
+"""The command line: every verb drives the same Controller the TUI uses.
+
+Verbs import their heavy parts (MLX, Textual, the controller: seconds each on a small
+machine) inside the function that runs them, here and in the modules of `studiotui.cli`,
+so `studiotui --help` and the quick verbs answer at once; no import there dodges a loop
+(lint-imports checks the layers with them in place)."""
 
 from __future__ import annotations
 
@@ -7,12 +12,13 @@ import asyncio
 import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from studiotui import __version__
 from studiotui.cli.argtypes import port, positive, positive_float, whole
-from studiotui.core.errors import StudioError
+from studiotui.core.errors import StudioError, UserError
 from studiotui.core.inventory import DEFAULT_CONTROL_PORT
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
@@ -287,9 +293,21 @@ def home_dir() -> Path:
     from studiotui.core.inventory import studiotui_home
 
     home = studiotui_home(os.environ)
-    home.mkdir(parents=True, exist_ok=True)
-    # Conversations, keys and inventories live here: the operator's alone.
-    home.chmod(0o700)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        # Conversations, keys and inventories live here: the operator's alone.
+        home.chmod(0o700)
+        # Write a file now, not on the first answer or key: a read-only disk or a
+        # full one is said before anything is started.
+        fd, probe = tempfile.mkstemp(dir=home, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(
+            f"studiotui's home {home} is not a folder it can write "
+            f"({exc.strerror or exc}); nothing was started",
+            "set STUDIOTUI_HOME to a writable folder, or fix that one",
+        ) from None
     return home
 
 
