@@ -1115,6 +1115,7 @@ class Controller:
         expect = 0  # the head numbers its messages for one request: a gap is a loss
         try:
             await peer.send("generate", rid=rid, params=params, **request)
+            sent = time.monotonic()
             # A long prompt's prefill may take minutes: until the first token the limit
             # is long, and the health check, not the clock, catches a dead node.
             limit, waited = first_timeout, 0.0
@@ -1126,7 +1127,11 @@ class Controller:
                         msg = await queue.get()
                 except TimeoutError:
                     waited += CHECK_EVERY_S
-                    if peer.down_for() > RECONNECT_GRACE_S:
+                    # Down for the grace *while this request waited*: a head that came
+                    # back after a restart is reached on ZeroMQ's next reconnect (up to
+                    # 2 s later), and a request sent meanwhile must not fail because the
+                    # connection dropped long before it was sent.
+                    if min(peer.down_for(), time.monotonic() - sent) > RECONNECT_GRACE_S:
                         raise GenerationError(self._lost_head(chosen, peer)) from None
                     if waited >= HEALTH_CHECK_S:
                         problem = await self.placement_problem(chosen)

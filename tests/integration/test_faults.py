@@ -24,7 +24,12 @@ import zmq.asyncio
 from studiotui.api.server import start_server
 from studiotui.bench import soak
 from studiotui.cluster import keys
-from studiotui.cluster.controller import Controller, GenerationError, PlacementError
+from studiotui.cluster.controller import (
+    RECONNECT_GRACE_S,
+    Controller,
+    GenerationError,
+    PlacementError,
+)
 from studiotui.cluster.peers import Peer
 from studiotui.core.inventory import dump_inventory, local_inventory
 from tests.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
@@ -497,6 +502,19 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
                 seen["mid"] = ("whole", got == expected, time.monotonic() - began)
             except GenerationError as exc:
                 seen["mid"] = (str(exc), False, time.monotonic() - began)
+            # 2b. down since long before a request is sent (the head restarted): the
+            # request waits for ZeroMQ's next reconnect and is answered, not failed for
+            # the time the connection was down before it was sent.
+            blip.drop(RECONNECT_GRACE_S + 2.5)
+            await asyncio.sleep(RECONNECT_GRACE_S + 1.5)
+            got = []
+            try:
+                async for msg in ctl.generate(name, {"tokens": tokens}, params):
+                    if msg["type"] == "delta":
+                        got += msg["tokens"]
+                seen["late"] = got
+            except GenerationError as exc:
+                seen["late"] = str(exc)
             # 3. gone for longer than the grace: failed, naming the head's node.
             began = time.monotonic()
             try:
@@ -521,6 +539,7 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
     outcome, right, took = seen["mid"]
     assert right or "lost while its connection was down" in outcome, outcome
     assert took < 15.0
+    assert seen["late"] == reference_tokens(model, tokens, N), seen["late"]
     message, took = seen["gone"]
     assert "dropped" in message and "has not come back" in message, message
     assert took < 12.0
