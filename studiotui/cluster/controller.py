@@ -953,7 +953,8 @@ class Controller:
         await self.refresh()
         placement = self.state.placement(name)
         if placement is None:
-            raise PlacementError(f"no placement named {name!r}")
+            known = ", ".join(p.name for p in self.state.placements) or "none"
+            raise PlacementError(f"no placement named {name!r} (known: {known})")
         # Forgotten first: a dashboard watching reads that before a shard stops.
         self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
         self._remember_plan(name, None)
