@@ -70,12 +70,19 @@ class BenchError(StudioError, RuntimeError):
 
 
 PHASES: dict[str, float] = {}
+# Progress goes to stderr, one line as each part starts: a run takes minutes on a busy
+# machine, and stdout holds only the figures (`--json` stays one object).
+progress = Console(stderr=True, highlight=False)
+_FIRST_PHASE: dict[str, float] = {}
 
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Time one part of the run, so a slow bench says where its time went."""
+    """Time one part of the run, so a slow bench says where its time went, and say it
+    has started."""
     began = time.monotonic()
+    first = _FIRST_PHASE.setdefault("at", began)
+    progress.print(f"bench: {name}… ({began - first:.0f} s in)")
     try:
         yield
     finally:
