@@ -123,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
 
     bench = sub.add_parser("bench", help="measure the pipeline and print figures")
-    bench.add_argument("--quick", action="store_true", help="finish in under a minute")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a shorter run: fewer tokens, no provisioning or fine-tuning",
+    )
     bench.add_argument("--json", action="store_true", help="one JSON object")
     bench.add_argument(
         "--soak",
