@@ -1,9 +1,13 @@
 """Per-request sampling and streaming text on the tail shard.
 
-A request samples with mlx-lm's own sampler (`make_sampler`: temperature, top_p,
-min_p, top_k and XTC, in mlx-lm's order) from its own PRNG keys, derived from its
-seed, so a request's tokens do not depend on which other requests share the
-pipeline, and equal `generate_step`'s after `mx.random.seed(seed)`. Its logits
+A request samples as mlx-lm's `make_sampler` does (temperature, top_p, min_p, top_k
+and XTC, in mlx-lm's order, with its compiled pieces where they can take the values as
+arrays) from its own PRNG keys, derived from its seed, so a request's tokens do not
+depend on which other requests share the pipeline, and equal `generate_step`'s after
+`mx.random.seed(seed)`. The values enter the compiled pieces as arrays, not Python
+numbers, which `mx.compile` would take for constants: each new temperature, top_p, min_p
+or XTC value a client sent compiled new kernels (0.5-1 s on a CPU) into a cache that
+never shrinks; now one trace serves them all. Its logits
 processors (logit_bias and the penalties) are mlx-lm's own
 (`make_logits_processors`), fed that request's own recent tokens, so they too are
 the request's alone, whatever it is batched with.
@@ -11,34 +15,26 @@ the request's alone, whatever it is batched with.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cache
+from dataclasses import dataclass, fields, replace
+from functools import cache, partial
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from worker.shared.protocol.limits import (
     DEFAULT_PENALTY_CONTEXT,
     DEFAULT_XTC_THRESHOLD,
-    MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_PENALTY,
     MAX_PENALTY_CONTEXT,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TOKENS_LIMIT,
-    MAX_TOP_K,
-    MAX_XTC_THRESHOLD,
-    MIN_REPETITION_PENALTY,
+    SAMPLING_LIMITS,
+    limit_problem,
 )
-
-# OpenAI's ceiling for top_logprobs; each one costs the tail a sort of the vocabulary.
-MAX_TOP_LOGPROBS = 20
 
 
 class ParamError(ValueError):
@@ -118,18 +114,17 @@ class SamplingParams:
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
-        if not 0 <= params.seed <= MAX_SEED:
-            raise ParamError(f"seed must be 0..2**63-1, got {params.seed}")
-        if not 1 <= params.max_tokens <= MAX_TOKENS_LIMIT:
-            raise ParamError(f"max_tokens must be 1..{MAX_TOKENS_LIMIT}, got {params.max_tokens}")
-        if not 0.0 <= params.temperature <= 10.0:
-            raise ParamError(f"temperature must be 0..10, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ParamError(f"top_p must be in (0, 1], got {params.top_p}")
-        if problem := sampler_problem(params):
+        if problem := limits_problem(params):
             raise ParamError(problem)
-        if not -1 <= params.logprobs <= MAX_TOP_LOGPROBS:
-            raise ParamError(f"logprobs must be -1..{MAX_TOP_LOGPROBS}, got {params.logprobs}")
+        if params.top_p == 0.0:
+            # Nucleus sampling over no mass keeps only the likeliest token (as OpenAI
+            # means it; mlx-lm's `make_sampler` would take 0 for "off").
+            params = replace(params, temperature=0.0, top_p=1.0)
+        # -1: none; else as many of the likeliest as the API's top_logprobs takes.
+        if params.logprobs != -1 and (
+            problem := limit_problem("top_logprobs", params.logprobs, "logprobs")
+        ):
+            raise ParamError(problem)
         if problem := processor_problem(params):
             raise ParamError(problem)
         return params
@@ -187,39 +182,28 @@ class SamplingParams:
         }
 
 
-def sampler_problem(params: SamplingParams) -> str:
-    """What is wrong with the sampler's parameters ("" if nothing): the ranges mlx-lm's
-    `make_sampler` pieces check (they would raise only when a token is drawn)."""
-    if not 0 <= params.top_k <= MAX_TOP_K:
-        return f"top_k must be an integer from 0 (off) to {MAX_TOP_K}, got {params.top_k}"
-    for name, top in (
-        ("min_p", 1.0),
-        ("xtc_probability", 1.0),
-        ("xtc_threshold", MAX_XTC_THRESHOLD),
-    ):
-        value = getattr(params, name)
-        if not 0.0 <= value <= top:
-            return f"{name} must be a number from 0 to {top:g}, got {value}"
+# SAMPLING_LIMITS' parameters that are one number of SamplingParams each (a logit_bias
+# is a number per token, top_logprobs is the API's name for `logprobs`).
+SCALAR_LIMITS = tuple(
+    name
+    for name in SAMPLING_LIMITS
+    if name != "logit_bias" and name in {f.name for f in fields(SamplingParams)}
+)
+
+
+def limits_problem(params: SamplingParams) -> str:
+    """The first parameter outside its range in SAMPLING_LIMITS, the table the API
+    checks too ("" if none). mlx-lm's pieces check some of them only when a token is
+    drawn, or not at all (a repetition penalty of 1e-40 overflows the logits)."""
+    for name in SCALAR_LIMITS:
+        if problem := limit_problem(name, getattr(params, name)):
+            return problem
     return ""
 
 
 def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
-    """What is wrong with the logits processors' parameters ("" if nothing); token ids
-    are checked against the vocabulary when it is known (`vocab` > 0)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(params, name)
-        if not -MAX_PENALTY <= value <= MAX_PENALTY:
-            return f"{name} must be a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value}"
-    if not MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY:
-        # NaN fails the comparison too. Why the range: limits.py.
-        return (
-            f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
-            f"{MAX_REPETITION_PENALTY:g} (1 means none), got {params.repetition_penalty}"
-        )
-    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-        value = getattr(params, name)
-        if not 1 <= value <= MAX_PENALTY_CONTEXT:
-            return f"{name} must be 1..{MAX_PENALTY_CONTEXT}, got {value}"
+    """What is wrong with the logits processors' tokens ("" if nothing); token ids are
+    checked against the vocabulary when it is known (`vocab` > 0)."""
     if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
         return (
             f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(params.logit_bias)}"
@@ -233,11 +217,8 @@ def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
                 f"logit_bias token {token} is not in this model's vocabulary ({top}): "
                 "use the model's own token ids"
             )
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            return (
-                f"logit_bias for token {token} must be from -{MAX_LOGIT_BIAS:g} to "
-                f"{MAX_LOGIT_BIAS:g}, got {bias}"
-            )
+        if problem := limit_problem("logit_bias", bias, f"logit_bias for token {token}"):
+            return problem
     if len(params.recent) > MAX_PENALTY_CONTEXT or any(
         t < 0 or 0 < vocab <= t for t in params.recent
     ):
@@ -266,6 +247,79 @@ def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
             raise TypeError(f"logit_bias entry {list(pair)} is not [token id, bias]")
         out.append((int(token), float(bias)))
     return tuple(out)
+
+
+# mlx-lm's `make_sampler` pieces, for the values it cannot take as arrays: its
+# `apply_min_p` and `apply_xtc` check their ranges in Python inside `mx.compile` (which
+# cannot read an array while tracing), and its `categorical_sampling` divides by the
+# temperature itself (`1 / temp` in the logits' dtype can differ by a bit from Python's
+# reciprocal, which would change a token now and then). The same operations in the same
+# dtypes, so the tokens are mlx-lm's (tests/unit/test_sampler_chain.py compares them
+# with `make_sampler`'s); the ranges are checked when a request is parsed (LIMITS).
+@mx.compile
+def _min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+    """`apply_min_p` (min_tokens_to_keep=1) with log(min_p) an input."""
+    top = mx.max(logprobs, axis=-1, keepdims=True)
+    return mx.where(logprobs < top + log_min_p, -float("inf"), logprobs)
+
+
+@partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+def _xtc(
+    logits: mx.array, probability: mx.array, threshold: mx.array, special: list[int]
+) -> mx.array:
+    """`apply_xtc` with the probability and threshold inputs."""
+    probs = mx.softmax(logits, -1)
+    mask = probs > mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    if special:
+        mask[..., special] = False
+    return mx.where(mx.random.uniform(0, 1) > probability, logits, mx.where(mask, -mx.inf, logits))
+
+
+@partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+def _categorical(logits: mx.array, inverse_temperature: mx.array) -> mx.array:
+    """`categorical_sampling` with 1 / temperature an input."""
+    return mx.random.categorical(logits * inverse_temperature)
+
+
+def sampler_chain(
+    params: SamplingParams, vocab: int, dtype: mx.Dtype, special: tuple[int, ...] = ()
+) -> Callable[[mx.array], mx.array]:
+    """`make_sampler(temperature, top_p, min_p, top_k=..., xtc_...)` for log-probabilities
+    of `vocab` tokens in `dtype` (temperature > 0): its chain in its order, each value an
+    array of the dtype mlx-lm's Python number would take in it (the logits', or float32
+    where mlx-lm compares with float32), so one compiled trace serves every value.
+    top_k stays a number (`argpartition` needs it), traced once per k but compiling no
+    kernel."""
+    p = params
+
+    def scalar(value: float, kind: mx.Dtype = dtype) -> mx.array:
+        return mx.array(value, dtype=kind)
+
+    steps: list[Callable[[mx.array], mx.array]] = []
+    if 0 < p.top_p < 1.0:
+        # mlx-lm's own piece takes an array (its annotation says float): it multiplies
+        # float32 probabilities by it.
+        top_p: Any = scalar(p.top_p, mx.float32)
+        steps.append(lambda x: apply_top_p(x, top_p))
+    if p.min_p != 0.0:
+        log_min_p = scalar(math.log(p.min_p))
+        steps.append(lambda x: _min_p(x, log_min_p))
+    if p.xtc_probability > 0.0:
+        # XTC's coin is a float32 uniform draw; its threshold meets the probabilities.
+        probability, threshold = scalar(p.xtc_probability, mx.float32), scalar(p.xtc_threshold)
+        steps.append(lambda x: _xtc(x, probability, threshold, list(special)))
+    # mlx-lm's `apply_top_k` raises for a k at or past the vocabulary, which would keep
+    # every token: that is no top_k.
+    if 0 < p.top_k < vocab:
+        steps.append(lambda x: apply_top_k(x, p.top_k))
+    inverse = scalar(1.0 / p.temperature)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for step in steps:
+            logprobs = step(logprobs)
+        return _categorical(logprobs, inverse)
+
+    return sample
 
 
 # How many keys a request's `_Keys` computes at a time.
@@ -354,19 +408,10 @@ class Sampler:
             recent = mx.concatenate([self._recent, token.reshape(1).astype(mx.int32)])
             self._recent = recent[-self._window :]
 
-    def _sampler(self, vocab: int) -> Callable[[mx.array], mx.array]:
+    def _sampler(self, logprobs: mx.array) -> Callable[[mx.array], mx.array]:
         if self._sample is None:
-            p = self.params
-            self._sample = make_sampler(
-                p.temperature,
-                top_p=p.top_p,
-                min_p=p.min_p,
-                # mlx-lm's `apply_top_k` raises for a k at or past the vocabulary, which
-                # would keep every token: that is no top_k.
-                top_k=p.top_k if p.top_k < vocab else 0,
-                xtc_probability=p.xtc_probability,
-                xtc_threshold=p.xtc_threshold,
-                xtc_special_tokens=list(self.special),
+            self._sample = sampler_chain(
+                self.params, logprobs.shape[-1], logprobs.dtype, self.special
             )
         return self._sample
 
@@ -376,7 +421,7 @@ class Sampler:
         # As `generate_step` hands them to the sampler: log-probabilities, [1, vocab].
         logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
         mx.random.seed(self._keys.next())
-        return self._sampler(logprobs.shape[-1])(logprobs)[0]
+        return self._sampler(logprobs)(logprobs)[0]
 
     def draw(self, logits: mx.array) -> mx.array | tuple[mx.array, ...]:
         """The sampled token; with logprobs asked for, a tuple of the token, its

@@ -14,21 +14,14 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-# The runners refuse past these too (worker/sampling.py); one table, so both agree.
+# The runners refuse past these too (worker/sampling.py): one table, so both agree.
 from worker.shared.protocol.limits import (
     DEFAULT_XTC_THRESHOLD,
-    MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_PENALTY,
-    MAX_PENALTY_CONTEXT,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TOKENS_LIMIT,
     MAX_TOP_K,
-    MAX_XTC_THRESHOLD,
-    MIN_REPETITION_PENALTY,
+    limit_problem,
     prompt_chars,
     prompt_too_long,
 )
@@ -43,8 +36,7 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 # Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# OpenAI's ceilings: top_logprobs on chat, logprobs on completions (the runners take 20).
-MAX_TOP_LOGPROBS = 20
+# OpenAI's ceiling for logprobs on completions (top_logprobs on chat: SAMPLING_LIMITS).
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's own limits: a function name of letters, digits, _ and -, up to 64; 128 tools.
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -188,7 +180,7 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
 
 def _chat_logprobs(body: dict[str, Any]) -> int:
     wanted = _boolean(body, "logprobs", False)
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = _limited(body, "top_logprobs")
     if top is not None and not wanted:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     return (top or 0) if wanted else -1
@@ -264,23 +256,20 @@ def _content(raw: Any, role: str, where: str) -> str:
 
 
 def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
-    temperature = _number(body, "temperature", 0.0, 2.0, DEFAULT_TEMPERATURE)
-    top_p = _number(body, "top_p", 0.0, 1.0, DEFAULT_TOP_P)
-    if top_p == 0.0:
-        # Nucleus sampling over no mass keeps only the likeliest token: greedy. The
-        # runners want top_p > 0, so say the same thing their way.
-        temperature, top_p = 0.0, 1.0
+    temperature = _limited(body, "temperature")
+    top_p = _limited(body, "top_p")
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    max_tokens = _integer(body, name, 1, MAX_TOKENS_LIMIT)
+    max_tokens = _limited(body, name, "max_tokens")
     # The runners' PRNG takes 0..2**63-1. Wrapping other values silently made 2**64
     # the same answer as 0 and a negative seed a 503: refuse them instead.
-    seed = _integer(body, "seed", 0, MAX_SEED)
+    seed = _limited(body, "seed")
     return {
         "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
+        "temperature": DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+        # 0 (greedy, as OpenAI means it) travels: the runners read it the same way.
+        "top_p": DEFAULT_TOP_P if top_p is None else float(top_p),
         # Without a seed OpenAI samples afresh each time.
         "seed": secrets.randbits(63) if seed is None else seed,
         "stop": _stop(body.get("stop")),
@@ -293,29 +282,24 @@ def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) 
 
 def _samplers(body: dict[str, Any]) -> dict[str, Any]:
     """mlx_lm.server's sampler fields beyond OpenAI's, as mlx-lm's `make_sampler` takes
-    them (worker/sampling.py uses it): top_k (an integer, 0: off; mlx_lm.server's type
-    and floor), min_p and xtc_probability (0 to 1) and xtc_threshold (0 to 0.5, which
-    mlx-lm's XTC checks when it draws; mlx_lm.server lets up to 1 through). Only what
-    changes the sampler is passed on; each acts only when temperature > 0, as in
-    mlx-lm."""
+    them (worker/sampling.py follows it): top_k (an integer, 0: off; mlx_lm.server's
+    type and floor), min_p, xtc_probability and xtc_threshold, in the ranges of
+    SAMPLING_LIMITS (xtc_threshold to 0.5, which mlx-lm's XTC checks when it draws;
+    mlx_lm.server lets up to 1 through). Only what changes the sampler is passed on;
+    each acts only when temperature > 0, as in mlx-lm."""
     out: dict[str, Any] = {}
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k) or top_k < 0:
-            raise bad(
-                "top_k must be an integer of at least 0: sample among the k likeliest "
-                f"tokens (0 means all, as in mlx-lm); got {top_k!r}",
-                "top_k",
-            )
-        if top_k:
-            # Past any vocabulary, where it keeps every token: the same, and it travels.
-            out["top_k"] = min(top_k, MAX_TOP_K)
+    top_k: Any = body.get("top_k")
+    if _is_int(top_k) and top_k > MAX_TOP_K:
+        # Past any vocabulary, where it keeps every token: the same, and it travels.
+        out["top_k"] = MAX_TOP_K
+    elif top_k := _limited(body, "top_k"):
+        out["top_k"] = top_k
     for name in ("min_p", "xtc_probability"):
-        if value := _number(body, name, 0.0, 1.0, 0.0):
-            out[name] = value
-    threshold = _number(body, "xtc_threshold", 0.0, MAX_XTC_THRESHOLD, DEFAULT_XTC_THRESHOLD)
-    if "xtc_probability" in out and threshold != DEFAULT_XTC_THRESHOLD:
-        out["xtc_threshold"] = threshold
+        if value := _limited(body, name):
+            out[name] = float(value)
+    threshold = _limited(body, "xtc_threshold")
+    if "xtc_probability" in out and threshold not in (None, DEFAULT_XTC_THRESHOLD):
+        out["xtc_threshold"] = float(threshold)
     return out
 
 
@@ -326,24 +310,14 @@ def _processors(body: dict[str, Any]) -> dict[str, Any]:
     it, with mlx_lm.server's windows. Only what changes a logit is passed on."""
     out: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
-        if value := _number(body, name, -MAX_PENALTY, MAX_PENALTY, 0.0):
-            out[name] = value
-    repetition = body.get("repetition_penalty")
-    if repetition is not None:
-        # Past this range the penalised logits overflow float32 (limits.py).
-        if not (_is_int(repetition) or isinstance(repetition, float)) or not (
-            MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY
-        ):
-            raise bad(
-                f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
-                f"{MAX_REPETITION_PENALTY:g}: 1 means none, above 1 discourages repeating "
-                f"recent tokens (1.1-1.3 is usual); got {repetition!r}",
-                "repetition_penalty",
-            )
-        if repetition != 1:
-            out["repetition_penalty"] = float(repetition)
+        if value := _limited(body, name):
+            out[name] = float(value)
+    # Past its range the penalised logits overflow float32 (limits.py).
+    repetition = _limited(body, "repetition_penalty")
+    if repetition is not None and repetition != 1:
+        out["repetition_penalty"] = float(repetition)
     for name in PENALTY_WINDOWS:
-        size = _integer(body, name, 1, MAX_PENALTY_CONTEXT)
+        size = _limited(body, name)
         if size is not None:
             out[name] = size
     if bias := _logit_bias(body.get("logit_bias")):
@@ -372,15 +346,8 @@ def _logit_bias(raw: Any) -> list[list[int | float]]:
                 f"ids, written as strings without leading zeros; logit_bias must be {shape}",
                 "logit_bias",
             )
-        if (
-            not (_is_int(value) or isinstance(value, float))
-            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
-        ):
-            raise bad(
-                f"logit_bias[{key!r}] must be a number from -{MAX_LOGIT_BIAS:g} to "
-                f"{MAX_LOGIT_BIAS:g} (-100 bans the token, 100 forces it); got {value!r}",
-                "logit_bias",
-            )
+        if problem := limit_problem("logit_bias", value, f"logit_bias for token {key}"):
+            raise bad(problem, "logit_bias")
         pairs.append([int(key), float(value)])
     return pairs
 
@@ -425,13 +392,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
+def _limited(body: dict[str, Any], name: str, limit: str = "") -> Any:
+    """body[name] (None if absent), refused with a 400 outside its range in
+    SAMPLING_LIMITS (`limit`'s, if another name shares it), the table the runners
+    check too."""
     value = body.get(name)
-    if value is None:
-        return default
-    if not (_is_int(value) or isinstance(value, float)) or not lo <= value <= hi:
-        raise bad(f"{name} must be a number from {lo:g} to {hi:g}; got {value!r}", name)
-    return float(value)
+    if value is not None and (problem := limit_problem(limit or name, value, name)):
+        raise bad(problem, name)
+    return value
 
 
 def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:

@@ -37,7 +37,7 @@ from studiotui.api.request import (
 )
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
-from worker.shared.protocol.limits import BUSY
+from worker.shared.protocol.limits import BUSY, SAMPLING_LIMITS
 
 __all__ = ["ApiServer", "build_app", "serve", "start_server"]
 
@@ -54,36 +54,19 @@ SHUTDOWN_GRACE_S = 2.0
 REFUSALS = (
     "cannot apply the chat template",
     "bad sampling parameter",
-    "max_tokens must",
-    "temperature must",
-    "top_p must",
     "the prompt is empty",
     "the prompt has",
     "prompt tokens must",
     "logprobs must",
     "tools are not supported",
     "tools must",
-    "seed must",
     "stop strings",
     "logit_bias",
-    "repetition_penalty must",
-    "presence_penalty must",
-    "frequency_penalty must",
-    "repetition_context_size must",
-    "presence_context_size must",
-    "frequency_context_size must",
+    # The ranges both sides check (SAMPLING_LIMITS): "top_p must be a number from ...".
+    *(f"{name} must" for name in SAMPLING_LIMITS),
 )
 # A refusal that begins with a parameter's name blames that parameter.
-BLAMED = (
-    "tools",
-    "logit_bias",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_context_size",
-    "presence_context_size",
-    "frequency_context_size",
-)
+BLAMED = ("tools", *SAMPLING_LIMITS)
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from studiotui.core.errors import StudioError
+from worker.shared.protocol.limits import SAMPLING_LIMITS
 
 SCHEMA_VERSION = 1
 DB_NAME = "chat.sqlite3"
@@ -86,13 +87,17 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS
 
     def validated(self) -> Settings:
-        """The same settings, or ValueError naming the field that the shards would refuse."""
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"temperature must be 0..10, got {self.temperature:g}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top-p must be above 0 and at most 1, got {self.top_p:g}")
-        if not 1 <= self.max_tokens <= 1 << 20:
-            raise ValueError(f"max tokens must be 1..{1 << 20}, got {self.max_tokens}")
+        """The same settings, or ValueError naming the field that the shards would refuse
+        (their ranges: SAMPLING_LIMITS, the table the API and the shards check)."""
+        for name, label, value in (
+            ("temperature", "temperature", self.temperature),
+            ("top_p", "top-p", self.top_p),
+            ("max_tokens", "max tokens", self.max_tokens),
+        ):
+            limit = SAMPLING_LIMITS[name]
+            if not limit.admits(value):
+                span = f"{limit.number(limit.lo)}..{limit.number(limit.hi)}"
+                raise ValueError(f"{label} must be {span}, got {limit.number(value)}")
         return self
 
 

@@ -380,6 +380,7 @@ async def test_killed_agent_is_shown_down(cluster: tuple[Path, Inventory]) -> No
         local_cluster.start_agent(home, node, inv)
 
 
+@pytest.mark.integration  # it starts the first run's agents, without a cluster fixture
 @pytest.mark.parametrize("platform", ["linux", "darwin"])
 async def test_first_run_places_the_demo_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
@@ -453,6 +454,9 @@ async def test_first_run_places_the_demo_model(
             assert headers == [demo_ring], (headers, demo_ring)
             models = app.query_one(ModelsPane).rows_shown
             assert [(m.name, m.family, m.layers) for m in models] == [("demo", "llama", 8)]
+            # Written with --recite: it answers with its passage (tests/integration/test_engine.py).
+            config = json.loads((home / "models" / "demo" / "config.json").read_text())
+            assert config["studiotui_demo"].get("recite") is True, config["studiotui_demo"]
             await until(
                 pilot,
                 lambda: "placement 'demo' is ready" in log_text(app),

@@ -510,6 +510,27 @@ async def test_settings_fields_say_what_is_wrong_where_one_looks(tmp_path: Path)
         assert "Rename" in str(rename.border_title)
 
 
+async def test_ctrl_t_attaches_a_document_from_its_dialog(tmp_path: Path) -> None:
+    """README: `ctrl+t` attaches a text, Markdown or PDF document (no cluster needed to
+    attach one; test_a_question_about_a_document_uses_the_related_passages asks it)."""
+    from tests.app_fixtures import fixed_models, fixed_state
+
+    doc = tmp_path / "handbook.md"
+    doc.write_text("# Handbook\n\nThe vault code is tangerine.\n\nNothing else.\n")
+    app = StudioApp(tmp_path / "home", state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("c")
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        field = app.screen.query_one("#attach-path", Input)
+        field.value = str(doc)
+        await pilot.press("enter")
+        await until(pilot, lambda: "handbook.md" in content(screen, "#chat-docs"), 5, "attached")
+        assert app.screen is screen
+
+
 async def test_a_tensor_placement_picked_by_hand_shows_its_stages(tmp_path: Path) -> None:
     """Two stages × 2: each group's nodes are head or tail of the pipeline (the card
     counted four shards and called the second stage "middle"); after ctrl+l picks it,

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -23,7 +24,7 @@ import pytest
 
 from studiotui import __version__
 from studiotui.cli.main import main
-from studiotui.cluster.benchmark import Benchmark
+from studiotui.cluster.benchmark import Benchmark, build_id
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.peers import AgentError
 from studiotui.core import benchmark as bm
@@ -344,3 +345,22 @@ def test_a_rank_killed_mid_product_fails_the_group_alone(bench_cluster: LocalClu
     assert [n.name for n in run.nodes if not n.error] == names and len(run.links) == 1
     for pid in bench_cluster.pids.values():
         assert children(psutil.Process(pid), RANK) == []
+
+
+def test_a_saved_run_names_the_checkout_it_was_built_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's build is the version and `git describe` of this checkout (its commit),
+    and the version alone where git cannot say (no git on the PATH)."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*argv: str) -> list[str]:
+        done = subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, text=True)
+        return done.stdout.split()
+
+    # The commit, or a tag on it (describe names the tag alone then).
+    names = [git("rev-parse", "--short=7", "HEAD")[0], *git("tag", "--points-at", "HEAD")]
+    build = build_id()
+    assert build.startswith(f"{__version__} (") and any(n in build for n in names), build
+    monkeypatch.setenv("PATH", "")
+    assert build_id() == __version__

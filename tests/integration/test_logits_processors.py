@@ -173,10 +173,10 @@ def _logprobs(ring: Ring, rid: str) -> list[float]:
     [
         ({"logit_bias": [[999_999, 1.0]]}, "logit_bias token 999999 is not in this model's"),
         ({"logit_bias": [[-1, 1.0]]}, "logit_bias token -1"),
-        ({"logit_bias": [[1, 101.0]]}, "logit_bias for token 1 must be from -100 to 100"),
+        ({"logit_bias": [[1, 101.0]]}, "logit_bias for token 1 must be a number from -100 to 100"),
         ({"presence_penalty": 2.5}, "presence_penalty must be a number from -2 to 2"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be a number from 0.01 to 10"),
-        ({"frequency_context_size": 0}, "frequency_context_size must be 1.."),
+        ({"frequency_context_size": 0}, "frequency_context_size must be an integer from 1 to 2048"),
     ],
 )
 def test_the_head_refuses_bad_processor_options_before_any_work(

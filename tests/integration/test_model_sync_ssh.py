@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from studiotui.cluster import model_files
+from studiotui.cluster import model_fetch, model_files
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory
 from studiotui.provision.deploy import CheckoutWheel, provision
@@ -125,6 +125,21 @@ async def test_content_identity_node_to_node_and_resume_on_ssh_nodes(
         log = _log(ctl, mark)
         assert any(t.startswith(f"{n2}: resuming ") for t in log), log
         assert not list(folder.glob("*.studiotui-part"))
+
+        # `studiotui fetch DIR --nodes n1,n2`: each SSH node gets its even share of a
+        # folder of the operator's, as placing would copy it, and nothing else.
+        spec = DemoSpec(layers=4, hidden=128, heads=4, kv_heads=2, files=4, seed=3)
+        other = write_demo_model(tmp_path / "seed3" / "shared", spec)  # new to both nodes
+        where = await model_fetch.fetch_dir(ctl, other, [n1, n2])
+        shares = model_files.even_shares(4, [n1, n2])
+        for node, (start, end) in shares.items():
+            held = Path(where[node])
+            assert held.parent == Path(inv.node(node).workdir) / "models", where
+            names = {p.name for p in held.iterdir() if not p.name.startswith(".")}
+            assert names == model_files.needed_names(other, start, end, 4), (node, names)
+            for name in names:
+                assert (held / name).read_bytes() == (other / name).read_bytes(), name
+        assert names < {p.name for p in other.iterdir()}  # a share, not the whole model
 
         # No room on n2's disk: refused before anything is copied, with the numbers.
         small = folder.parent / "roomless"

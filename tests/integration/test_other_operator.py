@@ -13,7 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import mlx.core as mx
+import mlx_lm
 import pytest
+from mlx_lm.sample_utils import make_sampler
 
 from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
@@ -207,3 +210,58 @@ def test_place_notes_a_context_beyond_the_models_positions(
         assert main([*argv, "-i", str(inventory)]) == 0
         err = " ".join(capsys.readouterr().err.split())
         assert ("beyond the 4096 positions tiny was trained for" in err) == noted, err
+
+
+def test_chat_from_the_command_line_samples_as_mlx_lm_and_stops_at_a_stop_string(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`studiotui chat --temperature T --seed S` is mlx-lm's seeded answer to the same
+    chat (its template, `make_sampler(temp=T)` after `mx.random.seed(S)`), through two
+    stages; `--temperature 0` its greedy answer; `--stop S` ends the answer before S."""
+    model = write_demo_model(tmp_path / "tiny", SPEC)
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(cluster.inventory))
+    monkeypatch.setenv("STUDIOTUI_HOME", str(cluster.home))
+    where = ["-i", str(inventory)]
+    assert main(["place", str(model), "--name", "said", "--context", "256", *where]) == 0
+    capsys.readouterr()
+
+    loaded, tokenizer = mlx_lm.load(str(model))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True
+    )
+
+    def chat(*options: str) -> tuple[str, str]:
+        argv = ["chat", "--placement", "said", "--max-tokens", "24", *options, "hello"]
+        assert main([*argv, *where]) == 0
+        shown = capsys.readouterr()
+        return shown.out, " ".join(shown.err.split())
+
+    def mlx_lm_says(temp: float, seed: int) -> str:
+        mx.random.seed(seed)
+        sampler = make_sampler(temp=temp)
+        return mlx_lm.generate(loaded, tokenizer, prompt, max_tokens=24, sampler=sampler)
+
+    try:
+        greedy, _ = chat("--temperature", "0")
+        assert greedy == mlx_lm_says(0.0, 0) + "\n"
+        seeded, _ = chat("--temperature", "1.5", "--seed", "7")
+        want = mlx_lm_says(1.5, 7)
+        assert want not in (greedy.rstrip("\n"), mlx_lm_says(1.5, 8)), "the seed decides nothing"
+        assert seeded == want + "\n"
+        assert chat("--temperature", "1.5", "--seed", "7")[0] == seeded
+
+        # Three characters of the answer's second half, cut where they first appear.
+        half = len(greedy) // 2
+        stop = next(
+            greedy[i : i + 3] for i in range(half, len(greedy) - 3) if greedy[i : i + 3].strip()
+        )
+        cut = greedy[: greedy.index(stop)]
+        assert cut, (greedy, stop)
+        stopped, figures = chat("--temperature", "0", "--stop", stop)
+        assert stopped == cut + "\n" and "finish: stop" in figures, (stopped, figures)
+    finally:
+        assert main(["unload", "said", *where]) == 0

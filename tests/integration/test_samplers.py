@@ -162,7 +162,7 @@ def test_rows_of_a_batch_keep_their_own_samplers(model: Path, split: str) -> Non
 @pytest.mark.parametrize(
     ("params", "words"),
     [
-        ({"top_k": -1}, "top_k must be an integer from 0 (off)"),
+        ({"top_k": -1}, "top_k must be an integer from 0 to 2147483647"),
         ({"top_k": 2.5}, "bad sampling parameter: expected an integer, got 2.5"),
         ({"min_p": 1.5}, "min_p must be a number from 0 to 1"),
         ({"xtc_probability": -0.1}, "xtc_probability must be a number from 0 to 1"),

@@ -50,7 +50,7 @@ def test_rename_settings_order_and_delete(tmp_path: Path) -> None:
     history.set_settings(second.id, Settings(temperature=1.5))
     assert history.get(second.id).settings.temperature == 1.5
     with pytest.raises(ValueError, match="top-p"):
-        history.set_settings(second.id, Settings(top_p=0))
+        history.set_settings(second.id, Settings(top_p=1.5))
     with pytest.raises(ValueError, match="max tokens"):
         Settings(max_tokens=0).validated()
 

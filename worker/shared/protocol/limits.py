@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -43,6 +44,84 @@ MAX_TOP_K = (1 << 31) - 1
 # and fails later); its default threshold is 0.1.
 MAX_XTC_THRESHOLD = 0.5
 DEFAULT_XTC_THRESHOLD = 0.1
+# OpenAI's ceiling for top_logprobs; each one costs the tail a sort of the vocabulary.
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A sampling parameter's range: the API refuses a value outside it with a 400, the
+    head shard (worker/sampling.py) with the same words. `meaning` is said with the
+    range, for the client."""
+
+    lo: float
+    hi: float
+    integer: bool = False
+    meaning: str = ""
+
+    def admits(self, value: object) -> bool:
+        """A number (an integer, if it must be) inside the range; JSON's true/false and
+        NaN are not."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.integer and not isinstance(value, int):
+            return False
+        return self.lo <= value <= self.hi
+
+    def number(self, value: float) -> str:
+        """A value as this limit's kind writes it (an integer whole, a number short)."""
+        return str(int(value)) if self.integer else f"{value:g}"
+
+    def words(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        span = f"{kind} from {self.number(self.lo)} to {self.number(self.hi)}"
+        return span + (f" ({self.meaning})" if self.meaning else "")
+
+    def problem(self, name: str, value: object) -> str:
+        """What is wrong with `value` for `name`, in words ("" if nothing)."""
+        return "" if self.admits(value) else f"{name} must be {self.words()}; got {value!r}"
+
+
+# Every sampling parameter's range, for the API (studiotui/api/request.py) and the head
+# shard (worker/sampling.py) alike. Why each bound: the constants above.
+SAMPLING_LIMITS: dict[str, Limit] = {
+    "max_tokens": Limit(1, MAX_TOKENS_LIMIT, integer=True),
+    "seed": Limit(0, MAX_SEED, integer=True),
+    # OpenAI documents 0 to 2; the chat screen and the runners have taken up to 10.
+    "temperature": Limit(0.0, 10.0, meaning="0 is greedy"),
+    # Nucleus sampling over no mass keeps only the likeliest token: 0 is greedy, as in
+    # OpenAI (mlx-lm's `make_sampler` would take 0 for "off").
+    "top_p": Limit(0.0, 1.0, meaning="0 keeps only the likeliest token"),
+    "top_k": Limit(
+        0, MAX_TOP_K, integer=True, meaning="sample among the k likeliest tokens; 0 means all"
+    ),
+    "min_p": Limit(0.0, 1.0),
+    "xtc_probability": Limit(0.0, 1.0),
+    "xtc_threshold": Limit(0.0, MAX_XTC_THRESHOLD),
+    "presence_penalty": Limit(-MAX_PENALTY, MAX_PENALTY),
+    "frequency_penalty": Limit(-MAX_PENALTY, MAX_PENALTY),
+    "repetition_penalty": Limit(
+        MIN_REPETITION_PENALTY,
+        MAX_REPETITION_PENALTY,
+        meaning="1 means none, above 1 discourages repeating recent tokens; 1.1-1.3 is usual",
+    ),
+    "repetition_context_size": Limit(1, MAX_PENALTY_CONTEXT, integer=True),
+    "presence_context_size": Limit(1, MAX_PENALTY_CONTEXT, integer=True),
+    "frequency_context_size": Limit(1, MAX_PENALTY_CONTEXT, integer=True),
+    # Each token's bias.
+    "logit_bias": Limit(
+        -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, meaning="-100 bans the token, 100 forces it"
+    ),
+    "top_logprobs": Limit(0, MAX_TOP_LOGPROBS, integer=True),
+}
+
+
+def limit_problem(name: str, value: object, label: str = "") -> str:
+    """`SAMPLING_LIMITS[name]`'s words on `value` ("" if it is inside), under `label`
+    (the name, unless told: a logit_bias names its token)."""
+    return SAMPLING_LIMITS[name].problem(label or name, value)
+
+
 # No tokenizer studiotui serves has a token longer than this many characters (the
 # longest are runs of spaces or dashes in code vocabularies, 20-60). A prompt with
 # more characters than context x this cannot fit the context whatever its text, so
