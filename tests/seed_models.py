@@ -23,6 +23,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model
 
+from worker.shared.demo_model import tokenizer_config, tokenizer_json
+
 CONFIGS = Path(__file__).parent / "fixtures" / "models"
 SHARD_BYTES = 5 * 1024**3  # mlx-lm's own MAX_FILE_SIZE_GB
 _SAFETENSORS_DTYPES = {
@@ -102,6 +104,10 @@ def write_header_only(path: Path, config: dict[str, Any], quant: str) -> Path:
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(saved_config, indent=2))
+    # A real (byte-level) tokenizer, as every model directory has one: the preview
+    # refuses a directory without (studiotui/core/model_facts.py check_tokenizer).
+    (path / "tokenizer.json").write_text(tokenizer_json())
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
     return path
 
 

@@ -286,7 +286,7 @@ class Agent:
             except messages.MessageError as exc:
                 self.dropped += 1
                 log.warning("bad control message: %s", exc)
-                await self._reply(ident, None, "error", message=f"bad message: {exc}")
+                await self._reply(ident, exc.re, "error", message=f"bad message: {exc}")
                 continue
             who = curve.sender(parts[1])
             if who not in self.allowed or (

@@ -9,6 +9,7 @@ refusal there costs a round trip and comes back as plain text.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -78,6 +79,112 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+# How deep a body may nest: msgpack, which carries the request to the head shard, stops
+# at 511 levels and Python's JSON parser at about 1000 (a RecursionError); no OpenAI body
+# or tool schema comes near this.
+MAX_DEPTH = 64
+# The integers msgpack can carry; JSON has no bound of its own.
+MIN_INT, MAX_INT = -(2**63), 2**64 - 1
+# A lone UTF-16 surrogate ("\ud800" in JSON) is no character: no UTF-8 encodes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# How much of a client's value an error message quotes back.
+SHOWN_CHARS = 80
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message quotes it: its repr, cut short (a 16 MB string sent
+    where a number belongs is not worth sending back)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**60 else "a huge integer"
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
+
+
+class _Huge:
+    """An integer literal too long to be any parameter's value: kept as this marker,
+    so the check below names where it was (Python refuses to convert past 4300 digits,
+    with no word of where)."""
+
+
+def _parse_int(text: str) -> int | _Huge:
+    return _Huge() if len(text.lstrip("-")) > 20 else int(text)
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 saying what is wrong with it and where: not
+    JSON, NaN or Infinity (not JSON either, nor is 1e999's overflow), nested too deep,
+    an integer no wire format carries, or text that is not Unicode."""
+    if not raw.strip():
+        raise bad("the request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw, parse_int=_parse_int)
+    except RecursionError:
+        where = _deep_field(raw)
+        raise bad(
+            f"{where or 'the request body'} nests deeper than {MAX_DEPTH} levels", where
+        ) from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+    _check_value(body, "", 0)
+    return body
+
+
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _deep_field(raw: bytes) -> str | None:
+    """The top-level field under which `raw` nests past MAX_DEPTH, found by the
+    brackets outside strings (the parser that gave up says nowhere where)."""
+    depth, key = 0, None
+    for token in _TOKENS.finditer(raw):
+        text = token.group()
+        if text[:1] == b'"':
+            if depth == 1:
+                key = text
+        elif text in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                break
+        else:
+            depth -= 1
+    try:
+        return json.loads(key) if key else None
+    except ValueError:
+        return None
+
+
+def _check_value(value: Any, where: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise bad(f"the request body nests deeper than {MAX_DEPTH} levels (at {where})", where)
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise bad(
+                f"{where or 'the body'} holds a lone UTF-16 surrogate (such as \\ud800), "
+                "which is not a character: send valid Unicode",
+                where or None,
+            )
+    elif isinstance(value, _Huge) or (
+        isinstance(value, int) and not isinstance(value, bool) and not MIN_INT <= value <= MAX_INT
+    ):
+        raise bad(
+            f"{where or 'the body'} is an integer beyond 64 bits: no parameter takes one",
+            where or None,
+        )
+    elif isinstance(value, float) and not math.isfinite(value):
+        # NaN and Infinity are not JSON, though Python's and JavaScript's writers emit them.
+        raise bad(
+            f"{where or 'the body'} is {value}: JSON has no such number; send a finite one",
+            where or None,
+        )
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_value(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            at = f"{where}.{key}" if where else key
+            if _SURROGATE.search(key):
+                raise bad(f"a key in {where or 'the body'} is not valid Unicode", where or None)
+            _check_value(item, at, depth + 1)
 
 
 @dataclass(frozen=True)
@@ -172,7 +279,7 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     if fmt is not None and fmt != {"type": "text"}:
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt
         raise bad(
-            f"response_format {kind!r} is not supported: nothing here constrains the answer "
+            f"response_format {shown(kind)} is not supported: nothing here constrains the answer "
             "to JSON; ask for JSON in the prompt and check it, or leave response_format out",
             "response_format",
         )
@@ -225,7 +332,7 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
             continue
         if role not in ROLES:
             allowed = ", ".join([*ROLES, "tool"])
-            raise bad(f"{where}.role must be one of {allowed}; got {role!r}", f"{where}.role")
+            raise bad(f"{where}.role must be one of {allowed}; got {shown(role)}", f"{where}.role")
         turn: dict[str, Any] = {
             "role": ROLES[role],
             "content": _content(msg.get("content"), role, where),
@@ -247,7 +354,7 @@ def _content(raw: Any, role: str, where: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise bad(
-                    f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
+                    f"{where}.content[{j}]: only text parts are supported, got {shown(kind)}",
                     f"{where}.content",
                 )
             texts.append(part["text"])
@@ -342,7 +449,7 @@ def _logit_bias(raw: Any) -> list[list[int | float]]:
     for key, value in raw.items():
         if not TOKEN_ID.match(key):
             raise bad(
-                f"logit_bias key {key!r} is not a token id: the keys are the model's token "
+                f"logit_bias key {shown(key)} is not a token id: the keys are the model's token "
                 f"ids, written as strings without leading zeros; logit_bias must be {shape}",
                 "logit_bias",
             )
@@ -373,7 +480,7 @@ def check_prompt_size(parsed: ChatRequest | CompletionRequest, context_tokens: i
     """Refuse a prompt that cannot fit the placement's context, by counting characters:
     tokenising megabytes would hold the head shard's serving thread for seconds."""
     if isinstance(parsed, ChatRequest):
-        param, problem = "messages", prompt_too_long(prompt_chars(parsed.messages), context_tokens)
+        param, problem = "messages", prompt_too_long(_chat_chars(parsed), context_tokens)
     elif isinstance(parsed.prompt, str):
         param, problem = "prompt", prompt_too_long(len(parsed.prompt), context_tokens)
     else:
@@ -387,6 +494,16 @@ def check_prompt_size(parsed: ChatRequest | CompletionRequest, context_tokens: i
         raise bad(problem, param, "context_length_exceeded")
 
 
+def _chat_chars(parsed: ChatRequest) -> int:
+    """The characters a chat prompt is made of: the messages' text, and the tools and
+    earlier tool calls the template writes into the prompt as JSON too (megabytes of
+    tool schema cost the head shard as much to tokenise as megabytes of message)."""
+    extra = [parsed.tools or []] + [m["tool_calls"] for m in parsed.messages if "tool_calls" in m]
+    return prompt_chars(parsed.messages) + sum(
+        len(json.dumps(x, ensure_ascii=False)) for x in extra if x
+    )
+
+
 def _is_int(value: Any) -> bool:
     # JSON true/false arrive as bool, which Python counts as int.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -398,7 +515,9 @@ def _limited(body: dict[str, Any], name: str, limit: str = "") -> Any:
     check too."""
     value = body.get(name)
     if value is not None and (problem := limit_problem(limit or name, value, name)):
-        raise bad(problem, name)
+        # The words end with the value's repr: cut to what `shown` quotes.
+        head, got, _ = problem.rpartition("; got ")
+        raise bad(f"{head}{got}{shown(value)}" if got else problem, name)
     return value
 
 
@@ -407,7 +526,7 @@ def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or not lo <= value <= hi:
-        raise bad(f"{name} must be an integer from {lo} to {hi}; got {value!r}", name)
+        raise bad(f"{name} must be an integer from {lo} to {hi}; got {shown(value)}", name)
     return int(value)
 
 
@@ -466,7 +585,9 @@ def _parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             "model decides whether to call a tool; send tool_choice 'auto' (or leave it out)",
             "tool_choice",
         )
-    raise bad(f"tool_choice must be 'auto', 'none' or 'required'; got {choice!r}", "tool_choice")
+    raise bad(
+        f"tool_choice must be 'auto', 'none' or 'required'; got {shown(choice)}", "tool_choice"
+    )
 
 
 def _tool(raw: Any, where: str) -> dict[str, Any]:
@@ -475,7 +596,7 @@ def _tool(raw: Any, where: str) -> dict[str, Any]:
     if raw.get("type") != "function":
         raise bad(
             f"{where}.type must be 'function' (the only kind of tool a model's template "
-            f"knows); got {raw.get('type')!r}",
+            f"knows); got {shown(raw.get('type'))}",
             f"{where}.type",
         )
     fn = raw.get("function")
@@ -484,7 +605,7 @@ def _tool(raw: Any, where: str) -> dict[str, Any]:
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
         raise bad(
-            f"{where}.function.name must be 1-64 letters, digits, _ or -; got {name!r}",
+            f"{where}.function.name must be 1-64 letters, digits, _ or -; got {shown(name)}",
             f"{where}.function.name",
         )
     out: dict[str, Any] = {"name": name}

@@ -32,8 +32,10 @@ from studiotui.api.request import (
     CompletionRequest,
     bad,
     check_prompt_size,
+    parse_body,
     parse_chat_request,
     parse_completion_request,
+    shown,
 )
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
@@ -49,6 +51,10 @@ log.addHandler(logging.NullHandler())
 # Long documents go into prompts; aiohttp's 1 MiB default would cut them off.
 MAX_BODY_BYTES = 16 << 20
 SHUTDOWN_GRACE_S = 2.0
+# Seconds a client has to send its whole body once it has sent the headers.
+BODY_TIMEOUT_S = 30.0
+# Seconds a streaming client may go without reading before its stream is given up.
+WRITE_STALL_S = 60.0
 # The head shard's own refusals (worker/stage.py, worker/sampling.py) arrive as text
 # before "accepted"; they are the client's fault, everything else is the cluster's.
 REFUSALS = (
@@ -153,15 +159,15 @@ class Models:
             return min(ready, key=lambda p: self.stats.in_flight[p.name])
         if matches:
             states = ", ".join(f"{p.name} is {p.state}" for p in matches)
-            raise _unavailable(f"model {model!r} is not ready ({states})")
+            raise _unavailable(f"model {shown(model)} is not ready ({states})")
         if model in self.first_seen:
             raise _unavailable(
-                f"model {model!r} is no longer loaded (unloaded, or its nodes went down)"
+                f"model {shown(model)} is no longer loaded (unloaded, or its nodes went down)"
             )
         known = ", ".join(p.name for p in self.ready()) or "none"
         raise ApiError(
             404,
-            f"The model {model!r} does not exist; ready models: {known}",
+            f"The model {shown(model)} does not exist; ready models: {known}",
             param="model",
             code="model_not_found",
         )
@@ -295,11 +301,19 @@ async def _get_model(request: web.Request) -> web.Response:
 
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"the request body is not valid JSON: {exc}") from None
+        # A client that sends half a body and stops would hold its handler (and
+        # connection) for ever: it gets a 408 instead.
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {BODY_TIMEOUT_S:g} s: send the whole "
+            "body (its Content-Length) at once",
+            code="timeout",
+        ) from None
+    return parse_body(raw)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -554,6 +568,21 @@ async def _complete(gen: AsyncIterator[dict[str, Any]], answer: _Shape) -> web.R
     return web.json_response(answer.body(done), dumps=_dumps)
 
 
+async def write_or_give_up(request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+    """Write to a client that reads: one that stops reading fills its socket and
+    would hold its stream on the cluster (a KV cache, one of the placement's
+    streams) for as long as it keeps the connection open. Past WRITE_STALL_S it is
+    treated as gone: ConnectionError, as when it hangs up."""
+    try:
+        async with asyncio.timeout(WRITE_STALL_S):
+            await resp.write(data)
+    except TimeoutError:
+        log.warning("a client read nothing for %g s: its stream is given up", WRITE_STALL_S)
+        if request.transport is not None:
+            request.transport.close()  # aiohttp would wait on its buffer otherwise
+        raise ConnectionResetError("the client stopped reading") from None
+
+
 def _event(obj: dict[str, Any]) -> bytes:
     return f"data: {_dumps(obj)}\n\n".encode()
 
@@ -565,23 +594,23 @@ async def _stream(
     await resp.prepare(request)
     try:
         if first := answer.start():
-            await resp.write(first)
+            await write_or_give_up(request, resp, first)
         async for msg in gen:
             if msg["type"] == "delta":
                 if chunk := answer.chunk(msg):
-                    await resp.write(chunk)
+                    await write_or_give_up(request, resp, chunk)
             elif msg["type"] == "done":
-                await resp.write(answer.finish(msg))
+                await write_or_give_up(request, resp, answer.finish(msg))
                 if answer.include_usage:
-                    await resp.write(answer.usage(_usage(msg)))
-                await resp.write(b"data: [DONE]\n\n")
+                    await write_or_give_up(request, resp, answer.usage(_usage(msg)))
+                await write_or_give_up(request, resp, b"data: [DONE]\n\n")
     except GenerationError as exc:
         # The status line is long gone; OpenAI's clients raise on an error event.
         # No [DONE] after it, so no client mistakes the cut answer for a whole one.
         err = _unavailable(f"placement {answer.model!r} failed mid-answer: {exc}", "cluster_error")
         log.warning("%s", err.message)
         with contextlib.suppress(ConnectionError):
-            await resp.write(_event(err.body()))
+            await write_or_give_up(request, resp, _event(err.body()))
     except ConnectionError:
         return resp  # the client left; the caller's aclose() cancels on the cluster
     with contextlib.suppress(ConnectionError):

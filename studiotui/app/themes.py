@@ -47,6 +47,8 @@ def theme_from_toml(text: str, source: str) -> Theme:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ThemeFileError(f"{source}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ThemeFileError(f"{source}: invalid TOML: arrays nest too deep") from None
     unknown = sorted(set(data) - _ALLOWED)
     if unknown:
         raise ThemeFileError(f"{source}: unknown key(s) {', '.join(unknown)}")

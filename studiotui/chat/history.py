@@ -74,7 +74,13 @@ CREATE TABLE IF NOT EXISTS documents (
 
 
 class HistoryError(StudioError, RuntimeError):
-    pass
+    def __init__(self, message: str, hint: str = "", sqlite_code: int | None = None) -> None:
+        super().__init__(message, hint)
+        self.sqlite_code = sqlite_code
+
+
+# SQLite's codes for a file that is no database, or a damaged one: kept aside by open().
+_DAMAGED = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,15 @@ class History:
             self.db.execute("PRAGMA foreign_keys = ON")
             # WAL so a second studiotui on the same home reads while this one writes.
             self.db.execute("PRAGMA journal_mode = WAL")
+            # A damaged page shows only when read: look at every one now (milliseconds
+            # for a chat history), not when a conversation is opened.
+            check = self.db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                self.db.close()
+                raise HistoryError(
+                    f"cannot open the chat history {path}: it is damaged ({check})",
+                    sqlite_code=sqlite3.SQLITE_CORRUPT,
+                )
             version = self.db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise HistoryError(
@@ -175,15 +190,40 @@ class History:
             self.db.executescript(_SCHEMA)
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
-            raise HistoryError(f"cannot open the chat history {path}: {exc}") from None
+            with contextlib.suppress(AttributeError):
+                self.db.close()
+            raise HistoryError(
+                f"cannot open the chat history {path}: {exc}",
+                sqlite_code=getattr(exc, "sqlite_errorcode", None),
+            ) from None
         if on_disk:
             _make_private(
                 path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
             )
 
+    # Set when open() found the history damaged and kept it aside: what to tell the user.
+    note: str | None = None
+
     @classmethod
     def open(cls, home: Path) -> History:
-        return cls(default_path(home))
+        """The history of `home`. One SQLite cannot read (not a database, or damaged:
+        a crash mid-write, a disk filling up, a truncated copy) is kept aside under a
+        new name, never overwritten, and a new one is started; `note` says where."""
+        path = default_path(home)
+        try:
+            return cls(path)
+        except HistoryError as exc:
+            if exc.sqlite_code not in _DAMAGED:
+                raise
+            why = exc.message.rpartition(": ")[2]
+            aside = set_aside(path)
+        history = cls(path)
+        history.note = (
+            f"the chat history {path} could not be read ({why}); it is kept as "
+            f"{aside.name} beside it and a new history is started: open the old one with "
+            "sqlite3's .recover to get conversations out of it"
+        )
+        return history
 
     def close(self) -> None:
         self.db.close()
@@ -393,6 +433,23 @@ class History:
             f.write(self.export_markdown(conversation_id))
         _make_private(path)  # an export written before, with a wider mode
         return path
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged database (and its -wal and -shm, which belong to it) to
+    `NAME.damaged-STAMP`; the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    for suffix in ("-wal", "-shm"):
+        extra = path.with_name(path.name + suffix)
+        if extra.exists():
+            extra.rename(aside.with_name(aside.name + suffix))
+    path.rename(aside)
+    return aside
 
 
 def _make_private(*paths: Path) -> None:

@@ -60,6 +60,12 @@ class HistoryStore:
         store.close()
         return cls(lambda: History(Path(":memory:")), on_error), problem
 
+    @property
+    def note(self) -> str | None:
+        """What opening found and did that the user must hear of (a damaged history
+        kept aside), once open."""
+        return self._history.note if self._history is not None else None
+
     async def opened(self) -> str | None:
         """None once the history is open, else why it could not be."""
         try:

@@ -7,12 +7,13 @@ import asyncio
 import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from studiotui import __version__
 from studiotui.cli.argtypes import port, positive, positive_float, whole
-from studiotui.core.errors import StudioError
+from studiotui.core.errors import StudioError, UserError
 from studiotui.core.inventory import DEFAULT_CONTROL_PORT
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
@@ -295,9 +296,21 @@ def home_dir() -> Path:
     from studiotui.core.inventory import studiotui_home
 
     home = studiotui_home(os.environ)
-    home.mkdir(parents=True, exist_ok=True)
-    # Conversations, keys and inventories live here: the operator's alone.
-    home.chmod(0o700)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        # Conversations, keys and inventories live here: the operator's alone.
+        home.chmod(0o700)
+        # Write a file now, not on the first answer or key: a read-only disk or a
+        # full one is said before anything is started.
+        fd, probe = tempfile.mkstemp(dir=home, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(
+            f"studiotui's home {home} is not a folder it can write "
+            f"({exc.strerror or exc}); nothing was started",
+            "set STUDIOTUI_HOME to a writable folder, or fix that one",
+        ) from None
     return home
 
 

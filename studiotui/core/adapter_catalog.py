@@ -61,7 +61,7 @@ def adapter_folders(home: Path) -> tuple[Path, ...]:
     if path.is_file():
         try:
             entries = tomllib.loads(path.read_text(encoding="utf-8")).get("adapters_dirs", [])
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
             entries = []
     if isinstance(entries, list):
         for entry in entries:

@@ -95,7 +95,7 @@ def settings(home: Path) -> Settings:
     if path.is_file():
         try:
             config = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
             problems.append(Skipped(CONFIG_FILE, path, f"cannot read {path}: {exc}", "config"))
     dirs = config.get("models_dirs", [])
     if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
@@ -245,9 +245,11 @@ def _snapshot(repo: Path) -> Path | None:
 def _read(path: Path, name: str) -> ModelInfo | str:
     """The model's facts under its catalog name, or why it cannot be placed."""
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return f"cannot read config.json: {exc}"
+        config = json.loads((path / "config.json").read_bytes())
+    except OSError as exc:
+        return f"cannot read config.json: {exc.strerror or exc}"
+    except (ValueError, RecursionError) as exc:
+        return f"config.json is not valid JSON: {exc}"
     if not isinstance(config, dict):
         return "config.json is not a JSON object"
     architectures = config.get("architectures") or []

@@ -379,6 +379,10 @@ def _load_toml(src: _Source) -> dict[str, Any]:
         raise InventoryError(
             src.path, line, None, f"invalid TOML: {message}", column=column
         ) from exc
+    except RecursionError:
+        # tomllib recurses once per nested array or table: thousands of '[' exhaust
+        # Python's stack before the parser can say where.
+        raise InventoryError(src.path, None, None, "invalid TOML: arrays nest too deep") from None
 
 
 def _parse_cluster_name(src: _Source, data: Mapping[str, object]) -> str:

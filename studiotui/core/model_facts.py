@@ -12,6 +12,7 @@ per family by `kv_sizes`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass, replace
@@ -59,6 +60,13 @@ _HEADER_LIMIT = 100 * 1024 * 1024  # a safetensors header is JSON; larger is cor
 _INDEX = "model.safetensors.index.json"
 # safetensors dtype names → the names config.json and the planner use
 _FLOAT_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+# Bits an element of each safetensors dtype takes, for those mx.load reads (MLX's
+# safetensors loader; tests/unit/test_model_facts.py checks the list against it).
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF16": 16, "U32": 32,
+    "I32": 32, "F32": 32, "U64": 64, "I64": 64, "C64": 64, "F8_E4M3": 8,
+}  # fmt: skip
+SAFETENSORS_DTYPES = frozenset(_DTYPE_BITS)
 
 
 class ModelDirError(StudioError, ValueError):
@@ -110,22 +118,80 @@ class Tensor:
 
 
 def safetensors_tensors(file: Path) -> dict[str, Tensor]:
-    """Tensor name → dtype, shape and bytes, from the file's JSON header alone."""
+    """Tensor name → dtype, shape and bytes, from the file's JSON header alone.
+
+    Everything MLX would trip over when loading (after the file was copied to a node)
+    is a ValueError here, saying what is wrong: a header that is cut, not JSON or not
+    the format's shape, a dtype no loader knows, or a file shorter than its tensors."""
     with file.open("rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{file} is too short to be safetensors")
+            raise ValueError(f"{file} is too short to be safetensors ({len(raw)} bytes)")
         (length,) = struct.unpack("<Q", raw)
         if length > _HEADER_LIMIT:
             raise ValueError(f"{file} has an implausible header of {length} bytes")
-        header = json.loads(f.read(length))
+        text = f.read(length)
+        size = os.fstat(f.fileno()).st_size
+    if len(text) < length:
+        raise ValueError(
+            f"{file} says its header has {length} bytes but the file ends after {size}: "
+            "it is cut short (an unfinished download?); fetch it again"
+        )
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{file}: its header is not JSON ({exc}): the file is damaged") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: its header is not a JSON object: the file is damaged")
     out: dict[str, Tensor] = {}
+    data_end = 0
     for key, meta in header.items():
-        if key == "__metadata__" or not isinstance(meta, dict):
+        if key == "__metadata__":
             continue
-        begin, end = meta.get("data_offsets", (0, 0))
-        out[key] = Tensor(str(meta.get("dtype", "")), tuple(meta.get("shape", ())), end - begin)
+        tensor, end = _tensor(file, key, meta)
+        out[key] = tensor
+        data_end = max(data_end, end)
+    if 8 + length + data_end > size:
+        raise ValueError(
+            f"{file} has {size} bytes but its tensors need {8 + length + data_end}: it is "
+            "cut short (an unfinished download or copy?); fetch it again"
+        )
     return out
+
+
+def _tensor(file: Path, key: str, meta: Any) -> tuple[Tensor, int]:
+    """One header entry as a Tensor and the end of its bytes; a ValueError naming the
+    tensor and what is wrong with it."""
+    where = f"{file}: tensor {key!r}"
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where} is not described by an object: the file is damaged")
+    dtype = meta.get("dtype")
+    if dtype not in SAFETENSORS_DTYPES:
+        known = ", ".join(sorted(SAFETENSORS_DTYPES))
+        raise ValueError(f"{where} has dtype {dtype!r}, which MLX cannot load ({known})")
+    shape = meta.get("shape")
+    if not isinstance(shape, list) or not all(_natural(d) for d in shape):
+        raise ValueError(f"{where} has shape {shape!r}: not a list of sizes")
+    offsets = meta.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_natural(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise ValueError(f"{where} has data_offsets {offsets!r}: not [begin, end] in bytes")
+    begin, end = offsets
+    tensor = Tensor(dtype, tuple(shape), end - begin)
+    bits = tensor.count * _DTYPE_BITS[dtype]
+    if (bits + 7) // 8 != tensor.nbytes:
+        raise ValueError(
+            f"{where} has {tensor.nbytes} bytes for a {dtype} {list(shape)}: the file is damaged"
+        )
+    return tensor, end
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -136,8 +202,8 @@ def weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             listed = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelDirError(f"{index} is not a safetensors index: {exc}") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise ModelDirError(f"{index} is not a safetensors index: {exc!r}") from None
         missing = sorted(f for f in listed if not (path / f).is_file())
         if missing:
             raise ModelDirError(
@@ -203,12 +269,36 @@ def count_params(tensors: dict[str, Tensor], config: dict[str, Any]) -> int:
 
 
 def read_model(path: Path) -> ModelInfo:
+    """The model's facts, or a ModelDirError naming the file and what is wrong with it:
+    everything a load would fail on after the copy is found here, before it."""
     path = path.expanduser()
     config = _config(path)
+    try:
+        return _read_model(path, config)
+    except (TypeError, AttributeError, KeyError, ValueError, ZeroDivisionError) as exc:
+        if isinstance(exc, ModelDirError):
+            raise
+        # A value of the wrong type somewhere in config.json (the headers and the
+        # index say their own errors above).
+        raise ModelDirError(
+            f"{path}/config.json has a value mlx-lm cannot use ({type(exc).__name__}: {exc})",
+            "compare it with the config.json of the model's original download",
+        ) from None
+
+
+def _read_model(path: Path, config: dict[str, Any]) -> ModelInfo:
     cfg = text_config(config)
     files = weight_files(path)
     unsupported = unsupported_reason(config)
-    n_layers = int(cfg.get("num_hidden_layers") or 0)
+    if not unsupported:  # else why it cannot run at all is the news, not its tokenizer
+        check_tokenizer(path)
+    raw_layers = cfg.get("num_hidden_layers") or 0
+    if not isinstance(raw_layers, int) or isinstance(raw_layers, bool):
+        raise ModelDirError(
+            f"{path}/config.json: num_hidden_layers is {raw_layers!r}, not a whole number"
+        )
+    n_layers = raw_layers
+    _check_quantization(path, config)
     if n_layers < 1:
         if not unsupported:
             raise ModelDirError(f"{path}/config.json has no num_hidden_layers")
@@ -249,7 +339,10 @@ def read_model(path: Path) -> ModelInfo:
         facts = with_shape_facts(facts, config, split, routed)
     except (ValueError, TypeError) as exc:
         if not unsupported:
-            raise ModelDirError(f"{path}/config.json: {exc}") from None
+            raise ModelDirError(
+                f"{path}/config.json has a value mlx-lm cannot use ({exc})",
+                "compare it with the config.json of the model's original download",
+            ) from None
         # A family without attention fields (Mamba…): the reason it cannot run is
         # what the operator needs, not that its cache cannot be sized.
         family = str(config.get("model_type") or "unknown")
@@ -268,6 +361,53 @@ def read_model(path: Path) -> ModelInfo:
     )
 
 
+def _check_quantization(path: Path, config: dict[str, Any]) -> None:
+    """mlx-lm builds a quantized model's layers from these numbers before it reads a
+    weight: a wrong type there fails on every node, after the copy."""
+    for key in ("quantization", "quantization_config"):
+        q = config.get(key)
+        if q is None:
+            continue
+        if not isinstance(q, dict):
+            raise ModelDirError(f"{path}/config.json: {key} is {q!r}, not an object")
+        for field in ("bits", "group_size"):
+            value = q.get(field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ModelDirError(
+                    f"{path}/config.json: {key}.{field} is {value!r}, not a whole number"
+                )
+
+
+# The files a tokenizer comes in: Hugging Face's fast tokenizer, sentencepiece, GPT-2's
+# vocab and merges, BERT's vocab, tiktoken's ranks (Kimi).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+# Those that are JSON: a cut or damaged one fails mlx-lm's load_tokenizer on the node.
+_JSON_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def check_tokenizer(path: Path) -> None:
+    """A ModelDirError unless the directory has a tokenizer whose JSON files parse:
+    without one every shard would load and the head would fail after the copy."""
+    names = {p.name for p in path.iterdir()}
+    if not names.intersection(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
+        raise ModelDirError(
+            f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)} or *.tiktoken)",
+            "copy the tokenizer files from the model's original download into the folder",
+        )
+    for name in _JSON_TOKENIZER_FILES:
+        if name not in names:
+            continue
+        try:
+            data = json.loads((path / name).read_bytes())
+        except (OSError, ValueError, RecursionError) as exc:
+            raise ModelDirError(
+                f"{path / name} is not valid JSON ({exc})",
+                "copy it again from the model's original download",
+            ) from None
+        if not isinstance(data, dict):
+            raise ModelDirError(f"{path / name} is not a JSON object: the file is damaged")
+
+
 def _config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise ModelDirError(f"model directory {path} does not exist")
@@ -275,9 +415,11 @@ def _config(path: Path) -> dict[str, Any]:
     if not cfg.is_file():
         raise ModelDirError(f"{path} has no config.json: not an mlx-lm model directory")
     try:
-        data = json.loads(cfg.read_text())
-    except ValueError as exc:
+        data = json.loads(cfg.read_bytes())
+    except (ValueError, RecursionError) as exc:
         raise ModelDirError(f"{cfg} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ModelDirError(f"cannot read {cfg}: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ModelDirError(f"{cfg} is not a JSON object")
     return data

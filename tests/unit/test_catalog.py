@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from studiotui.app.themes import ThemeFileError, theme_from_toml
 from studiotui.core import catalog
+from studiotui.core.adapter_catalog import adapter_folders
 from studiotui.core.catalog import Catalog, scan, scan_home, scan_models, settings
 from studiotui.core.model_facts import read_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -194,3 +196,18 @@ def test_unreadable_folder_and_model_given_directly(tmp_path: Path, demo: Path) 
     result = scan([not_a_folder], hf_cache=None)
     assert not result.models
     assert "cannot list" in result.skipped[0].reason
+
+
+def test_a_config_toml_nested_past_the_parser_is_reported_not_raised(tmp_path: Path) -> None:
+    """tomllib recurses per '[': before, 5000 of them raised RecursionError out of the
+    Models pane's scan, the adapters' folders and a theme file's reading."""
+    home = tmp_path / "home"
+    home.mkdir()
+    deep = "models_dirs = " + "[" * 5000 + "]" * 5000 + "\n"
+    (home / "config.toml").write_text(deep)
+    found = settings(home)
+    assert found.folders == (home / "models",)
+    assert "cannot read" in found.problems[0].reason
+    assert adapter_folders(home) == (home / "adapters",)
+    with pytest.raises(ThemeFileError, match=r"mine\.toml: invalid TOML: arrays nest too deep"):
+        theme_from_toml(deep, "mine.toml")

@@ -126,7 +126,36 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(HistoryError, match="newer studiotui"):
         History.open(tmp_path)
-    (tmp_path / "junk").mkdir()
-    (tmp_path / "junk" / "chat.sqlite3").write_bytes(b"not a database at all" * 100)
-    with pytest.raises(HistoryError, match="cannot open"):
-        History.open(tmp_path / "junk")
+
+
+@pytest.mark.parametrize("damage", ["junk", "truncated"])
+def test_a_damaged_history_is_kept_aside_not_overwritten(tmp_path: Path, damage: str) -> None:
+    """Before, a damaged file left every later session without a history (memory
+    only, for ever), with no word of what to do; now it is renamed, untouched, and a
+    new history starts, the note saying where the old one is."""
+    history = History.open(tmp_path)
+    conv = history.create("kept")
+    for i in range(200):
+        history.add_message(conv.id, "user", f"message {i} " * 100)
+    history.close()
+    db = tmp_path / "chat.sqlite3"
+    raw = db.read_bytes()
+    damaged = b"not a database at all" * 100 if damage == "junk" else raw[: len(raw) // 2]
+    db.write_bytes(damaged)
+    history = History.open(tmp_path)
+    (aside,) = tmp_path.glob("chat.sqlite3.damaged-*")
+    assert aside.read_bytes() == damaged
+    assert history.note and aside.name in history.note and ".recover" in history.note
+    assert history.conversations() == []
+    history.create("new")
+    history.close()
+    assert History.open(tmp_path).note is None
+    assert [c.title for c in History.open(tmp_path).conversations()] == ["new"]
+    assert aside.read_bytes() == damaged
+
+
+def test_a_locked_or_unreadable_history_is_not_set_aside(tmp_path: Path) -> None:
+    (tmp_path / "chat.sqlite3").mkdir()  # a folder where the file belongs: not damage
+    with pytest.raises((HistoryError, OSError)):
+        History.open(tmp_path)
+    assert not list(tmp_path.glob("*.damaged-*"))

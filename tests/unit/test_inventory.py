@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from studiotui.core.inventory import (
@@ -734,3 +734,39 @@ def test_resolve_group_unknown_names(spec: str, unknown: tuple[str, ...]) -> Non
     assert "known nodes: studio-1, studio-2, sim; groups: big" in str(err)
     for name in unknown:
         assert f'"{name}"' in str(err)
+
+
+# --------------------------------------------------------------------------- garbage
+
+
+def _mutate(text: str, cuts: list[tuple[int, int, str]]) -> str:
+    for at, length, insert in cuts:
+        at %= len(text) + 1
+        text = text[:at] + insert + text[at + length :]
+    return text
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    st.one_of(
+        st.lists(
+            st.tuples(
+                st.integers(0, 10_000),
+                st.integers(0, 8),
+                st.sampled_from(["", "=", "[", "]", '"', "\n", "[[nodes]]\n", "-1", "1e999",
+                                 "true", "{}", "x = [[[[[[1]]]]]]", "\x00", "\ud800", "é"]),
+            ),
+            min_size=1,
+            max_size=6,
+        ).map(lambda cuts: _mutate(GOOD, cuts)),
+        st.text(max_size=200),
+        st.integers(100, 5000).map(lambda n: "x = " + "[" * n + "]" * n),
+    )
+)  # fmt: skip
+def test_any_garbage_inventory_is_an_inventory_error_or_an_inventory(text: str) -> None:
+    """A cluster.toml mangled anywhere: parsed, or refused with an InventoryError naming
+    the file; never another exception (a traceback in the CLI and TUI)."""
+    try:
+        parse_inventory(text, Path("/x/cluster.toml"))
+    except InventoryError as exc:
+        assert "cluster.toml" in str(exc)

@@ -3,13 +3,18 @@ backend: core.members.group_backend, tests/unit/test_rdma_ports.py)."""
 
 from __future__ import annotations
 
+import json
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from studiotui.bench.finetune import BATCH, bench_data, job_rate
-from studiotui.cluster.jobs import JobRecord, outcome
+from studiotui.cluster.jobs import JobRecord, load_record, outcome, records_dir
+from studiotui.core import benchmark
 from studiotui.core.jobs import JobWatch, blame
 from studiotui.tune.data import load_examples
 from worker.jobs import JobError, check_name, exit_message
@@ -95,3 +100,36 @@ def test_the_bench_rate_leaves_the_warm_up_out(tmp_path: Path) -> None:
         job_rate(watch, [])
     rows = load_examples(bench_data(tmp_path / "d.jsonl"), least=BATCH)
     assert rows.format == "text" and len(rows.train) >= 4 * BATCH
+
+
+json_junk = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(
+        st.sampled_from(["name", "kind", "nodes", "backend", "started", "request", "runs",
+                         "cluster", "model", "results", "version"]) | st.text(max_size=4),
+        inner,
+        max_size=5,
+    ),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(st.one_of(json_junk.map(json.dumps), st.text(max_size=40)))
+def test_a_garbage_job_record_or_benchmark_run_is_left_out_or_named(text: str) -> None:
+    """The files under STUDIOTUI_HOME a job list and the benchmark screen read: a
+    damaged one is left out (a job) or refused naming the file (a run), never raised
+    as something else."""
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        records_dir(home).mkdir()
+        (records_dir(home) / "j.json").write_text(text)
+        found = load_record(home, "j")
+        assert found is None or isinstance(found, JobRecord)
+        run = home / "run.json"
+        run.write_text(text)
+        try:
+            benchmark.read(run)
+        except benchmark.BenchmarkError as exc:
+            assert str(run) in str(exc)

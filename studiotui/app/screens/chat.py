@@ -308,6 +308,8 @@ class ChatScreen(Screen[None]):
                 f"chat history unavailable ({problem}); this session's chat will not be kept",
                 "error",
             )
+        elif store.note:
+            self.studio.report(store.note, "warning")
         self._session = ChatSession(store, self.studio.home / "exports")
         await self.session.open_latest()
         self._show_conversation()

@@ -111,7 +111,11 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
 
 
 class MessageError(ValueError):
-    """A message from the network that cannot be accepted; the text says why."""
+    """A message from the network that cannot be accepted; the text says why. `re`:
+    the request's id when the message was a map with one, so the error reply reaches
+    the request that waits for it (without it the sender waits out its timeout)."""
+
+    re: int | str | None = None
 
 
 def make(kind: str, **fields: Any) -> dict[str, Any]:
@@ -132,7 +136,13 @@ def decode(data: bytes) -> dict[str, Any]:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MessageError(f"not a msgpack message: {exc}") from None
-    validate(msg)
+    try:
+        validate(msg)
+    except MessageError as exc:
+        rid = msg.get("id") if isinstance(msg, Mapping) else None
+        if isinstance(rid, int | str) and not isinstance(rid, bool):
+            exc.re = rid
+        raise
     return msg
 
 
