@@ -35,12 +35,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
 from rich.console import Console
 from rich.table import Table
 
-from studiotui.bench import batching
+from studiotui.api.server import start_server
+from studiotui.app.app import StudioApp
+from studiotui.bench import batching, soak
+from studiotui.bench.api_bench import bench_api
+from studiotui.bench.finetune import finetune_figures
 from studiotui.bench.floor import PipeFloor
 from studiotui.bench.launch import ring_of_two
+from studiotui.bench.provision import bench_provision
 from studiotui.bench.tensor import (
     mlx_tp2_launch_tps,
     mlx_tp2_tps,
@@ -50,10 +58,12 @@ from studiotui.bench.tensor import (
 )
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
+from studiotui.cluster.session import wait_until_up
 from studiotui.cluster.streams import prompt_tokens, stream
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, local_inventory
 from studiotui.core.placement import Plan
+from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import control
 
 BENCH_OCTET = 71
@@ -128,13 +138,10 @@ class SingleProcess:
     """mlx-lm's own generate loop on the whole model, in this process."""
 
     def __init__(self, model_dir: Path) -> None:
-        import mlx_lm
 
         self.model = mlx_lm.load(str(model_dir))[0]
 
     def decode(self, n: int) -> dict[str, Any]:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
 
         tokens, stamps = [], []
         for tok, _ in generate_step(mx.array(prompt_tokens(16)), self.model, max_tokens=n):
@@ -143,8 +150,6 @@ class SingleProcess:
         return {"tokens": tokens, "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0])}
 
     def ttft_ms(self, prompt_len: int, runs: int) -> float:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
 
         ttfts = []
         for _ in range(runs):
@@ -243,7 +248,6 @@ async def pipeline_figures(
                     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
                     out["streams"][str(k)] = sum(len(r["tokens"]) for r in runs) / wall
                     out[f"streams{k}_tokens"] = [r["tokens"] for r in runs]
-                from studiotui.bench.api_bench import bench_api
 
                 quick = cfg.ttft_runs == 1
                 with phase("api"):
@@ -314,7 +318,6 @@ def moe_spec(cfg: BenchConfig) -> Any:
     Scales and norms in float32 like the dense model: on MLX's CPU backend the bfloat16
     quantized expert kernel runs ~15x slower, and the figure would measure that kernel
     rather than the pipeline (on an Apple GPU both are fast)."""
-    from worker.shared.demo_model import DemoSpec
 
     return DemoSpec(
         arch="qwen3_moe",
@@ -400,7 +403,6 @@ def mlx_ring(model_dir: Path, cfg: BenchConfig) -> float | None:
 
 
 def measure(quick: bool) -> dict[str, Any]:
-    from worker.shared.demo_model import DemoSpec, write_demo_model
 
     cfg = BenchConfig.make(quick)
     moe: dict[str, Any] = {}
@@ -476,7 +478,6 @@ def measure(quick: bool) -> dict[str, Any]:
 async def _with_cluster(
     home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
 ) -> dict[str, Any]:
-    from studiotui.cluster.session import wait_until_up
 
     ctl = Controller(home, inv)
     try:
@@ -498,7 +499,6 @@ async def _with_cluster(
 
 async def tui_idle_cpu(home: Path, inv: Inventory, seconds: float) -> float:
     """CPU the dashboard itself uses, idle, with every node sending telemetry at 1 Hz."""
-    from studiotui.app.app import StudioApp
 
     app = StudioApp(home, inv)
     async with app.run_test(size=(160, 48)) as pilot:
@@ -584,8 +584,6 @@ def summarize(
 
 
 def run_bench(quick: bool, as_json: bool) -> int:
-    from studiotui.bench.finetune import finetune_figures
-    from studiotui.bench.provision import bench_provision
 
     started = time.monotonic()
     figures = measure(quick)
@@ -634,7 +632,6 @@ def figures_table(figures: dict[str, Any]) -> Table:
 def run_soak(quick: bool, as_json: bool) -> int:
     """`studiotui bench --soak`: a cancel storm, then many requests over concurrent
     OpenAI clients, on a cluster of its own; figures on lost, mixed and memory."""
-    from worker.shared.demo_model import DemoSpec, write_demo_model
 
     requests, storm = (48, 20) if quick else (200, 50)
     started = time.monotonic()
@@ -672,9 +669,6 @@ def run_soak(quick: bool, as_json: bool) -> int:
 async def _soak_cluster(
     home: Path, inv: Inventory, model_dir: Path, requests: int, storm: int
 ) -> dict[str, Any]:
-    from studiotui.api.server import start_server
-    from studiotui.bench import soak
-    from studiotui.cluster.session import wait_until_up
 
     ctl = Controller(home, inv)
     try:

@@ -165,7 +165,13 @@ class History:
         if on_disk:
             # Created 0600 before SQLite opens it: SQLite gives its -wal and -shm the
             # database's mode, and conversations are private whatever the umask.
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            except OSError as exc:
+                raise HistoryError(
+                    f"cannot open the chat history {path}: {exc.strerror}",
+                    "make it a file studiotui can write, or move it away",
+                ) from None
         try:
             self.db = sqlite3.connect(path, isolation_level=None)
             self.db.row_factory = sqlite3.Row

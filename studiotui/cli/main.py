@@ -1,4 +1,9 @@
-"""The command line: every verb drives the same Controller the TUI uses."""
+"""The command line: every verb drives the same Controller the TUI uses.
+
+Verbs import their heavy parts (MLX, Textual, the controller: seconds each on a small
+machine) inside the function that runs them, here and in the modules of `studiotui.cli`,
+so `studiotui --help` and the quick verbs answer at once; no import there dodges a loop
+(lint-imports checks the layers with them in place)."""
 
 from __future__ import annotations
 

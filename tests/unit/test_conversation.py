@@ -169,7 +169,10 @@ async def test_a_failed_write_is_reported_on_the_event_loop(tmp_path: Path) -> N
 
 
 async def test_an_unreadable_history_leaves_a_chat_kept_in_memory(tmp_path: Path) -> None:
-    (tmp_path / "chat.sqlite3").write_bytes(b"not a database at all" * 100)
+    # (A file that is no database is kept aside and a new history started: see
+    # test_history. What cannot be opened at all, like a folder in its place, leaves
+    # this session's chat in memory.)
+    (tmp_path / "chat.sqlite3").mkdir()
     store, problem = await HistoryStore.open(tmp_path)
     assert problem is not None and "cannot open the chat history" in problem
     conv = await store.call(History.create, "in memory")
