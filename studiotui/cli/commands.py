@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ from studiotui.core.placement import (
 )
 from studiotui.core.state import node_start_hint
 from studiotui.core.text import printable
+from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 
@@ -210,7 +211,8 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
         # No agent process here to answer: ask briefly rather than wait the full timeout.
         await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
         if args.json:
-            console.print_json(json.dumps(status_json(ctl)))
+            rates = await sample_rates(ctl, STATUS_RATE_WINDOW_S)
+            console.print_json(json.dumps(status_json(ctl, rates)))
         else:
             print_nodes(ctl)
     finally:
@@ -221,8 +223,31 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
-def status_json(ctl: Controller) -> dict[str, Any]:
+# How long `status --json` watches the token counts for its tok/s: the runners count
+# once a second, so a shorter window would read 0 for a placement that is answering.
+STATUS_RATE_WINDOW_S = 2.0
+
+
+async def sample_rates(ctl: Controller, window: float) -> dict[str, float]:
+    """Each ready placement's tokens a second over `window` seconds (the dashboard's
+    RateMeter over two of the agents' reports); no wait when none is ready."""
+    if not any(p.state == "ready" for p in ctl.state.placements):
+        return {}
+    meter = RateMeter(window)
+    loop = asyncio.get_running_loop()
+    for p in ctl.state.placements:
+        meter.update(p.name, placement_tokens(p), loop.time())
+    await asyncio.sleep(window)
+    await ctl.refresh()
+    return {
+        p.name: meter.update(p.name, placement_tokens(p), loop.time()) for p in ctl.state.placements
+    }
+
+
+def status_json(ctl: Controller, rates: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """What `status --json` prints; `rates`: tok/s by placement (`sample_rates`)."""
     st = ctl.state
+    rates = rates or {}
     # Which Thunderbolt port of a node leads to which node (agents' RDMA facts matched
     # by domain UUID, core/members.cables): the cabling JACCL's device matrix comes from.
     wired = cables({n.name: n.facts.get("rdma") for n in st.nodes})
@@ -259,6 +284,10 @@ def status_json(ctl: Controller) -> dict[str, Any]:
                 "shape": p.shape,
                 "context_tokens": p.context_tokens,
                 "streams": p.streams,
+                # What the dashboard's Placements pane shows (core/traffic.py).
+                "in_flight": placement_in_flight(p),
+                "tokens": placement_tokens(p),
+                "tok_s": round(rates.get(p.name, 0.0), 2),
             }
             for p in st.placements
         ],

@@ -188,22 +188,64 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     selected = _select(inv, getattr(args, "nodes", []) or [])
     names = [n.name for n in selected]
+    upgrade = bool(getattr(args, "upgrade", False))
     console, errors = commands.console, commands.errors
-    with _Display(console, names) as display:
-        try:
-            outcomes = await provision.provision(
-                home,
-                inv,
-                upgrade=bool(getattr(args, "upgrade", False)),
-                accept_new_host_keys=bool(getattr(args, "accept_new_host_keys", False)),
-                on_event=display.event,
-                nodes=names,
-            )
-        except provision.BuildError as exc:
-            raise UserError(str(exc)) from None
-    results = [outcomes[n] for n in names]
-    print_outcomes(console, errors, results)
-    return 0 if all(o.ok for o in results) else 1
+
+    async def run() -> list[Outcome]:
+        with _Display(console, names) as display:
+            try:
+                outcomes = await provision.provision(
+                    home,
+                    inv,
+                    upgrade=upgrade,
+                    accept_new_host_keys=bool(getattr(args, "accept_new_host_keys", False)),
+                    on_event=display.event,
+                    nodes=names,
+                )
+            except provision.BuildError as exc:
+                raise UserError(str(exc)) from None
+        return [outcomes[n] for n in names]
+
+    if not upgrade:
+        results = await run()
+        print_outcomes(console, errors, results)
+        return 0 if all(o.ok for o in results) else 1
+    # Replacing an agent stops its shards: load them again, as `restart` does.
+    ctl = Controller(home, inv)
+    try:
+        done = await restart.keep_placements(
+            ctl, names, run, on_reload=_say_reloading, doing="upgrade", on_back=_say_back
+        )
+    finally:
+        await ctl.close()
+    print_restarted(done)
+    return 0 if done.ok else 1
+
+
+def _say_back(outcomes: Sequence[Outcome]) -> None:
+    print_outcomes(commands.console, commands.errors, outcomes)
+
+
+def _say_reloading(placement: str, where: str) -> None:
+    commands.console.print(
+        f"placement {placement!r}: loading its shards again on {where}…",
+        markup=False,
+        highlight=False,
+    )
+
+
+def print_restarted(done: restart.Restarted) -> None:
+    """What a restart or an upgrade did to the placements (its nodes' outcomes were
+    printed as they came back, `_say_back`)."""
+    console, errors = commands.console, commands.errors
+    for text in done.dropped:
+        errors.print(text, markup=False, highlight=False)
+    for text in done.lost:
+        errors.print(text, markup=False, highlight=False)
+    for result in done.reloads:
+        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
+    for text in done.broken:
+        errors.print(text, markup=False, highlight=False)
 
 
 async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
@@ -213,19 +255,12 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     selected = _select(inv, getattr(args, "nodes", []) or [])
     ctl = Controller(home, inv)
     try:
-        done = await restart.restart_nodes(ctl, [n.name for n in selected])
+        done = await restart.restart_nodes(
+            ctl, [n.name for n in selected], on_reload=_say_reloading, on_back=_say_back
+        )
     finally:
         await ctl.close()
-    console, errors = commands.console, commands.errors
-    for text in done.dropped:
-        errors.print(text, markup=False, highlight=False)
-    print_outcomes(console, errors, done.outcomes)
-    for text in done.lost:
-        errors.print(text, markup=False, highlight=False)
-    for result in done.reloads:
-        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
-    for text in done.broken:
-        errors.print(text, markup=False, highlight=False)
+    print_restarted(done)
     return 0 if done.ok else 1
 
 

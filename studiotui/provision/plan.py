@@ -12,7 +12,7 @@ Decisions worth knowing (the why is next to each):
   PYTHONPATH. Only missing *dependencies* are pip-installed (from the package
   index). See `InstallWheel`.
 - A running agent is only ever replaced with `--upgrade`: replacing it stops every
-  shard it serves.
+  shard it serves (the CLI loads them again afterwards, `restart.keep_placements`).
 """
 
 from __future__ import annotations
@@ -791,7 +791,7 @@ def plan_node(
             node.name,
             "kept",
             f"agent {running} (pid {running_pid}) left running: {why}. "
-            "Rerun with --upgrade to replace it (its loaded shards stop).",
+            "Rerun with --upgrade to replace it (its shards stop, then are loaded again).",
             python,
             (),
             record,

@@ -17,7 +17,7 @@ import pytest
 from studiotui.app.app import StudioApp
 from studiotui.app.panes.models import ModelsPane
 from studiotui.app.panes.nodes import NodesPane, node_lines
-from studiotui.app.panes.placements import RateMeter, group_label, state_label
+from studiotui.app.panes.placements import group_label, state_label
 from studiotui.app.place.flow import placement_name, repair_nodes
 from studiotui.app.place.preview import (
     PlaceRequest,
@@ -39,6 +39,7 @@ from studiotui.core.state import (
     newly_broken,
     placements_from_shards,
 )
+from studiotui.core.traffic import RateMeter
 from tests.app_fixtures import fixed_models, fixed_state
 from worker.shared.adapters import Adapter
 from worker.shared.protocol.limits import DEFAULT_STREAMS

@@ -575,3 +575,27 @@ async def test_a_tensor_placement_picked_by_hand_shows_its_stages(tmp_path: Path
         assert app.focused is not None and app.focused.id == "chat-prompt"
         await pilot.press("h", "i")
         assert screen.query_one("#chat-prompt", Input).value == "hi"
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_the_nodes_card_fits_the_side_panel(tmp_path: Path, size: tuple[int, int]) -> None:
+    """At 80x24 the side panel is 30 cells (29 with its scrollbar): the card's rows
+    (node, role, layers, reqs) folded there; now the role gives way, nothing folds."""
+    from tests.app_fixtures import fixed_models, fixed_state
+
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("c")
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        await pilot.pause(0.3)  # the placements are listed on the screen's first poll
+        screen.query_one("#chat-placement", Select).value = "deepseek-v3"
+        await pilot.pause(0.2)
+        card = screen.query_one("#chat-nodes", chat.Drawing)
+        lines = content(screen, "#chat-nodes").splitlines()
+        width = card.content_size.width
+        # Every row within the width, and drawn on as many lines as there are rows.
+        assert max(len(line) for line in lines) <= width, (width, lines)
+        assert card.size.height == len(lines) == 4, (card.size, lines)
+        assert lines[1].split()[-1] == "reqs" and lines[2].split()[-1] == "2", lines
+        assert ("role" in lines[1]) == (size[0] >= 160), lines

@@ -2,15 +2,14 @@
 
 Above the table a progress block appears while placements load, fed by the
 controller's progress callback (bytes loaded per node); several loads can run at
-once, each with its own block. Tokens per second are derived here from the change
-in the shards' token counts between telemetry updates: the agents report totals,
-and a rate is what an operator compares.
+once, each with its own block. In flight, tokens per second and tokens come from
+`core/traffic.py` (the rate from the change in the shards' token counts between
+telemetry updates), which `studiotui status --json` uses too.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from studiotui.app.render import (
 from studiotui.core.placement import format_bytes
 from studiotui.core.rates import Rates
 from studiotui.core.state import PlacementState
+from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
 
 # The ring comes last and gets what room is left, abbreviated (l3[0:2]→l2[2:4]…);
 # the line under the table spells out the ring of the placement under the cursor.
@@ -48,7 +48,6 @@ _COLUMNS = (
 _RING_MIN = 16
 RING_LINES = 3  # the most the ring under the table takes from the table's rows
 _STATE_COLOUR = {"ready": "success", "failed": "error", "broken": "error"}
-RATE_WINDOW_S = 5.0
 # The gauge of the operator's own work for a placement: the model's first hashing
 # before its copy to a remote node (every byte once; cached beside its files after).
 OPERATOR = "operator"
@@ -63,11 +62,6 @@ def ring_text(placement: PlacementState) -> str:
 def short_ring(placement: PlacementState, width: int) -> str:
     """The ring in at most `width` cells: short names, whole hops, then '…'."""
     return fit_hops(ring_hops(placement, short=True), width).plain
-
-
-def placement_tokens(placement: PlacementState) -> int:
-    # Only the tail counts sampled tokens, so the busiest shard's count is the total.
-    return max((s.tokens for s in placement.shards), default=0)
 
 
 def group_label(placement: PlacementState, groups: Mapping[str, Sequence[str]]) -> str:
@@ -94,34 +88,6 @@ def state_label(placement: PlacementState) -> str:
         if total:
             return f"loading {done * 100 // total}%"
     return state
-
-
-class RateMeter:
-    """Tokens per second from totals sampled at irregular times.
-
-    The rate is taken over the last `window` seconds of samples, so one late
-    telemetry message does not make it jump, and it falls to 0 once the count has
-    stood still for a window.
-    """
-
-    def __init__(self, window: float = RATE_WINDOW_S) -> None:
-        self.window = window
-        self._samples: dict[str, deque[tuple[float, int]]] = {}
-
-    def update(self, key: str, total: int, now: float) -> float:
-        samples = self._samples.setdefault(key, deque())
-        if samples and total < samples[-1][1]:
-            samples.clear()  # the shard restarted and counts from zero again
-        samples.append((now, total))
-        # Keep one sample at least a window old as the baseline.
-        while len(samples) > 2 and now - samples[1][0] >= self.window:
-            samples.popleft()
-        first_t, first_n = samples[0]
-        return (total - first_n) / (now - first_t) if now > first_t else 0.0
-
-    def forget(self, keep: set[str]) -> None:
-        for key in [k for k in self._samples if k not in keep]:
-            del self._samples[key]
 
 
 def placements_signature(placements: tuple[PlacementState, ...]) -> tuple:
@@ -215,7 +181,7 @@ class PlacementsPane(Vertical):
                 ),
                 p.label,  # `model + adapter` for a placement with an adapter
                 group_label(p, self.groups),
-                Text(str(max((s.in_flight for s in p.shards), default=0)), justify="right"),
+                Text(str(placement_in_flight(p)), justify="right"),
                 Text(f"{rates[p.name]:.1f}" if rates[p.name] else "–", justify="right"),
                 Text(str(placement_tokens(p)), justify="right"),
             )

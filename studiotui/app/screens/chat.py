@@ -49,6 +49,7 @@ from textual.worker import Worker
 
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
+from studiotui.app.render import Drawing
 from studiotui.app.screens.conversations import AttachScreen, ConversationsScreen, ListChoice
 from studiotui.chat.commands import Command, complete_path, parse_command, suggest
 from studiotui.chat.conversation import ChatSession, Reply, Target, Turn
@@ -101,6 +102,51 @@ def shard_role(index: int, count: int) -> str:
     if count == 1:
         return "whole"
     return "head" if index == 0 else "tail" if index == count - 1 else "middle"
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def nodes_card(placement: PlacementState, mine: bool, width: int) -> Content:
+    """The placement's shards (node, role, layers, requests in flight, state) in
+    `width` cells: the role column goes first when they do not fit, then node names
+    are cut (…), so no row folds in the narrow side panel."""
+    rows = [
+        (
+            s.node,
+            shard_role(s.index, s.count),
+            f"{s.start}–{s.end}",
+            # Requests in flight on the shard, from the agents' telemetry (other clients too).
+            str(s.in_flight) if s.in_flight else "",
+            "" if s.state == "ready" else s.state,
+            mine or s.in_flight > 0,
+        )
+        for s in placement.shards
+    ]
+    layers_w = max([6, *(len(r[2]) for r in rows)])
+    state_w = max([0, *(len(r[4]) + 1 for r in rows)])
+    node_w = max([4, *(len(r[0]) for r in rows)])
+    fixed = 2 + 1 + layers_w + 1 + 4 + state_w  # mark, layers, reqs and states
+    with_role = fixed + 7 + node_w <= width
+    if not with_role:
+        node_w = max(4, min(node_w, width - fixed))
+    head = f"  {'node':<{node_w}}" + (f" {'role':<6}" if with_role else "")
+    lines = [
+        Content.styled(_cut(f"Nodes · {placement.name} ({placement.label})", width), "bold"),
+        Content.styled(f"{head} {'layers':<{layers_w}} {'reqs':>4}", "$text-muted"),
+    ]
+    for node, role, layers, reqs, state, working in rows:
+        mark = ("● ", "$success bold") if working else ("○ ", "$text-muted")
+        rest = (f" {role:<6}" if with_role else "") + f" {layers:<{layers_w}} {reqs:>4}"
+        lines.append(
+            Content.assemble(
+                mark,
+                (f"{_cut(node, node_w):<{node_w}}", "bold" if working else ""),
+                (rest + (f" {state}" if state else ""), "$text-muted"),
+            )
+        )
+    return Content("\n").join(lines)
 
 
 def figures_text(
@@ -283,7 +329,8 @@ class ChatScreen(Screen[None]):
             with VerticalScroll(id="chat-side"):
                 yield Static("", id="chat-figures")
                 yield Sparkline([], id="chat-spark")
-                yield Static("", id="chat-nodes")
+                # Drawn for the width it has (a scrollbar takes a cell of the side's 30).
+                yield Drawing(self._nodes_card, id="chat-nodes")
                 yield Label("System prompt", classes="side-label")
                 yield TextArea("", id="chat-system", soft_wrap=True, compact=True)
                 with Horizontal(classes="setting"):
@@ -442,35 +489,15 @@ class ChatScreen(Screen[None]):
         return Target(self._chosen_name(), self._chosen())
 
     def _show_nodes(self) -> None:
+        self.query_one("#chat-nodes", Drawing).redraw()
+
+    def _nodes_card(self, width: int) -> Content:
         placement = self._chosen()
-        box = self.query_one("#chat-nodes", Static)
         if placement is None:
-            box.update(Content.styled("no placement chosen", "$text-muted"))
-            return
+            return Content.styled("no placement chosen", "$text-muted")
         turn = self.turn
         mine = turn is not None and not turn.finished and turn.placement == placement.name
-        lines = [
-            Content.styled(f"Nodes · {placement.name} ({placement.label})", "bold"),
-            Content.styled(f"  {'node':<9} {'role':<6} {'layers':<6} {'reqs':>4}", "$text-muted"),
-        ]
-        for s in placement.shards:
-            working = mine or s.in_flight > 0
-            mark = ("● ", "$success bold") if working else ("○ ", "$text-muted")
-            layers = f"{s.start}–{s.end}"
-            # Requests in flight on the shard, from the agents' telemetry (other clients too).
-            reqs = str(s.in_flight) if s.in_flight else ""
-            state = "" if s.state == "ready" else f" {s.state}"
-            lines.append(
-                Content.assemble(
-                    mark,
-                    (f"{s.node:<9}", "bold" if working else ""),
-                    (
-                        f" {shard_role(s.index, s.count):<6} {layers:<6} {reqs:>4}{state}",
-                        "$text-muted",
-                    ),
-                )
-            )
-        box.update(Content("\n").join(lines))
+        return nodes_card(placement, mine, width)
 
     def on_select_changed(self, event: Select.Changed) -> None:
         if event.select.id != "chat-placement":
