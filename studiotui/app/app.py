@@ -38,15 +38,17 @@ from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
-from studiotui.cluster import local_cluster
+from studiotui.cluster import jobs, local_cluster
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
+from studiotui.core.text import counted
 from studiotui.provision.deploy import provision_logged
 from studiotui.provision.restart import restart_nodes
+from studiotui.tune import finetune as ft
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
 # once per burst keeps an idle dashboard cheap.
@@ -690,24 +692,36 @@ class StudioApp(Dashboard):
     def action_restart_node(self) -> None:
         name = self._selected_node("restart")
         ctl = self.need_controller("restart") if name else None
-        if not (name and ctl):
-            return
+        if name and ctl:
+            self.background(self._ask_restart(ctl, name), f"restarting {name}")
+
+    async def _ask_restart(self, ctl: Controller, name: str) -> None:
+        """Restart at once a node that holds nothing; ask first when it holds shards or
+        runs a rank of a job (a restart ends the job on every node)."""
         node = ctl.state.node(name)
         held = sorted({s.placement for s in node.shards}) if node else []
-        if not held:
-            self.background(self._restart(ctl, name), f"restarting {name}")
+        found = await jobs.status(ctl, [name])
+        running = sorted(job for job, ranks in found.items() if ranks[name].state in ft.RUNNING)
+        if not held and not running:
+            await self._restart(ctl, name)
             return
 
         def answered(yes: bool | None) -> None:
             if yes and self.controller is ctl:
                 self.background(self._restart(ctl, name), f"restarting {name}")
 
-        question = (
-            f"Restart {name}? It holds shards of {', '.join(held)}; "
-            "they stop with the agent (answers in progress fail) and are loaded again on "
-            "the same layers when it is back."
-        )
-        self.push_screen(ConfirmScreen(question), answered)
+        said = []
+        if held:
+            said.append(
+                f"It holds shards of {', '.join(held)}; they stop with the agent (answers "
+                "in progress fail) and are loaded again on the same layers when it is back."
+            )
+        if running:
+            said.append(
+                f"It runs {counted(len(running), 'job')} ({', '.join(running)}): a "
+                "restart ends it on every node (resume it later from its last save)."
+            )
+        self.push_screen(ConfirmScreen(f"Restart {name}? {' '.join(said)}"), answered)
 
     async def _restart(self, ctl: Controller, name: str) -> None:
         """What `studiotui restart NAME` does (`restart_nodes`), said in the log."""

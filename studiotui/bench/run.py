@@ -80,12 +80,19 @@ class BenchError(StudioError, RuntimeError):
 
 
 PHASES: dict[str, float] = {}
+# Progress goes to stderr, one line as each part starts: a run takes minutes on a busy
+# machine, and stdout holds only the figures (`--json` stays one object).
+progress = Console(stderr=True, highlight=False)
+_FIRST_PHASE: dict[str, float] = {}
 
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Time one part of the run, so a slow bench says where its time went."""
+    """Time one part of the run, so a slow bench says where its time went, and say it
+    has started."""
     began = time.monotonic()
+    first = _FIRST_PHASE.setdefault("at", began)
+    progress.print(f"bench: {name}… ({began - first:.0f} s in)")
     try:
         yield
     finally:
@@ -595,13 +602,28 @@ def run_bench(quick: bool, as_json: bool) -> int:
     if as_json:
         print(json.dumps(figures))
     else:
-        table = Table(title="studiotui bench")
-        table.add_column("figure")
-        table.add_column("value", justify="right")
-        for key, value in figures.items():
-            table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
-        Console().print(table)
+        Console().print(figures_table(figures))
     return 0 if figures["tokens_match"] else 1
+
+
+FIGURES_SAID = (
+    "_tps: tokens/s · _ms, _us: milli-, microseconds · _s: seconds · _pct: % of one core · "
+    "_ratio: above 1 is faster than what it is compared with (mostly a single mlx-lm "
+    "process run beside it) · not measured: left out of this run (--quick leaves out "
+    "provisioning and fine-tuning). README.md's Performance section explains each figure."
+)
+
+
+def figures_table(figures: dict[str, Any]) -> Table:
+    """The figures as a user reads them: units and ratios said under the table, a
+    figure this run did not measure said so (not "None")."""
+    table = Table(title="studiotui bench", caption=FIGURES_SAID)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        shown = "not measured" if value is None else value
+        table.add_row(key, json.dumps(shown) if isinstance(shown, dict | list) else str(shown))
+    return table
 
 
 # ---- soak -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
@@ -368,14 +368,17 @@ class Bars:
     under that key (a node's model, then its data): a bar of its own below, the done
     one kept. Reports may come from a worker thread (the hashing) and from the loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Console | None = None) -> None:
+        # The label gives way (wrapped) when the line is narrow, never the figures:
+        # a long label at 80 columns left "12… 111… 0:0…", sizes without their units.
+        whole = Column(no_wrap=True)
         self.bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=console,
+            TextColumn("{task.description}", table_column=Column(ratio=1)),
+            BarColumn(bar_width=12, table_column=Column(no_wrap=True)),
+            DownloadColumn(table_column=whole),
+            TransferSpeedColumn(table_column=whole),
+            TimeRemainingColumn(table_column=whole),
+            console=out or console,
         )
         self.tasks: dict[str, TaskID] = {}
         self._lock = threading.Lock()

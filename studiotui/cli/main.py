@@ -109,9 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="send one prompt and stream the answer")
     chat.add_argument("prompt")
     chat.add_argument("--placement")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument(
+        "--max-tokens", type=positive, default=256, help="the most tokens to answer with"
+    )
+    chat.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (the default) samples greedily"
+    )
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, (0, 1]")
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -125,7 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
 
     bench = sub.add_parser("bench", help="measure the pipeline and print figures")
-    bench.add_argument("--quick", action="store_true", help="finish in under a minute")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a shorter run: fewer tokens, no provisioning or fine-tuning",
+    )
     bench.add_argument("--json", action="store_true", help="one JSON object")
     bench.add_argument(
         "--soak",

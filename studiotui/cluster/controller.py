@@ -265,7 +265,7 @@ class Controller:
     def _update_node(self, name: str, **changes: Any) -> None:
         nodes = tuple(replace(n, **changes) if n.name == name else n for n in self.state.nodes)
         self._follow_planned(nodes)
-        placements = placements_from_shards(nodes, self._planned, self._placing)
+        placements = self._in_view(placements_from_shards(nodes, self._planned, self._placing))
         broken = newly_broken(self.state.placements, placements)
         was_down = {p.name for p in self.state.placements if p.state in ("broken", "failed")}
         self._set(replace(self.state, nodes=nodes, placements=placements))
@@ -953,7 +953,8 @@ class Controller:
         await self.refresh()
         placement = self.state.placement(name)
         if placement is None:
-            raise PlacementError(f"no placement named {name!r}")
+            known = ", ".join(p.name for p in self.state.placements) or "none"
+            raise PlacementError(f"no placement named {name!r} (known: {known})")
         # Forgotten first: a dashboard watching reads that before a shard stops.
         self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
         self._remember_plan(name, None)
@@ -1023,7 +1024,17 @@ class Controller:
             tmp.replace(path)
             self._planned_mtime = self._planned_stamp()
         placements = placements_from_shards(self.state.nodes, planned, self._placing)
-        self._set(replace(self.state, placements=placements))
+        self._set(replace(self.state, placements=self._in_view(placements)))
+
+    def _in_view(self, placements: tuple[PlacementState, ...]) -> tuple[PlacementState, ...]:
+        """A placement being unloaded leaves the view at once: its shards stop one by
+        one, and in between it would read as broken ("2 of 4 nodes", in red)."""
+        now = time.monotonic()
+        return tuple(
+            p
+            for p in placements
+            if p.name in self._placing or self._unloading.get(p.name, 0.0) < now
+        )
 
     async def _roll_back(self, name: str, nodes: list[str]) -> None:
         await self._unload_everywhere(name, nodes)

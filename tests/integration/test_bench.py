@@ -49,7 +49,10 @@ FIGURES = {
 @pytest.mark.timeout(480)  # 232 s measured on this 2-vCPU VM at load average ~20
 def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench(quick=True, as_json=True) == 0
-    figures = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    figures = json.loads(captured.out)
+    # Each part says on stderr that it started (minutes with nothing shown, before).
+    assert all(f"bench: {name}…" in captured.err for name in figures["phases_s"]), captured.err
     print(json.dumps(figures, indent=1))  # shown with -s: the figures of this run
     assert figures.keys() >= FIGURES
     assert figures["tokens_match"] is True

@@ -167,6 +167,11 @@ def test_up_place_chat_status_down(home: Path) -> None:
 
     missing = run(home, "chat", "--placement", "nope", "hi")
     assert missing.returncode == 2 and "no placement named 'nope' (known: tiny)" in missing.stderr
+    # `unload` names the placements there are, as `chat` does.
+    not_there = run(home, "unload", "nope")
+    assert (
+        not_there.returncode == 2 and "no placement named 'nope' (known: tiny)" in not_there.stderr
+    )
 
     down = run(home, "down")
     assert down.returncode == 0, down.stderr

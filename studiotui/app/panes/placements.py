@@ -74,7 +74,9 @@ def group_label(placement: PlacementState, groups: Mapping[str, Sequence[str]]) 
         return f"{len(nodes)} of {placement.expected} nodes"
     label = next((name for name, members in groups.items() if set(members) == nodes), "")
     label = label or f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
-    missing = placement.missing
+    # While this operator loads it, a node that has not reported its shard yet is
+    # on its way, not gone: ✗ would name every node of a fresh placement.
+    missing = () if placement.placing else placement.missing
     return f"{label} (✗ {', '.join(missing)})" if missing else label
 
 
@@ -136,11 +138,14 @@ class PlacementsPane(Vertical):
         yield Drawing(self._ring_lines, id="placement-ring")
 
     def on_mount(self) -> None:
-        table = self.query_one(DataTable)
-        for column in _COLUMNS:
-            table.add_column(column, key=column.split()[0])
+        self._add_columns(self.query_one(DataTable))
         self.query_one("#place-progress").display = False
         self.query_one("#placement-ring").styles.max_height = RING_LINES
+
+    @staticmethod
+    def _add_columns(table: DataTable[Any]) -> None:
+        for column in _COLUMNS:
+            table.add_column(column, key=column.split()[0])
 
     def show(
         self, placements: tuple[PlacementState, ...], theme: str, colours: dict[str, str]
@@ -159,7 +164,11 @@ class PlacementsPane(Vertical):
         keep = self._wanted if self._wanted in {p.name for p in placements} else self.selected
         if keep == self._wanted:
             self._wanted = None
-        table.clear()
+        # Columns too: a DataTable's auto widths only grow, so a label that was long
+        # once (a broken placement's ✗ list) would push tok/s, tokens and the ring
+        # past the pane's edge for good.
+        table.clear(columns=True)
+        self._add_columns(table)
         # An empty table says nothing; a sentence says what to do.
         table.display = bool(placements)
         self.query_one("#placements-empty").display = not placements

@@ -372,6 +372,10 @@ class ChatScreen(Screen[None]):
         self.query_one("#chat-prompt", Input).focus()
         if self._session is not None:  # not the first showing: on_mount did this
             self._poll_cluster()
+            # A notice about what was done before leaving ("no code block in this
+            # answer") is stale on coming back; an answer still coming keeps its line.
+            if not self.streaming:
+                self._status("")
 
     def on_screen_suspend(self) -> None:
         self._save_settings(quiet=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -48,6 +48,7 @@ from studiotui.tune import finetune as ft
 JOB_LIST_COLUMNS = ("job", "kind", "state", "iteration", "loss", "tok/s", "ETA", "nodes")
 PLOT_HEIGHT = 10
 REDRAW_EVERY_S = 0.25
+UNKNOWN_JOB = "no node up knows it: down, or forgotten there"
 TRAIN_MARK, VAL_MARK = "•", "◆"
 
 
@@ -326,8 +327,28 @@ class JobsScreen(Screen[None]):
                     r.seq > self.watches[name].since(n) for n, r in ranks.items()
                 ):
                     self.follow(known)
+            for name, record in self.records.items():
+                self._unknown_unless_heard(name, record, found)
         self.redraw()
         return running
+
+    def _unknown_unless_heard(
+        self,
+        name: str,
+        record: jobs.JobRecord,
+        found: Mapping[str, object],
+    ) -> None:
+        """A recorded job no node up reports, never heard of in this session: its
+        state is unknown (as `studiotui jobs` says), not "starting" for ever."""
+        watch = self.watches[name]
+        follower = self.following.get(name)
+        if name in found or (follower is not None and not follower.done()):
+            return
+        if watch.progress.ended or any(watch.since(n) for n in record.nodes):
+            return
+        watch.finish("unknown", UNKNOWN_JOB)
+        for node in record.nodes:
+            watch.beat(node, "unknown", UNKNOWN_JOB)
 
     def follow(self, record: jobs.JobRecord) -> None:
         running = self.following.get(record.name)
