@@ -25,6 +25,7 @@ from worker.shared.protocol.limits import (
     limit_problem,
     prompt_chars,
     prompt_too_long,
+    shown,
 )
 
 # OpenAI means "until the context is full" when max_tokens is absent; a placement's
@@ -89,15 +90,6 @@ MAX_DEPTH = 64
 MIN_INT, MAX_INT = -(2**63), 2**64 - 1
 # A lone UTF-16 surrogate ("\ud800" in JSON) is no character: no UTF-8 encodes it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
-# How much of a client's value an error message quotes back.
-SHOWN_CHARS = 80
-
-
-def shown(value: Any) -> str:
-    """`value` as an error message quotes it: its repr, cut short (a 16 MB string sent
-    where a number belongs is not worth sending back)."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**60 else "a huge integer"
-    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
 
 
 class _Huge:

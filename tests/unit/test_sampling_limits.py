@@ -14,7 +14,7 @@ import pytest
 from studiotui.api.request import ApiError, parse_chat_request
 from studiotui.chat.history import Settings
 from worker.sampling import ParamError, SamplingParams
-from worker.shared.protocol.limits import MAX_TOP_K, SAMPLING_LIMITS, Limit
+from worker.shared.protocol.limits import MAX_TOP_K, SAMPLING_LIMITS, Limit, shown
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 # The parameter as the API names it, and as the head shard's parameters carry it.
@@ -62,7 +62,7 @@ def test_api_and_head_refuse_alike(name: str, value: float) -> None:
             parse_chat_request(api_body(name, value))
         assert api.value.status == 400 and api.value.param == name
         assert api.value.message.startswith(f"{label(name)} must be {words}")
-        assert repr(value) in api.value.message
+        assert shown(value) in api.value.message
     with pytest.raises(ParamError) as head:
         SamplingParams.from_dict(wire(name, value))
     spoken = TRAVELS_AS.get(name, name)
@@ -96,3 +96,16 @@ def test_the_chat_settings_take_the_same_ranges(name: str) -> None:
             Settings(**{name: value}).validated()
     for value in (limit.lo, limit.hi):
         Settings(**{name: int(value) if limit.integer else value}).validated()
+
+
+def test_a_refused_value_is_quoted_as_the_client_wrote_it_in_json() -> None:
+    """The API's clients write JSON: `true`, `null` and `"hot"`, not Python's
+    `True`, `None` and `'hot'`; a value past a few dozen characters is cut."""
+    top_p = SAMPLING_LIMITS["top_p"]
+    assert top_p.problem("top_p", True).endswith("got true")
+    assert top_p.problem("top_p", "hot").endswith('got "hot"')
+    assert top_p.problem("top_p", None).endswith("got null")
+    assert top_p.problem("top_p", [1, "a"]).endswith('got [1, "a"]')
+    assert len(top_p.problem("top_p", "x" * 10_000)) < 200
+    assert shown(10**70) == "a huge integer"
+    assert shown("\ud800") == '"\\ud800"'  # no UTF-8 for a lone surrogate: escaped

@@ -6,6 +6,7 @@ import `worker.sampling`, which needs MLX) and the two sides never disagree.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,6 +49,26 @@ DEFAULT_XTC_THRESHOLD = 0.1
 MAX_TOP_LOGPROBS = 20
 
 
+# An error message quotes at most this much of a value (a 16 MB string sent where a
+# number belongs is not worth sending back).
+SHOWN_CHARS = 80
+
+
+def shown(value: object) -> str:
+    """`value` as an error message quotes it: in JSON's spelling, as the client wrote
+    it (true, null, "hot", not Python's True, None, 'hot'), cut short."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
+        return "a huge integer"
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+        text.encode()  # a lone surrogate has no UTF-8: then the escaped spelling
+    except UnicodeEncodeError:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
+
+
 @dataclass(frozen=True)
 class Limit:
     """A sampling parameter's range: the API refuses a value outside it with a 400, the
@@ -79,7 +100,7 @@ class Limit:
 
     def problem(self, name: str, value: object) -> str:
         """What is wrong with `value` for `name`, in words ("" if nothing)."""
-        return "" if self.admits(value) else f"{name} must be {self.words()}; got {value!r}"
+        return "" if self.admits(value) else f"{name} must be {self.words()}; got {shown(value)}"
 
 
 # Every sampling parameter's range, for the API (studiotui/api/request.py) and the head
