@@ -564,9 +564,8 @@ def print_shapes(
     `--tensor N` would take), as the preview lists them."""
     chips = ctl.node_chips(group)
     links = links_from_state(ctl.state)
-    console.print(
-        f"forecast ({the_plan.shape}): {describe(forecast(facts, the_plan, chips, links))}"
-    )
+    guess = forecast(facts, the_plan, chips, links, streams=the_plan.streams)
+    console.print(f"forecast ({the_plan.shape}): {describe(guess)}")
     if args.adapter:
         return  # an adapter is applied by pipeline stages only (adapter_tensor): one shape
     for size in tensor_sizes(facts, len(group)):
@@ -576,7 +575,7 @@ def print_shapes(
             args.model_dir.expanduser(), group, args.context, the_plan.streams, size
         )
         if isinstance(other, Plan):
-            said = describe(forecast(facts, other, chips, links))
+            said = describe(forecast(facts, other, chips, links, streams=other.streams))
             console.print(f"  --tensor {size}, {other.shape}: {said}")
         else:
             console.print(f"  --tensor {size}: does not fit: {other.reason}")

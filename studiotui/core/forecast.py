@@ -132,8 +132,9 @@ def _whole_word(name: str, label: str) -> bool:
 class Forecast:
     shape: str
     tps_1: float  # decode tok/s, one stream
-    tps_8: float  # decode tok/s summed over STREAMS streams (batched decode)
+    tps_streams: float  # decode tok/s summed over `streams` streams (batched decode)
     ttft_ms: float  # time to first token of a PROMPT_TOKENS prompt
+    streams: int = STREAMS  # what tps_streams is for: the placement's streams, when known
 
 
 # --------------------------------------------------------------------------- parts
@@ -356,7 +357,7 @@ def forecast(
     )
     slowest = max(per_stage, key=sum)
     ttft = sum(t[0] for t in per_stage) + sum(slowest[1:]) + hops
-    return Forecast(plan.shape, 1e6 / one, many * 1e6, ttft / 1e3)
+    return Forecast(plan.shape, 1e6 / one, many * 1e6, ttft / 1e3, streams)
 
 
 # --------------------------------------------------------------------------- choosing
@@ -483,9 +484,8 @@ def links_from_state(state: ClusterState) -> list[Link]:
 
 
 def describe(f: Forecast) -> str:
-    """ "31.9 tok/s · 8 streams 118 tok/s · first token 2.1 s" """
+    """ "31.9 tok/s · 8 streams 118 tok/s · first token 2.1 s": the streams a placement
+    admits (the preview's "× N streams"), left out for one."""
     ttft = f"{f.ttft_ms / 1000:.1f} s" if f.ttft_ms >= 1000 else f"{f.ttft_ms:.0f} ms"
-    return (
-        f"{f.tps_1:.1f} tok/s · {STREAMS} streams {f.tps_8:.0f} tok/s · "
-        f"first token of {PROMPT_TOKENS // 1024}k {ttft}"
-    )
+    many = f"{f.streams} streams {f.tps_streams:.0f} tok/s · " if f.streams > 1 else ""
+    return f"{f.tps_1:.1f} tok/s · {many}first token of {PROMPT_TOKENS // 1024}k {ttft}"

@@ -136,8 +136,8 @@ def test_batched_decode_gains_less_on_a_moe_whose_batch_touches_more_experts() -
                   experts_active=8 / 128)  # fmt: skip
     d, m = alone(model, "Apple M4 Max", 64), alone(moe, "Apple M4 Max", 64)
     assert m.tps_1 > 3 * d.tps_1  # a token reads 1/16 of the experts (and all the rest)
-    assert d.tps_8 / d.tps_1 > 4  # 8 streams read the dense weights once (each its own KV)
-    assert 1 < m.tps_8 / m.tps_1 < d.tps_8 / d.tps_1
+    assert d.tps_streams / d.tps_1 > 4  # 8 streams read the dense weights once (each its own KV)
+    assert 1 < m.tps_streams / m.tps_1 < d.tps_streams / d.tps_1
     assert "tok/s" in describe(m) and "first token of 2k" in describe(m)
 
 
@@ -217,13 +217,13 @@ ROWS: list[Row] = [
     ("exo, 4 stages, 1 stream (Qwen3-235B 8-bit assumed)", 25.4,
      lambda s, d: _four(s["qwen3-235b-a22b"], False, 1).tps_1),
     ("exo, 4 stages, 16 streams (Qwen3-235B 8-bit assumed)", 69.1,
-     lambda s, d: _four(s["qwen3-235b-a22b"], False, 1, streams=16).tps_8),
+     lambda s, d: _four(s["qwen3-235b-a22b"], False, 1, streams=16).tps_streams),
     ("here: demo model, 1 node (calibrates the CPU dispatch cost)", 189.8,
      lambda s, d: _local(d, 1).tps_1),
     ("here: demo model, 2 stages", 190.2, lambda s, d: _local(d, 2).tps_1),
     ("here: demo model, 4 stages", 134.7, lambda s, d: _local(d, 4).tps_1),
     ("here: demo model, 2 stages, 4 streams (interleaved, not batched)", 273.0,
-     lambda s, d: _local(d, 2, streams=4).tps_8),
+     lambda s, d: _local(d, 2, streams=4).tps_streams),
     ("here: demo model, first token of 512 (ms; calibrates the CPU compute)", 1744.0,
      lambda s, d: _local(d, 1, prompt=512).ttft_ms),
 ]  # fmt: skip
@@ -251,7 +251,7 @@ def test_the_published_tensor_parallel_figures_are_within_ten_percent(
         guess = _four(seeds[name], True, 4).tps_1
         assert abs(guess - published) / published < 0.10, (name, guess)
     # And exo's batched pipeline at 16 streams.
-    many = _four(seeds["qwen3-235b-a22b"], False, 1, streams=16).tps_8
+    many = _four(seeds["qwen3-235b-a22b"], False, 1, streams=16).tps_streams
     assert abs(many - 69.1) / 69.1 < 0.10, many
 
 
@@ -286,3 +286,12 @@ def test_a_saved_benchmarks_measured_bandwidth_replaces_the_chip_table() -> None
     assert chips["a"].bandwidth_gbs == 700.0 and chips["a"].source == "measured 700 GB/s"
     assert chips["b"].bandwidth_gbs == 520.0
     assert chips["c"].bandwidth_gbs == 546.0 and chips["c"].source == "M4 Max (table)"
+
+
+def test_the_batched_figure_is_for_the_streams_the_placement_admits() -> None:
+    """The preview says "× 4 streams" for a placement's KV room: its forecast line
+    gives the batched tok/s at those 4, and no batched figure for a one-stream one."""
+    four = Forecast("2 stages", 30.0, 100.0, 2100.0, streams=4)
+    assert "4 streams 100 tok/s" in describe(four)
+    one = Forecast("2 stages", 30.0, 30.0, 2100.0, streams=1)
+    assert "streams" not in describe(one) and "30.0 tok/s" in describe(one)

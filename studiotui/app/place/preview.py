@@ -494,7 +494,7 @@ class PreviewScreen(ModalScreen[None]):
                     self.adapter,
                 )
             guess = (
-                forecast(self.info.facts, verdict, chips, links)
+                forecast(self.info.facts, verdict, chips, links, streams=verdict.streams)
                 if isinstance(verdict, Plan)
                 else None
             )
