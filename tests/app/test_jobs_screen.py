@@ -174,6 +174,10 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
         shown.clear()
         await pilot.press("s")
         await until(pilot, lambda: earlier().state == "stopped", 20, "stopped again")
+        # Stopping an ended job says so instead of nothing.
+        await pilot.press("s")
+        said = [str(n.message) for n in app._notifications]
+        assert "job 'earlier' is stopped: nothing to stop" in said, said
 
         # A new job from the Models pane's form.
         await pilot.press("escape")

@@ -468,6 +468,12 @@ class JobsScreen(Screen[None]):
         ctl = self.dash.controller
         if record is None or ctl is None:
             return
+        # An ended job has nothing to stop: say so (the key seemed to do nothing).
+        watch = self.watches.get(record.name)
+        if watch is not None and watch.progress.ended:
+            state = watch.progress.state
+            self.dash.report(f"job {record.name!r} is {state}: nothing to stop", "warning")
+            return
         self.dash.background(
             jobs.stop(ctl, record.name, list(record.nodes)), f"stopping {record.name}"
         )
