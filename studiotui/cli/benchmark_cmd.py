@@ -76,7 +76,7 @@ def _write(path: Path, text: str) -> None:
         path.expanduser().write_text(text)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc}") from None
-    errors.print(f"wrote {path}")
+    errors.print(f"wrote {path}", soft_wrap=True)
 
 
 def _check_writable(path: Path | None) -> None:
@@ -175,8 +175,10 @@ async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
         console.print(report(run, min(console.width, 120)))
     if args.markdown:
         _write(args.markdown, markdown(run))
+    # soft_wrap: a command folded at the terminal's width cannot be pasted back.
     errors.print(
         f"saved {run.id} to {path}; compare later with "
-        f"`studiotui benchmark --compare {run.id} latest`"
+        f"`studiotui benchmark --compare {run.id} latest`",
+        soft_wrap=True,
     )
     return 1 if run.errors else 0

@@ -148,7 +148,10 @@ def test_a_run_measures_every_part_and_round_trips(
         argv = ["-i", str(inventory), "benchmark", *TINY_ARGS, "--json", "--markdown", str(md)]
         assert main(argv) == 0
         second = bm.find(home, "latest")
-        assert bm.from_json(json.loads(capsys.readouterr().out)) == second  # stdout: the run
+        said = capsys.readouterr()
+        assert bm.from_json(json.loads(said.out)) == second  # stdout: the run
+        # The command to compare is on one line, to be pasted (it was folded at 80).
+        assert f"`studiotui benchmark --compare {second.id} latest`" in said.err, said.err
         assert second.id != run.id and second.placements == () and second.group is not None
         text = md.read_text()
         for heading in ("## Nodes", "## Links", "## Group", "| node | device | float32"):
