@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import hmac
 import ipaddress
 import secrets
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from studiotui.cli.argtypes import listen_port
 from studiotui.cli.serve import until_stopped
+from studiotui.core.errors import UserError
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -178,6 +180,23 @@ async def start_web(
     return WebServer(runner=runner, host=host, port=int(bound), token=token)
 
 
+def listen_refused(host: str, port: int, exc: OSError) -> UserError:
+    """What to say when the server cannot bind: the cause and what to change (aiohttp's
+    own text names neither the option nor a way out)."""
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return UserError(
+            f"{where}: port {port} is in use (another `studiotui web`, or another program)",
+            "pick another --port (0 takes any free one)",
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return UserError(
+            f"{where}: {host} is not an address of this machine",
+            "give --host one of its addresses (0.0.0.0: all of them)",
+        )
+    return UserError(f"{where}: {exc.strerror}", "check --host and --port")
+
+
 def cmd_web(args: argparse.Namespace, home: Path) -> int:
     # Ctrl-C is how it is meant to end, not an error.
     with contextlib.suppress(KeyboardInterrupt):
@@ -187,13 +206,11 @@ def cmd_web(args: argparse.Namespace, home: Path) -> int:
 
 
 async def _web_main(args: argparse.Namespace) -> None:
-    from studiotui.core.errors import UserError
-
     command = dashboard_command(getattr(args, "inventory", None))
     try:
         server = await start_web(command, args.host, args.port)
     except OSError as exc:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+        raise listen_refused(args.host, args.port, exc) from None
     print(f"studiotui web: open {server.url} (Ctrl-C stops)", flush=True)
     if not is_loopback(args.host):
         print(
