@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import hmac
 import ipaddress
 import secrets
@@ -30,8 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from studiotui.cli.argtypes import listen_port
-from studiotui.cli.serve import until_stopped
-from studiotui.core.errors import UserError
+from studiotui.cli.serve import listen_refused, until_stopped
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -178,23 +176,6 @@ async def start_web(
         raise
     bound = runner.addresses[0][1] if runner.addresses else port
     return WebServer(runner=runner, host=host, port=int(bound), token=token)
-
-
-def listen_refused(host: str, port: int, exc: OSError) -> UserError:
-    """What to say when the server cannot bind: the cause and what to change (aiohttp's
-    own text names neither the option nor a way out)."""
-    where = f"cannot listen on {host}:{port}"
-    if exc.errno == errno.EADDRINUSE:
-        return UserError(
-            f"{where}: port {port} is in use (another `studiotui web`, or another program)",
-            "pick another --port (0 takes any free one)",
-        )
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return UserError(
-            f"{where}: {host} is not an address of this machine",
-            "give --host one of its addresses (0.0.0.0: all of them)",
-        )
-    return UserError(f"{where}: {exc.strerror}", "check --host and --port")
 
 
 def cmd_web(args: argparse.Namespace, home: Path) -> int:

@@ -209,5 +209,7 @@ def test_a_port_in_use_is_refused_saying_what_to_change(
     port = web.base.rsplit(":", 1)[1]
     assert main(["web", "--port", port]) == 2
     said = " ".join(capsys.readouterr().err.split())
-    assert f"cannot listen on 127.0.0.1:{port}: port {port} is in use" in said, said
+    assert f"cannot listen on 127.0.0.1:{port}: port {port} is in use (another studiotui" in said, (
+        said
+    )
     assert "pick another --port (0 takes any free one)" in said, said
