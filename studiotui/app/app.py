@@ -44,6 +44,7 @@ from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
 from studiotui.core.catalog import models_stamp
 from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.model_facts import ModelDirError, read_model
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.core.text import counted
@@ -447,13 +448,23 @@ class StudioApp(Dashboard):
             )
 
     async def _demo(self, ctl: Controller, path: Path, place: bool) -> None:
-        if not (path / "config.json").exists():
-            ctl.record(f"writing the demo model to {path}")
-            from worker.shared.demo_model import DemoSpec, write_demo_model
+        damage = await asyncio.to_thread(demo_damage, path)
+        if damage is not None:
+            if damage:
+                # Ours and deterministic: written again rather than failing the start.
+                self.report(f"the demo model is damaged ({damage}): writing it again", "warning")
+            else:
+                ctl.record(f"writing the demo model to {path}")
+            from worker.shared.demo_model import DemoModelError, DemoSpec, write_demo_model
 
-            # It recites a passage about itself, so the first chat reads as an answer.
-            await asyncio.to_thread(write_demo_model, path, DemoSpec(recite=True))
-            await self._scan_models()
+            try:
+                # It recites a passage about itself, so the first chat reads as an answer.
+                await asyncio.to_thread(write_demo_model, path, DemoSpec(recite=True))
+            except DemoModelError as exc:  # not ours (a model of the operator's), no room
+                self.report(f"cannot write the demo model: {exc}", "error")
+                return
+            finally:
+                await self._scan_models()
         if not place or ctl.state.placement(path.name) is not None:
             return
         up = [n.name for n in ctl.state.nodes if n.state == "up"]
@@ -840,6 +851,19 @@ class StudioApp(Dashboard):
     def action_rescan_models(self) -> None:
         if not self.fixed:
             self.background(self._scan_models(), "reading models")
+
+
+def demo_damage(path: Path) -> str | None:
+    """Why the first run's demo model at `path` cannot be used as it is: "" when it is
+    not there, the Models pane's own reason (`read_model`'s checks: a cut safetensors
+    file, a damaged config or tokenizer) when it is damaged, None when it is fine."""
+    if not path.exists():
+        return ""
+    try:
+        read_model(path)
+    except ModelDirError as exc:
+        return exc.message
+    return None
 
 
 def keep_note(agents: int) -> str:
