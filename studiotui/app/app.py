@@ -252,7 +252,7 @@ class StudioApp(Dashboard):
         self.controller.subscribe(self._on_state)
         self._show(self.controller.state)
         self.background(self._start(), "starting")
-        self.background(self._scan_models(), "reading models")
+        self.background(self._scan_models(settle=True), "reading models")
         self.set_interval(MODELS_CHECK_S, self._check_models)
 
     def _check_models(self) -> None:

@@ -108,19 +108,20 @@ class Listing:
 def read_catalog(home: Path, settle_s: float = 0.0, shown: frozenset[str] = frozenset()) -> Listing:
     """Rows for the pane. With `settle_s`, a directory that cannot be read and changed
     within that many seconds is left out, unless its problem is already shown (`shown`:
-    row keys): a model being written must not flash as broken on its way in."""
+    row keys): a model being written must not flash as broken on its way in. `held`
+    says such a directory was found: the caller scans again until it settles."""
     # Stamped first: a change while the headers are read is seen by the next check.
     stamp = models_stamp(home)
     catalog = scan_home(home)
     rows = rows_from_catalog(catalog, scan_home_adapters(home))
     now = time.time()
-    kept = [
-        r
-        for r in rows
-        if not (settle_s and r.problem and r.key not in shown)
-        or not settling(Path(r.path), settle_s, now)
-    ]
-    return Listing(kept, ", ".join(catalog.searched), stamp, held=len(kept) < len(rows))
+    # Still changing: looked at again at the next check even when the stamp stands (a
+    # file growing changes no directory's mtime), and not shown unless already shown.
+    young = {
+        r.key for r in rows if settle_s and r.problem and settling(Path(r.path), settle_s, now)
+    }
+    kept = [r for r in rows if r.key not in young or r.key in shown]
+    return Listing(kept, ", ".join(catalog.searched), stamp, held=bool(young))
 
 
 class ModelsPane(DataTable[Any]):
