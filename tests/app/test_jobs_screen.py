@@ -232,3 +232,20 @@ async def test_the_finetune_form_reaches_every_field_at_80x24(tmp_path: Path) ->
             assert region.height > 0 and region.y >= 0 and region.bottom <= 24, (wanted, region)
             # Drawn where it is, not hidden below the dialog's bottom border.
             assert region.bottom <= form.query_one("#finetune-dialog").region.bottom - 1
+
+
+async def test_the_jobs_nodes_table_fits_at_80_columns(tmp_path: Path) -> None:
+    # Beside the plot at 80 columns it had 30: "peak" and "note" were cut ("pe").
+    app = StudioApp(tmp_path, state=fixed_state())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("J")
+        screen = app.screen
+        assert isinstance(screen, JobsScreen)
+        await pilot.pause(0.2)
+        nodes = screen.query_one("#jobs-nodes", DataTable)
+        assert nodes.virtual_size.width <= nodes.scrollable_content_region.width, (
+            nodes.virtual_size,
+            nodes.scrollable_content_region,
+        )
+        plot = screen.query_one("#jobs-plot", Static)
+        assert plot.region.height >= 8 and plot.region.bottom <= 23  # above the footer
