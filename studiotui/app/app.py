@@ -38,7 +38,7 @@ from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
-from studiotui.cluster import jobs, local_cluster
+from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
@@ -700,8 +700,7 @@ class StudioApp(Dashboard):
         runs a rank of a job (a restart ends the job on every node)."""
         node = ctl.state.node(name)
         held = sorted({s.placement for s in node.shards}) if node else []
-        found = await jobs.status(ctl, [name])
-        running = sorted(job for job, ranks in found.items() if ranks[name].state in ft.RUNNING)
+        running = sorted(await ft.jobs_on(ctl, [name]))
         if not held and not running:
             await self._restart(ctl, name)
             return
