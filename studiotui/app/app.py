@@ -46,8 +46,8 @@ from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.core.text import counted
-from studiotui.provision.deploy import provision_logged
-from studiotui.provision.restart import restart_nodes
+from studiotui.provision.deploy import Outcome, provision_logged
+from studiotui.provision.restart import Restarted, keep_placements, restart_nodes
 from studiotui.tune import finetune as ft
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
@@ -726,10 +726,14 @@ class StudioApp(Dashboard):
         """What `studiotui restart NAME` does (`restart_nodes`), said in the log."""
         self.report(f"restarting {name}…")
         done = await restart_nodes(ctl, [name], timeout=UP_TIMEOUT_S)
-        for text in done.dropped:
-            self.report(text, "warning")
         for outcome in done.outcomes:
             self.report(str(outcome), "info" if outcome.ok else "error")
+        self._report_reloads(done)
+
+    def _report_reloads(self, done: Restarted) -> None:
+        """What a restart or a provisioning did to the placements, in the log."""
+        for text in done.dropped:
+            self.report(text, "warning")
         for text in done.lost:
             self.report(text, "error")
         # reload_shards logged these already; a notification says them too.
@@ -742,7 +746,21 @@ class StudioApp(Dashboard):
         ctl = self.need_controller("provisioning")
         name = self._selected_node("provisioning") if ctl is not None else None
         if ctl is not None and name is not None:
-            self.background(provision_logged(ctl, [name]), f"provisioning {name}")
+            self.background(self._provision(ctl, name), f"provisioning {name}")
+
+    async def _provision(self, ctl: Controller, name: str) -> None:
+        """Provision the node, each step in the log; the shards `down` kept for it are
+        loaded again, as `studiotui provision` does (`keep_placements`)."""
+        if not any(k.node == name for k in ctl.kept_shards()):
+            await provision_logged(ctl, [name])
+            return
+
+        async def bounce() -> list[Outcome]:
+            outcomes = await provision_logged(ctl, [name])  # logged there
+            said = "the worker could not be built (see the log)"
+            return [outcomes.get(name) or Outcome(name, "failed", said)]
+
+        self._report_reloads(await keep_placements(ctl, [name], bounce, doing="provisioning"))
 
     def action_measure_links(self) -> None:
         ctl = self.need_controller("measuring links")
