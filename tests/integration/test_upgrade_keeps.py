@@ -227,3 +227,15 @@ async def test_provision_after_down_loads_the_kept_shards_again(
         assert sorted((s.node, s.start, s.end, s.data_port) for s in again.shards) == layers
     finally:
         await ctl.close()
+
+    # Down again, then a build that cannot start: the same words as the upgrade's.
+    assert await provision_cmd.cmd_down(down, home) == 0
+    bad = broken_wheel(await wheel.path(), tmp_path, "0.1.2")
+    monkeypatch.setattr("studiotui.provision.deploy.CheckoutWheel", lambda cache: bad)
+    capsys.readouterr()
+    assert await provision_cmd.cmd_provision(args, home) == 1
+    out = capsys.readouterr()
+    said = " ".join(out.err.split())
+    assert (
+        f"placement {NAME!r} is broken: {last}, which held a shard of it, did not come back" in said
+    ), said
