@@ -42,7 +42,9 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
+from studiotui.core.catalog import models_stamp
 from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.model_facts import ModelDirError, read_model
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.core.text import counted
@@ -54,6 +56,11 @@ from studiotui.tune import finetune as ft
 # once per burst keeps an idle dashboard cheap.
 COALESCE_S = 0.15
 UP_TIMEOUT_S = 30.0
+# How often the model folders' stamp is read (one stat a directory), and how long a
+# directory that cannot be read must be left alone before it is shown as broken
+# rather than as a model still being written (a download, a copy).
+MODELS_CHECK_S = 3.0
+MODELS_SETTLE_S = 20.0
 # One meaning of "memory" on every screen; said in the key help.
 MEMORY_HELP = (
     "Memory in use is what each node reports: total minus available on a real Mac "
@@ -180,6 +187,9 @@ class StudioApp(Dashboard):
         self._pending: ClusterState | None = None
         self._scheduled = False
         self._broken_view = False
+        self._models_stamp: tuple[tuple[str, int], ...] = ()
+        self._models_held = False
+        self._models_checking = False
         self.ui = load_ui(home)
         self._studio_themes: list[str] = []
         themes, problems = load_themes()
@@ -242,7 +252,24 @@ class StudioApp(Dashboard):
         self.controller.subscribe(self._on_state)
         self._show(self.controller.state)
         self.background(self._start(), "starting")
-        self.background(self._scan_models(), "reading models")
+        self.background(self._scan_models(settle=True), "reading models")
+        self.set_interval(MODELS_CHECK_S, self._check_models)
+
+    def _check_models(self) -> None:
+        if not self._models_checking:
+            self._models_checking = True
+            self.background(self._check_models_once(), "checking the model folders")
+
+    async def _check_models_once(self) -> None:
+        """A model written while the dashboard runs (`studiotui demo-model`, a download
+        in another terminal) shows without f5: the folders' stamp is read in a thread
+        (a network folder can block), the headers only when it changed."""
+        try:
+            stamp = await asyncio.to_thread(models_stamp, self.home)
+            if stamp != self._models_stamp or self._models_held:
+                await self._scan_models(settle=True)
+        finally:
+            self._models_checking = False
 
     async def on_unmount(self) -> None:
         for service in self.services:
@@ -421,13 +448,23 @@ class StudioApp(Dashboard):
             )
 
     async def _demo(self, ctl: Controller, path: Path, place: bool) -> None:
-        if not (path / "config.json").exists():
-            ctl.record(f"writing the demo model to {path}")
-            from worker.shared.demo_model import DemoSpec, write_demo_model
+        damage = await asyncio.to_thread(demo_damage, path)
+        if damage is not None:
+            if damage:
+                # Ours and deterministic: written again rather than failing the start.
+                self.report(f"the demo model is damaged ({damage}): writing it again", "warning")
+            else:
+                ctl.record(f"writing the demo model to {path}")
+            from worker.shared.demo_model import DemoModelError, DemoSpec, write_demo_model
 
-            # It recites a passage about itself, so the first chat reads as an answer.
-            await asyncio.to_thread(write_demo_model, path, DemoSpec(recite=True))
-            await self._scan_models()
+            try:
+                # It recites a passage about itself, so the first chat reads as an answer.
+                await asyncio.to_thread(write_demo_model, path, DemoSpec(recite=True))
+            except DemoModelError as exc:  # not ours (a model of the operator's), no room
+                self.report(f"cannot write the demo model: {exc}", "error")
+                return
+            finally:
+                await self._scan_models()
         if not place or ctl.state.placement(path.name) is not None:
             return
         up = [n.name for n in ctl.state.nodes if n.state == "up"]
@@ -451,11 +488,17 @@ class StudioApp(Dashboard):
             pane.end_progress()
         self.notify(f"placement {path.name} is ready")
 
-    async def _scan_models(self) -> None:
-        rows, where = await asyncio.to_thread(read_catalog, self.home)
+    async def _scan_models(self, settle: bool = False) -> None:
+        """Read the catalog in a thread and show it; `settle` (the periodic check) leaves
+        out directories still being written, f5 shows everything as it is."""
         pane = self.query_one(ModelsPane)
-        pane.show(rows, where)
-        for row in pane.new_problems(rows):
+        shown = frozenset(r.key for r in pane.rows_shown if r.problem)
+        listing = await asyncio.to_thread(
+            read_catalog, self.home, MODELS_SETTLE_S if settle else 0.0, shown
+        )
+        self._models_stamp, self._models_held = listing.stamp, listing.held
+        pane.show(listing.rows, listing.where)
+        for row in pane.new_problems(listing.rows):
             if self.controller is not None:
                 self.controller.record(f"model {row.name} skipped: {row.problem}", "warning")
 
@@ -825,6 +868,19 @@ class StudioApp(Dashboard):
     def action_rescan_models(self) -> None:
         if not self.fixed:
             self.background(self._scan_models(), "reading models")
+
+
+def demo_damage(path: Path) -> str | None:
+    """Why the first run's demo model at `path` cannot be used as it is: "" when it is
+    not there, the Models pane's own reason (`read_model`'s checks: a cut safetensors
+    file, a damaged config or tokenizer) when it is damaged, None when it is fine."""
+    if not path.exists():
+        return ""
+    try:
+        read_model(path)
+    except ModelDirError as exc:
+        return exc.message
+    return None
 
 
 def keep_note(agents: int) -> str:

@@ -21,6 +21,7 @@ it comes back as `Skipped` with the reason, for the pane to show.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tomllib
@@ -266,6 +267,67 @@ def _read(path: Path, name: str) -> ModelInfo | str:
     except Exception as exc:  # a damaged or half-downloaded file must not end the scan
         return f"{type(exc).__name__}: {exc}"
     return replace(info, name=name, facts=replace(info.facts, name=name))
+
+
+# --------------------------------------------------------------------------- watching
+
+
+def models_stamp(home: Path) -> tuple[tuple[str, int], ...]:
+    """What changes when a model appears in, or leaves, the folders `scan_home` reads:
+    the modification time of config.toml, of each models folder and the directories in
+    it (two levels, as the scan goes), and of the Hugging Face cache's snapshot
+    directories. One stat a directory, no file opened: cheap enough to ask every few
+    seconds, and a model written elsewhere (another terminal, a download) changes it."""
+    found = settings(home)
+    stamps = [_stamp(home / CONFIG_FILE)]
+    for folder in found.folders:
+        stamps += _dir_stamps(folder, depth=2)
+    if found.hf_cache is not None:
+        stamps.append(_stamp(found.hf_cache))
+        for repo in _dirs(found.hf_cache):
+            if repo.name.startswith("models--"):
+                stamps += _dir_stamps(repo / "snapshots", depth=1)
+    return tuple(stamps)
+
+
+def settling(path: Path, quiet_s: float, now: float) -> bool:
+    """Whether the directory or a file in it changed within `quiet_s` seconds: a model
+    still being written (no config.json yet, a safetensors file still growing) rather
+    than a broken one."""
+    newest = _stamp(path)[1]
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
+    except OSError:
+        pass
+    return now - newest / 1e9 < quiet_s
+
+
+def _stamp(path: Path) -> tuple[str, int]:
+    try:
+        return str(path), path.stat().st_mtime_ns
+    except OSError:
+        return str(path), 0
+
+
+def _dirs(folder: Path) -> list[Path]:
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(
+                Path(e.path) for e in entries if not e.name.startswith(".") and e.is_dir()
+            )
+    except OSError:
+        return []
+
+
+def _dir_stamps(folder: Path, depth: int) -> list[tuple[str, int]]:
+    stamps = [_stamp(folder)]
+    if depth > 0:
+        for child in _dirs(folder):
+            stamps += _dir_stamps(child, depth - 1)
+    return stamps
 
 
 def safetensors_header(file: Path) -> dict[str, tuple[str, int]]:

@@ -393,6 +393,13 @@ async def test_first_run_places_the_demo_model(
     monkeypatch.chdir(tmp_path)  # no ./cluster.toml
     monkeypatch.setattr(launch, "LOCAL_NODES", 2)
     home = tmp_path / "home"
+    damaged = platform == "darwin"
+    if damaged:
+        # A demo model from an earlier run, cut short (a full disk, a killed copy): the
+        # first run writes it again and says so, rather than failing to start shards.
+        demo = write_demo_model(home / "models" / "demo", DemoSpec(recite=True))
+        weights = demo / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     args = build_parser().parse_args([])
     app = launch.build_app(args, home, platform=platform)
     inv = app.inventory
@@ -439,6 +446,10 @@ async def test_first_run_places_the_demo_model(
             )
             await pilot.pause(0.3)
             assert "no cluster.toml found: starting a simulated cluster of 2 nodes" in log_text(app)
+            said = " ".join(log_text(app).split())
+            assert ("the demo model is damaged (cannot read" in said) == damaged, said
+            assert ("cut short" in said and "writing it again" in said) == damaged, said
+            assert "starting failed" not in said, said
             # Loading is loading until a shard fails: never "broken" on the way to ready.
             assert "broken" not in states and states[-1] == "ready", states
             assert {"prepared", "loading"} & set(states), states

@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,3 +95,30 @@ async def test_status_json_says_requests_in_flight_tokens_and_rate(
 
     after = await _settled(cluster, capsys)
     assert after["tokens"] >= served_before + len(got), (after, len(got))
+
+
+async def test_piped_status_at_80_columns_keeps_each_shard_on_one_line(
+    cluster: LocalCluster,
+) -> None:
+    """`studiotui status | less` on a terminal of 80 columns: every line fits, and each
+    node's shard reads `demo[0:2] ready` whole; the columns that do not fit are
+    given up (the version first) rather than a cell folded over two lines."""
+    path = cluster.home / "cluster.toml"
+    path.write_text(dump_inventory(cluster.inventory))
+    env = {**os.environ, "STUDIOTUI_HOME": str(cluster.home), "NO_COLOR": "1", "COLUMNS": "80"}
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "studiotui", "-i", str(path), "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, out.stdout
+    for node in cluster.inventory.nodes:
+        [row] = [line for line in lines if f" {node.name} " in line]
+        assert re.search(r"demo\[\d+:\d+\] ready", row), out.stdout
+        assert node.address in row, out.stdout  # the address stays while room is left

@@ -211,3 +211,38 @@ def test_a_config_toml_nested_past_the_parser_is_reported_not_raised(tmp_path: P
     assert adapter_folders(home) == (home / "adapters",)
     with pytest.raises(ThemeFileError, match=r"mine\.toml: invalid TOML: arrays nest too deep"):
         theme_from_toml(deep, "mine.toml")
+
+
+def test_the_stamp_changes_when_a_model_comes_or_goes_and_only_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "hf"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    home = tmp_path / "home"
+    (home / "models" / "org").mkdir(parents=True)
+    first = catalog.models_stamp(home)
+    assert catalog.models_stamp(home) == first  # nothing changed, nothing read
+    # One level down, as `models/mlx-community/Qwen3-8B-4bit`.
+    nested = home / "models" / "org" / "m"
+    nested.mkdir()
+    second = catalog.models_stamp(home)
+    assert second != first
+    (cache / "models--org--x" / "snapshots" / "abc").mkdir(parents=True)
+    third = catalog.models_stamp(home)
+    assert third != second
+    shutil.rmtree(nested)
+    assert catalog.models_stamp(home) != third
+
+
+def test_a_directory_is_settling_while_it_or_a_file_in_it_is_fresh(tmp_path: Path) -> None:
+    folder = tmp_path / "half"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"x")
+    now = os.stat(weights).st_mtime
+    assert catalog.settling(folder, 20.0, now + 5)
+    assert not catalog.settling(folder, 20.0, now + 30)
+    os.utime(folder, (now - 100, now - 100))
+    assert catalog.settling(folder, 20.0, now + 5)  # the file is still fresh
+    os.utime(weights, (now - 100, now - 100))
+    assert not catalog.settling(folder, 20.0, now + 5)

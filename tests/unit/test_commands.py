@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from studiotui.cli.commands import resolve_model
+from studiotui.cli.commands import (
+    SHARD_NAME_MIN,
+    fit_status,
+    resolve_model,
+    shard_lines,
+    status_table,
+    table_width,
+)
 from studiotui.cli.main import build_parser, main
 from studiotui.core.errors import UserError
+from studiotui.core.state import ClusterState
+from tests.app_fixtures import fixed_state
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 
@@ -95,3 +107,55 @@ def test_every_flag_the_readme_shows_is_in_its_verbs_help(
         helped = capsys.readouterr().out
         for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text)):
             assert flag in helped, f"`studiotui {' '.join(words)} --help` lacks {flag}"
+
+
+def _rendered(state: ClusterState, width: int) -> list[str]:
+    out = Console(width=width, file=io.StringIO(), no_color=True)
+    out.print(status_table(state, width))
+    return out.file.getvalue().splitlines()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("width", [160, 80, 60])
+def test_the_status_table_fits_without_folding_a_shard(width: int) -> None:
+    """A placement cell is never split over lines ("qwen4[0:4" / "] ready"): columns
+    go (the version first), long names are cut with "…", `[a:b] state` stays whole."""
+    state = fixed_state()
+    long = "mlx-community/Qwen3-30B-A3B-Instruct-2507-4bit"
+    nodes = tuple(
+        replace(n, shards=tuple(replace(s, placement=long) for s in n.shards))
+        if n.name == "studio-3"
+        else n
+        for n in state.nodes
+    )
+    state = replace(state, nodes=nodes)
+    lines = _rendered(state, width)
+    assert max(len(line) for line in lines) <= width, "\n".join(lines)
+    for node in state.nodes:
+        [row] = [line for line in lines if f" {node.name} " in line]
+        for shard in node.shards:
+            suffix = f"[{shard.start}:{shard.end}] {shard.state}"
+            assert suffix in row, "\n".join(lines)
+            name = shard.placement
+            assert name in row if width == 160 else (name in row or "…" + suffix in row)
+    header = next(line for line in lines if " node " in line)
+    assert ("version" in header) == (width == 160), header
+    assert ("memory" in header) == (width >= 80) and " shards " in header, header
+
+
+def test_fit_status_gives_up_columns_in_order() -> None:
+    widths = {"node": 7, "address": 17, "state": 5, "version": 7, "memory": 16}
+    # Everything fits on a wide terminal.
+    assert fit_status(widths, 4, 11, 200) == (tuple(widths), 4)
+    # At 80: the version goes, "demo[0:2] ready" stays whole.
+    assert fit_status(widths, 4, 11, 80) == (("node", "address", "state", "memory"), 4)
+    # A long name is cut before the address goes.
+    kept, room = fit_status(widths, 46, 11, 80)
+    assert kept == ("node", "address", "state", "memory") and SHARD_NAME_MIN <= room < 46
+    assert table_width([widths[c] for c in kept] + [room + 11]) == 80
+    # Narrower still: the address, then the memory go; names keep SHARD_NAME_MIN.
+    kept, room = fit_status(widths, 46, 11, 60)
+    assert kept == ("node", "state", "memory") and room >= SHARD_NAME_MIN
+    assert fit_status(widths, 46, 11, 40)[0] == ("node", "state")
+    assert shard_lines([("abcdefghij", "[0:2] ready"), ("ab", "[2:4] ready")], 5) == (
+        "abcd…[0:2] ready\nab[2:4] ready"
+    )

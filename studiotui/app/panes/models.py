@@ -9,6 +9,7 @@ chip or the marked nodes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from studiotui.app.drag import DragSession, DropSurface, DropTarget
 from studiotui.app.panes.nodes import NodesPane
 from studiotui.app.render import short_count
 from studiotui.core.adapter_catalog import AdapterCatalog, scan_home_adapters
-from studiotui.core.catalog import Catalog, scan_home
+from studiotui.core.catalog import Catalog, models_stamp, scan_home, settling
 from studiotui.core.placement import format_bytes
 from worker.shared.adapters import Adapter
 
@@ -96,11 +97,31 @@ def _adapter_row(base: ModelRow, adapter: Adapter) -> ModelRow:
     )
 
 
-def read_catalog(home: Path) -> tuple[list[ModelRow], str]:
-    """Rows for the pane and where they were looked for (said when there are none)."""
+@dataclass(frozen=True)
+class Listing:
+    rows: list[ModelRow]
+    where: str  # where models were looked for (said when there are none)
+    stamp: tuple[tuple[str, int], ...]  # the folders' `models_stamp` before the scan
+    held: bool = False  # a directory still being written was left out: look again soon
+
+
+def read_catalog(home: Path, settle_s: float = 0.0, shown: frozenset[str] = frozenset()) -> Listing:
+    """Rows for the pane. With `settle_s`, a directory that cannot be read and changed
+    within that many seconds is left out, unless its problem is already shown (`shown`:
+    row keys): a model being written must not flash as broken on its way in. `held`
+    says such a directory was found: the caller scans again until it settles."""
+    # Stamped first: a change while the headers are read is seen by the next check.
+    stamp = models_stamp(home)
     catalog = scan_home(home)
-    adapters = scan_home_adapters(home)
-    return rows_from_catalog(catalog, adapters), ", ".join(catalog.searched)
+    rows = rows_from_catalog(catalog, scan_home_adapters(home))
+    now = time.time()
+    # Still changing: looked at again at the next check even when the stamp stands (a
+    # file growing changes no directory's mtime), and not shown unless already shown.
+    young = {
+        r.key for r in rows if settle_s and r.problem and settling(Path(r.path), settle_s, now)
+    }
+    kept = [r for r in rows if r.key not in young or r.key in shown]
+    return Listing(kept, ", ".join(catalog.searched), stamp, held=bool(young))
 
 
 class ModelsPane(DataTable[Any]):
