@@ -44,7 +44,8 @@ def add_adapter_parsers(sub: Any) -> None:
         "--dequantize", action="store_true", help="write float weights (of a quantized base)"
     )
     adapter = sub.add_parser("adapter", help="list adapters, or stamp one with its base model")
-    verbs = adapter.add_subparsers(dest="adapter_verb", required=True)
+    # Without a verb it lists, as `studiotui jobs` does (argparse would name its dest).
+    verbs = adapter.add_subparsers(dest="adapter_verb", metavar="{list,stamp}")
     listing = verbs.add_parser("list", help="the adapters found, by base model")
     listing.add_argument("model", nargs="?", help="only those of this model (directory name)")
     stamp = verbs.add_parser(
@@ -118,8 +119,9 @@ def cmd_adapter(args: argparse.Namespace, home: Path) -> int:
             raise AdapterRefused(str(exc)) from None
         print(f"{args.dir}: base {identity.model} (digest {identity.digest[:12]})")
         return 0
+    model = getattr(args, "model", None)  # absent without the `list` verb
     catalog = scan_home_adapters(home)
-    shown = catalog.for_model(args.model) if args.model else list(catalog.adapters)
+    shown = catalog.for_model(model) if model else list(catalog.adapters)
     for a in shown:
         base = f"{a.base.model} ({a.base.digest[:12]})" if a.base else "no base recorded"
         span = f"layers {a.layers[0]}-{a.layers[-1]}" if a.layers else "no layers"
@@ -128,5 +130,5 @@ def cmd_adapter(args: argparse.Namespace, home: Path) -> int:
         print(f"skipped {path}: {why}", file=sys.stderr)
     if not shown:
         where = ", ".join(str(f) for f in catalog.searched)
-        print(f"no adapters{f' of {args.model}' if args.model else ''} in {where}")
+        print(f"no adapters{f' of {model}' if model else ''} in {where}")
     return 0

@@ -76,7 +76,7 @@ def _write(path: Path, text: str) -> None:
         path.expanduser().write_text(text)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc}") from None
-    errors.print(f"wrote {path}")
+    errors.print(f"wrote {path}", soft_wrap=True)
 
 
 def _check_writable(path: Path | None) -> None:
@@ -116,8 +116,23 @@ def cmd_compare(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
-def cmd_list(home: Path) -> int:
+def cmd_list(home: Path, as_json: bool = False) -> int:
     runs = figures.saved(home)
+    if as_json:  # for scripts: the ids --compare takes, and what each run covered
+        listed = [
+            {
+                "id": run.id,
+                "date": run.date,
+                "cluster": run.cluster,
+                "nodes": [n.name for n in run.nodes],
+                "build": run.build,
+                "failed": len(run.errors),
+                "path": str(figures.runs_dir(home) / f"{run.id}.json"),
+            }
+            for run in runs
+        ]
+        print(json.dumps(listed))
+        return 0
     if not runs:
         errors.print(f"no saved run in {figures.runs_dir(home)}: run `studiotui benchmark`")
         return 0
@@ -134,12 +149,38 @@ def cmd_list(home: Path) -> int:
     return 0
 
 
+def _check_modes(args: argparse.Namespace) -> None:
+    """`--compare` and `--list` measure nothing: a measuring option beside them would be
+    silently ignored, so it is refused, as is asking for both."""
+    if args.compare and args.list:
+        raise UserError("--compare and --list are two things", "give one of them")
+    mode = "--compare" if args.compare else "--list" if args.list else None
+    if mode is None:
+        return
+    given = [
+        flag
+        for flag, value in (
+            ("--nodes", args.nodes),
+            ("--placement", args.placement),
+            ("--quick", args.quick),
+            ("--size", args.size),
+        )
+        if value
+    ]
+    if given:
+        raise UserError(
+            f"{mode} reads saved runs and measures nothing: {', '.join(given)} would be ignored",
+            f"leave out {', '.join(given)}, or drop {mode} to measure",
+        )
+
+
 async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
+    _check_modes(args)
     _check_writable(args.markdown)
     if args.compare:
         return cmd_compare(args, home)
     if args.list:
-        return cmd_list(home)
+        return cmd_list(home, args.json)
     # Every refusal comes before a node is asked anything.
     sizes = (Sizes.quick() if args.quick else Sizes()).changed(args.size)
     inv = inventory_of(args, home)
@@ -175,8 +216,10 @@ async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
         console.print(report(run, min(console.width, 120)))
     if args.markdown:
         _write(args.markdown, markdown(run))
+    # soft_wrap: a command folded at the terminal's width cannot be pasted back.
     errors.print(
         f"saved {run.id} to {path}; compare later with "
-        f"`studiotui benchmark --compare {run.id} latest`"
+        f"`studiotui benchmark --compare {run.id} latest`",
+        soft_wrap=True,
     )
     return 1 if run.errors else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -13,10 +14,28 @@ from typing import TYPE_CHECKING, Any
 
 from studiotui.api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 from studiotui.cli.argtypes import listen_port
+from studiotui.core.errors import UserError
 
 if TYPE_CHECKING:  # the dashboard and the controller load only when they run
     from studiotui.app.app import ServiceStarter
     from studiotui.cluster.controller import Controller
+
+
+def listen_refused(host: str, port: int, exc: OSError) -> UserError:
+    """What to say when the server cannot bind: the cause and what to change (aiohttp's
+    own text names neither the option nor a way out)."""
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return UserError(
+            f"{where}: port {port} is in use (another studiotui, or another program)",
+            "pick another --port (0 takes any free one)",
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return UserError(
+            f"{where}: {host} is not an address of this machine",
+            "give --host one of its addresses (0.0.0.0: all of them)",
+        )
+    return UserError(f"{where}: {exc.strerror}", "check --host and --port")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -47,7 +66,6 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
     from studiotui.api.server import MODELS, is_loopback, start_server
     from studiotui.cli.args import inventory_of
     from studiotui.cluster.controller import Controller
-    from studiotui.core.errors import UserError
 
     inv = inventory_of(args, home)
     ctl = Controller(home, inv)
@@ -56,7 +74,7 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
         try:
             server = await start_server(ctl, args.host, args.port, args.api_key)
         except OSError as exc:
-            raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+            raise listen_refused(args.host, args.port, exc) from None
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
         ready = ", ".join(p.name for p in server.app[MODELS].ready()) or "none ready yet"
         print(f"studiotui serve: {server.url} (models: {ready}); Ctrl-C stops")

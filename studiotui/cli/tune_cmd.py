@@ -277,7 +277,11 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
                 return 0
             said = await jobs.stop(ctl, record.name, list(record.nodes))
             for node, what in said.items():
-                console.print(f"{node}: {what}")
+                # The rank's state after the stop: done or failed means it had ended.
+                ended = what in ("done", "failed")
+                console.print(
+                    f"{node}: already {what}, nothing to stop" if ended else f"{node}: {what}"
+                )
             return 0
         found = await jobs.status(ctl, up)
         rows = []

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from studiotui.cli.argtypes import listen_port
-from studiotui.cli.serve import until_stopped
+from studiotui.cli.serve import listen_refused, until_stopped
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -187,13 +187,11 @@ def cmd_web(args: argparse.Namespace, home: Path) -> int:
 
 
 async def _web_main(args: argparse.Namespace) -> None:
-    from studiotui.core.errors import UserError
-
     command = dashboard_command(getattr(args, "inventory", None))
     try:
         server = await start_web(command, args.host, args.port)
     except OSError as exc:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+        raise listen_refused(args.host, args.port, exc) from None
     print(f"studiotui web: open {server.url} (Ctrl-C stops)", flush=True)
     if not is_loopback(args.host):
         print(

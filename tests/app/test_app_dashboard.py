@@ -713,3 +713,19 @@ async def test_ssh_nodes_with_no_agent_at_start_are_told_how_to_get_one(tmp_path
         text = " ".join(log_text(app).split())
         assert "cluster desk: 0/1 nodes up; not answering: studio-1" in text, text
         assert "P on a node provisions it" in text and "studiotui provision" in text, text
+
+
+async def test_help_scrolls_to_its_last_line_on_a_small_terminal(tmp_path: Path) -> None:
+    # At 80x24 the key list is longer than the dialog: its scroll must be the part that
+    # shrinks (it was cut by the dialog instead, hiding the last keys and the memory note).
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        dialog = app.screen.query_one("#help-dialog")
+        scroll = app.screen.query_one("#help-dialog VerticalScroll")
+        assert scroll.region.bottom <= dialog.content_region.bottom, (scroll.region, dialog)
+        assert scroll.max_scroll_y > 0
+        await pilot.press("end")
+        await pilot.pause()
+        assert scroll.scroll_y == scroll.max_scroll_y

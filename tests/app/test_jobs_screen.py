@@ -20,6 +20,7 @@ from studiotui.app.screens.jobs import FinetuneForm, JobsScreen, loss_chart
 from studiotui.cluster import jobs
 from studiotui.core.jobs import Point
 from studiotui.tune import finetune as ft
+from tests.app_fixtures import fixed_state
 from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -174,6 +175,10 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
         shown.clear()
         await pilot.press("s")
         await until(pilot, lambda: earlier().state == "stopped", 20, "stopped again")
+        # Stopping an ended job says so instead of nothing.
+        await pilot.press("s")
+        said = [str(n.message) for n in app._notifications]
+        assert "job 'earlier' is stopped: nothing to stop" in said, said
 
         # A new job from the Models pane's form.
         await pilot.press("escape")
@@ -209,3 +214,38 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
         on_node = Path(cluster.inventory.node(record.nodes[0]).workdir) / "jobs" / "fromform"
         assert fetched.read_bytes() == (on_node / "adapters" / "adapters.safetensors").read_bytes()
     await asyncio.sleep(0)
+
+
+async def test_the_finetune_form_reaches_every_field_at_80x24(tmp_path: Path) -> None:
+    # At 80x24 the form is taller than the screen: the fields below Batch and the
+    # buttons were cut off, so tab focused fields no one could see.
+    app = StudioApp(tmp_path, state=fixed_state())
+    async with app.run_test(size=(80, 24)) as pilot:
+        app.push_screen(FinetuneForm("m", "/models/m", ["local-1", "local-2"], "m-lora"))
+        await pilot.pause()
+        form = app.screen
+        for wanted in ("#ft-name", "#ft-start"):
+            widget = form.query_one(wanted)
+            widget.focus()
+            await pilot.pause(0.2)
+            region = widget.region
+            assert region.height > 0 and region.y >= 0 and region.bottom <= 24, (wanted, region)
+            # Drawn where it is, not hidden below the dialog's bottom border.
+            assert region.bottom <= form.query_one("#finetune-dialog").region.bottom - 1
+
+
+async def test_the_jobs_nodes_table_fits_at_80_columns(tmp_path: Path) -> None:
+    # Beside the plot at 80 columns it had 30: "peak" and "note" were cut ("pe").
+    app = StudioApp(tmp_path, state=fixed_state())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("J")
+        screen = app.screen
+        assert isinstance(screen, JobsScreen)
+        await pilot.pause(0.2)
+        nodes = screen.query_one("#jobs-nodes", DataTable)
+        assert nodes.virtual_size.width <= nodes.scrollable_content_region.width, (
+            nodes.virtual_size,
+            nodes.scrollable_content_region,
+        )
+        plot = screen.query_one("#jobs-plot", Static)
+        assert plot.region.height >= 8 and plot.region.bottom <= 23  # above the footer

@@ -456,6 +456,8 @@ def test_cli_stamps_lists_and_refuses_before_asking_any_node(
     assert code == 0 and f"base tiny (digest {base_digest(made['base'])[:12]})" in said
     code, said = cli("adapter", "list", "tiny")
     assert code == 0 and "plain lora rank 4, layers 2-3 base tiny" in said, said
+    # The bare verb lists too (it said "required: adapter_verb", argparse's inner name).
+    assert cli("adapter") == cli("adapter", "list")
 
     # Pipeline stages apply adapters; a tensor-parallel placement is refused, saying so.
     code, said = cli(

@@ -148,7 +148,10 @@ def test_a_run_measures_every_part_and_round_trips(
         argv = ["-i", str(inventory), "benchmark", *TINY_ARGS, "--json", "--markdown", str(md)]
         assert main(argv) == 0
         second = bm.find(home, "latest")
-        assert bm.from_json(json.loads(capsys.readouterr().out)) == second  # stdout: the run
+        said = capsys.readouterr()
+        assert bm.from_json(json.loads(said.out)) == second  # stdout: the run
+        # The command to compare is on one line, to be pasted (it was folded at 80).
+        assert f"`studiotui benchmark --compare {second.id} latest`" in said.err, said.err
         assert second.id != run.id and second.placements == () and second.group is not None
         text = md.read_text()
         for heading in ("## Nodes", "## Links", "## Group", "| node | device | float32"):
@@ -156,6 +159,20 @@ def test_a_run_measures_every_part_and_round_trips(
         assert main(["benchmark", "--list"]) == 0
         listed = capsys.readouterr().out
         assert run.id in listed and second.id in listed
+        # --json with --list is JSON too (it printed the table), the ids --compare takes.
+        assert main(["benchmark", "--list", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [r["id"] for r in rows] == [second.id, run.id]
+        assert rows[0]["nodes"] == names and bm.read(Path(rows[0]["path"])) == second
+        # Beside --compare or --list a measuring option would be ignored: refused.
+        for argv, words in (
+            (["--compare", run.id, "latest", "--quick"], "--compare reads saved runs"),
+            (["--list", "--size", "matmul_n=64"], "--list reads saved runs"),
+            (["--list", "--compare", run.id, "latest"], "--compare and --list are two"),
+        ):
+            assert main(["benchmark", *argv]) == 2, argv
+            err = " ".join(capsys.readouterr().err.split())
+            assert words in err and "Traceback" not in err, err
         compared = tmp_path / "compare.md"
         assert main(["benchmark", "--compare", run.id, "latest", "--markdown", str(compared)]) == 0
         table = compared.read_text()

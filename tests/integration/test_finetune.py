@@ -336,6 +336,11 @@ def test_the_command_line(
             assert "studiotui finetune --resume cli --iters N (N above 3)" in err
         assert main(["jobs", "-i", str(inventory)]) == 0
         assert capsys.readouterr().out == listed
+        # Stopping a job that has ended says there was nothing to stop (it printed
+        # "local-1: done", as if the stop had done something).
+        assert main(["jobs", "stop", "cli", "-i", str(inventory)]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "local-1: already done, nothing to stop" in out, out
         # What a resumed job cannot change is refused, not silently ignored.
         other = ["--nodes", "local-1", "--data", str(bad), "--rank", "4"]
         assert main(["finetune", "--resume", "cli", *other, "-i", str(inventory)]) == 2

@@ -24,6 +24,7 @@ import psutil
 import pytest
 from aiohttp import ClientSession, WSServerHandshakeError
 
+from studiotui.cli.main import main
 from studiotui.cli.web import COOKIE, dashboard_command, host_name, start_web
 from studiotui.core.inventory import dump_inventory
 from tests.cluster_fixture import cluster_fixture
@@ -199,3 +200,16 @@ async def test_open_to_the_network_the_page_points_where_the_browser_came_from()
 def test_the_dashboard_command_is_this_studiotui_with_the_cluster_file() -> None:
     assert dashboard_command(None, "/py") == "/py -m studiotui"
     assert dashboard_command(Path("/a b/c.toml"), "/py") == "/py -m studiotui -i '/a b/c.toml'"
+
+
+def test_a_port_in_use_is_refused_saying_what_to_change(
+    web: Web, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STUDIOTUI_HOME", str(tmp_path))
+    port = web.base.rsplit(":", 1)[1]
+    assert main(["web", "--port", port]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"cannot listen on 127.0.0.1:{port}: port {port} is in use (another studiotui" in said, (
+        said
+    )
+    assert "pick another --port (0 takes any free one)" in said, said

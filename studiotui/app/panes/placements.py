@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -105,6 +106,10 @@ def placements_signature(placements: tuple[PlacementState, ...]) -> tuple:
     )
 
 
+def _cells(cell: Text | str) -> int:
+    return cell.cell_len if isinstance(cell, Text) else cell_len(cell)
+
+
 class PlacementsPane(Vertical):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -120,6 +125,7 @@ class PlacementsPane(Vertical):
         self._wanted: str | None = None
         self._last: tuple[tuple[PlacementState, ...], str, dict[str, str]] | None = None
         self.clock: Callable[[], float] = time.monotonic
+        self._widths: tuple[int, ...] = ()  # each column's widest cell, last drawn
 
     def compose(self) -> ComposeResult:
         yield Static(id="place-progress")
@@ -164,11 +170,6 @@ class PlacementsPane(Vertical):
         keep = self._wanted if self._wanted in {p.name for p in placements} else self.selected
         if keep == self._wanted:
             self._wanted = None
-        # Columns too: a DataTable's auto widths only grow, so a label that was long
-        # once (a broken placement's ✗ list) would push tok/s, tokens and the ring
-        # past the pane's edge for good.
-        table.clear(columns=True)
-        self._add_columns(table)
         # An empty table says nothing; a sentence says what to do.
         table.display = bool(placements)
         self.query_one("#placements-empty").display = not placements
@@ -187,6 +188,19 @@ class PlacementsPane(Vertical):
             )
             for p in placements
         ]
+        # Columns too, when a column's widest cell got narrower: a DataTable's auto
+        # widths only grow, so a label that was long once (a broken placement's ✗
+        # list) would push tok/s, tokens and the ring past the pane's edge for good.
+        # Only then: re-made columns take their widths from the rows at the next
+        # refresh, which a table behind a dialog waits for (and most redraws only
+        # change figures).
+        widths = tuple(max((_cells(row[i]) for row in cells), default=0) for i in range(7))
+        if any(new < old for new, old in zip(widths, self._widths, strict=False)):
+            table.clear(columns=True)
+            self._add_columns(table)
+        else:
+            table.clear()
+        self._widths = widths
         room = self._ring_room(cells)
         for p, row in zip(placements, cells, strict=True):
             # ✗ marks a shard that is gone; the state column says what that means.

@@ -26,7 +26,7 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Static
@@ -171,7 +171,9 @@ class FinetuneForm(ModalScreen[ft.FinetuneRequest | None]):
         self.nodes, self.job_name = nodes, name
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="finetune-dialog") as dialog:
+        # A scroll: at 80x24 the form is taller than the screen, and a focused field
+        # must scroll into view rather than sit below the border.
+        with VerticalScroll(id="finetune-dialog") as dialog:
             dialog.border_title = f"Fine-tune {self.model_name} (LoRA)"
             dialog.border_subtitle = "enter starts · esc cancels"
             fields = (
@@ -467,6 +469,12 @@ class JobsScreen(Screen[None]):
         record = self._chosen("stop")
         ctl = self.dash.controller
         if record is None or ctl is None:
+            return
+        # An ended job has nothing to stop: say so (the key seemed to do nothing).
+        watch = self.watches.get(record.name)
+        if watch is not None and watch.progress.ended:
+            state = watch.progress.state
+            self.dash.report(f"job {record.name!r} is {state}: nothing to stop", "warning")
             return
         self.dash.background(
             jobs.stop(ctl, record.name, list(record.nodes)), f"stopping {record.name}"
