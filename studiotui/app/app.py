@@ -38,7 +38,7 @@ from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
-from studiotui.cluster import jobs, local_cluster
+from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
@@ -48,8 +48,8 @@ from studiotui.core.model_facts import ModelDirError, read_model
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.core.text import counted
-from studiotui.provision.deploy import provision_logged
-from studiotui.provision.restart import restart_nodes
+from studiotui.provision.deploy import Outcome, provision_logged
+from studiotui.provision.restart import Restarted, keep_placements, restart_nodes
 from studiotui.tune import finetune as ft
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
@@ -743,8 +743,7 @@ class StudioApp(Dashboard):
         runs a rank of a job (a restart ends the job on every node)."""
         node = ctl.state.node(name)
         held = sorted({s.placement for s in node.shards}) if node else []
-        found = await jobs.status(ctl, [name])
-        running = sorted(job for job, ranks in found.items() if ranks[name].state in ft.RUNNING)
+        running = sorted(await ft.jobs_on(ctl, [name]))
         if not held and not running:
             await self._restart(ctl, name)
             return
@@ -770,10 +769,14 @@ class StudioApp(Dashboard):
         """What `studiotui restart NAME` does (`restart_nodes`), said in the log."""
         self.report(f"restarting {name}…")
         done = await restart_nodes(ctl, [name], timeout=UP_TIMEOUT_S)
-        for text in done.dropped:
-            self.report(text, "warning")
         for outcome in done.outcomes:
             self.report(str(outcome), "info" if outcome.ok else "error")
+        self._report_reloads(done)
+
+    def _report_reloads(self, done: Restarted) -> None:
+        """What a restart or a provisioning did to the placements, in the log."""
+        for text in done.dropped:
+            self.report(text, "warning")
         for text in done.lost:
             self.report(text, "error")
         # reload_shards logged these already; a notification says them too.
@@ -786,7 +789,21 @@ class StudioApp(Dashboard):
         ctl = self.need_controller("provisioning")
         name = self._selected_node("provisioning") if ctl is not None else None
         if ctl is not None and name is not None:
-            self.background(provision_logged(ctl, [name]), f"provisioning {name}")
+            self.background(self._provision(ctl, name), f"provisioning {name}")
+
+    async def _provision(self, ctl: Controller, name: str) -> None:
+        """Provision the node, each step in the log; the shards `down` kept for it are
+        loaded again, as `studiotui provision` does (`keep_placements`)."""
+        if not any(k.node == name for k in ctl.kept_shards()):
+            await provision_logged(ctl, [name])
+            return
+
+        async def bounce() -> list[Outcome]:
+            outcomes = await provision_logged(ctl, [name])  # logged there
+            said = "the worker could not be built (see the log)"
+            return [outcomes.get(name) or Outcome(name, "failed", said)]
+
+        self._report_reloads(await keep_placements(ctl, [name], bounce, doing="provisioning"))
 
     def action_measure_links(self) -> None:
         ctl = self.need_controller("measuring links")

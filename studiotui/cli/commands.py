@@ -174,11 +174,13 @@ async def keep_for_restart(ctl: Controller, names: list[str]) -> list[SavedShard
     return kept
 
 
-def say_kept(kept: list[SavedShard]) -> None:
+def say_kept(kept: list[SavedShard], ssh: bool = False) -> None:
+    """What `down` kept, and the verbs that bring it back (an SSH node's `provision`
+    too, `provision_cmd.cmd_provision`)."""
     for name, placement in sorted({(k.node, k.placement) for k in kept}):
+        verbs = f"`studiotui restart {name}`" + (f" or `studiotui provision {name}`" if ssh else "")
         console.print(
-            f"{name} held a shard of {placement!r}: `studiotui restart {name}` starts it "
-            "and loads that shard again"
+            f"{name} held a shard of {placement!r}: {verbs} starts it and loads that shard again"
         )
 
 

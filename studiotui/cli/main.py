@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     down = sub.add_parser("down", help="stop agents")
     down.add_argument("nodes", nargs="*", help="nodes to stop (default: all)")
+    down.add_argument(
+        "--yes",
+        action="store_true",
+        help="stop even a node running a rank of a job (which ends the job on every node)",
+    )
 
     status = sub.add_parser("status", help="nodes and placements")
     status.add_argument("--json", action="store_true")

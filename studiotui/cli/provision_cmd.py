@@ -22,6 +22,7 @@ from rich.text import Text
 
 from studiotui.cli import commands
 from studiotui.cli.args import inventory_of
+from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, NodeSpec
@@ -30,6 +31,7 @@ from studiotui.provision import deploy as provision
 from studiotui.provision import restart
 from studiotui.provision.deploy import Outcome
 from studiotui.ssh.client import SshError
+from studiotui.tune import finetune as ft
 
 # Steps a node can go through, for the length of its progress bar.
 _BAR_STEPS = ("connect", "probe", "plan", "venv", "deps", "mlx", "wheel", "keys", "start", "wait")
@@ -59,6 +61,10 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "-i", "--inventory", type=Path, default=argparse.SUPPRESS, help="cluster.toml to use"
     )
     restart.add_argument("nodes", nargs="*", help="nodes to restart (default: all)")
+    restart.add_argument("--yes", action="store_true", help=YES_HELP.format(verb="restart"))
+
+
+YES_HELP = "{verb} even a node running a rank of a job (which ends the job on every node)"
 
 
 def _select(inv: Inventory, names: Sequence[str]) -> list[NodeSpec]:
@@ -206,15 +212,21 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
                 raise UserError(str(exc)) from None
         return [outcomes[n] for n in names]
 
-    if not upgrade:
-        results = await run()
-        print_outcomes(console, errors, results)
-        return 0 if all(o.ok for o in results) else 1
-    # Replacing an agent stops its shards: load them again, as `restart` does.
+    # Replacing an agent stops its shards, and a node `down` stopped had shards kept for
+    # it: load them again, as `restart` does. Otherwise nothing is asked of the agents.
     ctl = Controller(home, inv)
     try:
+        if not upgrade and not any(k.node in names for k in ctl.kept_shards()):
+            results = await run()
+            print_outcomes(console, errors, results)
+            return 0 if all(o.ok for o in results) else 1
         done = await restart.keep_placements(
-            ctl, names, run, on_reload=_say_reloading, doing="upgrade", on_back=_say_back
+            ctl,
+            names,
+            run,
+            on_reload=_say_reloading,
+            doing="upgrade" if upgrade else "provisioning",
+            on_back=_say_back,
         )
     finally:
         await ctl.close()
@@ -253,11 +265,12 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     placements stay whole; what cannot be reloaded is named (`restart.restart_nodes`)."""
     inv = inventory_of(args, home)
     selected = _select(inv, getattr(args, "nodes", []) or [])
+    names = [n.name for n in selected]
     ctl = Controller(home, inv)
     try:
-        done = await restart.restart_nodes(
-            ctl, [n.name for n in selected], on_reload=_say_reloading, on_back=_say_back
-        )
+        if not getattr(args, "yes", False):
+            ending_jobs_refused("restart", "restarting", await ft.jobs_on(ctl, names))
+        done = await restart.restart_nodes(ctl, names, on_reload=_say_reloading, on_back=_say_back)
     finally:
         await ctl.close()
     print_restarted(done)
@@ -273,6 +286,14 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         raise UserError(f"unknown node(s) {', '.join(unknown)}; known: {', '.join(inv.names)}")
     local = [n for n in names if inv.node(n).is_local]
     remote_nodes = [inv.node(n) for n in names if not inv.node(n).is_local]
+    if not getattr(args, "yes", False):
+        # A local node with no agent runs nothing, and asking it would wait out a timeout.
+        running = [n for n in names if n not in local or local_cluster.running_pid(inv.node(n))]
+        ctl = Controller(home, inv)
+        try:
+            ending_jobs_refused("stop", "stopping", await ft.jobs_on(ctl, running))
+        finally:
+            await ctl.close()
     code = 0
     if local:
         code = await commands.cmd_down(argparse.Namespace(**{**vars(args), "nodes": local}), home)
@@ -294,8 +315,26 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         target = commands.console if ok else commands.errors
         target.print(f"{name}: {text}", markup=False, highlight=False)
         code = code if ok else 1
-    commands.say_kept(kept)
+    commands.say_kept(kept, ssh=True)
     return code
+
+
+def ending_jobs_refused(verb: str, doing: str, ending: dict[str, list[str]]) -> None:
+    """Refuse, before stopping any agent, a verb that would end the running jobs
+    `ending` (`ft.jobs_ended_by`): saying which, on which nodes, and how to go ahead."""
+    if not ending:
+        return
+    jobs_said = "; ".join(
+        f"job {job!r} (a rank of it runs on {', '.join(nodes)})" for job, nodes in ending.items()
+    )
+    first = next(iter(ending))
+    raise UserError(
+        f"{doing} {', '.join(sorted({n for ns in ending.values() for n in ns}))} would end "
+        f"{jobs_said}: a job stops on every node when one of its ranks stops; nothing "
+        "was stopped",
+        f"to {verb} anyway, add --yes (resume the job later from its last save: "
+        f"studiotui finetune --resume {first}), or stop it first: studiotui jobs stop {first}",
+    )
 
 
 async def cmd_logs(args: argparse.Namespace, home: Path) -> int:

@@ -16,7 +16,7 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -296,6 +296,26 @@ async def launch(
 
 
 RUNNING = ("starting", "running", "silent")  # a rank's states before it ends
+
+
+def jobs_ended_by(
+    found: Mapping[str, Mapping[str, control.JobRank]], nodes: Iterable[str]
+) -> dict[str, list[str]]:
+    """The jobs that stopping the agents of `nodes` would end (`found` as
+    `jobs.status` gives it): job -> its running ranks among `nodes`. One rank stopped
+    ends a job on every node, so any running rank there counts."""
+    names = set(nodes)
+    ending = {
+        job: sorted(n for n, rank in ranks.items() if n in names and rank.state in RUNNING)
+        for job, ranks in sorted(found.items())
+    }
+    return {job: where for job, where in ending.items() if where}
+
+
+async def jobs_on(ctl: Cluster, nodes: Sequence[str]) -> dict[str, list[str]]:
+    """`jobs_ended_by`, asked of the agents of `nodes` (one that does not answer runs
+    nothing that a restart could end)."""
+    return jobs_ended_by(await jobs.status(ctl, list(nodes)), nodes) if nodes else {}
 
 
 def trained_through(ranks: Iterable[control.JobRank]) -> int | None:

@@ -6,7 +6,8 @@ shard; the verb then loads them again on the same layers and ports, showing it, 
 the placement answers with mlx-lm's own greedy tokens, as before; a second upgrade
 finds nothing to replace and leaves the shards running. An upgrade whose
 new build cannot start on a node names the placement that could not come back and
-why.
+why. A plain `provision` of a node that `down` stopped loads the shards kept for it
+again the same way.
 """
 
 from __future__ import annotations
@@ -159,3 +160,82 @@ async def test_upgrade_loads_the_placements_again_and_they_answer_the_same(
         in said
     )
     assert "exited right after starting" in said and "unload it and place it again" in said
+
+
+async def test_provision_after_down_loads_the_kept_shards_again(
+    sshd_server: SshdServer,
+    tmp_path: Path,
+    wheel: CheckoutWheel,
+    node_python: str,
+    agents: list[Path],  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    addrs = list(sshd_server.addresses[:2])
+    port = free_port(addrs)
+    nodes = tuple(
+        make_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path, port, node_python) for a in addrs
+    )
+    agents.extend(Path(n.workdir) for n in nodes)
+    inv = Inventory(name="desk", nodes=nodes)
+    home = tmp_path / "home"
+    first = await provision(home, inv, wheel=wheel, user_known_hosts=None,
+                            accept_new_host_keys=True)  # fmt: skip
+    assert all(o.status == "up" for o in first.values()), first
+    names = [n.name for n in nodes]
+    model = write_demo_model(
+        tmp_path / "model", DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, seed=3)
+    )
+    tokens = prompt_tokens(model)
+    reference = reference_tokens(model, tokens, N_TOKENS)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        await ctl.place(model, names, NAME, prefill_chunk=64, tensor=1)
+        placed = ctl.state.placement(NAME)
+        assert placed is not None and sorted(placed.nodes) == sorted(names)
+        layers = sorted((s.node, s.start, s.end, s.data_port) for s in placed.shards)
+    finally:
+        await ctl.close()
+
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(inv))
+    last = names[1]
+    capsys.readouterr()
+    down = argparse.Namespace(inventory=inventory, nodes=[last], yes=False)
+    assert await provision_cmd.cmd_down(down, home) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"{last} held a shard of {NAME!r}" in said and f"studiotui provision {last}" in said
+    assert (await _answer(home, inv, tokens))[0] != "ready"
+
+    # The same build (no rebuild): provisioning starts the agent and reloads the shard.
+    monkeypatch.setattr("studiotui.provision.deploy.CheckoutWheel", lambda cache: wheel)
+    args = argparse.Namespace(
+        inventory=inventory, nodes=[last], upgrade=False, accept_new_host_keys=False
+    )
+    assert await provision_cmd.cmd_provision(args, home) == 0
+    out = capsys.readouterr()
+    print(out.out, out.err, sep="\n")
+    assert f"placement {NAME!r}: loading its shards again on {last}" in out.out  # progress
+    assert f"placement {NAME!r}: reloaded its shards on {last}" in out.out
+    assert await _answer(home, inv, tokens) == ("ready", reference)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        again = ctl.state.placement(NAME)
+        assert again is not None
+        assert sorted((s.node, s.start, s.end, s.data_port) for s in again.shards) == layers
+    finally:
+        await ctl.close()
+
+    # Down again, then a build that cannot start: the same words as the upgrade's.
+    assert await provision_cmd.cmd_down(down, home) == 0
+    bad = broken_wheel(await wheel.path(), tmp_path, "0.1.2")
+    monkeypatch.setattr("studiotui.provision.deploy.CheckoutWheel", lambda cache: bad)
+    capsys.readouterr()
+    assert await provision_cmd.cmd_provision(args, home) == 1
+    out = capsys.readouterr()
+    said = " ".join(out.err.split())
+    assert (
+        f"placement {NAME!r} is broken: {last}, which held a shard of it, did not come back" in said
+    ), said

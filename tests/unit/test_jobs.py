@@ -17,7 +17,9 @@ from studiotui.cluster.jobs import JobRecord, load_record, outcome, records_dir
 from studiotui.core import benchmark
 from studiotui.core.jobs import JobWatch, blame
 from studiotui.tune.data import load_examples
+from studiotui.tune.finetune import jobs_ended_by
 from worker.jobs import JobError, check_name, exit_message
+from worker.shared.protocol.control import JobRank
 
 
 def test_blame_falls_on_the_node_that_went_first() -> None:
@@ -133,3 +135,19 @@ def test_a_garbage_job_record_or_benchmark_run_is_left_out_or_named(text: str) -
             benchmark.read(run)
         except benchmark.BenchmarkError as exc:
             assert str(run) in str(exc)
+
+
+def test_jobs_ended_by_names_the_running_jobs_with_a_rank_on_the_nodes() -> None:
+    def rank(job: str, state: str) -> JobRank:
+        return JobRank(job=job, state=state)
+
+    found = {
+        "long": {"a": rank("long", "running"), "b": rank("long", "silent")},
+        "done": {"a": rank("done", "done")},
+        "new": {"b": rank("new", "starting")},
+        "elsewhere": {"c": rank("elsewhere", "running")},
+    }
+    assert jobs_ended_by(found, ["a"]) == {"long": ["a"]}
+    assert jobs_ended_by(found, ["b", "a"]) == {"long": ["a", "b"], "new": ["b"]}
+    assert jobs_ended_by(found, ["d"]) == {}
+    assert jobs_ended_by({}, ["a"]) == {}
