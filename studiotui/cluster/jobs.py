@@ -230,23 +230,28 @@ async def follow(
     waiting = asyncio.gather(*tasks.values())
     failure = asyncio.create_task(first_failure.wait())
     racing: set[asyncio.Future[Any]] = {waiting, failure}
-    await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-    if not waiting.done():
-        # One rank ended badly: the others cannot go on without it. MLX's ring ends
-        # them within moments, and a dead node's stream runs out within BEAT_TIMEOUT_S
-        # (so the blame falls on it, not on a rank that only lost its peer); what
-        # still runs after that is stopped.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(waiting), BEAT_TIMEOUT_S + HELLO_S + SETTLE_S)
+    # Whatever ends this (an answer, or the caller cancelled: the dashboard closing),
+    # the ranks' relays stop and their gather is awaited, so none is left running or
+    # dies unheard ("exception was never retrieved") when the loop closes.
+    try:
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         if not waiting.done():
-            await stop(ctl, name, [n for n in nodes if n not in ends and n not in lost])
+            # One rank ended badly: the others cannot go on without it. MLX's ring ends
+            # them within moments, and a dead node's stream runs out within BEAT_TIMEOUT_S
+            # (so the blame falls on it, not on a rank that only lost its peer); what
+            # still runs after that is stopped.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(waiting), STOP_TIMEOUT_S)
-    failure.cancel()
-    for task in tasks.values():
-        task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await waiting
+                await asyncio.wait_for(asyncio.shield(waiting), BEAT_TIMEOUT_S + HELLO_S + SETTLE_S)
+            if not waiting.done():
+                await stop(ctl, name, [n for n in nodes if n not in ends and n not in lost])
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(waiting), STOP_TIMEOUT_S)
+    finally:
+        failure.cancel()
+        for task in tasks.values():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
     return outcome(name, nodes, ends, lost)
 
 
