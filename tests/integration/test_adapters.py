@@ -268,7 +268,7 @@ def test_fused_model_answers_as_the_placed_adapter_and_the_api_serves_both(
 
     got = asyncio.run(run())
     assert got["fused"] == want, "the fused model over 2 shards diverged from the adapter"
-    assert "'tiny' does not exist; ready models: tiny+style" in str(got["base alone"])
+    assert '"tiny" does not exist; ready models: tiny+style' in str(got["base alone"])
     assert got["ids"] == ["tiny", "tiny+style"]
     assert got["parent"] == "tiny"
     assert got["tiny"] == ("tiny", until_eos(base, reference(base, tokens)))

@@ -76,7 +76,10 @@ def _readme_invocations() -> list[tuple[list[str], str]]:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     found = []
     for usage, said in re.findall(r"^\| `studiotui ([^`]*)` \|(.*)$", readme, re.M):
-        found.append((usage.split()[:1], usage + said))
+        # The verb and any sub-verb (`adapter stamp`): the lowercase words before the
+        # first placeholder, bracket or option.
+        verb = list(itertools.takewhile(lambda w: re.fullmatch(r"[a-z][a-z-]*", w), usage.split()))
+        found.append((verb, usage + said))
     for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
         for line in block.splitlines():
             line = line.split("#", 1)[0].strip()
