@@ -22,6 +22,7 @@ from worker.shared.protocol.limits import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOP_K,
+    Limit,
     limit_problem,
     prompt_chars,
     prompt_too_long,
@@ -507,19 +508,15 @@ def _limited(body: dict[str, Any], name: str, limit: str = "") -> Any:
     check too."""
     value = body.get(name)
     if value is not None and (problem := limit_problem(limit or name, value, name)):
-        # The words end with the value's repr: cut to what `shown` quotes.
-        head, got, _ = problem.rpartition("; got ")
-        raise bad(f"{head}{got}{shown(value)}" if got else problem, name)
+        raise bad(problem, name)  # the words quote the value as `shown` does
     return value
 
 
 def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value) or not lo <= value <= hi:
-        raise bad(f"{name} must be an integer from {lo} to {hi}; got {shown(value)}", name)
-    return int(value)
+    if value is not None and (problem := Limit(lo, hi, integer=True).problem(name, value)):
+        raise bad(problem, name)
+    return None if value is None else int(value)
 
 
 def _boolean(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
