@@ -47,6 +47,7 @@ _COLUMNS = (
     "ring",
 )
 _RING_MIN = 16
+_FIXED = len(_COLUMNS) - 1  # the columns before the ring, which gets what they leave
 RING_LINES = 3  # the most the ring under the table takes from the table's rows
 _STATE_COLOUR = {"ready": "success", "failed": "error", "broken": "error"}
 # The gauge of the operator's own work for a placement: the model's first hashing
@@ -194,7 +195,7 @@ class PlacementsPane(Vertical):
         # Only then: re-made columns take their widths from the rows at the next
         # refresh, which a table behind a dialog waits for (and most redraws only
         # change figures).
-        widths = tuple(max((_cells(row[i]) for row in cells), default=0) for i in range(7))
+        widths = tuple(max((_cells(row[i]) for row in cells), default=0) for i in range(_FIXED))
         if any(new < old for new, old in zip(widths, self._widths, strict=False)):
             table.clear(columns=True)
             self._add_columns(table)
