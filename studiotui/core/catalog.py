@@ -313,13 +313,8 @@ def _stamp(path: Path) -> tuple[str, int]:
 
 
 def _dirs(folder: Path) -> list[Path]:
-    try:
-        with os.scandir(folder) as entries:
-            return sorted(
-                Path(e.path) for e in entries if not e.name.startswith(".") and e.is_dir()
-            )
-    except OSError:
-        return []
+    # The scan's own listing; a folder it cannot list is the scan's to report.
+    return _subdirs(folder, [], "")
 
 
 def _dir_stamps(folder: Path, depth: int) -> list[tuple[str, int]]:
