@@ -49,7 +49,7 @@ from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.core.text import counted
 from studiotui.provision.deploy import Outcome, provision_logged
-from studiotui.provision.restart import Restarted, keep_placements, restart_nodes
+from studiotui.provision.restart import Restarted, has_kept, keep_placements, restart_nodes
 from studiotui.tune import finetune as ft
 
 # Telemetry from N nodes arrives as N updates a second, nearly together; drawing
@@ -794,7 +794,7 @@ class StudioApp(Dashboard):
     async def _provision(self, ctl: Controller, name: str) -> None:
         """Provision the node, each step in the log; the shards `down` kept for it are
         loaded again, as `studiotui provision` does (`keep_placements`)."""
-        if not any(k.node == name for k in ctl.kept_shards()):
+        if not has_kept(ctl, [name]):
             await provision_logged(ctl, [name])
             return
 

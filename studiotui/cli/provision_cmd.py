@@ -216,7 +216,7 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
     # it: load them again, as `restart` does. Otherwise nothing is asked of the agents.
     ctl = Controller(home, inv)
     try:
-        if not upgrade and not any(k.node in names for k in ctl.kept_shards()):
+        if not upgrade and not restart.has_kept(ctl, names):
             results = await run()
             print_outcomes(console, errors, results)
             return 0 if all(o.ok for o in results) else 1

@@ -128,6 +128,12 @@ async def restart_nodes(
     return await keep_placements(ctl, names, bounce, on_reload, on_back=on_back)
 
 
+def has_kept(ctl: Controller, names: Sequence[str]) -> bool:
+    """Whether `down` kept shards for any of `names`: provisioning them loads those again
+    (`keep_placements`), as a restart does."""
+    return any(k.node in names for k in ctl.kept_shards())
+
+
 async def keep_placements(
     ctl: Controller,
     names: Sequence[str],
