@@ -449,3 +449,43 @@ def test_decoder_config_finds_a_nested_decoder() -> None:
         "model_type": "llama",
         "num_hidden_layers": 8,
     }
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_float32_prompts_of_several_full_chunks_cross_real_sockets(
+    engine_cluster: LocalCluster, tmp_path: Path, nodes: int
+) -> None:
+    """A float32 prefill chunk of 512 tokens fills the ring's frame limit exactly; the
+    CURVE box around it must still fit (it did not: the frame was refused by ZeroMQ and
+    the next stage never heard of the request)."""
+    model = write_demo_model(
+        tmp_path / "f32",
+        DemoSpec(arch="llama", layers=6, hidden=128, heads=4, kv_heads=2, dtype="float32", seed=5),
+    )
+    prompt = [(7 * i) % 200 + 3 for i in range(1100)]  # two full chunks of 512 and a tail
+    loaded, _ = mlx_lm.load(str(model))
+    expected = [
+        int(t)
+        for t, _ in generate_step(mx.array(prompt), loaded, max_tokens=8, prefill_step_size=512)
+    ]
+
+    async def run() -> list[int]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            names = list(engine_cluster.inventory.names)[:nodes]
+            await ctl.place(model, names, "f32", context_tokens=2048)
+            out: list[int] = []
+            try:
+                params = {"max_tokens": 8, "ignore_eos": True}
+                async for msg in ctl.generate("f32", {"tokens": prompt}, params):
+                    assert msg["type"] != "error", msg
+                    if msg["type"] == "delta":
+                        out += msg["tokens"]
+            finally:
+                await ctl.unload("f32")
+            return out
+        finally:
+            await ctl.close()
+
+    assert asyncio.run(run()) == expected

@@ -107,7 +107,8 @@ def test_ring_frames_that_cannot_be_this_models_are_refused_before_allocation(
 
 
 def test_the_ring_limit_fits_a_prefill_chunk_of_the_widest_dtype() -> None:
-    assert ring_frame_limit(8192, 512) == 512 * 8192 * 4
+    # A float32 chunk, with room for the CURVE box ZeroMQ measures instead of the payload.
+    assert 512 * 8192 * 4 < ring_frame_limit(8192, 512) <= 512 * 8192 * 4 + 4096
     assert ring_frame_limit(32, 8) >= 64 * 1024  # a header with 16 long stop strings
 
 

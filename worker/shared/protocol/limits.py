@@ -170,12 +170,19 @@ MAX_QUEUED_WORK = 4096
 # A ring frame's header: a request id, a shape, sampling parameters with their stop
 # strings (16 x 1024 characters, up to 4 bytes each in UTF-8), and some slack.
 RING_HEADER_BYTES = 256 * 1024
+# ZeroMQ checks MAXMSGSIZE against a part as it arrives, and under CURVE that is the
+# encrypted box: the payload plus its nonce, MAC and command header (a few dozen
+# bytes). Without this slack a float32 chunk that fills the limit exactly was refused
+# and the next stage never heard of the request.
+CURVE_BOX_SLACK = 4096
 
 
 def ring_frame_limit(hidden: int, prefill_chunk: int) -> int:
-    """The largest ring message part: a prefill chunk's activation in float32, the
-    widest dtype that travels, or the header, whichever is larger."""
-    return max(RING_HEADER_BYTES, max(1, prefill_chunk) * max(1, hidden) * 4)
+    """The largest ring message part ZeroMQ accepts: a prefill chunk's activation in
+    float32, the widest dtype that travels, or the header, whichever is larger, each in
+    its CURVE box."""
+    payload = max(RING_HEADER_BYTES, max(1, prefill_chunk) * max(1, hidden) * 4)
+    return payload + CURVE_BOX_SLACK
 
 
 # A log tail asked for over the control socket (read_log): lines and bytes read at most,
