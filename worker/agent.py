@@ -150,6 +150,10 @@ class ShardProc:
             "adapter_dir": self.spec.get("adapter_dir", ""),
             "adapter_bytes": self.spec.get("adapter_bytes", 0),
             "weight_bytes": self.spec.get("weight_bytes", 0),
+            "kv_bits": self.spec.get("kv_bits", 0),
+            "kv_group_size": self.spec.get("kv_group_size", 64),
+            "prompt_cache_bytes": self.spec.get("prompt_cache_bytes", 0),
+            "prompt_cache_disk_bytes": self.spec.get("prompt_cache_disk_bytes", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "group_port": self.group_port,
@@ -392,6 +396,7 @@ class Agent:
             "weight_bytes": req.weight_bytes,
             "kv_bytes": req.kv_bytes,
             "adapter_bytes": req.adapter_bytes,
+            "prompt_cache_bytes": req.prompt_cache_bytes,
         }
         lease = req.lease_s or control.PREPARED_LEASE_S
         self.shards[name] = ShardProc(
@@ -468,6 +473,10 @@ class Agent:
             "adapter": req.adapter,
             "adapter_dir": req.adapter_dir,
             "adapter_bytes": req.adapter_bytes,
+            "kv_bits": req.kv_bits,
+            "kv_group_size": req.kv_group_size,
+            "prompt_cache_bytes": req.prompt_cache_bytes,
+            "prompt_cache_disk_bytes": req.prompt_cache_disk_bytes,
             # Said at prepare_shard; weights not read yet stay promised while it loads.
             "weight_bytes": shard.spec.get("weight_bytes", 0),
         }

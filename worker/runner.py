@@ -83,6 +83,10 @@ class RunnerSpec:
     context_tokens: int = 4096
     streams: int = DEFAULT_STREAMS  # requests run at once; the plan reserved KV for them
     kv_bytes: int = 0
+    kv_bits: int = 0  # quantized KV: 8 or 4 bits (0: full precision), see shared.kv_quant
+    kv_group_size: int = 64
+    prompt_cache_bytes: int = 0  # the prompt cache's budget in memory and on disk
+    prompt_cache_disk_bytes: int = 0
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
@@ -245,6 +249,8 @@ class Runner:
             progress,
             group=self.group,
             adapter_dir=adapter,
+            kv_bits=self.spec.kv_bits,
+            kv_group_size=self.spec.kv_group_size,
         )
         tokenizer = None
         if shard.is_first or shard.is_last:

@@ -47,6 +47,7 @@ from studiotui.bench import batching, soak
 from studiotui.bench.api_bench import bench_api
 from studiotui.bench.finetune import finetune_figures
 from studiotui.bench.floor import PipeFloor
+from studiotui.bench.kv_context import kv_context_figures
 from studiotui.bench.launch import ring_of_two
 from studiotui.bench.provision import bench_provision
 from studiotui.bench.tensor import (
@@ -432,6 +433,8 @@ def measure(quick: bool) -> dict[str, Any]:
             with phase("single"):
                 single = SingleProcess(model_dir)
             pipe = asyncio.run(_with_cluster(home, inv, model_dir, cfg, single))
+            with phase("kv8"):
+                kv = asyncio.run(kv_context_figures(home, inv))
             with phase("single"):
                 single_moe = SingleProcess(moe_dir)
             moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
@@ -471,6 +474,7 @@ def measure(quick: bool) -> dict[str, Any]:
     pipe["moe2"] = moe
     figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
     figures.update(batch)
+    figures.update(kv)
     figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 

@@ -564,7 +564,13 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(f"--tensor {args.tensor}: {why}")
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams, tensor, adapter
+                args.model_dir.expanduser(),
+                group,
+                args.context,
+                args.streams,
+                tensor,
+                adapter,
+                **place_options(args),
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
@@ -573,6 +579,20 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             return 1
         if beyond := context_beyond(info.facts, the_plan.context_tokens):
             errors.print(f"[yellow]note:[/] {beyond}", highlight=False)
+        if isinstance(the_plan, Plan) and args.dry_run:
+            most = ctl.context_offer(
+                args.model_dir.expanduser(),
+                [n for s in the_plan.shards for n in s.nodes],
+                the_plan.streams,
+                the_plan.tensor,
+                args.kv_bits,
+                args.kv_group_size,
+            )
+            kv = f"{args.kv_bits}-bit" if args.kv_bits else "full-precision"
+            console.print(
+                f"these nodes hold up to {most} tokens of context × {the_plan.streams} "
+                f"stream{'s' if the_plan.streams != 1 else ''} with {kv} KV (--context)"
+            )
         if isinstance(the_plan, Plan):
             print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:
@@ -616,6 +636,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     tensor=tensor,
                     adapter_dir=args.adapter,
                     hashing=hashed,
+                    **place_options(args),
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
@@ -628,6 +649,24 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     finally:
         await ctl.close()
     return 0
+
+
+GIB = 1024**3  # "GB" as the previews show sizes (core/placement.format_bytes)
+
+
+def place_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What `place` asks of the KV cache and the prompt cache (GB said in bytes)."""
+    return {
+        "kv_bits": args.kv_bits,
+        "kv_group_size": args.kv_group_size,
+        **{
+            key: None if gb is None else int(gb * GIB)
+            for key, gb in (
+                ("prompt_cache", args.prompt_cache),
+                ("prompt_cache_disk", args.prompt_cache_disk),
+            )
+        },
+    }
 
 
 def print_shapes(
@@ -645,7 +684,12 @@ def print_shapes(
         if size == the_plan.tensor:
             continue
         _, other = ctl.preview(
-            args.model_dir.expanduser(), group, args.context, the_plan.streams, size
+            args.model_dir.expanduser(),
+            group,
+            args.context,
+            the_plan.streams,
+            size,
+            **place_options(args),
         )
         if isinstance(other, Plan):
             said = describe(forecast(facts, other, chips, links, streams=other.streams))

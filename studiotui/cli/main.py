@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from studiotui import __version__
-from studiotui.cli.argtypes import port, positive, positive_float, whole
+from studiotui.cli.argtypes import gigabytes, port, positive, positive_float, whole
 from studiotui.core.errors import StudioError, UserError
 from studiotui.core.inventory import DEFAULT_CONTROL_PORT
+from worker.shared.kv_quant import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 DEFAULT_LOCAL_NODES = 4
@@ -87,6 +88,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="nodes per stage: each stage a tensor group of N nodes (1: a pipeline; "
         "default: the fastest shape that fits, by the forecast)",
+    )
+    place.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=0,
+        help="keep the KV cache quantized to 8 or 4 bits (mlx-lm's QuantizedKVCache): "
+        "about 1.9x or 3.5x the context in the same memory; sliding-window, "
+        "linear-attention and MLA caches stay full (the preview says which)",
+    )
+    place.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=DEFAULT_KV_GROUP_SIZE,
+        help="values per quantization scale with --kv-bits (default: %(default)s)",
+    )
+    place.add_argument(
+        "--prompt-cache",
+        type=gigabytes,
+        default=None,
+        metavar="GB",
+        help="memory for the prompt cache, over the whole placement, counted in each "
+        "node's memory like weights and KV (default: what the plan can spare, at most "
+        "half of what is left free and 4 whole contexts' KV; 0: none)",
+    )
+    place.add_argument(
+        "--prompt-cache-disk",
+        type=gigabytes,
+        default=None,
+        metavar="GB",
+        help="disk under each node's workdir for prompt-cache entries pushed out of "
+        "memory, over the whole placement (default: 4x the memory budget; 0: none)",
     )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
     place.add_argument(

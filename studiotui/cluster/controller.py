@@ -42,8 +42,16 @@ from studiotui.core.forecast import (
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch, node_gone
 from studiotui.core.members import Member, jaccl_devices, members, rdma_link
-from studiotui.core.model_facts import ModelInfo, read_model
-from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes, with_adapter
+from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model, with_kv_quant
+from studiotui.core.placement import (
+    NodeBudget,
+    Plan,
+    Refusal,
+    format_bytes,
+    longest_context,
+    with_adapter,
+    with_prompt_cache,
+)
 from studiotui.core.state import (
     ClusterState,
     LinkState,
@@ -64,6 +72,7 @@ from studiotui.ssh.client import SshError
 from worker.shared import probes
 from worker.shared.adapters import FILES as ADAPTER_FILES
 from worker.shared.adapters import WEIGHTS_NAME, Adapter
+from worker.shared.kv_quant import DEFAULT_KV_GROUP_SIZE
 from worker.shared.manifest import Hashing, manifest
 from worker.shared.protocol import control, messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
@@ -104,9 +113,12 @@ def promised_bytes(shard: ShardState) -> int:
 
 
 def committed_bytes(node: NodeState) -> int:
-    """Memory a node has promised but not yet used: the KV caches its placements may
-    still grow to, and what its shards not loaded yet will hold (promised_bytes)."""
-    return sum(shard.kv_bytes + promised_bytes(shard) for shard in node.shards)
+    """Memory a node has promised but not yet used: the KV caches and prompt caches its
+    placements may still grow to, and what its shards not loaded yet will hold
+    (promised_bytes)."""
+    return sum(
+        shard.kv_bytes + shard.prompt_cache_bytes + promised_bytes(shard) for shard in node.shards
+    )
 
 
 Pledges = Mapping[str, Mapping[str, int]]  # placement -> node -> bytes
@@ -134,7 +146,7 @@ def promises_note(nodes: Sequence[NodeState], pledges: Pledges | None = None) ->
                 held.setdefault(name, []).append(f"{format_bytes(mine)} on {node.name}")
                 doing.setdefault(name, "being prepared")
         for shard in node.shards:
-            promised = shard.kv_bytes + promised_bytes(shard)
+            promised = shard.kv_bytes + shard.prompt_cache_bytes + promised_bytes(shard)
             if shard.state not in ("prepared", "loading") or promised <= 0:
                 continue
             held.setdefault(shard.placement, []).append(f"{format_bytes(promised)} on {node.name}")
@@ -491,28 +503,35 @@ class Controller:
         streams: int | None = None,
         tensor: int | None = None,
         adapter: Adapter | None = None,
+        kv_bits: int = 0,
+        kv_group_size: int | None = DEFAULT_KV_GROUP_SIZE,
+        prompt_cache: int | None = None,
+        prompt_cache_disk: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
         DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one.
         `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits.
-        `adapter` (checked already): each layer's share of it counts on its shard."""
+        `adapter` (checked already): each layer's share of it counts on its shard.
+        `kv_bits` (8 or 4): the KV sized, and later kept, quantized (shared.kv_quant);
+        settings the model cannot take are a Refusal (None group size: one that
+        divides its heads, kv_quant.group_size_for). `prompt_cache`,
+        `prompt_cache_disk`: the placement's prompt-cache budget in bytes (None: what the
+        plan can spare, placement.with_prompt_cache), counted in each node's memory."""
         model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
+        try:
+            info, kv_notes, kv_group_size = with_kv_quant(info, kv_bits, kv_group_size)
+        except ModelDirError as exc:
+            return info, Refusal(str(exc))
         if adapter is not None:
             adapted = with_adapter(info.facts, adapter.bytes_by_layer(info.n_layers))
             info = replace(info, facts=adapted)
         if info.unsupported:
             # Refused here, before the plan and so before any file is copied to a node.
             return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
-        budgets = []
-        for name in nodes:
-            node = self.state.node(name)
-            if node is None:
-                return info, Refusal(f"unknown node {name!r}")
-            if node.state != "up":
-                return info, Refusal(f"{name} is {node.state}: {node_start_hint(name)}")
-            free = max(0, self._room(node))
-            budgets.append(NodeBudget(name, free, node.memory_total))
+        budgets = self._budgets(nodes)
+        if isinstance(budgets, Refusal):
+            return info, budgets
         links = links_from_state(self.state)
         chips = self.node_chips(nodes)
         tried = [streams] if streams is not None else range(DEFAULT_STREAMS, 0, -1)
@@ -527,12 +546,48 @@ class Controller:
                 streams=n,
             ).verdict
             if isinstance(verdict, Plan):
+                verdict = with_prompt_cache(verdict, prompt_cache, prompt_cache_disk)
+            if isinstance(verdict, Plan):
                 break
         if isinstance(verdict, Refusal):
             group = [s for name in nodes if (s := self.state.node(name)) is not None]
             if note := promises_note(group, self._pledges):
                 verdict = Refusal(f"{verdict.reason} ({note})")
+        else:
+            verdict = replace(verdict, kv_bits=kv_bits, kv_group_size=kv_group_size, notes=kv_notes)
         return info, verdict
+
+    def _budgets(self, nodes: Sequence[str]) -> list[NodeBudget] | Refusal:
+        """What each node can take now (`_room`), or why one cannot take anything."""
+        budgets = []
+        for name in nodes:
+            node = self.state.node(name)
+            if node is None:
+                return Refusal(f"unknown node {name!r}")
+            if node.state != "up":
+                return Refusal(f"{name} is {node.state}: {node_start_hint(name)}")
+            free = max(0, self._room(node))
+            budgets.append(NodeBudget(name, free, node.memory_total))
+        return budgets
+
+    def context_offer(
+        self,
+        model_dir: Path,
+        nodes: list[str],
+        streams: int = 1,
+        tensor: int = 1,
+        kv_bits: int = 0,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+    ) -> int:
+        """The longest context these nodes hold for `streams` requests at once, as the
+        planner places it now (the memory their reports and promises leave), with the KV
+        at `kv_bits`; 0: none. A ModelDirError for a model or settings it cannot take."""
+        info, _, _ = with_kv_quant(read_model(model_dir), kv_bits, kv_group_size)
+        budgets = self._budgets(nodes)
+        if isinstance(budgets, Refusal):
+            return 0
+        links = links_from_state(self.state)
+        return longest_context(info.facts, budgets, links, streams=streams, tensor=tensor)
 
     @property
     def pledges(self) -> Pledges:
@@ -569,6 +624,10 @@ class Controller:
         adapter_dir: Path | None = None,
         tensor: int | None = None,
         hashing: Hashing | None = None,
+        kv_bits: int = 0,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        prompt_cache: int | None = None,
+        prompt_cache_disk: int | None = None,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else. With
@@ -595,7 +654,18 @@ class Controller:
         )
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
-        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor, adapter)
+        info, the_plan = self.preview(
+            model_dir,
+            nodes,
+            context_tokens,
+            streams,
+            tensor,
+            adapter,
+            kv_bits,
+            kv_group_size,
+            prompt_cache,
+            prompt_cache_disk,
+        )
         if expected is not None:
             problem = self._no_longer_fits(expected)
             if problem:
@@ -623,7 +693,12 @@ class Controller:
         pledge = self._pledges.setdefault(name, {})
         for shard in the_plan.shards:
             for node in shard.nodes:
-                pledge[node] = shard.weight_bytes + shard.kv_bytes + shard.adapter_bytes
+                pledge[node] = (
+                    shard.weight_bytes
+                    + shard.kv_bytes
+                    + shard.adapter_bytes
+                    + shard.prompt_cache_bytes
+                )
         planned = PlannedPlacement(str(model_dir), ring)
         if adapter is not None:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
@@ -717,6 +792,7 @@ class Controller:
                     weight_bytes=shards[m.stage].weight_bytes,
                     kv_bytes=shards[m.stage].kv_bytes,
                     adapter_bytes=shards[m.stage].adapter_bytes,
+                    prompt_cache_bytes=shards[m.stage].prompt_cache_bytes,
                     lease_s=self.lease_s,
                 )
                 for m in procs
@@ -765,6 +841,10 @@ class Controller:
                 adapter=adapter.name if adapter else "",
                 adapter_dir=adapter_dirs.get(m.node, ""),
                 adapter_bytes=shards[m.stage].adapter_bytes,
+                kv_bits=the_plan.kv_bits,
+                kv_group_size=the_plan.kv_group_size,
+                prompt_cache_bytes=shards[m.stage].prompt_cache_bytes,
+                prompt_cache_disk_bytes=shards[m.stage].prompt_cache_disk_bytes,
             )
             try:
                 async for msg in stream:
@@ -1468,6 +1548,10 @@ class Controller:
             adapter_dir=shard.adapter_dir,
             adapter_bytes=shard.adapter_bytes,
             weight_bytes=shard.weight_bytes,
+            kv_bits=shard.kv_bits,
+            kv_group_size=shard.kv_group_size,
+            prompt_cache_bytes=shard.prompt_cache_bytes,
+            prompt_cache_disk_bytes=shard.prompt_cache_disk_bytes,
             rank=shard.rank,
             group=list(shard.group),
             backend=self._planned_backend(shard),
@@ -1537,6 +1621,7 @@ class Controller:
             weight_bytes=r.weight_bytes,
             kv_bytes=r.kv_bytes,
             adapter_bytes=r.adapter_bytes,
+            prompt_cache_bytes=r.prompt_cache_bytes,
         )
         if (prepared.data_port, prepared.client_port) != ports:
             await peer.request("unload", placement=saved.placement)
@@ -1565,6 +1650,10 @@ class Controller:
             adapter=r.adapter,
             adapter_dir=r.adapter_dir,
             adapter_bytes=r.adapter_bytes,
+            kv_bits=r.kv_bits,
+            kv_group_size=r.kv_group_size,
+            prompt_cache_bytes=r.prompt_cache_bytes,
+            prompt_cache_disk_bytes=r.prompt_cache_disk_bytes,
             **(group or {}),
         ):
             pass

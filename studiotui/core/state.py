@@ -46,6 +46,12 @@ class ShardState:
     adapter_dir: str = ""  # where this node holds it ("" when its layers are not adapted)
     adapter_bytes: int = 0  # the plan's share of the adapter on this shard's layers
     weight_bytes: int = 0  # the plan's weights for them (0: an agent that does not say)
+    kv_bits: int = 0  # quantized KV (`place --kv-bits`; 0: full precision)
+    kv_group_size: int = 64
+    # The prompt cache's budget on this shard: memory (promised like its KV, see
+    # controller.committed_bytes) and the node's disk.
+    prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
     # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
     # 0 and () for a one-node stage.
     rank: int = 0
@@ -382,6 +388,10 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         adapter_dir=report.adapter_dir,
         adapter_bytes=report.adapter_bytes,
         weight_bytes=report.weight_bytes,
+        kv_bits=report.kv_bits,
+        kv_group_size=report.kv_group_size,
+        prompt_cache_bytes=report.prompt_cache_bytes,
+        prompt_cache_disk_bytes=report.prompt_cache_disk_bytes,
         rank=report.rank,
         group=tuple(report.group),
     )

@@ -64,6 +64,8 @@ class Previewing(Protocol):
         streams: int | None = ...,
         tensor: int | None = ...,
         adapter: Adapter | None = ...,
+        kv_bits: int = ...,
+        kv_group_size: int | None = ...,
     ) -> tuple[ModelInfo, Plan | Refusal]: ...
 
     def check_adapter(
@@ -74,6 +76,8 @@ class Previewing(Protocol):
 MIN_CONTEXT = 256
 MAX_CONTEXT = 1 << 20
 MAX_STREAMS = 256
+# What `k` cycles through: full-precision KV, then mlx-lm's QuantizedKVCache at 8 and 4.
+KV_CHOICES = (0, 8, 4)
 
 
 @dataclass(frozen=True)
@@ -192,9 +196,18 @@ def plan_lines(
         return Content.assemble(format_bytes(shard["weight_bytes"]), (extra, "$accent"))
 
     def build(gauge: int, holds: bool, sizes: bool) -> list[Content]:
-        titles = ["node", "layers", weights, "KV cache", "memory now", "after loading", ""]
+        titles = [
+            "node",
+            "layers",
+            weights,
+            "KV cache",
+            "prompt cache",
+            "memory now",
+            "after loading",
+            "",
+        ]
         if not sizes:
-            titles[2:4] = []
+            titles[2:5] = []
         if holds and any_held:
             titles.append("holds")
         rows = [[Content.styled(h, "bold $text-muted") for h in titles]]
@@ -203,7 +216,11 @@ def plan_lines(
                 i,
                 shard,
                 name,
-                free - shard["weight_bytes"] - shard["adapter_bytes"] - shard["kv_bytes"],
+                free
+                - shard["weight_bytes"]
+                - shard["adapter_bytes"]
+                - shard["kv_bytes"]
+                - shard["prompt_cache_bytes"],
             )
             for i, shard in enumerate(data["shards"])
             for name, free in zip(
@@ -227,6 +244,7 @@ def plan_lines(
                 ),
                 weight_cell(shard),
                 Content(format_bytes(shard["kv_bytes"])),
+                Content(format_bytes(shard["prompt_cache_bytes"])),
                 # What the node reports in use, the figure its card shows; the plan's
                 # "free before" also holds back what loading shards and a runner take.
                 _memory_cell(node.memory_used if node else 0, total, gauge),
@@ -236,11 +254,11 @@ def plan_lines(
                 else Content.styled("✗ short", "$error"),
             ]
             if not sizes:
-                row[2:4] = []
+                row[2:5] = []
             if len(titles) > len(row):
                 row.append(Content.styled(_holds(state, name, placement), "$text-muted"))
             rows.append(row)
-        return _table(rows, right={2, 3} if sizes else set())
+        return _table(rows, right={2, 3, 4} if sizes else set())
 
     lines = _fitting(build, width)
     # The planner's own words for the ring and its slowest link, as `studiotui place`.
@@ -360,6 +378,7 @@ class PreviewScreen(ModalScreen[None]):
         Binding("s", "streams(1)", "Streams +1", id="preview-streams-up"),
         Binding("S", "streams(-1)", "Streams -1", id="preview-streams-down"),
         Binding("t", "cycle_shape", "Shape", id="preview-shape"),
+        Binding("k", "cycle_kv", "KV bits", id="preview-kv"),
     ]
 
     def __init__(self, request: PlaceRequest, controller: Previewing, deploy: Deploy) -> None:
@@ -373,6 +392,8 @@ class PreviewScreen(ModalScreen[None]):
         self.streams: int | None = None
         # Nodes per stage asked for with `t`; None lets the planner take the fastest.
         self.tensor: int | None = None
+        # Quantized KV asked for with `k` (0: full precision; KV_CHOICES).
+        self.kv_bits = 0
         # Every shape that divides: (tensor size, plan or refusal, forecast if it fits).
         self.shapes: list[tuple[int, Plan | Refusal, Forecast | None]] = []
         # measuring, planning, plan, refused, error, loading, ready, failed
@@ -450,6 +471,8 @@ class PreviewScreen(ModalScreen[None]):
                 self.streams,
                 self.tensor,
                 self.adapter,  # each layer's share counted on its shard
+                kv_bits=self.kv_bits,
+                kv_group_size=None,  # one that divides the model's heads
             )
             self.shapes = await asyncio.to_thread(self._shapes)
         except Exception as exc:  # a model directory gone or unreadable since the scan
@@ -492,6 +515,8 @@ class PreviewScreen(ModalScreen[None]):
                     self.planned_streams,
                     size,
                     self.adapter,
+                    kv_bits=self.kv_bits,
+                    kv_group_size=None,
                 )
             guess = (
                 forecast(self.info.facts, verdict, chips, links, streams=verdict.streams)
@@ -559,6 +584,13 @@ class PreviewScreen(ModalScreen[None]):
         self._to_shapes = True
         self.replan()
 
+    def action_cycle_kv(self) -> None:
+        """`k`: full-precision KV, 8-bit, 4-bit, round again (the plan follows the sizes)."""
+        if self.phase not in ("plan", "refused"):
+            return
+        self.kv_bits = KV_CHOICES[(KV_CHOICES.index(self.kv_bits) + 1) % len(KV_CHOICES)]
+        self.replan()
+
     @property
     def planned_streams(self) -> int:
         """The streams the plan on screen is for (a refusal in auto mode is for one)."""
@@ -607,8 +639,8 @@ class PreviewScreen(ModalScreen[None]):
         self.query_one("#preview-body", Drawing).redraw(self._lines)
         dialog = self.query_one("#preview-dialog")
         dialog.border_subtitle = {
-            "plan": "enter deploy · +/- context · s/S streams · t shape · esc cancel",
-            "refused": "+/- context · s/S streams · esc close",
+            "plan": "enter deploy · +/- context · s/S streams · t shape · k KV bits · esc cancel",
+            "refused": "+/- context · s/S streams · k KV bits · esc close",
             "loading": "esc hide (loading goes on; see Placements)",
         }.get(self.phase, "esc close")
         dialog.set_class(self.phase in ("refused", "error", "failed"), "-refused")
@@ -653,6 +685,7 @@ class PreviewScreen(ModalScreen[None]):
                 f"{self.context_tokens} tokens of context",
                 f" × {self.planned_streams} stream{'s' if self.planned_streams != 1 else ''}"
                 " at once",
+                f" · KV {self.kv_bits}-bit" if self.kv_bits else "",
             )
         )
         if self.info is not None and (

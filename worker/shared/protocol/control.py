@@ -82,6 +82,7 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     weight_bytes: int = 0
     kv_bytes: int = 0
     adapter_bytes: int = 0
+    prompt_cache_bytes: int = 0  # the plan's prompt-cache budget for this shard
     # How long the shard stays prepared unless its controller renews it (renew_shards);
     # None: PREPARED_LEASE_S. A lapsed one is dropped.
     lease_s: float | None = None
@@ -121,6 +122,14 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     # The plan's bytes of the adapter on this shard's layers: reported back, so that
     # memory promised to a shard still loading counts them (controller.committed_bytes).
     adapter_bytes: int = 0
+    # Quantized KV (`place --kv-bits`): 0 full precision, else 8 or 4 bits in groups of
+    # kv_group_size values (mlx-lm's QuantizedKVCache; shared.kv_quant says which layers).
+    kv_bits: int = 0
+    kv_group_size: int = 64
+    # The prompt cache's budget on this shard, in memory and on its node's disk (the
+    # plan counts the memory in the node's, like weights and KV).
+    prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
 
 
 class TensorMember(Wire, frozen=True, kw_only=True):
@@ -317,6 +326,10 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     adapter_dir: str = ""
     adapter_bytes: int = 0  # the plan's share of the adapter on these layers
     weight_bytes: int = 0  # the plan's weights for these layers (promised until loaded)
+    kv_bits: int = 0  # quantized KV (0: full precision)
+    kv_group_size: int = 64
+    prompt_cache_bytes: int = 0  # the prompt cache's memory budget (promised while loaded)
+    prompt_cache_disk_bytes: int = 0
     data_port: int = 0
     client_port: int = 0
     # A member of a tensor-parallel stage: its group port, rank, the group's nodes in
