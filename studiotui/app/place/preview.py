@@ -196,18 +196,9 @@ def plan_lines(
         return Content.assemble(format_bytes(shard["weight_bytes"]), (extra, "$accent"))
 
     def build(gauge: int, holds: bool, sizes: bool) -> list[Content]:
-        titles = [
-            "node",
-            "layers",
-            weights,
-            "KV cache",
-            "prompt cache",
-            "memory now",
-            "after loading",
-            "",
-        ]
+        titles = ["node", "layers", weights, "KV+prompt cache", "memory now", "after loading", ""]
         if not sizes:
-            titles[2:5] = []
+            titles[2:4] = []
         if holds and any_held:
             titles.append("holds")
         rows = [[Content.styled(h, "bold $text-muted") for h in titles]]
@@ -243,8 +234,11 @@ def plan_lines(
                     (f" +{'+'.join(ends)}" if ends else "", "$text-muted"),
                 ),
                 weight_cell(shard),
-                Content(format_bytes(shard["kv_bytes"])),
-                Content(format_bytes(shard["prompt_cache_bytes"])),
+                # The prompt cache's budget beside the KV (both grow as requests come).
+                Content.assemble(
+                    format_bytes(shard["kv_bytes"]),
+                    (f" +{format_bytes(shard['prompt_cache_bytes'])}", "$accent"),
+                ),
                 # What the node reports in use, the figure its card shows; the plan's
                 # "free before" also holds back what loading shards and a runner take.
                 _memory_cell(node.memory_used if node else 0, total, gauge),
@@ -254,11 +248,11 @@ def plan_lines(
                 else Content.styled("✗ short", "$error"),
             ]
             if not sizes:
-                row[2:5] = []
+                row[2:4] = []
             if len(titles) > len(row):
                 row.append(Content.styled(_holds(state, name, placement), "$text-muted"))
             rows.append(row)
-        return _table(rows, right={2, 3, 4} if sizes else set())
+        return _table(rows, right={2, 3} if sizes else set())
 
     lines = _fitting(build, width)
     # The planner's own words for the ring and its slowest link, as `studiotui place`.
