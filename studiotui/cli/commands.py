@@ -287,6 +287,11 @@ def status_json(ctl: Controller, rates: Mapping[str, float] | None = None) -> di
                 "shape": p.shape,
                 "context_tokens": p.context_tokens,
                 "streams": p.streams,
+                # Quantized KV (0: full precision) and the prompt cache's budget, summed
+                # over the nodes (each counts its share in its memory).
+                "kv_bits": max((s.kv_bits for s in p.shards), default=0),
+                "prompt_cache_bytes": sum(s.prompt_cache_bytes for s in p.shards),
+                "prompt_cache_disk_bytes": sum(s.prompt_cache_disk_bytes for s in p.shards),
                 # What the dashboard's Placements pane shows (core/traffic.py).
                 "in_flight": placement_in_flight(p),
                 "tokens": placement_tokens(p),

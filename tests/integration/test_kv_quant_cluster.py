@@ -17,6 +17,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from studiotui.cli.commands import status_json
 from studiotui.cli.main import main
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller, committed_bytes
 from studiotui.core.inventory import dump_inventory
@@ -84,6 +85,9 @@ def test_kv_bits_reach_every_runner_and_match_mlx_lm(
             placed = ctl.state.placement("kvq4")
             assert placed is not None
             assert {(s.kv_bits, s.kv_group_size) for s in placed.shards} == {(4, 32)}
+            (shown,) = [p for p in status_json(ctl)["placements"] if p["name"] == "kvq4"]
+            assert shown["kv_bits"] == 4
+            assert shown["prompt_cache_bytes"] == sum(s.prompt_cache_bytes for s in planned.shards)
             assert await answer(ctl, "kvq4", tokens) == expected
             await ctl.unload("kvq4")
         finally:
