@@ -70,6 +70,8 @@ from studiotui.core.placement import (
 from studiotui.core.state import ClusterState, node_start_hint
 from studiotui.core.text import printable
 from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
+from studiotui.provision import restart
+from studiotui.provision.deploy import Outcome
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 
@@ -112,14 +114,29 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
         inv = inventory_of(args, home)
     local = [n for n in inv.nodes if n.is_local]
     remote = [n for n in inv.nodes if not n.is_local]
-    for node in local:
-        local_cluster.start_agent(home, node, inv)
     ctl = Controller(home, inv)
+    done: restart.Restarted | None = None
     try:
-        missing = await wait_until_up(ctl, [n.name for n in local], timeout=30.0)
+        names = [n.name for n in local]
+        if names and restart.has_kept(ctl, names):
+            # `down` kept these nodes' shards: started, they load them again, as after
+            # `restart` (a placement whose every node was stopped too).
+            async def bounce() -> list[Outcome]:
+                return await restart.restart_local_agents(ctl, local, stop=False)
+
+            done = await restart.keep_placements(
+                ctl, names, bounce, on_reload=say_reloading, doing="start"
+            )
+            missing = [o.node for o in done.outcomes if not o.ok]
+        else:
+            for node in local:
+                local_cluster.start_agent(home, node, inv)
+            missing = await wait_until_up(ctl, names, timeout=30.0)
         print_nodes(ctl)
     finally:
         await ctl.close()
+    if done is not None:
+        print_restarted(done)
     if remote:
         names = ", ".join(n.name for n in remote)
         console.print(f"SSH nodes ({names}) are started by `studiotui provision`.")
@@ -129,7 +146,7 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
             errors.print(f"[red]{name} did not answer within 30 s.[/] Last lines of its output:")
             errors.print(tail or "(nothing)")
         return 1
-    return 0
+    return 0 if done is None or done.ok else 1
 
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:
@@ -146,12 +163,11 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         live = [n for n in names if n not in idle]
+        # Placements stay planned, even one whose every node stops: `restart` and `up`
+        # load the kept shards again (`unload` forgets one for good).
         kept = await keep_for_restart(ctl, live)
         results = await ctl.shutdown(live)
         results.update({n: "not running" for n in idle})
-        # Every node of it stopped: gone, not broken; not brought back by a restart.
-        gone = ctl.forget_placements_on(names)
-        kept = [k for k in kept if k.placement not in gone]
     finally:
         await ctl.close()
     for name in names:
@@ -176,12 +192,34 @@ async def keep_for_restart(ctl: Controller, names: list[str]) -> list[SavedShard
 
 def say_kept(kept: list[SavedShard], ssh: bool = False) -> None:
     """What `down` kept, and the verbs that bring it back (an SSH node's `provision`
-    too, `provision_cmd.cmd_provision`)."""
+    too, `provision_cmd.cmd_provision`; a local node's `up`)."""
     for name, placement in sorted({(k.node, k.placement) for k in kept}):
-        verbs = f"`studiotui restart {name}`" + (f" or `studiotui provision {name}`" if ssh else "")
+        other = f"`studiotui provision {name}`" if ssh else "`studiotui up`"
+        verbs = f"`studiotui restart {name}` or {other}"
         console.print(
             f"{name} held a shard of {placement!r}: {verbs} starts it and loads that shard again"
         )
+
+
+def say_reloading(placement: str, where: str) -> None:
+    console.print(
+        f"placement {placement!r}: loading its shards again on {where}…",
+        markup=False,
+        highlight=False,
+    )
+
+
+def print_restarted(done: restart.Restarted) -> None:
+    """What a restart, an upgrade or `up` did to the placements (`restart`'s and the
+    upgrade's node outcomes are printed as they come back)."""
+    for text in done.dropped:
+        errors.print(text, markup=False, highlight=False)
+    for text in done.lost:
+        errors.print(text, markup=False, highlight=False)
+    for result in done.reloads:
+        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
+    for text in done.broken:
+        errors.print(text, markup=False, highlight=False)
 
 
 def _wait_local_stop(node: Any) -> None:

@@ -224,40 +224,18 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
             ctl,
             names,
             run,
-            on_reload=_say_reloading,
+            on_reload=commands.say_reloading,
             doing="upgrade" if upgrade else "provisioning",
             on_back=_say_back,
         )
     finally:
         await ctl.close()
-    print_restarted(done)
+    commands.print_restarted(done)
     return 0 if done.ok else 1
 
 
 def _say_back(outcomes: Sequence[Outcome]) -> None:
     print_outcomes(commands.console, commands.errors, outcomes)
-
-
-def _say_reloading(placement: str, where: str) -> None:
-    commands.console.print(
-        f"placement {placement!r}: loading its shards again on {where}…",
-        markup=False,
-        highlight=False,
-    )
-
-
-def print_restarted(done: restart.Restarted) -> None:
-    """What a restart or an upgrade did to the placements (its nodes' outcomes were
-    printed as they came back, `_say_back`)."""
-    console, errors = commands.console, commands.errors
-    for text in done.dropped:
-        errors.print(text, markup=False, highlight=False)
-    for text in done.lost:
-        errors.print(text, markup=False, highlight=False)
-    for result in done.reloads:
-        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
-    for text in done.broken:
-        errors.print(text, markup=False, highlight=False)
 
 
 async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
@@ -270,10 +248,12 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     try:
         if not getattr(args, "yes", False):
             ending_jobs_refused("restart", "restarting", await ft.jobs_on(ctl, names))
-        done = await restart.restart_nodes(ctl, names, on_reload=_say_reloading, on_back=_say_back)
+        done = await restart.restart_nodes(
+            ctl, names, on_reload=commands.say_reloading, on_back=_say_back
+        )
     finally:
         await ctl.close()
-    print_restarted(done)
+    commands.print_restarted(done)
     return 0 if done.ok else 1
 
 

@@ -193,6 +193,28 @@ class SavedShard:
     next_key: str
 
 
+def saved_row(k: SavedShard) -> dict[str, Any]:
+    """A saved shard as the files that keep them write it (`kept_shards`, `recorded`)."""
+    return {
+        "node": k.node,
+        "placement": k.placement,
+        "report": control.to_wire(k.report),
+        "next_endpoint": k.next_endpoint,
+        "next_key": k.next_key,
+    }
+
+
+def saved_from_row(row: Any) -> SavedShard:
+    """Raises ValueError, TypeError, KeyError or MessageError for anything else."""
+    return SavedShard(
+        node=str(row["node"]),
+        placement=str(row["placement"]),
+        report=control.parse(row["report"], control.ShardReport),
+        next_endpoint=str(row["next_endpoint"]),
+        next_key=str(row["next_key"]),
+    )
+
+
 @dataclass(frozen=True)
 class ReloadResult:
     placement: str
@@ -648,6 +670,7 @@ class Controller:
         finally:
             self._placing.discard(name)
             self._pledges.pop(name, None)
+        await self._record_shards(name)
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
 
@@ -1014,6 +1037,7 @@ class Controller:
         planned = self._read_planned()
         if plan is None:
             planned.pop(name, None)
+            self._write_recorded(name, [])
         else:
             planned[name] = plan
         self._planned = planned
@@ -1202,7 +1226,7 @@ class Controller:
         )
         for shard, reply in zip(placement.shards, replies, strict=True):
             node = shard.node
-            again = f"unload {placement.name!r} and place it again"
+            again = _reload_hint(node)
             if isinstance(reply, BaseException):
                 return (
                     f"node {node} of placement {placement.name!r} stopped answering; "
@@ -1221,7 +1245,10 @@ class Controller:
                 )
             if mine[0].state != "ready":
                 why = mine[0].message or mine[0].state
-                return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
+                return (
+                    f"the shard of {placement.name!r} on {node} ({_stage(shard)}) is down: "
+                    f"{why}; {again}"
+                )
         return None
 
     def _lost_head(self, placement: PlacementState, peer: Peer) -> str:
@@ -1348,23 +1375,33 @@ class Controller:
         the words for placements that cannot be (so restart can name what it drops).
 
         `kept` are shards `down` took off nodes that are still down: a placement they
-        complete counts as whole, and they are reloaded with it. A tensor group is saved
+        complete counts as whole, and they are reloaded with it. So are the shards
+        recorded when it was placed (`recorded_shards`) on a node of `names` that
+        reports none of it: its agent died with them (`kill -9`), or is down and cannot
+        say what it held; the controller knows the ring. A tensor group is saved
         whole, its members on other nodes too: its ranks join one `mx.distributed` group
         together, so one rank cannot rejoin the others; the whole group is relaunched."""
         await self.refresh()
+        recorded = self.recorded_shards()
         saved: list[SavedShard] = []
         dropped: list[str] = []
         for placement in self.state.placements:
             held = {s.node for s in placement.shards}
             away = [k for k in kept if k.placement == placement.name and k.node not in held]
+            away += [
+                r
+                for r in recorded
+                if r.placement == placement.name
+                and r.node in names
+                and r.node not in held | {k.node for k in away}
+            ]
             mine = [s for s in placement.shards if s.node in names]
             if not mine and not away:
                 continue
             want = placement.expected or (away[0].report.count if away else 0)
-            grouped = any(s.group for s in placement.shards) or any(k.report.group for k in away)
-            # A tensor group's rank fails once a member is gone ([ring] ...): relaunching
-            # the group mends that; a pipeline stage that failed is not a restart's to mend.
-            states = ("ready", "broken", "failed") if grouped else ("ready", "broken")
+            # A shard that failed (its runner died, a tensor group's rank lost a member)
+            # is loaded again like one that is gone: same layers, ports and streams.
+            states = ("ready", "broken", "failed")
             if placement.state not in states or len(placement.shards) + len(away) != want:
                 dropped.append(
                     f"placement {placement.name!r} is {placement.state} and incomplete: "
@@ -1408,17 +1445,7 @@ class Controller:
         """Shards `down` took off nodes, kept for `restart` to load again; only those of
         placements still planned (an unloaded or forgotten one is not brought back)."""
         try:
-            raw = json.loads(self._kept_file().read_text())
-            kept = [
-                SavedShard(
-                    node=str(row["node"]),
-                    placement=str(row["placement"]),
-                    report=control.parse(row["report"], control.ShardReport),
-                    next_endpoint=str(row["next_endpoint"]),
-                    next_key=str(row["next_key"]),
-                )
-                for row in raw
-            ]
+            kept = [saved_from_row(row) for row in json.loads(self._kept_file().read_text())]
         except (OSError, ValueError, TypeError, KeyError, messages.MessageError):
             return []  # none kept, or damaged: restart reloads what the agents report
         planned = self._read_planned()
@@ -1429,21 +1456,42 @@ class Controller:
         forget what was kept for the nodes `forget` (restarted with their shards)."""
         nodes = {s.node for s in saved} | set(forget)
         kept = [k for k in self.kept_shards() if k.node not in nodes] + list(saved)
-        rows = [
-            {
-                "node": k.node,
-                "placement": k.placement,
-                "report": control.to_wire(k.report),
-                "next_endpoint": k.next_endpoint,
-                "next_key": k.next_key,
-            }
-            for k in kept
-        ]
-        path = self._kept_file()
-        with contextlib.suppress(OSError):
-            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_text(json.dumps(rows))
-            tmp.replace(path)
+        _write_json(self._kept_file(), [saved_row(k) for k in kept])
+
+    def _recorded_file(self) -> Path:
+        return self.home / f"loaded-shards-{self.inventory.name}.json"
+
+    def recorded_shards(self) -> list[SavedShard]:
+        """Every shard of each planned placement as it was when the placement became
+        ready (`_record_shards`): what a restart loads again on a node whose agent died
+        with its shards (`kill -9`, a crash), which can no longer say what it held."""
+        try:
+            raw = json.loads(self._recorded_file().read_text())
+            recorded = [saved_from_row(row) for rows in raw.values() for row in rows]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, messages.MessageError):
+            return []  # none recorded (placed by an older build), or damaged
+        planned = self._read_planned()
+        return [r for r in recorded if r.placement in planned]
+
+    async def _record_shards(self, name: str) -> None:
+        """Record the ready placement `name`'s shards (layers, ports, streams, where its
+        ring goes on), asked of their agents, for `recorded_shards`."""
+        placement = self.state.placement(name)
+        if placement is None:
+            return
+        saved, _ = await self.shards_on(list(placement.nodes))
+        self._write_recorded(name, [s for s in saved if s.placement == name])
+
+    def _write_recorded(self, name: str, saved: Sequence[SavedShard]) -> None:
+        try:
+            raw = json.loads(self._recorded_file().read_text())
+            rows = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
+        except (OSError, ValueError):
+            rows = {}
+        rows.pop(name, None)
+        if saved:
+            rows[name] = [saved_row(s) for s in saved]
+        _write_json(self._recorded_file(), rows)
 
     async def _shard_report(self, shard: ShardState) -> control.ShardReport:
         """What the shard's agent says about it; what the controller last knew when the
@@ -1640,6 +1688,14 @@ class Controller:
         return reply.lines
 
 
+def _write_json(path: Path, data: Any) -> None:
+    """Replace `path` whole (a reader in another process never sees half of it)."""
+    with contextlib.suppress(OSError):
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+
 def join_seconds(env: Mapping[str, str]) -> float:
     """How long a tensor group's ranks wait for one another: STUDIOTUI_JOIN_S if it is
     positive seconds (a loaded or slow machine), else GROUP_JOIN_S."""
@@ -1669,6 +1725,15 @@ def _stage(shard: ShardState) -> str:
     return f"stage {shard.index + 1} of {shard.count}, layers {shard.start}-{shard.end - 1}"
 
 
+def _reload_hint(node: str) -> str:
+    """What loads a lost or failed shard again: a restart of its node (`restart_nodes`
+    reloads it from what its agent or the controller recorded)."""
+    return (
+        f"restart {node} (studiotui restart {node}, r on the dashboard) to load it again "
+        "on the same layers"
+    )
+
+
 def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()) -> str:
     """What an operator can do about a placement that cannot answer yet."""
     if placement.state in ("loading", "prepared"):
@@ -1683,6 +1748,11 @@ def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()
             f"stays silent, restart {s.node} (studiotui restart {s.node}, which reloads "
             "its shards)"
         )
+    failed = [s for s in placement.shards if s.state == "failed"]
+    if failed:
+        s = failed[0]
+        why = f": {s.message}" if s.message else ""
+        return f"its shard on {s.node} ({_stage(s)}) failed{why}; {_reload_hint(s.node)}"
     # A node that fell silent may come back with its shards (a stopped agent, a blip):
     # say what is known first, and reloading only as what to do if it stays away.
     away = [n for n in nodes if n.name in placement.missing and n.state == "down"]
