@@ -646,7 +646,7 @@ class Controller:
         for shard in the_plan.shards:
             for node in shard.nodes:
                 pledge[node] = shard.weight_bytes + shard.kv_bytes + shard.adapter_bytes
-        planned = PlannedPlacement(str(model_dir), ring)
+        planned = PlannedPlacement(str(model_dir), ring, placed_at=int(time.time()))
         if adapter is not None:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
         self._remember_plan(name, planned)
@@ -1011,6 +1011,10 @@ class Controller:
         self._planned_mtime = stamp
         for name in self._planned.keys() - saved.keys() - self._placing:
             self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
+        for name in saved.keys() - self._planned.keys():
+            # Placed again (elsewhere) since its unload: in view at once, not after the
+            # unload's quiet time (an API server said "no longer loaded" meanwhile).
+            self._unloading.pop(name, None)
         # A ring saved before its shards report stays out: it would read as broken.
         known = self._planned.keys() | reported | self._placing
         self._planned = {k: v for k, v in saved.items() if k in known}
@@ -1098,6 +1102,11 @@ class Controller:
                 identity=self._identity(key),
             )
         return self.peers[key]
+
+    def not_ready_hint(self, placement: PlacementState) -> str:
+        """Why `placement` cannot answer now and what to do, naming the node and stage
+        (the words a request to it fails with)."""
+        return _not_ready_hint(placement, self.state.nodes)
 
     def pick_placement(self, name: str | None) -> PlacementState:
         placements = self.state.placements
@@ -1758,8 +1767,17 @@ def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()
     away = [n for n in nodes if n.name in placement.missing and n.state == "down"]
     if away:
         n = away[0]
+        stages = placement.stages
+        where = next(
+            (
+                f" (stage {i + 1} of {len(stages)}, layers {start}-{end - 1})"
+                for i, (names, start, end) in enumerate(stages)
+                if n.name in names
+            ),
+            "",
+        )
         return (
-            f"node {n.name}: {n.message or 'down'}; {placement.name!r} is used again by "
+            f"node {n.name}{where}: {n.message or 'down'}; {placement.name!r} is used again by "
             f"itself if {n.name} comes back with its shard; if it stays silent, restart it "
             f"(studiotui restart {n.name}) or place {placement.name!r} again (R on the "
             "dashboard)"

@@ -154,3 +154,100 @@ def test_down_of_every_node_then_restart_or_up_brings_the_shards_back(
     assert again.returncode == 0, again.stderr
     assert "reloaded its shards on" in again.stdout
     assert answer(cluster) == ("ready", placed)
+
+
+API_PORT = 57790
+
+
+@pytest.fixture
+def serve(cluster: LocalCluster) -> Iterator[str]:
+    """`studiotui serve` in a process of its own, as an operator runs it; its base URL."""
+    path = cluster.home / "restore-cluster.toml"
+    path.write_text(dump_inventory(cluster.inventory))
+    env = {**os.environ, "STUDIOTUI_HOME": str(cluster.home), "NO_COLOR": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "studiotui", "-i", str(path), "serve", "--port", str(API_PORT)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert any("studiotui serve: http" in line for line in lines), lines
+        yield f"http://127.0.0.1:{API_PORT}/v1"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_api_follows_an_unload_and_place_at_once_and_names_what_broke(
+    cluster: LocalCluster, placed: list[int], serve: str
+) -> None:
+    """After `unload X` and `place … --name X` said ready, the API serves X at once with
+    a new `created`; a request to a placement whose shard failed is told the node, the
+    stage and what to do, as the stream's own error says."""
+    import openai
+
+    client = openai.OpenAI(base_url=serve, api_key="unused", max_retries=0, timeout=60)
+
+    def ask() -> str:
+        out = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "Tell me about the sea"}],
+            max_tokens=N,
+            temperature=0.0,
+        )
+        return out.choices[0].message.content or ""
+
+    deadline = time.monotonic() + 20
+    while NAME not in [m.id for m in client.models.list().data]:
+        assert time.monotonic() < deadline, "the API never listed the placement"
+        time.sleep(0.2)
+    before = ask()
+    created = client.models.retrieve(NAME).created
+    model = asyncio.run(_model_dir(cluster))
+    assert cli(cluster, "unload", NAME).returncode == 0
+    time.sleep(1.1)  # `created` counts seconds
+    placed_again = cli(cluster, "place", model, "--name", NAME, "--context", "1024")
+    assert placed_again.returncode == 0
+    assert ask() == before  # at once: no 503 while the API catches up
+    assert client.models.retrieve(NAME).created > created
+
+    # A shard's runner killed: the API's refusal says where and what to do.
+    runner = pids(cluster)["local-1"]
+    os.kill(runner, signal.SIGKILL)
+    gone(runner)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            ask()
+        except openai.APIStatusError as exc:
+            refused = exc
+            break
+        assert time.monotonic() < deadline, "the API still answers"
+        time.sleep(0.3)
+    said = str(refused.message)
+    print(said)
+    assert refused.status_code == 503, said
+    assert "local-1" in said and "of 2, layers" in said, said
+    assert "studiotui restart local-1" in said, said
+    assert cli(cluster, "restart", "local-1").returncode == 0
+    assert ask() == before
+
+
+async def _model_dir(cluster: LocalCluster) -> str:
+    ctl = cluster.controller()
+    try:
+        await ctl.refresh()
+        p = ctl.state.placement(NAME)
+        assert p is not None
+        return p.model_dir
+    finally:
+        await ctl.close()
