@@ -27,7 +27,7 @@ from rich.table import Column, Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import jobs, local_cluster, model_fetch
+from studiotui.cluster import jobs, local_cluster, model_fetch, stops
 from studiotui.cluster import peers as agents
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import (
@@ -138,8 +138,8 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
     if done is not None:
         print_restarted(done)
     if remote:
-        names = ", ".join(n.name for n in remote)
-        console.print(f"SSH nodes ({names}) are started by `studiotui provision`.")
+        ssh = ", ".join(n.name for n in remote)
+        console.print(f"SSH nodes ({ssh}) are started by `studiotui provision`.")
     if missing:
         for name in missing:
             tail = local_cluster.agent_output_tail(inv.node(name))
@@ -166,6 +166,8 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         # Placements stay planned, even one whose every node stops: `restart` and `up`
         # load the kept shards again (`unload` forgets one for good).
         kept = await keep_for_restart(ctl, live)
+        # Said before the agents stop: an open dashboard reads it as they fall silent.
+        stops.record_stops(home, inv.name, live)
         results = await ctl.shutdown(live)
         results.update({n: "not running" for n in idle})
     finally:
@@ -175,6 +177,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         if node.is_local:
             await asyncio.to_thread(_wait_local_stop, node)
         console.print(f"{name}: {results[name]}")
+    stops.record_stops(home, inv.name, live)  # stopped now, after the last word of any
     say_kept(kept)
     return 0
 

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from studiotui.cli import commands
 from studiotui.cli.args import inventory_of
-from studiotui.cluster import local_cluster
+from studiotui.cluster import local_cluster, stops
 from studiotui.cluster.controller import Controller
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, NodeSpec
@@ -291,10 +291,16 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
             kept = await commands.keep_for_restart(ctl, [n.name for n in remote_nodes])
         finally:
             await ctl.close()
+    remote = [n.name for n in remote_nodes]
+    stopped: set[str] = set()
+    stops.record_stops(home, inv.name, remote)
     for name, text, ok in await asyncio.gather(*(one(n) for n in remote_nodes)):
         target = commands.console if ok else commands.errors
         target.print(f"{name}: {text}", markup=False, highlight=False)
         code = code if ok else 1
+        if ok:
+            stopped.add(name)
+    stops.record_stops(home, inv.name, [n for n in remote if n in stopped])
     commands.say_kept(kept, ssh=True)
     return code
 

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from studiotui.cluster import keys, model_files, model_sync
+from studiotui.cluster import keys, model_files, model_sync, stops
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core import benchmark
 from studiotui.core.adapter_catalog import (
@@ -87,6 +87,7 @@ RECONNECT_GRACE_S = 5.0
 LINKS_FIRST_S = 30.0
 LINKS_EVERY_S = 300.0
 LOG_KEEP = 500
+STOPPED_BY_DOWN = "stopped by `studiotui down`"
 Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
 
@@ -294,8 +295,10 @@ class Controller:
         for placement, why in broken:
             if self._unloading.get(placement.name, 0.0) < time.monotonic():
                 hint = _not_ready_hint(placement, self.state.nodes)
+                # The operator's own `down` stopped its nodes: said, not an error.
+                level: LogLevel = "info" if _stopped_by_down(placement, nodes) else "error"
                 self.record(
-                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
+                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", level
                 )
         for placement in placements:
             if placement.state != "ready":
@@ -446,19 +449,33 @@ class Controller:
         while True:
             await asyncio.sleep(0.5)
             now = time.time()
-            for node in self.state.nodes:
-                if node.state == "up" and now - node.last_seen > DOWN_AFTER_S:
-                    since = _clock(node.last_seen)
-                    silent = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
-                    # Its shards may well be serving still (a stopped agent, a blip):
-                    # the planned ring keeps the placement, and the words say so.
-                    self._update_node(node.name, state="down", shards=(), message=silent)
+            silent = [
+                n for n in self.state.nodes if n.state == "up" and now - n.last_seen > DOWN_AFTER_S
+            ]
+            recorded = stops.read_stops(self.home, self.inventory.name) if silent else {}
+            for node in silent:
+                when = stops.stopped_at(recorded, node.name, node.last_seen)
+                if when is not None:
+                    # The operator's `down` (from another terminal): said as such, not
+                    # as a fault to mend.
+                    said = f"{STOPPED_BY_DOWN} at {_clock(when)}"
+                    self._update_node(node.name, state="down", shards=(), message=said)
                     self.record(
-                        f"{node.name} is down: {silent}; it is used again as soon as it "
-                        f"answers; if it stays silent, restart it "
-                        f"(r, or studiotui restart {node.name})",
-                        "error",
+                        f"{node.name} is {said}; `studiotui up` or r starts it again, "
+                        "with the shards it held"
                     )
+                    continue
+                since = _clock(node.last_seen)
+                quiet = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
+                # Its shards may well be serving still (a stopped agent, a blip):
+                # the planned ring keeps the placement, and the words say so.
+                self._update_node(node.name, state="down", shards=(), message=quiet)
+                self.record(
+                    f"{node.name} is down: {quiet}; it is used again as soon as it "
+                    f"answers; if it stays silent, restart it "
+                    f"(r, or studiotui restart {node.name})",
+                    "error",
+                )
 
     async def refresh(self, timeout: float = 2.0) -> ClusterState:
         """Ask every agent who it is and what it runs."""
@@ -1734,6 +1751,12 @@ def _stage(shard: ShardState) -> str:
     return f"stage {shard.index + 1} of {shard.count}, layers {shard.start}-{shard.end - 1}"
 
 
+def _stopped_by_down(placement: PlacementState, nodes: tuple[NodeState, ...]) -> bool:
+    """Every node of `placement` that is missing was stopped by `studiotui down`."""
+    gone = [n for n in nodes if n.name in placement.missing]
+    return bool(gone) and all(n.message.startswith(STOPPED_BY_DOWN) for n in gone)
+
+
 def _reload_hint(node: str) -> str:
     """What loads a lost or failed shard again: a restart of its node (`restart_nodes`
     reloads it from what its agent or the controller recorded)."""
@@ -1776,6 +1799,11 @@ def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()
             ),
             "",
         )
+        if n.message.startswith(STOPPED_BY_DOWN):
+            return (
+                f"node {n.name}{where} was {n.message}; `studiotui up` or `studiotui restart "
+                f"{n.name}` (r on the dashboard) starts it and loads its shard again"
+            )
         return (
             f"node {n.name}{where}: {n.message or 'down'}; {placement.name!r} is used again by "
             f"itself if {n.name} comes back with its shard; if it stays silent, restart it "
