@@ -7,7 +7,8 @@ import asyncio
 import json
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from rich.table import Column, Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import jobs, local_cluster, model_fetch, stops
+from studiotui.cluster import jobs, local_cluster, model_fetch, running, stops
 from studiotui.cluster import peers as agents
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import (
@@ -67,7 +68,7 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
-from studiotui.core.state import ClusterState, node_start_hint
+from studiotui.core.state import ClusterState, PlacementState, node_start_hint
 from studiotui.core.text import printable
 from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
 from studiotui.provision import restart
@@ -204,6 +205,39 @@ def say_kept(kept: list[SavedShard], ssh: bool = False) -> None:
         )
 
 
+# `down --all` stops a browser view before its tabs (it ends them itself) and both
+# before the API servers; the agents after all of them, so none of them starts one.
+STOP_ORDER = ("web", "tab", "api")
+
+
+def stop_running(home: Path) -> None:
+    """Stop the API servers and browser views running for `home`, saying each."""
+    for kind in STOP_ORDER:
+        for entry in running.running(home):
+            if entry.kind != kind:
+                continue
+            where = f" {entry.what}" if entry.what else ""
+            if running.stop(entry):
+                console.print(f"stopped {entry.label}{where} (pid {entry.pid})")
+            else:
+                errors.print(f"{entry.label}{where} (pid {entry.pid}) did not stop")
+
+
+def print_running(home: Path) -> None:
+    """The API servers and browser views running for `home` (`running`)."""
+    for entry in running.running(home):
+        since = time.strftime("%H:%M:%S", time.localtime(entry.started))
+        where = f" {entry.what}" if entry.what else ""
+        console.print(f"{entry.label}{where} (pid {entry.pid}, since {since})")
+
+
+def running_json(home: Path) -> list[dict[str, Any]]:
+    return [
+        {"kind": e.kind, "pid": e.pid, "address": e.what, "started": round(e.started, 3)}
+        for e in running.running(home)
+    ]
+
+
 def say_reloading(placement: str, where: str) -> None:
     console.print(
         f"placement {placement!r}: loading its shards again on {where}…",
@@ -256,9 +290,12 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
         await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
         if args.json:
             rates = await sample_rates(ctl, STATUS_RATE_WINDOW_S)
-            console.print_json(json.dumps(status_json(ctl, rates)))
+            console.print_json(
+                json.dumps({**status_json(ctl, rates), "services": running_json(home)})
+            )
         else:
             print_nodes(ctl)
+            print_running(home)
     finally:
         await ctl.close()
     if not any(n.state == "up" for n in ctl.state.nodes):
@@ -272,11 +309,17 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
 STATUS_RATE_WINDOW_S = 2.0
 
 
+def rates_to_sample(placements: Sequence[PlacementState]) -> list[str]:
+    """The placements whose tok/s is worth watching for: ready ones at work on a
+    request. An idle one makes 0 tok/s, known without waiting a window."""
+    return [p.name for p in placements if p.state == "ready" and placement_in_flight(p) > 0]
+
+
 async def sample_rates(ctl: Controller, window: float) -> dict[str, float]:
     """Each ready placement's tokens a second over `window` seconds (the dashboard's
-    RateMeter over two of the agents' reports); no wait when none is ready."""
-    if not any(p.state == "ready" for p in ctl.state.placements):
-        return {}
+    RateMeter over two of the agents' reports); no wait when none is answering."""
+    if not rates_to_sample(ctl.state.placements):
+        return {}  # none answering: 0 tok/s, said at once
     meter = RateMeter(window)
     loop = asyncio.get_running_loop()
     for p in ctl.state.placements:

@@ -51,6 +51,11 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--upgrade", action="store_true", help="replace running agents of another version"
     )
     prov.add_argument(
+        "--yes",
+        action="store_true",
+        help="with --upgrade: " + YES_HELP.format(verb="upgrade"),
+    )
+    prov.add_argument(
         "--accept-new-host-keys",
         action="store_true",
         help="trust (and record) the host key of nodes not yet in known_hosts",
@@ -216,6 +221,9 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
     # it: load them again, as `restart` does. Otherwise nothing is asked of the agents.
     ctl = Controller(home, inv)
     try:
+        if upgrade and not getattr(args, "yes", False):
+            # Replacing an agent stops the job ranks it runs, as a restart does.
+            ending_jobs_refused("upgrade", "upgrading", await ft.jobs_on(ctl, names))
         if not upgrade and not restart.has_kept(ctl, names):
             results = await run()
             print_outcomes(console, errors, results)
@@ -258,8 +266,11 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
 
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:
-    """Stop agents: SSH nodes by the pid in their pid file, over SSH; local ones as before."""
+    """Stop agents: SSH nodes by the pid in their pid file, over SSH; local ones as before.
+    With --all, first the API servers and browser views of this home (`running`)."""
     inv = inventory_of(args, home)
+    if getattr(args, "all", False):
+        await asyncio.to_thread(commands.stop_running, home)
     names = list(getattr(args, "nodes", []) or inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
