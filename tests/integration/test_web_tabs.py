@@ -165,11 +165,6 @@ def test_tabs_end_with_their_socket_and_with_web_and_leave_nothing(
                 wait_for(lambda: tree(web.proc.pid), 60, "a dashboard for the open tab")
                 tab = tree(web.proc.pid)[0].pid
                 status = cli(cluster, "status")
-                assert re.search(
-                    r"browser view http://127\.0\.0\.1:\d+/ \(pid " + str(web.proc.pid),
-                    status.stdout,
-                ), status.stdout
-                assert f"browser dashboard (pid {tab}," in status.stdout, status.stdout
                 page.wait_for_timeout(1000)
                 seen |= {p.pid: p for p in tree(web.proc.pid)}
                 web.proc.send_signal(signal.SIGINT)
@@ -184,8 +179,44 @@ def test_tabs_end_with_their_socket_and_with_web_and_leave_nothing(
     assert seen, "no dashboard process was seen"
     left = [p for p in seen.values() if _live(p)]
     assert not left, f"left behind: {[(p.pid, p.cmdline()) for p in left]}"
-    status = cli(cluster, "status")
-    assert "browser" not in status.stdout, status.stdout
+    # While the tab was open, status listed the browser view and the tab's dashboard.
+    assert re.search(
+        r"browser view http://127\.0\.0\.1:\d+/ \(pid " + str(web.proc.pid),
+        status.stdout,
+    ), status.stdout
+    assert f"browser dashboard (pid {tab}," in status.stdout, status.stdout
+    after = cli(cluster, "status")
+    assert "browser" not in after.stdout, after.stdout
+
+    # 3. Ctrl-C of `web` while a tab's dashboard is still starting (the browser open).
+    web = start_web(cluster)
+    starting: dict[int, psutil.Process] = {}
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch_persistent_context(
+                str(tmp_path / "p3"), executable_path=CHROMIUM, args=CHROMIUM_FLAGS
+            )
+            try:
+                page = browser.new_page()
+                page.goto(web.url)
+                wait_for(lambda: tree(web.proc.pid), 30, "a dashboard starting for the tab")
+                page.wait_for_timeout(1000)
+                starting |= {p.pid: p for p in tree(web.proc.pid)}
+                web.proc.send_signal(signal.SIGINT)
+                out, _ = web.proc.communicate(timeout=30)
+                assert "studiotui web: stopped" in out, out
+                # Long enough for a dashboard left without its server to have started.
+                page.wait_for_timeout(15_000)
+            finally:
+                browser.close()
+    finally:
+        if web.proc.poll() is None:
+            web.proc.kill()
+            web.proc.wait()
+    left = [p for p in starting.values() if _live(p)]
+    for p in left:
+        p.kill()  # not left for the next test, whatever this one says
+    assert not left, f"left behind mid-start: {[(p.pid, p.cmdline()) for p in left]}"
     # The agents it found running are running still; none was started or stopped.
     assert all(
         local_cluster.running_pid(n) == cluster.pids[n.name] for n in cluster.inventory.nodes
@@ -223,7 +254,7 @@ def test_down_all_stops_the_api_server_and_the_browser_view(
         down = cli(cluster, "down", "--all")
         assert down.returncode == 0
         assert "stopped browser view" in down.stdout and f"(pid {web.proc.pid})" in down.stdout
-        assert f"stopped API server http://127.0.0.1:57859 (pid {api.pid})" in down.stdout
+        assert f"stopped API server http://127.0.0.1:57859/v1 (pid {api.pid})" in down.stdout
         assert web.proc.wait(timeout=10) is not None and api.wait(timeout=10) is not None
         assert all(local_cluster.running_pid(n) is None for n in cluster.inventory.nodes)
     finally:
