@@ -45,7 +45,7 @@ from worker import telemetry
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.telemetry import choose_power_source, choose_pressure_source
 
-PORT = 57300  # far from the default 52500 and from other test modules
+PORT = 57300  # far from the default 28500 and from other test modules
 FIRST_BASE = 171
 SIZE = (160, 48)
 

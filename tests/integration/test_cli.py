@@ -22,7 +22,7 @@ from studiotui.core.inventory import load_inventory
 from tests.tool_model import write_tool_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
-PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
+PORT = 57900  # beside the default 28500, so a developer's own local cluster is untouched
 # What a model may say that a terminal obeys: SGR red, OSC "set the window title" ended
 # by BEL, and the one-character C1 CSI (U+009B) clearing the screen.
 ESCAPES = "Red\x1b[31m alert\x1b]0;pwned\x07 done\x9b2J!"
