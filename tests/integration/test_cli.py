@@ -179,10 +179,16 @@ def test_up_place_chat_status_down(home: Path) -> None:
     # Stopped agents are not asked again (each would wait out a 5 s request first).
     again = run(home, "down")
     assert again.returncode == 0 and again.stdout.count("not running") == len(pids), again.stdout
-    # Every node of 'tiny' was stopped: it is gone, not a broken placement to repair.
+    # Every node of 'tiny' was stopped: kept, for `up` or `restart` to load again.
+    assert "`studiotui up` starts it and loads that shard again" in down.stdout, down.stdout
     after = run(home, "status", "--json")
     assert after.returncode == 1 and "start it with `studiotui up`" in after.stderr
-    assert json.loads(after.stdout)["placements"] == []
+    [kept] = json.loads(after.stdout)["placements"]
+    assert (kept["name"], kept["state"], kept["nodes"]) == ("tiny", "broken", [])
+    # `unload` forgets it for good, its nodes down or not.
+    assert run(home, "unload", "tiny").returncode == 0
+    gone = run(home, "status", "--json")
+    assert json.loads(gone.stdout)["placements"] == []
 
 
 def serve_it(home: Path, placement: str) -> None:
