@@ -38,7 +38,7 @@ from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
-from studiotui.cluster import local_cluster
+from studiotui.cluster import local_cluster, stops
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
@@ -178,6 +178,9 @@ class StudioApp(Dashboard):
         self.home = home
         self.inventory = inventory
         self.startup = startup
+        # A `down` after this dashboard started is the operator's word: its start (a
+        # browser tab still starting) leaves those agents stopped.
+        self.started_at = time.time()
         self.starters = list(services)  # started beside the dashboard once nodes answer
         self.services: list[Any] = []  # what they started (each has `close()`)
         self.controller: Controller | None = None
@@ -432,11 +435,26 @@ class StudioApp(Dashboard):
     async def _start_agents(self, ctl: Controller, nodes: list[NodeSpec]) -> None:
         assert self.inventory is not None
         started = []
+        left = []
         for node in nodes:
+            # Asked again before each start: the `down` may come while they start.
+            recorded = stops.read_stops(self.home, self.inventory.name)
+            when = stops.stopped_since(recorded, node.name, self.started_at)
+            if when is not None:
+                ctl.record(
+                    f"{node.name} was stopped by `studiotui down` at "
+                    f"{time.strftime('%H:%M:%S', time.localtime(when))}, after this "
+                    "dashboard started: not started again (r starts it)"
+                )
+                continue
             pid = await asyncio.to_thread(
                 local_cluster.start_agent, self.home, node, self.inventory
             )
             started.append(f"{node.name} (pid {pid})")
+            left.append(node)
+        nodes = left
+        if not nodes:
+            return
         ctl.record(f"started local agent{'s' if len(started) > 1 else ''} {', '.join(started)}")
         missing = await wait_until_up(ctl, [n.name for n in nodes], timeout=UP_TIMEOUT_S)
         for name in missing:

@@ -7,7 +7,8 @@ import asyncio
 import json
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from rich.table import Column, Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import jobs, local_cluster, model_fetch
+from studiotui.cluster import jobs, local_cluster, model_fetch, running, stops
 from studiotui.cluster import peers as agents
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import (
@@ -67,9 +68,11 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
-from studiotui.core.state import ClusterState, node_start_hint
+from studiotui.core.state import ClusterState, PlacementState, node_start_hint
 from studiotui.core.text import printable
 from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
+from studiotui.provision import restart
+from studiotui.provision.deploy import Outcome
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 
@@ -112,24 +115,39 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
         inv = inventory_of(args, home)
     local = [n for n in inv.nodes if n.is_local]
     remote = [n for n in inv.nodes if not n.is_local]
-    for node in local:
-        local_cluster.start_agent(home, node, inv)
     ctl = Controller(home, inv)
+    done: restart.Restarted | None = None
     try:
-        missing = await wait_until_up(ctl, [n.name for n in local], timeout=30.0)
+        names = [n.name for n in local]
+        if names and restart.has_kept(ctl, names):
+            # `down` kept these nodes' shards: started, they load them again, as after
+            # `restart` (a placement whose every node was stopped too).
+            async def bounce() -> list[Outcome]:
+                return await restart.restart_local_agents(ctl, local, stop=False)
+
+            done = await restart.keep_placements(
+                ctl, names, bounce, on_reload=say_reloading, doing="start"
+            )
+            missing = [o.node for o in done.outcomes if not o.ok]
+        else:
+            for node in local:
+                local_cluster.start_agent(home, node, inv)
+            missing = await wait_until_up(ctl, names, timeout=30.0)
         print_nodes(ctl)
     finally:
         await ctl.close()
+    if done is not None:
+        print_restarted(done)
     if remote:
-        names = ", ".join(n.name for n in remote)
-        console.print(f"SSH nodes ({names}) are started by `studiotui provision`.")
+        ssh = ", ".join(n.name for n in remote)
+        console.print(f"SSH nodes ({ssh}) are started by `studiotui provision`.")
     if missing:
         for name in missing:
             tail = local_cluster.agent_output_tail(inv.node(name))
             errors.print(f"[red]{name} did not answer within 30 s.[/] Last lines of its output:")
             errors.print(tail or "(nothing)")
         return 1
-    return 0
+    return 0 if done is None or done.ok else 1
 
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:
@@ -146,12 +164,13 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         live = [n for n in names if n not in idle]
+        # Placements stay planned, even one whose every node stops: `restart` and `up`
+        # load the kept shards again (`unload` forgets one for good).
         kept = await keep_for_restart(ctl, live)
+        # Said before the agents stop: an open dashboard reads it as they fall silent.
+        stops.record_stops(home, inv.name, live)
         results = await ctl.shutdown(live)
         results.update({n: "not running" for n in idle})
-        # Every node of it stopped: gone, not broken; not brought back by a restart.
-        gone = ctl.forget_placements_on(names)
-        kept = [k for k in kept if k.placement not in gone]
     finally:
         await ctl.close()
     for name in names:
@@ -159,6 +178,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         if node.is_local:
             await asyncio.to_thread(_wait_local_stop, node)
         console.print(f"{name}: {results[name]}")
+    stops.record_stops(home, inv.name, live)  # stopped now, after the last word of any
     say_kept(kept)
     return 0
 
@@ -176,12 +196,67 @@ async def keep_for_restart(ctl: Controller, names: list[str]) -> list[SavedShard
 
 def say_kept(kept: list[SavedShard], ssh: bool = False) -> None:
     """What `down` kept, and the verbs that bring it back (an SSH node's `provision`
-    too, `provision_cmd.cmd_provision`)."""
+    too, `provision_cmd.cmd_provision`; a local node's `up`)."""
     for name, placement in sorted({(k.node, k.placement) for k in kept}):
-        verbs = f"`studiotui restart {name}`" + (f" or `studiotui provision {name}`" if ssh else "")
+        other = f"`studiotui provision {name}`" if ssh else "`studiotui up`"
+        verbs = f"`studiotui restart {name}` or {other}"
         console.print(
             f"{name} held a shard of {placement!r}: {verbs} starts it and loads that shard again"
         )
+
+
+# `down --all` stops a browser view before its tabs (it ends them itself) and both
+# before the API servers; the agents after all of them, so none of them starts one.
+STOP_ORDER = ("web", "tab", "api")
+
+
+def stop_running(home: Path) -> None:
+    """Stop the API servers and browser views running for `home`, saying each."""
+    for kind in STOP_ORDER:
+        for entry in running.running(home):
+            if entry.kind != kind:
+                continue
+            where = f" {entry.what}" if entry.what else ""
+            if running.stop(entry):
+                console.print(f"stopped {entry.label}{where} (pid {entry.pid})")
+            else:
+                errors.print(f"{entry.label}{where} (pid {entry.pid}) did not stop")
+
+
+def print_running(home: Path) -> None:
+    """The API servers and browser views running for `home` (`running`)."""
+    for entry in running.running(home):
+        since = time.strftime("%H:%M:%S", time.localtime(entry.started))
+        where = f" {entry.what}" if entry.what else ""
+        console.print(f"{entry.label}{where} (pid {entry.pid}, since {since})")
+
+
+def running_json(home: Path) -> list[dict[str, Any]]:
+    return [
+        {"kind": e.kind, "pid": e.pid, "address": e.what, "started": round(e.started, 3)}
+        for e in running.running(home)
+    ]
+
+
+def say_reloading(placement: str, where: str) -> None:
+    console.print(
+        f"placement {placement!r}: loading its shards again on {where}…",
+        markup=False,
+        highlight=False,
+    )
+
+
+def print_restarted(done: restart.Restarted) -> None:
+    """What a restart, an upgrade or `up` did to the placements (`restart`'s and the
+    upgrade's node outcomes are printed as they come back)."""
+    for text in done.dropped:
+        errors.print(text, markup=False, highlight=False)
+    for text in done.lost:
+        errors.print(text, markup=False, highlight=False)
+    for result in done.reloads:
+        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
+    for text in done.broken:
+        errors.print(text, markup=False, highlight=False)
 
 
 def _wait_local_stop(node: Any) -> None:
@@ -215,9 +290,12 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
         await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
         if args.json:
             rates = await sample_rates(ctl, STATUS_RATE_WINDOW_S)
-            console.print_json(json.dumps(status_json(ctl, rates)))
+            console.print_json(
+                json.dumps({**status_json(ctl, rates), "services": running_json(home)})
+            )
         else:
             print_nodes(ctl)
+            print_running(home)
     finally:
         await ctl.close()
     if not any(n.state == "up" for n in ctl.state.nodes):
@@ -231,11 +309,17 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
 STATUS_RATE_WINDOW_S = 2.0
 
 
+def rates_to_sample(placements: Sequence[PlacementState]) -> list[str]:
+    """The placements whose tok/s is worth watching for: ready ones at work on a
+    request. An idle one makes 0 tok/s, known without waiting a window."""
+    return [p.name for p in placements if p.state == "ready" and placement_in_flight(p) > 0]
+
+
 async def sample_rates(ctl: Controller, window: float) -> dict[str, float]:
     """Each ready placement's tokens a second over `window` seconds (the dashboard's
-    RateMeter over two of the agents' reports); no wait when none is ready."""
-    if not any(p.state == "ready" for p in ctl.state.placements):
-        return {}
+    RateMeter over two of the agents' reports); no wait when none is answering."""
+    if not rates_to_sample(ctl.state.placements):
+        return {}  # none answering: 0 tok/s, said at once
     meter = RateMeter(window)
     loop = asyncio.get_running_loop()
     for p in ctl.state.placements:

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop even a node running a rank of a job (which ends the job on every node)",
     )
+    down.add_argument(
+        "--all",
+        action="store_true",
+        help="also stop the API servers (serve) and browser views (web, with their tabs' "
+        "dashboards) running for this STUDIOTUI_HOME",
+    )
 
     status = sub.add_parser("status", help="nodes and placements")
     status.add_argument("--json", action="store_true")

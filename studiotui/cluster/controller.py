@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from studiotui.cluster import keys, model_files, model_sync
+from studiotui.cluster import keys, model_files, model_sync, stops
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core import benchmark
 from studiotui.core.adapter_catalog import (
@@ -96,6 +96,7 @@ RECONNECT_GRACE_S = 5.0
 LINKS_FIRST_S = 30.0
 LINKS_EVERY_S = 300.0
 LOG_KEEP = 500
+STOPPED_BY_DOWN = "stopped by `studiotui down`"
 Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
 
@@ -205,6 +206,28 @@ class SavedShard:
     next_key: str
 
 
+def saved_row(k: SavedShard) -> dict[str, Any]:
+    """A saved shard as the files that keep them write it (`kept_shards`, `recorded`)."""
+    return {
+        "node": k.node,
+        "placement": k.placement,
+        "report": control.to_wire(k.report),
+        "next_endpoint": k.next_endpoint,
+        "next_key": k.next_key,
+    }
+
+
+def saved_from_row(row: Any) -> SavedShard:
+    """Raises ValueError, TypeError, KeyError or MessageError for anything else."""
+    return SavedShard(
+        node=str(row["node"]),
+        placement=str(row["placement"]),
+        report=control.parse(row["report"], control.ShardReport),
+        next_endpoint=str(row["next_endpoint"]),
+        next_key=str(row["next_key"]),
+    )
+
+
 @dataclass(frozen=True)
 class ReloadResult:
     placement: str
@@ -284,8 +307,10 @@ class Controller:
         for placement, why in broken:
             if self._unloading.get(placement.name, 0.0) < time.monotonic():
                 hint = _not_ready_hint(placement, self.state.nodes)
+                # The operator's own `down` stopped its nodes: said, not an error.
+                level: LogLevel = "info" if _stopped_by_down(placement, nodes) else "error"
                 self.record(
-                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
+                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", level
                 )
         for placement in placements:
             if placement.state != "ready":
@@ -436,19 +461,33 @@ class Controller:
         while True:
             await asyncio.sleep(0.5)
             now = time.time()
-            for node in self.state.nodes:
-                if node.state == "up" and now - node.last_seen > DOWN_AFTER_S:
-                    since = _clock(node.last_seen)
-                    silent = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
-                    # Its shards may well be serving still (a stopped agent, a blip):
-                    # the planned ring keeps the placement, and the words say so.
-                    self._update_node(node.name, state="down", shards=(), message=silent)
+            silent = [
+                n for n in self.state.nodes if n.state == "up" and now - n.last_seen > DOWN_AFTER_S
+            ]
+            recorded = stops.read_stops(self.home, self.inventory.name) if silent else {}
+            for node in silent:
+                when = stops.stopped_at(recorded, node.name, node.last_seen)
+                if when is not None:
+                    # The operator's `down` (from another terminal): said as such, not
+                    # as a fault to mend.
+                    said = f"{STOPPED_BY_DOWN} at {_clock(when)}"
+                    self._update_node(node.name, state="down", shards=(), message=said)
                     self.record(
-                        f"{node.name} is down: {silent}; it is used again as soon as it "
-                        f"answers; if it stays silent, restart it "
-                        f"(r, or studiotui restart {node.name})",
-                        "error",
+                        f"{node.name} is {said}; `studiotui up` or r starts it again, "
+                        "with the shards it held"
                     )
+                    continue
+                since = _clock(node.last_seen)
+                quiet = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
+                # Its shards may well be serving still (a stopped agent, a blip):
+                # the planned ring keeps the placement, and the words say so.
+                self._update_node(node.name, state="down", shards=(), message=quiet)
+                self.record(
+                    f"{node.name} is down: {quiet}; it is used again as soon as it "
+                    f"answers; if it stays silent, restart it "
+                    f"(r, or studiotui restart {node.name})",
+                    "error",
+                )
 
     async def refresh(self, timeout: float = 2.0) -> ClusterState:
         """Ask every agent who it is and what it runs."""
@@ -699,7 +738,7 @@ class Controller:
                     + shard.adapter_bytes
                     + shard.prompt_cache_bytes
                 )
-        planned = PlannedPlacement(str(model_dir), ring)
+        planned = PlannedPlacement(str(model_dir), ring, placed_at=int(time.time()))
         if adapter is not None:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
         self._remember_plan(name, planned)
@@ -723,6 +762,7 @@ class Controller:
         finally:
             self._placing.discard(name)
             self._pledges.pop(name, None)
+        await self._record_shards(name)
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
 
@@ -1068,6 +1108,10 @@ class Controller:
         self._planned_mtime = stamp
         for name in self._planned.keys() - saved.keys() - self._placing:
             self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
+        for name in saved.keys() - self._planned.keys():
+            # Placed again (elsewhere) since its unload: in view at once, not after the
+            # unload's quiet time (an API server said "no longer loaded" meanwhile).
+            self._unloading.pop(name, None)
         # A ring saved before its shards report stays out: it would read as broken.
         known = self._planned.keys() | reported | self._placing
         self._planned = {k: v for k, v in saved.items() if k in known}
@@ -1094,6 +1138,7 @@ class Controller:
         planned = self._read_planned()
         if plan is None:
             planned.pop(name, None)
+            self._write_recorded(name, [])
         else:
             planned[name] = plan
         self._planned = planned
@@ -1154,6 +1199,11 @@ class Controller:
                 identity=self._identity(key),
             )
         return self.peers[key]
+
+    def not_ready_hint(self, placement: PlacementState) -> str:
+        """Why `placement` cannot answer now and what to do, naming the node and stage
+        (the words a request to it fails with)."""
+        return _not_ready_hint(placement, self.state.nodes)
 
     def pick_placement(self, name: str | None) -> PlacementState:
         placements = self.state.placements
@@ -1282,7 +1332,7 @@ class Controller:
         )
         for shard, reply in zip(placement.shards, replies, strict=True):
             node = shard.node
-            again = f"unload {placement.name!r} and place it again"
+            again = _reload_hint(node)
             if isinstance(reply, BaseException):
                 return (
                     f"node {node} of placement {placement.name!r} stopped answering; "
@@ -1301,7 +1351,10 @@ class Controller:
                 )
             if mine[0].state != "ready":
                 why = mine[0].message or mine[0].state
-                return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
+                return (
+                    f"the shard of {placement.name!r} on {node} ({_stage(shard)}) is down: "
+                    f"{why}; {again}"
+                )
         return None
 
     def _lost_head(self, placement: PlacementState, peer: Peer) -> str:
@@ -1428,23 +1481,33 @@ class Controller:
         the words for placements that cannot be (so restart can name what it drops).
 
         `kept` are shards `down` took off nodes that are still down: a placement they
-        complete counts as whole, and they are reloaded with it. A tensor group is saved
+        complete counts as whole, and they are reloaded with it. So are the shards
+        recorded when it was placed (`recorded_shards`) on a node of `names` that
+        reports none of it: its agent died with them (`kill -9`), or is down and cannot
+        say what it held; the controller knows the ring. A tensor group is saved
         whole, its members on other nodes too: its ranks join one `mx.distributed` group
         together, so one rank cannot rejoin the others; the whole group is relaunched."""
         await self.refresh()
+        recorded = self.recorded_shards()
         saved: list[SavedShard] = []
         dropped: list[str] = []
         for placement in self.state.placements:
             held = {s.node for s in placement.shards}
             away = [k for k in kept if k.placement == placement.name and k.node not in held]
+            away += [
+                r
+                for r in recorded
+                if r.placement == placement.name
+                and r.node in names
+                and r.node not in held | {k.node for k in away}
+            ]
             mine = [s for s in placement.shards if s.node in names]
             if not mine and not away:
                 continue
             want = placement.expected or (away[0].report.count if away else 0)
-            grouped = any(s.group for s in placement.shards) or any(k.report.group for k in away)
-            # A tensor group's rank fails once a member is gone ([ring] ...): relaunching
-            # the group mends that; a pipeline stage that failed is not a restart's to mend.
-            states = ("ready", "broken", "failed") if grouped else ("ready", "broken")
+            # A shard that failed (its runner died, a tensor group's rank lost a member)
+            # is loaded again like one that is gone: same layers, ports and streams.
+            states = ("ready", "broken", "failed")
             if placement.state not in states or len(placement.shards) + len(away) != want:
                 dropped.append(
                     f"placement {placement.name!r} is {placement.state} and incomplete: "
@@ -1488,17 +1551,7 @@ class Controller:
         """Shards `down` took off nodes, kept for `restart` to load again; only those of
         placements still planned (an unloaded or forgotten one is not brought back)."""
         try:
-            raw = json.loads(self._kept_file().read_text())
-            kept = [
-                SavedShard(
-                    node=str(row["node"]),
-                    placement=str(row["placement"]),
-                    report=control.parse(row["report"], control.ShardReport),
-                    next_endpoint=str(row["next_endpoint"]),
-                    next_key=str(row["next_key"]),
-                )
-                for row in raw
-            ]
+            kept = [saved_from_row(row) for row in json.loads(self._kept_file().read_text())]
         except (OSError, ValueError, TypeError, KeyError, messages.MessageError):
             return []  # none kept, or damaged: restart reloads what the agents report
         planned = self._read_planned()
@@ -1509,21 +1562,42 @@ class Controller:
         forget what was kept for the nodes `forget` (restarted with their shards)."""
         nodes = {s.node for s in saved} | set(forget)
         kept = [k for k in self.kept_shards() if k.node not in nodes] + list(saved)
-        rows = [
-            {
-                "node": k.node,
-                "placement": k.placement,
-                "report": control.to_wire(k.report),
-                "next_endpoint": k.next_endpoint,
-                "next_key": k.next_key,
-            }
-            for k in kept
-        ]
-        path = self._kept_file()
-        with contextlib.suppress(OSError):
-            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_text(json.dumps(rows))
-            tmp.replace(path)
+        _write_json(self._kept_file(), [saved_row(k) for k in kept])
+
+    def _recorded_file(self) -> Path:
+        return self.home / f"loaded-shards-{self.inventory.name}.json"
+
+    def recorded_shards(self) -> list[SavedShard]:
+        """Every shard of each planned placement as it was when the placement became
+        ready (`_record_shards`): what a restart loads again on a node whose agent died
+        with its shards (`kill -9`, a crash), which can no longer say what it held."""
+        try:
+            raw = json.loads(self._recorded_file().read_text())
+            recorded = [saved_from_row(row) for rows in raw.values() for row in rows]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, messages.MessageError):
+            return []  # none recorded (placed by an older build), or damaged
+        planned = self._read_planned()
+        return [r for r in recorded if r.placement in planned]
+
+    async def _record_shards(self, name: str) -> None:
+        """Record the ready placement `name`'s shards (layers, ports, streams, where its
+        ring goes on), asked of their agents, for `recorded_shards`."""
+        placement = self.state.placement(name)
+        if placement is None:
+            return
+        saved, _ = await self.shards_on(list(placement.nodes))
+        self._write_recorded(name, [s for s in saved if s.placement == name])
+
+    def _write_recorded(self, name: str, saved: Sequence[SavedShard]) -> None:
+        try:
+            raw = json.loads(self._recorded_file().read_text())
+            rows = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
+        except (OSError, ValueError):
+            rows = {}
+        rows.pop(name, None)
+        if saved:
+            rows[name] = [saved_row(s) for s in saved]
+        _write_json(self._recorded_file(), rows)
 
     async def _shard_report(self, shard: ShardState) -> control.ShardReport:
         """What the shard's agent says about it; what the controller last knew when the
@@ -1729,6 +1803,14 @@ class Controller:
         return reply.lines
 
 
+def _write_json(path: Path, data: Any) -> None:
+    """Replace `path` whole (a reader in another process never sees half of it)."""
+    with contextlib.suppress(OSError):
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+
 def join_seconds(env: Mapping[str, str]) -> float:
     """How long a tensor group's ranks wait for one another: STUDIOTUI_JOIN_S if it is
     positive seconds (a loaded or slow machine), else GROUP_JOIN_S."""
@@ -1758,6 +1840,21 @@ def _stage(shard: ShardState) -> str:
     return f"stage {shard.index + 1} of {shard.count}, layers {shard.start}-{shard.end - 1}"
 
 
+def _stopped_by_down(placement: PlacementState, nodes: tuple[NodeState, ...]) -> bool:
+    """Every node of `placement` that is missing was stopped by `studiotui down`."""
+    gone = [n for n in nodes if n.name in placement.missing]
+    return bool(gone) and all(n.message.startswith(STOPPED_BY_DOWN) for n in gone)
+
+
+def _reload_hint(node: str) -> str:
+    """What loads a lost or failed shard again: a restart of its node (`restart_nodes`
+    reloads it from what its agent or the controller recorded)."""
+    return (
+        f"restart {node} (studiotui restart {node}, r on the dashboard) to load it again "
+        "on the same layers"
+    )
+
+
 def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()) -> str:
     """What an operator can do about a placement that cannot answer yet."""
     if placement.state in ("loading", "prepared"):
@@ -1772,13 +1869,32 @@ def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()
             f"stays silent, restart {s.node} (studiotui restart {s.node}, which reloads "
             "its shards)"
         )
+    failed = [s for s in placement.shards if s.state == "failed"]
+    if failed:
+        s = failed[0]
+        why = f": {s.message}" if s.message else ""
+        return f"its shard on {s.node} ({_stage(s)}) failed{why}; {_reload_hint(s.node)}"
     # A node that fell silent may come back with its shards (a stopped agent, a blip):
     # say what is known first, and reloading only as what to do if it stays away.
     away = [n for n in nodes if n.name in placement.missing and n.state == "down"]
     if away:
         n = away[0]
+        stages = placement.stages
+        where = next(
+            (
+                f" (stage {i + 1} of {len(stages)}, layers {start}-{end - 1})"
+                for i, (names, start, end) in enumerate(stages)
+                if n.name in names
+            ),
+            "",
+        )
+        if n.message.startswith(STOPPED_BY_DOWN):
+            return (
+                f"node {n.name}{where} was {n.message}; `studiotui up` or `studiotui restart "
+                f"{n.name}` (r on the dashboard) starts it and loads its shard again"
+            )
         return (
-            f"node {n.name}: {n.message or 'down'}; {placement.name!r} is used again by "
+            f"node {n.name}{where}: {n.message or 'down'}; {placement.name!r} is used again by "
             f"itself if {n.name} comes back with its shard; if it stays silent, restart it "
             f"(studiotui restart {n.name}) or place {placement.name!r} again (R on the "
             "dashboard)"

@@ -136,6 +136,7 @@ class PlacementState:
     placing: bool = False  # this operator is loading it right now
     adapter: str = ""  # the LoRA/DoRA adapter its shards apply, by name ("" none)
     adapter_dir: str = ""  # where the operator holds it ("" unknown: not planned here)
+    placed_at: int = 0  # when it was placed (Unix seconds; 0 unknown: not planned here)
 
     @property
     def label(self) -> str:
@@ -264,6 +265,7 @@ class PlannedPlacement:
     shards: tuple[PlannedShard, ...]
     adapter_dir: str = ""  # the operator's adapter directory ("" none)
     adapter: str = ""  # its name, as the shards are told it
+    placed_at: int = 0  # when it was placed (Unix seconds; 0: saved by an older build)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -272,6 +274,8 @@ class PlannedPlacement:
                 [s.node, s.start, s.end, *([s.backend] if s.backend else [])] for s in self.shards
             ],
         }
+        if self.placed_at:
+            out["placed_at"] = self.placed_at
         if self.adapter_dir:
             out["adapter_dir"] = self.adapter_dir
             out["adapter"] = self.adapter
@@ -294,6 +298,7 @@ class PlannedPlacement:
             shards=shards,
             adapter_dir=str(raw.get("adapter_dir", "")),
             adapter=str(raw.get("adapter", "")),
+            placed_at=int(raw.get("placed_at", 0)),
         )
 
 
@@ -339,6 +344,7 @@ def placements_from_shards(
                 placing=name in placing,
                 adapter=adapter,
                 adapter_dir=plan.adapter_dir if plan else "",
+                placed_at=plan.placed_at if plan else 0,
             )
         )
     return tuple(out)

@@ -45,7 +45,7 @@ from worker import telemetry
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.telemetry import choose_power_source, choose_pressure_source
 
-PORT = 57300  # far from the default 52500 and from other test modules
+PORT = 57300  # far from the default 28500 and from other test modules
 FIRST_BASE = 171
 SIZE = (160, 48)
 
@@ -323,6 +323,50 @@ async def test_restart_key_reloads_the_shard_and_the_answer_is_the_same(
             await until(pilot, lambda: " up " in card_text(app, head), 5, f"{head} up")
         finally:
             await ctl.unload("rs")
+
+
+async def test_restart_key_relaunches_a_killed_shard_runner_and_the_answer_is_the_same(
+    cluster: tuple[Path, Inventory], tmp_path: Path
+) -> None:
+    """A shard's runner killed: the placement fails; `r` on its node relaunches that
+    runner on the same layers and the placement answers mlx-lm's greedy tokens again."""
+    home, inv = cluster
+    spec = DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=12)
+    model = write_demo_model(tmp_path / "runner-model", spec)
+    tokens = prompt_tokens(model)
+    expected = reference_tokens(model, tokens, 12)
+    app = StudioApp(home, inv)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "4/4 nodes up" in app.sub_title, 10, "cluster up")
+        ctl = app.controller
+        assert ctl is not None
+        await ctl.place(model, ["local-1", "local-2"], "rk", prefill_chunk=CHUNK)
+        try:
+            placement = app.controller.state.placement("rk")
+            assert placement is not None and placement.state == "ready"
+            layers = placement.layers
+            tail = placement.shards[1].node
+            before = await runner_pids(ctl, "rk")
+            os.kill(before[tail], signal.SIGKILL)
+            await until(pilot, lambda: placement_state(app, "rk") == "failed", 20, "rk failed")
+            app.query_one(NodesPane).select(tail)
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "asked")
+            await pilot.press("y")
+            await until(
+                pilot,
+                lambda: f"'rk': reloaded its shards on {tail}" in log_text(app),
+                90,
+                "the runner relaunched",
+            )
+            await until(pilot, lambda: placement_state(app, "rk") == "ready", 10, "rk ready")
+            again = app.cluster.placement("rk")
+            assert again is not None and again.layers == layers
+            assert (await collect(ctl, "rk", tokens, 12))[0] == expected
+            after = await runner_pids(ctl, "rk")
+            assert after[tail] != before[tail]
+        finally:
+            await ctl.unload("rk")
 
 
 async def test_restart_key_on_an_idle_node_asks_nothing(cluster: tuple[Path, Inventory]) -> None:
