@@ -753,9 +753,18 @@ async def test_at_80_by_24_the_footer_keeps_the_first_keys_whole(tmp_path: Path)
     edge. The footer shows the newcomer's keys; the rest are under `?` and the palette.
     The chat screen's footer too (it ended at "^o Co")."""
     app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+
+    async def footer(needed: str) -> dict[str, bool]:
+        # Drawn once the screen's footer lists its keys (slow on a loaded machine).
+        for _ in range(100):
+            await pilot.pause(0.1)
+            if needed in (shown := _footer_keys(app)):
+                await pilot.pause(0.2)
+                return _footer_keys(app)
+        return shown
+
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.3)
-        shown = _footer_keys(app)
+        shown = await footer("Place")
         for needed in ("Place", "Unload", "Chat", "Help", "Quit"):
             assert shown.get(needed), shown
         assert all(shown.values()), shown  # nothing cut at the edge
@@ -766,8 +775,7 @@ async def test_at_80_by_24_the_footer_keeps_the_first_keys_whole(tmp_path: Path)
             assert any(hidden.lower() in m.lower() for m in listed), (hidden, listed)
             assert hidden.lower() in palette.lower(), hidden
         await pilot.press("c")
-        await pilot.pause(0.5)
-        chat = _footer_keys(app)
+        chat = await footer("Regenerate")
         for needed in ("Stop / back", "Regenerate", "Conversations", "New", "Attach"):
             assert chat.get(needed), chat
         assert all(chat.values()), chat
