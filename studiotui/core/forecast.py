@@ -102,7 +102,7 @@ class Chip:
     # What `studiotui benchmark` measured on the node's device, when it did: µs of a
     # decode step per layer by kind (dense, dense_q4, moe, moe_q4) and outside its
     # layers (step), MLX GFLOP/s per dtype, and µs per round of a small all-reduce by
-    # backend (the group's product step measured it over the backend it ran).
+    # backend and group size ("ring/2": the group's product step measured it there).
     decode_us: Mapping[str, float] = field(default_factory=dict)
     gflops: Mapping[str, float] = field(default_factory=dict)
     allreduce_round_us: Mapping[str, float] = field(default_factory=dict)
@@ -229,7 +229,7 @@ def _allreduce_us(
     if n < 2:
         return 0.0
     rounds = 2 if rdma else 2 * (n - 1)
-    backend = "jaccl" if rdma else "ring"
+    backend = f"{'jaccl' if rdma else 'ring'}/{n}"
     timed = [chips[x].allreduce_round_us.get(backend) for x in nodes if chips and x in chips]
     if timed and all(t is not None for t in timed):
         return rounds * max(t for t in timed if t is not None)
@@ -531,7 +531,9 @@ def with_benchmark(chips: Mapping[str, Chip], runs: Sequence[Run], cluster: str)
             g = run.group
             if g is not None and g.allreduce_us and name in g.nodes and len(g.nodes) > 1:
                 count = 2 if g.backend == "jaccl" else 2 * (len(g.nodes) - 1)
-                rounds[g.backend] = g.allreduce_us / count
+                # Keyed by the group's size too: on hosts whose cores the ranks share, a
+                # round over 4 ranks is no guide to one over 2.
+                rounds[f"{g.backend}/{len(g.nodes)}"] = g.allreduce_us / count
             out[name] = replace(
                 chip,
                 bandwidth_gbs=node.read_gbs or chip.bandwidth_gbs,
