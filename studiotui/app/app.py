@@ -129,13 +129,16 @@ class StudioApp(Dashboard):
     VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]  # noqa: RUF012 - as Textual types it
     COMMANDS: ClassVar[set[Any]] = App.COMMANDS | {StudioCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("q", "quit", "Quit", id="quit"),
-        Binding("question_mark", "help", "Help", key_display="?", id="help"),
-        Binding("l", "node_logs", "Logs", id="node-logs"),
-        Binding("r", "restart_node", "Restart node", id="restart-node"),
-        Binding("m", "measure_links", "Measure links", id="measure-links"),
+        # The footer shows what a newcomer needs first and fits 80 columns; every other
+        # key is in `?` (key_rows lists them all) and in the command palette.
         Binding("p", "place", "Place", id="place"),
         Binding("u", "unload", "Unload", id="unload"),
+        Binding("c", "chat", "Chat", id="chat"),
+        Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        Binding("q", "quit", "Quit", id="quit"),
+        Binding("l", "node_logs", "Logs", show=False, id="node-logs"),
+        Binding("r", "restart_node", "Restart node", show=False, id="restart-node"),
+        Binding("m", "measure_links", "Measure links", show=False, id="measure-links"),
         Binding("R", "place_again", "Place again", key_display="R", show=False, id="place-again"),
         Binding(
             "F",
@@ -145,14 +148,13 @@ class StudioApp(Dashboard):
             show=False,
             id="fetch-model",
         ),
-        Binding("P", "provision", "Provision", key_display="P", id="provision"),
-        Binding("t", "next_theme", "Theme", id="next-theme"),
-        Binding("c", "chat", "Chat", id="chat"),
+        Binding("P", "provision", "Provision", key_display="P", show=False, id="provision"),
+        Binding("t", "next_theme", "Theme", show=False, id="next-theme"),
         Binding("f", "finetune", "Fine-tune", show=False, id="finetune"),
         Binding("J", "jobs", "Jobs", key_display="J", show=False, id="jobs"),
         Binding("b", "benchmark", "Benchmark", show=False, id="benchmark"),
         # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
-        Binding("f5", "refresh", "Refresh", id="refresh"),
+        Binding("f5", "refresh", "Refresh", show=False, id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
         Binding("2", "show_tab('tab-rdma')", "RDMA", show=False, id="tab-rdma"),
         Binding("3", "show_tab('tab-placements')", "Placements", show=False, id="tab-placements"),

@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
+from studiotui.cli import exits
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
 from studiotui.cluster import jobs, local_cluster, model_fetch, running, stops
@@ -35,6 +36,7 @@ from studiotui.cluster.controller import (
     Controller,
     GenerationError,
     PlacementError,
+    PlacementRefused,
     SavedShard,
 )
 from studiotui.cluster.model_sync import SyncRefused
@@ -150,8 +152,10 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
     return 0 if done is None or done.ok else 1
 
 
-async def cmd_down(args: argparse.Namespace, home: Path) -> int:
-    inv = inventory_of(args, home)
+async def cmd_down(args: argparse.Namespace, home: Path, inv: Inventory | None = None) -> int:
+    """Stop local agents; `inv`: the inventory the caller loaded already (and named:
+    loading it again printed the "inventory" line twice)."""
+    inv = inv or inventory_of(args, home)
     names = args.nodes or list(inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
@@ -611,9 +615,11 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     if info.unsupported:
         # Before asking any node anything: a model no shard can run is refused outright.
         console.print(
-            render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}"))
+            render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}", "model"))
         )
-        return 1
+        return exits.REFUSED["model"]
+    if info.note:
+        console.print(f"[yellow]note:[/] {info.name} is {info.note}")
     adapter = None
     if args.adapter:
         # Before asking any node anything too: another model's or a malformed adapter.
@@ -665,7 +671,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             raise UserError(str(exc)) from None
         console.print(render_plan(the_plan))
         if isinstance(the_plan, Refusal):
-            return 1
+            return exits.refused(the_plan)
         if beyond := context_beyond(info.facts, the_plan.context_tokens):
             errors.print(f"[yellow]note:[/] {beyond}", highlight=False)
         if isinstance(the_plan, Plan) and args.dry_run:
@@ -727,6 +733,10 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     hashing=hashed,
                     **place_options(args),
                 )
+            except PlacementRefused as exc:
+                # Made again at placing (another placement's promise, a changed cluster):
+                # the same status as the preview's refusal of that kind.
+                raise exits.RefusedError(str(exc), exc.refusal) from None
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
             except asyncio.CancelledError:  # Ctrl-C: ctl.place has unloaded what it loaded
@@ -766,7 +776,9 @@ def print_shapes(
     chips = ctl.node_chips(group)
     links = links_from_state(ctl.state)
     guess = forecast(facts, the_plan, chips, links, streams=the_plan.streams)
-    console.print(f"forecast ({the_plan.shape}): {describe(guess)}")
+    model = args.model_dir.expanduser().name
+    last = ctl.last_measured(model, the_plan.shape)
+    console.print(f"forecast ({the_plan.shape}): {describe(guess, last)}")
     if args.adapter:
         return  # an adapter is applied by pipeline stages only (adapter_tensor): one shape
     for size in tensor_sizes(facts, len(group)):
@@ -781,7 +793,10 @@ def print_shapes(
             **place_options(args),
         )
         if isinstance(other, Plan):
-            said = describe(forecast(facts, other, chips, links, streams=other.streams))
+            said = describe(
+                forecast(facts, other, chips, links, streams=other.streams),
+                ctl.last_measured(model, other.shape),
+            )
             console.print(f"  --tensor {size}, {other.shape}: {said}")
         else:
             console.print(f"  --tensor {size}: does not fit: {other.reason}")
@@ -979,16 +994,20 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
             quantize=args.quantize,
             group_size=args.group_size,
             files=args.files,
-            recite=args.recite,
+            recite=not args.noise,
         )
         path = _interruptible(lambda stop: write_demo_model(args.dir.expanduser(), spec, stop))
     except DemoModelError as exc:
         raise UserError(str(exc)) from None
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    packed = f", {args.quantize}" + ("-bit" if args.quantize in ("4", "8") else "")
+    # The quantization as the Models pane and the preview name it, from the config
+    # written (mlx-lm keeps a MoE's router at 8 bits: "mixed 4/8-bit", not "4-bit").
+    info = read_model(path)
+    packed = f", {info.quantization}" if info.quantization else ""
+    writes = "writes noise" if args.noise else "recites a passage"
     console.print(
         f"wrote {spec.arch} demo model ({spec.layers} layers, {dtype}"
-        f"{packed if args.quantize else ''}, {format_bytes(size)}) to {path}"
+        f"{packed}, {format_bytes(size)}; it {writes}) to {path}"
     )
     return 0
 

@@ -213,7 +213,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="write a deterministic demo model directory",
         description="Write a tiny model of a real mlx-lm family with random weights from a "
         "fixed seed: the same options always give byte-identical files, and mlx_lm.load "
-        "loads the directory unchanged. It writes noise (or, with --recite, one passage); "
+        "loads the directory unchanged. It recites one passage (or, with --noise, writes "
+        "random text); "
         "it exists to try placing, sharding and chatting without a download. The files are "
         "written one module at a time, after checking free disk and memory; an interrupted "
         "write leaves nothing behind.",
@@ -281,10 +282,17 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="safetensors files, split by layer with an index as big downloads are (default: 1)",
     )
-    demo.add_argument(
+    reads = demo.add_mutually_exclusive_group()
+    reads.add_argument(
         "--recite",
         action="store_true",
-        help="write a fixed passage instead of noise (the first-run demo does)",
+        help="write a fixed passage, so a chat reads as an answer (the default)",
+    )
+    reads.add_argument(
+        "--noise",
+        action="store_true",
+        help="keep the random output head: the model writes noise, as random weights do "
+        "(placing it says so)",
     )
 
 
@@ -393,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(result or 0)
     except StudioError as exc:
         print(f"studiotui: {exc}", file=sys.stderr)
-        return 2
+        return int(getattr(exc, "exit_code", 2))
     except KeyboardInterrupt:
         return 130
 

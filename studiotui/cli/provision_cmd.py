@@ -287,7 +287,9 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
             await ctl.close()
     code = 0
     if local:
-        code = await commands.cmd_down(argparse.Namespace(**{**vars(args), "nodes": local}), home)
+        code = await commands.cmd_down(
+            argparse.Namespace(**{**vars(args), "nodes": local}), home, inv
+        )
 
     async def one(node: NodeSpec) -> tuple[str, str, bool]:
         try:

@@ -34,10 +34,13 @@ from studiotui.core.adapter_catalog import (
 from studiotui.core.errors import StudioError
 from studiotui.core.forecast import (
     Chip,
+    LastMeasured,
     chips_from_state,
     choose,
+    last_measured,
     links_from_state,
     measured_bandwidths,
+    with_benchmark,
 )
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch, node_gone
@@ -182,6 +185,15 @@ def _tied(model_dir: Path) -> bool:
 
 class PlacementError(StudioError, RuntimeError):
     pass
+
+
+class PlacementRefused(PlacementError):
+    """The plan refused the placement (`refusal` says what kind) when it was placed: the
+    cluster changed since the preview, or memory another placement holds a promise on."""
+
+    def __init__(self, message: str, refusal: Refusal) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class GenerationError(StudioError, RuntimeError):
@@ -561,13 +573,13 @@ class Controller:
         try:
             info, kv_notes, kv_group_size = with_kv_quant(info, kv_bits, kv_group_size)
         except ModelDirError as exc:
-            return info, Refusal(str(exc))
+            return info, Refusal(str(exc), "shape")
         if adapter is not None:
             adapted = with_adapter(info.facts, adapter.bytes_by_layer(info.n_layers))
             info = replace(info, facts=adapted)
         if info.unsupported:
             # Refused here, before the plan and so before any file is copied to a node.
-            return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
+            return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}", "model")
         budgets = self._budgets(nodes)
         if isinstance(budgets, Refusal):
             return info, budgets
@@ -591,7 +603,7 @@ class Controller:
         if isinstance(verdict, Refusal):
             group = [s for name in nodes if (s := self.state.node(name)) is not None]
             if note := promises_note(group, self._pledges):
-                verdict = Refusal(f"{verdict.reason} ({note})")
+                verdict = Refusal(f"{verdict.reason} ({note})", verdict.kind)
         else:
             verdict = replace(verdict, kv_bits=kv_bits, kv_group_size=kv_group_size, notes=kv_notes)
         return info, verdict
@@ -602,9 +614,9 @@ class Controller:
         for name in nodes:
             node = self.state.node(name)
             if node is None:
-                return Refusal(f"unknown node {name!r}")
+                return Refusal(f"unknown node {name!r}", "node")
             if node.state != "up":
-                return Refusal(f"{name} is {node.state}: {node_start_hint(name)}")
+                return Refusal(f"{name} is {node.state}: {node_start_hint(name)}", "node")
             free = max(0, self._room(node))
             budgets.append(NodeBudget(name, free, node.memory_total))
         return budgets
@@ -647,8 +659,15 @@ class Controller:
     def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
         """What the forecast knows of each node's speed: its chip, or a bandwidth its
         agent reports or the newest saved benchmark run of this cluster measured."""
-        measured = measured_bandwidths(benchmark.saved(self.home), self.inventory.name)
-        return chips_from_state(self.state, nodes, measured)
+        runs = benchmark.saved(self.home)
+        measured = measured_bandwidths(runs, self.inventory.name)
+        chips = chips_from_state(self.state, nodes, measured)
+        return with_benchmark(chips, runs, self.inventory.name)
+
+    def last_measured(self, model: str, shape: str) -> LastMeasured | None:
+        """What the newest saved benchmark of this cluster measured for `model` on
+        `shape` (one stream's decode tok/s), shown beside the forecast."""
+        return last_measured(benchmark.saved(self.home), self.inventory.name, model, shape)
 
     async def place(
         self,
@@ -711,7 +730,7 @@ class Controller:
                 raise PlacementError(f"the cluster changed since the preview: {problem}")
             the_plan = expected
         if isinstance(the_plan, Refusal):
-            raise PlacementError(f"cannot place {info.name}: {the_plan.reason}")
+            raise PlacementRefused(f"cannot place {info.name}: {the_plan.reason}", the_plan)
         try:
             procs = members(the_plan)
         except ValueError as exc:

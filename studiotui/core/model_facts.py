@@ -15,6 +15,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,24 @@ class ModelInfo:
     # Why a shard could not run this model (family, quantization), from the table the
     # worker itself checks; None: it can. Known before any byte is copied.
     unsupported: str | None = None
+    # What the operator should know before chatting with it ("" nothing): a demo
+    # model written with random output (`demo-model --noise`) says it writes noise.
+    note: str = ""
+
+
+NOISE_NOTE = (
+    "a demo model with random weights: it writes noise, not text "
+    "(`studiotui demo-model DIR` writes one that recites a passage)"
+)
+
+
+def model_note(config: Mapping[str, Any]) -> str:
+    """What a placement of this model should say of it: a demo model that does not
+    recite writes noise."""
+    demo = config.get("studiotui_demo")
+    if isinstance(demo, Mapping) and not demo.get("recite"):
+        return NOISE_NOTE
+    return ""
 
 
 @dataclass(frozen=True)
@@ -360,6 +379,7 @@ def _read_model(path: Path, config: dict[str, Any]) -> ModelInfo:
         quantization=facts.quantization,
         facts=facts,
         unsupported=unsupported,
+        note=model_note(config),
     )
 
 

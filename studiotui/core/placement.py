@@ -252,6 +252,14 @@ class Plan:
 @dataclass(frozen=True)
 class Refusal:
     reason: str
+    # What kind of refusal (REFUSAL_KINDS): what the CLI's exit status says.
+    kind: str = "memory"
+
+
+# Every kind of refusal: the model and its KV cache do not fit the memory; the group
+# cannot take that shape (layers, tensor size, adapter); the model cannot run on a
+# shard; a node of the group is unknown or not up.
+REFUSAL_KINDS = ("memory", "shape", "model", "node")
 
 
 # --------------------------------------------------------------------------- sizes
@@ -542,18 +550,20 @@ def _best_fit(
 
 def _group_refusal(model: ModelFacts, nodes: Sequence[NodeBudget]) -> Refusal | None:
     if not nodes:
-        return Refusal("the group is empty; pick at least one node")
+        return Refusal("the group is empty; pick at least one node", "shape")
     names = [n.name for n in nodes]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         return Refusal(
             f"the group names {', '.join(repeated)} more than once; "
-            "a node can hold only one shard of a model"
+            "a node can hold only one shard of a model",
+            "shape",
         )
     if len(nodes) > model.n_layers:
         return Refusal(
             f"{model.name} has {model.n_layers} layers but the group has {len(nodes)} nodes "
-            f"and each node needs at least one layer; use at most {model.n_layers} nodes"
+            f"and each node needs at least one layer; use at most {model.n_layers} nodes",
+            "shape",
         )
     return None
 
@@ -572,14 +582,21 @@ def _joined(parts: Sequence[str], word: str) -> str:
     return ", ".join(parts[:-1]) + f" {word} " + parts[-1]
 
 
-def _suggest(model: ModelFacts, short: int, context_fit: int | None) -> str:
-    parts = [f"add a node with at least {_gb(short)} free"]
+def remedies(
+    model: ModelFacts, weights: int, kv: int, available: int, context_fit: int | None
+) -> list[str]:
+    """What would let `weights` + `kv` bytes fit in `available`, each only if it helps:
+    a node with the shortfall free always does; a 4-bit copy only when the model is
+    wider than 4 bits and its weights at 4 bits beside the same KV cache would fit (a
+    tiny model whose KV cache is what does not fit gains nothing from it); a shorter
+    context when one fits (`context_fit`)."""
+    parts = [f"add a node with at least {_gb(weights + kv - available)} free"]
     bits = _bits(model)
-    if bits is None or bits > 4:
+    if (bits is None or bits > 4) and weights * 4 // (bits or 16) + kv <= available:
         parts.append("use a 4-bit copy")
     if context_fit:
         parts.append(f"shorten the context to {context_fit} tokens")
-    return _joined(parts, "or")
+    return parts
 
 
 def _context_that_fits(
@@ -620,7 +637,7 @@ def _total_refusal(
         f"{model.name} needs {_gb(need)} ({_gb(weights)} weights + {_gb(kv_total)} KV cache "
         f"for {context_tokens} tokens × {streams} stream{'s' if streams > 1 else ''}), "
         f"the group has {_gb(available)} free after a {reserve_fraction:.0%} reserve per node; "
-        f"{_suggest(model, need - available, fit)}"
+        f"{_joined(remedies(model, weights, kv_total, available, fit), 'or')}"
     )
 
 
@@ -641,11 +658,18 @@ def _small_node_refusal(usable: Mapping[str, int], costs: Sequence[int]) -> Refu
 
 def _cut_refusal(model: ModelFacts, usable: Sequence[int], costs: Sequence[int]) -> Refusal:
     need = sum(costs) + model.embed_bytes + model.head_bytes
+    bits = _bits(model)
+    # A 4-bit copy helps where weights, not the KV cache, make the layers too large.
+    smaller = (bits is None or bits > 4) and model.weight_bytes * 2 > need
     return Refusal(
         f"{model.name} needs {_gb(need)} and the group has {_gb(sum(max(u, 0) for u in usable))} "
         f"free, but its {model.n_layers} layers (the largest {_gb(max(costs))} with KV cache) "
-        "cannot be cut into contiguous ranges that fit every node; add a node, "
-        "free memory on the smallest node or use a 4-bit copy"
+        "cannot be cut into contiguous ranges that fit every node; add a node"
+        + (
+            ", free memory on the smallest node or use a 4-bit copy"
+            if smaller
+            else " or free memory on the smallest node"
+        )
     )
 
 
@@ -749,11 +773,12 @@ def plan(
     if tensor != 1:
         why = tensor_refusal(model, tensor, len(nodes))
         if why:
-            return Refusal(why)
+            return Refusal(why, "shape")
         if model.layer_adapter:
             # mlx-lm's LoRA layers wrap whole projections; a tensor rank holds slices.
             return Refusal(
-                f"an adapter is applied by pipeline stages, not by tensor groups of {tensor}"
+                f"an adapter is applied by pipeline stages, not by tensor groups of {tensor}",
+                "shape",
             )
         return _plan_tensor(model, nodes, links, tensor, context_tokens, streams, reserve_fraction)
     by_name = {node.name: node for node in nodes}

@@ -31,6 +31,7 @@ from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.panes.rdma import RdmaPane
 from studiotui.app.render import Drawing
 from studiotui.app.themes import load_ui
+from studiotui.chat.commands import help_text
 from studiotui.cli.main import build_parser
 from studiotui.cli.serve import api_service
 from studiotui.cluster import local_cluster
@@ -778,3 +779,54 @@ async def test_help_scrolls_to_its_last_line_on_a_small_terminal(tmp_path: Path)
         await pilot.press("end")
         await pilot.pause()
         assert scroll.scroll_y == scroll.max_scroll_y
+
+
+def _footer_keys(app: StudioApp) -> dict[str, bool]:
+    """Each key of the footer's, and whether all of it is on screen."""
+    from textual.widgets._footer import FooterKey
+
+    width = app.size.width
+    return {
+        key.description: key.region.width > 0 and key.region.right <= width
+        for key in app.screen.query(FooterKey)
+    }
+
+
+async def test_at_80_by_24_the_footer_keeps_the_first_keys_whole(tmp_path: Path) -> None:
+    """At 80 columns the footer ended at "m Measu": Place, Unload and Chat were past the
+    edge. The footer shows the newcomer's keys; the rest are under `?` and the palette.
+    The chat screen's footer too (it ended at "^o Co")."""
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+
+    async def footer(needed: str) -> dict[str, bool]:
+        # Drawn once the screen's footer lists its keys (slow on a loaded machine).
+        for _ in range(100):
+            await pilot.pause(0.1)
+            if needed in (shown := _footer_keys(app)):
+                await pilot.pause(0.2)
+                return _footer_keys(app)
+        return shown
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        shown = await footer("Place")
+        for needed in ("Place", "Unload", "Chat", "Help", "Quit"):
+            assert shown.get(needed), shown
+        assert all(shown.values()), shown  # nothing cut at the edge
+        # What the footer leaves out is still a key `?` lists, and in the palette.
+        listed = {meaning for _, meaning in app.key_rows()}
+        palette = " ".join(title for title, _, _ in app.palette_actions())
+        for hidden in ("Restart", "links", "Provision", "logs", "Refresh", "theme"):
+            assert any(hidden.lower() in m.lower() for m in listed), (hidden, listed)
+            assert hidden.lower() in palette.lower(), hidden
+        await pilot.press("c")
+        chat = await footer("Regenerate")
+        for needed in ("Stop / back", "Regenerate", "Conversations", "New", "Attach"):
+            assert chat.get(needed), chat
+        assert all(chat.values()), chat
+        # The keys it leaves out are named by /help.
+        assert "ctrl+y" in help_text() and "ctrl+b" in help_text()
+
+
+def test_dashboard_snapshot_80x24(snap_compare, tmp_path: Path, utc: None) -> None:
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    assert snap_compare(app, terminal_size=(80, 24))

@@ -175,6 +175,7 @@ def test_up_place_chat_status_down(home: Path) -> None:
 
     down = run(home, "down")
     assert down.returncode == 0, down.stderr
+    assert down.stderr.count("studiotui: inventory ") == 1, down.stderr  # it said it twice
     assert not any(psutil.pid_exists(pid) and _is_agent(pid) for pid in pids if pid)
     # Stopped agents are not asked again (each would wait out a 5 s request first).
     again = run(home, "down")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -28,7 +28,9 @@ from studiotui.app.guard import guard_actions
 from studiotui.app.panes.placements import HASHING_SAID, OPERATOR, progress_lines
 from studiotui.app.render import Drawing, bar, short_count, state_style, usage_style
 from studiotui.core.forecast import (
+    UNMEASURED,
     Forecast,
+    LastMeasured,
     chips_from_state,
     describe,
     forecast,
@@ -265,13 +267,18 @@ def shape_lines(
     shown: Plan | None,
     node_count: int,
     width: int = 200,
+    measured: Mapping[str, LastMeasured] | None = None,
 ) -> list[Content]:
     """Each shape that divides, with its forecast or why it does not fit; the one on
     screen marked (its groups' backends and why are in the plan's caption above).
 
     A forecast too long for `width` folds between its figures, under the forecast
     column, rather than wherever the terminal breaks it."""
+    # Said once for every shape: whether a benchmark measured these nodes.
+    guessed = [guess for _, _, guess in shapes if guess is not None]
     lines = [Content(""), Content.styled("shapes (t cycles)  ·  forecast", "bold $text-muted")]
+    if any(not g.measured for g in guessed):
+        lines.append(Content.styled(f"  {UNMEASURED}", "$text-muted"))
     labels = [
         verdict.shape
         if isinstance(verdict, Plan) and guess is not None
@@ -285,7 +292,8 @@ def shape_lines(
         mark = ("▸ ", "bold $accent") if here else ("  ", "")
         if isinstance(verdict, Plan) and guess is not None:
             head = Content.assemble(mark, (f"{label:<{column}}", "bold" if here else ""))
-            parts = describe(guess).split(" · ")
+            last = (measured or {}).get(verdict.shape)
+            parts = describe(guess, last, unmeasured=False).split(" · ")
             line = Content.assemble(head, parts[0])
             for part in parts[1:]:
                 if line.cell_length + 3 + len(part) > width:
@@ -390,6 +398,8 @@ class PreviewScreen(ModalScreen[None]):
         self.kv_bits = 0
         # Every shape that divides: (tensor size, plan or refusal, forecast if it fits).
         self.shapes: list[tuple[int, Plan | Refusal, Forecast | None]] = []
+        # What a saved benchmark last measured of this model, by shape.
+        self.measured: dict[str, LastMeasured] = {}
         # measuring, planning, plan, refused, error, loading, ready, failed
         self.phase = "planning"
         self.info: ModelInfo | None = None
@@ -518,6 +528,11 @@ class PreviewScreen(ModalScreen[None]):
                 else None
             )
             out.append((size, verdict, guess))
+            last = getattr(self.controller, "last_measured", None)
+            if isinstance(verdict, Plan) and last is not None:
+                found = last(self.request.model.name, verdict.shape)
+                if found is not None:
+                    self.measured[verdict.shape] = found
         return out
 
     @property
@@ -664,6 +679,8 @@ class PreviewScreen(ModalScreen[None]):
         lines: list[Content] = []
         if self.info is not None:
             lines.append(_model_line(self.info))
+            if self.info.note:
+                lines.append(Content.styled(f"⚠ {self.info.note}", "$warning"))
         if self.adapter is not None:
             lines.append(_adapter_line(self.adapter))
         # "node local-1" names its node already; a group or the marks are spelled out.
@@ -705,7 +722,7 @@ class PreviewScreen(ModalScreen[None]):
         # A refused single shape would only repeat the reason above.
         self._shapes_at = None
         if self.phase in ("plan", "refused") and (self.plan or len(self.shapes) > 1):
-            block = shape_lines(self.shapes, self.plan, len(request.nodes), width)
+            block = shape_lines(self.shapes, self.plan, len(request.nodes), width, self.measured)
             self._shapes_at = (Content("\n").join(lines), len(block))
             lines += block
         for warning in warnings_for(state, request.nodes, request.name):

@@ -265,8 +265,9 @@ class ChatScreen(Screen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop_or_leave", "Stop / back", id="chat-stop"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="chat-regenerate"),
-        Binding("ctrl+y", "copy_answer", "Copy answer", id="chat-copy"),
-        Binding("ctrl+b", "copy_code", "Copy code", id="chat-copy-code"),
+        # Out of the footer so the rest fits 80 columns: /help names them (KEYS_HELP).
+        Binding("ctrl+y", "copy_answer", "Copy answer", show=False, id="chat-copy"),
+        Binding("ctrl+b", "copy_code", "Copy code", show=False, id="chat-copy-code"),
         Binding("ctrl+o", "conversations", "Conversations", id="chat-conversations"),
         Binding("ctrl+n", "new_conversation", "New", id="chat-new"),
         Binding("ctrl+t", "attach", "Attach", id="chat-attach"),
