@@ -149,6 +149,7 @@ class ShardProc:
             "adapter": self.spec.get("adapter", ""),
             "adapter_dir": self.spec.get("adapter_dir", ""),
             "adapter_bytes": self.spec.get("adapter_bytes", 0),
+            "draft": self.spec.get("draft", ""),
             "weight_bytes": self.spec.get("weight_bytes", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
@@ -468,6 +469,9 @@ class Agent:
             "adapter": req.adapter,
             "adapter_dir": req.adapter_dir,
             "adapter_bytes": req.adapter_bytes,
+            "draft": req.draft,
+            "draft_dir": req.draft_dir,
+            "draft_tokens": req.draft_tokens,
             # Said at prepare_shard; weights not read yet stay promised while it loads.
             "weight_bytes": shard.spec.get("weight_bytes", 0),
         }

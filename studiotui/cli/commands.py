@@ -69,7 +69,12 @@ from studiotui.core.placement import (
 )
 from studiotui.core.state import ClusterState, node_start_hint
 from studiotui.core.text import printable
-from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
+from studiotui.core.traffic import (
+    RateMeter,
+    placement_acceptance,
+    placement_in_flight,
+    placement_tokens,
+)
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 
@@ -291,6 +296,10 @@ def status_json(ctl: Controller, rates: Mapping[str, float] | None = None) -> di
                 "in_flight": placement_in_flight(p),
                 "tokens": placement_tokens(p),
                 "tok_s": round(rates.get(p.name, 0.0), 2),
+                # Speculative decoding: the head's guesser and the share of guesses kept.
+                "draft": next((s.draft for s in p.shards if s.draft), ""),
+                "drafted": sum(s.drafted for s in p.shards),
+                "acceptance": placement_acceptance(p),
             }
             for p in st.placements
         ],
@@ -562,9 +571,21 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         if args.tensor is not None and (why := tensor_refusal(info.facts, args.tensor, len(group))):
             # Before the plan and before any node is asked to load anything.
             raise UserError(f"--tensor {args.tensor}: {why}")
+        draft_arg = getattr(args, "draft", None) or ""
+        draft = "lookup" if draft_arg == "lookup" else ("model" if draft_arg else "")
+        guesser = Path(draft_arg).expanduser().resolve() if draft == "model" else None
+        draft_tokens = getattr(args, "draft_tokens", 0) or 0
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams, tensor, adapter
+                args.model_dir.expanduser(),
+                group,
+                args.context,
+                args.streams,
+                tensor,
+                adapter,
+                draft,
+                guesser,
+                draft_tokens,
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
@@ -616,6 +637,9 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     tensor=tensor,
                     adapter_dir=args.adapter,
                     hashing=hashed,
+                    draft_dir=str(guesser) if guesser else "",
+                    draft=draft,
+                    draft_tokens=draft_tokens,
                 )
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None

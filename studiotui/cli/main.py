@@ -94,6 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="an mlx-lm LoRA/DoRA adapter (directory, or a name in STUDIOTUI_HOME/adapters) "
         "trained on this model: the shards apply it (placement name MODEL+ADAPTER)",
     )
+    place.add_argument(
+        "--draft",
+        metavar="DRAFT_DIR|lookup",
+        help="speculative decoding: a small draft model of the same tokenizer (loaded whole "
+        "on the head node), or 'lookup' to guess from the prompt and answer so far",
+    )
+    place.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="guesses per verify step (default 4; it adapts to each request's acceptance)",
+    )
 
     fetch = sub.add_parser(
         "fetch", help="put a model's files on nodes ahead of placing it, each node its share"

@@ -209,6 +209,9 @@ class ShardPlan:
     # An adapter's share of these layers, held beside `weight_bytes` (counted in
     # free_after); 0 without an adapter.
     adapter_bytes: int = 0
+    # A speculative decoding draft model, loaded whole beside the head's layers (counted
+    # in free_after; studiotui/cluster/draft.py); 0 elsewhere and without one.
+    draft_bytes: int = 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -1020,7 +1023,14 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
     table.add_column("node")
     # A placement with an adapter shows each shard's share of it beside its weights.
     adapter = any(s.adapter_bytes for s in p.shards)
-    columns = ("layers", "weights", *(("adapter",) if adapter else ()), "KV cache")
+    draft = any(s.draft_bytes for s in p.shards)
+    columns = (
+        "layers",
+        "weights",
+        *(("adapter",) if adapter else ()),
+        *(("draft",) if draft else ()),
+        "KV cache",
+    )
     for column in (*columns, "free before", "free after"):
         table.add_column(column, justify="right")
     for i, s in enumerate(p.shards):
@@ -1029,6 +1039,7 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
             _layer_label(s, i, len(p.shards)),
             format_bytes(s.weight_bytes),
             *((format_bytes(s.adapter_bytes),) if adapter else ()),
+            *((format_bytes(s.draft_bytes),) if draft else ()),
             format_bytes(s.kv_bytes),
             format_bytes(s.free_before),
             format_bytes(s.free_after),

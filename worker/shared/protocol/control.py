@@ -121,6 +121,12 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     # The plan's bytes of the adapter on this shard's layers: reported back, so that
     # memory promised to a shard still loading counts them (controller.committed_bytes).
     adapter_bytes: int = 0
+    # Speculative decoding (the head shard): "" none, "lookup" (prompt lookup) or
+    # "model" (the draft model in `draft_dir`, loaded whole beside the head's layers),
+    # with `draft_tokens` guesses per verify frame (0: the default).
+    draft: str = ""
+    draft_dir: str = ""
+    draft_tokens: int = 0
 
 
 class TensorMember(Wire, frozen=True, kw_only=True):
@@ -289,6 +295,9 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     prebuilt_steps: int = 0
     batched_steps: int = 0  # decode steps that ran several requests as one batch
     batched_rows: int = 0  # the requests those steps carried
+    # (the head) speculative decoding's guesses sent in verify frames, and those kept
+    drafted: int = 0
+    kept: int = 0
     active_bytes: int = 0
     # The head's figures of its decode steps, medians in µs (worker.stage.RING_FIGURES):
     # a hop, a stage's Python per frame, the ring's overhead per token (hops and every
@@ -316,6 +325,7 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     adapter: str = ""
     adapter_dir: str = ""
     adapter_bytes: int = 0  # the plan's share of the adapter on these layers
+    draft: str = ""  # the head's speculative decoding ("", "lookup", "model")
     weight_bytes: int = 0  # the plan's weights for these layers (promised until loaded)
     data_port: int = 0
     client_port: int = 0
