@@ -207,12 +207,13 @@ class DraftSession:
             trim_prompt_cache(self.cache, len(self.seen) - same)
             self.seen = self.seen[:same]
         feed = list(context[same:])
-        while len(feed) > 1:
-            n = min(self.prefill_chunk, len(feed) - 1)
-            self.model(mx.array([feed[:n]]), cache=self.cache)
+        # The tokens new to it since its last guesses (after a verify: the big model's
+        # token, and the last guess if all were kept) go in with the first guess's step.
+        while len(feed) > self.prefill_chunk:
+            self.model(mx.array([feed[: self.prefill_chunk]]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
-            self.seen += feed[:n]
-            feed = feed[n:]
+            self.seen += feed[: self.prefill_chunk]
+            feed = feed[self.prefill_chunk :]
         y = mx.array([feed])
         out: list[mx.array] = []
         for _ in range(k):
@@ -221,5 +222,5 @@ class DraftSession:
             mx.async_eval(y)
             out.append(y)
         drafts = cast(list[int], mx.concatenate(out, axis=1)[0].tolist())
-        self.seen += [feed[0], *drafts[:-1]]  # the last guess was never fed
+        self.seen += [*feed, *drafts[:-1]]  # the last guess was never fed
         return drafts

@@ -358,8 +358,13 @@ class Stage:
             prediction = tuple(self.tokenizer.encode(predicted, add_special_tokens=False))
         elif isinstance(predicted, list):
             prediction = tuple(predicted)
+        # Lookup's guesses cost nothing to make: K may grow past the placement's.
+        most = self.draft_tokens if mode == "model" else 2 * self.draft_tokens
         return Speculation(
-            mode=mode, k=self.draft_tokens, k_max=self.draft_tokens, prediction=prediction
+            mode=mode,
+            k=self.draft_tokens,
+            k_max=min(most, speculation.MAX_DRAFT_TOKENS),
+            prediction=prediction,
         )
 
     def _admit(
@@ -921,9 +926,11 @@ class Stage:
     def _deliver_all(
         self, rid: str, req: HeadRequest, header: RingHeader, tokens: list[int]
     ) -> str | None:
-        """`_deliver` each of a step's tokens in turn (a verify frame's kept guesses and
-        its token): a stop string in one ends the answer there, the rest are dropped."""
+        """A verify frame's tokens (its kept guesses, then its token) as one delta to the
+        client, each read in turn as `_deliver` reads one: a stop string in one ends the
+        answer there, the tokens after it are dropped."""
         drawn = header.extra.get("logprobs")
+        text, more, sent = "", cast(dict[str, list[Any]], {}), []
         finish: str | None = ""
         for j, token in enumerate(tokens):
             last = j == len(tokens) - 1
@@ -935,15 +942,35 @@ class Stage:
                 finish=header.finish if last else "",
                 extra=extra,
             )
-            finish = self._deliver(rid, req, one)
-            if finish is None or finish:
+            read = self._read(rid, req, one)
+            if read is None:
+                return None
+            piece, extras, finish = read
+            text += piece
+            sent.append(token)
+            for key, values in extras.items():
+                more.setdefault(key, []).extend(values)
+            if finish:
                 req.generated -= len(tokens) - 1 - j  # the tokens after it are no answer
                 break
+        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=sent, **more)
         return finish
 
     def _deliver(self, rid: str, req: HeadRequest, header: RingHeader) -> str | None:
         """Turn a token into text for the client; why the answer ends ("" if it goes on),
         or None if the token could not be read (the request failed)."""
+        read = self._read(rid, req, header)
+        if read is None:
+            return None
+        text, more, finish = read
+        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token], **more)
+        return finish
+
+    def _read(
+        self, rid: str, req: HeadRequest, header: RingHeader
+    ) -> tuple[str, dict[str, Any], str] | None:
+        """A token's text, its log-probabilities and tool calls, and why the answer ends
+        there ("" if it goes on); None if it could not be read (the request failed)."""
         try:
             text, finish = _text_of(req.stream, header)
             more = self._logprobs_of(header)
@@ -957,8 +984,7 @@ class Stage:
         except Exception as exc:  # a tokenizer that cannot decode its own token id
             self._fail(rid, f"cannot detokenise token {header.token}: {_describe(exc)}")
             return None
-        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token], **more)
-        return finish
+        return text, more, finish
 
     def _complete_or_fail(self, step: Launched) -> None:
         try:

@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
     )
+    bench.add_argument(
+        "--speculative",
+        action="store_true",
+        help="instead: only the speculative decoding rows (spec_draft_ratio, "
+        "spec_lookup_ratio, spec_miss_ratio, beside mlx-lm's own)",
+    )
     from studiotui.cli import tune_cmd
 
     tune_cmd.add_parsers(sub)  # finetune, jobs

@@ -146,9 +146,10 @@ def test_a_perfect_prediction_is_kept_whole(models: Callable[..., Path], stages:
     ring = Ring(model, SPLITS[stages], draft_tokens=K)
     assert ring.answer(GREEDY, prediction=expected) == expected
     usage = ring.done("r")["usage"]["completion_tokens_details"]
-    # Each frame's last token is the big model's own; every guess before it is kept.
-    frames = -(-N // (K + 1))
-    assert usage == {"accepted_prediction_tokens": N - frames, "rejected_prediction_tokens": 0}
+    # Each frame's last token is the big model's own; every guess before it is kept,
+    # and K grows while they are.
+    assert usage["rejected_prediction_tokens"] == 0
+    assert usage["accepted_prediction_tokens"] >= N - N // (K + 1)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])

@@ -19,12 +19,16 @@ import pytest
 import pytest_asyncio
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
+from textual.widgets import Input, Select, Static
 
 from studiotui.api.server import ApiServer, start_server
+from studiotui.app.app import StudioApp
+from studiotui.app.screens.chat import AnswerView, ChatScreen
 from studiotui.cli.commands import status_json
 from studiotui.cluster.controller import Controller
 from studiotui.core.placement import Plan, Refusal
 from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -179,3 +183,40 @@ async def test_a_draft_of_another_tokenizer_is_refused_at_preview(served: Served
     # A fitting draft's weights are counted on the head node.
     _, plan = ctl.preview(models["noise"], nodes, draft="model", draft_dir=models["noise"])
     assert isinstance(plan, Plan) and plan.shards[0].draft_bytes > 0
+
+
+async def test_the_chat_shows_the_share_of_guesses_kept_beside_tok_s(
+    spec_cluster: LocalCluster, served: Served
+) -> None:
+    app = StudioApp(spec_cluster.home, spec_cluster.inventory)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(
+            pilot,
+            lambda: (
+                app.controller is not None
+                and any(
+                    p.name == "drafted" and p.state == "ready"
+                    for p in app.controller.state.placements
+                )
+            ),
+            20,
+            "the drafted placement is known",
+        )
+        await pilot.press("c")
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "chat screen")
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        screen.query_one("#chat-placement", Select).value = "drafted"
+        await until(pilot, lambda: screen._chosen_name() == "drafted", 5, "drafted chosen")
+        screen.query_one("#chat-temperature", Input).value = "0"
+        screen.query_one("#chat-max-tokens", Input).value = "40"
+        prompt = screen.query_one("#chat-prompt", Input)
+        prompt.focus()
+        prompt.value = "Say your passage."
+        app.simulate_key("enter")
+        await until(pilot, lambda: screen.turn is not None and screen.turn.finished, 60, "answer")
+        await pilot.pause(0.2)
+        note = str(screen.query(AnswerView).last().note.content)
+        figures = str(screen.query_one("#chat-figures", Static).content)
+        assert "tok/s" in note and "% of guesses kept" in note, note
+        assert "guesses kept" in figures and "tok/s" in figures, figures
