@@ -116,8 +116,11 @@ class Speculation:
         stands aside when it is not paying."""
         if drafted == 0:
             self.idle += 1
-            if self.mode == "lookup" and self.idle >= IDLE_ROUNDS:
-                self.off = f"prompt lookup found nothing to propose {IDLE_ROUNDS} times running"
+            # A step without guesses cannot be built ahead: a request none of whose
+            # guesses was ever kept gives up sooner.
+            limit = IDLE_ROUNDS if self.kept else IDLE_ROUNDS // 4
+            if self.mode == "lookup" and self.idle >= limit:
+                self.off = f"prompt lookup found nothing to propose {limit} times running"
             return
         self.idle = 0
         self.drafted += drafted
