@@ -149,6 +149,7 @@ class ShardProc:
             "adapter": self.spec.get("adapter", ""),
             "adapter_dir": self.spec.get("adapter_dir", ""),
             "adapter_bytes": self.spec.get("adapter_bytes", 0),
+            "draft": self.spec.get("draft", ""),
             "weight_bytes": self.spec.get("weight_bytes", 0),
             "kv_bits": self.spec.get("kv_bits", 0),
             "kv_group_size": self.spec.get("kv_group_size", 64),
@@ -477,6 +478,9 @@ class Agent:
             "kv_group_size": req.kv_group_size,
             "prompt_cache_bytes": req.prompt_cache_bytes,
             "prompt_cache_disk_bytes": req.prompt_cache_disk_bytes,
+            "draft": req.draft,
+            "draft_dir": req.draft_dir,
+            "draft_tokens": req.draft_tokens,
             # Said at prepare_shard; weights not read yet stay promised while it loads.
             "weight_bytes": shard.spec.get("weight_bytes", 0),
         }

@@ -70,11 +70,14 @@ REFUSALS = (
     "tools must",
     "stop strings",
     "logit_bias",
+    # Speculative decoding (worker/stage.py `_speculation`).
+    "draft",
+    "prediction",
     # The ranges both sides check (SAMPLING_LIMITS): "top_p must be a number from ...".
     *(f"{name} must" for name in SAMPLING_LIMITS),
 )
 # A refusal that begins with a parameter's name blames that parameter.
-BLAMED = ("tools", *SAMPLING_LIMITS)
+BLAMED = ("tools", "draft", "prediction", *SAMPLING_LIMITS)
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -406,15 +409,23 @@ async def _accepted(
         raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
 
 
-def _usage(done: dict[str, Any]) -> dict[str, int]:
+def _usage(done: dict[str, Any]) -> dict[str, Any]:
     usage = done.get("usage") or {}
     prompt = int(usage.get("prompt_tokens", 0))
     completion = int(usage.get("completion_tokens", 0))
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    details = usage.get("completion_tokens_details")
+    if isinstance(details, dict):
+        # OpenAI's Predicted Outputs counts: guesses kept and rejected.
+        out["completion_tokens_details"] = {
+            key: int(details.get(key, 0))
+            for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+        }
+    return out
 
 
 class _Shape:

@@ -72,7 +72,12 @@ from studiotui.core.placement import (
 )
 from studiotui.core.state import ClusterState, PlacementState, node_start_hint
 from studiotui.core.text import printable
-from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
+from studiotui.core.traffic import (
+    RateMeter,
+    placement_acceptance,
+    placement_in_flight,
+    placement_tokens,
+)
 from studiotui.provision import restart
 from studiotui.provision.deploy import Outcome
 from worker.shared.adapters import Adapter
@@ -384,6 +389,10 @@ def status_json(ctl: Controller, rates: Mapping[str, float] | None = None) -> di
                 "in_flight": placement_in_flight(p),
                 "tokens": placement_tokens(p),
                 "tok_s": round(rates.get(p.name, 0.0), 2),
+                # Speculative decoding: the head's guesser and the share of guesses kept.
+                "draft": next((s.draft for s in p.shards if s.draft), ""),
+                "drafted": sum(s.drafted for s in p.shards),
+                "acceptance": placement_acceptance(p),
             }
             for p in st.placements
         ],
@@ -657,6 +666,10 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         if args.tensor is not None and (why := tensor_refusal(info.facts, args.tensor, len(group))):
             # Before the plan and before any node is asked to load anything.
             raise UserError(f"--tensor {args.tensor}: {why}")
+        draft_arg = getattr(args, "draft", None) or ""
+        draft = "lookup" if draft_arg == "lookup" else ("model" if draft_arg else "")
+        guesser = Path(draft_arg).expanduser().resolve() if draft == "model" else None
+        draft_tokens = getattr(args, "draft_tokens", 0) or 0
         try:
             info, the_plan = ctl.preview(
                 args.model_dir.expanduser(),
@@ -666,6 +679,9 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                 tensor,
                 adapter,
                 **place_options(args),
+                draft=draft,
+                draft_dir=guesser,
+                draft_tokens=draft_tokens,
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
@@ -732,6 +748,9 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     adapter_dir=args.adapter,
                     hashing=hashed,
                     **place_options(args),
+                    draft_dir=str(guesser) if guesser else "",
+                    draft=draft,
+                    draft_tokens=draft_tokens,
                 )
             except PlacementRefused as exc:
                 # Made again at placing (another placement's promise, a changed cluster):
@@ -1031,11 +1050,13 @@ def _interruptible(work: Callable[[Callable[[], bool]], Path]) -> Path:
 
 
 def cmd_bench(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.bench.run import BenchError, run_bench, run_soak
+    from studiotui.bench.run import BenchError, run_bench, run_soak, run_speculative
 
     try:
         if getattr(args, "soak", False):
             return run_soak(quick=args.quick, as_json=args.json)
+        if getattr(args, "speculative", False):
+            return run_speculative(quick=args.quick, as_json=args.json)
         return run_bench(quick=args.quick, as_json=args.json)
     except BenchError as exc:
         raise UserError(f"bench failed: {exc}") from None

@@ -134,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="an mlx-lm LoRA/DoRA adapter (directory, or a name in STUDIOTUI_HOME/adapters) "
         "trained on this model: the shards apply it (placement name MODEL+ADAPTER)",
     )
+    place.add_argument(
+        "--draft",
+        metavar="DRAFT_DIR|lookup",
+        help="speculative decoding: a small draft model of the same tokenizer (loaded whole "
+        "on the head node), or 'lookup' to guess from the prompt and answer so far",
+    )
+    place.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="guesses per verify step (default 4; it adapts to each request's acceptance)",
+    )
 
     fetch = sub.add_parser(
         "fetch", help="put a model's files on nodes ahead of placing it, each node its share"
@@ -184,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--soak",
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
+    )
+    bench.add_argument(
+        "--speculative",
+        action="store_true",
+        help="instead: only the speculative decoding rows (spec_draft_ratio, "
+        "spec_lookup_ratio, spec_miss_ratio, beside mlx-lm's own)",
     )
     from studiotui.cli import tune_cmd
 

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from studiotui.cluster import keys, model_files, model_sync, stops
+from studiotui.cluster.draft import DraftRefused, check_draft, draft_bytes, with_draft
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core import benchmark
 from studiotui.core.adapter_catalog import (
@@ -558,6 +559,9 @@ class Controller:
         kv_group_size: int | None = DEFAULT_KV_GROUP_SIZE,
         prompt_cache: int | None = None,
         prompt_cache_disk: int | None = None,
+        draft: str = "",
+        draft_dir: Path | None = None,
+        draft_tokens: int = 0,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
         DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one.
@@ -567,7 +571,10 @@ class Controller:
         settings the model cannot take are a Refusal (None group size: one that
         divides its heads, kv_quant.group_size_for). `prompt_cache`,
         `prompt_cache_disk`: the placement's prompt-cache budget in bytes (None: what the
-        plan can spare, placement.with_prompt_cache), counted in each node's memory."""
+        plan can spare, placement.with_prompt_cache), counted in each node's memory.
+        `draft` ("lookup", or "model" with `draft_dir`): speculative decoding, refused
+        here in words when the draft's tokenizer or the model's caches do not allow it;
+        a draft model's weights count on the head node."""
         model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
         try:
@@ -600,12 +607,26 @@ class Controller:
                 verdict = with_prompt_cache(verdict, prompt_cache, prompt_cache_disk)
             if isinstance(verdict, Plan):
                 break
+        if draft:
+            try:
+                problem = check_draft(model_dir, draft, draft_dir, draft_tokens)
+            except DraftRefused as exc:
+                problem = str(exc)
+            if problem:
+                return info, Refusal(problem, "model")
+            if draft == "model" and draft_dir is not None:
+                verdict = with_draft(verdict, draft_bytes(draft_dir))
         if isinstance(verdict, Refusal):
             group = [s for name in nodes if (s := self.state.node(name)) is not None]
             if note := promises_note(group, self._pledges):
                 verdict = Refusal(f"{verdict.reason} ({note})", verdict.kind)
         else:
-            verdict = replace(verdict, kv_bits=kv_bits, kv_group_size=kv_group_size, notes=kv_notes)
+            verdict = replace(
+                verdict,
+                kv_bits=kv_bits,
+                kv_group_size=kv_group_size,
+                notes=(*verdict.notes, *kv_notes),
+            )
         return info, verdict
 
     def _budgets(self, nodes: Sequence[str]) -> list[NodeBudget] | Refusal:
@@ -686,6 +707,9 @@ class Controller:
         kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
         prompt_cache: int | None = None,
         prompt_cache_disk: int | None = None,
+        draft_dir: str = "",
+        draft: str = "",
+        draft_tokens: int = 0,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else. With
@@ -712,6 +736,10 @@ class Controller:
         )
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
+        # --draft DIR is a draft model; "lookup" (or draft="lookup") prompt lookup.
+        if draft_dir and not draft:
+            draft = "lookup" if draft_dir == "lookup" else "model"
+        guesser = Path(draft_dir).expanduser().resolve() if draft == "model" else None
         info, the_plan = self.preview(
             model_dir,
             nodes,
@@ -723,6 +751,9 @@ class Controller:
             kv_group_size,
             prompt_cache,
             prompt_cache_disk,
+            draft,
+            guesser,
+            draft_tokens,
         )
         if expected is not None:
             problem = self._no_longer_fits(expected)
@@ -756,13 +787,17 @@ class Controller:
                     + shard.kv_bytes
                     + shard.adapter_bytes
                     + shard.prompt_cache_bytes
+                    + shard.draft_bytes
                 )
         planned = PlannedPlacement(str(model_dir), ring, placed_at=int(time.time()))
         if adapter is not None:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
         self._remember_plan(name, planned)
         try:
-            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter, hashing)
+            speculation = (draft, guesser, draft_tokens)
+            await self._deploy(
+                the_plan, model_dir, name, progress, prefill_chunk, adapter, hashing, speculation
+            )
             self._placing.discard(name)
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError, SshError) as exc:
@@ -837,6 +872,7 @@ class Controller:
         prefill_chunk: int,
         adapter: Adapter | None = None,
         hashing: Hashing | None = None,
+        speculation: tuple[str, Path | None, int] = ("", None, 0),
     ) -> None:
         shards = the_plan.shards
         procs = members(the_plan)
@@ -868,6 +904,13 @@ class Controller:
         try:
             dirs = await self._model_dirs(procs, model_dir, progress, hashing)
             adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
+            draft, guesser, draft_tokens = speculation
+            head = next(m for m in procs if m.stage == 0 and m.rank == 0)
+            draft_at = ""
+            if guesser is not None:
+                # The draft model goes whole to the head node, as a model's files do.
+                whole = [Member(0, 0, head.node, 0, read_model(guesser).n_layers, (), None)]
+                draft_at = (await self._model_dirs(whole, guesser, progress, hashing))[head.node]
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
@@ -904,6 +947,11 @@ class Controller:
                 kv_group_size=the_plan.kv_group_size,
                 prompt_cache_bytes=shards[m.stage].prompt_cache_bytes,
                 prompt_cache_disk_bytes=shards[m.stage].prompt_cache_disk_bytes,
+                **(
+                    {"draft": draft, "draft_dir": draft_at, "draft_tokens": draft_tokens}
+                    if m is head
+                    else {}
+                ),
             )
             try:
                 async for msg in stream:

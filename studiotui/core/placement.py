@@ -213,6 +213,9 @@ class ShardPlan:
     # in free_after) and on the node's disk.
     prompt_cache_bytes: int = 0
     prompt_cache_disk_bytes: int = 0
+    # A speculative decoding draft model, loaded whole beside the head's layers (counted
+    # in free_after; studiotui/cluster/draft.py); 0 elsewhere and without one.
+    draft_bytes: int = 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -1163,10 +1166,12 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
     # A placement with an adapter shows each shard's share of it beside its weights.
     adapter = any(s.adapter_bytes for s in p.shards)
     cache = any(s.prompt_cache_bytes or s.prompt_cache_disk_bytes for s in p.shards)
+    draft = any(s.draft_bytes for s in p.shards)
     columns = (
         "layers",
         "weights",
         *(("adapter",) if adapter else ()),
+        *(("draft",) if draft else ()),
         "KV cache",
         *(("prompt cache", "on disk") if cache else ()),
     )
@@ -1178,6 +1183,7 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
             _layer_label(s, i, len(p.shards)),
             format_bytes(s.weight_bytes),
             *((format_bytes(s.adapter_bytes),) if adapter else ()),
+            *((format_bytes(s.draft_bytes),) if draft else ()),
             format_bytes(s.kv_bytes),
             *(
                 (format_bytes(s.prompt_cache_bytes), format_bytes(s.prompt_cache_disk_bytes))

@@ -56,6 +56,10 @@ class ShardState:
     # 0 and () for a one-node stage.
     rank: int = 0
     group: tuple[str, ...] = ()
+    # Speculative decoding on the head: its guesser, and its guesses sent and kept.
+    draft: str = ""
+    drafted: int = 0
+    kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -400,6 +404,9 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         prompt_cache_disk_bytes=report.prompt_cache_disk_bytes,
         rank=report.rank,
         group=tuple(report.group),
+        draft=report.draft,
+        drafted=report.stats.drafted,
+        kept=report.stats.kept,
     )
 
 

@@ -130,6 +130,12 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     # plan counts the memory in the node's, like weights and KV).
     prompt_cache_bytes: int = 0
     prompt_cache_disk_bytes: int = 0
+    # Speculative decoding (the head shard): "" none, "lookup" (prompt lookup) or
+    # "model" (the draft model in `draft_dir`, loaded whole beside the head's layers),
+    # with `draft_tokens` guesses per verify frame (0: the default).
+    draft: str = ""
+    draft_dir: str = ""
+    draft_tokens: int = 0
 
 
 class TensorMember(Wire, frozen=True, kw_only=True):
@@ -298,6 +304,9 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     prebuilt_steps: int = 0
     batched_steps: int = 0  # decode steps that ran several requests as one batch
     batched_rows: int = 0  # the requests those steps carried
+    # (the head) speculative decoding's guesses sent in verify frames, and those kept
+    drafted: int = 0
+    kept: int = 0
     active_bytes: int = 0
     # The head's figures of its decode steps, medians in µs (worker.stage.RING_FIGURES):
     # a hop, a stage's Python per frame, the ring's overhead per token (hops and every
@@ -325,6 +334,7 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     adapter: str = ""
     adapter_dir: str = ""
     adapter_bytes: int = 0  # the plan's share of the adapter on these layers
+    draft: str = ""  # the head's speculative decoding ("", "lookup", "model")
     weight_bytes: int = 0  # the plan's weights for these layers (promised until loaded)
     kv_bits: int = 0  # quantized KV (0: full precision)
     kv_group_size: int = 64
