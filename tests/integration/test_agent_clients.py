@@ -1,0 +1,176 @@
+"""Claude Code and Codex CLI, the real programs from npm, against a real placement.
+
+One real agent on 127.0.0.176:59400 holds two placements with room for the agents'
+system prompts: the reciting demo (a readable answer to print) and a model that, as
+an agent, calls a tool and, given the tool's result, answers (tests/tool_model.py).
+The server runs in this test's event loop; the programs run as child processes.
+CI installs both programs (.ci/run): there a missing program fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from studiotui.api.server import ApiServer, start_server
+from studiotui.cluster.controller import Controller
+from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.tool_model import write_agent_model
+from worker.shared.demo_model import PASSAGE, DemoSpec, write_demo_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+KEY = "sk-agents"
+# Claude Code's system prompt and one tool's schema come to about 10k characters, a
+# token each with the demo's byte-level tokenizer; Codex's to about 40k.
+CONTEXT = 49152
+SPEC = DemoSpec(layers=1, hidden=64, heads=4, kv_heads=2, dtype="float32")
+SECRET = "the launch code is 4217"
+CALL = 'Reading<tool_call>{"name":"Read","arguments":{"file_path": "notes.txt"}}</tool_call>'
+ANSWER = "All good"
+# What keeps the programs quiet and local: no telemetry, no updates, no surveys.
+QUIET = {
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_BUG_COMMAND": "1",
+    "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+    "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
+}
+
+
+def program(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (npm install -g, as .ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@dataclass
+class Served:
+    ctl: Controller
+    server: ApiServer
+
+    @property
+    def base(self) -> str:
+        return self.server.url.removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def agents_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    yield from cluster_fixture(tmp_path_factory.mktemp("agents-home"), 1, 176, 59400)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(
+    agents_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Served]:
+    root = tmp_path_factory.mktemp("agents-models")
+    recite = write_demo_model(
+        root / "recite", DemoSpec(layers=1, hidden=64, heads=4, kv_heads=2, recite=True)
+    )
+    agent = write_agent_model(root / "agent", SPEC, CALL, ANSWER)
+    ctl = agents_cluster.controller()
+    (node,) = agents_cluster.inventory.names
+    server = None
+    try:
+        await ctl.start(telemetry=False)
+        for name, model in (("recite", recite), ("agent", agent)):
+            await ctl.place(model, [node], name, prefill_chunk=2048, context_tokens=CONTEXT)
+        server = await start_server(ctl, "127.0.0.1", 0, api_key=KEY)
+        yield Served(ctl, server)
+    finally:
+        if server is not None:
+            await server.close()
+        await ctl.close()
+
+
+async def run(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *args,
+        env=env,
+        cwd=cwd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 240)
+    except TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        pytest.fail(f"{args[0]} did not finish: {out.decode()[-2000:]} {err.decode()[-2000:]}")
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def claude_env(served: Served, home: Path, model: str) -> dict[str, str]:
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": served.base,
+        "ANTHROPIC_API_KEY": KEY,
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        **QUIET,
+    }
+
+
+async def test_claude_code_prints_the_answer(served: Served, tmp_path: Path) -> None:
+    claude = program("claude")
+    code, out, err = await run(
+        [claude, "-p", "say hi", "--tools="], claude_env(served, tmp_path, "recite"), tmp_path
+    )
+    assert code == 0, err + out
+    assert out.strip() == PASSAGE, out
+
+
+async def test_claude_code_reads_a_file_as_an_agent(served: Served, tmp_path: Path) -> None:
+    claude = program("claude")
+    (tmp_path / "notes.txt").write_text(SECRET + "\n")
+    code, out, err = await run(
+        [
+            claude,
+            "-p",
+            "What do my notes say?",
+            "--tools=Read",
+            "--allowedTools=Read",
+            "--output-format=stream-json",
+            "--verbose",
+        ],
+        claude_env(served, tmp_path, "agent"),
+        tmp_path,
+    )
+    assert code == 0, err + out
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    calls = [
+        block
+        for e in events
+        if e.get("type") == "assistant"
+        for block in e["message"]["content"]
+        if block.get("type") == "tool_use"
+    ]
+    assert [(c["name"], c["input"]) for c in calls] == [("Read", {"file_path": "notes.txt"})]
+    results = [
+        block
+        for e in events
+        if e.get("type") == "user"
+        for block in e["message"]["content"]
+        if isinstance(block, dict) and block.get("type") == "tool_result"
+    ]
+    # Claude Code read the file and sent its text back to the model.
+    assert len(results) == 1 and SECRET in json.dumps(results[0]), results
+    (result,) = [e for e in events if e.get("type") == "result"]
+    assert result["is_error"] is False and result["result"] == ANSWER, result
