@@ -174,3 +174,43 @@ async def test_claude_code_reads_a_file_as_an_agent(served: Served, tmp_path: Pa
     assert len(results) == 1 and SECRET in json.dumps(results[0]), results
     (result,) = [e for e in events if e.get("type") == "result"]
     assert result["is_error"] is False and result["result"] == ANSWER, result
+
+
+async def test_codex_answers_through_the_responses_api(served: Served, tmp_path: Path) -> None:
+    codex = program("codex")
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    # The provider block docs/clients.md gives, pointing at this server.
+    (home / "config.toml").write_text(
+        'model = "recite"\n'
+        'model_provider = "studiotui"\n'
+        "\n"
+        "[model_providers.studiotui]\n"
+        'name = "studiotui"\n'
+        f'base_url = "{served.server.url}"\n'
+        'wire_api = "responses"\n'
+        'env_key = "STUDIOTUI_API_KEY"\n'
+    )
+    # Codex's own instructions run to 17k characters: a short one keeps the test quick
+    # (its tools, its environment and the question still come as Codex sends them).
+    (home / "instructions.md").write_text("You are a terse coding agent.\n")
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "CODEX_HOME": str(home),
+        "STUDIOTUI_API_KEY": KEY,
+    }
+    code, out, err = await run(
+        [
+            codex,
+            "exec",
+            "--skip-git-repo-check",
+            "-c",
+            f'model_instructions_file="{home / "instructions.md"}"',
+            "say hi",
+        ],
+        env,
+        tmp_path,
+    )
+    assert code == 0, err + out
+    assert PASSAGE in out, out + err
