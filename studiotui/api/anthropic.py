@@ -30,7 +30,9 @@ from worker.shared.protocol.limits import MAX_STOP_STRINGS
 # Claude Code names the model it wants (claude-sonnet-…, claude-haiku-… for its
 # background work); a placement of that name is served, else the one model served.
 CLAUDE_PREFIX = "claude-"
-ROLES = ("user", "assistant")
+# Claude Code puts system turns among its messages too (reminders mid-conversation):
+# they stay where they are, as system turns, as on chat completions.
+ROLES = ("user", "assistant", "system")
 # Anthropic's error type for each status its clients tell apart.
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -114,10 +116,15 @@ def conversation(system: Any, raw: Any) -> list[dict[str, Any]]:
             raise bad(f"{where} must be an object {{role, content}}", where)
         role = msg.get("role")
         if role not in ROLES:
-            raise bad(f"{where}.role must be user or assistant; got {shown(role)}", f"{where}.role")
+            raise bad(
+                f"{where}.role must be user, assistant or system; got {shown(role)}",
+                f"{where}.role",
+            )
         content = msg.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
+        elif role == "system":
+            out.append({"role": role, "content": _text(content, f"{where}.content")})
         elif isinstance(content, list):
             if role == "assistant":
                 out.append(_assistant_turn(content, where, names))

@@ -182,8 +182,9 @@ MODELS = web.AppKey("models", Models)
 KEYS = web.AppKey("keys", Keys)
 # The name of the key a request came with, for the log line of its answer.
 KEY_NAME = web.RequestKey("key_name", str)
-# Paths every client may ask without a key: a load balancer's health check.
-OPEN_PATHS = ("/health",)
+# Paths every client may ask without a key: a load balancer's health check, and the
+# root that Claude Code and Ollama's clients probe first (it says what is served).
+OPEN_PATHS = ("/health", "/")
 
 
 def build_app(
