@@ -182,6 +182,8 @@ MODELS = web.AppKey("models", Models)
 KEYS = web.AppKey("keys", Keys)
 # The name of the key a request came with, for the log line of its answer.
 KEY_NAME = web.RequestKey("key_name", str)
+# Set by a request that logs its own line (an answer, with its time taken).
+LOGGED = web.RequestKey("logged", bool)
 # Paths every client may ask without a key: a load balancer's health check, and the
 # root that Claude Code and Ollama's clients probe first (it says what is served).
 OPEN_PATHS = ("/health", "/")
@@ -251,7 +253,17 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         _check_origin(request)
         if request.path not in OPEN_PATHS:
             request[KEY_NAME] = _check_key(request, request.app[KEYS])
-        return await handler(request)
+        resp = await handler(request)
+        if not request.get(LOGGED):
+            # Every request's line names its key: who listed models, who counted tokens.
+            log.info(
+                "%s %s by %s: %d",
+                request.method,
+                request.path,
+                request.get(KEY_NAME, "-"),
+                resp.status,
+            )
+        return resp
     except ApiError as exc:
         return _error_response(request, exc)
     except web.HTTPException as exc:
@@ -512,6 +524,7 @@ async def _answer(
     stats.peak = max(stats.peak, stats.total)
     started = time.perf_counter()
     answer = make(placement.name)
+    request[LOGGED] = True
     gen = ctl.generate(placement.name, parsed.cluster_request(), parsed.params)
     try:
         answer.accepted(await _accepted(gen, placement.name, answer.prompt_param))

@@ -513,6 +513,8 @@ async def test_key_file_names_each_key_and_revokes_without_restart(
     logged = [r.getMessage() for r in caplog.records if "/v1/chat/completions" in r.getMessage()]
     assert any(" by alice " in line for line in logged)
     assert any(" by bob " in line for line in logged)
+    await keyed("sk-bob").models.list()
+    assert any("GET /v1/models by bob: 200" in r.getMessage() for r in caplog.records)
     served.key_file.write_text("alice sk-alice\n")  # bob's key is revoked
     with pytest.raises(openai.AuthenticationError):
         await keyed("sk-bob").models.list()
