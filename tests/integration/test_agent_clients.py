@@ -37,6 +37,10 @@ SPEC = DemoSpec(layers=1, hidden=64, heads=4, kv_heads=2, dtype="float32")
 SECRET = "the launch code is 4217"
 CALL = 'Reading<tool_call>{"name":"Read","arguments":{"file_path": "notes.txt"}}</tool_call>'
 ANSWER = "All good"
+# Codex's shell tool, called the same way.
+SHELL_CALL = (
+    'Running<tool_call>{"name":"exec_command","arguments":{"cmd": "cat notes.txt"}}</tool_call>'
+)
 # What keeps the programs quiet and local: no telemetry, no updates, no surveys.
 QUIET = {
     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -83,12 +87,13 @@ async def served(
         root / "recite", DemoSpec(layers=1, hidden=64, heads=4, kv_heads=2, recite=True)
     )
     agent = write_agent_model(root / "agent", SPEC, CALL, ANSWER)
+    shell = write_agent_model(root / "shell", SPEC, SHELL_CALL, ANSWER)
     ctl = agents_cluster.controller()
     (node,) = agents_cluster.inventory.names
     server = None
     try:
         await ctl.start(telemetry=False)
-        for name, model in (("recite", recite), ("agent", agent)):
+        for name, model in (("recite", recite), ("agent", agent), ("shell", shell)):
             await ctl.place(model, [node], name, prefill_chunk=2048, context_tokens=CONTEXT)
         server = await start_server(ctl, "127.0.0.1", 0, api_key=KEY)
         yield Served(ctl, server)
@@ -177,13 +182,12 @@ async def test_claude_code_reads_a_file_as_an_agent(served: Served, tmp_path: Pa
     assert result["is_error"] is False and result["result"] == ANSWER, result
 
 
-async def test_codex_answers_through_the_responses_api(served: Served, tmp_path: Path) -> None:
-    codex = program("codex")
-    home = tmp_path / "codex-home"
-    home.mkdir()
+def codex_env(served: Served, home: Path, model: str) -> dict[str, str]:
+    codex_home = home / "codex-home"
+    codex_home.mkdir()
     # The provider block docs/clients.md gives, pointing at this server.
-    (home / "config.toml").write_text(
-        'model = "recite"\n'
+    (codex_home / "config.toml").write_text(
+        f'model = "{model}"\n'
         'model_provider = "studiotui"\n'
         "\n"
         "[model_providers.studiotui]\n"
@@ -192,16 +196,47 @@ async def test_codex_answers_through_the_responses_api(served: Served, tmp_path:
         'wire_api = "responses"\n'
         'env_key = "STUDIOTUI_API_KEY"\n'
     )
-    env = {
+    return {
         "PATH": os.environ["PATH"],
-        "HOME": str(tmp_path),
-        "CODEX_HOME": str(home),
+        "HOME": str(home),
+        "CODEX_HOME": str(codex_home),
         "STUDIOTUI_API_KEY": KEY,
     }
+
+
+async def test_codex_answers_through_the_responses_api(served: Served, tmp_path: Path) -> None:
+    codex = program("codex")
     code, out, err = await run(
         [codex, "exec", "--skip-git-repo-check", "say hi"],
-        env,
+        codex_env(served, tmp_path, "recite"),
         tmp_path,
     )
     assert code == 0, err + out
     assert PASSAGE in out, out + err
+
+
+async def test_codex_runs_a_command_as_an_agent(served: Served, tmp_path: Path) -> None:
+    codex = program("codex")
+    (tmp_path / "notes.txt").write_text(SECRET + "\n")
+    code, out, err = await run(
+        [
+            codex,
+            "exec",
+            "--skip-git-repo-check",
+            "--json",
+            # The test's own folder is the sandbox: bubblewrap needs namespaces CI lacks.
+            "--dangerously-bypass-approvals-and-sandbox",
+            "What do my notes say?",
+        ],
+        codex_env(served, tmp_path, "shell"),
+        tmp_path,
+    )
+    assert code == 0, err + out
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    items = [e["item"] for e in events if e.get("type") == "item.completed"]
+    commands = [i for i in items if i.get("type") == "command_execution"]
+    # Codex ran the command the model called, and its output went back to the model.
+    assert len(commands) == 1 and "cat notes.txt" in commands[0]["command"], items
+    assert SECRET in commands[0]["aggregated_output"], commands
+    messages = [i["text"] for i in items if i.get("type") == "agent_message"]
+    assert messages[-1] == ANSWER, items
