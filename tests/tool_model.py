@@ -21,6 +21,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from worker.shared.demo_model import (
+    CHAT_TEMPLATE,
     EMBED_GAIN,
     HEAD_GAIN,
     SPECIAL_TOKENS,
@@ -36,14 +37,44 @@ PASSAGE = CONTENT + MARKERS[0] + json.dumps(CALL, separators=(",", ":")) + MARKE
 
 
 def write_tool_model(directory: Path, spec: DemoSpec, passage: str = PASSAGE) -> Path:
+    return write_chain_model(directory, spec, {"\n": passage})
+
+
+# An agent's turn: its first answer calls a tool, and once the tool's result is in,
+# it answers in words. The template starts the answer after a tool's result with a
+# tab, the token the second chain starts from (the model itself still writes every
+# token of both answers).
+AFTER_TOOL = "\t"
+AGENT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if messages[-1]['role'] == 'tool' %}{{- '\t' }}{%- endif %}{%- endif %}",
+)
+
+
+def write_agent_model(directory: Path, spec: DemoSpec, call: str, answer: str) -> Path:
+    """A model that answers a chat with `call` (a passage holding a tool call) and a
+    chat whose last turn is a tool's result with `answer`."""
+    if AGENT_TEMPLATE == CHAT_TEMPLATE:
+        raise ValueError("the demo's template changed: AGENT_TEMPLATE no longer applies")
+    write_chain_model(directory, spec, {"\n": call, AFTER_TOOL: answer})
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": AGENT_TEMPLATE}))
+    return directory
+
+
+def write_chain_model(directory: Path, spec: DemoSpec, passages: dict[str, str]) -> Path:
+    """A demo whose answer after each one-character start is that start's passage."""
     write_demo_model(directory, spec)
-    tok = _tokenizer(passage)
+    tok = _tokenizer(list(passages.values()))
     (directory / "tokenizer.json").write_text(tok.to_str())
-    ids = tok.encode(passage).ids
     eos = 256 + SPECIAL_TOKENS.index("<|im_end|>")
-    chain = [ord("\n"), *ids, eos]  # the template's last "\n" starts the answer
-    if len(set(chain)) != len(chain):
-        raise ValueError(f"every token of {passage!r} must occur once: {chain}")
+    chains = [[ord(start), *tok.encode(passage).ids, eos] for start, passage in passages.items()]
+    # Each token has one follower: no token may occur twice (the end aside).
+    every = [t for chain in chains for t in chain[:-1]]
+    if len(set(every)) != len(every):
+        raise ValueError(f"every token of {list(passages.values())!r} must occur once: {chains}")
 
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
@@ -59,8 +90,9 @@ def write_tool_model(directory: Path, spec: DemoSpec, passage: str = PASSAGE) ->
     embed = np.concatenate([old, extra])
     directions = embed / np.linalg.norm(embed, axis=1, keepdims=True)
     head = np.zeros_like(embed)
-    for current, following in itertools.pairwise(chain):
-        head[following] += HEAD_GAIN * directions[current]
+    for chain in chains:
+        for current, following in itertools.pairwise(chain):
+            head[following] += HEAD_GAIN * directions[current]
     dtype = getattr(mx, spec.dtype)
     weights["model.embed_tokens.weight"] = mx.array(embed * EMBED_GAIN).astype(dtype)
     weights["lm_head.weight"] = mx.array(head).astype(dtype)
@@ -68,13 +100,17 @@ def write_tool_model(directory: Path, spec: DemoSpec, passage: str = PASSAGE) ->
     return directory
 
 
-def _tokenizer(passage: str) -> Tokenizer:
+def _tokenizer(passages: list[str]) -> Tokenizer:
     base = json.loads(tokenizer_json())
     vocab: dict[str, int] = dict(base["model"]["vocab"])
     vocab.update({t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     merges: list[tuple[str, str]] = []
-    parts = passage.replace(MARKERS[0], "\0").replace(MARKERS[1], "\0").split("\0")
+    parts = [
+        part
+        for passage in passages
+        for part in passage.replace(MARKERS[0], "\0").replace(MARKERS[1], "\0").split("\0")
+    ]
     pieces = [piece for part in parts for piece, _ in pre.pre_tokenize_str(part)]
     # Longest first: the merges that build `":{"` must outrank the one that builds
     # `{"`, or BPE joins the `{"` inside it first and never gets to the whole.

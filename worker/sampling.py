@@ -490,6 +490,7 @@ class TextStream:
         self._matchers = [_StopMatcher(s) for s in stop if s]
         self._pending = ""  # text not yet given out: at most the longest stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def work(self) -> int:
@@ -513,10 +514,15 @@ class TextStream:
         self._pending += segment
         # A match can only start in text still held back: anything given out was not
         # the start of any stop string (the hold below is the longest such tail).
-        cuts = [base + end - len(m.stop) for m in self._matchers if (end := m.feed(segment)) >= 0]
-        if cuts:
+        found = [
+            (base + end - len(m.stop), m.stop)
+            for m in self._matchers
+            if (end := m.feed(segment)) >= 0
+        ]
+        if found:
             self.stopped = True
-            out, self._pending = self._pending[: max(0, min(cuts))], ""
+            cut, self.matched = min(found)
+            out, self._pending = self._pending[: max(0, cut)], ""
             return out
         hold = (
             0

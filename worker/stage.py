@@ -1370,8 +1370,16 @@ class Stage:
             # This answer's own hops, so a hop can be paired with what else was measured
             # in its minute (`studiotui bench` pairs it with the bare hop's).
             timings["hop_us_p50"] = statistics.median(req.hops_us)
+        # Which stop string ended the answer: Anthropic's API names it (stop_sequence).
+        matched = {"stop": req.stream.matched} if req.stream.matched else {}
         self.links.to_client(
-            req.client, "done", rid=rid, finish_reason=reason, usage=usage, timings=timings
+            req.client,
+            "done",
+            rid=rid,
+            finish_reason=reason,
+            usage=usage,
+            timings=timings,
+            **matched,
         )
         self._free(rid, forward=True)
         self._admit_waiting()

@@ -20,7 +20,6 @@ from worker.shared.protocol.limits import (
     DEFAULT_XTC_THRESHOLD,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     MAX_TOP_K,
     Limit,
     limit_problem,
@@ -46,6 +45,8 @@ NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 # A logit_bias key: a token id as OpenAI writes it, a decimal string ("50256").
 TOKEN_ID = re.compile(r"^(0|[1-9][0-9]{0,9})$")
+# OpenAI takes up to 4 stop strings; the other APIs up to the runners' own limit.
+OPENAI_MAX_STOP = 4
 # mlx_lm.server's window parameters for its penalties (mlx-lm's default is 20 tokens).
 PENALTY_WINDOWS = ("repetition_context_size", "presence_context_size", "frequency_context_size")
 
@@ -225,7 +226,7 @@ def _speculation(prediction: str, draft: str | None) -> dict[str, Any]:
 def parse_chat_request(body: Any) -> ChatRequest:
     model, stream, include_usage = _common(body)
     logprobs = _chat_logprobs(body)
-    params = _params(body)
+    params = sampling_params(body)
     if logprobs >= 0:
         params["logprobs"] = logprobs
     return ChatRequest(
@@ -251,7 +252,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if best_of is not None and (not _is_int(best_of) or best_of != 1):
         raise bad("only best_of=1 is supported", "best_of")
     logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    params = _params(body, DEFAULT_COMPLETION_TOKENS)
+    params = sampling_params(body, DEFAULT_COMPLETION_TOKENS)
     if logprobs is not None:
         params["logprobs"] = logprobs
     return CompletionRequest(
@@ -394,6 +395,29 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
+# Parts that carry no text: the placed models read text only.
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file", "input_file")
+
+
+def text_only(kind: Any, where: str) -> ApiError:
+    """The 400 for a part the model cannot read: an image, a sound, a file."""
+    if kind in MEDIA_PARTS:
+        return bad(
+            f"{where} is a {kind} part, but the placed model reads text only: "
+            "send the text (describe the image, transcribe the audio, paste the file)",
+            where,
+            "text_only",
+        )
+    return bad(f"{where}: only text parts are supported, got {shown(kind)}", where)
+
+
+def join_parts(texts: list[str]) -> str:
+    """Text parts as one message's text: side by side, as `mlx_lm.server` joins
+    them (and OpenAI's own rendering does), so a conversation gets the same
+    prompt, and the same greedy answer, as on mlx-lm."""
+    return "".join(texts)
+
+
 def _content(raw: Any, role: str, where: str) -> str:
     if isinstance(raw, str):
         return raw
@@ -403,17 +427,23 @@ def _content(raw: Any, role: str, where: str) -> str:
         texts = []
         for j, part in enumerate(raw):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise bad(
-                    f"{where}.content[{j}]: only text parts are supported, got {shown(kind)}",
-                    f"{where}.content",
-                )
-            texts.append(part["text"])
-        return "\n".join(texts)
+            # An assistant turn may hold a refusal part: its text is what was said.
+            key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+            if kind not in ("text", key) or not isinstance(part.get(key), str):
+                raise text_only(kind, f"{where}.content[{j}]")
+            texts.append(part[key])
+        return join_parts(texts)
     raise bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
 
 
-def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
+def sampling_params(
+    body: dict[str, Any],
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_stop: int = OPENAI_MAX_STOP,
+    stop_param: str = "stop",
+) -> dict[str, Any]:
+    """The sampling parameters of a body written with OpenAI's names (the other APIs
+    translate theirs into these first), checked against the runners' limits."""
     temperature = _limited(body, "temperature")
     top_p = _limited(body, "top_p")
     name = (
@@ -430,7 +460,7 @@ def _params(body: dict[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         "top_p": DEFAULT_TOP_P if top_p is None else float(top_p),
         # Without a seed OpenAI samples afresh each time.
         "seed": secrets.randbits(63) if seed is None else seed,
-        "stop": _stop(body.get("stop")),
+        "stop": _stop(body.get("stop"), max_stop, stop_param),
         # vLLM's extension, for benchmarks that need a fixed number of tokens.
         "ignore_eos": _boolean(body, "ignore_eos", False),
         **_samplers(body),
@@ -510,19 +540,24 @@ def _logit_bias(raw: Any) -> list[list[int | float]]:
     return pairs
 
 
-def _stop(raw: Any) -> list[str]:
+def _stop(raw: Any, most: int = OPENAI_MAX_STOP, name: str = "stop") -> list[str]:
     if raw is None:
         return []
     if isinstance(raw, str):
         raw = [raw]
     if not isinstance(raw, list) or not all(isinstance(s, str) for s in raw):
-        raise bad("stop must be a string or an array of strings", "stop")
-    if len(raw) > MAX_STOP_STRINGS:
-        raise bad(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
+        raise bad(f"{name} must be a string or an array of strings", name)
+    if len(raw) > most:
+        whose = " (OpenAI's limit)" if most == OPENAI_MAX_STOP else ""
+        raise bad(
+            f"{name} takes at most {most} strings{whose}; got {len(raw)}: keep the {most} "
+            "that matter, or cut the answer yourself",
+            name,
+        )
     if any(len(s) > MAX_STOP_CHARS for s in raw):
         longest = max(len(s) for s in raw)
         raise bad(
-            f"a stop string may have at most {MAX_STOP_CHARS} characters; got {longest}", "stop"
+            f"a stop string may have at most {MAX_STOP_CHARS} characters; got {longest}", name
         )
     return [s for s in raw if s]
 
@@ -614,7 +649,7 @@ def _parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         raise bad("tools must be an array of {type: function, function: {...}}", "tools")
     if len(raw) > MAX_TOOLS:
         raise bad(f"tools takes at most {MAX_TOOLS} tools; got {len(raw)}", "tools")
-    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(raw)]
+    tools = [function_tool(t, f"tools[{i}]") for i, t in enumerate(raw)]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
@@ -637,7 +672,7 @@ def _parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     )
 
 
-def _tool(raw: Any, where: str) -> dict[str, Any]:
+def function_tool(raw: Any, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad(f"{where} must be an object {{type: function, function: {{...}}}}", where)
     if raw.get("type") != "function":

@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import ipaddress
-import json
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from studiotui.api import shapes
+from studiotui.api import anthropic, ollama, responses, shapes
+from studiotui.api.answer import Shape
+from studiotui.api.answer import dumps as _dumps
+from studiotui.api.answer import event as _event
+from studiotui.api.answer import usage as _usage
 from studiotui.api.defaults import DEFAULT_HOST, DEFAULT_PORT
+from studiotui.api.keys import Keys
 from studiotui.api.request import (
     ApiError,
     ChatRequest,
@@ -78,17 +81,12 @@ REFUSALS = (
 )
 # A refusal that begins with a parameter's name blames that parameter.
 BLAMED = ("tools", "draft", "prediction", *SAMPLING_LIMITS)
-FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
     # Proxies such as nginx would otherwise hold tokens back until their buffer fills.
     "X-Accel-Buffering": "no",
 }
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 # ---- placements as models ------------------------------------------------------------
@@ -211,22 +209,56 @@ def _unavailable(message: str, code: str = "model_not_ready") -> ApiError:
 
 CONTROLLER = web.AppKey("controller", Controller)
 MODELS = web.AppKey("models", Models)
-API_KEY = web.AppKey("api_key", str)
+KEYS = web.AppKey("keys", Keys)
+# The name of the key a request came with, for the log line of its answer.
+KEY_NAME = web.RequestKey("key_name", str)
+# Set by a request that logs its own line (an answer, with its time taken).
+LOGGED = web.RequestKey("logged", bool)
+# Paths every client may ask without a key: a load balancer's health check, and the
+# root that Claude Code and Ollama's clients probe first (it says what is served).
+OPEN_PATHS = ("/health", "/")
 
 
-def build_app(controller: Controller, api_key: str | None = None) -> web.Application:
+def build_app(
+    controller: Controller, api_key: str | None = None, key_file: Path | None = None
+) -> web.Application:
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY_BYTES)
     app[CONTROLLER] = controller
     app[MODELS] = Models(controller)
-    app[API_KEY] = api_key or ""
+    app[KEYS] = Keys(api_key or "", key_file)
     app.router.add_get("/v1/models", _list_models)
     app.router.add_get("/v1/models/{model:.+}", _get_model)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/messages", _messages)
+    app.router.add_post("/v1/messages/count_tokens", _count_tokens)
+    app.router.add_post("/v1/responses", _responses)
+    app.router.add_post("/api/chat", _ollama_chat)
+    app.router.add_post("/api/generate", _ollama_generate)
+    app.router.add_get("/api/tags", _ollama_tags)
+    app.router.add_post("/api/show", _ollama_show)
+    app.router.add_get("/api/ps", _ollama_ps)
+    app.router.add_get("/api/version", _ollama_version)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/", _root)
     return app
 
 
-SERVED = ("GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions")
+SERVED = (
+    "GET /v1/models",
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "POST /v1/responses",
+    "POST /api/chat",
+    "POST /api/generate",
+    "GET /api/tags",
+    "POST /api/show",
+    "GET /api/ps",
+    "GET /api/version",
+    "GET /health",
+)
 
 
 def route_error(status: int, method: str, path: str) -> str:
@@ -246,47 +278,76 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Checks every request, and turns every failure into OpenAI's error shape."""
+    """Checks every request, and turns every failure into its API's error shape."""
     try:
         _check_origin(request)
-        _check_key(request, request.app[API_KEY])
-        return await handler(request)
+        if request.path not in OPEN_PATHS:
+            request[KEY_NAME] = _check_key(request, request.app[KEYS])
+        resp = await handler(request)
+        if not request.get(LOGGED):
+            # Every request's line names its key: who listed models, who counted tokens.
+            log.info(
+                "%s %s by %s: %d",
+                request.method,
+                request.path,
+                request.get(KEY_NAME, "-"),
+                resp.status,
+            )
+        return resp
     except ApiError as exc:
-        return _error_response(exc)
+        return _error_response(request, exc)
     except web.HTTPException as exc:
         # aiohttp's own: unknown route, wrong method, body too large.
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         words = exc.reason
         if exc.status in (404, 405):
             words = route_error(exc.status, request.method, request.path)
-        return _error_response(ApiError(exc.status, words, type_=kind))
+        return _error_response(request, ApiError(exc.status, words, type_=kind))
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return _error_response(
-            ApiError(500, "internal error in studiotui (see its log)", type_="server_error")
+            request,
+            ApiError(500, "internal error in studiotui (see its log)", type_="server_error"),
         )
 
 
-def _error_response(exc: ApiError) -> web.Response:
+def _error_response(request: web.Request, exc: ApiError) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
     if exc.status == 429:
         headers = {"Retry-After": "1"}
-    return web.json_response(exc.body(), status=exc.status, headers=headers, dumps=_dumps)
+    # Each API's clients read their own error shape.
+    if request.path.startswith("/v1/messages"):
+        body = anthropic.error_body(exc)
+    elif request.path.startswith("/api/"):
+        body = ollama.error_body(exc)
+    else:
+        body = exc.body()
+    return web.json_response(body, status=exc.status, headers=headers, dumps=_dumps)
 
 
-def _check_key(request: web.Request, key: str) -> None:
-    if not key:
-        return
+def _check_key(request: web.Request, keys: Keys) -> str:
+    """The name of the key the request came with ("-" when none is needed).
+
+    OpenAI's and Ollama's clients send `Authorization: Bearer KEY`, Anthropic's
+    `x-api-key: KEY`: either is taken on every path."""
+    if not keys.required:
+        return "-"
     given = request.headers.get("Authorization", "")
     scheme, _, token = given.partition(" ")
-    # compare_digest: the time taken must not tell how much of a guess was right.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        what = "missing" if not given else "incorrect"
+    if scheme.lower() != "bearer":
+        token = ""
+    token = token.strip() or request.headers.get("x-api-key", "").strip()
+    name = keys.name_of(token) if token else None
+    if name is None:
+        what = "missing" if not token else "incorrect"
+        log.info("%s %s refused: API key %s", request.method, request.path, what)
         raise ApiError(
             401,
-            f"API key {what}: send 'Authorization: Bearer <key>' with the key given to serve",
+            f"API key {what}: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>') "
+            "with a key given to serve",
             code="invalid_api_key",
         )
+    return name
 
 
 def _check_origin(request: web.Request) -> None:
@@ -348,29 +409,155 @@ async def _read_json(request: web.Request) -> Any:
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     chat = parse_chat_request(await _read_json(request))
-    return await _answer(request, chat, _ChatAnswer)
+    return await _answer(
+        request, chat, lambda name: _ChatAnswer(name, chat.logprobs, chat.include_usage)
+    )
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     plain = parse_completion_request(await _read_json(request))
-    return await _answer(request, plain, _TextAnswer)
+    return await _answer(
+        request, plain, lambda name: _TextAnswer(name, plain.logprobs, plain.include_usage)
+    )
+
+
+def _claude_model(models: Models, name: str | None) -> PlacementState:
+    """The placement an Anthropic request names. Claude Code asks for Claude models by
+    name (and for a small one for its background work) unless told otherwise: such a
+    name, when no placement has it, means the one model served here."""
+    try:
+        return models.resolve(name)
+    except ApiError as exc:
+        ready = models.ready()
+        if exc.status != 404 or not (name or "").startswith(anthropic.CLAUDE_PREFIX):
+            raise
+        if len(ready) == 1:
+            return ready[0]
+        names = ", ".join(sorted(p.name for p in ready)) or "none is ready"
+        raise ApiError(
+            404,
+            f"{exc.message}. Claude Code asks for Claude models unless told which to use: set "
+            f"ANTHROPIC_MODEL and ANTHROPIC_SMALL_FAST_MODEL to a placement ({names})",
+            param="model",
+            code="model_not_found",
+        ) from None
+
+
+async def _messages(request: web.Request) -> web.StreamResponse:
+    parsed = anthropic.parse_messages_request(await _read_json(request))
+    placement = _claude_model(request.app[MODELS], parsed.model)
+    stops = list(parsed.params["stop"])
+    return await _answer(
+        request, parsed, lambda name: anthropic.MessageAnswer(name, stops), placement
+    )
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's count_tokens: the head counts the prompt (template, tools and all)
+    when it accepts a request; the request is then cancelled before it costs more."""
+    parsed = anthropic.count_request(await _read_json(request))
+    models = request.app[MODELS]
+    placement = _claude_model(models, parsed.model)
+    check_prompt_size(parsed, placement.context_tokens)
+    params = {**parsed.params, "max_tokens": 1}
+    gen = request.app[CONTROLLER].generate(placement.name, parsed.cluster_request(), params)
+    try:
+        accepted = await _accepted(gen, placement.name)
+    finally:
+        await gen.aclose()
+    return web.json_response({"input_tokens": int(accepted.get("prompt_tokens", 0))})
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    parsed, echo = responses.parse_responses_request(await _read_json(request))
+    return await _answer(request, parsed, lambda name: responses.ResponseAnswer(name, echo))
+
+
+async def _ollama_chat(request: web.Request) -> web.StreamResponse:
+    return await _ollama(request, ollama.parse_chat)
+
+
+async def _ollama_generate(request: web.Request) -> web.StreamResponse:
+    return await _ollama(request, ollama.parse_generate)
+
+
+async def _ollama(
+    request: web.Request, parse: Callable[[Any], ollama.OllamaRequest]
+) -> web.StreamResponse:
+    got = parse(await _read_json(request))
+    models = request.app[MODELS]
+    placement = models.resolve(ollama.model_name(got.parsed.model))
+    ollama.check_context(got, placement.context_tokens)
+    if got.load_only:
+        # Ollama's clients load a model with an empty prompt: it is loaded already.
+        return web.json_response(ollama.loaded(placement.name, got.chat), dumps=_dumps)
+    return await _answer(
+        request, got.parsed, lambda name: ollama.OllamaAnswer(name, got.chat), placement
+    )
+
+
+async def _ollama_tags(request: web.Request) -> web.Response:
+    models = request.app[MODELS]
+    return web.json_response(
+        {"models": [ollama.card(p, models.first_seen) for p in models.ready()]}, dumps=_dumps
+    )
+
+
+async def _ollama_ps(request: web.Request) -> web.Response:
+    models = request.app[MODELS]
+    return web.json_response(
+        {"models": [ollama.running(p, models.first_seen) for p in models.ready()]}, dumps=_dumps
+    )
+
+
+async def _ollama_show(request: web.Request) -> web.Response:
+    body = await _read_json(request)
+    name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise bad("model is required: the name of a placement (GET /api/tags)", "model")
+    placement = request.app[MODELS].resolve(ollama.model_name(name))
+    return web.json_response(ollama.show(placement), dumps=_dumps)
+
+
+async def _ollama_version(request: web.Request) -> web.Response:
+    return web.json_response({"version": ollama.VERSION})
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 while a model can answer, 503 while none is ready: what a load balancer or
+    a client's health check reads."""
+    ready = [p.name for p in request.app[MODELS].ready()]
+    status = "ok" if ready else "no model is ready: place one (studiotui place)"
+    return web.json_response({"status": status, "models": ready}, status=200 if ready else 503)
+
+
+async def _root(request: web.Request) -> web.Response:
+    # Ollama's clients probe GET / before anything else.
+    return web.Response(text=f"studiotui is running: {', '.join(SERVED)}\n")
 
 
 async def _answer(
-    request: web.Request, parsed: ChatRequest | CompletionRequest, shape: type[_Shape]
+    request: web.Request,
+    parsed: ChatRequest | CompletionRequest,
+    make: Callable[[str], Shape],
+    placement: PlacementState | None = None,
 ) -> web.StreamResponse:
+    """Serve one parsed request, in any API's shape: the same generation whichever
+    API asked (the same messages through the same chat template, the same tokens)."""
     models = request.app[MODELS]
-    placement = await models.resolve_now(parsed.model)
+    if placement is None:
+        placement = await models.resolve_now(parsed.model)
     check_prompt_size(parsed, placement.context_tokens)
     ctl = request.app[CONTROLLER]
     stats = models.stats
     stats.in_flight[placement.name] += 1
     stats.peak = max(stats.peak, stats.total)
     started = time.perf_counter()
+    answer = make(placement.name)
+    request[LOGGED] = True
     gen = ctl.generate(placement.name, parsed.cluster_request(), parsed.params)
     try:
-        await _accepted(gen, placement.name, shape.prompt_param)
-        answer = shape(placement.name, parsed.logprobs, parsed.include_usage)
+        answer.accepted(await _accepted(gen, placement.name, answer.prompt_param))
         if parsed.stream:
             return await _stream(request, gen, answer)
         return await _complete(gen, answer)
@@ -380,9 +567,12 @@ async def _answer(
         stats.in_flight[placement.name] -= 1
         stats.served += 1
         log.info(
-            "%s %s %.2f s",
+            "%s %s %s %s by %s %.2f s",
+            request.method,
+            request.path,
             placement.name,
             "stream" if parsed.stream else "complete",
+            request.get(KEY_NAME, "-"),
             time.perf_counter() - started,
         )
 
@@ -409,80 +599,34 @@ async def _accepted(
         raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
 
 
-def _usage(done: dict[str, Any]) -> dict[str, Any]:
-    usage = done.get("usage") or {}
-    prompt = int(usage.get("prompt_tokens", 0))
-    completion = int(usage.get("completion_tokens", 0))
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    details = usage.get("completion_tokens_details")
-    if isinstance(details, dict):
-        # OpenAI's Predicted Outputs counts: guesses kept and rejected.
-        out["completion_tokens_details"] = {
-            key: int(details.get(key, 0))
-            for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")
-        }
-    return out
-
-
-class _Shape:
-    """One answer in the making, in one of OpenAI's two shapes (chat or text).
-
-    Without streaming it gathers the deltas and gives the body; streaming it turns
-    each delta into a chunk. One token is one chunk, so the common chunk (text
-    only) is the parts shared by every chunk, encoded once, around its text.
-    """
-
-    object = ""
-    prompt_param = ""
-    id_prefix = ""
+class _OpenAIShape(Shape):
+    """OpenAI's chat and text answers: one token is one chunk, so the common chunk
+    (text only) is the parts shared by every chunk, encoded once, around its text."""
 
     def __init__(self, model: str, logprobs: int, include_usage: bool) -> None:
-        self.model = model
-        self.wants_logprobs = logprobs >= 0
-        self.top = max(logprobs, 0)
-        self.include_usage = include_usage
-        self.parts: list[str] = []
-        self.calls: list[dict[str, Any]] = []
-        self.entries: list[dict[str, Any]] = []
+        super().__init__(model, logprobs, include_usage)
         self.head: dict[str, Any] = {
-            "id": f"{self.id_prefix}{uuid.uuid4().hex}",
+            "id": self.id,
             "object": self.object,
-            "created": int(time.time()),
+            "created": self.created,
             "model": model,
             "system_fingerprint": None,
         }
 
-    def add(self, msg: dict[str, Any]) -> None:
-        self.parts.append(msg["text"])
-        self.calls.extend(msg.get("tool_calls") or ())
-        self.entries.extend(msg.get("logprobs") or ())
-
     def finish_reason(self, done: dict[str, Any]) -> str:
-        return shapes.finish_reason(
-            FINISH.get(done.get("finish_reason", "stop"), "stop"), bool(self.calls)
-        )
-
-    def body(self, done: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def start(self) -> bytes:
-        return b""
-
-    def chunk(self, msg: dict[str, Any]) -> bytes:
-        raise NotImplementedError
+        return self.reason(done)
 
     def finish(self, done: dict[str, Any]) -> bytes:
         raise NotImplementedError
 
-    def usage(self, usage: dict[str, int]) -> bytes:
-        return _event({**self.head, "choices": [], "usage": usage})
+    def end(self, done: dict[str, Any]) -> bytes:
+        out = self.finish(done)
+        if self.include_usage:
+            out += _event({**self.head, "choices": [], "usage": _usage(done)})
+        return out + b"data: [DONE]\n\n"
 
 
-class _ChatAnswer(_Shape):
+class _ChatAnswer(_OpenAIShape):
     object = "chat.completion.chunk"
     prompt_param = "messages"
     id_prefix = "chatcmpl-"
@@ -545,7 +689,7 @@ class _ChatAnswer(_Shape):
         return _event({**self.head, "choices": [choice]})
 
 
-class _TextAnswer(_Shape):
+class _TextAnswer(_OpenAIShape):
     object = "text_completion"
     prompt_param = "prompt"
     id_prefix = "cmpl-"
@@ -591,7 +735,7 @@ class _TextAnswer(_Shape):
         return _event({**self.head, "choices": [choice]})
 
 
-async def _complete(gen: AsyncIterator[dict[str, Any]], answer: _Shape) -> web.Response:
+async def _complete(gen: AsyncIterator[dict[str, Any]], answer: Shape) -> web.Response:
     done: dict[str, Any] = {}
     try:
         async for msg in gen:
@@ -621,14 +765,10 @@ async def write_or_give_up(request: web.Request, resp: web.StreamResponse, data:
         raise ConnectionResetError("the client stopped reading") from None
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return f"data: {_dumps(obj)}\n\n".encode()
-
-
 async def _stream(
-    request: web.Request, gen: AsyncIterator[dict[str, Any]], answer: _Shape
+    request: web.Request, gen: AsyncIterator[dict[str, Any]], answer: Shape
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = web.StreamResponse(headers={**SSE_HEADERS, "Content-Type": answer.content_type})
     await resp.prepare(request)
     try:
         if first := answer.start():
@@ -638,17 +778,14 @@ async def _stream(
                 if chunk := answer.chunk(msg):
                     await write_or_give_up(request, resp, chunk)
             elif msg["type"] == "done":
-                await write_or_give_up(request, resp, answer.finish(msg))
-                if answer.include_usage:
-                    await write_or_give_up(request, resp, answer.usage(_usage(msg)))
-                await write_or_give_up(request, resp, b"data: [DONE]\n\n")
+                await write_or_give_up(request, resp, answer.end(msg))
     except GenerationError as exc:
         # The status line is long gone; OpenAI's clients raise on an error event.
         # No [DONE] after it, so no client mistakes the cut answer for a whole one.
         err = _unavailable(f"placement {answer.model!r} failed mid-answer: {exc}", "cluster_error")
         log.warning("%s", err.message)
         with contextlib.suppress(ConnectionError):
-            await write_or_give_up(request, resp, _event(err.body()))
+            await write_or_give_up(request, resp, answer.failed(err))
     except ConnectionError:
         return resp  # the client left; the caller's aclose() cancels on the cluster
     with contextlib.suppress(ConnectionError):
@@ -684,9 +821,10 @@ async def start_server(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
+    key_file: Path | None = None,
 ) -> ApiServer:
     """Listen in the running loop; port 0 takes a free port (see `.port`)."""
-    app = build_app(controller, api_key)
+    app = build_app(controller, api_key, key_file)
     # handler_cancellation: a client that hangs up cancels its handler at once,
     # not at the next token written, so a stalled generation is cancelled too.
     # shutdown_timeout: an answer can run for minutes; stopping the server must not
@@ -710,9 +848,10 @@ async def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
+    key_file: Path | None = None,
 ) -> None:
     """Serve until cancelled."""
-    server = await start_server(controller, host, port, api_key)
+    server = await start_server(controller, host, port, api_key, key_file)
     try:
         await asyncio.Event().wait()
     finally:

@@ -352,6 +352,16 @@ def add_global_options(p: argparse.ArgumentParser, on_verb: bool) -> None:
                 **suppress,
             },
         ),
+        (
+            ("--api-key-file",),
+            {
+                "type": Path,
+                "metavar": "FILE",
+                "help": "with --serve: require one of the 'NAME KEY' lines of FILE "
+                "(read again when it changes)",
+                **suppress,
+            },
+        ),
     ]
     if on_verb:
         version = {"action": "version", "version": f"studiotui {__version__}"}

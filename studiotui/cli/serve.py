@@ -50,7 +50,32 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
         "the environment keeps the key out of `ps`)",
     )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="require one of the keys in FILE, one 'NAME KEY' a line; each request is "
+        "logged with its key's name, and the file is read again when it changes (edit it "
+        "to add or revoke a key, no restart)",
+    )
     return p
+
+
+def key_file_of(args: argparse.Namespace) -> Path | None:
+    """--api-key-file, checked before anything starts: a file that cannot be used is
+    the operator's mistake, said with the line to fix."""
+    path: Path | None = getattr(args, "api_key_file", None)
+    if path is None:
+        return None
+    from studiotui.api.keys import KeyFileError, Keys
+
+    try:
+        Keys(path=path)
+    except KeyFileError as exc:
+        raise UserError(
+            str(exc), "write one key a line as 'NAME KEY' (# starts a comment)"
+        ) from None
+    return path
 
 
 def cmd_serve(args: argparse.Namespace, home: Path) -> int:
@@ -68,18 +93,21 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
     from studiotui.cluster import running
     from studiotui.cluster.controller import Controller
 
+    key_file = key_file_of(args)
     inv = inventory_of(args, home)
     ctl = Controller(home, inv)
     try:
         await ctl.start(telemetry=True)
         try:
-            server = await start_server(ctl, args.host, args.port, args.api_key)
+            server = await start_server(ctl, args.host, args.port, args.api_key, key_file)
         except OSError as exc:
             raise listen_refused(args.host, args.port, exc) from None
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
         ready = ", ".join(p.name for p in server.app[MODELS].ready()) or "none ready yet"
         print(f"studiotui serve: {server.url} (models: {ready}); Ctrl-C stops")
-        if not args.api_key and not is_loopback(args.host):
+        if key_file:
+            print(f"studiotui serve: API keys from {key_file} (read again when it changes)")
+        if not args.api_key and not key_file and not is_loopback(args.host):
             print(f"warning: {args.host} without --api-key: anyone on the network can use it")
         # Listed by `studiotui status`, stopped by `studiotui down --all`.
         pid_file = running.register(home, "api", server.url)
@@ -105,13 +133,15 @@ async def until_stopped(server: Any) -> None:
         await server.close()
 
 
-def api_service(host: str, port: int, api_key: str | None) -> ServiceStarter:
+def api_service(
+    host: str, port: int, api_key: str | None, key_file: Path | None = None
+) -> ServiceStarter:
     """The API served from the dashboard's own process (`studiotui --serve PORT`)."""
 
     async def start(ctl: Controller) -> Any:
         from studiotui.api.server import start_server
 
-        server = await start_server(ctl, host, port, api_key)
+        server = await start_server(ctl, host, port, api_key, key_file)
         ctl.record(f"serving the OpenAI-compatible API on {server.url}")
         return server
 

@@ -619,10 +619,13 @@ async def test_the_dashboard_can_serve_the_api_too(cluster: tuple[Path, Inventor
     import httpx
 
     home, inv = cluster
-    app = StudioApp(home, inv, services=[api_service("127.0.0.1", 0, "k3y")])
+    keys = home / "keys.txt"
+    keys.write_text("alice sk-alice\n")
+    services = [api_service("127.0.0.1", 0, "k3y"), api_service("127.0.0.1", 0, None, keys)]
+    app = StudioApp(home, inv, services=services)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: bool(app.services), 15, "API server started")
-        server = app.services[0]
+        await until(pilot, lambda: len(app.services) == 2, 15, "API servers started")
+        server, keyed = app.services
         await until(
             pilot,
             lambda: "serving the OpenAI-compatible API" in log_text(app),
@@ -634,8 +637,14 @@ async def test_the_dashboard_can_serve_the_api_too(cluster: tuple[Path, Inventor
             allowed = await client.get(
                 f"{server.url}/models", headers={"Authorization": "Bearer k3y"}
             )
+            # --api-key-file: the file's keys, read again when it changes.
+            alice = {"Authorization": "Bearer sk-alice"}
+            named = await client.get(f"{keyed.url}/models", headers=alice)
+            keys.write_text("bob sk-bob\n")
+            revoked = await client.get(f"{keyed.url}/models", headers=alice)
         assert refused.status_code == 401
         assert allowed.status_code == 200 and allowed.json()["object"] == "list"
+        assert named.status_code == 200 and revoked.status_code == 401
 
 
 # --------------------------------------------------------------------------- fixed view

@@ -282,7 +282,7 @@ async def test_openai_parameters_map_onto_the_cluster() -> None:
     )
     assert chat.messages == [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},
+        {"role": "user", "content": "ab"},  # joined as mlx_lm.server joins them
         {"role": "assistant", "content": ""},
     ]
     # top_p 0 keeps only the likeliest token: greedy, as the runners read it.

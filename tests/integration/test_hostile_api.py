@@ -54,8 +54,26 @@ TEXT_FIELDS = [
     "stream_options", "n", "logprobs", "echo", "suffix", "best_of", "logit_bias",
     "presence_penalty", "top_k", "min_p", "ignore_eos", "user",
 ]  # fmt: skip
+# The other APIs on the same port: Anthropic's, OpenAI's Responses, Ollama's.
+ANTHROPIC = {"model": PLACEMENT, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+ANTHROPIC_FIELDS = [
+    "model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k",
+    "stop_sequences", "stream", "tools", "tool_choice", "metadata", "thinking",
+]  # fmt: skip
+RESPONSES = {"model": PLACEMENT, "input": "hello there", "max_output_tokens": 2, "temperature": 0}
+RESPONSES_FIELDS = [
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+    "tools", "tool_choice", "text", "previous_response_id", "prompt_cache_key", "store",
+]  # fmt: skip
+OPTIONS = {"num_predict": 2, "temperature": 0}
+OLLAMA_CHAT = {"model": PLACEMENT, "messages": MESSAGES, "stream": False, "options": OPTIONS}
+OLLAMA_CHAT_FIELDS = ["model", "messages", "stream", "options", "tools", "format", "keep_alive"]
+OLLAMA_GENERATE = {"model": PLACEMENT, "prompt": "once upon", "stream": False, "options": OPTIONS}
+OLLAMA_GENERATE_FIELDS = [
+    "model", "prompt", "system", "raw", "options", "stream", "format", "suffix", "images",
+]  # fmt: skip
 # Fields whose legal values make long answers: kept to what the context (128) holds.
-LENGTHS = {"max_tokens", "max_completion_tokens"}
+LENGTHS = {"max_tokens", "max_completion_tokens", "max_output_tokens"}
 
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
@@ -248,6 +266,13 @@ def check(attack: Attack, resp: httpx.Response) -> None:
     if resp.status_code == 200:
         return
     assert 400 <= resp.status_code < 500, what
+    if "/v1/messages" in attack.path or "/api/" in attack.path:
+        # Anthropic's shape ({"type": "error", "error": {type, message}}) or Ollama's
+        # ({"error": "words"}): neither names a parameter.
+        body = resp.json()
+        words = body["error"] if "/api/" in attack.path else body["error"]["message"]
+        assert words and "Traceback" not in words and len(words) < 2000, what
+        return
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}, what
     assert err["message"] and "Traceback" not in err["message"], what
@@ -266,14 +291,26 @@ async def still_answers(served: Served) -> None:
 
 @pytest.mark.parametrize(
     ("path", "base", "fields"),
-    [("/chat/completions", CHAT, CHAT_FIELDS), ("/completions", TEXT, TEXT_FIELDS)],
-    ids=["chat", "text"],
+    [
+        ("/chat/completions", CHAT, CHAT_FIELDS),
+        ("/completions", TEXT, TEXT_FIELDS),
+        ("/messages", ANTHROPIC, ANTHROPIC_FIELDS),
+        ("/responses", RESPONSES, RESPONSES_FIELDS),
+        ("/api/chat", OLLAMA_CHAT, OLLAMA_CHAT_FIELDS),
+        ("/api/generate", OLLAMA_GENERATE, OLLAMA_GENERATE_FIELDS),
+    ],
+    ids=["chat", "text", "anthropic", "responses", "ollama-chat", "ollama-generate"],
 )
 async def test_hostile_bodies_get_a_4xx_naming_the_field_never_a_5xx(
     served: Served, path: str, base: dict[str, Any], fields: list[str]
 ) -> None:
     statuses: list[int] = []
-    async with httpx.AsyncClient(base_url=served.server.url, timeout=60) as http:
+    # Ollama's API is at the root, the others under /v1.
+    if path.startswith("/api/"):
+        path = served.server.url.removesuffix("/v1") + path
+    else:
+        path = served.server.url + path
+    async with httpx.AsyncClient(timeout=60) as http:
         for attack in draw(attacks(path, base, fields)):
             resp = await send(http, attack)
             check(attack, resp)
