@@ -83,6 +83,9 @@ class RunnerSpec:
     context_tokens: int = 4096
     streams: int = DEFAULT_STREAMS  # requests run at once; the plan reserved KV for them
     kv_bytes: int = 0
+    prompt_cache_bytes: int = 0  # 0: the runtime's default (limits.DEFAULT_PROMPT_CACHE_BYTES)
+    prompt_cache_disk_bytes: int = 0
+    model_digest: str = ""
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
@@ -260,6 +263,7 @@ class Runner:
             context_tokens=self.spec.context_tokens,
             streams=self.spec.streams,
             schedule=self.work.append,
+            prompt_cache_bytes=self.spec.prompt_cache_bytes,
         )
         emit(
             events.Ready(

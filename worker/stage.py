@@ -21,10 +21,18 @@ import numpy as np
 
 from worker import families
 from worker.families import LayerCaches
+from worker.prompt_cache import PromptIndex, PromptStore, cache_kinds, cut_to, trimmable_at
+from worker.prompt_cache import snapshot as snapshot_of
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream, processor_problem
 from worker.shard import Shard
 from worker.shared.protocol.frames import RingHeader
-from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
+from worker.shared.protocol.limits import (
+    BUSY,
+    DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_STREAMS,
+    prompt_chars,
+    prompt_too_long,
+)
 from worker.tool_calls import ToolCallStream, supports_tools
 
 # How an activation of each dtype is read and written with numpy (bfloat16, which numpy
@@ -70,6 +78,8 @@ class HeadRequest:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generated: int = 0
+    cached: int = 0  # prompt tokens served by the prefix cache, not prefilled
+    out: list[int] = field(default_factory=list)  # the tokens of the answer so far
     # Its decode steps' hops on a ring (the last 512, as the stage keeps its own).
     hops_us: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
@@ -183,6 +193,7 @@ class Stage:
         schedule: Callable[[Callable[[], None]], None],
         prebuild: bool = True,
         batch: bool = True,
+        prompt_cache_bytes: int = 0,
     ) -> None:
         self.shard = shard
         self.tokenizer = tokenizer
@@ -233,6 +244,17 @@ class Stage:
         if shard.is_first and not self.batch_reason:
             self.lanes = [Lane(gid=f"batch{i}") for i in range(max(1, hops))]
         self.lane_of: dict[str, Lane] = {}
+        # The prefix cache (worker.prompt_cache): this stage's entries; the head's index
+        # of their tokens. 0 bytes means the default; a negative budget turns it off.
+        budget = prompt_cache_bytes or DEFAULT_PROMPT_CACHE_BYTES
+        self.store = PromptStore(max(0, budget))
+        self.index = PromptIndex() if shard.is_first else None
+        self.kinds = cache_kinds(shard.make_cache().full)
+        # Caches that cannot always be cut back are kept as snapshots at the end of each
+        # prompt (but its last token), taken as the first decode step starts.
+        self.snapshot = budget > 0 and not trimmable_at(self.kinds, 1 << 62)
+        self.snapshots: dict[str, tuple[int, list[Any]]] = {}
+        self.finished: dict[str, LayerCaches] = {}  # (tail) ended, until "free" says keep
 
     def held(self) -> int:
         """Requests whose KV cache this stage holds, alone or as a row of a batch."""
@@ -286,9 +308,70 @@ class Stage:
             stream=TextStream(self.tokenizer.detokenizer, params.stop),
             tools=ToolCallStream(self.tokenizer, tools) if tools else None,
         )
-        self.links.to_client(client, "accepted", rid=rid, prompt_tokens=len(prompt))
-        self.caches[rid] = self.shard.make_cache()
-        self._schedule_prefill(rid, prompt, 0, params)
+        reuse = self.index.plan(prompt) if self.index is not None and self.store.budget else None
+        cache = None
+        if reuse is not None:
+            cache = self.store.take(reuse.entry, reuse.tokens, self.shard.make_cache())
+            if cache is None:
+                self._forget([reuse.entry])
+                reuse = None
+        req = self.head_requests[rid]
+        if reuse is None:
+            self.store.stats.misses += 1
+            self.caches[rid] = self.shard.make_cache()
+        else:
+            self.store.stats.hits += 1
+            req.cached = reuse.tokens
+            self.caches[rid] = cast(LayerCaches, cache)
+        self.links.to_client(
+            client, "accepted", rid=rid, prompt_tokens=len(prompt), cached_tokens=req.cached
+        )
+        if reuse is not None and not self.shard.is_last:
+            # Every other stage copies its own layers' state of the entry; the prefill
+            # starts when the tail says they all held it (`_on_reuse`).
+            extra = {"entry": reuse.entry, "tokens": reuse.tokens, "ok": True}
+            self.links.to_next(RingHeader(rid=rid, kind="reuse", extra=extra), None)
+            return
+        self._schedule_prefill(rid, prompt, req.cached, params)
+
+    def _on_reuse(self, header: RingHeader) -> None:
+        """A request's prefix entry on its way down the ring (each stage copies it), or
+        back at the head: if a stage lacked it (evicted, restarted), the request frees
+        what the others copied and prefills from the start."""
+        rid, extra = header.rid, header.extra
+        entry, tokens = extra.get("entry"), extra.get("tokens")
+        ok = bool(extra.get("ok")) and isinstance(entry, str) and isinstance(tokens, int)
+        if self.shard.is_first:
+            req = self.head_requests.get(rid)
+            if req is None:
+                return  # cancelled meanwhile: its "free" went down the ring
+            if not ok:
+                self._forget([str(entry)])
+                self.store.stats.hits -= 1
+                self.store.stats.misses += 1
+                self.links.to_next(RingHeader(rid=rid, kind="free"), None)
+                self.caches[rid] = self.shard.make_cache()
+                req.cached = 0
+            self._schedule_prefill(rid, req.prompt, req.cached, req.params)
+            return
+        if ok:
+            cache = self.store.take(cast(str, entry), cast(int, tokens), self.shard.make_cache())
+            if cache is None:
+                ok = False
+            else:
+                self.caches[rid] = cache
+        passed = replace(header, extra={**extra, "ok": ok})
+        if self.shard.is_last:
+            self.links.to_head(passed)
+        else:
+            self.links.to_next(passed, None)
+
+    def _forget(self, entries: list[str]) -> None:
+        """Drop entries from this stage's store (and the head's index)."""
+        for entry in entries:
+            self.store.drop(entry)
+            if self.index is not None:
+                self.index.remove(entry)
 
     def _fit_context(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
         """Refuse a prompt the KV budget cannot hold; end the answer where it runs out."""
@@ -347,10 +430,11 @@ class Stage:
         return tokens
 
     def _schedule_prefill(
-        self, rid: str, prompt: list[int], done: int, params: SamplingParams
+        self, rid: str, prompt: list[int], done: int, params: SamplingParams, first: bool = True
     ) -> None:
         """Queue the prompt one chunk at a time, like mlx-lm: all but the last token
-        in chunks, then the last token as the first decode step."""
+        in chunks, then the last token as the first decode step. `done` tokens are in
+        the caches already (0, or a reused prefix)."""
 
         def step() -> None:
             if rid not in self.head_requests:
@@ -359,9 +443,9 @@ class Stage:
             remaining = len(prompt) - done - 1
             if remaining > 0:
                 n = min(self.prefill_chunk, remaining)
-                first = params if done == 0 else None
-                self._head_step(rid, prompt[done : done + n], "prefill", done, first)
-                self._schedule_prefill(rid, prompt, done + n, params)
+                sent = params if first else None
+                self._head_step(rid, prompt[done : done + n], "prefill", done, sent)
+                self._schedule_prefill(rid, prompt, done + n, params, first=False)
             else:
                 self._head_step(rid, prompt[-1:], "decode", done, params)
 
@@ -426,7 +510,14 @@ class Stage:
             else:
                 self._on_token(header)
         elif kind == "free":
-            self._free(header.rid, forward=not self.shard.is_last)
+            keep, drop = header.extra.get("keep"), header.extra.get("drop")
+            if isinstance(drop, list):
+                self._forget([str(d) for d in drop])
+            if isinstance(keep, list) and keep:
+                self._keep(header.rid, keep)
+            self._free(header.rid, forward=not self.shard.is_last, extra=header.extra)
+        elif kind == "reuse":
+            self._on_reuse(header)
         elif kind == "error":
             self._on_error(header)
 
@@ -456,6 +547,10 @@ class Stage:
         else:
             assert h is not None
             cache = self._cache_for(header)
+            if self.snapshot and header.kind == "decode" and header.params and header.offset:
+                # The prompt's first decode step: the caches hold the prompt but its last
+                # token, a point a later prompt can start from without cutting back.
+                self.snapshots[header.rid] = (header.offset, snapshot_of(cache))
             out = self.shard.forward(h, cache)
             if self.shard.is_last:
                 if header.kind == "decode":
@@ -640,7 +735,9 @@ class Stage:
             finish = "length"
         if finish:
             self.tail_requests.pop(rid, None)
-            self.caches.pop(rid, None)
+            ended = self.caches.pop(rid, None)
+            if ended is not None and self.store.budget:
+                self.finished[rid] = ended  # the head's "free" says whether to keep it
             self.prebuilt.pop(rid, None)  # built for a step that will not come
             self.slots.pop(rid, None)
         extra = self._carry(header.extra)
@@ -681,6 +778,7 @@ class Stage:
         if req.first_token_at is None:
             req.first_token_at = now
         req.generated += 1
+        req.out.append(header.token)
         # Start the next step first: detokenising and telling the client then overlap
         # with the shard's compute instead of standing in front of it.
         step: Launched | None = None
@@ -814,6 +912,7 @@ class Stage:
             if req.first_token_at is None:
                 req.first_token_at = now
             req.generated += 1
+            req.out.append(token)
             if not finish:
                 lane.ready[rid] = token
             extra = {"logprobs": drawn} if drawn is not None else {}
@@ -1056,7 +1155,11 @@ class Stage:
                 finish = "length"
             if finish:  # what the tail holds for it; the head frees the rest
                 self.tail_requests.pop(rid, None)
-                self._leave_group(rid)
+                if self.store.budget and rid in self.group_of:
+                    self._extract(rid)  # its row, kept until the head's "free" says
+                    self.finished[rid] = self.caches.pop(rid)
+                else:
+                    self._leave_group(rid)
             logprobs = _logprobs(own) if isinstance(own, tuple) else None
             rows.append((rid, token, finish, logprobs))
         extra = self._carry(header.extra)
@@ -1093,7 +1196,11 @@ class Stage:
         end = time.perf_counter()
         first = req.first_token_at or end
         decode_s = end - first
-        usage = {"prompt_tokens": len(req.prompt), "completion_tokens": req.generated}
+        usage = {
+            "prompt_tokens": len(req.prompt),
+            "completion_tokens": req.generated,
+            "cached_tokens": req.cached,
+        }
         timings = {
             "ttft_ms": (first - req.started) * 1000,
             "total_ms": (end - req.started) * 1000,
@@ -1106,8 +1213,60 @@ class Stage:
         self.links.to_client(
             req.client, "done", rid=rid, finish_reason=reason, usage=usage, timings=timings
         )
-        self._free(rid, forward=True)
+        extra = self._keep_plan(req)
+        if extra.get("drop"):
+            self._forget(extra["drop"])
+        if extra.get("keep"):
+            self._keep(rid, extra["keep"])
+        self._free(rid, forward=True, extra=extra)
         self._admit_waiting()
+
+    def _keep_plan(self, req: HeadRequest) -> dict[str, Any]:
+        """(head) What every stage keeps of an ended request, for the "free" frame: the
+        caches of its prompt and answer (all but the last token, never computed) where
+        they can be cut back later, else the snapshot of its prompt; and the entries
+        the new one makes useless (its prefixes). Nothing before its first token came,
+        when some stage may still be short of the prompt (a cancel mid-prefill)."""
+        if self.index is None or not self.store.budget or req.generated < 1:
+            return {}
+        held = len(req.prompt) + req.generated - 1
+        if trimmable_at(self.kinds, held + 2):  # +2: a step built ahead may be in them
+            tokens, kind = [*req.prompt, *req.out[: req.generated - 1]], "end"
+        elif self.snapshot and len(req.prompt) > 1:
+            tokens, kind = req.prompt[:-1], "prompt"
+            held = len(tokens)
+        else:
+            return {}
+        ident, gone = self.index.add(tokens, trimmable_at(self.kinds, held + 2))
+        return {"keep": [[ident, held, kind]], "drop": gone}
+
+    def _keep(self, rid: str, keep: list[Any]) -> None:
+        """Store this stage's caches of `rid` as the entries `keep` names."""
+        cache = self._own_cache(rid)
+        snap = self.snapshots.pop(rid, None)
+        for item in keep:
+            if not (isinstance(item, list) and len(item) == 3):
+                continue
+            ident, held, kind = str(item[0]), item[1], item[2]
+            if not isinstance(held, int):
+                continue
+            evicted = [ident]
+            if kind == "end" and cache is not None and cut_to(list(cache), held):
+                evicted = self.store.put(ident, list(cache), held)
+                cache = None  # the store owns it now
+            elif kind == "prompt" and snap is not None and snap[0] == held:
+                evicted = self.store.put(ident, snap[1], held)
+            if self.index is not None:
+                for gone in evicted:
+                    self.index.remove(gone)
+
+    def _own_cache(self, rid: str) -> LayerCaches | None:
+        """Take `rid`'s caches from this stage (its batch row, its own, or the tail's
+        ended ones)."""
+        if rid in self.group_of:
+            self._extract(rid)
+        cache = self.caches.pop(rid, None)
+        return cache if cache is not None else self.finished.pop(rid, None)
 
     def cancel(self, rid: str) -> None:
         if rid in self.head_requests:
@@ -1117,8 +1276,10 @@ class Stage:
             usage = {"prompt_tokens": len(prompt), "completion_tokens": 0}
             self.links.to_client(client, "done", rid=rid, finish_reason="cancelled", usage=usage)
 
-    def _free(self, rid: str, forward: bool) -> None:
+    def _free(self, rid: str, forward: bool, extra: dict[str, Any] | None = None) -> None:
         self._leave_group(rid)
+        self.snapshots.pop(rid, None)
+        self.finished.pop(rid, None)
         if self.lanes:
             self._leave_lane(rid)
         self.caches.pop(rid, None)
@@ -1127,7 +1288,7 @@ class Stage:
         self.sent_at.pop(rid, None)
         self.tail_requests.pop(rid, None)
         if forward and not self.shard.is_last:
-            self.links.to_next(RingHeader(rid=rid, kind="free"), None)
+            self.links.to_next(RingHeader(rid=rid, kind="free", extra=extra or {}), None)
 
     # ---- the ring's timing -------------------------------------------------------------
 
@@ -1182,6 +1343,8 @@ class Stage:
         """This stage could not run `rid`: free it here and tell the head."""
         self.stats.errors += 1
         self._leave_group(rid)
+        self.snapshots.pop(rid, None)
+        self.finished.pop(rid, None)
         self.caches.pop(rid, None)
         self.prebuilt.pop(rid, None)
         self.slots.pop(rid, None)

@@ -121,6 +121,12 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     # The plan's bytes of the adapter on this shard's layers: reported back, so that
     # memory promised to a shard still loading counts them (controller.committed_bytes).
     adapter_bytes: int = 0
+    # The prefix cache's budget on this shard, in memory and on the node's disk
+    # (0: the runtime's DEFAULT_PROMPT_CACHE_BYTES / _DISK_BYTES), and the model's
+    # content digest that names its entries on disk ("" keeps them in memory only).
+    prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
+    model_digest: str = ""
 
 
 class TensorMember(Wire, frozen=True, kw_only=True):

@@ -17,7 +17,9 @@ import msgspec
 from worker.shared.protocol.packing import pack
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-KINDS = ("prefill", "decode", "free", "error", "token")
+# "reuse": the head names a prefix cache entry every stage copies for a request; the
+# tail sends it back to the head saying whether every stage held it.
+KINDS = ("prefill", "decode", "free", "error", "token", "reuse")
 MAX_DIMS = 4
 # Rows of one batched decode step: far more than a placement admits at once.
 MAX_BATCH = 1024
