@@ -12,14 +12,17 @@ at the end of each prompt are reused, whole.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from tests.cluster_fixture import LocalCluster
 from tests.ring_harness import CHUNK, InProcessRing
 from worker.prompt_cache import trimmable_at
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
@@ -166,3 +169,50 @@ def test_a_small_budget_evicts_the_least_recently_used_on_every_stage(
     got = ring.ask(("a-again", a))["a-again"]
     assert got == (ref(a), 0)
     assert ring.ask(("b-again", b))["b-again"][1] == 0  # a's entry pushed b's out in turn
+
+
+# ---- through real agents and runner processes ------------------------------------------
+
+
+async def _turn(ctl: Any, placement: str, prompt: list[int], n: int) -> tuple[list[int], int]:
+    tokens: list[int] = []
+    cached = -1
+    async for msg in ctl.generate(
+        placement, {"tokens": prompt}, {"max_tokens": n, "ignore_eos": True}
+    ):
+        if msg["type"] == "delta":
+            tokens += msg["tokens"]
+        elif msg["type"] == "done":
+            cached = msg["usage"]["cached_tokens"]
+    return tokens, cached
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
+def test_two_real_stages_reuse_a_conversation_s_history(
+    engine_cluster: LocalCluster, models: Callable[[str], Path], arch: str
+) -> None:
+    model = models(arch)
+    ref = Reference(model)
+    turn1 = SYSTEM + ASK_A
+
+    async def run() -> list[tuple[list[int], int]]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            names = list(engine_cluster.inventory.names)[:2]
+            await ctl.place(model, names, f"pc-{arch}", prefill_chunk=CHUNK)
+            assert len(ctl.state.placement(f"pc-{arch}").shards) == 2
+            first = await _turn(ctl, f"pc-{arch}", turn1, N)
+            turn2 = turn1 + first[0] + [90, 91]
+            second = await _turn(ctl, f"pc-{arch}", turn2, N)
+            await ctl.unload(f"pc-{arch}")
+            return [first, second, (turn2, 0)]
+        finally:
+            await ctl.close()
+
+    first, second, (turn2, _) = asyncio.run(run())
+    assert first == (ref(turn1), 0)
+    assert second[0] == ref(turn2)
+    # Turn 1's prompt and answer (all but its last token), or its prompt's snapshot.
+    assert second[1] == (len(turn1) + N - 1 if arch == "qwen3" else len(turn1) - 1)
