@@ -610,7 +610,7 @@ FIGURES_SAID = (
     "_tps: tokens/s · _ms, _us: milli-, microseconds · _s: seconds · _pct: % of one core · "
     "_ratio: above 1 is faster than what it is compared with (mostly a single mlx-lm "
     "process run beside it) · not measured: left out of this run (--quick leaves out "
-    "provisioning and fine-tuning). README.md's Performance section explains each figure."
+    "provisioning and fine-tuning). docs/performance.md explains each figure."
 )
 
 

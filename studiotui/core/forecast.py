@@ -6,7 +6,7 @@ by the node's memory bandwidth, capped below by the compute the step needs. Link
 what they cost: a pipeline hop per stage boundary per step, and for a tensor group two
 all-reduces per layer (after attention and after the MLP, where mlx-lm's `shard()`
 puts its `sharded-to-all` cuts). Every constant is stated here, with where it comes
-from; `docs/architecture.md` ("Placement" → "Forecast") and the README's error table
+from; `docs/architecture.md` ("Placement" → "Forecast") and the forecast table in docs/placing.md
 say how close the model comes to published and measured figures.
 
 What it does not model: the KV cache's growth within an answer (decode is priced at a
@@ -58,7 +58,7 @@ CHIPS: dict[str, tuple[float, float]] = {
     "M5": (153.0, 5.7),
 }
 # A node that is not Apple Silicon runs MLX on its CPU: a stated default, calibrated on
-# this project's 2-vCPU development VM (README "Performance", the demo model): its
+# a 2-vCPU Linux machine (docs/placing.md's forecast table, the demo model): its
 # 512-token prompt in 1.74 s gives the compute (MLX's float32 matmuls here reach ~4
 # GFLOPS), its 190 tok/s in one process the fixed dispatch cost per layer per step.
 CPU_DEFAULT = (20.0, 0.008)

@@ -604,8 +604,13 @@ async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> Non
         log = app.query_one(LogPane)
         for i in range(30):
             app.report(f"entry {i}")
-        await pilot.pause()
-        assert log.max_scroll_y > 0 and log.is_vertical_scroll_end
+        # Scrolling to the end waits for a refresh: on a loaded machine, more than one pause.
+        await until(
+            pilot,
+            lambda: log.max_scroll_y > 0 and log.is_vertical_scroll_end,
+            5,
+            "the log at its end",
+        )
         await pilot.press("c")
         for i in range(30, 34):
             app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
@@ -614,9 +619,7 @@ async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> Non
         for i in range(40, 44):
             app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
             await pilot.press("tab")
-        await pilot.pause()
-        await pilot.pause()
-        assert log.is_vertical_scroll_end, (log.scroll_y, log.max_scroll_y)
+        await until(pilot, lambda: log.is_vertical_scroll_end, 5, "the log at its end again")
         assert not log.border_subtitle
 
         log.focus()
@@ -627,12 +630,14 @@ async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> Non
         assert log.scroll_y == 0
         assert "2 new below" in str(log.border_subtitle)
         await pilot.press("end")
-        await pilot.pause()
-        assert log.is_vertical_scroll_end and log.border_subtitle == ""
+        await until(
+            pilot,
+            lambda: log.is_vertical_scroll_end and log.border_subtitle == "",
+            5,
+            "the log at its end after End",
+        )
         app.report("followed again")
-        await pilot.pause()
-        await pilot.pause()
-        assert log.is_vertical_scroll_end
+        await until(pilot, lambda: log.is_vertical_scroll_end, 5, "the log following again")
 
 
 async def test_unfocused_borders_show_in_the_light_theme(tmp_path: Path) -> None:

@@ -71,9 +71,12 @@ def test_the_api_and_the_browser_dashboard_listen_on_localhost_unless_told() -> 
 
 
 def _readme_invocations() -> list[tuple[list[str], str]]:
-    """Each `studiotui …` README shows (the command table's rows, the lines of its bash
-    blocks): the words before the first option, and the text naming its flags."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    """Each `studiotui …` the README and the docs pages show (a table's rows, the lines
+    of their bash blocks): the words before the first option, and the text naming its
+    flags. (docs/cli.md is written from the parsers themselves.)"""
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    readme = "\n".join(page.read_text(encoding="utf-8") for page in pages)
     found = []
     for usage, said in re.findall(r"^\| `studiotui ([^`]*)` \|(.*)$", readme, re.M):
         # The verb and any sub-verb (`adapter stamp`): the lowercase words before the
@@ -90,7 +93,7 @@ def _readme_invocations() -> list[tuple[list[str], str]]:
     return found
 
 
-def test_every_flag_the_readme_shows_is_in_its_verbs_help(
+def test_every_flag_the_docs_show_is_in_its_verbs_help(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     parser = build_parser()
