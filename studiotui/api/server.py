@@ -379,7 +379,7 @@ async def _accepted(
         raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
 
 
-def _usage(done: dict[str, Any]) -> dict[str, int]:
+def _usage(done: dict[str, Any]) -> dict[str, Any]:
     usage = done.get("usage") or {}
     prompt = int(usage.get("prompt_tokens", 0))
     completion = int(usage.get("completion_tokens", 0))
@@ -387,6 +387,8 @@ def _usage(done: dict[str, Any]) -> dict[str, int]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # OpenAI's field for the prompt tokens served by the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))},
     }
 
 
@@ -440,7 +442,7 @@ class _Shape:
     def finish(self, done: dict[str, Any]) -> bytes:
         raise NotImplementedError
 
-    def usage(self, usage: dict[str, int]) -> bytes:
+    def usage(self, usage: dict[str, Any]) -> bytes:
         return _event({**self.head, "choices": [], "usage": usage})
 
 
