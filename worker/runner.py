@@ -435,7 +435,10 @@ class Runner:
         if kind == RING:
             return self._ring_job(frames[1], frames[2])
         if kind == GENERATE:
-            return self._generate_job(b"", messages.decode(frames[1]))
+            msg = messages.decode(frames[1])
+            if msg["type"] == "cache_clear":
+                return self._clear_job(b"", msg)
+            return self._generate_job(b"", msg)
         return self._cancel_job(frames[1].decode())
 
     def _timed(self, job: Callable[[], None]) -> None:
@@ -550,6 +553,18 @@ class Runner:
         stage = self.stage
         return self._for_request(msg["rid"], lambda: stage.submit(client, msg), client)
 
+    def _clear_job(self, client: bytes, msg: dict[str, Any]) -> Callable[[], None]:
+        assert self.stage is not None
+        stage = self.stage
+
+        def job() -> None:
+            entries, size = stage.clear_cache()
+            if client:  # a follower answers no one
+                ok = messages.encode("ok", re=msg.get("id"), entries=entries, bytes=size)
+                self.send_client(client, ok)
+
+        return job
+
     def _cancel_job(self, rid: str) -> Outside:
         assert self.stage is not None
         stage = self.stage
@@ -584,6 +599,10 @@ class Runner:
         elif kind == "stats":
             reply = messages.encode("stats_reply", re=msg.get("id"), **self._stats())
             self.send_client(client, reply)
+        elif kind == "cache_clear":
+            # Every rank of a tensor group clears too (mirrored as a client's item):
+            # their decisions must stay the leader's.
+            self.work.append(Outside(self._clear_job(client, msg), [GENERATE, frames[1].bytes]))
         else:
             self.send_client(client, messages.encode("error", message=f"{kind} is not for a shard"))
 
@@ -604,6 +623,7 @@ class Runner:
             "batched_steps": s.batched,
             "batched_rows": s.batched_rows,
             "active_bytes": mx.get_active_memory(),
+            **self.stage.cache_stats(),
             **{
                 f"{name}_us_p50": statistics.median(values) if values else None
                 for name, values in self.stage.ring_us.items()

@@ -321,6 +321,7 @@ class Stage:
             self.caches[rid] = self.shard.make_cache()
         else:
             self.store.stats.hits += 1
+            self.store.stats.reused_tokens += reuse.tokens
             req.cached = reuse.tokens
             self.caches[rid] = cast(LayerCaches, cache)
         self.links.to_client(
@@ -349,6 +350,7 @@ class Stage:
                 self._forget([str(entry)])
                 self.store.stats.hits -= 1
                 self.store.stats.misses += 1
+                self.store.stats.reused_tokens -= req.cached
                 self.links.to_next(RingHeader(rid=rid, kind="free"), None)
                 self.caches[rid] = self.shard.make_cache()
                 req.cached = 0
@@ -365,6 +367,29 @@ class Stage:
             self.links.to_head(passed)
         else:
             self.links.to_next(passed, None)
+
+    def cache_stats(self) -> dict[str, int]:
+        """The prefix cache's figures, as control.ShardStats names them."""
+        store = self.store
+        return {
+            "prompt_cache_entries": len(store.entries),
+            "prompt_cache_bytes": store.bytes,
+            "prompt_cache_disk_bytes": 0,
+            "prompt_cache_hits": store.stats.hits,
+            "prompt_cache_misses": store.stats.misses,
+            "prompt_cache_reused": store.stats.reused_tokens,
+        }
+
+    def clear_cache(self) -> tuple[int, int]:
+        """(head) Empty the prefix cache on every stage; the entries and bytes this one
+        held. Requests in flight keep their own caches."""
+        held = (len(self.store.entries), self.store.bytes)
+        self.store.clear()
+        if self.index is not None:
+            self.index.clear()
+        if not self.shard.is_last:
+            self.links.to_next(RingHeader(rid="", kind="free", extra={"clear": True}), None)
+        return held
 
     def _forget(self, entries: list[str]) -> None:
         """Drop entries from this stage's store (and the head's index)."""
@@ -509,6 +534,8 @@ class Stage:
                 self._on_batch_tokens(header)
             else:
                 self._on_token(header)
+        elif kind == "free" and header.extra.get("clear") is True:
+            self.clear_cache()  # and on down the ring
         elif kind == "free":
             keep, drop = header.extra.get("keep"), header.extra.get("drop")
             if isinstance(drop, list):
