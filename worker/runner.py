@@ -8,6 +8,7 @@ with SIGTERM.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import statistics
@@ -28,6 +29,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from worker.group import GroupError
 from worker.shard import ShardLoadError, load_shard, read_config
+from worker.shared.manifest import model_digest, unhashed_bytes
 from worker.shared.protocol import curve, events, messages
 from worker.shared.protocol.frames import (
     FrameError,
@@ -63,6 +65,8 @@ BEAT_EVERY_S = 0.5
 CLIENT_GONE_S = 30.0
 CLIENT_PENDING_MAX = 4096
 _emit_lock = threading.Lock()
+# Under the node's home (its workdir): each shard's prefix cache entries on disk.
+PROMPT_CACHE_DIR = "prompt-cache"
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,8 @@ class RunnerSpec:
     kv_bytes: int = 0
     prompt_cache_bytes: int = 0  # 0: the runtime's default (limits.DEFAULT_PROMPT_CACHE_BYTES)
     prompt_cache_disk_bytes: int = 0
-    model_digest: str = ""
+    model_digest: str = ""  # the model's content digest ("": the node's files, hashed here)
+    adapter: str = ""  # the placement's adapter by name ("" none), every shard's
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
@@ -264,6 +269,9 @@ class Runner:
             streams=self.spec.streams,
             schedule=self.work.append,
             prompt_cache_bytes=self.spec.prompt_cache_bytes,
+            prompt_cache_disk_bytes=self.spec.prompt_cache_disk_bytes,
+            cache_dir=Path(self.spec.home) / PROMPT_CACHE_DIR,
+            cache_key=self._cache_key(),
         )
         emit(
             events.Ready(
@@ -635,7 +643,23 @@ class Runner:
         self._busy_reported = self.busy_s
         emit(events.Stats(busy=round(min(1.0, busy), 3), **self._stats()))
 
+    def _cache_key(self) -> str:
+        """Whose prefix cache entries this shard's are, as their folder on disk says:
+        the model's bytes, the adapter's, the rank, the format (the stage adds its
+        layers). Entries of other weights or another split are never read."""
+        spec = self.spec
+        model = spec.model_digest or _files_key(Path(spec.model_dir))
+        adapter = ""
+        if spec.adapter_dir:
+            adapter = model_digest(Path(spec.adapter_dir), write_cache=False)
+        return (
+            f"model={model} adapter={spec.adapter}:{adapter} "
+            f"rank={spec.rank}/{spec.group_size} format=1"
+        )
+
     def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
         if self.mirror is not None:
             self.mirror.close()
         for sock in (self.ring_in, self.ring_out, self.client):
@@ -644,6 +668,21 @@ class Runner:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def _files_key(directory: Path) -> str:
+    """The model's content digest when its files' hashes are known (cached beside them:
+    a copy by studiotui verified them), without hashing anything at load time (hundreds
+    of GB take minutes); else its files by name, size and modification time, which a
+    change of weights changes too."""
+    names = sorted(
+        p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")
+    )
+    if not unhashed_bytes(directory, names):
+        return model_digest(directory)
+    stats = [(n, (directory / n).stat()) for n in names]
+    lines = "".join(f"{n}\t{st.st_size}\t{st.st_mtime_ns}\n" for n, st in stats)
+    return "stat:" + hashlib.sha256(lines.encode()).hexdigest()
 
 
 def raise_wired_limit() -> None:

@@ -9,11 +9,13 @@ a one-stage pipeline in a single process and a ring spread over nodes.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 import mlx.core as mx
@@ -21,7 +23,14 @@ import numpy as np
 
 from worker import families
 from worker.families import LayerCaches
-from worker.prompt_cache import PromptIndex, PromptStore, cache_kinds, cut_to, trimmable_at
+from worker.prompt_cache import (
+    DiskStore,
+    PromptIndex,
+    PromptStore,
+    cache_kinds,
+    cut_to,
+    trimmable_at,
+)
 from worker.prompt_cache import snapshot as snapshot_of
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream, processor_problem
 from worker.shard import Shard
@@ -29,6 +38,7 @@ from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import (
     BUSY,
     DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_PROMPT_CACHE_DISK_BYTES,
     DEFAULT_STREAMS,
     prompt_chars,
     prompt_too_long,
@@ -194,6 +204,9 @@ class Stage:
         prebuild: bool = True,
         batch: bool = True,
         prompt_cache_bytes: int = 0,
+        prompt_cache_disk_bytes: int = 0,
+        cache_dir: Path | None = None,
+        cache_key: str = "",
     ) -> None:
         self.shard = shard
         self.tokenizer = tokenizer
@@ -247,8 +260,26 @@ class Stage:
         # The prefix cache (worker.prompt_cache): this stage's entries; the head's index
         # of their tokens. 0 bytes means the default; a negative budget turns it off.
         budget = prompt_cache_bytes or DEFAULT_PROMPT_CACHE_BYTES
-        self.store = PromptStore(max(0, budget))
+        disk_budget = prompt_cache_disk_bytes or DEFAULT_PROMPT_CACHE_DISK_BYTES
+        disk = None
+        if cache_dir is not None and budget > 0 and disk_budget > 0:
+            # On disk under `cache_dir`, in a folder named by `cache_key` (whose model,
+            # adapter, layers and settings the entries are), surviving a restart.
+            # The shard's own layers are part of the key: another split's entries differ.
+            layers = f"layers={shard.start}-{shard.end}/{shard.n_layers}"
+            disk = DiskStore(cache_dir, f"{cache_key} {layers}", disk_budget)
+        self.store = PromptStore(max(0, budget), disk)
         self.index = PromptIndex() if shard.is_first else None
+        if self.index is not None and disk is not None:
+            for ident, meta in disk.headers():
+                try:
+                    tokens = [int(t) for t in json.loads(meta.get("tokens", "null"))]
+                except (ValueError, TypeError):
+                    disk.remove(ident)  # not written by a head, or damaged
+                    continue
+                if self.index.restore(tokens, meta.get("trimmable") == "1") != ident:
+                    self.index.remove(ident)
+                    disk.remove(ident)
         self.kinds = cache_kinds(shard.make_cache().full)
         # Caches that cannot always be cut back are kept as snapshots at the end of each
         # prompt (but its last token), taken as the first decode step starts.
@@ -374,7 +405,7 @@ class Stage:
         return {
             "prompt_cache_entries": len(store.entries),
             "prompt_cache_bytes": store.bytes,
-            "prompt_cache_disk_bytes": 0,
+            "prompt_cache_disk_bytes": store.disk.bytes if store.disk is not None else 0,
             "prompt_cache_hits": store.stats.hits,
             "prompt_cache_misses": store.stats.misses,
             "prompt_cache_reused": store.stats.reused_tokens,
@@ -1278,14 +1309,30 @@ class Stage:
             if not isinstance(held, int):
                 continue
             evicted = [ident]
+            meta = self._entry_meta(ident)
             if kind == "end" and cache is not None and cut_to(list(cache), held):
-                evicted = self.store.put(ident, list(cache), held)
+                evicted = self.store.put(ident, list(cache), held, meta)
                 cache = None  # the store owns it now
             elif kind == "prompt" and snap is not None and snap[0] == held:
-                evicted = self.store.put(ident, snap[1], held)
+                evicted = self.store.put(ident, snap[1], held, meta)
             if self.index is not None:
                 for gone in evicted:
                     self.index.remove(gone)
+
+    def _entry_meta(self, ident: str) -> dict[str, str]:
+        """(head) What an entry's file keeps for the index to be rebuilt from it after a
+        restart: its tokens, and whether it can be cut back."""
+        if self.index is None or ident not in self.index.tokens:
+            return {}
+        return {
+            "tokens": json.dumps(list(self.index.tokens[ident])),
+            "trimmable": "1" if self.index.trimmable.get(ident) else "0",
+        }
+
+    def close(self) -> None:
+        """Let the disk's pending writes finish (a stopping runner calls it)."""
+        if self.store.disk is not None:
+            self.store.disk.close()
 
     def _own_cache(self, rid: str) -> LayerCaches | None:
         """Take `rid`'s caches from this stage (its batch row, its own, or the tail's

@@ -216,3 +216,85 @@ def test_two_real_stages_reuse_a_conversation_s_history(
     assert second[0] == ref(turn2)
     # Turn 1's prompt and answer (all but its last token), or its prompt's snapshot.
     assert second[1] == (len(turn1) + N - 1 if arch == "qwen3" else len(turn1) - 1)
+
+
+# ---- on disk -----------------------------------------------------------------------------
+
+
+def _disk_ring(model: Path, cache_dir: Path, key: str = "k", **options: Any) -> Ring:
+    return Ring(model, SPLITS[2], cache_dir=cache_dir, cache_key=key, **options)
+
+
+def test_entries_pushed_out_of_memory_come_back_from_disk_and_survive_a_restart(
+    models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model = models("qwen3")
+    ref = Reference(model)
+    a, b = SYSTEM + ASK_A, [7, 8, 9, *ASK_B]
+    probe = _disk_ring(model, tmp_path / "probe")
+    probe.ask(("a", a))
+    budget = max(s.store.bytes for s in probe.stages)  # memory for one entry
+    ring = _disk_ring(model, tmp_path / "cache", prompt_cache_bytes=budget)
+    first = ring.ask(("a", a))["a"]
+    ring.ask(("b", b))  # a's entry leaves memory for disk
+    assert all(len(s.store.entries) == 1 for s in ring.stages)
+    again = ring.ask(("a2", a))["a2"]
+    assert again == (first[0], len(a) - 1) and first[0] == ref(a)
+    assert all(s.store.stats.from_disk == 1 for s in ring.stages)
+    for stage in ring.stages:
+        stage.close()  # a stopping runner lets its writes finish
+        assert stage.store.disk is not None and stage.store.disk.bytes > 0
+
+    # Restarted (every stage anew, nothing in memory): the head's index is rebuilt from
+    # the files, and every stage reads its entry back.
+    restarted = _disk_ring(model, tmp_path / "cache", prompt_cache_bytes=budget)
+    assert restarted.ask(("a3", a))["a3"] == (first[0], len(a) - 1)
+    grown = a + first[0] + [90, 91]
+    assert restarted.ask(("a4", grown))["a4"] == (ref(grown), len(a) + N - 1)
+
+    # Another split (another key) never reads them.
+    other = _disk_ring(model, tmp_path / "cache", key="other split")
+    assert other.ask(("a5", a))["a5"] == (first[0], 0)
+
+
+def test_a_damaged_entry_on_disk_is_removed_and_the_prompt_prefilled(
+    models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model = models("llama")
+    prompt = SYSTEM + ASK_A
+    ring = _disk_ring(model, tmp_path)
+    first = ring.ask(("a", prompt))["a"]
+    for stage in ring.stages:
+        stage.close()
+    tail = ring.stages[1].store.disk
+    assert tail is not None
+    [ident] = list(tail.files)
+    tail.path(ident).write_bytes(tail.path(ident).read_bytes()[:200])  # cut short
+
+    restarted = _disk_ring(model, tmp_path)
+    assert restarted.ask(("b", prompt))["b"] == (first[0], 0)  # fell back, same answer
+    disk = restarted.stages[1].store.disk
+    assert disk is not None and not disk.path(ident).exists()
+    # The full prefill stored the entry anew: the next request reuses it.
+    assert restarted.ask(("c", prompt))["c"] == (first[0], len(prompt) - 1)
+
+
+def test_a_small_disk_budget_removes_the_least_recently_used_files(
+    models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model = models("llama")
+    ref = Reference(model)
+    a, b = [1, 2, 3, *ASK_A], [4, 5, 6, *ASK_B]
+    probe = _disk_ring(model, tmp_path / "probe")
+    probe.ask(("a", a))
+    one = max(s.store.bytes for s in probe.stages)
+    ring = _disk_ring(
+        model, tmp_path / "cache", prompt_cache_bytes=one, prompt_cache_disk_bytes=one
+    )
+    ring.ask(("a", a))
+    ring.ask(("b", b))  # a's entry leaves memory, and the disk holds only b's
+    for stage in ring.stages:
+        assert stage.store.disk is not None
+        assert len(stage.store.disk.files) == 1 and stage.store.disk.bytes <= one
+    assert ring.stages[0].index is not None and len(ring.stages[0].index.tokens) == 1
+    assert ring.ask(("a2", a))["a2"] == (ref(a), 0)
