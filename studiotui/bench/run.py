@@ -48,6 +48,7 @@ from studiotui.bench.api_bench import bench_api
 from studiotui.bench.finetune import finetune_figures
 from studiotui.bench.floor import PipeFloor
 from studiotui.bench.launch import ring_of_two
+from studiotui.bench.prompt_cache import cache_figures
 from studiotui.bench.provision import bench_provision
 from studiotui.bench.tensor import (
     mlx_tp2_launch_tps,
@@ -442,6 +443,8 @@ def measure(quick: bool) -> dict[str, Any]:
                         home, inv, model_dir, cfg.tokens, cfg.decode_rounds, cfg.prefill_chunk
                     )
                 )
+            with phase("prompt_cache"):
+                cached = asyncio.run(_cache_phase(home, inv, model_dir, cfg))
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
@@ -471,8 +474,26 @@ def measure(quick: bool) -> dict[str, Any]:
     pipe["moe2"] = moe
     figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
     figures.update(batch)
-    figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
+    figures.update(cached)
+    figures["tokens_match"] = (
+        figures["tokens_match"] and batch["batch8_tokens_match"] and cached["cache_tokens_match"]
+    )
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
+
+
+async def _cache_phase(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig
+) -> dict[str, Any]:
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        nodes = list(inv.names)[:2]
+        # A full prefill of ~4k tokens takes tens of seconds on a shared 2-vCPU
+        # machine: --quick pairs once.
+        rounds = 1 if cfg.tokens < 100 else cfg.decode_rounds
+        return await cache_figures(ctl, model_dir, nodes, cfg.prefill_chunk, rounds)
+    finally:
+        await ctl.close()
 
 
 async def _with_cluster(
