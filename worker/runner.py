@@ -87,14 +87,21 @@ class RunnerSpec:
     context_tokens: int = 4096
     streams: int = DEFAULT_STREAMS  # requests run at once; the plan reserved KV for them
     kv_bytes: int = 0
-    prompt_cache_bytes: int = 0  # 0: the runtime's default (limits.DEFAULT_PROMPT_CACHE_BYTES)
+    kv_bits: int = 0  # quantized KV: 8 or 4 bits (0: full precision), see shared.kv_quant
+    kv_group_size: int = 64
+    prompt_cache_bytes: int = 0  # the prompt cache's budget in memory and on disk
     prompt_cache_disk_bytes: int = 0
-    model_digest: str = ""  # the model's content digest ("": the node's files, hashed here)
+    model_digest: str = ""  # the model's content digest ("": the node's files, _files_key)
     adapter: str = ""  # the placement's adapter by name ("" none), every shard's
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
     adapter_dir: str = ""  # an mlx-lm adapter for this shard's layers ("" none)
+    # Speculative decoding on the head (worker/speculation.py): "", "lookup" or "model"
+    # (the draft model in `draft_dir`, loaded whole here), guesses per frame (0: default).
+    draft: str = ""
+    draft_dir: str = ""
+    draft_tokens: int = 0
     rank: int = 0
     group_size: int = 1
     backend: str = ""
@@ -253,12 +260,19 @@ class Runner:
             progress,
             group=self.group,
             adapter_dir=adapter,
+            kv_bits=self.spec.kv_bits,
+            kv_group_size=self.spec.kv_group_size,
         )
         tokenizer = None
         if shard.is_first or shard.is_last:
             tokenizer = load_tokenizer(
                 model_dir, eos_token_ids=shard.config.get("eos_token_id", None)
             )
+        draft = self.spec.draft if shard.is_first else ""
+        draft_model = None
+        if draft == "model":
+            vocab = int(shard.config.get("vocab_size", 0) or 0)
+            draft_model = load_draft(Path(self.spec.draft_dir).expanduser(), vocab)
         self.stage = Stage(
             shard,
             tokenizer,
@@ -272,6 +286,9 @@ class Runner:
             prompt_cache_disk_bytes=self.spec.prompt_cache_disk_bytes,
             cache_dir=Path(self.spec.home) / PROMPT_CACHE_DIR,
             cache_key=self._cache_key(),
+            draft=draft,
+            draft_tokens=self.spec.draft_tokens,
+            draft_model=draft_model,
         )
         emit(
             events.Ready(
@@ -630,6 +647,8 @@ class Runner:
             "prebuilt_steps": s.prebuilt,
             "batched_steps": s.batched,
             "batched_rows": s.batched_rows,
+            "drafted": s.drafted,
+            "kept": s.kept,
             "active_bytes": mx.get_active_memory(),
             **self.stage.cache_stats(),
             **{
@@ -654,7 +673,7 @@ class Runner:
             adapter = model_digest(Path(spec.adapter_dir), write_cache=False)
         return (
             f"model={model} adapter={spec.adapter}:{adapter} "
-            f"rank={spec.rank}/{spec.group_size} format=1"
+            f"rank={spec.rank}/{spec.group_size} kv={spec.kv_bits}/{spec.kv_group_size} format=1"
         )
 
     def close(self) -> None:
@@ -683,6 +702,21 @@ def _files_key(directory: Path) -> str:
     stats = [(n, (directory / n).stat()) for n in names]
     lines = "".join(f"{n}\t{st.st_size}\t{st.st_mtime_ns}\n" for n, st in stats)
     return "stat:" + hashlib.sha256(lines.encode()).hexdigest()
+
+
+def load_draft(draft_dir: Path, vocab: int) -> Any:
+    """The draft model, whole (mlx-lm's `load`): its logits must index the same
+    vocabulary as the big model's (the operator compared the tokenizers already)."""
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(draft_dir)
+    if int(config.get("vocab_size", 0) or 0) not in (0, vocab):
+        raise ShardLoadError(
+            f"the draft model in {draft_dir} has a vocabulary of {config.get('vocab_size')} "
+            f"tokens, the model {vocab}: a draft must share the model's tokenizer"
+        )
+    mx.eval(model.parameters())
+    return model
 
 
 def raise_wired_limit() -> None:

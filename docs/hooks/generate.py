@@ -52,6 +52,11 @@ FIELDS: dict[str, tuple[str, str]] = {
     "moe_pipe2_over_floor": ("`moe_pipe2_ratio` ÷ `moe_pipe2_floor_ratio`", ""),
     "batch8_ratio": ("8 requests at once on 2 shards ÷ 1 request", "≥ mlx-lm's"),
     "mlx_batch8_ratio": ("mlx-lm's `BatchGenerator`, 8 prompts ÷ its one stream", ""),
+    "kv8_context_ratio": (
+        "the context the planner offers with `--kv-bits 8` ÷ at full precision, same nodes "
+        "(bfloat16, 128-wide heads)",
+        "≥ 1.8",
+    ),
     "tp2_tps": ("a 2-node tensor group, tokens/s", ""),
     "tp2_over_mlx": ("the tensor group ÷ mlx-lm's own tensor parallel run beside it", "≥ 1"),
     "tokens_match": ("every pipeline gives the single process's greedy tokens", "true"),

@@ -165,3 +165,21 @@ def test_fit_status_gives_up_columns_in_order() -> None:
     assert shard_lines([("abcdefghij", "[0:2] ready"), ("ab", "[2:4] ready")], 5) == (
         "abcd…[0:2] ready\nab[2:4] ready"
     )
+
+
+def test_status_json_waits_for_tok_s_only_while_a_placement_answers() -> None:
+    """An idle placement makes 0 tok/s, known without watching the counts for a window
+    (`status --json` used to wait 2 s for it whenever a placement was ready)."""
+    from studiotui.cli.commands import rates_to_sample
+    from studiotui.core.state import PlacementState, ShardState
+
+    def placement(name: str, in_flight: int, state: str = "ready") -> PlacementState:
+        shards = tuple(
+            ShardState(name, f"n{i}", i, 2, 2 * i, 2 * i + 2, state, in_flight=in_flight)  # type: ignore[arg-type]
+            for i in range(2)
+        )
+        return PlacementState(name, "m", "/m", shards)
+
+    assert rates_to_sample([placement("idle", 0)]) == []
+    assert rates_to_sample([placement("idle", 0), placement("busy", 1)]) == ["busy"]
+    assert rates_to_sample([placement("loading", 1, "loading")]) == []
