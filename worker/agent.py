@@ -469,6 +469,7 @@ class Agent:
             "context_tokens": req.context_tokens,
             "streams": max(1, req.streams),
             "kv_bytes": req.kv_bytes,
+            "model_digest": req.model_digest,
             # The placement's adapter by name (every shard reports it), and where this
             # node holds its files ("" on a shard whose layers it does not adapt).
             "adapter": req.adapter,

@@ -218,6 +218,15 @@ def _with_full(own: LayerCaches, like: LayerCaches) -> LayerCaches:
     return own
 
 
+def adopt(caches: list[Any], like: LayerCaches, offset: int) -> LayerCaches:
+    """Caches of a shard's layers from elsewhere (a stored prefix) as a request's own,
+    holding `offset` tokens: the full-length list the forward sees is `like`'s, pointed
+    at them."""
+    own = _with_full(LayerCaches(caches), like)
+    own.offset = offset
+    return own
+
+
 def merge_caches(solos: list[LayerCaches]) -> LayerCaches:
     """One batch (a row per request, in order) of requests' own caches, by mlx-lm's
     `merge`. The full-length list is rebuilt so a mask the model makes from a layer run

@@ -8,6 +8,7 @@ with SIGTERM.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import statistics
@@ -28,6 +29,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from worker.group import GroupError
 from worker.shard import ShardLoadError, load_shard, read_config
+from worker.shared.manifest import model_digest, unhashed_bytes
 from worker.shared.protocol import curve, events, messages
 from worker.shared.protocol.frames import (
     FrameError,
@@ -63,6 +65,8 @@ BEAT_EVERY_S = 0.5
 CLIENT_GONE_S = 30.0
 CLIENT_PENDING_MAX = 4096
 _emit_lock = threading.Lock()
+# Under the node's home (its workdir): each shard's prefix cache entries on disk.
+PROMPT_CACHE_DIR = "prompt-cache"
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class RunnerSpec:
     kv_group_size: int = 64
     prompt_cache_bytes: int = 0  # the prompt cache's budget in memory and on disk
     prompt_cache_disk_bytes: int = 0
+    model_digest: str = ""  # the model's content digest ("": the node's files, _files_key)
+    adapter: str = ""  # the placement's adapter by name ("" none), every shard's
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
@@ -276,6 +282,10 @@ class Runner:
             context_tokens=self.spec.context_tokens,
             streams=self.spec.streams,
             schedule=self.work.append,
+            prompt_cache_bytes=self.spec.prompt_cache_bytes,
+            prompt_cache_disk_bytes=self.spec.prompt_cache_disk_bytes,
+            cache_dir=Path(self.spec.home) / PROMPT_CACHE_DIR,
+            cache_key=self._cache_key(),
             draft=draft,
             draft_tokens=self.spec.draft_tokens,
             draft_model=draft_model,
@@ -450,7 +460,10 @@ class Runner:
         if kind == RING:
             return self._ring_job(frames[1], frames[2])
         if kind == GENERATE:
-            return self._generate_job(b"", messages.decode(frames[1]))
+            msg = messages.decode(frames[1])
+            if msg["type"] == "cache_clear":
+                return self._clear_job(b"", msg)
+            return self._generate_job(b"", msg)
         return self._cancel_job(frames[1].decode())
 
     def _timed(self, job: Callable[[], None]) -> None:
@@ -565,6 +578,18 @@ class Runner:
         stage = self.stage
         return self._for_request(msg["rid"], lambda: stage.submit(client, msg), client)
 
+    def _clear_job(self, client: bytes, msg: dict[str, Any]) -> Callable[[], None]:
+        assert self.stage is not None
+        stage = self.stage
+
+        def job() -> None:
+            entries, size = stage.clear_cache()
+            if client:  # a follower answers no one
+                ok = messages.encode("ok", re=msg.get("id"), entries=entries, bytes=size)
+                self.send_client(client, ok)
+
+        return job
+
     def _cancel_job(self, rid: str) -> Outside:
         assert self.stage is not None
         stage = self.stage
@@ -599,6 +624,10 @@ class Runner:
         elif kind == "stats":
             reply = messages.encode("stats_reply", re=msg.get("id"), **self._stats())
             self.send_client(client, reply)
+        elif kind == "cache_clear":
+            # Every rank of a tensor group clears too (mirrored as a client's item):
+            # their decisions must stay the leader's.
+            self.work.append(Outside(self._clear_job(client, msg), [GENERATE, frames[1].bytes]))
         else:
             self.send_client(client, messages.encode("error", message=f"{kind} is not for a shard"))
 
@@ -621,6 +650,7 @@ class Runner:
             "drafted": s.drafted,
             "kept": s.kept,
             "active_bytes": mx.get_active_memory(),
+            **self.stage.cache_stats(),
             **{
                 f"{name}_us_p50": statistics.median(values) if values else None
                 for name, values in self.stage.ring_us.items()
@@ -632,7 +662,23 @@ class Runner:
         self._busy_reported = self.busy_s
         emit(events.Stats(busy=round(min(1.0, busy), 3), **self._stats()))
 
+    def _cache_key(self) -> str:
+        """Whose prefix cache entries this shard's are, as their folder on disk says:
+        the model's bytes, the adapter's, the rank, the format (the stage adds its
+        layers). Entries of other weights or another split are never read."""
+        spec = self.spec
+        model = spec.model_digest or _files_key(Path(spec.model_dir))
+        adapter = ""
+        if spec.adapter_dir:
+            adapter = model_digest(Path(spec.adapter_dir), write_cache=False)
+        return (
+            f"model={model} adapter={spec.adapter}:{adapter} "
+            f"rank={spec.rank}/{spec.group_size} kv={spec.kv_bits}/{spec.kv_group_size} format=1"
+        )
+
     def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
         if self.mirror is not None:
             self.mirror.close()
         for sock in (self.ring_in, self.ring_out, self.client):
@@ -641,6 +687,21 @@ class Runner:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def _files_key(directory: Path) -> str:
+    """The model's content digest when its files' hashes are known (cached beside them:
+    a copy by studiotui verified them), without hashing anything at load time (hundreds
+    of GB take minutes); else its files by name, size and modification time, which a
+    change of weights changes too."""
+    names = sorted(
+        p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")
+    )
+    if not unhashed_bytes(directory, names):
+        return model_digest(directory)
+    stats = [(n, (directory / n).stat()) for n in names]
+    lines = "".join(f"{n}\t{st.st_size}\t{st.st_mtime_ns}\n" for n, st in stats)
+    return "stat:" + hashlib.sha256(lines.encode()).hexdigest()
 
 
 def load_draft(draft_dir: Path, vocab: int) -> Any:

@@ -9,11 +9,13 @@ a one-stage pipeline in a single process and a ring spread over nodes.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 import mlx.core as mx
@@ -21,10 +23,26 @@ import numpy as np
 
 from worker import families, speculation
 from worker.families import LayerCaches
+from worker.prompt_cache import (
+    DiskStore,
+    PromptIndex,
+    PromptStore,
+    cache_kinds,
+    cut_to,
+    trimmable_at,
+)
+from worker.prompt_cache import snapshot as snapshot_of
 from worker.sampling import ParamError, Sampler, SamplingParams, TextStream, processor_problem
 from worker.shard import Shard
 from worker.shared.protocol.frames import STEPS, RingHeader
-from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
+from worker.shared.protocol.limits import (
+    BUSY,
+    DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_PROMPT_CACHE_DISK_BYTES,
+    DEFAULT_STREAMS,
+    prompt_chars,
+    prompt_too_long,
+)
 from worker.speculation import DraftSession, Speculation
 from worker.tool_calls import ToolCallStream, supports_tools
 
@@ -71,6 +89,8 @@ class HeadRequest:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generated: int = 0
+    cached: int = 0  # prompt tokens served by the prefix cache, not prefilled
+    out: list[int] = field(default_factory=list)  # the tokens of the answer so far
     # Its decode steps' hops on a ring (the last 512, as the stage keeps its own).
     hops_us: deque[float] = field(default_factory=lambda: deque(maxlen=512))
     # Speculative decoding (None: it decodes a token a step): its guesses, what it kept,
@@ -202,6 +222,10 @@ class Stage:
         schedule: Callable[[Callable[[], None]], None],
         prebuild: bool = True,
         batch: bool = True,
+        prompt_cache_bytes: int = 0,
+        prompt_cache_disk_bytes: int = 0,
+        cache_dir: Path | None = None,
+        cache_key: str = "",
         draft: str = "",
         draft_tokens: int = 0,
         draft_model: Any = None,
@@ -253,6 +277,35 @@ class Stage:
         if shard.is_first and not self.batch_reason:
             self.lanes = [Lane(gid=f"batch{i}") for i in range(max(1, hops))]
         self.lane_of: dict[str, Lane] = {}
+        # The prefix cache (worker.prompt_cache): this stage's entries; the head's index
+        # of their tokens. 0 bytes means the default; a negative budget turns it off.
+        budget = prompt_cache_bytes or DEFAULT_PROMPT_CACHE_BYTES
+        disk_budget = prompt_cache_disk_bytes or DEFAULT_PROMPT_CACHE_DISK_BYTES
+        disk = None
+        if cache_dir is not None and budget > 0 and disk_budget > 0:
+            # On disk under `cache_dir`, in a folder named by `cache_key` (whose model,
+            # adapter, layers and settings the entries are), surviving a restart.
+            # The shard's own layers are part of the key: another split's entries differ.
+            layers = f"layers={shard.start}-{shard.end}/{shard.n_layers}"
+            disk = DiskStore(cache_dir, f"{cache_key} {layers}", disk_budget)
+        self.store = PromptStore(max(0, budget), disk)
+        self.index = PromptIndex() if shard.is_first else None
+        if self.index is not None and disk is not None:
+            for ident, meta in disk.headers():
+                try:
+                    tokens = [int(t) for t in json.loads(meta.get("tokens", "null"))]
+                except (ValueError, TypeError):
+                    disk.remove(ident)  # not written by a head, or damaged
+                    continue
+                if self.index.restore(tokens, meta.get("trimmable") == "1") != ident:
+                    self.index.remove(ident)
+                    disk.remove(ident)
+        self.kinds = cache_kinds(shard.make_cache().full)
+        # Caches that cannot always be cut back are kept as snapshots at the end of each
+        # prompt (but its last token), taken as the first decode step starts.
+        self.snapshot = budget > 0 and not trimmable_at(self.kinds, 1 << 62)
+        self.snapshots: dict[str, tuple[int, list[Any]]] = {}
+        self.finished: dict[str, LayerCaches] = {}  # (tail) ended, until "free" says keep
         # Speculative decoding (worker/speculation.py): the placement's draft ("",
         # "lookup", "model"; a request may choose its own), and whether this model's
         # caches can be cut back after a rejected guess (the head judges for the whole
@@ -388,9 +441,95 @@ class Stage:
             spec=spec,
             drafter=drafter,
         )
-        self.links.to_client(client, "accepted", rid=rid, prompt_tokens=len(prompt))
-        self.caches[rid] = self.shard.make_cache()
-        self._schedule_prefill(rid, prompt, 0, params)
+        reuse = self.index.plan(prompt) if self.index is not None and self.store.budget else None
+        cache = None
+        if reuse is not None:
+            cache = self.store.take(reuse.entry, reuse.tokens, self.shard.make_cache())
+            if cache is None:
+                self._forget([reuse.entry])
+                reuse = None
+        req = self.head_requests[rid]
+        if reuse is None:
+            self.store.stats.misses += 1
+            self.caches[rid] = self.shard.make_cache()
+        else:
+            self.store.stats.hits += 1
+            self.store.stats.reused_tokens += reuse.tokens
+            req.cached = reuse.tokens
+            self.caches[rid] = cast(LayerCaches, cache)
+        self.links.to_client(
+            client, "accepted", rid=rid, prompt_tokens=len(prompt), cached_tokens=req.cached
+        )
+        if reuse is not None and not self.shard.is_last:
+            # Every other stage copies its own layers' state of the entry; the prefill
+            # starts when the tail says they all held it (`_on_reuse`).
+            extra = {"entry": reuse.entry, "tokens": reuse.tokens, "ok": True}
+            self.links.to_next(RingHeader(rid=rid, kind="reuse", extra=extra), None)
+            return
+        self._schedule_prefill(rid, prompt, req.cached, params)
+
+    def _on_reuse(self, header: RingHeader) -> None:
+        """A request's prefix entry on its way down the ring (each stage copies it), or
+        back at the head: if a stage lacked it (evicted, restarted), the request frees
+        what the others copied and prefills from the start."""
+        rid, extra = header.rid, header.extra
+        entry, tokens = extra.get("entry"), extra.get("tokens")
+        ok = bool(extra.get("ok")) and isinstance(entry, str) and isinstance(tokens, int)
+        if self.shard.is_first:
+            req = self.head_requests.get(rid)
+            if req is None:
+                return  # cancelled meanwhile: its "free" went down the ring
+            if not ok:
+                self._forget([str(entry)])
+                self.store.stats.hits -= 1
+                self.store.stats.misses += 1
+                self.store.stats.reused_tokens -= req.cached
+                self.links.to_next(RingHeader(rid=rid, kind="free"), None)
+                self.caches[rid] = self.shard.make_cache()
+                req.cached = 0
+            self._schedule_prefill(rid, req.prompt, req.cached, req.params)
+            return
+        if ok:
+            cache = self.store.take(cast(str, entry), cast(int, tokens), self.shard.make_cache())
+            if cache is None:
+                ok = False
+            else:
+                self.caches[rid] = cache
+        passed = replace(header, extra={**extra, "ok": ok})
+        if self.shard.is_last:
+            self.links.to_head(passed)
+        else:
+            self.links.to_next(passed, None)
+
+    def cache_stats(self) -> dict[str, int]:
+        """The prefix cache's figures, as control.ShardStats names them."""
+        store = self.store
+        return {
+            "prompt_cache_entries": len(store.entries),
+            "prompt_cache_bytes": store.bytes,
+            "prompt_cache_disk_bytes": store.disk.bytes if store.disk is not None else 0,
+            "prompt_cache_hits": store.stats.hits,
+            "prompt_cache_misses": store.stats.misses,
+            "prompt_cache_reused": store.stats.reused_tokens,
+        }
+
+    def clear_cache(self) -> tuple[int, int]:
+        """(head) Empty the prefix cache on every stage; the entries and bytes this one
+        held. Requests in flight keep their own caches."""
+        held = (len(self.store.entries), self.store.bytes)
+        self.store.clear()
+        if self.index is not None:
+            self.index.clear()
+        if not self.shard.is_last:
+            self.links.to_next(RingHeader(rid="", kind="free", extra={"clear": True}), None)
+        return held
+
+    def _forget(self, entries: list[str]) -> None:
+        """Drop entries from this stage's store (and the head's index)."""
+        for entry in entries:
+            self.store.drop(entry)
+            if self.index is not None:
+                self.index.remove(entry)
 
     def _fit_context(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
         """Refuse a prompt the KV budget cannot hold; end the answer where it runs out."""
@@ -449,10 +588,11 @@ class Stage:
         return tokens
 
     def _schedule_prefill(
-        self, rid: str, prompt: list[int], done: int, params: SamplingParams
+        self, rid: str, prompt: list[int], done: int, params: SamplingParams, first: bool = True
     ) -> None:
         """Queue the prompt one chunk at a time, like mlx-lm: all but the last token
-        in chunks, then the last token as the first decode step."""
+        in chunks, then the last token as the first decode step. `done` tokens are in
+        the caches already (0, or a reused prefix)."""
 
         def step() -> None:
             if rid not in self.head_requests:
@@ -461,9 +601,9 @@ class Stage:
             remaining = len(prompt) - done - 1
             if remaining > 0:
                 n = min(self.prefill_chunk, remaining)
-                first = params if done == 0 else None
-                self._head_step(rid, prompt[done : done + n], "prefill", done, first)
-                self._schedule_prefill(rid, prompt, done + n, params)
+                sent = params if first else None
+                self._head_step(rid, prompt[done : done + n], "prefill", done, sent)
+                self._schedule_prefill(rid, prompt, done + n, params, first=False)
             else:
                 try:
                     req = self.head_requests[rid]
@@ -561,8 +701,17 @@ class Stage:
                 self._on_batch_tokens(header)
             else:
                 self._on_token(header)
+        elif kind == "free" and header.extra.get("clear") is True:
+            self.clear_cache()  # and on down the ring
         elif kind == "free":
-            self._free(header.rid, forward=not self.shard.is_last)
+            keep, drop = header.extra.get("keep"), header.extra.get("drop")
+            if isinstance(drop, list):
+                self._forget([str(d) for d in drop])
+            if isinstance(keep, list) and keep:
+                self._keep(header.rid, keep)
+            self._free(header.rid, forward=not self.shard.is_last, extra=header.extra)
+        elif kind == "reuse":
+            self._on_reuse(header)
         elif kind == "error":
             self._on_error(header)
 
@@ -596,6 +745,10 @@ class Stage:
         else:
             assert h is not None
             cache = self._cache_for(header)
+            if self.snapshot and header.kind == "decode" and header.params and header.offset:
+                # The prompt's first decode step: the caches hold the prompt but its last
+                # token, a point a later prompt can start from without cutting back.
+                self.snapshots[header.rid] = (header.offset, snapshot_of(cache))
             out = self.shard.forward(h, cache)
             if header.kind == "verify":
                 self.rewind_floor[header.rid] = header.offset + 1
@@ -794,7 +947,9 @@ class Stage:
             finish = "length"
         if finish:
             self.tail_requests.pop(rid, None)
-            self.caches.pop(rid, None)
+            ended = self.caches.pop(rid, None)
+            if ended is not None and self.store.budget:
+                self.finished[rid] = ended  # the head's "free" says whether to keep it
             self.prebuilt.pop(rid, None)  # built for a step that will not come
             self.slots.pop(rid, None)
         extra = self._carry(header.extra)
@@ -877,6 +1032,7 @@ class Stage:
         # A verify frame's answer brings the guesses kept before its token.
         tokens = [*header.draft, header.token]
         req.generated += len(tokens)
+        req.out += tokens
         spec = req.spec
         verified = spec is not None and spec.in_flight is not None
         if spec is not None:
@@ -1069,6 +1225,7 @@ class Stage:
             if req.first_token_at is None:
                 req.first_token_at = now
             req.generated += 1
+            req.out.append(token)
             if not finish:
                 lane.ready[rid] = token
             extra = {"logprobs": drawn} if drawn is not None else {}
@@ -1311,7 +1468,11 @@ class Stage:
                 finish = "length"
             if finish:  # what the tail holds for it; the head frees the rest
                 self.tail_requests.pop(rid, None)
-                self._leave_group(rid)
+                if self.store.budget and rid in self.group_of:
+                    self._extract(rid)  # its row, kept until the head's "free" says
+                    self.finished[rid] = self.caches.pop(rid)
+                else:
+                    self._leave_group(rid)
             logprobs = _logprobs(own) if isinstance(own, tuple) else None
             rows.append((rid, token, finish, logprobs))
         extra = self._carry(header.extra)
@@ -1352,6 +1513,7 @@ class Stage:
         usage: dict[str, Any] = {
             "prompt_tokens": len(req.prompt),
             "completion_tokens": req.generated,
+            "cached_tokens": req.cached,
         }
         if req.spec is not None:
             # OpenAI's names (Predicted Outputs): guesses kept and rejected.
@@ -1381,8 +1543,76 @@ class Stage:
             timings=timings,
             **matched,
         )
-        self._free(rid, forward=True)
+        extra = self._keep_plan(req)
+        if extra.get("drop"):
+            self._forget(extra["drop"])
+        if extra.get("keep"):
+            self._keep(rid, extra["keep"])
+        self._free(rid, forward=True, extra=extra)
         self._admit_waiting()
+
+    def _keep_plan(self, req: HeadRequest) -> dict[str, Any]:
+        """(head) What every stage keeps of an ended request, for the "free" frame: the
+        caches of its prompt and answer (all but the last token, never computed) where
+        they can be cut back later, else the snapshot of its prompt; and the entries
+        the new one makes useless (its prefixes). Nothing before its first token came,
+        when some stage may still be short of the prompt (a cancel mid-prefill)."""
+        if self.index is None or not self.store.budget or req.generated < 1:
+            return {}
+        held = len(req.prompt) + req.generated - 1
+        if trimmable_at(self.kinds, held + 2):  # +2: a step built ahead may be in them
+            tokens, kind = [*req.prompt, *req.out[: req.generated - 1]], "end"
+        elif self.snapshot and len(req.prompt) > 1:
+            tokens, kind = req.prompt[:-1], "prompt"
+            held = len(tokens)
+        else:
+            return {}
+        ident, gone = self.index.add(tokens, trimmable_at(self.kinds, held + 2))
+        return {"keep": [[ident, held, kind]], "drop": gone}
+
+    def _keep(self, rid: str, keep: list[Any]) -> None:
+        """Store this stage's caches of `rid` as the entries `keep` names."""
+        cache = self._own_cache(rid)
+        snap = self.snapshots.pop(rid, None)
+        for item in keep:
+            if not (isinstance(item, list) and len(item) == 3):
+                continue
+            ident, held, kind = str(item[0]), item[1], item[2]
+            if not isinstance(held, int):
+                continue
+            evicted = [ident]
+            meta = self._entry_meta(ident)
+            if kind == "end" and cache is not None and cut_to(list(cache), held):
+                evicted = self.store.put(ident, list(cache), held, meta)
+                cache = None  # the store owns it now
+            elif kind == "prompt" and snap is not None and snap[0] == held:
+                evicted = self.store.put(ident, snap[1], held, meta)
+            if self.index is not None:
+                for gone in evicted:
+                    self.index.remove(gone)
+
+    def _entry_meta(self, ident: str) -> dict[str, str]:
+        """(head) What an entry's file keeps for the index to be rebuilt from it after a
+        restart: its tokens, and whether it can be cut back."""
+        if self.index is None or ident not in self.index.tokens:
+            return {}
+        return {
+            "tokens": json.dumps(list(self.index.tokens[ident])),
+            "trimmable": "1" if self.index.trimmable.get(ident) else "0",
+        }
+
+    def close(self) -> None:
+        """Let the disk's pending writes finish (a stopping runner calls it)."""
+        if self.store.disk is not None:
+            self.store.disk.close()
+
+    def _own_cache(self, rid: str) -> LayerCaches | None:
+        """Take `rid`'s caches from this stage (its batch row, its own, or the tail's
+        ended ones)."""
+        if rid in self.group_of:
+            self._extract(rid)
+        cache = self.caches.pop(rid, None)
+        return cache if cache is not None else self.finished.pop(rid, None)
 
     def cancel(self, rid: str) -> None:
         if rid in self.head_requests:
@@ -1392,8 +1622,10 @@ class Stage:
             usage = {"prompt_tokens": len(w.prompt), "completion_tokens": 0}
             self.links.to_client(w.client, "done", rid=rid, finish_reason="cancelled", usage=usage)
 
-    def _free(self, rid: str, forward: bool) -> None:
+    def _free(self, rid: str, forward: bool, extra: dict[str, Any] | None = None) -> None:
         self._leave_group(rid)
+        self.snapshots.pop(rid, None)
+        self.finished.pop(rid, None)
         if self.lanes:
             self._leave_lane(rid)
         self.caches.pop(rid, None)
@@ -1403,7 +1635,7 @@ class Stage:
         self.tail_requests.pop(rid, None)
         self.rewind_floor.pop(rid, None)
         if forward and not self.shard.is_last:
-            self.links.to_next(RingHeader(rid=rid, kind="free"), None)
+            self.links.to_next(RingHeader(rid=rid, kind="free", extra=extra or {}), None)
 
     # ---- the ring's timing -------------------------------------------------------------
 
@@ -1458,6 +1690,8 @@ class Stage:
         """This stage could not run `rid`: free it here and tell the head."""
         self.stats.errors += 1
         self._leave_group(rid)
+        self.snapshots.pop(rid, None)
+        self.finished.pop(rid, None)
         self.caches.pop(rid, None)
         self.prebuilt.pop(rid, None)
         self.slots.pop(rid, None)

@@ -45,6 +45,8 @@ def usage(done: dict[str, Any]) -> dict[str, int]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # OpenAI's field for the prompt tokens served by the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": cached_tokens(done)},
     }
     details = got.get("completion_tokens_details")
     if isinstance(details, dict):

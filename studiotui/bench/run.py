@@ -49,6 +49,7 @@ from studiotui.bench.finetune import finetune_figures
 from studiotui.bench.floor import PipeFloor
 from studiotui.bench.kv_context import kv_context_figures
 from studiotui.bench.launch import ring_of_two
+from studiotui.bench.prompt_cache import cache_figures
 from studiotui.bench.provision import bench_provision
 from studiotui.bench.tensor import (
     mlx_tp2_launch_tps,
@@ -449,6 +450,8 @@ def measure(quick: bool) -> dict[str, Any]:
                 spec = asyncio.run(
                     speculative.spec_figures(home, inv, cfg.layers, cfg.hidden, cfg.decode_rounds)
                 )
+            with phase("prompt_cache"):
+                cached = asyncio.run(_cache_phase(home, inv, model_dir, cfg))
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
@@ -480,10 +483,29 @@ def measure(quick: bool) -> dict[str, Any]:
     figures.update(batch)
     figures.update(kv)
     figures.update(spec)
+    figures.update(cached)
     figures["tokens_match"] = (
-        figures["tokens_match"] and batch["batch8_tokens_match"] and spec["spec_tokens_match"]
+        figures["tokens_match"]
+        and batch["batch8_tokens_match"]
+        and spec["spec_tokens_match"]
+        and cached["cache_tokens_match"]
     )
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
+
+
+async def _cache_phase(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig
+) -> dict[str, Any]:
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        nodes = list(inv.names)[:2]
+        # A full prefill of ~4k tokens takes tens of seconds on a shared 2-vCPU
+        # machine: --quick pairs once.
+        rounds = 1 if cfg.tokens < 100 else cfg.decode_rounds
+        return await cache_figures(ctl, model_dir, nodes, cfg.prefill_chunk, rounds)
+    finally:
+        await ctl.close()
 
 
 async def _with_cluster(

@@ -148,6 +148,8 @@ class Turn:
             decode_tps=round(float(timings.get("decode_tps") or self.tps(now) or 0.0), 2),
             prompt_tokens=usage.get("prompt_tokens", self.prompt_tokens),
             completion_tokens=usage.get("completion_tokens", self.tokens),
+            # Of the prompt's tokens, those the placement's prefix cache served.
+            cached_tokens=int(usage.get("cached_tokens") or 0),
             finish_reason=done.get("finish_reason") or ("stopped" if self.stopped else "error"),
             spark=[round(x, 1) for x in self.spark],
         )

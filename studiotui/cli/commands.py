@@ -75,6 +75,7 @@ from studiotui.core.text import printable
 from studiotui.core.traffic import (
     RateMeter,
     placement_acceptance,
+    placement_cache,
     placement_in_flight,
     placement_tokens,
 )
@@ -393,6 +394,7 @@ def status_json(ctl: Controller, rates: Mapping[str, float] | None = None) -> di
                 "draft": next((s.draft for s in p.shards if s.draft), ""),
                 "drafted": sum(s.drafted for s in p.shards),
                 "acceptance": placement_acceptance(p),
+                "prompt_cache": placement_cache(p).as_dict(),
             }
             for p in st.placements
         ],
@@ -892,6 +894,30 @@ async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
     finally:
         await ctl.close()
     console.print(f"placement {args.name} unloaded")
+    return 0
+
+
+async def cmd_cache(args: argparse.Namespace, home: Path) -> int:
+    """`studiotui cache clear [PLACEMENT]`: empty a placement's prefix cache (every
+    placement's when none is named)."""
+    inv = inventory_of(args, home)
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        names = [args.placement] if args.placement else [p.name for p in ctl.state.placements]
+        if not names:
+            raise UserError("no placement to clear: place a model first (studiotui place)")
+        for name in names:
+            try:
+                entries, size = await ctl.clear_cache(name)
+            except (PlacementError, GenerationError) as exc:
+                raise UserError(str(exc)) from None
+            console.print(
+                f"placement {name}: prompt cache cleared ({entries} entries, "
+                f"{format_bytes(size)} on the head)"
+            )
+    finally:
+        await ctl.close()
     return 0
 
 

@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     unload = sub.add_parser("unload", help="unload a placement and free its memory")
     unload.add_argument("name")
 
+    cache = sub.add_parser("cache", help="a placement's prompt (prefix) cache")
+    cache.add_argument("action", choices=["clear"], help="clear: empty it on every node")
+    cache.add_argument("placement", nargs="?", help="which placement (default: every one)")
+
     chat = sub.add_parser("chat", help="send one prompt and stream the answer")
     chat.add_argument("prompt")
     chat.add_argument("--placement")

@@ -1267,6 +1267,24 @@ class Controller:
             )
         return self.peers[key]
 
+    async def clear_cache(self, name: str) -> tuple[int, int]:
+        """Empty placement `name`'s prefix cache on every stage (the head sends the word
+        down its ring); the entries and bytes its head held."""
+        placement = self.state.placement(name)
+        if placement is None:
+            known = ", ".join(p.name for p in self.state.placements) or "none"
+            raise PlacementError(f"no placement named {name!r} (known: {known})")
+        if placement.state != "ready":
+            raise PlacementError(
+                f"placement {name!r} is {placement.state}: its cache is cleared once it is "
+                "ready (or unload it: that frees its memory cache too)"
+            )
+        try:
+            reply = await self.head_peer(placement).request("cache_clear")
+        except (AgentError, AgentUnreachable) as exc:
+            raise PlacementError(f"cannot clear the cache of {name!r}: {exc}") from None
+        return int(reply.get("entries", 0)), int(reply.get("bytes", 0))
+
     def not_ready_hint(self, placement: PlacementState) -> str:
         """Why `placement` cannot answer now and what to do, naming the node and stage
         (the words a request to it fails with)."""

@@ -56,6 +56,13 @@ class ShardState:
     # 0 and () for a one-node stage.
     rank: int = 0
     group: tuple[str, ...] = ()
+    # Its prefix cache (the runner's stats): entries, bytes in memory and on disk; on
+    # the head, requests that reused an entry (hits) or found none (misses).
+    cache_entries: int = 0
+    cache_bytes: int = 0
+    cache_disk_bytes: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
     # Speculative decoding on the head: its guesser, and its guesses sent and kept.
     draft: str = ""
     drafted: int = 0
@@ -404,6 +411,11 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         prompt_cache_disk_bytes=report.prompt_cache_disk_bytes,
         rank=report.rank,
         group=tuple(report.group),
+        cache_entries=report.stats.prompt_cache_entries,
+        cache_bytes=report.stats.prompt_cache_bytes,
+        cache_disk_bytes=report.stats.prompt_cache_disk_bytes,
+        cache_hits=report.stats.prompt_cache_hits,
+        cache_misses=report.stats.prompt_cache_misses,
         draft=report.draft,
         drafted=report.stats.drafted,
         kept=report.stats.kept,

@@ -9,6 +9,8 @@ compares.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 from studiotui.core.state import PlacementState
 
@@ -33,6 +35,53 @@ def placement_in_flight(placement: PlacementState) -> int:
     # Every shard of the ring sees each request; the head's count is the placement's,
     # and a shard that lags (telemetry a second late) must not make it look idle.
     return max((s.in_flight for s in placement.shards), default=0)
+
+
+@dataclass(frozen=True)
+class CacheFigures:
+    """A placement's prefix cache: the head's entries (every stage keeps the same ones),
+    the bytes of every shard's copies in memory and on disk, and the head's requests
+    that reused an entry."""
+
+    entries: int
+    bytes: int
+    disk_bytes: int
+    hits: int
+    misses: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else None
+
+    @property
+    def used(self) -> bool:
+        return bool(self.entries or self.hits or self.misses or self.disk_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        rate = self.hit_rate
+        return {
+            "entries": self.entries,
+            "bytes": self.bytes,
+            "disk_bytes": self.disk_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(rate, 3) if rate is not None else None,
+        }
+
+
+def placement_cache(placement: PlacementState) -> CacheFigures:
+    shards = placement.shards
+    # The head (the first stage, its leader) decides and counts; members of a tensor
+    # group and later stages hold their slices of the same entries.
+    head = next((s for s in shards if s.index == 0 and s.rank == 0), None)
+    return CacheFigures(
+        entries=head.cache_entries if head else 0,
+        bytes=sum(s.cache_bytes for s in shards),
+        disk_bytes=sum(s.cache_disk_bytes for s in shards),
+        hits=head.cache_hits if head else 0,
+        misses=head.cache_misses if head else 0,
+    )
 
 
 class RateMeter:

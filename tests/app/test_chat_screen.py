@@ -227,6 +227,36 @@ async def test_an_answer_streams_with_its_figures(
         await until(pilot, lambda: not isinstance(app.screen, ChatScreen), 3, "back")
 
 
+async def test_the_next_turn_says_how_many_prompt_tokens_were_reused(
+    cluster: tuple[Path, Inventory],
+) -> None:
+    """The history a turn resends is prefilled once: the second answer's note says how
+    many of its prompt tokens the placement's prefix cache served."""
+    home, inv = cluster
+    app = StudioApp(home, inv)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot, app)
+        await pilot.press("ctrl+n")
+        settings(screen, "0", "6")
+        await ask(pilot, screen, "first question")
+        await answered(pilot, screen)
+        before = stored(home, screen.conv.id)[-1].meta  # type: ignore[union-attr]
+        await ask(pilot, screen, "and a second one")
+        await until(
+            pilot,
+            lambda: screen.turn is not None and screen.turn.user.content == "and a second one",
+            10,
+            "the second turn starts",
+        )
+        second = await answered(pilot, screen)
+        meta = stored(home, screen.conv.id)[-1].meta  # type: ignore[union-attr]
+        # All of the first turn's prompt (the second one's beginning) at least.
+        assert before["prompt_tokens"] - 1 <= meta["cached_tokens"] < meta["prompt_tokens"]
+        note = str(second.note.content)
+        want = f"{meta['cached_tokens']} of {meta['prompt_tokens']} prompt tokens reused"
+        assert want in note, note
+
+
 async def test_escape_stops_at_once_and_frees_every_cache(
     cluster: tuple[Path, Inventory],
 ) -> None:

@@ -81,3 +81,33 @@ async def test_an_adapter_placement_leaves_tokens_and_the_ring_whole() -> None:
             key = column.split()[0]
             assert widths[key] >= len(column) + 2, widths
         assert "…" in str(table.get_row("demo-instruct+legal-summaries-v2")[2])
+
+
+async def test_the_prompt_cache_shows_under_the_ring_once_used() -> None:
+    """Entries (the head's), bytes (every shard's), hits: what the runners' stats say."""
+    import dataclasses
+
+    app = PaneApp()
+    async with app.run_test(size=(120, 16)) as pilot:
+        pane = app.query_one(PlacementsPane)
+        fresh = _placement(4)
+        pane.show((fresh,), "dark", {})
+        await pilot.pause()
+        assert "prompt cache" not in pane._ring_lines(110).plain  # never used: no line
+        used = dataclasses.replace(
+            fresh,
+            shards=tuple(
+                dataclasses.replace(
+                    s,
+                    cache_entries=3,
+                    cache_bytes=2 << 20,  # 2 MiB on each of 4 shards
+                    cache_hits=3 if s.index == 0 else 0,
+                    cache_misses=1 if s.index == 0 else 0,
+                )
+                for s in fresh.shards
+            ),
+        )
+        pane.show((used,), "dark", {})
+        await pilot.pause()
+        line = pane._ring_lines(110).plain
+        assert "prompt cache 3 entries · 8 MB in memory · 75% hits" in line, line

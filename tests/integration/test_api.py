@@ -158,6 +158,53 @@ async def test_stream_equals_the_engine(served: Served) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+async def test_the_next_turn_says_how_many_prompt_tokens_the_cache_served(
+    served: Served,
+) -> None:
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`: the history of a chat is
+    prefilled once; its next turn (chat, streamed or not) and the same completion
+    prompt again report the tokens they reused."""
+    client = served.client()
+    first = await client.chat.completions.create(
+        model=PLACEMENT, messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    turn2 = [
+        *MESSAGES,
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    second = await client.chat.completions.create(
+        model=PLACEMENT, messages=turn2, max_tokens=6, temperature=0
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    # Streamed: the usage chunk carries it too.
+    turn3 = [*turn2, {"role": "assistant", "content": "x"}, {"role": "user", "content": "Why?"}]
+    _, chunks = await stream_text(
+        client,
+        model=PLACEMENT,
+        messages=turn3,
+        max_tokens=4,
+        temperature=0,
+        stream_options={"include_usage": True},
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - 1
+    # Completions: the same prompt again reuses all of it but its last token.
+    prompt = "The cluster's prefix cache holds this sentence for the second request."
+    texts = []
+    for _ in range(2):
+        done = await client.completions.create(
+            model=PLACEMENT, prompt=prompt, max_tokens=4, temperature=0
+        )
+        assert done.usage is not None and done.usage.prompt_tokens_details is not None
+        texts.append((done.choices[0].text, done.usage.prompt_tokens_details.cached_tokens))
+    assert texts[1] == (texts[0][0], done.usage.prompt_tokens - 1)
+
+
 async def test_stream_without_usage_ends_with_done(served: Served) -> None:
     body = {"model": PLACEMENT, "messages": MESSAGES, "max_tokens": 6, "stream": True}
     async with httpx.AsyncClient(base_url=served.server.url) as http:

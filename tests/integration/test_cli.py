@@ -122,6 +122,27 @@ def test_up_place_chat_status_down(home: Path) -> None:
     assert finish in ("length", "stop") and 1 <= out <= 12
     assert (out == 12) == (finish == "length")
 
+    # The same prompt again reuses the first's prefill (the prefix cache): status says
+    # so once the shards' stats (once a second) have come; `cache clear` empties it.
+    again_chat = run(home, "chat", "--placement", "tiny", "--max-tokens", "4", "hello")
+    assert again_chat.returncode == 0, again_chat.stderr
+    cache = status(home)["placements"][0]["prompt_cache"]
+    deadline = time.monotonic() + 10
+    while cache["hits"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        cache = status(home)["placements"][0]["prompt_cache"]
+    assert cache["hits"] >= 1 and cache["entries"] >= 1 and cache["bytes"] > 0, cache
+    assert 0 < cache["hit_rate"] <= 1
+    cleared = run(home, "cache", "clear", "tiny")
+    assert cleared.returncode == 0, cleared.stderr
+    assert re.search(r"placement tiny: prompt cache cleared \(\d+ entries", cleared.stdout)
+    while cache["entries"] and time.monotonic() < deadline + 10:
+        time.sleep(0.5)
+        cache = status(home)["placements"][0]["prompt_cache"]
+    assert cache["entries"] == 0 and cache["bytes"] == 0, cache
+    unknown = run(home, "cache", "clear", "nope")
+    assert unknown.returncode == 2 and "no placement named 'nope'" in unknown.stderr
+
     # Ctrl-C mid-answer: the answer so far ends its line and says it stopped. (Greedy
     # on the demo's noise never picks end-of-text: only letters' output rows are set.)
     env = {**os.environ, "STUDIOTUI_HOME": str(home), "NO_COLOR": "1"}

@@ -621,18 +621,22 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
     name, tokens, expected = placed
     middle = stage_node(cluster, name, 1)
 
-    async def state() -> tuple[str, list[list[int]], dict[str, int], list[int], list[int]]:
+    async def state() -> tuple[str, list[list[int]], dict[str, int], list[int], list[int], int]:
         ctl = cluster.controller()
         try:
             await ctl.refresh()
             p = ctl.state.placement(name)
-            got = (await collect(ctl, name, tokens, N))[0] if p and p.state == "ready" else []
+            got, cached = [], -1
+            if p and p.state == "ready":
+                got, _, done = await collect(ctl, name, tokens, N)
+                cached = done["usage"]["cached_tokens"]
             return (
                 (p.state if p else "gone"),
                 (p.layers if p else []),
                 await runner_pids(ctl, name),
                 got,
                 [s.streams for s in p.shards] if p else [],
+                cached,
             )
         finally:
             await ctl.close()
@@ -654,6 +658,9 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
     assert after_all[0] == "ready" and after_all[1] == before[1] and after_all[3] == expected
     # Reloaded shards serve the streams the plan reserved KV memory for, not the default.
     assert before[4] == after_one[4] == after_all[4] == [2, 2, 2]
+    # The prompt's prefix cache entry came back from each restarted node's disk (the
+    # head's index too, when every node restarted): reused whole, the same answer.
+    assert after_one[5] == after_all[5] == len(tokens) - 1
 
 
 def test_restart_after_down_loads_the_shard_down_stopped_and_the_placement_is_whole(

@@ -260,6 +260,45 @@ def test_members_report_their_group(tp_cluster: LocalCluster, placed: dict[str, 
     assert shards[0][2] == (shards[0][0], shards[1][0])
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_group_reuses_a_conversation_s_history_on_every_rank(
+    tp_cluster: LocalCluster, placed: dict[str, tuple[Path, dict[str, list[int]]]], kind: str
+) -> None:
+    """The next turn of a conversation reuses the first turn's prompt and answer, on the
+    leader and its follower alike (each copies its slice of the entry, the follower as
+    it runs the leader's items): mlx-lm's tokens for the whole second prompt."""
+    model, answers = placed[f"{kind}-float"]
+    turn2 = PROMPT + answers["tp2"] + [90, 91, 92]
+    loaded, _ = mlx_lm.load(str(model))
+    want, margins = [], []
+    for tok, logprobs in generate_step(mx.array(turn2), loaded, max_tokens=8, prefill_step_size=8):
+        top2 = mx.sort(logprobs)[-2:]
+        want.append(int(tok))
+        margins.append(float((top2[1] - top2[0]).item()))
+    judged = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+    assert judged >= 6, f"margins too thin to judge: {margins}"
+
+    async def run() -> tuple[list[int], int]:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            got: list[int] = []
+            cached = -1
+            params = {"max_tokens": 8, "ignore_eos": True}
+            async for msg in ctl.generate(f"{kind}-float-tp2", {"tokens": turn2}, params):
+                if msg["type"] == "delta":
+                    got += msg["tokens"]
+                elif msg["type"] == "done":
+                    cached = msg["usage"]["cached_tokens"]
+            return got, cached
+        finally:
+            await ctl.close()
+
+    got, cached = asyncio.run(run())
+    assert cached >= len(PROMPT), "turn 1 (prompt and answer) was reused"
+    assert got[:judged] == want[:judged]
+
+
 @pytest.mark.parametrize("placement", ["dense-float-tp2", "moe-4bit-2x2"])
 def test_concurrent_requests_on_a_group_answer_as_alone(
     tp_cluster: LocalCluster, placed: dict[str, object], placement: str

@@ -32,7 +32,13 @@ from studiotui.app.render import (
 from studiotui.core.placement import format_bytes
 from studiotui.core.rates import Rates
 from studiotui.core.state import PlacementState
-from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
+from studiotui.core.traffic import (
+    CacheFigures,
+    RateMeter,
+    placement_cache,
+    placement_in_flight,
+    placement_tokens,
+)
 
 # The ring comes last and gets what room is left, abbreviated (l3[0:2]→l2[2:4]…);
 # the line under the table spells out the ring of the placement under the cursor.
@@ -92,6 +98,17 @@ def state_label(placement: PlacementState) -> str:
     return state
 
 
+def cache_text(cache: CacheFigures) -> str:
+    """A placement's prefix cache in one line (shown under its ring once it was used)."""
+    rate = cache.hit_rate
+    hits = f"{rate * 100:.0f}% hits" if rate is not None else "no request yet"
+    disk = f" · {format_bytes(cache.disk_bytes)} on disk" if cache.disk_bytes else ""
+    return (
+        f"prompt cache {cache.entries} entr{'y' if cache.entries == 1 else 'ies'} · "
+        f"{format_bytes(cache.bytes)} in memory{disk} · {hits}"
+    )
+
+
 def placements_signature(placements: tuple[PlacementState, ...]) -> tuple:
     return tuple(
         (
@@ -100,6 +117,10 @@ def placements_signature(placements: tuple[PlacementState, ...]) -> tuple:
             p.state,
             tuple(
                 (s.node, s.start, s.end, s.state, s.tokens, s.in_flight, s.progress)
+                for s in p.shards
+            ),
+            tuple(
+                (s.cache_entries, s.cache_bytes, s.cache_disk_bytes, s.cache_hits, s.cache_misses)
                 for s in p.shards
             ),
         )
@@ -296,6 +317,9 @@ class PlacementsPane(Vertical):
             lines = wrap_hops(head, hops, width, Content(""))
             if len(lines) <= RING_LINES:
                 break
+        cache = placement_cache(placement)
+        if cache.used:
+            lines = [*lines[: RING_LINES - 1], Content.styled(cache_text(cache), "$text-muted")]
         return Content("\n").join(lines)
 
     @property

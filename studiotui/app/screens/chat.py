@@ -225,6 +225,10 @@ class AnswerView(Vertical):
             figures.append(f"{meta['acceptance']:.0%} of guesses kept")
         if meta.get("ttft_ms") is not None:
             figures.append(f"first token {meta['ttft_ms']:,.0f} ms")
+        if meta.get("cached_tokens") and meta.get("prompt_tokens"):
+            figures.append(
+                f"{meta['cached_tokens']:,} of {meta['prompt_tokens']:,} prompt tokens reused"
+            )
         if meta.get("nodes"):
             figures.append(" → ".join(meta["nodes"]))
         if figures and not live:

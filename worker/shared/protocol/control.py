@@ -136,6 +136,9 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     draft: str = ""
     draft_dir: str = ""
     draft_tokens: int = 0
+    # The model's content digest that names the prefix cache's entries on disk ("": the
+    # node's own files name them, worker.runner._files_key).
+    model_digest: str = ""
 
 
 class TensorMember(Wire, frozen=True, kw_only=True):
@@ -308,6 +311,15 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     drafted: int = 0
     kept: int = 0
     active_bytes: int = 0
+    # The prefix cache (worker.prompt_cache): this shard's entries and their bytes in
+    # memory and on disk; on the head, the requests that reused an entry or found none
+    # and the prompt tokens reused.
+    prompt_cache_entries: int = 0
+    prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    prompt_cache_reused: int = 0
     # The head's figures of its decode steps, medians in µs (worker.stage.RING_FIGURES):
     # a hop, a stage's Python per frame, the ring's overhead per token (hops and every
     # stage's Python), a token's time, and the MLX evaluation in it; None elsewhere.

@@ -17,7 +17,9 @@ import msgspec
 from worker.shared.protocol.packing import pack
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-KINDS = ("prefill", "decode", "verify", "free", "error", "token")
+# "reuse": the head names a prefix cache entry every stage copies for a request; the
+# tail sends it back to the head saying whether every stage held it.
+KINDS = ("prefill", "decode", "verify", "free", "error", "token", "reuse")
 # Kinds that carry an activation (token ids on the head's own steps).
 STEPS = ("prefill", "decode", "verify")
 # Guesses one verify frame may carry (speculative decoding; worker/speculation.py).

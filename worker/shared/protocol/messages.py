@@ -101,6 +101,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "generate": {"rid": (str,), "params": (dict,)},
     "cancel": {"rid": (str,)},
     "stats": {},
+    "cache_clear": {},  # empty the placement's prefix cache (every stage)
     # head shard -> client
     "accepted": {"rid": (str,), "prompt_tokens": (int,)},
     "delta": {"rid": (str,), "text": (str,), "tokens": (list,)},
