@@ -23,10 +23,17 @@ CHUNK = 8
 
 
 class InProcessRing:
-    """N stages in one process; `stage_options` go to every Stage (streams, batch, ...)."""
+    """N stages in one process; `stage_options` go to every Stage (streams, batch, ...),
+    `shard_options` to every load_shard (kv_bits, kv_group_size)."""
 
-    def __init__(self, model: Path, ranges: list[tuple[int, int]], **stage_options: Any) -> None:
-        self._build([model] * len(ranges), ranges, stage_options)
+    def __init__(
+        self,
+        model: Path,
+        ranges: list[tuple[int, int]],
+        shard_options: dict[str, Any] | None = None,
+        **stage_options: Any,
+    ) -> None:
+        self._build([model] * len(ranges), ranges, stage_options, shard_options or {})
 
     @classmethod
     def from_parts(
@@ -34,18 +41,22 @@ class InProcessRing:
     ) -> Any:
         """A ring whose shard i loads from directory parts[i]."""
         ring = cls.__new__(cls)
-        ring._build(parts, ranges, stage_options)
+        ring._build(parts, ranges, stage_options, {})
         return ring
 
     def _build(
-        self, parts: list[Path], ranges: list[tuple[int, int]], options: dict[str, Any]
+        self,
+        parts: list[Path],
+        ranges: list[tuple[int, int]],
+        options: dict[str, Any],
+        shard_options: dict[str, Any],
     ) -> None:
         self.work: deque[Callable[[], None]] = deque()
         self.client: list[tuple[str, dict[str, Any]]] = []
         tok = load_tokenizer(parts[0])
         self.stages = [
             Stage(
-                load_shard(part, a, b),
+                load_shard(part, a, b, **shard_options),
                 tok,
                 Links(self, i),
                 schedule=self.work.append,

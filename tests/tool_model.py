@@ -1,6 +1,6 @@
 """A demo model that answers every chat with one tool call, for end-to-end tool tests.
 
-It is the reciting demo (worker/demo_model.py, docs/architecture.md "The first-run
+It is the reciting demo (worker/demo_model.py, docs/notes/families.md "The first-run
 demo recites") with another passage: a written demo model, whose tokenizer then
 gains Qwen's `<tool_call>` / `</tool_call>` as added tokens (as Qwen's own
 tokenizer has them) and one BPE token per piece of the passage, and whose

@@ -149,7 +149,12 @@ class ShardProc:
             "adapter": self.spec.get("adapter", ""),
             "adapter_dir": self.spec.get("adapter_dir", ""),
             "adapter_bytes": self.spec.get("adapter_bytes", 0),
+            "draft": self.spec.get("draft", ""),
             "weight_bytes": self.spec.get("weight_bytes", 0),
+            "kv_bits": self.spec.get("kv_bits", 0),
+            "kv_group_size": self.spec.get("kv_group_size", 64),
+            "prompt_cache_bytes": self.spec.get("prompt_cache_bytes", 0),
+            "prompt_cache_disk_bytes": self.spec.get("prompt_cache_disk_bytes", 0),
             "data_port": self.data_port,
             "client_port": self.client_port,
             "group_port": self.group_port,
@@ -392,6 +397,7 @@ class Agent:
             "weight_bytes": req.weight_bytes,
             "kv_bytes": req.kv_bytes,
             "adapter_bytes": req.adapter_bytes,
+            "prompt_cache_bytes": req.prompt_cache_bytes,
         }
         lease = req.lease_s or control.PREPARED_LEASE_S
         self.shards[name] = ShardProc(
@@ -468,6 +474,13 @@ class Agent:
             "adapter": req.adapter,
             "adapter_dir": req.adapter_dir,
             "adapter_bytes": req.adapter_bytes,
+            "kv_bits": req.kv_bits,
+            "kv_group_size": req.kv_group_size,
+            "prompt_cache_bytes": req.prompt_cache_bytes,
+            "prompt_cache_disk_bytes": req.prompt_cache_disk_bytes,
+            "draft": req.draft,
+            "draft_dir": req.draft_dir,
+            "draft_tokens": req.draft_tokens,
             # Said at prepare_shard; weights not read yet stay promised while it loads.
             "weight_bytes": shard.spec.get("weight_bytes", 0),
         }

@@ -19,6 +19,7 @@ gets a smaller matrix instead of a minute-long run).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -42,6 +43,8 @@ MIN_N = int(DEVICE_BENCH_BOUNDS["matmul_n"][0])
 TARGET_REPS = 5
 MIN_REPS = 3
 COPY_ELEMENT_BYTES = 4  # float32
+ALLREDUCE_WIDTH = 4096  # a decode step's activation of a large model, bfloat16
+ALLREDUCE_REPS = 20
 
 
 class SpecError(ValueError):
@@ -130,6 +133,96 @@ def bandwidth_figures(mib: int, seconds: float) -> dict[str, Any]:
     }
 
 
+# A decode step's own cost per layer, by kind of layer: mlx-lm's classes at demo size (the
+# fixed costs a layer pays whatever its weights: op dispatch, the attention over a short
+# cache, a MoE's routing and gathered expert products), through the shard's own CPU
+# fusions. The forecast adds the bytes a real layer reads over the measured bandwidth.
+DECODE_KINDS: dict[str, tuple[str, int | None]] = {
+    "dense": ("llama", None),
+    "dense_q4": ("llama", 4),
+    "moe": ("qwen3_moe", None),
+    "moe_q4": ("qwen3_moe", 4),
+}
+DECODE_LAYERS = (1, 5)  # two depths: the slope is a layer, the rest the step's own cost
+DECODE_CONTEXT = 32  # tokens in the cache before the timed steps
+DECODE_PAIRS = 12  # least pairs of steps timed per kind
+
+
+def _decode_model(arch: str, layers: int, bits: int | None, dtype: mx.Dtype) -> Any:
+    from mlx_lm.utils import quantize_model
+
+    from worker.cpu_fusion import fuse_for_cpu
+    from worker.shared.demo_model import DemoSpec, build_model, make_config
+
+    config = make_config(DemoSpec(arch=arch, layers=layers))
+    model = build_model(config)
+    model.set_dtype(dtype)
+    if bits is not None:
+        # mlx-lm logs the bits per weight on stdout, which is this program's answers.
+        with contextlib.redirect_stdout(sys.stderr):
+            model, _ = quantize_model(model, config, 64, bits)
+    mx.eval(model.parameters())
+    fuse_for_cpu([model.model])  # what a shard does on a CPU (a no-op on a GPU)
+    return model
+
+
+def _decoder(model: Any) -> Callable[[], None]:
+    """One decode step of `model` (a token in, the argmax out), after a short prompt."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(1, DECODE_CONTEXT + 1)[None], cache=cache))
+    token = [mx.array([[5]])]
+
+    def step() -> None:
+        logits = model(token[0], cache=cache)
+        token[0] = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(token[0])
+
+    step()
+    return step
+
+
+def _layer_and_step_s(
+    shallow: Callable[[], None], deep: Callable[[], None], seconds: float
+) -> tuple[float, float]:
+    """(one layer's share of a step, the step's cost outside its layers): the two
+    depths are timed in turns, so a load that comes and goes weighs on both alike, and
+    the medians of their differences and of the shallow steps are taken."""
+    extra = DECODE_LAYERS[1] - DECODE_LAYERS[0]
+    diffs: list[float] = []
+    lows: list[float] = []
+    began = time.perf_counter()
+    while len(diffs) < DECODE_PAIRS or time.perf_counter() - began < seconds:
+        low = _time_one(shallow)
+        diffs.append((_time_one(deep) - low) / extra)
+        lows.append(low)
+    layer = statistics.median(diffs)
+    if layer <= 0:  # noise larger than the layers: the deep model's steps as a whole
+        layer = statistics.median(lows) / DECODE_LAYERS[0] / 2
+    return layer, max(statistics.median(lows) - layer * DECODE_LAYERS[0], 0.0)
+
+
+def decode_figures(seconds: float) -> dict[str, float]:
+    """µs of one decode step per layer of each kind (`dense`, `dense_q4`, `moe`,
+    `moe_q4`), and `step`: a step's cost outside its layers (embedding, head, argmax),
+    timed on this device as the forecast prices a stage."""
+    # The CPU backend multiplies unquantized experts in float32 only (gather_mm):
+    # float32 there; quantized weights keep bfloat16 scales, as mlx-lm's conversions do.
+    plain = mx.float32 if mx.default_device().type == mx.DeviceType.cpu else mx.bfloat16
+    share = seconds / len(DECODE_KINDS)
+    out: dict[str, float] = {}
+    fixed = []
+    for kind, (arch, bits) in DECODE_KINDS.items():
+        dtype = mx.bfloat16 if bits else plain
+        shallow, deep = (_decoder(_decode_model(arch, n, bits, dtype)) for n in DECODE_LAYERS)
+        layer, step = _layer_and_step_s(shallow, deep, share)
+        out[kind] = layer * 1e6
+        fixed.append(step)
+    out["step"] = statistics.median(fixed) * 1e6
+    return out
+
+
 def check_spec(spec: dict[str, Any]) -> tuple[int, int, float, tuple[str, ...]]:
     """The sizes of a device measurement, refused when out of limits.DEVICE_BENCH_BOUNDS."""
     sizes = {k: v for k, v in spec.items() if k != "dtypes"}
@@ -159,6 +252,8 @@ def device_run(spec: dict[str, Any]) -> dict[str, Any]:
     figures["matmul"] = matmul
     _say("step", step="memory bandwidth")
     figures["memory"] = bandwidth_figures(mib, seconds)
+    _say("step", step="decode step per layer")
+    figures["decode"] = decode_figures(seconds)
     return figures
 
 
@@ -212,6 +307,16 @@ def group_run(spec: dict[str, Any]) -> dict[str, Any]:
         "gflops": rate(matmul_flops(n, n, n), together) / 1e9,
         "own_gflops": rate(matmul_flops(n, n // size, n), own) / 1e9,
     }
+    # One all-reduce of a decode step's activation (a tensor group pays two a layer):
+    # latency, not bandwidth, is what it costs.
+    small = mx.ones((1, ALLREDUCE_WIDTH), dtype=mx.bfloat16)
+
+    def reduce_small() -> None:
+        mx.eval(mx.distributed.all_sum(small, group=group))
+
+    reduce_small()
+    reduced = [_time_one(reduce_small) for _ in range(max(reps, ALLREDUCE_REPS))]
+    out["allreduce_us"] = statistics.median(reduced) * 1e6
     if spec.get("check", True):
         out["max_error"] = _check(a, b, n, size, rank, dtype, group)
     # No rank may leave while another still has a step in flight over the ring.

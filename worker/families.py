@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from worker.shared.model_support import unsupported_reason
 
@@ -153,12 +153,22 @@ class LayerCaches(list):
     kin: dict[int, int]
 
 
-def make_caches(model: nn.Module, start: int, end: int, n: int) -> LayerCaches:
-    """The caches of layers [start, end) of an `n`-layer model, as `make_cache()` makes them."""
+def make_caches(
+    model: nn.Module, start: int, end: int, n: int, kv_bits: int = 0, kv_group_size: int = 64
+) -> LayerCaches:
+    """The caches of layers [start, end) of an `n`-layer model, as `make_cache()` makes them.
+    With `kv_bits`, every plain `KVCache` is mlx-lm's `QuantizedKVCache` instead, from the
+    first token (the caller checked the family's attention reads it: shared.kv_quant);
+    sliding-window and linear-attention caches have no quantized form and stay."""
     if hasattr(model, "make_cache"):
         full = list(model.make_cache())
     else:  # mlx-lm's default (make_prompt_cache) for a model without its own
         full = [KVCache() for _ in range(n)]
+    if kv_bits:
+        full = [
+            QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
+            for c in full
+        ]
     own = LayerCaches(full[start:end])
     own.offset = 0
     # Where the model reads a layer that runs elsewhere, it gets a cache of the same kind

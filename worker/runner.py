@@ -83,10 +83,19 @@ class RunnerSpec:
     context_tokens: int = 4096
     streams: int = DEFAULT_STREAMS  # requests run at once; the plan reserved KV for them
     kv_bytes: int = 0
+    kv_bits: int = 0  # quantized KV: 8 or 4 bits (0: full precision), see shared.kv_quant
+    kv_group_size: int = 64
+    prompt_cache_bytes: int = 0  # the prompt cache's budget in memory and on disk
+    prompt_cache_disk_bytes: int = 0
     # A tensor-parallel stage (worker.tensor): this process is `rank` of `group_size`,
     # joined over `backend`; the leader (rank 0) mirrors its work to `followers`
     # ([endpoint, public key] each), a follower takes it only from `leader_key`.
     adapter_dir: str = ""  # an mlx-lm adapter for this shard's layers ("" none)
+    # Speculative decoding on the head (worker/speculation.py): "", "lookup" or "model"
+    # (the draft model in `draft_dir`, loaded whole here), guesses per frame (0: default).
+    draft: str = ""
+    draft_dir: str = ""
+    draft_tokens: int = 0
     rank: int = 0
     group_size: int = 1
     backend: str = ""
@@ -245,12 +254,19 @@ class Runner:
             progress,
             group=self.group,
             adapter_dir=adapter,
+            kv_bits=self.spec.kv_bits,
+            kv_group_size=self.spec.kv_group_size,
         )
         tokenizer = None
         if shard.is_first or shard.is_last:
             tokenizer = load_tokenizer(
                 model_dir, eos_token_ids=shard.config.get("eos_token_id", None)
             )
+        draft = self.spec.draft if shard.is_first else ""
+        draft_model = None
+        if draft == "model":
+            vocab = int(shard.config.get("vocab_size", 0) or 0)
+            draft_model = load_draft(Path(self.spec.draft_dir).expanduser(), vocab)
         self.stage = Stage(
             shard,
             tokenizer,
@@ -260,6 +276,9 @@ class Runner:
             context_tokens=self.spec.context_tokens,
             streams=self.spec.streams,
             schedule=self.work.append,
+            draft=draft,
+            draft_tokens=self.spec.draft_tokens,
+            draft_model=draft_model,
         )
         emit(
             events.Ready(
@@ -599,6 +618,8 @@ class Runner:
             "prebuilt_steps": s.prebuilt,
             "batched_steps": s.batched,
             "batched_rows": s.batched_rows,
+            "drafted": s.drafted,
+            "kept": s.kept,
             "active_bytes": mx.get_active_memory(),
             **{
                 f"{name}_us_p50": statistics.median(values) if values else None
@@ -620,6 +641,21 @@ class Runner:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def load_draft(draft_dir: Path, vocab: int) -> Any:
+    """The draft model, whole (mlx-lm's `load`): its logits must index the same
+    vocabulary as the big model's (the operator compared the tokenizers already)."""
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(draft_dir)
+    if int(config.get("vocab_size", 0) or 0) not in (0, vocab):
+        raise ShardLoadError(
+            f"the draft model in {draft_dir} has a vocabulary of {config.get('vocab_size')} "
+            f"tokens, the model {vocab}: a draft must share the model's tokenizer"
+        )
+    mx.eval(model.parameters())
+    return model
 
 
 def raise_wired_limit() -> None:

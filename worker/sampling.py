@@ -386,6 +386,11 @@ class _Keys:
             self._ahead.extend((hi << 32) | lo for hi, lo in words)
         return self._ahead.popleft()
 
+    def unread(self, keys: list[int]) -> None:
+        """Give back keys taken for draws that were dropped (rejected guesses), in order:
+        the next draws take them again."""
+        self._ahead.extendleft(reversed(keys))
+
 
 class Sampler:
     """One request's sampler. Its draws are that request's tokens in order: each is
@@ -411,6 +416,9 @@ class Sampler:
         self._window = params.window
         self._recent = mx.array(list(params.recent[-self._window :] if self._window else ()))
         self._recent = self._recent.astype(mx.int32)
+        self._last_key: int | None = None  # the key the last draw took (None: greedy)
+        # A verify frame's draws: per position, the recent tokens and key before it.
+        self._marks: list[tuple[mx.array, int | None]] = []
 
     @property
     def plain(self) -> bool:
@@ -446,7 +454,8 @@ class Sampler:
             return mx.argmax(logits, axis=-1)  # mlx-lm's greedy_sampler
         # As `generate_step` hands them to the sampler: log-probabilities, [1, vocab].
         logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
-        mx.random.seed(self._keys.next())
+        self._last_key = self._keys.next()
+        mx.random.seed(self._last_key)
         return self._sampler(logprobs)(logprobs)[0]
 
     def draw(self, logits: mx.array) -> mx.array | tuple[mx.array, ...]:
@@ -476,6 +485,30 @@ class Sampler:
         logprobs = logits - mx.logsumexp(logits)
         ids = mx.argpartition(-logprobs, kth=k - 1)[:k] if k else mx.zeros((0,), mx.int32)
         return token, logprobs[token], ids, logprobs[ids]
+
+    def draw_positions(self, logits: mx.array) -> list[mx.array | tuple[mx.array, ...]]:
+        """A verify frame's draws, one per row of `logits` ([positions, vocab]), each as
+        `draw` gives it after the ones before. Position i's penalties see the tokens
+        drawn before it where the guesses were (a draw that differs from its guess ends
+        what is kept there, so the rows after it are never read). `keep` says how many
+        are kept: the rest are undone, their keys given back, so the next draws are the
+        ones decoding without guesses would have made."""
+        self._marks = []
+        outs = []
+        for row in range(logits.shape[0]):
+            before = self._recent
+            self._last_key = None
+            outs.append(self.draw(logits[row]))
+            self._marks.append((before, self._last_key))
+        return outs
+
+    def keep(self, n: int) -> None:
+        """Keep the first `n` draws of the last `draw_positions`; undo the others."""
+        dropped, self._marks = self._marks[n:], []
+        if not dropped:
+            return
+        self._recent = dropped[0][0]
+        self._keys.unread([key for _, key in dropped if key is not None])
 
 
 def grammar_tokenizer(tokenizer: Any, vocab: int) -> LLTokenizer:

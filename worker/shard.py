@@ -31,6 +31,8 @@ from worker.shared.adapters import (
     outside_layers_reason,
     read_adapter,
 )
+from worker.shared.kv_quant import DEFAULT_KV_GROUP_SIZE, kv_quant_refusal
+from worker.shared.kv_quant import family_reason as kv_quant_reason
 from worker.shared.model_support import decoder_config
 from worker.shared.tensors import named_arrays
 
@@ -57,6 +59,10 @@ class Shard:
     owned: list[str] = field(default_factory=list)
     adapter: str = ""  # the adapter applied to this shard's layers ("" none)
     adapted: int = 0  # adapter tensors this shard applied
+    # Quantized KV (`place --kv-bits`): its caches are mlx-lm's QuantizedKVCache of
+    # `kv_bits` (0: full precision, also when the family's attention cannot read them).
+    kv_bits: int = 0
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
 
     @property
     def is_first(self) -> bool:
@@ -68,7 +74,9 @@ class Shard:
 
     def make_cache(self) -> families.LayerCaches:
         """mlx-lm's own caches (`make_cache()`) for this shard's layers only."""
-        return families.make_caches(self.model, self.start, self.end, self.n_layers)
+        return families.make_caches(
+            self.model, self.start, self.end, self.n_layers, self.kv_bits, self.kv_group_size
+        )
 
     @staticmethod
     def cache_offset(caches: families.LayerCaches) -> int:
@@ -110,11 +118,15 @@ def load_shard(
     fuse: bool = True,
     group: mx.distributed.Group | None = None,
     adapter_dir: Path | None = None,
+    kv_bits: int = 0,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
 ) -> Shard:
     """With `group` (a tensor-parallel stage), this process holds its rank's 1/N slice
     of every layer in [start, end), cut by the model's own `shard(group)`. With
     `adapter_dir`, an mlx-lm LoRA/DoRA adapter is applied to the layers of [start, end)
-    it adapts (see `apply_adapter`; pipeline stages only)."""
+    it adapts (see `apply_adapter`; pipeline stages only). With `kv_bits` (8 or 4), the
+    caches it makes keep K/V quantized where the family's attention reads them so
+    (shared.kv_quant)."""
     from mlx_lm.utils import load_model
 
     config = read_config(model_dir)
@@ -125,6 +137,10 @@ def load_shard(
     declared = decoder_config(config).get("num_hidden_layers")
     if isinstance(declared, int):
         _check_range(start, end, declared)  # before building anything
+    if why := kv_quant_refusal(config, kv_bits, kv_group_size):
+        raise ShardLoadError(why)
+    if kv_quant_reason(config):
+        kv_bits = 0  # kept at full precision, as the preview said
     if group is not None and adapter_dir is not None:
         # mlx-lm's LoRA layers wrap whole projections; a rank holds 1/N slices of them.
         raise ShardLoadError(
@@ -174,6 +190,8 @@ def load_shard(
         owned=[name for name, _ in owned],
         adapter=adapter_name(adapter_dir) if adapter_dir else "",
         adapted=adapted,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
     )
 
 

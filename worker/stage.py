@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
-from worker import families
+from worker import families, speculation
 from worker.families import LayerCaches
 from worker.sampling import (
     Grammar,
@@ -31,8 +31,9 @@ from worker.sampling import (
     processor_problem,
 )
 from worker.shard import Shard
-from worker.shared.protocol.frames import RingHeader
+from worker.shared.protocol.frames import STEPS, RingHeader
 from worker.shared.protocol.limits import BUSY, DEFAULT_STREAMS, prompt_chars, prompt_too_long
+from worker.speculation import DraftSession, Speculation
 from worker.tool_calls import ToolCallStream, supports_tools
 
 # How an activation of each dtype is read and written with numpy (bfloat16, which numpy
@@ -80,6 +81,22 @@ class HeadRequest:
     generated: int = 0
     # Its decode steps' hops on a ring (the last 512, as the stage keeps its own).
     hops_us: deque[float] = field(default_factory=lambda: deque(maxlen=512))
+    # Speculative decoding (None: it decodes a token a step): its guesses, what it kept,
+    # the answer's tokens so far (prompt lookup reads them), its draft model's session.
+    spec: Speculation | None = None
+    answer: list[int] = field(default_factory=list)
+    drafter: DraftSession | None = None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """(head) A request waiting for a stream, as it will be admitted."""
+
+    client: bytes
+    params: SamplingParams
+    prompt: list[int]
+    tools: list[dict[str, Any]] | None
+    spec: Speculation | None
 
 
 @dataclass
@@ -171,6 +188,8 @@ class Stats:
     prebuilt: int = 0  # decode steps whose graph was built before their input came
     batched: int = 0  # decode steps that ran several requests as one batch
     batched_rows: int = 0  # the requests those steps ran, summed
+    drafted: int = 0  # (head) guesses sent in verify frames
+    kept: int = 0  # (head) ... of them kept
 
 
 def to_array(header: RingHeader, payload: bytes | memoryview) -> mx.array:
@@ -201,6 +220,9 @@ class Stage:
         schedule: Callable[[Callable[[], None]], None],
         prebuild: bool = True,
         batch: bool = True,
+        draft: str = "",
+        draft_tokens: int = 0,
+        draft_model: Any = None,
     ) -> None:
         self.shard = shard
         self.tokenizer = tokenizer
@@ -216,9 +238,7 @@ class Stage:
         # Admission: the plan reserved KV memory for `streams` requests of a whole
         # context, so the head runs at most that many; a few more wait, in order.
         self.streams = max(1, streams)
-        self.waiting: dict[
-            str, tuple[bytes, SamplingParams, list[int], list[dict[str, Any]] | None]
-        ] = {}
+        self.waiting: dict[str, Waiting] = {}
         self.max_waiting = WAITING_PER_STREAM * self.streams
         self.sent_at: dict[str, float] = {}
         self.ring_us = {name: deque[float](maxlen=512) for name in RING_FIGURES}
@@ -251,6 +271,29 @@ class Stage:
         if shard.is_first and not self.batch_reason:
             self.lanes = [Lane(gid=f"batch{i}") for i in range(max(1, hops))]
         self.lane_of: dict[str, Lane] = {}
+        # Speculative decoding (worker/speculation.py): the placement's draft ("",
+        # "lookup", "model"; a request may choose its own), and whether this model's
+        # caches can be cut back after a rejected guess (the head judges for the whole
+        # model: its `full` cache list has an entry of every kind the model has).
+        kinds = shard.make_cache().full
+        self.spec_reason = speculation.trim_reason(kinds)
+        self.spec_window = speculation.window(kinds)
+        if draft not in speculation.MODES:
+            raise ValueError(f"draft {draft!r} is not one of {speculation.MODES[1:]}")
+        if draft and self.spec_reason:
+            model = shard.config.get("model_type", "this model")
+            raise ValueError(f"--draft {draft}: {model} cannot speculate: {self.spec_reason}")
+        if draft == "model" and draft_model is None:
+            raise ValueError("--draft model needs the draft model loaded")
+        self.draft = draft
+        self.draft_tokens = min(
+            draft_tokens or speculation.DEFAULT_DRAFT_TOKENS, speculation.MAX_DRAFT_TOKENS
+        )
+        self.draft_model = draft_model
+        # Per request, after a verify frame: the least offset its next frame may take
+        # (the frame's first token is always kept); a frame below the cache's offset,
+        # and not below this, cuts the cache back to it.
+        self.rewind_floor: dict[str, int] = {}
         self._grammar_tokenizer: Any = None  # llguidance's, built on the first schema
 
     def grammar_tokenizer(self) -> Any:
@@ -290,13 +333,66 @@ class Stage:
             params = replace(
                 params, recent=tuple(prompt[-params.window :] if params.window else ())
             )
+            spec = self._speculation(msg)
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
         if len(self.head_requests) >= self.streams:
-            self.waiting[rid] = (client, params, prompt, tools)  # "accepted" on its turn
+            # "accepted" on its turn
+            self.waiting[rid] = Waiting(client, params, prompt, tools, spec)
             return
-        self._admit(rid, client, params, prompt, tools)
+        self._admit(rid, client, params, prompt, tools, spec)
+
+    def _speculation(self, msg: dict[str, Any]) -> Speculation | None:
+        """The request's speculation: its own `draft` ("lookup", "model", or "" for none)
+        or the placement's; a predicted output (`prediction`, text) is looked up first,
+        and is only a hint: a model that cannot speculate decodes it as usual."""
+        mode = msg.get("draft")
+        if mode is None:
+            mode = self.draft
+        if mode not in speculation.MODES:
+            raise RequestError(f"draft {mode!r} is not one of 'lookup', 'model' or ''")
+        predicted = msg.get("prediction")
+        if predicted is not None and not (
+            isinstance(predicted, str)
+            or (
+                isinstance(predicted, list)
+                and all(isinstance(t, int) and 0 <= t < self.vocab for t in predicted)
+            )
+        ):
+            raise RequestError("prediction must be the predicted answer's text or token ids")
+        if predicted and (problem := prompt_too_long(len(predicted), self.context_tokens)):
+            raise RequestError(f"prediction: {problem}")
+        if predicted and mode == "" and msg.get("draft") is None:
+            mode = "lookup"
+        if not mode:
+            return None
+        if self.spec_reason:
+            if predicted and msg.get("draft") is None:
+                return None
+            model = self.shard.config.get("model_type", "this model")
+            raise RequestError(
+                f"draft {mode!r}: {model} cannot speculate: {self.spec_reason}; "
+                "send the request without a draft"
+            )
+        if mode == "model" and self.draft_model is None:
+            raise RequestError(
+                "draft 'model': this placement has no draft model (place it with --draft "
+                "DRAFT_DIR), use draft 'lookup' or none"
+            )
+        prediction: tuple[int, ...] = ()
+        if isinstance(predicted, str) and predicted:
+            prediction = tuple(self.tokenizer.encode(predicted, add_special_tokens=False))
+        elif isinstance(predicted, list):
+            prediction = tuple(predicted)
+        # Lookup's guesses cost nothing to make: K may grow past the placement's.
+        most = self.draft_tokens if mode == "model" else 2 * self.draft_tokens
+        return Speculation(
+            mode=mode,
+            k=self.draft_tokens,
+            k_max=min(most, speculation.MAX_DRAFT_TOKENS),
+            prediction=prediction,
+        )
 
     def _admit(
         self,
@@ -305,13 +401,19 @@ class Stage:
         params: SamplingParams,
         prompt: list[int],
         tools: list[dict[str, Any]] | None,
+        spec: Speculation | None = None,
     ) -> None:
+        drafter = None
+        if spec is not None and spec.mode == "model":
+            drafter = DraftSession(self.draft_model, self.prefill_chunk)
         self.head_requests[rid] = HeadRequest(
             client=client,
             params=params,
             prompt=prompt,
             stream=TextStream(self.tokenizer.detokenizer, params.stop),
             tools=ToolCallStream(self.tokenizer, tools) if tools else None,
+            spec=spec,
+            drafter=drafter,
         )
         self.links.to_client(client, "accepted", rid=rid, prompt_tokens=len(prompt))
         self.caches[rid] = self.shard.make_cache()
@@ -390,9 +492,13 @@ class Stage:
                 self._head_step(rid, prompt[done : done + n], "prefill", done, first)
                 self._schedule_prefill(rid, prompt, done + n, params)
             else:
-                # A schema travels once: the tail keeps it from the first prefill frame.
-                last = params if done == 0 else replace(params, grammar="")
-                self._head_step(rid, prompt[-1:], "decode", done, last)
+                try:
+                    req = self.head_requests[rid]
+                    # A schema travels once: the tail keeps it from the first prefill frame.
+                    last = params if done == 0 else replace(params, grammar="")
+                    self._complete(self._launch_next(rid, req, prompt[-1], last))
+                except Exception as exc:
+                    self._fail(rid, _describe(exc))
 
         self.schedule(step)
 
@@ -404,6 +510,35 @@ class Stage:
         except Exception as exc:
             self._fail(rid, _describe(exc))
 
+    def _launch_next(
+        self, rid: str, req: HeadRequest, token: int, params: SamplingParams | None = None
+    ) -> Launched:
+        """(head) A request's next step on its newest token, decoding alone: a verify
+        frame of the token and its guesses while it speculates, else a decode step."""
+        offset = len(req.prompt) + req.generated - 1
+        spec = req.spec
+        if spec is None or spec.off:
+            return self._launch_head(rid, [token], "decode", offset, params)
+        room = min(
+            req.params.max_tokens - req.generated - 1,
+            self.context_tokens - offset - 1,
+        )
+        if self.spec_window:
+            # A rotating cache can be cut back only while it holds fewer tokens than its
+            # window: the frame must end short of it.
+            room = min(room, self.spec_window - offset - 2)
+            if room < 0:
+                spec.off = f"past its rotating window of {self.spec_window} tokens"
+        k = spec.budget(room)
+        drafts: list[int] = []
+        if k > 0:
+            if spec.mode == "model" and req.drafter is not None:
+                drafts = req.drafter.propose([*req.prompt, *req.answer], k)
+            else:
+                drafts = speculation.lookup_guesses(spec.prediction, req.prompt, req.answer, k)
+        spec.in_flight = tuple(drafts)
+        return self._launch_head(rid, [token, *drafts], "verify", offset, params)
+
     def _launch_head(
         self, rid: str, tokens: list[int], kind: str, offset: int, params: SamplingParams | None
     ) -> Launched:
@@ -412,6 +547,7 @@ class Stage:
             kind=kind,
             offset=offset,
             params=params.to_dict() if params else None,
+            draft=tuple(tokens[1:]) if kind == "verify" else (),
         )
         pre = self._take_prebuilt(header) if kind == "decode" else None
         if pre is not None:
@@ -428,7 +564,7 @@ class Stage:
         """A ring frame; `arrived` is when its socket's recv returned (default: now)."""
         self._start_frame(arrived)
         kind = header.kind
-        if kind in ("prefill", "decode"):
+        if kind in STEPS:
             if self.shard.is_first:
                 # The head makes activations from tokens; one arriving here is misrouted.
                 self.stats.dropped += 1
@@ -467,6 +603,10 @@ class Stage:
         if len(shape) != 3 or shape[0] != 1 or (self.hidden and shape[2] != self.hidden):
             return f"activation shape {list(shape)} is not [1, tokens, {self.hidden or 'hidden'}]"
         most = 1 if header.kind == "decode" else self.prefill_chunk
+        if header.kind == "verify":
+            most = 1 + len(header.draft)
+            if shape[1] != most:
+                return f"a verify frame of {shape[1]} tokens for {len(header.draft)} guesses"
         if not 1 <= shape[1] <= most:
             return f"a {header.kind} frame of {shape[1]} tokens (at most {most})"
         if header.offset + shape[1] > self.context_tokens:
@@ -486,9 +626,14 @@ class Stage:
             assert h is not None
             cache = self._cache_for(header)
             out = self.shard.forward(h, cache)
+            if header.kind == "verify":
+                self.rewind_floor[header.rid] = header.offset + 1
             if self.shard.is_last:
                 if header.kind == "decode":
                     out = self._tail(header).sampler.draw(self.shard.logits(out))
+                elif header.kind == "verify":
+                    # The target's own token at each position (mlx-lm's rule).
+                    out = self._tail(header).sampler.draw_positions(out[0])
                 else:
                     if header.params is not None:
                         # Its sampler (and grammar, compiled while the prompt fills in).
@@ -505,6 +650,8 @@ class Stage:
         if self.shard.is_last:
             if header.kind == "decode":
                 self._sample(header, out)
+            elif header.kind == "verify":
+                self._sample_verify(header, out)
             else:
                 self._mlx(mx.eval, out)
             return
@@ -512,7 +659,7 @@ class Stage:
             self._build_ahead(header)
         self._mlx(mx.eval, out)
         extra = self._carry(header.extra)
-        if self.shard.is_first and header.kind == "decode":
+        if self.shard.is_first and header.kind in ("decode", "verify"):
             self.sent_at[rid] = time.perf_counter()
         self.links.to_next(
             RingHeader(
@@ -523,6 +670,7 @@ class Stage:
                 shape=tuple(out.shape),
                 params=header.params,
                 extra=extra,
+                draft=header.draft,
             ),
             out,
         )
@@ -629,10 +777,16 @@ class Stage:
         if cache is None:
             raise RequestError(f"request {rid!r} is unknown on this shard (was it freed?)")
         have = self.shard.cache_offset(cache)
+        floor = self.rewind_floor.pop(rid, None)
         if have != header.offset:
-            raise RequestError(
-                f"request {rid!r}: frame is for cache offset {header.offset}, shard is at {have}"
-            )
+            if floor is None or not floor <= header.offset < have:
+                raise RequestError(
+                    f"request {rid!r}: frame is for cache offset {header.offset}, "
+                    f"shard is at {have}"
+                )
+            # The guesses past this offset were rejected: cut them out of the cache.
+            speculation.rewind(cache, have - header.offset)
+            cache.offset = header.offset
         return cache
 
     # ---- tail: sampling ----------------------------------------------------------------
@@ -686,6 +840,46 @@ class Stage:
             RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra)
         )
 
+    def _sample_verify(self, header: RingHeader, draws: list[Any]) -> None:
+        """(tail) A verify frame's draws: the guesses kept (those equal to the token drawn
+        at their position), then the drawn token after them, all back to the head in one
+        frame. The answer ends early at an end of turn or at max_tokens."""
+        rid = header.rid
+        req = self._tail(header)
+        sampled = [d[0] if isinstance(d, tuple) else d for d in draws]
+        values = cast(list[int], self._mlx(mx.stack(sampled).reshape(-1).tolist))
+        n = speculation.accepted(header.draft, values)
+        req.sampler.keep(n + 1)
+        tokens: list[int] = []
+        finish = ""
+        for token in values[: n + 1]:
+            tokens.append(token)
+            req.generated += 1
+            self.stats.tokens += 1
+            if token in req.eos:
+                finish = "stop"
+            elif req.generated >= req.sampler.params.max_tokens:
+                finish = "length"
+            if finish:
+                break
+        if finish:
+            self.tail_requests.pop(rid, None)
+            self.caches.pop(rid, None)
+            self.rewind_floor.pop(rid, None)
+        extra = self._carry(header.extra)
+        if isinstance(draws[0], tuple):
+            extra["logprobs"] = [_logprobs(d) for d in draws[: len(tokens)]]
+        self.links.to_head(
+            RingHeader(
+                rid=rid,
+                kind="token",
+                token=tokens[-1],
+                finish=finish,
+                extra=extra,
+                draft=tuple(tokens[:-1]),
+            )
+        )
+
     def _speculate(self, header: RingHeader, req: TailRequest, sampled: mx.array) -> None:
         """Build and start the next step on `sampled` before it is known, as mlx-lm
         does: the graph is built while this step computes. If the answer ends here
@@ -716,7 +910,18 @@ class Stage:
             req.hops_us.append(self._ring_figures(self.frame_began - sent, header.extra))
         if req.first_token_at is None:
             req.first_token_at = now
-        req.generated += 1
+        # A verify frame's answer brings the guesses kept before its token.
+        tokens = [*header.draft, header.token]
+        req.generated += len(tokens)
+        spec = req.spec
+        verified = spec is not None and spec.in_flight is not None
+        if spec is not None:
+            req.answer += tokens
+            if spec.in_flight is not None:
+                self.stats.drafted += len(spec.in_flight)
+                self.stats.kept += len(header.draft)
+                spec.record(len(spec.in_flight), len(header.draft))
+                spec.in_flight = None
         # Start the next step first: detokenising and telling the client then overlap
         # with the shard's compute instead of standing in front of it.
         step: Launched | None = None
@@ -725,18 +930,24 @@ class Stage:
         lane = self._lane(rid) if self.lanes else None
         if not header.finish:
             if lane is None or len(lane.members) == 1:
-                # Alone: its own step, built ahead, as fast as one stream goes.
-                offset = len(req.prompt) + req.generated - 1
+                # Alone: its own step (built ahead, or with guesses), as fast as one
+                # stream goes.
                 try:
-                    step = self._launch_head(rid, [header.token], "decode", offset, None)
+                    step = self._launch_next(rid, req, header.token)
                 except Exception as exc:
                     failure = _describe(exc)
             else:
-                # Its lane decodes together: it goes with the lane's next step.
+                # Its lane decodes together: it goes with the lane's next step, without
+                # guesses (a batch's rows take one token each).
+                if spec is not None and not spec.off:
+                    spec.off = "other requests decode in a batch with it"
                 lane.flying.discard(rid)
                 lane.ready[rid] = header.token
                 lane_step = self._lane_launch(lane)
-        finish = self._deliver(rid, req, header)
+        if verified:
+            finish = self._deliver_all(rid, req, header, tokens)
+        else:
+            finish = self._deliver(rid, req, header)
         if finish:
             self._finish(rid, finish)  # a started step is dropped; "free" clears the ring
         elif finish is None:
@@ -748,9 +959,54 @@ class Stage:
         if lane_step is not None:
             self._complete_lane(lane_step)  # the others' step goes on in any case
 
+    def _deliver_all(
+        self, rid: str, req: HeadRequest, header: RingHeader, tokens: list[int]
+    ) -> str | None:
+        """A verify frame's tokens (its kept guesses, then its token) as one delta to the
+        client, each read in turn as `_deliver` reads one: a stop string in one ends the
+        answer there, the tokens after it are dropped."""
+        drawn = header.extra.get("logprobs")
+        text, more, sent = "", cast(dict[str, list[Any]], {}), []
+        finish: str | None = ""
+        for j, token in enumerate(tokens):
+            last = j == len(tokens) - 1
+            extra = {"logprobs": drawn[j]} if drawn is not None else {}
+            one = RingHeader(
+                rid=rid,
+                kind="token",
+                token=token,
+                finish=header.finish if last else "",
+                extra=extra,
+            )
+            read = self._read(rid, req, one)
+            if read is None:
+                return None
+            piece, extras, finish = read
+            text += piece
+            sent.append(token)
+            for key, values in extras.items():
+                more.setdefault(key, []).extend(values)
+            if finish:
+                req.generated -= len(tokens) - 1 - j  # the tokens after it are no answer
+                break
+        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=sent, **more)
+        return finish
+
     def _deliver(self, rid: str, req: HeadRequest, header: RingHeader) -> str | None:
         """Turn a token into text for the client; why the answer ends ("" if it goes on),
         or None if the token could not be read (the request failed)."""
+        read = self._read(rid, req, header)
+        if read is None:
+            return None
+        text, more, finish = read
+        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token], **more)
+        return finish
+
+    def _read(
+        self, rid: str, req: HeadRequest, header: RingHeader
+    ) -> tuple[str, dict[str, Any], str] | None:
+        """A token's text, its log-probabilities and tool calls, and why the answer ends
+        there ("" if it goes on); None if it could not be read (the request failed)."""
         try:
             text, finish = _text_of(req.stream, header)
             more = self._logprobs_of(header)
@@ -764,8 +1020,7 @@ class Stage:
         except Exception as exc:  # a tokenizer that cannot decode its own token id
             self._fail(rid, f"cannot detokenise token {header.token}: {_describe(exc)}")
             return None
-        self.links.to_client(req.client, "delta", rid=rid, text=text, tokens=[header.token], **more)
-        return finish
+        return text, more, finish
 
     def _complete_or_fail(self, step: Launched) -> None:
         try:
@@ -1121,7 +1376,8 @@ class Stage:
         """A stream came free: the oldest waiting request takes it."""
         while self.waiting and len(self.head_requests) < self.streams:
             rid = next(iter(self.waiting))
-            self._admit(rid, *self.waiting.pop(rid))
+            w = self.waiting.pop(rid)
+            self._admit(rid, w.client, w.params, w.prompt, w.tools, w.spec)
 
     def _finish(self, rid: str, reason: str) -> None:
         req = self.head_requests.pop(rid)
@@ -1129,7 +1385,18 @@ class Stage:
         end = time.perf_counter()
         first = req.first_token_at or end
         decode_s = end - first
-        usage = {"prompt_tokens": len(req.prompt), "completion_tokens": req.generated}
+        usage: dict[str, Any] = {
+            "prompt_tokens": len(req.prompt),
+            "completion_tokens": req.generated,
+        }
+        if req.spec is not None:
+            # OpenAI's names (Predicted Outputs): guesses kept and rejected.
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": req.spec.kept,
+                "rejected_prediction_tokens": req.spec.rejected,
+            }
+            if req.spec.off:
+                usage["speculation_off"] = req.spec.off
         timings = {
             "ttft_ms": (first - req.started) * 1000,
             "total_ms": (end - req.started) * 1000,
@@ -1149,9 +1416,9 @@ class Stage:
         if rid in self.head_requests:
             self._finish(rid, "cancelled")
         elif rid in self.waiting:
-            client, _, prompt, _ = self.waiting.pop(rid)
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": 0}
-            self.links.to_client(client, "done", rid=rid, finish_reason="cancelled", usage=usage)
+            w = self.waiting.pop(rid)
+            usage = {"prompt_tokens": len(w.prompt), "completion_tokens": 0}
+            self.links.to_client(w.client, "done", rid=rid, finish_reason="cancelled", usage=usage)
 
     def _free(self, rid: str, forward: bool) -> None:
         self._leave_group(rid)
@@ -1162,6 +1429,7 @@ class Stage:
         self.slots.pop(rid, None)
         self.sent_at.pop(rid, None)
         self.tail_requests.pop(rid, None)
+        self.rewind_floor.pop(rid, None)
         if forward and not self.shard.is_last:
             self.links.to_next(RingHeader(rid=rid, kind="free"), None)
 
@@ -1222,6 +1490,7 @@ class Stage:
         self.prebuilt.pop(rid, None)
         self.slots.pop(rid, None)
         self.tail_requests.pop(rid, None)
+        self.rewind_floor.pop(rid, None)
         header = RingHeader(rid=rid, kind="error", message=message)
         if self.shard.is_first:
             self._on_error(header)

@@ -191,9 +191,16 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     # -1: none; else how many of the likeliest tokens to give with each chosen one.
     logprobs: int = -1
+    # Speculative decoding: a predicted output's text (OpenAI's Predicted Outputs),
+    # looked up for guesses; `draft` chooses the guesser (None: the placement's).
+    prediction: str = ""
+    draft: str | None = None
 
     def cluster_request(self) -> dict[str, Any]:
-        return {"messages": self.messages, **({"tools": self.tools} if self.tools else {})}
+        out: dict[str, Any] = {"messages": self.messages}
+        if self.tools:
+            out["tools"] = self.tools
+        return {**out, **_speculation(self.prediction, self.draft)}
 
 
 @dataclass(frozen=True)
@@ -204,9 +211,16 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     logprobs: int = -1
+    draft: str | None = None
 
     def cluster_request(self) -> dict[str, Any]:
-        return {"prompt": self.prompt} if isinstance(self.prompt, str) else {"tokens": self.prompt}
+        out = {"prompt": self.prompt} if isinstance(self.prompt, str) else {"tokens": self.prompt}
+        return {**out, **_speculation("", self.draft)}
+
+
+def _speculation(prediction: str, draft: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prediction": prediction} if prediction else {}
+    return out if draft is None else {**out, "draft": draft}
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -223,6 +237,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         include_usage=include_usage,
         tools=_parse_tools(body),
         logprobs=logprobs,
+        prediction=_prediction(body.get("prediction")),
+        draft=_draft(body.get("draft")),
     )
 
 
@@ -246,7 +262,49 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         stream=stream,
         include_usage=include_usage,
         logprobs=-1 if logprobs is None else logprobs,
+        draft=_draft(body.get("draft")),
     )
+
+
+# The guessers a request may choose (worker/speculation.py MODES; "" for none).
+DRAFTS = ("", "lookup", "model")
+
+
+def _prediction(raw: Any) -> str:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}."""
+    if raw is None:
+        return ""
+    if not isinstance(raw, dict) or raw.get("type") != "content":
+        raise bad(
+            'prediction must be {"type": "content", "content": "..."} (OpenAI\'s Predicted '
+            "Outputs)",
+            "prediction",
+        )
+    content = raw.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise bad(
+        'prediction.content must be text, or a list of {"type": "text", "text": "..."} parts',
+        "prediction.content",
+    )
+
+
+def _draft(raw: Any) -> str | None:
+    """A request's own choice of guesser (studiotui's; None: the placement's)."""
+    if raw is None:
+        return None
+    if raw not in DRAFTS:
+        raise bad(
+            f"draft {shown(raw)} is not one of 'lookup', 'model' or '' (none): speculative "
+            "decoding's guesser for this request",
+            "draft",
+        )
+    return str(raw)
 
 
 def _common(body: Any) -> tuple[str | None, bool, bool]:

@@ -55,6 +55,8 @@ SHUTDOWN_GRACE_S = 2.0
 BODY_TIMEOUT_S = 30.0
 # Seconds a streaming client may go without reading before its stream is given up.
 WRITE_STALL_S = 60.0
+# How long a request that found its model not ready waits for the nodes' word of now.
+REFRESH_S = 1.0
 # The head shard's own refusals (worker/stage.py, worker/sampling.py) arrive as text
 # before "accepted"; they are the client's fault, everything else is the cluster's.
 REFUSALS = (
@@ -70,11 +72,14 @@ REFUSALS = (
     "logit_bias",
     # The model's tokenizer cannot be given to the grammar library (worker/sampling.py).
     "response_format",
+    # Speculative decoding (worker/stage.py `_speculation`).
+    "draft",
+    "prediction",
     # The ranges both sides check (SAMPLING_LIMITS): "top_p must be a number from ...".
     *(f"{name} must" for name in SAMPLING_LIMITS),
 )
 # A refusal that begins with a parameter's name blames that parameter.
-BLAMED = ("tools", "response_format", *SAMPLING_LIMITS)
+BLAMED = ("tools", "response_format", "draft", "prediction", *SAMPLING_LIMITS)
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -113,6 +118,7 @@ class Models:
         # "the service is down" (503), not "no such model" (404).
         self.first_seen: dict[str, int] = {}
         self.stats = ApiStats()
+        self._refresh: asyncio.Future[Any] | None = None
         self._seen(controller.state)
         controller.subscribe(self._seen)
 
@@ -128,13 +134,34 @@ class Models:
         card: dict[str, Any] = {
             "id": p.name,
             "object": "model",
-            "created": self.first_seen.get(p.name, int(time.time())),
+            # When it was placed: a placement unloaded and placed again is a new model.
+            "created": p.placed_at or self.first_seen.get(p.name, int(time.time())),
             "owned_by": "studiotui",
         }
         if p.adapter:
             # As vLLM lists a LoRA adapter: its base model as `parent`.
             card |= {"parent": p.model, "adapter": p.adapter}
         return card
+
+    async def resolve_now(self, model: str | None) -> PlacementState:
+        """`resolve`, against the nodes' word of now when the view held refuses: the
+        view follows the agents' telemetry (once a second) and the plans other
+        processes save, so a placement just made elsewhere (`studiotui place` said
+        "ready") is served at once rather than refused until the next report."""
+        try:
+            return self.resolve(model)
+        except ApiError as exc:
+            if exc.status not in (404, 503):
+                raise
+        await self._refreshed()
+        return self.resolve(model)
+
+    async def _refreshed(self) -> None:
+        """One refresh at a time, shared by the requests that want it meanwhile."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self.ctl.refresh(timeout=REFRESH_S))
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._refresh)
 
     def resolve(self, model: str | None) -> PlacementState:
         placements = self.ctl.state.placements
@@ -160,7 +187,10 @@ class Models:
             # the one with the fewest requests of ours in flight.
             return min(ready, key=lambda p: self.stats.in_flight[p.name])
         if matches:
-            states = ", ".join(f"{p.name} is {p.state}" for p in matches)
+            # Where and what to do, as the stream's own error says (node, stage, remedy).
+            states = "; ".join(
+                f"{p.name} is {p.state}: {self.ctl.not_ready_hint(p)}" for p in matches
+            )
             raise _unavailable(f"model {shown(model)} is not ready ({states})")
         if model in self.first_seen:
             raise _unavailable(
@@ -300,7 +330,7 @@ async def _list_models(request: web.Request) -> web.Response:
 
 async def _get_model(request: web.Request) -> web.Response:
     models = request.app[MODELS]
-    return web.json_response(models.card(models.resolve(request.match_info["model"])))
+    return web.json_response(models.card(await models.resolve_now(request.match_info["model"])))
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -343,7 +373,7 @@ async def _answer(
     request: web.Request, parsed: ChatRequest | CompletionRequest, shape: type[_Shape]
 ) -> web.StreamResponse:
     models = request.app[MODELS]
-    placement = models.resolve(parsed.model)
+    placement = await models.resolve_now(parsed.model)
     check_prompt_size(parsed, placement.context_tokens)
     ctl = request.app[CONTROLLER]
     stats = models.stats
@@ -392,15 +422,23 @@ async def _accepted(
         raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
 
 
-def _usage(done: dict[str, Any]) -> dict[str, int]:
+def _usage(done: dict[str, Any]) -> dict[str, Any]:
     usage = done.get("usage") or {}
     prompt = int(usage.get("prompt_tokens", 0))
     completion = int(usage.get("completion_tokens", 0))
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    details = usage.get("completion_tokens_details")
+    if isinstance(details, dict):
+        # OpenAI's Predicted Outputs counts: guesses kept and rejected.
+        out["completion_tokens_details"] = {
+            key: int(details.get(key, 0))
+            for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+        }
+    return out
 
 
 class _Shape:

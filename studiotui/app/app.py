@@ -38,7 +38,7 @@ from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
-from studiotui.cluster import local_cluster
+from studiotui.cluster import local_cluster, stops
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
@@ -129,13 +129,16 @@ class StudioApp(Dashboard):
     VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]  # noqa: RUF012 - as Textual types it
     COMMANDS: ClassVar[set[Any]] = App.COMMANDS | {StudioCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("q", "quit", "Quit", id="quit"),
-        Binding("question_mark", "help", "Help", key_display="?", id="help"),
-        Binding("l", "node_logs", "Logs", id="node-logs"),
-        Binding("r", "restart_node", "Restart node", id="restart-node"),
-        Binding("m", "measure_links", "Measure links", id="measure-links"),
+        # The footer shows what a newcomer needs first and fits 80 columns; every other
+        # key is in `?` (key_rows lists them all) and in the command palette.
         Binding("p", "place", "Place", id="place"),
         Binding("u", "unload", "Unload", id="unload"),
+        Binding("c", "chat", "Chat", id="chat"),
+        Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        Binding("q", "quit", "Quit", id="quit"),
+        Binding("l", "node_logs", "Logs", show=False, id="node-logs"),
+        Binding("r", "restart_node", "Restart node", show=False, id="restart-node"),
+        Binding("m", "measure_links", "Measure links", show=False, id="measure-links"),
         Binding("R", "place_again", "Place again", key_display="R", show=False, id="place-again"),
         Binding(
             "F",
@@ -145,14 +148,13 @@ class StudioApp(Dashboard):
             show=False,
             id="fetch-model",
         ),
-        Binding("P", "provision", "Provision", key_display="P", id="provision"),
-        Binding("t", "next_theme", "Theme", id="next-theme"),
-        Binding("c", "chat", "Chat", id="chat"),
+        Binding("P", "provision", "Provision", key_display="P", show=False, id="provision"),
+        Binding("t", "next_theme", "Theme", show=False, id="next-theme"),
         Binding("f", "finetune", "Fine-tune", show=False, id="finetune"),
         Binding("J", "jobs", "Jobs", key_display="J", show=False, id="jobs"),
         Binding("b", "benchmark", "Benchmark", show=False, id="benchmark"),
         # f5 only: ctrl+r is the chat's Regenerate, and a key means one thing.
-        Binding("f5", "refresh", "Refresh", id="refresh"),
+        Binding("f5", "refresh", "Refresh", show=False, id="refresh"),
         Binding("1", "show_tab('tab-topology')", "Topology", show=False, id="tab-topology"),
         Binding("2", "show_tab('tab-rdma')", "RDMA", show=False, id="tab-rdma"),
         Binding("3", "show_tab('tab-placements')", "Placements", show=False, id="tab-placements"),
@@ -178,6 +180,9 @@ class StudioApp(Dashboard):
         self.home = home
         self.inventory = inventory
         self.startup = startup
+        # A `down` after this dashboard started is the operator's word: its start (a
+        # browser tab still starting) leaves those agents stopped.
+        self.started_at = time.time()
         self.starters = list(services)  # started beside the dashboard once nodes answer
         self.services: list[Any] = []  # what they started (each has `close()`)
         self.controller: Controller | None = None
@@ -432,11 +437,26 @@ class StudioApp(Dashboard):
     async def _start_agents(self, ctl: Controller, nodes: list[NodeSpec]) -> None:
         assert self.inventory is not None
         started = []
+        left = []
         for node in nodes:
+            # Asked again before each start: the `down` may come while they start.
+            recorded = stops.read_stops(self.home, self.inventory.name)
+            when = stops.stopped_since(recorded, node.name, self.started_at)
+            if when is not None:
+                ctl.record(
+                    f"{node.name} was stopped by `studiotui down` at "
+                    f"{time.strftime('%H:%M:%S', time.localtime(when))}, after this "
+                    "dashboard started: not started again (r starts it)"
+                )
+                continue
             pid = await asyncio.to_thread(
                 local_cluster.start_agent, self.home, node, self.inventory
             )
             started.append(f"{node.name} (pid {pid})")
+            left.append(node)
+        nodes = left
+        if not nodes:
+            return
         ctl.record(f"started local agent{'s' if len(started) > 1 else ''} {', '.join(started)}")
         missing = await wait_until_up(ctl, [n.name for n in nodes], timeout=UP_TIMEOUT_S)
         for name in missing:

@@ -9,7 +9,10 @@ running for the next start (`studiotui down` stops them).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from studiotui.core.inventory import (
 )
 
 LOCAL_NODES = 4
+WEB_PARENT_VAR = "STUDIOTUI_WEB_PARENT"  # set by `studiotui web` (cli/web.py PARENT_VAR)
 LOCAL_MEMORY_GB = 16.0
 
 
@@ -112,8 +116,26 @@ def build_app(
     return StudioApp(home, inventory, startup=startup, services=services)
 
 
+def end_with_parent(parent: int) -> None:
+    """A browser tab's dashboard (`studiotui web`) ends if `web` goes without ending it
+    (killed hard): a thread, since the app's own loop may be too busy to hear."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="web-parent", daemon=True).start()
+
+
 def launch(args: argparse.Namespace, home: Path, services: Sequence[ServiceStarter] = ()) -> int:
+    parent = os.environ.get(WEB_PARENT_VAR, "")
     app = build_app(args, home, services)
+    if parent.isdigit():
+        end_with_parent(int(parent))
+        # A browser tab never starts an agent `down` stopped, whenever that was: the
+        # operator stopped it, and a tab opens (and reopens) without being asked.
+        app.started_at = 0.0
     app.run()
     if app.exit_note:
         print(app.exit_note)

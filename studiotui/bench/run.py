@@ -43,10 +43,11 @@ from rich.table import Table
 
 from studiotui.api.server import start_server
 from studiotui.app.app import StudioApp
-from studiotui.bench import batching, soak
+from studiotui.bench import batching, soak, speculative
 from studiotui.bench.api_bench import bench_api
 from studiotui.bench.finetune import finetune_figures
 from studiotui.bench.floor import PipeFloor
+from studiotui.bench.kv_context import kv_context_figures
 from studiotui.bench.launch import ring_of_two
 from studiotui.bench.provision import bench_provision
 from studiotui.bench.tensor import (
@@ -432,6 +433,8 @@ def measure(quick: bool) -> dict[str, Any]:
             with phase("single"):
                 single = SingleProcess(model_dir)
             pipe = asyncio.run(_with_cluster(home, inv, model_dir, cfg, single))
+            with phase("kv8"):
+                kv = asyncio.run(kv_context_figures(home, inv))
             with phase("single"):
                 single_moe = SingleProcess(moe_dir)
             moe = asyncio.run(moe_figures(home, inv, moe_dir, cfg, single_moe))
@@ -441,6 +444,10 @@ def measure(quick: bool) -> dict[str, Any]:
                     batching.batch_figures(
                         home, inv, model_dir, cfg.tokens, cfg.decode_rounds, cfg.prefill_chunk
                     )
+                )
+            with phase("speculative"):
+                spec = asyncio.run(
+                    speculative.spec_figures(home, inv, cfg.layers, cfg.hidden, cfg.decode_rounds)
                 )
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
@@ -471,7 +478,11 @@ def measure(quick: bool) -> dict[str, Any]:
     pipe["moe2"] = moe
     figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
     figures.update(batch)
-    figures["tokens_match"] = figures["tokens_match"] and batch["batch8_tokens_match"]
+    figures.update(kv)
+    figures.update(spec)
+    figures["tokens_match"] = (
+        figures["tokens_match"] and batch["batch8_tokens_match"] and spec["spec_tokens_match"]
+    )
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
 
@@ -610,7 +621,7 @@ FIGURES_SAID = (
     "_tps: tokens/s · _ms, _us: milli-, microseconds · _s: seconds · _pct: % of one core · "
     "_ratio: above 1 is faster than what it is compared with (mostly a single mlx-lm "
     "process run beside it) · not measured: left out of this run (--quick leaves out "
-    "provisioning and fine-tuning). README.md's Performance section explains each figure."
+    "provisioning and fine-tuning). docs/performance.md explains each figure."
 )
 
 
@@ -624,6 +635,50 @@ def figures_table(figures: dict[str, Any]) -> Table:
         shown = "not measured" if value is None else value
         table.add_row(key, json.dumps(shown) if isinstance(shown, dict | list) else str(shown))
     return table
+
+
+# ---- speculative decoding only ---------------------------------------------------------
+
+
+def run_speculative(quick: bool, as_json: bool) -> int:
+    """`studiotui bench --speculative`: only the speculative decoding rows, on two agents
+    of their own (the full bench measures them too)."""
+    cfg = BenchConfig.make(quick)
+    rounds = cfg.decode_rounds + (0 if quick else 2)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="studiotui-bench-spec-") as tmp:
+        home = Path(tmp)
+        inv = local_inventory(
+            2, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
+        )
+        pids = [local_cluster.start_agent(home, node, inv) for node in inv.nodes]
+        try:
+            figures = asyncio.run(_speculative_cluster(home, inv, cfg, rounds))
+        except Exception as exc:  # report it as a figure-less run, not a traceback
+            raise BenchError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            for pid in pids:
+                local_cluster.kill_pid(pid)
+    figures["bench_seconds"] = round(time.monotonic() - started, 1)
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        Console().print(figures_table(figures))
+    return 0 if figures["spec_tokens_match"] else 1
+
+
+async def _speculative_cluster(
+    home: Path, inv: Inventory, cfg: BenchConfig, rounds: int
+) -> dict[str, Any]:
+    ctl = Controller(home, inv)
+    try:
+        missing = await wait_until_up(ctl, list(inv.names), 30.0)
+    finally:
+        await ctl.close()
+    if missing:
+        raise RuntimeError(f"bench agents {missing} did not start")
+    with phase("speculative"):
+        return await speculative.spec_figures(home, inv, cfg.layers, cfg.hidden, rounds)
 
 
 # ---- soak -----------------------------------------------------------------------------

@@ -36,8 +36,20 @@ def parse_command(text: str) -> Command | None:
     return Command(word, rest[0].strip() if rest else "")
 
 
+# The answer's settings are fields of the chat's side panel, not commands: /help names
+# them, or nothing says they can be changed.
+SETTINGS_HELP = (
+    "temperature, top-p and max tokens: edit them under the Answer panel on the right "
+    "(tab from the prompt; enter or leaving the field keeps them)"
+)
+
+
+# The chat's keys the footer leaves out (it keeps what fits 80 columns).
+KEYS_HELP = "ctrl+y copies the answer · ctrl+b its code · ctrl+l picks the placement"
+
+
 def help_text() -> str:
-    return " · ".join(COMMANDS.values())
+    return " · ".join([*COMMANDS.values(), SETTINGS_HELP, KEYS_HELP])
 
 
 def suggest(value: str) -> str | None:

@@ -151,11 +151,22 @@ class Turn:
             finish_reason=done.get("finish_reason") or ("stopped" if self.stopped else "error"),
             spark=[round(x, 1) for x in self.spark],
         )
+        if (rate := acceptance(usage)) is not None:
+            meta["acceptance"] = rate
         if self.error:
             meta["error"] = self.error
         if self.stopped and not self.error:
             meta["stopped"] = True
         return meta
+
+
+def acceptance(usage: dict[str, Any]) -> float | None:
+    """The share of speculative decoding's guesses the answer kept (OpenAI's
+    accepted/rejected_prediction_tokens); None when nothing was guessed."""
+    details = usage.get("completion_tokens_details") or {}
+    kept = int(details.get("accepted_prediction_tokens") or 0)
+    made = kept + int(details.get("rejected_prediction_tokens") or 0)
+    return round(kept / made, 3) if made else None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def gigabytes(text: str) -> float:
+    """A finite number of gigabytes, 0 included (none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"wants a number of GB (0 or more), got {text!r}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port to connect to or to give agents: 1-65535."""
     if not text.isdigit() or not 1 <= int(text) <= MAX_PORT:

@@ -190,6 +190,10 @@ async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
         raise UserError(str(exc)) from None
     ctl = Controller(home, inv)
     try:
+        bench = Benchmark(ctl, nodes, sizes, None, args.placement)
+        # Unknown nodes and placements refused before the bar shows (`run` asks again:
+        # a placement may have gone meanwhile).
+        await bench.choose()
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -206,7 +210,8 @@ async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
                 done = step.index - (step.state == "running")
                 bar.update(task, description=what, completed=done, total=step.total)
 
-            run = await Benchmark(ctl, nodes, sizes, on_step, args.placement).run()
+            bench.on_step = on_step
+            run = await bench.run()
     finally:
         await ctl.close()
     path = figures.save(home, run)

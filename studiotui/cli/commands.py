@@ -7,7 +7,8 @@ import asyncio
 import json
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,15 +26,17 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
+from studiotui.cli import exits
 from studiotui.cli.args import inventory_of
 from studiotui.cli.serve import cmd_serve  # noqa: F401 - the `serve` verb
-from studiotui.cluster import jobs, local_cluster, model_fetch
+from studiotui.cluster import jobs, local_cluster, model_fetch, running, stops
 from studiotui.cluster import peers as agents
 from studiotui.cluster.adapter_fetch import fetch_adapter
 from studiotui.cluster.controller import (
     Controller,
     GenerationError,
     PlacementError,
+    PlacementRefused,
     SavedShard,
 )
 from studiotui.cluster.model_sync import SyncRefused
@@ -67,9 +70,16 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
-from studiotui.core.state import ClusterState, node_start_hint
+from studiotui.core.state import ClusterState, PlacementState, node_start_hint
 from studiotui.core.text import printable
-from studiotui.core.traffic import RateMeter, placement_in_flight, placement_tokens
+from studiotui.core.traffic import (
+    RateMeter,
+    placement_acceptance,
+    placement_in_flight,
+    placement_tokens,
+)
+from studiotui.provision import restart
+from studiotui.provision.deploy import Outcome
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 
@@ -112,28 +122,45 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
         inv = inventory_of(args, home)
     local = [n for n in inv.nodes if n.is_local]
     remote = [n for n in inv.nodes if not n.is_local]
-    for node in local:
-        local_cluster.start_agent(home, node, inv)
     ctl = Controller(home, inv)
+    done: restart.Restarted | None = None
     try:
-        missing = await wait_until_up(ctl, [n.name for n in local], timeout=30.0)
+        names = [n.name for n in local]
+        if names and restart.has_kept(ctl, names):
+            # `down` kept these nodes' shards: started, they load them again, as after
+            # `restart` (a placement whose every node was stopped too).
+            async def bounce() -> list[Outcome]:
+                return await restart.restart_local_agents(ctl, local, stop=False)
+
+            done = await restart.keep_placements(
+                ctl, names, bounce, on_reload=say_reloading, doing="start"
+            )
+            missing = [o.node for o in done.outcomes if not o.ok]
+        else:
+            for node in local:
+                local_cluster.start_agent(home, node, inv)
+            missing = await wait_until_up(ctl, names, timeout=30.0)
         print_nodes(ctl)
     finally:
         await ctl.close()
+    if done is not None:
+        print_restarted(done)
     if remote:
-        names = ", ".join(n.name for n in remote)
-        console.print(f"SSH nodes ({names}) are started by `studiotui provision`.")
+        ssh = ", ".join(n.name for n in remote)
+        console.print(f"SSH nodes ({ssh}) are started by `studiotui provision`.")
     if missing:
         for name in missing:
             tail = local_cluster.agent_output_tail(inv.node(name))
             errors.print(f"[red]{name} did not answer within 30 s.[/] Last lines of its output:")
             errors.print(tail or "(nothing)")
         return 1
-    return 0
+    return 0 if done is None or done.ok else 1
 
 
-async def cmd_down(args: argparse.Namespace, home: Path) -> int:
-    inv = inventory_of(args, home)
+async def cmd_down(args: argparse.Namespace, home: Path, inv: Inventory | None = None) -> int:
+    """Stop local agents; `inv`: the inventory the caller loaded already (and named:
+    loading it again printed the "inventory" line twice)."""
+    inv = inv or inventory_of(args, home)
     names = args.nodes or list(inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
@@ -146,12 +173,13 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     ctl = Controller(home, inv)
     try:
         live = [n for n in names if n not in idle]
+        # Placements stay planned, even one whose every node stops: `restart` and `up`
+        # load the kept shards again (`unload` forgets one for good).
         kept = await keep_for_restart(ctl, live)
+        # Said before the agents stop: an open dashboard reads it as they fall silent.
+        stops.record_stops(home, inv.name, live)
         results = await ctl.shutdown(live)
         results.update({n: "not running" for n in idle})
-        # Every node of it stopped: gone, not broken; not brought back by a restart.
-        gone = ctl.forget_placements_on(names)
-        kept = [k for k in kept if k.placement not in gone]
     finally:
         await ctl.close()
     for name in names:
@@ -159,6 +187,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
         if node.is_local:
             await asyncio.to_thread(_wait_local_stop, node)
         console.print(f"{name}: {results[name]}")
+    stops.record_stops(home, inv.name, live)  # stopped now, after the last word of any
     say_kept(kept)
     return 0
 
@@ -176,12 +205,67 @@ async def keep_for_restart(ctl: Controller, names: list[str]) -> list[SavedShard
 
 def say_kept(kept: list[SavedShard], ssh: bool = False) -> None:
     """What `down` kept, and the verbs that bring it back (an SSH node's `provision`
-    too, `provision_cmd.cmd_provision`)."""
+    too, `provision_cmd.cmd_provision`; a local node's `up`)."""
     for name, placement in sorted({(k.node, k.placement) for k in kept}):
-        verbs = f"`studiotui restart {name}`" + (f" or `studiotui provision {name}`" if ssh else "")
+        other = f"`studiotui provision {name}`" if ssh else "`studiotui up`"
+        verbs = f"`studiotui restart {name}` or {other}"
         console.print(
             f"{name} held a shard of {placement!r}: {verbs} starts it and loads that shard again"
         )
+
+
+# `down --all` stops a browser view before its tabs (it ends them itself) and both
+# before the API servers; the agents after all of them, so none of them starts one.
+STOP_ORDER = ("web", "tab", "api")
+
+
+def stop_running(home: Path) -> None:
+    """Stop the API servers and browser views running for `home`, saying each."""
+    for kind in STOP_ORDER:
+        for entry in running.running(home):
+            if entry.kind != kind:
+                continue
+            where = f" {entry.what}" if entry.what else ""
+            if running.stop(entry):
+                console.print(f"stopped {entry.label}{where} (pid {entry.pid})")
+            else:
+                errors.print(f"{entry.label}{where} (pid {entry.pid}) did not stop")
+
+
+def print_running(home: Path) -> None:
+    """The API servers and browser views running for `home` (`running`)."""
+    for entry in running.running(home):
+        since = time.strftime("%H:%M:%S", time.localtime(entry.started))
+        where = f" {entry.what}" if entry.what else ""
+        console.print(f"{entry.label}{where} (pid {entry.pid}, since {since})")
+
+
+def running_json(home: Path) -> list[dict[str, Any]]:
+    return [
+        {"kind": e.kind, "pid": e.pid, "address": e.what, "started": round(e.started, 3)}
+        for e in running.running(home)
+    ]
+
+
+def say_reloading(placement: str, where: str) -> None:
+    console.print(
+        f"placement {placement!r}: loading its shards again on {where}…",
+        markup=False,
+        highlight=False,
+    )
+
+
+def print_restarted(done: restart.Restarted) -> None:
+    """What a restart, an upgrade or `up` did to the placements (`restart`'s and the
+    upgrade's node outcomes are printed as they come back)."""
+    for text in done.dropped:
+        errors.print(text, markup=False, highlight=False)
+    for text in done.lost:
+        errors.print(text, markup=False, highlight=False)
+    for result in done.reloads:
+        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
+    for text in done.broken:
+        errors.print(text, markup=False, highlight=False)
 
 
 def _wait_local_stop(node: Any) -> None:
@@ -215,9 +299,12 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
         await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
         if args.json:
             rates = await sample_rates(ctl, STATUS_RATE_WINDOW_S)
-            console.print_json(json.dumps(status_json(ctl, rates)))
+            console.print_json(
+                json.dumps({**status_json(ctl, rates), "services": running_json(home)})
+            )
         else:
             print_nodes(ctl)
+            print_running(home)
     finally:
         await ctl.close()
     if not any(n.state == "up" for n in ctl.state.nodes):
@@ -231,11 +318,17 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
 STATUS_RATE_WINDOW_S = 2.0
 
 
+def rates_to_sample(placements: Sequence[PlacementState]) -> list[str]:
+    """The placements whose tok/s is worth watching for: ready ones at work on a
+    request. An idle one makes 0 tok/s, known without waiting a window."""
+    return [p.name for p in placements if p.state == "ready" and placement_in_flight(p) > 0]
+
+
 async def sample_rates(ctl: Controller, window: float) -> dict[str, float]:
     """Each ready placement's tokens a second over `window` seconds (the dashboard's
-    RateMeter over two of the agents' reports); no wait when none is ready."""
-    if not any(p.state == "ready" for p in ctl.state.placements):
-        return {}
+    RateMeter over two of the agents' reports); no wait when none is answering."""
+    if not rates_to_sample(ctl.state.placements):
+        return {}  # none answering: 0 tok/s, said at once
     meter = RateMeter(window)
     loop = asyncio.get_running_loop()
     for p in ctl.state.placements:
@@ -287,10 +380,19 @@ def status_json(ctl: Controller, rates: Mapping[str, float] | None = None) -> di
                 "shape": p.shape,
                 "context_tokens": p.context_tokens,
                 "streams": p.streams,
+                # Quantized KV (0: full precision) and the prompt cache's budget, summed
+                # over the nodes (each counts its share in its memory).
+                "kv_bits": max((s.kv_bits for s in p.shards), default=0),
+                "prompt_cache_bytes": sum(s.prompt_cache_bytes for s in p.shards),
+                "prompt_cache_disk_bytes": sum(s.prompt_cache_disk_bytes for s in p.shards),
                 # What the dashboard's Placements pane shows (core/traffic.py).
                 "in_flight": placement_in_flight(p),
                 "tokens": placement_tokens(p),
                 "tok_s": round(rates.get(p.name, 0.0), 2),
+                # Speculative decoding: the head's guesser and the share of guesses kept.
+                "draft": next((s.draft for s in p.shards if s.draft), ""),
+                "drafted": sum(s.drafted for s in p.shards),
+                "acceptance": placement_acceptance(p),
             }
             for p in st.placements
         ],
@@ -522,9 +624,11 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     if info.unsupported:
         # Before asking any node anything: a model no shard can run is refused outright.
         console.print(
-            render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}"))
+            render_plan(Refusal(f"{info.name} cannot run on a shard: {info.unsupported}", "model"))
         )
-        return 1
+        return exits.REFUSED["model"]
+    if info.note:
+        console.print(f"[yellow]note:[/] {info.name} is {info.note}")
     adapter = None
     if args.adapter:
         # Before asking any node anything too: another model's or a malformed adapter.
@@ -562,17 +666,44 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         if args.tensor is not None and (why := tensor_refusal(info.facts, args.tensor, len(group))):
             # Before the plan and before any node is asked to load anything.
             raise UserError(f"--tensor {args.tensor}: {why}")
+        draft_arg = getattr(args, "draft", None) or ""
+        draft = "lookup" if draft_arg == "lookup" else ("model" if draft_arg else "")
+        guesser = Path(draft_arg).expanduser().resolve() if draft == "model" else None
+        draft_tokens = getattr(args, "draft_tokens", 0) or 0
         try:
             info, the_plan = ctl.preview(
-                args.model_dir.expanduser(), group, args.context, args.streams, tensor, adapter
+                args.model_dir.expanduser(),
+                group,
+                args.context,
+                args.streams,
+                tensor,
+                adapter,
+                **place_options(args),
+                draft=draft,
+                draft_dir=guesser,
+                draft_tokens=draft_tokens,
             )
         except ModelDirError as exc:
             raise UserError(str(exc)) from None
         console.print(render_plan(the_plan))
         if isinstance(the_plan, Refusal):
-            return 1
+            return exits.refused(the_plan)
         if beyond := context_beyond(info.facts, the_plan.context_tokens):
             errors.print(f"[yellow]note:[/] {beyond}", highlight=False)
+        if isinstance(the_plan, Plan) and args.dry_run:
+            most = ctl.context_offer(
+                args.model_dir.expanduser(),
+                [n for s in the_plan.shards for n in s.nodes],
+                the_plan.streams,
+                the_plan.tensor,
+                args.kv_bits,
+                args.kv_group_size,
+            )
+            kv = f"{args.kv_bits}-bit" if args.kv_bits else "full-precision"
+            console.print(
+                f"these nodes hold up to {most} tokens of context × {the_plan.streams} "
+                f"stream{'s' if the_plan.streams != 1 else ''} with {kv} KV (--context)"
+            )
         if isinstance(the_plan, Plan):
             print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:
@@ -616,7 +747,15 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
                     tensor=tensor,
                     adapter_dir=args.adapter,
                     hashing=hashed,
+                    **place_options(args),
+                    draft_dir=str(guesser) if guesser else "",
+                    draft=draft,
+                    draft_tokens=draft_tokens,
                 )
+            except PlacementRefused as exc:
+                # Made again at placing (another placement's promise, a changed cluster):
+                # the same status as the preview's refusal of that kind.
+                raise exits.RefusedError(str(exc), exc.refusal) from None
             except (PlacementError, ModelDirError) as exc:
                 raise UserError(str(exc)) from None
             except asyncio.CancelledError:  # Ctrl-C: ctl.place has unloaded what it loaded
@@ -630,6 +769,24 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
+GIB = 1024**3  # "GB" as the previews show sizes (core/placement.format_bytes)
+
+
+def place_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What `place` asks of the KV cache and the prompt cache (GB said in bytes)."""
+    return {
+        "kv_bits": args.kv_bits,
+        "kv_group_size": args.kv_group_size,
+        **{
+            key: None if gb is None else int(gb * GIB)
+            for key, gb in (
+                ("prompt_cache", args.prompt_cache),
+                ("prompt_cache_disk", args.prompt_cache_disk),
+            )
+        },
+    }
+
+
 def print_shapes(
     ctl: Controller, facts: ModelFacts, the_plan: Plan, group: list[str], args: argparse.Namespace
 ) -> None:
@@ -638,17 +795,27 @@ def print_shapes(
     chips = ctl.node_chips(group)
     links = links_from_state(ctl.state)
     guess = forecast(facts, the_plan, chips, links, streams=the_plan.streams)
-    console.print(f"forecast ({the_plan.shape}): {describe(guess)}")
+    model = args.model_dir.expanduser().name
+    last = ctl.last_measured(model, the_plan.shape)
+    console.print(f"forecast ({the_plan.shape}): {describe(guess, last)}")
     if args.adapter:
         return  # an adapter is applied by pipeline stages only (adapter_tensor): one shape
     for size in tensor_sizes(facts, len(group)):
         if size == the_plan.tensor:
             continue
         _, other = ctl.preview(
-            args.model_dir.expanduser(), group, args.context, the_plan.streams, size
+            args.model_dir.expanduser(),
+            group,
+            args.context,
+            the_plan.streams,
+            size,
+            **place_options(args),
         )
         if isinstance(other, Plan):
-            said = describe(forecast(facts, other, chips, links, streams=other.streams))
+            said = describe(
+                forecast(facts, other, chips, links, streams=other.streams),
+                ctl.last_measured(model, other.shape),
+            )
             console.print(f"  --tensor {size}, {other.shape}: {said}")
         else:
             console.print(f"  --tensor {size}: does not fit: {other.reason}")
@@ -846,16 +1013,20 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
             quantize=args.quantize,
             group_size=args.group_size,
             files=args.files,
-            recite=args.recite,
+            recite=not args.noise,
         )
         path = _interruptible(lambda stop: write_demo_model(args.dir.expanduser(), spec, stop))
     except DemoModelError as exc:
         raise UserError(str(exc)) from None
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    packed = f", {args.quantize}" + ("-bit" if args.quantize in ("4", "8") else "")
+    # The quantization as the Models pane and the preview name it, from the config
+    # written (mlx-lm keeps a MoE's router at 8 bits: "mixed 4/8-bit", not "4-bit").
+    info = read_model(path)
+    packed = f", {info.quantization}" if info.quantization else ""
+    writes = "writes noise" if args.noise else "recites a passage"
     console.print(
         f"wrote {spec.arch} demo model ({spec.layers} layers, {dtype}"
-        f"{packed if args.quantize else ''}, {format_bytes(size)}) to {path}"
+        f"{packed}, {format_bytes(size)}; it {writes}) to {path}"
     )
     return 0
 
@@ -879,11 +1050,13 @@ def _interruptible(work: Callable[[Callable[[], bool]], Path]) -> Path:
 
 
 def cmd_bench(args: argparse.Namespace, home: Path) -> int:
-    from studiotui.bench.run import BenchError, run_bench, run_soak
+    from studiotui.bench.run import BenchError, run_bench, run_soak, run_speculative
 
     try:
         if getattr(args, "soak", False):
             return run_soak(quick=args.quick, as_json=args.json)
+        if getattr(args, "speculative", False):
+            return run_speculative(quick=args.quick, as_json=args.json)
         return run_bench(quick=args.quick, as_json=args.json)
     except BenchError as exc:
         raise UserError(f"bench failed: {exc}") from None

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from studiotui import __version__
-from studiotui.cli.argtypes import port, positive, positive_float, whole
+from studiotui.cli.argtypes import gigabytes, port, positive, positive_float, whole
 from studiotui.core.errors import StudioError, UserError
 from studiotui.core.inventory import DEFAULT_CONTROL_PORT
+from worker.shared.kv_quant import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 
 DEFAULT_LOCAL_NODES = 4
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop even a node running a rank of a job (which ends the job on every node)",
     )
+    down.add_argument(
+        "--all",
+        action="store_true",
+        help="also stop the API servers (serve) and browser views (web, with their tabs' "
+        "dashboards) running for this STUDIOTUI_HOME",
+    )
 
     status = sub.add_parser("status", help="nodes and placements")
     status.add_argument("--json", action="store_true")
@@ -88,11 +95,57 @@ def build_parser() -> argparse.ArgumentParser:
         help="nodes per stage: each stage a tensor group of N nodes (1: a pipeline; "
         "default: the fastest shape that fits, by the forecast)",
     )
+    place.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=0,
+        help="keep the KV cache quantized to 8 or 4 bits (mlx-lm's QuantizedKVCache): "
+        "about 1.9x or 3.5x the context in the same memory; sliding-window, "
+        "linear-attention and MLA caches stay full (the preview says which)",
+    )
+    place.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=DEFAULT_KV_GROUP_SIZE,
+        help="values per quantization scale with --kv-bits (default: %(default)s)",
+    )
+    place.add_argument(
+        "--prompt-cache",
+        type=gigabytes,
+        default=None,
+        metavar="GB",
+        help="memory for the prompt cache, over the whole placement, counted in each "
+        "node's memory like weights and KV (default: what the plan can spare, at most "
+        "half of what is left free and 4 whole contexts' KV; 0: none)",
+    )
+    place.add_argument(
+        "--prompt-cache-disk",
+        type=gigabytes,
+        default=None,
+        metavar="GB",
+        help="disk under each node's workdir for prompt-cache entries pushed out of "
+        "memory, over the whole placement (default: 4x the memory budget; 0: none)",
+    )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
     place.add_argument(
         "--adapter",
         help="an mlx-lm LoRA/DoRA adapter (directory, or a name in STUDIOTUI_HOME/adapters) "
         "trained on this model: the shards apply it (placement name MODEL+ADAPTER)",
+    )
+    place.add_argument(
+        "--draft",
+        metavar="DRAFT_DIR|lookup",
+        help="speculative decoding: a small draft model of the same tokenizer (loaded whole "
+        "on the head node), or 'lookup' to guess from the prompt and answer so far",
+    )
+    place.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="guesses per verify step (default 4; it adapts to each request's acceptance)",
     )
 
     fetch = sub.add_parser(
@@ -145,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a cancel storm, then 200 requests over 8 API clients (lost, mixed, memory)",
     )
+    bench.add_argument(
+        "--speculative",
+        action="store_true",
+        help="instead: only the speculative decoding rows (spec_draft_ratio, "
+        "spec_lookup_ratio, spec_miss_ratio, beside mlx-lm's own)",
+    )
     from studiotui.cli import tune_cmd
 
     tune_cmd.add_parsers(sub)  # finetune, jobs
@@ -173,7 +232,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="write a deterministic demo model directory",
         description="Write a tiny model of a real mlx-lm family with random weights from a "
         "fixed seed: the same options always give byte-identical files, and mlx_lm.load "
-        "loads the directory unchanged. It writes noise (or, with --recite, one passage); "
+        "loads the directory unchanged. It recites one passage (or, with --noise, writes "
+        "random text); "
         "it exists to try placing, sharding and chatting without a download. The files are "
         "written one module at a time, after checking free disk and memory; an interrupted "
         "write leaves nothing behind.",
@@ -241,10 +301,17 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="safetensors files, split by layer with an index as big downloads are (default: 1)",
     )
-    demo.add_argument(
+    reads = demo.add_mutually_exclusive_group()
+    reads.add_argument(
         "--recite",
         action="store_true",
-        help="write a fixed passage instead of noise (the first-run demo does)",
+        help="write a fixed passage, so a chat reads as an answer (the default)",
+    )
+    reads.add_argument(
+        "--noise",
+        action="store_true",
+        help="keep the random output head: the model writes noise, as random weights do "
+        "(placing it says so)",
     )
 
 
@@ -353,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(result or 0)
     except StudioError as exc:
         print(f"studiotui: {exc}", file=sys.stderr)
-        return 2
+        return int(getattr(exc, "exit_code", 2))
     except KeyboardInterrupt:
         return 130
 

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from studiotui.cli import commands
 from studiotui.cli.args import inventory_of
-from studiotui.cluster import local_cluster
+from studiotui.cluster import local_cluster, stops
 from studiotui.cluster.controller import Controller
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, NodeSpec
@@ -49,6 +49,11 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     prov.add_argument("nodes", nargs="*", help="nodes or groups to provision (default: all)")
     prov.add_argument(
         "--upgrade", action="store_true", help="replace running agents of another version"
+    )
+    prov.add_argument(
+        "--yes",
+        action="store_true",
+        help="with --upgrade: " + YES_HELP.format(verb="upgrade"),
     )
     prov.add_argument(
         "--accept-new-host-keys",
@@ -216,6 +221,9 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
     # it: load them again, as `restart` does. Otherwise nothing is asked of the agents.
     ctl = Controller(home, inv)
     try:
+        if upgrade and not getattr(args, "yes", False):
+            # Replacing an agent stops the job ranks it runs, as a restart does.
+            ending_jobs_refused("upgrade", "upgrading", await ft.jobs_on(ctl, names))
         if not upgrade and not restart.has_kept(ctl, names):
             results = await run()
             print_outcomes(console, errors, results)
@@ -224,40 +232,18 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
             ctl,
             names,
             run,
-            on_reload=_say_reloading,
+            on_reload=commands.say_reloading,
             doing="upgrade" if upgrade else "provisioning",
             on_back=_say_back,
         )
     finally:
         await ctl.close()
-    print_restarted(done)
+    commands.print_restarted(done)
     return 0 if done.ok else 1
 
 
 def _say_back(outcomes: Sequence[Outcome]) -> None:
     print_outcomes(commands.console, commands.errors, outcomes)
-
-
-def _say_reloading(placement: str, where: str) -> None:
-    commands.console.print(
-        f"placement {placement!r}: loading its shards again on {where}…",
-        markup=False,
-        highlight=False,
-    )
-
-
-def print_restarted(done: restart.Restarted) -> None:
-    """What a restart or an upgrade did to the placements (its nodes' outcomes were
-    printed as they came back, `_say_back`)."""
-    console, errors = commands.console, commands.errors
-    for text in done.dropped:
-        errors.print(text, markup=False, highlight=False)
-    for text in done.lost:
-        errors.print(text, markup=False, highlight=False)
-    for result in done.reloads:
-        (console if result.ok else errors).print(result.text, markup=False, highlight=False)
-    for text in done.broken:
-        errors.print(text, markup=False, highlight=False)
 
 
 async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
@@ -270,16 +256,21 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     try:
         if not getattr(args, "yes", False):
             ending_jobs_refused("restart", "restarting", await ft.jobs_on(ctl, names))
-        done = await restart.restart_nodes(ctl, names, on_reload=_say_reloading, on_back=_say_back)
+        done = await restart.restart_nodes(
+            ctl, names, on_reload=commands.say_reloading, on_back=_say_back
+        )
     finally:
         await ctl.close()
-    print_restarted(done)
+    commands.print_restarted(done)
     return 0 if done.ok else 1
 
 
 async def cmd_down(args: argparse.Namespace, home: Path) -> int:
-    """Stop agents: SSH nodes by the pid in their pid file, over SSH; local ones as before."""
+    """Stop agents: SSH nodes by the pid in their pid file, over SSH; local ones as before.
+    With --all, first the API servers and browser views of this home (`running`)."""
     inv = inventory_of(args, home)
+    if getattr(args, "all", False):
+        await asyncio.to_thread(commands.stop_running, home)
     names = list(getattr(args, "nodes", []) or inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
@@ -296,7 +287,9 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
             await ctl.close()
     code = 0
     if local:
-        code = await commands.cmd_down(argparse.Namespace(**{**vars(args), "nodes": local}), home)
+        code = await commands.cmd_down(
+            argparse.Namespace(**{**vars(args), "nodes": local}), home, inv
+        )
 
     async def one(node: NodeSpec) -> tuple[str, str, bool]:
         try:
@@ -311,10 +304,16 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
             kept = await commands.keep_for_restart(ctl, [n.name for n in remote_nodes])
         finally:
             await ctl.close()
+    remote = [n.name for n in remote_nodes]
+    stopped: set[str] = set()
+    stops.record_stops(home, inv.name, remote)
     for name, text, ok in await asyncio.gather(*(one(n) for n in remote_nodes)):
         target = commands.console if ok else commands.errors
         target.print(f"{name}: {text}", markup=False, highlight=False)
         code = code if ok else 1
+        if ok:
+            stopped.add(name)
+    stops.record_stops(home, inv.name, [n for n in remote if n in stopped])
     commands.say_kept(kept, ssh=True)
     return code
 

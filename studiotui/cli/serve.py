@@ -65,6 +65,7 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
     # Imported here: aiohttp is only worth loading when the server runs.
     from studiotui.api.server import MODELS, is_loopback, start_server
     from studiotui.cli.args import inventory_of
+    from studiotui.cluster import running
     from studiotui.cluster.controller import Controller
 
     inv = inventory_of(args, home)
@@ -80,7 +81,12 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
         print(f"studiotui serve: {server.url} (models: {ready}); Ctrl-C stops")
         if not args.api_key and not is_loopback(args.host):
             print(f"warning: {args.host} without --api-key: anyone on the network can use it")
-        await until_stopped(server)
+        # Listed by `studiotui status`, stopped by `studiotui down --all`.
+        pid_file = running.register(home, "api", server.url)
+        try:
+            await until_stopped(server)
+        finally:
+            running.unregister(pid_file)
     finally:
         await ctl.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -180,13 +181,13 @@ async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
 
 async def _follow(ctl: Controller, record: jobs.JobRecord) -> int:
     watch = JobWatch(record.name, record.kind, list(record.nodes))
-    shown = [0]
+    shown = [-1]
 
     def changed() -> None:
         p = watch.progress
         if p.train_loss and p.train_loss[-1].iteration != shown[0]:
+            console.print(progress_line(p, since=shown[0]))
             shown[0] = p.train_loss[-1].iteration
-            console.print(progress_line(p))
 
     try:
         end = await ft.attach(ctl, record, watch, changed)
@@ -223,14 +224,19 @@ async def _fetch(ctl: Controller, record: jobs.JobRecord) -> None:
     where = await fetch_adapter(ctl, record)
     for line in ctl.state.log[-1:]:
         console.print(line.text)
+    base = str(record.request.get("model") or "") or "MODEL"
     console.print(
-        f"adapter {record.name} is at {where}: studiotui place MODEL --adapter {record.name}"
+        f"adapter {record.name} is at {where}: studiotui place {shlex.quote(base)} "
+        f"--adapter {record.name}"
     )
 
 
-def progress_line(p: JobProgress) -> str:
+def progress_line(p: JobProgress, since: int = -1) -> str:
+    """One line of a job's progress; the validation loss only when it was measured
+    after iteration `since` (the line before), not repeated on every line."""
     last = p.train_loss[-1] if p.train_loss else None
-    val = f" val {p.val_loss[-1].value:.3f}" if p.val_loss else ""
+    fresh = p.val_loss and p.val_loss[-1].iteration > since
+    val = f" val {p.val_loss[-1].value:.3f}" if fresh else ""
     eta = f" ETA {_duration(p.eta_s)}" if p.eta_s is not None else ""
     mem = max((n.memory or 0 for n in p.nodes), default=0)
     return (
@@ -299,7 +305,7 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
-JOB_COLUMNS = ("job", "kind", "node", "state", "iteration", "loss", "tok/s")
+JOB_COLUMNS = ("job", "kind", "node", "state", "iter", "loss", "tok/s")
 
 
 def jobs_table(rows: list[list[str]]) -> Group:
@@ -309,8 +315,9 @@ def jobs_table(rows: list[list[str]]) -> Group:
     table = Table(title="jobs")
     longest = max((len(row[0]) for row in rows), default=0)
     for col in JOB_COLUMNS:
-        # The name is what a row is known by: the figures give way first.
-        table.add_column(col, no_wrap=True, min_width=longest if col == "job" else None)
+        # The name is what a row is known by: the figures give way first, never below
+        # their header ("tok/s" was cut to "tok…" at 80 columns).
+        table.add_column(col, no_wrap=True, min_width=longest if col == "job" else len(col))
     for row in rows:
         table.add_row(*row[: len(JOB_COLUMNS)])
     notes = [Text(f"{row[0]} on {row[2]}: {row[-1]}", overflow="fold") for row in rows if row[-1]]

@@ -20,8 +20,11 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import logging
+import os
 import secrets
 import shlex
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from studiotui.cli.serve import listen_refused, until_stopped
 if TYPE_CHECKING:
     from aiohttp import web
 
+log = logging.getLogger("studiotui.web")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 52416
 COOKIE = "studiotui_web"
@@ -87,6 +91,7 @@ class WebServer:
     host: str
     port: int
     token: str
+    server: Any = None  # the TokenServer: its tabs
 
     @property
     def url(self) -> str:
@@ -95,7 +100,15 @@ class WebServer:
             host = "127.0.0.1"  # what to type on this machine; others use its name
         return f"http://{host}:{self.port}/?token={self.token}"
 
+    @property
+    def tabs(self) -> int:
+        return len(self.server.tabs) if self.server is not None else 0
+
     async def close(self) -> None:
+        # Every tab's dashboard ended first, whatever state it is in: the runner's own
+        # shutdown cancels the handlers, which may be cancelled again meanwhile.
+        if self.server is not None:
+            await self.server.end_tabs()
         await self.runner.cleanup()
 
 
@@ -127,16 +140,139 @@ def _guard(token: str, loopback_bind: bool) -> Callable[..., Awaitable[web.Strea
     return guard
 
 
+# A tab's dashboard asked to quit gets this long before it is stopped by signal: one
+# busy laying out its screen (mid-start, on a loaded machine) never reads the request.
+QUIT_S = 3.0
+TERM_S = 3.0
+# Tells a tab's dashboard it is one, and whose: it ends itself if this process goes.
+PARENT_VAR = "STUDIOTUI_WEB_PARENT"
+
+
+def _tab_class() -> type:
+    from textual_serve.app_service import AppService
+
+    from studiotui.cluster import running
+
+    class TabService(AppService):
+        """textual-serve's app process, in a process group of its own (so the whole of
+        it can be stopped), registered for `status` and `down --all`, and ended for
+        certain: asked to quit, then SIGTERM, then SIGKILL (`end`)."""
+
+        def __init__(self, *args: Any, home: Path | None = None, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.home = home
+            self._pid_file: Path | None = None
+            self._ended = False
+
+        async def _open_app_process(self, width: int = 80, height: int = 24) -> Any:
+            env = {**self._build_environment(width=width, height=height)}
+            env[PARENT_VAR] = str(os.getpid())
+            # exec, not a shell: the pid is the dashboard's, and its group is its own.
+            self._process = process = await asyncio.create_subprocess_exec(
+                *shlex.split(self.command),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+            self._stdin = process.stdin
+            if self.home is not None:
+                with contextlib.suppress(OSError):
+                    self._pid_file = running.register(self.home, "tab", "", process.pid)
+            return process
+
+        async def stop(self) -> None:
+            await self.end()
+
+        async def end(self) -> None:
+            """End the dashboard process whatever it is doing; once."""
+            if self._ended:
+                return
+            self._ended = True
+            process = self._process
+            if process is not None and process.returncode is None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.send_meta({"type": "quit"}), 1.0)
+                for sig, wait in ((None, QUIT_S), (signal.SIGTERM, TERM_S), (signal.SIGKILL, 5.0)):
+                    if sig is not None:
+                        _signal_group(process.pid, sig)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(process.wait(), wait)
+                        break
+            if process is not None:
+                _signal_group(process.pid, signal.SIGKILL)  # anything it left in its group
+            if self._task is not None:
+                self._task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._task
+                self._task = None
+            if self._pid_file is not None:
+                running.unregister(self._pid_file)
+
+    return TabService
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
 def _server_class() -> type:
-    from textual_serve.server import Server
+    from aiohttp import web
+    from textual_serve.server import Server, to_int
+
+    tab_class = _tab_class()
 
     class TokenServer(Server):
         """textual-serve's server behind the token check."""
 
-        def __init__(self, command: str, token: str, loopback_bind: bool) -> None:
+        def __init__(
+            self, command: str, token: str, loopback_bind: bool, home: Path | None = None
+        ) -> None:
             super().__init__(command, title="studiotui")
             self.token = token
             self.loopback_bind = loopback_bind
+            self.home = home
+            self.tabs: set[Any] = set()
+
+        async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
+            """textual-serve's, with a tab's dashboard ended for certain when its socket
+            closes (or the handler is cancelled: the server stopping), whatever state
+            the dashboard is in."""
+            websocket = web.WebSocketResponse(heartbeat=15)
+            width = to_int(request.query.get("width", "80"), 80)
+            height = to_int(request.query.get("height", "24"), 24)
+            tab = None
+            try:
+                await websocket.prepare(request)
+                tab = tab_class(
+                    self.command,
+                    write_bytes=websocket.send_bytes,
+                    write_str=websocket.send_str,
+                    close=websocket.close,
+                    download_manager=self.download_manager,
+                    debug=self.debug,
+                    home=self.home,
+                )
+                self.tabs.add(tab)
+                await tab.start(width, height)
+                await self._process_messages(websocket, tab)
+            except asyncio.CancelledError:
+                pass
+            except Exception as error:
+                log.exception(error)
+            finally:
+                if tab is not None:
+                    # Shielded: a second cancel must not leave the process half ended.
+                    await asyncio.shield(tab.end())
+                    self.tabs.discard(tab)
+                with contextlib.suppress(Exception):
+                    await websocket.close()
+            return websocket
+
+        async def end_tabs(self) -> None:
+            await asyncio.gather(*(t.end() for t in list(self.tabs)), return_exceptions=True)
 
         async def _make_app(self) -> web.Application:
             # textual-serve's own app factory: its routes, with the guard in front.
@@ -158,13 +294,18 @@ def _server_class() -> type:
 
 
 async def start_web(
-    command: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None
+    command: str,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    token: str | None = None,
+    home: Path | None = None,
 ) -> WebServer:
-    """Listen in the running loop; port 0 takes a free port."""
+    """Listen in the running loop; port 0 takes a free port. With `home`, each tab's
+    dashboard is registered there (`running`) while it runs."""
     from aiohttp import web
 
     token = token or secrets.token_urlsafe(24)
-    server = _server_class()(command, token, is_loopback(host))
+    server = _server_class()(command, token, is_loopback(host), home)
     app = await server._make_app()
     # A closed tab ends its dashboard; stopping must not wait on open ones.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
@@ -175,23 +316,34 @@ async def start_web(
         await runner.cleanup()
         raise
     bound = runner.addresses[0][1] if runner.addresses else port
-    return WebServer(runner=runner, host=host, port=int(bound), token=token)
+    return WebServer(runner=runner, host=host, port=int(bound), token=token, server=server)
 
 
 def cmd_web(args: argparse.Namespace, home: Path) -> int:
     # Ctrl-C is how it is meant to end, not an error.
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_web_main(args))
+        asyncio.run(_web_main(args, home))
     print("studiotui web: stopped")
     return 0
 
 
-async def _web_main(args: argparse.Namespace) -> None:
+async def _web_main(args: argparse.Namespace, home: Path) -> None:
+    from studiotui.cluster import running
+
     command = dashboard_command(getattr(args, "inventory", None))
     try:
-        server = await start_web(command, args.host, args.port)
+        server = await start_web(command, args.host, args.port, home=home)
     except OSError as exc:
         raise listen_refused(args.host, args.port, exc) from None
+    base = server.url.split("?", 1)[0]
+    pid_file = running.register(home, "web", base)
+    try:
+        await _serve_web(server, args)
+    finally:
+        running.unregister(pid_file)
+
+
+async def _serve_web(server: WebServer, args: argparse.Namespace) -> None:
     print(f"studiotui web: open {server.url} (Ctrl-C stops)", flush=True)
     if not is_loopback(args.host):
         print(

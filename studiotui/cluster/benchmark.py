@@ -223,6 +223,7 @@ class Benchmark:
             matmul_n={d: f.n for d, f in figures.matmul.items()},
             copy_gbs=figures.memory.copy_gbs,
             read_gbs=figures.memory.read_gbs,
+            decode_us=dict(figures.decode),
         )
 
     async def links(self, names: list[str]) -> list[LinkFigures]:
@@ -283,6 +284,9 @@ class Benchmark:
             step_s=max(float(r["step_s"]) for r in ranks),
             compute_s=max(float(r["compute_s"]) for r in ranks),
             max_error=max(float(r.get("max_error", 0.0)) for r in ranks),
+            allreduce_us=max(
+                (float(r["allreduce_us"]) for r in ranks if "allreduce_us" in r), default=None
+            ),
         )
 
     async def _ranks(
@@ -320,7 +324,7 @@ class Benchmark:
     async def placement(self, p: PlacementState) -> PlacementFigures:
         """Decode tok/s and time to first token with 1, 2, 4, 8 streams at once."""
         sizes = self.sizes
-        base = PlacementFigures(p.name, p.model, p.nodes, admitted=p.streams)
+        base = PlacementFigures(p.name, p.model, p.nodes, admitted=p.streams, shape=p.shape)
         points: list[StreamPoint] = []
         error = ""
         try:

@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from studiotui.cluster import keys, model_files, model_sync
+from studiotui.cluster import keys, model_files, model_sync, stops
+from studiotui.cluster.draft import DraftRefused, check_draft, draft_bytes, with_draft
 from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
 from studiotui.core import benchmark
 from studiotui.core.adapter_catalog import (
@@ -34,16 +35,27 @@ from studiotui.core.adapter_catalog import (
 from studiotui.core.errors import StudioError
 from studiotui.core.forecast import (
     Chip,
+    LastMeasured,
     chips_from_state,
     choose,
+    last_measured,
     links_from_state,
     measured_bandwidths,
+    with_benchmark,
 )
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.load_watch import LoadWatch, node_gone
 from studiotui.core.members import Member, jaccl_devices, members, rdma_link
-from studiotui.core.model_facts import ModelInfo, read_model
-from studiotui.core.placement import NodeBudget, Plan, Refusal, format_bytes, with_adapter
+from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model, with_kv_quant
+from studiotui.core.placement import (
+    NodeBudget,
+    Plan,
+    Refusal,
+    format_bytes,
+    longest_context,
+    with_adapter,
+    with_prompt_cache,
+)
 from studiotui.core.state import (
     ClusterState,
     LinkState,
@@ -64,6 +76,7 @@ from studiotui.ssh.client import SshError
 from worker.shared import probes
 from worker.shared.adapters import FILES as ADAPTER_FILES
 from worker.shared.adapters import WEIGHTS_NAME, Adapter
+from worker.shared.kv_quant import DEFAULT_KV_GROUP_SIZE
 from worker.shared.manifest import Hashing, manifest
 from worker.shared.protocol import control, messages
 from worker.shared.protocol.limits import DEFAULT_STREAMS
@@ -87,6 +100,7 @@ RECONNECT_GRACE_S = 5.0
 LINKS_FIRST_S = 30.0
 LINKS_EVERY_S = 300.0
 LOG_KEEP = 500
+STOPPED_BY_DOWN = "stopped by `studiotui down`"
 Listener = Callable[[ClusterState], None]
 Progress = Callable[[str, int, int], None]
 
@@ -104,9 +118,12 @@ def promised_bytes(shard: ShardState) -> int:
 
 
 def committed_bytes(node: NodeState) -> int:
-    """Memory a node has promised but not yet used: the KV caches its placements may
-    still grow to, and what its shards not loaded yet will hold (promised_bytes)."""
-    return sum(shard.kv_bytes + promised_bytes(shard) for shard in node.shards)
+    """Memory a node has promised but not yet used: the KV caches and prompt caches its
+    placements may still grow to, and what its shards not loaded yet will hold
+    (promised_bytes)."""
+    return sum(
+        shard.kv_bytes + shard.prompt_cache_bytes + promised_bytes(shard) for shard in node.shards
+    )
 
 
 Pledges = Mapping[str, Mapping[str, int]]  # placement -> node -> bytes
@@ -134,7 +151,7 @@ def promises_note(nodes: Sequence[NodeState], pledges: Pledges | None = None) ->
                 held.setdefault(name, []).append(f"{format_bytes(mine)} on {node.name}")
                 doing.setdefault(name, "being prepared")
         for shard in node.shards:
-            promised = shard.kv_bytes + promised_bytes(shard)
+            promised = shard.kv_bytes + shard.prompt_cache_bytes + promised_bytes(shard)
             if shard.state not in ("prepared", "loading") or promised <= 0:
                 continue
             held.setdefault(shard.placement, []).append(f"{format_bytes(promised)} on {node.name}")
@@ -171,6 +188,15 @@ class PlacementError(StudioError, RuntimeError):
     pass
 
 
+class PlacementRefused(PlacementError):
+    """The plan refused the placement (`refusal` says what kind) when it was placed: the
+    cluster changed since the preview, or memory another placement holds a promise on."""
+
+    def __init__(self, message: str, refusal: Refusal) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
 class GenerationError(StudioError, RuntimeError):
     pass
 
@@ -191,6 +217,28 @@ class SavedShard:
     report: control.ShardReport
     next_endpoint: str
     next_key: str
+
+
+def saved_row(k: SavedShard) -> dict[str, Any]:
+    """A saved shard as the files that keep them write it (`kept_shards`, `recorded`)."""
+    return {
+        "node": k.node,
+        "placement": k.placement,
+        "report": control.to_wire(k.report),
+        "next_endpoint": k.next_endpoint,
+        "next_key": k.next_key,
+    }
+
+
+def saved_from_row(row: Any) -> SavedShard:
+    """Raises ValueError, TypeError, KeyError or MessageError for anything else."""
+    return SavedShard(
+        node=str(row["node"]),
+        placement=str(row["placement"]),
+        report=control.parse(row["report"], control.ShardReport),
+        next_endpoint=str(row["next_endpoint"]),
+        next_key=str(row["next_key"]),
+    )
 
 
 @dataclass(frozen=True)
@@ -272,8 +320,10 @@ class Controller:
         for placement, why in broken:
             if self._unloading.get(placement.name, 0.0) < time.monotonic():
                 hint = _not_ready_hint(placement, self.state.nodes)
+                # The operator's own `down` stopped its nodes: said, not an error.
+                level: LogLevel = "info" if _stopped_by_down(placement, nodes) else "error"
                 self.record(
-                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", "error"
+                    f"placement {placement.name!r} is {placement.state}: {why}; {hint}", level
                 )
         for placement in placements:
             if placement.state != "ready":
@@ -424,19 +474,33 @@ class Controller:
         while True:
             await asyncio.sleep(0.5)
             now = time.time()
-            for node in self.state.nodes:
-                if node.state == "up" and now - node.last_seen > DOWN_AFTER_S:
-                    since = _clock(node.last_seen)
-                    silent = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
-                    # Its shards may well be serving still (a stopped agent, a blip):
-                    # the planned ring keeps the placement, and the words say so.
-                    self._update_node(node.name, state="down", shards=(), message=silent)
+            silent = [
+                n for n in self.state.nodes if n.state == "up" and now - n.last_seen > DOWN_AFTER_S
+            ]
+            recorded = stops.read_stops(self.home, self.inventory.name) if silent else {}
+            for node in silent:
+                when = stops.stopped_at(recorded, node.name, node.last_seen)
+                if when is not None:
+                    # The operator's `down` (from another terminal): said as such, not
+                    # as a fault to mend.
+                    said = f"{STOPPED_BY_DOWN} at {_clock(when)}"
+                    self._update_node(node.name, state="down", shards=(), message=said)
                     self.record(
-                        f"{node.name} is down: {silent}; it is used again as soon as it "
-                        f"answers; if it stays silent, restart it "
-                        f"(r, or studiotui restart {node.name})",
-                        "error",
+                        f"{node.name} is {said}; `studiotui up` or r starts it again, "
+                        "with the shards it held"
                     )
+                    continue
+                since = _clock(node.last_seen)
+                quiet = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
+                # Its shards may well be serving still (a stopped agent, a blip):
+                # the planned ring keeps the placement, and the words say so.
+                self._update_node(node.name, state="down", shards=(), message=quiet)
+                self.record(
+                    f"{node.name} is down: {quiet}; it is used again as soon as it "
+                    f"answers; if it stays silent, restart it "
+                    f"(r, or studiotui restart {node.name})",
+                    "error",
+                )
 
     async def refresh(self, timeout: float = 2.0) -> ClusterState:
         """Ask every agent who it is and what it runs."""
@@ -491,28 +555,41 @@ class Controller:
         streams: int | None = None,
         tensor: int | None = None,
         adapter: Adapter | None = None,
+        kv_bits: int = 0,
+        kv_group_size: int | None = DEFAULT_KV_GROUP_SIZE,
+        prompt_cache: int | None = None,
+        prompt_cache_disk: int | None = None,
+        draft: str = "",
+        draft_dir: Path | None = None,
+        draft_tokens: int = 0,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         """The plan for `streams` requests at once; None: as many as fit, up to
         DEFAULT_STREAMS (the preview shows how many that is), else the refusal for one.
         `tensor`: nodes per stage (forecast.choose); None: the fastest shape that fits.
-        `adapter` (checked already): each layer's share of it counts on its shard."""
+        `adapter` (checked already): each layer's share of it counts on its shard.
+        `kv_bits` (8 or 4): the KV sized, and later kept, quantized (shared.kv_quant);
+        settings the model cannot take are a Refusal (None group size: one that
+        divides its heads, kv_quant.group_size_for). `prompt_cache`,
+        `prompt_cache_disk`: the placement's prompt-cache budget in bytes (None: what the
+        plan can spare, placement.with_prompt_cache), counted in each node's memory.
+        `draft` ("lookup", or "model" with `draft_dir`): speculative decoding, refused
+        here in words when the draft's tokenizer or the model's caches do not allow it;
+        a draft model's weights count on the head node."""
         model_files.check_model_dir(model_dir)  # before any header is read: nothing outside it is
         info = read_model(model_dir)
+        try:
+            info, kv_notes, kv_group_size = with_kv_quant(info, kv_bits, kv_group_size)
+        except ModelDirError as exc:
+            return info, Refusal(str(exc), "shape")
         if adapter is not None:
             adapted = with_adapter(info.facts, adapter.bytes_by_layer(info.n_layers))
             info = replace(info, facts=adapted)
         if info.unsupported:
             # Refused here, before the plan and so before any file is copied to a node.
-            return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}")
-        budgets = []
-        for name in nodes:
-            node = self.state.node(name)
-            if node is None:
-                return info, Refusal(f"unknown node {name!r}")
-            if node.state != "up":
-                return info, Refusal(f"{name} is {node.state}: {node_start_hint(name)}")
-            free = max(0, self._room(node))
-            budgets.append(NodeBudget(name, free, node.memory_total))
+            return info, Refusal(f"{info.name} cannot run on a shard: {info.unsupported}", "model")
+        budgets = self._budgets(nodes)
+        if isinstance(budgets, Refusal):
+            return info, budgets
         links = links_from_state(self.state)
         chips = self.node_chips(nodes)
         tried = [streams] if streams is not None else range(DEFAULT_STREAMS, 0, -1)
@@ -527,12 +604,62 @@ class Controller:
                 streams=n,
             ).verdict
             if isinstance(verdict, Plan):
+                verdict = with_prompt_cache(verdict, prompt_cache, prompt_cache_disk)
+            if isinstance(verdict, Plan):
                 break
+        if draft:
+            try:
+                problem = check_draft(model_dir, draft, draft_dir, draft_tokens)
+            except DraftRefused as exc:
+                problem = str(exc)
+            if problem:
+                return info, Refusal(problem, "model")
+            if draft == "model" and draft_dir is not None:
+                verdict = with_draft(verdict, draft_bytes(draft_dir))
         if isinstance(verdict, Refusal):
             group = [s for name in nodes if (s := self.state.node(name)) is not None]
             if note := promises_note(group, self._pledges):
-                verdict = Refusal(f"{verdict.reason} ({note})")
+                verdict = Refusal(f"{verdict.reason} ({note})", verdict.kind)
+        else:
+            verdict = replace(
+                verdict,
+                kv_bits=kv_bits,
+                kv_group_size=kv_group_size,
+                notes=(*verdict.notes, *kv_notes),
+            )
         return info, verdict
+
+    def _budgets(self, nodes: Sequence[str]) -> list[NodeBudget] | Refusal:
+        """What each node can take now (`_room`), or why one cannot take anything."""
+        budgets = []
+        for name in nodes:
+            node = self.state.node(name)
+            if node is None:
+                return Refusal(f"unknown node {name!r}", "node")
+            if node.state != "up":
+                return Refusal(f"{name} is {node.state}: {node_start_hint(name)}", "node")
+            free = max(0, self._room(node))
+            budgets.append(NodeBudget(name, free, node.memory_total))
+        return budgets
+
+    def context_offer(
+        self,
+        model_dir: Path,
+        nodes: list[str],
+        streams: int = 1,
+        tensor: int = 1,
+        kv_bits: int = 0,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+    ) -> int:
+        """The longest context these nodes hold for `streams` requests at once, as the
+        planner places it now (the memory their reports and promises leave), with the KV
+        at `kv_bits`; 0: none. A ModelDirError for a model or settings it cannot take."""
+        info, _, _ = with_kv_quant(read_model(model_dir), kv_bits, kv_group_size)
+        budgets = self._budgets(nodes)
+        if isinstance(budgets, Refusal):
+            return 0
+        links = links_from_state(self.state)
+        return longest_context(info.facts, budgets, links, streams=streams, tensor=tensor)
 
     @property
     def pledges(self) -> Pledges:
@@ -553,8 +680,15 @@ class Controller:
     def node_chips(self, nodes: Sequence[str]) -> dict[str, Chip]:
         """What the forecast knows of each node's speed: its chip, or a bandwidth its
         agent reports or the newest saved benchmark run of this cluster measured."""
-        measured = measured_bandwidths(benchmark.saved(self.home), self.inventory.name)
-        return chips_from_state(self.state, nodes, measured)
+        runs = benchmark.saved(self.home)
+        measured = measured_bandwidths(runs, self.inventory.name)
+        chips = chips_from_state(self.state, nodes, measured)
+        return with_benchmark(chips, runs, self.inventory.name)
+
+    def last_measured(self, model: str, shape: str) -> LastMeasured | None:
+        """What the newest saved benchmark of this cluster measured for `model` on
+        `shape` (one stream's decode tok/s), shown beside the forecast."""
+        return last_measured(benchmark.saved(self.home), self.inventory.name, model, shape)
 
     async def place(
         self,
@@ -569,6 +703,13 @@ class Controller:
         adapter_dir: Path | None = None,
         tensor: int | None = None,
         hashing: Hashing | None = None,
+        kv_bits: int = 0,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        prompt_cache: int | None = None,
+        prompt_cache_disk: int | None = None,
+        draft_dir: str = "",
+        draft: str = "",
+        draft_tokens: int = 0,
     ) -> PlaceResult:
         """Plan and load; with `expected` (the plan a preview showed), load exactly that
         plan if it still fits, else refuse rather than load something else. With
@@ -595,14 +736,32 @@ class Controller:
         )
         if self.state.placement(name) is not None:
             raise PlacementError(f"a placement named {name!r} exists; unload it or pick --name")
-        info, the_plan = self.preview(model_dir, nodes, context_tokens, streams, tensor, adapter)
+        # --draft DIR is a draft model; "lookup" (or draft="lookup") prompt lookup.
+        if draft_dir and not draft:
+            draft = "lookup" if draft_dir == "lookup" else "model"
+        guesser = Path(draft_dir).expanduser().resolve() if draft == "model" else None
+        info, the_plan = self.preview(
+            model_dir,
+            nodes,
+            context_tokens,
+            streams,
+            tensor,
+            adapter,
+            kv_bits,
+            kv_group_size,
+            prompt_cache,
+            prompt_cache_disk,
+            draft,
+            guesser,
+            draft_tokens,
+        )
         if expected is not None:
             problem = self._no_longer_fits(expected)
             if problem:
                 raise PlacementError(f"the cluster changed since the preview: {problem}")
             the_plan = expected
         if isinstance(the_plan, Refusal):
-            raise PlacementError(f"cannot place {info.name}: {the_plan.reason}")
+            raise PlacementRefused(f"cannot place {info.name}: {the_plan.reason}", the_plan)
         try:
             procs = members(the_plan)
         except ValueError as exc:
@@ -623,13 +782,22 @@ class Controller:
         pledge = self._pledges.setdefault(name, {})
         for shard in the_plan.shards:
             for node in shard.nodes:
-                pledge[node] = shard.weight_bytes + shard.kv_bytes + shard.adapter_bytes
-        planned = PlannedPlacement(str(model_dir), ring)
+                pledge[node] = (
+                    shard.weight_bytes
+                    + shard.kv_bytes
+                    + shard.adapter_bytes
+                    + shard.prompt_cache_bytes
+                    + shard.draft_bytes
+                )
+        planned = PlannedPlacement(str(model_dir), ring, placed_at=int(time.time()))
         if adapter is not None:
             planned = replace(planned, adapter_dir=str(adapter.path), adapter=adapter.name)
         self._remember_plan(name, planned)
         try:
-            await self._deploy(the_plan, model_dir, name, progress, prefill_chunk, adapter, hashing)
+            speculation = (draft, guesser, draft_tokens)
+            await self._deploy(
+                the_plan, model_dir, name, progress, prefill_chunk, adapter, hashing, speculation
+            )
             self._placing.discard(name)
             placed = await self._deployed(the_plan, name)
         except (AgentError, AgentUnreachable, PlacementError, SshError) as exc:
@@ -648,6 +816,7 @@ class Controller:
         finally:
             self._placing.discard(name)
             self._pledges.pop(name, None)
+        await self._record_shards(name)
         self.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
 
@@ -703,6 +872,7 @@ class Controller:
         prefill_chunk: int,
         adapter: Adapter | None = None,
         hashing: Hashing | None = None,
+        speculation: tuple[str, Path | None, int] = ("", None, 0),
     ) -> None:
         shards = the_plan.shards
         procs = members(the_plan)
@@ -717,6 +887,7 @@ class Controller:
                     weight_bytes=shards[m.stage].weight_bytes,
                     kv_bytes=shards[m.stage].kv_bytes,
                     adapter_bytes=shards[m.stage].adapter_bytes,
+                    prompt_cache_bytes=shards[m.stage].prompt_cache_bytes,
                     lease_s=self.lease_s,
                 )
                 for m in procs
@@ -733,6 +904,13 @@ class Controller:
         try:
             dirs = await self._model_dirs(procs, model_dir, progress, hashing)
             adapter_dirs = await self._adapter_dirs(procs, adapter, progress) if adapter else {}
+            draft, guesser, draft_tokens = speculation
+            head = next(m for m in procs if m.stage == 0 and m.rank == 0)
+            draft_at = ""
+            if guesser is not None:
+                # The draft model goes whole to the head node, as a model's files do.
+                whole = [Member(0, 0, head.node, 0, read_model(guesser).n_layers, (), None)]
+                draft_at = (await self._model_dirs(whole, guesser, progress, hashing))[head.node]
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
@@ -765,6 +943,15 @@ class Controller:
                 adapter=adapter.name if adapter else "",
                 adapter_dir=adapter_dirs.get(m.node, ""),
                 adapter_bytes=shards[m.stage].adapter_bytes,
+                kv_bits=the_plan.kv_bits,
+                kv_group_size=the_plan.kv_group_size,
+                prompt_cache_bytes=shards[m.stage].prompt_cache_bytes,
+                prompt_cache_disk_bytes=shards[m.stage].prompt_cache_disk_bytes,
+                **(
+                    {"draft": draft, "draft_dir": draft_at, "draft_tokens": draft_tokens}
+                    if m is head
+                    else {}
+                ),
             )
             try:
                 async for msg in stream:
@@ -988,6 +1175,10 @@ class Controller:
         self._planned_mtime = stamp
         for name in self._planned.keys() - saved.keys() - self._placing:
             self._unloading[name] = time.monotonic() + UNLOAD_QUIET_S
+        for name in saved.keys() - self._planned.keys():
+            # Placed again (elsewhere) since its unload: in view at once, not after the
+            # unload's quiet time (an API server said "no longer loaded" meanwhile).
+            self._unloading.pop(name, None)
         # A ring saved before its shards report stays out: it would read as broken.
         known = self._planned.keys() | reported | self._placing
         self._planned = {k: v for k, v in saved.items() if k in known}
@@ -1014,6 +1205,7 @@ class Controller:
         planned = self._read_planned()
         if plan is None:
             planned.pop(name, None)
+            self._write_recorded(name, [])
         else:
             planned[name] = plan
         self._planned = planned
@@ -1074,6 +1266,11 @@ class Controller:
                 identity=self._identity(key),
             )
         return self.peers[key]
+
+    def not_ready_hint(self, placement: PlacementState) -> str:
+        """Why `placement` cannot answer now and what to do, naming the node and stage
+        (the words a request to it fails with)."""
+        return _not_ready_hint(placement, self.state.nodes)
 
     def pick_placement(self, name: str | None) -> PlacementState:
         placements = self.state.placements
@@ -1202,7 +1399,7 @@ class Controller:
         )
         for shard, reply in zip(placement.shards, replies, strict=True):
             node = shard.node
-            again = f"unload {placement.name!r} and place it again"
+            again = _reload_hint(node)
             if isinstance(reply, BaseException):
                 return (
                     f"node {node} of placement {placement.name!r} stopped answering; "
@@ -1221,7 +1418,10 @@ class Controller:
                 )
             if mine[0].state != "ready":
                 why = mine[0].message or mine[0].state
-                return f"the shard of {placement.name!r} on {node} is down: {why}; {again}"
+                return (
+                    f"the shard of {placement.name!r} on {node} ({_stage(shard)}) is down: "
+                    f"{why}; {again}"
+                )
         return None
 
     def _lost_head(self, placement: PlacementState, peer: Peer) -> str:
@@ -1348,23 +1548,33 @@ class Controller:
         the words for placements that cannot be (so restart can name what it drops).
 
         `kept` are shards `down` took off nodes that are still down: a placement they
-        complete counts as whole, and they are reloaded with it. A tensor group is saved
+        complete counts as whole, and they are reloaded with it. So are the shards
+        recorded when it was placed (`recorded_shards`) on a node of `names` that
+        reports none of it: its agent died with them (`kill -9`), or is down and cannot
+        say what it held; the controller knows the ring. A tensor group is saved
         whole, its members on other nodes too: its ranks join one `mx.distributed` group
         together, so one rank cannot rejoin the others; the whole group is relaunched."""
         await self.refresh()
+        recorded = self.recorded_shards()
         saved: list[SavedShard] = []
         dropped: list[str] = []
         for placement in self.state.placements:
             held = {s.node for s in placement.shards}
             away = [k for k in kept if k.placement == placement.name and k.node not in held]
+            away += [
+                r
+                for r in recorded
+                if r.placement == placement.name
+                and r.node in names
+                and r.node not in held | {k.node for k in away}
+            ]
             mine = [s for s in placement.shards if s.node in names]
             if not mine and not away:
                 continue
             want = placement.expected or (away[0].report.count if away else 0)
-            grouped = any(s.group for s in placement.shards) or any(k.report.group for k in away)
-            # A tensor group's rank fails once a member is gone ([ring] ...): relaunching
-            # the group mends that; a pipeline stage that failed is not a restart's to mend.
-            states = ("ready", "broken", "failed") if grouped else ("ready", "broken")
+            # A shard that failed (its runner died, a tensor group's rank lost a member)
+            # is loaded again like one that is gone: same layers, ports and streams.
+            states = ("ready", "broken", "failed")
             if placement.state not in states or len(placement.shards) + len(away) != want:
                 dropped.append(
                     f"placement {placement.name!r} is {placement.state} and incomplete: "
@@ -1408,17 +1618,7 @@ class Controller:
         """Shards `down` took off nodes, kept for `restart` to load again; only those of
         placements still planned (an unloaded or forgotten one is not brought back)."""
         try:
-            raw = json.loads(self._kept_file().read_text())
-            kept = [
-                SavedShard(
-                    node=str(row["node"]),
-                    placement=str(row["placement"]),
-                    report=control.parse(row["report"], control.ShardReport),
-                    next_endpoint=str(row["next_endpoint"]),
-                    next_key=str(row["next_key"]),
-                )
-                for row in raw
-            ]
+            kept = [saved_from_row(row) for row in json.loads(self._kept_file().read_text())]
         except (OSError, ValueError, TypeError, KeyError, messages.MessageError):
             return []  # none kept, or damaged: restart reloads what the agents report
         planned = self._read_planned()
@@ -1429,21 +1629,42 @@ class Controller:
         forget what was kept for the nodes `forget` (restarted with their shards)."""
         nodes = {s.node for s in saved} | set(forget)
         kept = [k for k in self.kept_shards() if k.node not in nodes] + list(saved)
-        rows = [
-            {
-                "node": k.node,
-                "placement": k.placement,
-                "report": control.to_wire(k.report),
-                "next_endpoint": k.next_endpoint,
-                "next_key": k.next_key,
-            }
-            for k in kept
-        ]
-        path = self._kept_file()
-        with contextlib.suppress(OSError):
-            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_text(json.dumps(rows))
-            tmp.replace(path)
+        _write_json(self._kept_file(), [saved_row(k) for k in kept])
+
+    def _recorded_file(self) -> Path:
+        return self.home / f"loaded-shards-{self.inventory.name}.json"
+
+    def recorded_shards(self) -> list[SavedShard]:
+        """Every shard of each planned placement as it was when the placement became
+        ready (`_record_shards`): what a restart loads again on a node whose agent died
+        with its shards (`kill -9`, a crash), which can no longer say what it held."""
+        try:
+            raw = json.loads(self._recorded_file().read_text())
+            recorded = [saved_from_row(row) for rows in raw.values() for row in rows]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, messages.MessageError):
+            return []  # none recorded (placed by an older build), or damaged
+        planned = self._read_planned()
+        return [r for r in recorded if r.placement in planned]
+
+    async def _record_shards(self, name: str) -> None:
+        """Record the ready placement `name`'s shards (layers, ports, streams, where its
+        ring goes on), asked of their agents, for `recorded_shards`."""
+        placement = self.state.placement(name)
+        if placement is None:
+            return
+        saved, _ = await self.shards_on(list(placement.nodes))
+        self._write_recorded(name, [s for s in saved if s.placement == name])
+
+    def _write_recorded(self, name: str, saved: Sequence[SavedShard]) -> None:
+        try:
+            raw = json.loads(self._recorded_file().read_text())
+            rows = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
+        except (OSError, ValueError):
+            rows = {}
+        rows.pop(name, None)
+        if saved:
+            rows[name] = [saved_row(s) for s in saved]
+        _write_json(self._recorded_file(), rows)
 
     async def _shard_report(self, shard: ShardState) -> control.ShardReport:
         """What the shard's agent says about it; what the controller last knew when the
@@ -1468,6 +1689,10 @@ class Controller:
             adapter_dir=shard.adapter_dir,
             adapter_bytes=shard.adapter_bytes,
             weight_bytes=shard.weight_bytes,
+            kv_bits=shard.kv_bits,
+            kv_group_size=shard.kv_group_size,
+            prompt_cache_bytes=shard.prompt_cache_bytes,
+            prompt_cache_disk_bytes=shard.prompt_cache_disk_bytes,
             rank=shard.rank,
             group=list(shard.group),
             backend=self._planned_backend(shard),
@@ -1537,6 +1762,7 @@ class Controller:
             weight_bytes=r.weight_bytes,
             kv_bytes=r.kv_bytes,
             adapter_bytes=r.adapter_bytes,
+            prompt_cache_bytes=r.prompt_cache_bytes,
         )
         if (prepared.data_port, prepared.client_port) != ports:
             await peer.request("unload", placement=saved.placement)
@@ -1565,6 +1791,10 @@ class Controller:
             adapter=r.adapter,
             adapter_dir=r.adapter_dir,
             adapter_bytes=r.adapter_bytes,
+            kv_bits=r.kv_bits,
+            kv_group_size=r.kv_group_size,
+            prompt_cache_bytes=r.prompt_cache_bytes,
+            prompt_cache_disk_bytes=r.prompt_cache_disk_bytes,
             **(group or {}),
         ):
             pass
@@ -1640,6 +1870,14 @@ class Controller:
         return reply.lines
 
 
+def _write_json(path: Path, data: Any) -> None:
+    """Replace `path` whole (a reader in another process never sees half of it)."""
+    with contextlib.suppress(OSError):
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+
 def join_seconds(env: Mapping[str, str]) -> float:
     """How long a tensor group's ranks wait for one another: STUDIOTUI_JOIN_S if it is
     positive seconds (a loaded or slow machine), else GROUP_JOIN_S."""
@@ -1669,6 +1907,21 @@ def _stage(shard: ShardState) -> str:
     return f"stage {shard.index + 1} of {shard.count}, layers {shard.start}-{shard.end - 1}"
 
 
+def _stopped_by_down(placement: PlacementState, nodes: tuple[NodeState, ...]) -> bool:
+    """Every node of `placement` that is missing was stopped by `studiotui down`."""
+    gone = [n for n in nodes if n.name in placement.missing]
+    return bool(gone) and all(n.message.startswith(STOPPED_BY_DOWN) for n in gone)
+
+
+def _reload_hint(node: str) -> str:
+    """What loads a lost or failed shard again: a restart of its node (`restart_nodes`
+    reloads it from what its agent or the controller recorded)."""
+    return (
+        f"restart {node} (studiotui restart {node}, r on the dashboard) to load it again "
+        "on the same layers"
+    )
+
+
 def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()) -> str:
     """What an operator can do about a placement that cannot answer yet."""
     if placement.state in ("loading", "prepared"):
@@ -1683,13 +1936,32 @@ def _not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ()
             f"stays silent, restart {s.node} (studiotui restart {s.node}, which reloads "
             "its shards)"
         )
+    failed = [s for s in placement.shards if s.state == "failed"]
+    if failed:
+        s = failed[0]
+        why = f": {s.message}" if s.message else ""
+        return f"its shard on {s.node} ({_stage(s)}) failed{why}; {_reload_hint(s.node)}"
     # A node that fell silent may come back with its shards (a stopped agent, a blip):
     # say what is known first, and reloading only as what to do if it stays away.
     away = [n for n in nodes if n.name in placement.missing and n.state == "down"]
     if away:
         n = away[0]
+        stages = placement.stages
+        where = next(
+            (
+                f" (stage {i + 1} of {len(stages)}, layers {start}-{end - 1})"
+                for i, (names, start, end) in enumerate(stages)
+                if n.name in names
+            ),
+            "",
+        )
+        if n.message.startswith(STOPPED_BY_DOWN):
+            return (
+                f"node {n.name}{where} was {n.message}; `studiotui up` or `studiotui restart "
+                f"{n.name}` (r on the dashboard) starts it and loads its shard again"
+            )
         return (
-            f"node {n.name}: {n.message or 'down'}; {placement.name!r} is used again by "
+            f"node {n.name}{where}: {n.message or 'down'}; {placement.name!r} is used again by "
             f"itself if {n.name} comes back with its shard; if it stays silent, restart it "
             f"(studiotui restart {n.name}) or place {placement.name!r} again (R on the "
             "dashboard)"

@@ -107,6 +107,31 @@ def save_record(home: Path, record: JobRecord) -> None:
     tmp = folder / f".{record.name}.json.tmp"
     tmp.write_text(json.dumps(record.to_json(), indent=1))
     tmp.replace(folder / f"{record.name}.json")
+    # Started (or resumed): its coming end is news again.
+    with contextlib.suppress(OSError):
+        _said_file(home, record.name).unlink()
+
+
+def _said_file(home: Path, name: str) -> Path:
+    return records_dir(home) / f"{name}.said"
+
+
+def _end_words(end: JobEnd) -> str:
+    return json.dumps([end.state, end.message, sorted(end.ends.items())])
+
+
+def end_said(home: Path, name: str, end: JobEnd) -> bool:
+    """Whether a dashboard already announced this end of job `name` (`say_end`): the
+    next dashboard that finds the job ended shows it, without announcing it again."""
+    try:
+        return _said_file(home, name).read_text() == _end_words(end)
+    except OSError:
+        return False
+
+
+def say_end(home: Path, name: str, end: JobEnd) -> None:
+    with contextlib.suppress(OSError):
+        _said_file(home, name).write_text(_end_words(end))
 
 
 def load_record(home: Path, name: str) -> JobRecord | None:

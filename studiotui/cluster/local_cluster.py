@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from studiotui.cluster import keys
+from studiotui.cluster import keys, stops
 from studiotui.core.inventory import (
     DEFAULT_CONTROL_PORT,
     Inventory,
@@ -125,6 +125,7 @@ def start_agent(home: Path, node: NodeSpec, inventory: Inventory) -> int:
     if not workdir.exists():
         workdir.mkdir(parents=True, mode=0o700)  # keys, logs with prompts, model paths
     keys.install_locally(workdir, keys.node_key_files(home, node.name, list(inventory.names)))
+    stops.forget_stops(home, inventory.name, [node.name])  # started again: not `down`'s
     pid = running_pid(node)
     if pid is not None:
         return pid

@@ -194,6 +194,9 @@ class NodeFigures:
     matmul_n: dict[str, int] = field(default_factory=dict)  # the product each was timed on
     copy_gbs: float | None = None  # read and write of every byte
     read_gbs: float | None = None  # a sum: read only
+    # µs of a decode step per layer by kind (dense, dense_q4, moe, moe_q4) and outside its
+    # layers (step): what the forecast prices a stage with (worker/device_bench.py)
+    decode_us: dict[str, float] = field(default_factory=dict)
     error: str = ""
 
 
@@ -231,6 +234,7 @@ class GroupFigures:
     max_error: float | None = None  # against the product made whole on rank 0
     launcher: str = ""
     error: str = ""
+    allreduce_us: float | None = None  # one all-reduce of a decode step's activation
 
     @property
     def efficiency(self) -> float | None:
@@ -244,6 +248,15 @@ class StreamPoint:
     ttft_ms: float  # median over the streams, queueing included
     tokens: int
 
+    @property
+    def decode_tps(self) -> float:
+        """Tokens a second after the first (one stream: its decode alone, what the
+        forecast's tok/s is of); the whole rate where the split cannot be made."""
+        if self.streams != 1 or self.tps <= 0 or self.tokens < 2:
+            return self.tps
+        after = self.tokens / self.tps - self.ttft_ms / 1e3
+        return (self.tokens - 1) / after if after > 0 else self.tps
+
 
 @dataclass(frozen=True)
 class PlacementFigures:
@@ -253,6 +266,7 @@ class PlacementFigures:
     admitted: int = 0  # streams the placement serves at once; more wait in its queue
     points: tuple[StreamPoint, ...] = ()
     error: str = ""
+    shape: str = ""  # "2 stages", "1 stage × 2 (ring)": what the preview's forecast is of
 
 
 @dataclass(frozen=True)

@@ -275,9 +275,10 @@ def _read(path: Path, name: str) -> ModelInfo | str:
 def models_stamp(home: Path) -> tuple[tuple[str, int], ...]:
     """What changes when a model appears in, or leaves, the folders `scan_home` reads:
     the modification time of config.toml, of each models folder and the directories in
-    it (two levels, as the scan goes), and of the Hugging Face cache's snapshot
-    directories. One stat a directory, no file opened: cheap enough to ask every few
-    seconds, and a model written elsewhere (another terminal, a download) changes it."""
+    it (two levels, as the scan goes) with the time and size of a model's own files,
+    and of the Hugging Face cache's snapshot directories. One stat a directory or
+    file, no file opened: cheap enough to ask every few seconds, and a model written
+    elsewhere (another terminal, a download) changes it."""
     found = settings(home)
     stamps = [_stamp(home / CONFIG_FILE)]
     for folder in found.folders:
@@ -305,6 +306,29 @@ def settling(path: Path, quiet_s: float, now: float) -> bool:
     return now - newest / 1e9 < quiet_s
 
 
+# The files of a model directory whose change changes the model: a weight file written
+# over in place (same name, same directory entry) changes no directory's time.
+_MODEL_FILES = (".safetensors", ".json")
+
+
+def _file_stamps(folder: Path) -> list[tuple[str, int]]:
+    """The time and size of each model file in `folder`, if it holds a model (its
+    config.json): one stat a file, no file opened."""
+    if not (folder / "config.json").is_file():
+        return []
+    stamps = []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.endswith(_MODEL_FILES):
+                    with contextlib.suppress(OSError):
+                        st = entry.stat()
+                        stamps.append((entry.path, hash((st.st_mtime_ns, st.st_size))))
+    except OSError:
+        pass
+    return sorted(stamps)
+
+
 def _stamp(path: Path) -> tuple[str, int]:
     try:
         return str(path), path.stat().st_mtime_ns
@@ -318,7 +342,7 @@ def _dirs(folder: Path) -> list[Path]:
 
 
 def _dir_stamps(folder: Path, depth: int) -> list[tuple[str, int]]:
-    stamps = [_stamp(folder)]
+    stamps = [_stamp(folder), *_file_stamps(folder)]
     if depth > 0:
         for child in _dirs(folder):
             stamps += _dir_stamps(child, depth - 1)

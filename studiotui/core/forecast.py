@@ -6,7 +6,7 @@ by the node's memory bandwidth, capped below by the compute the step needs. Link
 what they cost: a pipeline hop per stage boundary per step, and for a tensor group two
 all-reduces per layer (after attention and after the MLP, where mlx-lm's `shard()`
 puts its `sharded-to-all` cuts). Every constant is stated here, with where it comes
-from; `docs/architecture.md` ("Placement" → "Forecast") and the README's error table
+from; `docs/architecture.md` ("Placement" → "Forecast") and the forecast table in docs/placing.md
 say how close the model comes to published and measured figures.
 
 What it does not model: the KV cache's growth within an answer (decode is priced at a
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from studiotui.core.benchmark import Run
 from studiotui.core.members import rdma_link
@@ -58,7 +58,7 @@ CHIPS: dict[str, tuple[float, float]] = {
     "M5": (153.0, 5.7),
 }
 # A node that is not Apple Silicon runs MLX on its CPU: a stated default, calibrated on
-# this project's 2-vCPU development VM (README "Performance", the demo model): its
+# a 2-vCPU Linux machine (docs/placing.md's forecast table, the demo model): its
 # 512-token prompt in 1.74 s gives the compute (MLX's float32 matmuls here reach ~4
 # GFLOPS), its 190 tok/s in one process the fixed dispatch cost per layer per step.
 CPU_DEFAULT = (20.0, 0.008)
@@ -99,6 +99,19 @@ class Chip:
     tflops: float
     source: str
     layer_us: float = 0.0  # fixed dispatch cost per layer per step (CPU-only nodes)
+    # What `studiotui benchmark` measured on the node's device, when it did: µs of a
+    # decode step per layer by kind (dense, dense_q4, moe, moe_q4) and outside its
+    # layers (step), MLX GFLOP/s per dtype, and µs per round of a small all-reduce by
+    # backend and group size ("ring/2": the group's product step measured it there).
+    decode_us: Mapping[str, float] = field(default_factory=dict)
+    gflops: Mapping[str, float] = field(default_factory=dict)
+    allreduce_round_us: Mapping[str, float] = field(default_factory=dict)
+    run: str = ""  # the benchmark run the measured figures come from
+
+    @property
+    def measured(self) -> bool:
+        """Whether a benchmark measured this node's decode step (not the table's guess)."""
+        return bool(self.decode_us)
 
 
 def chip_for(chip: str, os_name: str = "", measured_gbs: float | None = None) -> Chip:
@@ -135,6 +148,7 @@ class Forecast:
     tps_streams: float  # decode tok/s summed over `streams` streams (batched decode)
     ttft_ms: float  # time to first token of a PROMPT_TOKENS prompt
     streams: int = STREAMS  # what tps_streams is for: the placement's streams, when known
+    measured: bool = False  # every node's figures come from a `studiotui benchmark` run
 
 
 # --------------------------------------------------------------------------- parts
@@ -201,20 +215,30 @@ def _stage_bytes(model: ModelFacts, st: _Stage, batch: int, context: int) -> tup
 
 
 def _allreduce_us(
-    nodes: Sequence[str], links: Mapping[frozenset[str], Link], nbytes: float, rdma: bool
+    nodes: Sequence[str],
+    links: Mapping[frozenset[str], Link],
+    nbytes: float,
+    rdma: bool,
+    chips: Mapping[str, Chip] | None = None,
 ) -> float:
     """One all-reduce over the group: JACCL over RDMA in two rounds (reduce, broadcast);
-    the ring backend in 2(N-1) rounds over the slowest TCP link of the group."""
+    the ring backend in 2(N-1) rounds over the slowest TCP link of the group. Where a
+    benchmark timed a small all-reduce over the backend that will run, a round costs
+    what it measured (the slowest of the group's nodes) instead of the link's latency."""
     n = len(nodes)
     if n < 2:
         return 0.0
+    rounds = 2 if rdma else 2 * (n - 1)
+    backend = f"{'jaccl' if rdma else 'ring'}/{n}"
+    timed = [chips[x].allreduce_round_us.get(backend) for x in nodes if chips and x in chips]
+    if timed and all(t is not None for t in timed):
+        return rounds * max(t for t in timed if t is not None)
     worst_lat, worst_gbps = 0.0, math.inf
     for i, a in enumerate(nodes):
         for b in nodes[i + 1 :]:
             link = links.get(frozenset((a, b)))
             lat, gbps = link_figures(link) if link else (300.0, 10.0)
             worst_lat, worst_gbps = max(worst_lat, lat), min(worst_gbps, gbps)
-    rounds = 2 if rdma else 2 * (n - 1)
     latency = RDMA_LATENCY_US if rdma else worst_lat
     transfer = nbytes / n * 8 / (worst_gbps * 1e3)  # 1 Gb/s moves 1e3 bits per µs
     return ALLREDUCE_SYNC_US + rounds * (latency + transfer)
@@ -240,12 +264,36 @@ def _step_us(
         share = sum(hosts[m] == hosts[node] for m in st.nodes)
         memory = read * share / (chip.bandwidth_gbs * _GB * BANDWIDTH_EFFICIENCY) * 1e6
         flops = 2 * _params(model, used) * batch * share
-        compute = flops / (chip.tflops * 1e12 * COMPUTE_EFFICIENCY) * 1e6
+        compute = flops / _flops(chip, model) * 1e6
+        if chip.measured:
+            # The measured cost of each layer's step already holds a small layer's reads
+            # and products: a larger layer costs more only where its bytes or FLOPs do.
+            layers = sum(_layer_us(model, chip, i) for i in range(st.start, st.end))
+            slowest = max(slowest, chip.decode_us.get("step", 0.0) + max(layers, memory, compute))
+            continue
         dispatch = chip.layer_us * (st.end - st.start)
         slowest = max(slowest, dispatch + max(memory, compute))
     act = _act_bytes(model)
-    per = _allreduce_us(st.nodes, links, model.hidden_size * act * batch, rdma)
+    per = _allreduce_us(st.nodes, links, model.hidden_size * act * batch, rdma, chips)
     return slowest + 2 * (st.end - st.start) * per
+
+
+def _flops(chip: Chip, model: ModelFacts) -> float:
+    """FLOP/s a step's products reach on the node in the model's dtype: what a benchmark
+    measured (a sustained figure: no efficiency applies), else the chip's peak times
+    COMPUTE_EFFICIENCY."""
+    measured = chip.gflops.get(model.dtype) or chip.gflops.get("float32")
+    return measured * 1e9 if measured else chip.tflops * 1e12 * COMPUTE_EFFICIENCY
+
+
+def _layer_us(model: ModelFacts, chip: Chip, layer: int) -> float:
+    """The measured cost of one decode step of layer `layer`: a MoE layer's or a dense
+    one's, of quantized weights or not (a kind not measured falls back to dense)."""
+    moe = bool(model.layer_experts and model.layer_experts[layer])
+    kind = "moe" if moe else "dense"
+    if 0 < model.bits_per_weight < 16:
+        kind += "_q4"
+    return chip.decode_us.get(kind) or chip.decode_us.get("dense", 0.0)
 
 
 def _act_bytes(model: ModelFacts) -> int:
@@ -286,12 +334,12 @@ def _prefill_us(
     for node in st.nodes:
         chip = chips[node]
         share = sum(hosts[m] == hosts[node] for m in st.nodes)
-        compute = flops * share / (chip.tflops * 1e12 * COMPUTE_EFFICIENCY) * 1e6
+        compute = flops * share / _flops(chip, model) * 1e6
         memory = weights * share / (chip.bandwidth_gbs * _GB * BANDWIDTH_EFFICIENCY)
         dispatch = chip.layer_us * (st.end - st.start)
         slowest = max(slowest, dispatch + max(compute, memory * 1e6))
     act = _act_bytes(model)
-    per = _allreduce_us(st.nodes, links, model.hidden_size * act * chunk, rdma)
+    per = _allreduce_us(st.nodes, links, model.hidden_size * act * chunk, rdma, chips)
     return slowest + 2 * (st.end - st.start) * per
 
 
@@ -357,7 +405,8 @@ def forecast(
     )
     slowest = max(per_stage, key=sum)
     ttft = sum(t[0] for t in per_stage) + sum(slowest[1:]) + hops
-    return Forecast(plan.shape, 1e6 / one, many * 1e6, ttft / 1e3, streams)
+    measured = all(chips[n].measured for n in names if n in chips)
+    return Forecast(plan.shape, 1e6 / one, many * 1e6, ttft / 1e3, streams, measured)
 
 
 # --------------------------------------------------------------------------- choosing
@@ -418,7 +467,10 @@ def choose(
         why = tensor_refusal(model, tensor, len(nodes))
         asked = next((o for o in options if o.tensor == tensor), None)
         if why or asked is None:
-            return Choice(Refusal(why or f"tensor size {tensor} does not fit"), tuple(options))
+            return Choice(
+                Refusal(why or f"tensor size {tensor} does not fit", "shape" if why else "memory"),
+                tuple(options),
+            )
         return Choice(asked.verdict, tuple(options))
     best: ShapeOption | None = None
     for option in options:
@@ -462,6 +514,63 @@ def measured_bandwidths(runs: Sequence[Run], cluster: str) -> dict[str, float]:
     return out
 
 
+def with_benchmark(chips: Mapping[str, Chip], runs: Sequence[Run], cluster: str) -> dict[str, Chip]:
+    """`chips` with what the newest saved `studiotui benchmark` run of this cluster
+    measured on each node (`runs` newest first): its decode step per layer, its MLX
+    GFLOP/s, its memory read bandwidth, and a round of a small all-reduce of a group it
+    was in (the run's all-reduce over N ranks took 2(N-1) rounds of the ring, 2 of JACCL)."""
+    out = dict(chips)
+    for name, chip in chips.items():
+        for run in runs:
+            if run.cluster != cluster:
+                continue
+            node = next((n for n in run.nodes if n.name == name and not n.error), None)
+            if node is None or not node.decode_us:
+                continue
+            rounds: dict[str, float] = {}
+            g = run.group
+            if g is not None and g.allreduce_us and name in g.nodes and len(g.nodes) > 1:
+                count = 2 if g.backend == "jaccl" else 2 * (len(g.nodes) - 1)
+                # Keyed by the group's size too: on hosts whose cores the ranks share, a
+                # round over 4 ranks is no guide to one over 2.
+                rounds[f"{g.backend}/{len(g.nodes)}"] = g.allreduce_us / count
+            out[name] = replace(
+                chip,
+                bandwidth_gbs=node.read_gbs or chip.bandwidth_gbs,
+                source=f"measured by benchmark {run.id}",
+                decode_us=dict(node.decode_us),
+                gflops=dict(node.gflops),
+                allreduce_round_us=rounds,
+                run=run.id,
+            )
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class LastMeasured:
+    """The newest decode figure `studiotui benchmark` saved for a model on a shape."""
+
+    tps_1: float  # one stream's decode tok/s, after its first token
+    run: str  # the run's id
+    placement: str
+
+
+def last_measured(runs: Sequence[Run], cluster: str, model: str, shape: str) -> LastMeasured | None:
+    """One stream's tok/s the newest run of this cluster measured for a placement of
+    `model` on `shape` (`runs` newest first), or None if none did."""
+    for run in runs:
+        if run.cluster != cluster:
+            continue
+        for p in run.placements:
+            if p.model != model or p.shape != shape or p.error:
+                continue
+            one = next((q for q in p.points if q.streams == 1), None)
+            if one is not None and one.tps > 0:
+                return LastMeasured(one.decode_tps, run.id, p.name)
+    return None
+
+
 def links_from_state(state: ClusterState) -> list[Link]:
     """The measured links as the planner takes them, RDMA included. Where both agents
     report their Thunderbolt ports, a link's RDMA is judged from them now (an active
@@ -483,9 +592,20 @@ def links_from_state(state: ClusterState) -> list[Link]:
     return links
 
 
-def describe(f: Forecast) -> str:
+# What a forecast with no benchmark behind it says of itself.
+UNMEASURED = "not measured (run `studiotui benchmark`)"
+
+
+def describe(f: Forecast, last: LastMeasured | None = None, *, unmeasured: bool = True) -> str:
     """ "31.9 tok/s · 8 streams 118 tok/s · first token 2.1 s": the streams a placement
-    admits (the preview's "× N streams"), left out for one."""
+    admits (the preview's "× N streams"), left out for one; then the tok/s a benchmark
+    last measured for this model on this shape, and (`unmeasured`: unless the caller
+    says it once for several) that the nodes were never measured."""
     ttft = f"{f.ttft_ms / 1000:.1f} s" if f.ttft_ms >= 1000 else f"{f.ttft_ms:.0f} ms"
     many = f"{f.streams} streams {f.tps_streams:.0f} tok/s · " if f.streams > 1 else ""
-    return f"{f.tps_1:.1f} tok/s · {many}first token of {PROMPT_TOKENS // 1024}k {ttft}"
+    said = f"{f.tps_1:.1f} tok/s · {many}first token of {PROMPT_TOKENS // 1024}k {ttft}"
+    if last is not None:
+        said += f" · last measured {last.tps_1:.1f} tok/s"
+    if not f.measured and unmeasured:
+        said += f" · {UNMEASURED}"
+    return said

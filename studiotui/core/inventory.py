@@ -27,7 +27,11 @@ HOME_ENV = "STUDIOTUI_HOME"
 DEFAULT_HOME = "~/.studiotui"
 
 DEFAULT_CLUSTER_NAME = "cluster"
-DEFAULT_CONTROL_PORT = 52500
+# Below every ephemeral range (Linux 32768-60999, macOS 49152-65535): a port the
+# kernel handed out for an outgoing connection can never hold an agent's port, shards'
+# ports (control + SHARD_PORT_OFFSET up) included, nor a simulated cluster's blocks.
+DEFAULT_CONTROL_PORT = 28500
+EPHEMERAL_FLOOR = 32768  # the lowest port either system hands out by itself
 TELEMETRY_PORT_OFFSET = 1
 SHARD_PORT_OFFSET = 10
 DEFAULT_SSH_PORT = 22

@@ -17,6 +17,11 @@ store, family by family, and tests/test_kv_sizes.py checks each against the
 
 A family that follows the common shape needs no entry: the default is the
 standard K/V formula, from the fields every config.json has.
+
+Quantized KV (`place --kv-bits`, worker.shared.kv_quant): a plain K/V layer keeps, per
+value, `bits` bits packed in uint32 words plus a scale and a bias (activation dtype) per
+`group_size` values, as mlx-lm's `QuantizedKVCache` stores them; windows, linear states,
+MLA latents and gpt-oss's sinks stay at full precision.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from worker.shared.kv_quant import family_reason as kv_quant_reason
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -82,6 +89,15 @@ def standard_per_token(cfg: Mapping[str, Any], act: int) -> int:
     return 2 * kv_heads * _head_dim(cfg) * act
 
 
+def quantized_per_token(cfg: Mapping[str, Any], act: int, bits: int, group_size: int) -> int:
+    """K and V of one token as a `QuantizedKVCache` keeps them: per head, `head_dim`
+    values of `bits` bits, and a scale and bias of `act` bytes per `group_size` values."""
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    dim = _head_dim(cfg)
+    return 2 * kv_heads * (dim * bits // 8 + 2 * (dim // group_size) * act)
+
+
 def _mla(cfg: Mapping[str, Any], n: int, act: int) -> tuple[LayerKV, ...]:
     per = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * act
     if cfg.get("index_head_dim"):  # deepseek_v32's indexer: one key head, stored as K and V
@@ -98,9 +114,9 @@ def _linear_state(cfg: Mapping[str, Any], act: int) -> int:
     return conv + recurrent
 
 
-def _hybrid_linear(cfg: Mapping[str, Any], n: int, act: int) -> tuple[LayerKV, ...]:
+def _hybrid_linear(cfg: Mapping[str, Any], n: int, act: int, per: int) -> tuple[LayerKV, ...]:
     every = int(cfg.get("full_attention_interval", 4))
-    full = LayerKV(standard_per_token(cfg, act))
+    full = LayerKV(per)
     linear = LayerKV(0, fixed=_linear_state(cfg, act))
     return tuple(full if (i + 1) % every == 0 else linear for i in range(n))
 
@@ -122,20 +138,50 @@ def _sliding_kinds(cfg: Mapping[str, Any], family: str, n: int) -> list[bool] | 
     return None
 
 
-def layer_caches(config: Mapping[str, Any]) -> tuple[LayerKV, ...]:
-    """Every layer's cache size as a function of the context, for one stream."""
+def layer_caches(
+    config: Mapping[str, Any], kv_bits: int = 0, kv_group_size: int = 64
+) -> tuple[LayerKV, ...]:
+    """Every layer's cache size as a function of the context, for one stream; with
+    `kv_bits`, the plain K/V layers quantized (the caller checked the group size
+    divides the head width: worker.shared.kv_quant.kv_quant_refusal)."""
     cfg = text_config(config)
     n = int(cfg["num_hidden_layers"])
     family = str(config.get("model_type") or cfg.get("model_type") or "")
     act = activation_bytes(config)
     if cfg.get("kv_lora_rank") and cfg.get("qk_rope_head_dim") is not None:
         return _mla(cfg, n, act)
+    full = standard_per_token(cfg, act)
+    quantized = kv_bits and not kv_quant_reason(config)
+    per = quantized_per_token(cfg, act, kv_bits, kv_group_size) if quantized else full
     if cfg.get("linear_num_value_heads") and cfg.get("full_attention_interval"):
-        return _hybrid_linear(cfg, n, act)
-    per = standard_per_token(cfg, act)
+        return _hybrid_linear(cfg, n, act, per)
     sliding = _sliding_kinds(cfg, family, n)
     if sliding is None:
         return (LayerKV(per),) * n
     # gemma3's ModelArgs default the window to 512 when config.json leaves it out.
     window = int(cfg.get("sliding_window") or (512 if family.startswith("gemma3") else 0)) or None
-    return tuple(LayerKV(per, window if s else None) for s in sliding)
+    # A window is a RotatingKVCache: mlx-lm has no quantized form of it.
+    return tuple(LayerKV(full, window) if s else LayerKV(per) for s in sliding)
+
+
+def full_precision_note(config: Mapping[str, Any], kv_bits: int) -> str:
+    """What `--kv-bits` leaves at full precision, for the preview ("" when every layer is
+    quantized, or none was asked to be)."""
+    if not kv_bits:
+        return ""
+    if why := kv_quant_reason(config):
+        return f"KV stays at full precision: {why}"
+    caches = layer_caches(config)
+    windows = sum(1 for kv in caches if kv.window is not None)
+    linear = sum(1 for kv in caches if kv.per_token == 0 and kv.fixed)
+    kept = [
+        f"{count} of {len(caches)} layers {what}"
+        for count, what in (
+            (windows, "with a sliding window (RotatingKVCache)"),
+            (linear, "with linear attention (ArraysCache)"),
+        )
+        if count
+    ]
+    if not kept:
+        return ""
+    return f"{' and '.join(kept)} keep full precision: mlx-lm has no quantized form of them"

@@ -15,13 +15,16 @@ import json
 import os
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from studiotui.core.errors import StudioError
-from studiotui.core.kv_sizes import text_config
+from studiotui.core.kv_sizes import full_precision_note, layer_caches, text_config
 from studiotui.core.placement import ModelFacts, TensorFacts, facts_from_config
+from worker.shared.kv_quant import DEFAULT_KV_GROUP_SIZE, group_size_for, kv_quant_refusal
+from worker.shared.kv_quant import family_reason as kv_quant_reason
 from worker.shared.manifest import in_hub_cache
 from worker.shared.model_support import unsupported_reason
 
@@ -101,6 +104,24 @@ class ModelInfo:
     # Why a shard could not run this model (family, quantization), from the table the
     # worker itself checks; None: it can. Known before any byte is copied.
     unsupported: str | None = None
+    # What the operator should know before chatting with it ("" nothing): a demo
+    # model written with random output (`demo-model --noise`) says it writes noise.
+    note: str = ""
+
+
+NOISE_NOTE = (
+    "a demo model with random weights: it writes noise, not text "
+    "(`studiotui demo-model DIR` writes one that recites a passage)"
+)
+
+
+def model_note(config: Mapping[str, Any]) -> str:
+    """What a placement of this model should say of it: a demo model that does not
+    recite writes noise."""
+    demo = config.get("studiotui_demo")
+    if isinstance(demo, Mapping) and not demo.get("recite"):
+        return NOISE_NOTE
+    return ""
 
 
 @dataclass(frozen=True)
@@ -358,7 +379,37 @@ def _read_model(path: Path, config: dict[str, Any]) -> ModelInfo:
         quantization=facts.quantization,
         facts=facts,
         unsupported=unsupported,
+        note=model_note(config),
     )
+
+
+def with_kv_quant(
+    info: ModelInfo, bits: int, group_size: int | None
+) -> tuple[ModelInfo, tuple[str, ...], int]:
+    """The model as placed with `--kv-bits bits --kv-group-size group_size`: each layer's
+    cache at its quantized size, and what the preview says of it (what stays at full
+    precision, that requests decode one by one); a ModelDirError when those settings
+    cannot serve it (before any node is asked). `group_size` None: the default if it
+    divides the heads, else one that does; the group size used comes back third."""
+    if not bits:
+        return info, (), group_size or DEFAULT_KV_GROUP_SIZE
+    config = _config(info.path)
+    group_size = group_size or group_size_for(config)
+    if why := kv_quant_refusal(config, bits, group_size):
+        raise ModelDirError(f"{info.name}: {why}")
+    dtype = info.facts.dtype
+    caches = layer_caches({**config, "torch_dtype": dtype, "dtype": dtype}, bits, group_size)
+    facts = replace(
+        info.facts, layer_kv=caches, kv_bytes_per_token=max(kv.per_token for kv in caches)
+    )
+    notes = [note] if (note := full_precision_note(config, bits)) else []
+    if not kv_quant_reason(config):
+        # mlx-lm 0.32 has no batched QuantizedKVCache (worker.families.batch_reason).
+        notes.append(
+            "requests decode one at a time, not as a batch: mlx-lm has no batched form "
+            "of QuantizedKVCache"
+        )
+    return replace(info, facts=facts), tuple(notes), group_size
 
 
 def _check_quantization(path: Path, config: dict[str, Any]) -> None:

@@ -209,6 +209,13 @@ class ShardPlan:
     # An adapter's share of these layers, held beside `weight_bytes` (counted in
     # free_after); 0 without an adapter.
     adapter_bytes: int = 0
+    # The prompt cache's budget on this shard (per node of a group), in memory (counted
+    # in free_after) and on the node's disk.
+    prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
+    # A speculative decoding draft model, loaded whole beside the head's layers (counted
+    # in free_after; studiotui/cluster/draft.py); 0 elsewhere and without one.
+    draft_bytes: int = 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -226,6 +233,12 @@ class Plan:
     # Requests served at once, each with the whole context: the KV cache is reserved for
     # all of them, and the head shard queues or refuses ("busy") any beyond.
     streams: int = 1
+    # Quantized KV (`--kv-bits`; 0: full precision), in groups of kv_group_size values.
+    kv_bits: int = 0
+    kv_group_size: int = 64
+    # Lines the preview says under the table (what stays at full precision, why
+    # requests decode one by one).
+    notes: tuple[str, ...] = ()
 
     @property
     def tensor(self) -> int:
@@ -242,6 +255,14 @@ class Plan:
 @dataclass(frozen=True)
 class Refusal:
     reason: str
+    # What kind of refusal (REFUSAL_KINDS): what the CLI's exit status says.
+    kind: str = "memory"
+
+
+# Every kind of refusal: the model and its KV cache do not fit the memory; the group
+# cannot take that shape (layers, tensor size, adapter); the model cannot run on a
+# shard; a node of the group is unknown or not up.
+REFUSAL_KINDS = ("memory", "shape", "model", "node")
 
 
 # --------------------------------------------------------------------------- sizes
@@ -532,18 +553,20 @@ def _best_fit(
 
 def _group_refusal(model: ModelFacts, nodes: Sequence[NodeBudget]) -> Refusal | None:
     if not nodes:
-        return Refusal("the group is empty; pick at least one node")
+        return Refusal("the group is empty; pick at least one node", "shape")
     names = [n.name for n in nodes]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         return Refusal(
             f"the group names {', '.join(repeated)} more than once; "
-            "a node can hold only one shard of a model"
+            "a node can hold only one shard of a model",
+            "shape",
         )
     if len(nodes) > model.n_layers:
         return Refusal(
             f"{model.name} has {model.n_layers} layers but the group has {len(nodes)} nodes "
-            f"and each node needs at least one layer; use at most {model.n_layers} nodes"
+            f"and each node needs at least one layer; use at most {model.n_layers} nodes",
+            "shape",
         )
     return None
 
@@ -562,14 +585,21 @@ def _joined(parts: Sequence[str], word: str) -> str:
     return ", ".join(parts[:-1]) + f" {word} " + parts[-1]
 
 
-def _suggest(model: ModelFacts, short: int, context_fit: int | None) -> str:
-    parts = [f"add a node with at least {_gb(short)} free"]
+def remedies(
+    model: ModelFacts, weights: int, kv: int, available: int, context_fit: int | None
+) -> list[str]:
+    """What would let `weights` + `kv` bytes fit in `available`, each only if it helps:
+    a node with the shortfall free always does; a 4-bit copy only when the model is
+    wider than 4 bits and its weights at 4 bits beside the same KV cache would fit (a
+    tiny model whose KV cache is what does not fit gains nothing from it); a shorter
+    context when one fits (`context_fit`)."""
+    parts = [f"add a node with at least {_gb(weights + kv - available)} free"]
     bits = _bits(model)
-    if bits is None or bits > 4:
+    if (bits is None or bits > 4) and weights * 4 // (bits or 16) + kv <= available:
         parts.append("use a 4-bit copy")
     if context_fit:
         parts.append(f"shorten the context to {context_fit} tokens")
-    return _joined(parts, "or")
+    return parts
 
 
 def _context_that_fits(
@@ -610,7 +640,7 @@ def _total_refusal(
         f"{model.name} needs {_gb(need)} ({_gb(weights)} weights + {_gb(kv_total)} KV cache "
         f"for {context_tokens} tokens × {streams} stream{'s' if streams > 1 else ''}), "
         f"the group has {_gb(available)} free after a {reserve_fraction:.0%} reserve per node; "
-        f"{_suggest(model, need - available, fit)}"
+        f"{_joined(remedies(model, weights, kv_total, available, fit), 'or')}"
     )
 
 
@@ -631,11 +661,18 @@ def _small_node_refusal(usable: Mapping[str, int], costs: Sequence[int]) -> Refu
 
 def _cut_refusal(model: ModelFacts, usable: Sequence[int], costs: Sequence[int]) -> Refusal:
     need = sum(costs) + model.embed_bytes + model.head_bytes
+    bits = _bits(model)
+    # A 4-bit copy helps where weights, not the KV cache, make the layers too large.
+    smaller = (bits is None or bits > 4) and model.weight_bytes * 2 > need
     return Refusal(
         f"{model.name} needs {_gb(need)} and the group has {_gb(sum(max(u, 0) for u in usable))} "
         f"free, but its {model.n_layers} layers (the largest {_gb(max(costs))} with KV cache) "
-        "cannot be cut into contiguous ranges that fit every node; add a node, "
-        "free memory on the smallest node or use a 4-bit copy"
+        "cannot be cut into contiguous ranges that fit every node; add a node"
+        + (
+            ", free memory on the smallest node or use a 4-bit copy"
+            if smaller
+            else " or free memory on the smallest node"
+        )
     )
 
 
@@ -739,11 +776,12 @@ def plan(
     if tensor != 1:
         why = tensor_refusal(model, tensor, len(nodes))
         if why:
-            return Refusal(why)
+            return Refusal(why, "shape")
         if model.layer_adapter:
             # mlx-lm's LoRA layers wrap whole projections; a tensor rank holds slices.
             return Refusal(
-                f"an adapter is applied by pipeline stages, not by tensor groups of {tensor}"
+                f"an adapter is applied by pipeline stages, not by tensor groups of {tensor}",
+                "shape",
             )
         return _plan_tensor(model, nodes, links, tensor, context_tokens, streams, reserve_fraction)
     by_name = {node.name: node for node in nodes}
@@ -784,6 +822,113 @@ def plan(
         total_bytes=sum(s.weight_bytes + s.adapter_bytes + s.kv_bytes for s in shards),
         streams=streams,
     )
+
+
+def longest_context(
+    model: ModelFacts,
+    nodes: Sequence[NodeBudget],
+    links: Sequence[Link] = (),
+    *,
+    streams: int = 1,
+    tensor: int = 1,
+    reserve_fraction: float = 0.05,
+    most: int = 1 << 24,
+) -> int:
+    """The longest context (at most `most`) `plan` places on these nodes for `streams`
+    requests at once; 0 when not even one token fits. Caches grow with the context but
+    not linearly (windows, linear states), so it searches the plan itself."""
+
+    def fits(tokens: int) -> bool:
+        verdict = plan(
+            model,
+            nodes,
+            links,
+            context_tokens=tokens,
+            streams=streams,
+            tensor=tensor,
+            reserve_fraction=reserve_fraction,
+        )
+        return isinstance(verdict, Plan)
+
+    if not fits(1):
+        return 0
+    if fits(most):
+        return most
+    low, high = 1, most
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+# --------------------------------------------------------------------------- prompt cache
+
+# The default prompt-cache budget of a shard: at most this share of what the plan leaves
+# free on its node (the rest stays for other placements and jobs), and at most this many
+# whole contexts' KV of one stream (that many conversations' entries kept).
+CACHE_SHARE_OF_FREE = 0.5
+CACHE_KV_MULTIPLE = 4
+CACHE_DISK_MULTIPLE = 4  # default disk budget: this many times the memory one
+
+
+def with_prompt_cache(p: Plan, memory: int | None, disk: int | None) -> Plan | Refusal:
+    """`p` with a prompt-cache budget on every shard, counted in its node's memory.
+
+    `memory` is the whole placement's, split between the nodes as the KV is (an entry
+    holds each layer's cache, on that layer's shard); None: each shard gets what its
+    node can spare, at most CACHE_SHARE_OF_FREE of what the plan leaves free there and
+    CACHE_KV_MULTIPLE whole contexts of one stream's KV. `disk` likewise (None:
+    CACHE_DISK_MULTIPLE times memory). A `memory` some node cannot hold is refused with
+    the most that fits."""
+    nodes_kv = sum(s.kv_bytes * len(s.nodes) for s in p.shards)
+    count = sum(len(s.nodes) for s in p.shards)
+
+    def share(total: int, s: ShardPlan) -> int:
+        return total * s.kv_bytes // nodes_kv if nodes_kv else total // count
+
+    if memory is None:
+        mem = [
+            max(
+                0,
+                min(
+                    int(s.free_after * CACHE_SHARE_OF_FREE),
+                    CACHE_KV_MULTIPLE * s.kv_bytes // p.streams,
+                ),
+            )
+            for s in p.shards
+        ]
+    else:
+        mem = [share(memory, s) for s in p.shards]
+        short = [(s, m) for s, m in zip(p.shards, mem, strict=True) if m > s.free_after]
+        if short:
+            most = min(
+                max(s.free_after, 0) * nodes_kv // s.kv_bytes if nodes_kv and s.kv_bytes else 0
+                for s in p.shards
+            )
+            where = ", ".join(
+                f"{'+'.join(s.nodes)} would hold {_gb(m)} of it with {_gb(max(s.free_after, 0))} "
+                "free after weights and KV"
+                for s, m in short
+            )
+            return Refusal(
+                f"a prompt cache of {_gb(memory)} does not fit: {where}; "
+                f"--prompt-cache {math.floor(most / _GB * 10) / 10:.1f} or less fits these nodes"
+            )
+    if disk is None:
+        on_disk = [CACHE_DISK_MULTIPLE * m for m in mem]
+    else:
+        on_disk = [share(disk, s) for s in p.shards]
+    shards = tuple(
+        replace(
+            s,
+            prompt_cache_bytes=m,
+            prompt_cache_disk_bytes=d,
+            free_after=s.free_after - m,
+        )
+        for s, m, d in zip(p.shards, mem, on_disk, strict=True)
+    )
+    added = sum(m * len(s.nodes) for s, m in zip(p.shards, mem, strict=True))
+    return replace(p, shards=shards, total_bytes=p.total_bytes + added)
 
 
 # --------------------------------------------------------------------------- tensor groups
@@ -1013,14 +1158,23 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
     ]
     table = Table(
         title=f"{p.model} · {p.shape} · {p.context_tokens} tokens of context × "
-        f"{_streams(p.streams)}",
-        caption="\n".join([_footer(p), *backends]),
+        f"{_streams(p.streams)}{kv_label(p)}",
+        caption="\n".join([_footer(p), *backends, *p.notes]),
         caption_justify="left",
     )
     table.add_column("node")
     # A placement with an adapter shows each shard's share of it beside its weights.
     adapter = any(s.adapter_bytes for s in p.shards)
-    columns = ("layers", "weights", *(("adapter",) if adapter else ()), "KV cache")
+    cache = any(s.prompt_cache_bytes or s.prompt_cache_disk_bytes for s in p.shards)
+    draft = any(s.draft_bytes for s in p.shards)
+    columns = (
+        "layers",
+        "weights",
+        *(("adapter",) if adapter else ()),
+        *(("draft",) if draft else ()),
+        "KV cache",
+        *(("prompt cache", "on disk") if cache else ()),
+    )
     for column in (*columns, "free before", "free after"):
         table.add_column(column, justify="right")
     for i, s in enumerate(p.shards):
@@ -1029,11 +1183,22 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
             _layer_label(s, i, len(p.shards)),
             format_bytes(s.weight_bytes),
             *((format_bytes(s.adapter_bytes),) if adapter else ()),
+            *((format_bytes(s.draft_bytes),) if draft else ()),
             format_bytes(s.kv_bytes),
+            *(
+                (format_bytes(s.prompt_cache_bytes), format_bytes(s.prompt_cache_disk_bytes))
+                if cache
+                else ()
+            ),
             format_bytes(s.free_before),
             format_bytes(s.free_after),
         )
     return table
+
+
+def kv_label(p: Plan) -> str:
+    """ " · KV 8-bit (groups of 64)" for quantized KV, "" at full precision."""
+    return f" · KV {p.kv_bits}-bit (groups of {p.kv_group_size})" if p.kv_bits else ""
 
 
 def plan_to_dict(p: Plan | Refusal) -> dict[str, Any]:
@@ -1045,6 +1210,9 @@ def plan_to_dict(p: Plan | Refusal) -> dict[str, Any]:
         "model": p.model,
         "context_tokens": p.context_tokens,
         "streams": p.streams,
+        "kv_bits": p.kv_bits,
+        "kv_group_size": p.kv_group_size,
+        "notes": list(p.notes),
         "total_bytes": p.total_bytes,
         "ring": [s.node for s in p.shards],
         "slowest_link": asdict(p.slowest_link) if p.slowest_link else None,
@@ -1096,16 +1264,21 @@ def facts_from_config(
     head_bytes: int,
     name: str,
     act_dtype: str | None = None,
+    kv_bits: int = 0,
+    kv_group_size: int = 64,
 ) -> ModelFacts:
     """ModelFacts from a config.json dict and the tensor sizes read from safetensors.
 
     `act_dtype` is the dtype activations (and so caches) will have, when the caller
-    knows it from the weights better than config.json says."""
+    knows it from the weights better than config.json says; `kv_bits`: the caches
+    quantized (`place --kv-bits`)."""
     cfg = text_config(config)
     dtype = act_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     try:
         n_layers = int(cfg["num_hidden_layers"])
-        caches = layer_caches({**config, "torch_dtype": dtype, "dtype": dtype})
+        caches = layer_caches(
+            {**config, "torch_dtype": dtype, "dtype": dtype}, kv_bits, kv_group_size
+        )
     except KeyError as missing:
         raise ValueError(f"{name}: config.json lacks {missing}") from None
     return ModelFacts(

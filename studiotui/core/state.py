@@ -46,10 +46,20 @@ class ShardState:
     adapter_dir: str = ""  # where this node holds it ("" when its layers are not adapted)
     adapter_bytes: int = 0  # the plan's share of the adapter on this shard's layers
     weight_bytes: int = 0  # the plan's weights for them (0: an agent that does not say)
+    kv_bits: int = 0  # quantized KV (`place --kv-bits`; 0: full precision)
+    kv_group_size: int = 64
+    # The prompt cache's budget on this shard: memory (promised like its KV, see
+    # controller.committed_bytes) and the node's disk.
+    prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
     # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);
     # 0 and () for a one-node stage.
     rank: int = 0
     group: tuple[str, ...] = ()
+    # Speculative decoding on the head: its guesser, and its guesses sent and kept.
+    draft: str = ""
+    drafted: int = 0
+    kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,7 @@ class PlacementState:
     placing: bool = False  # this operator is loading it right now
     adapter: str = ""  # the LoRA/DoRA adapter its shards apply, by name ("" none)
     adapter_dir: str = ""  # where the operator holds it ("" unknown: not planned here)
+    placed_at: int = 0  # when it was placed (Unix seconds; 0 unknown: not planned here)
 
     @property
     def label(self) -> str:
@@ -258,6 +269,7 @@ class PlannedPlacement:
     shards: tuple[PlannedShard, ...]
     adapter_dir: str = ""  # the operator's adapter directory ("" none)
     adapter: str = ""  # its name, as the shards are told it
+    placed_at: int = 0  # when it was placed (Unix seconds; 0: saved by an older build)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -266,6 +278,8 @@ class PlannedPlacement:
                 [s.node, s.start, s.end, *([s.backend] if s.backend else [])] for s in self.shards
             ],
         }
+        if self.placed_at:
+            out["placed_at"] = self.placed_at
         if self.adapter_dir:
             out["adapter_dir"] = self.adapter_dir
             out["adapter"] = self.adapter
@@ -288,6 +302,7 @@ class PlannedPlacement:
             shards=shards,
             adapter_dir=str(raw.get("adapter_dir", "")),
             adapter=str(raw.get("adapter", "")),
+            placed_at=int(raw.get("placed_at", 0)),
         )
 
 
@@ -333,6 +348,7 @@ def placements_from_shards(
                 placing=name in placing,
                 adapter=adapter,
                 adapter_dir=plan.adapter_dir if plan else "",
+                placed_at=plan.placed_at if plan else 0,
             )
         )
     return tuple(out)
@@ -382,8 +398,15 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         adapter_dir=report.adapter_dir,
         adapter_bytes=report.adapter_bytes,
         weight_bytes=report.weight_bytes,
+        kv_bits=report.kv_bits,
+        kv_group_size=report.kv_group_size,
+        prompt_cache_bytes=report.prompt_cache_bytes,
+        prompt_cache_disk_bytes=report.prompt_cache_disk_bytes,
         rank=report.rank,
         group=tuple(report.group),
+        draft=report.draft,
+        drafted=report.stats.drafted,
+        kept=report.stats.kept,
     )
 
 

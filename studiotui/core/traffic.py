@@ -21,6 +21,13 @@ def placement_tokens(placement: PlacementState) -> int:
     return max((s.tokens for s in placement.shards), default=0)
 
 
+def placement_acceptance(placement: PlacementState) -> float | None:
+    """The share of speculative decoding's guesses the placement kept (None: none made).
+    Only the head guesses, so the sums are its counts."""
+    drafted = sum(s.drafted for s in placement.shards)
+    return sum(s.kept for s in placement.shards) / drafted if drafted else None
+
+
 def placement_in_flight(placement: PlacementState) -> int:
     """Requests the placement is working on now."""
     # Every shard of the ring sees each request; the head's count is the placement's,

@@ -977,14 +977,27 @@ async def follow_log(
 # --------------------------------------------------------------------------- from the dashboard
 
 
+def event_words(node: str, step: str, status: str, detail: str) -> str:
+    """One provisioning event as a log line: "local-1: start… local agent", "local-1:
+    start done (pid 4242)", "studio-2: venv failed: …" (the step and its status are
+    different words even when both are "start")."""
+    first = detail.splitlines()[0] if detail else ""
+    if status == "start":
+        return f"{node}: {step}…" + (f" {first}" if first else "")
+    if status == "done":
+        return f"{node}: {step} done" + (f" ({first})" if first else "")
+    if status == "fail":
+        return f"{node}: {step} failed" + (f": {detail}" if detail else "")
+    return f"{node}: {step}" + (f": {first}" if first else "")
+
+
 async def provision_logged(
     ctl: Controller, names: list[str], upgrade: bool = False
 ) -> dict[str, Outcome]:
     """Provision SSH nodes (local ones are started directly), each step in the cluster log."""
 
     def on_event(node: str, step: str, status: str, detail: str) -> None:
-        text = f"{node}: {step} {status}{f' - {detail}' if detail else ''}"
-        ctl.record(text, "error" if status == "failed" else "info")
+        ctl.record(event_words(node, step, status, detail), "error" if status == "fail" else "info")
 
     ctl.mark_provisioning(names)
     try:

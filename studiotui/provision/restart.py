@@ -55,12 +55,14 @@ class Restarted:
 
 
 async def restart_local_agents(
-    ctl: Controller, nodes: Sequence[NodeSpec], timeout: float = UP_TIMEOUT_S
+    ctl: Controller, nodes: Sequence[NodeSpec], timeout: float = UP_TIMEOUT_S, stop: bool = True
 ) -> list[Outcome]:
     """Stop and start local agents (by pid file), then wait for them to answer: an
-    outcome per node, with the new agent's pid, or its last output if it did not come."""
+    outcome per node, with the new agent's pid, or its last output if it did not come.
+    With `stop` False (`up`) a running agent is left as it is."""
     started = time.monotonic()
-    await asyncio.gather(*(asyncio.to_thread(local_cluster.stop_agent, n) for n in nodes))
+    if stop:
+        await asyncio.gather(*(asyncio.to_thread(local_cluster.stop_agent, n) for n in nodes))
     pids = await asyncio.gather(
         *(asyncio.to_thread(local_cluster.start_agent, ctl.home, n, ctl.inventory) for n in nodes)
     )
@@ -83,7 +85,8 @@ async def restart_local_agents(
             Outcome(
                 node.name,
                 "up",
-                f"restarted: agent {state.version or '?'} up (pid {pid})",
+                f"{'restarted' if stop else 'started'}: agent {state.version or '?'} up "
+                f"(pid {pid})",
                 version=state.version,
                 address=state.endpoint,
                 memory_total=state.memory_total,

@@ -31,6 +31,7 @@ from studiotui.app.panes.placements import PlacementsPane
 from studiotui.app.panes.rdma import RdmaPane
 from studiotui.app.render import Drawing
 from studiotui.app.themes import load_ui
+from studiotui.chat.commands import help_text
 from studiotui.cli.main import build_parser
 from studiotui.cli.serve import api_service
 from studiotui.cluster import local_cluster
@@ -45,7 +46,7 @@ from worker import telemetry
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.telemetry import choose_power_source, choose_pressure_source
 
-PORT = 57300  # far from the default 52500 and from other test modules
+PORT = 57300  # far from the default 28500 and from other test modules
 FIRST_BASE = 171
 SIZE = (160, 48)
 
@@ -323,6 +324,50 @@ async def test_restart_key_reloads_the_shard_and_the_answer_is_the_same(
             await until(pilot, lambda: " up " in card_text(app, head), 5, f"{head} up")
         finally:
             await ctl.unload("rs")
+
+
+async def test_restart_key_relaunches_a_killed_shard_runner_and_the_answer_is_the_same(
+    cluster: tuple[Path, Inventory], tmp_path: Path
+) -> None:
+    """A shard's runner killed: the placement fails; `r` on its node relaunches that
+    runner on the same layers and the placement answers mlx-lm's greedy tokens again."""
+    home, inv = cluster
+    spec = DemoSpec(layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=12)
+    model = write_demo_model(tmp_path / "runner-model", spec)
+    tokens = prompt_tokens(model)
+    expected = reference_tokens(model, tokens, 12)
+    app = StudioApp(home, inv)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "4/4 nodes up" in app.sub_title, 10, "cluster up")
+        ctl = app.controller
+        assert ctl is not None
+        await ctl.place(model, ["local-1", "local-2"], "rk", prefill_chunk=CHUNK)
+        try:
+            placement = app.controller.state.placement("rk")
+            assert placement is not None and placement.state == "ready"
+            layers = placement.layers
+            tail = placement.shards[1].node
+            before = await runner_pids(ctl, "rk")
+            os.kill(before[tail], signal.SIGKILL)
+            await until(pilot, lambda: placement_state(app, "rk") == "failed", 20, "rk failed")
+            app.query_one(NodesPane).select(tail)
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "asked")
+            await pilot.press("y")
+            await until(
+                pilot,
+                lambda: f"'rk': reloaded its shards on {tail}" in log_text(app),
+                90,
+                "the runner relaunched",
+            )
+            await until(pilot, lambda: placement_state(app, "rk") == "ready", 10, "rk ready")
+            again = app.cluster.placement("rk")
+            assert again is not None and again.layers == layers
+            assert (await collect(ctl, "rk", tokens, 12))[0] == expected
+            after = await runner_pids(ctl, "rk")
+            assert after[tail] != before[tail]
+        finally:
+            await ctl.unload("rk")
 
 
 async def test_restart_key_on_an_idle_node_asks_nothing(cluster: tuple[Path, Inventory]) -> None:
@@ -604,8 +649,13 @@ async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> Non
         log = app.query_one(LogPane)
         for i in range(30):
             app.report(f"entry {i}")
-        await pilot.pause()
-        assert log.max_scroll_y > 0 and log.is_vertical_scroll_end
+        # Scrolling to the end waits for a refresh: on a loaded machine, more than one pause.
+        await until(
+            pilot,
+            lambda: log.max_scroll_y > 0 and log.is_vertical_scroll_end,
+            5,
+            "the log at its end",
+        )
         await pilot.press("c")
         for i in range(30, 34):
             app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
@@ -614,9 +664,7 @@ async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> Non
         for i in range(40, 44):
             app.report(f"entry {i}: " + "a long entry that wraps over lines " * (i % 4))
             await pilot.press("tab")
-        await pilot.pause()
-        await pilot.pause()
-        assert log.is_vertical_scroll_end, (log.scroll_y, log.max_scroll_y)
+        await until(pilot, lambda: log.is_vertical_scroll_end, 5, "the log at its end again")
         assert not log.border_subtitle
 
         log.focus()
@@ -627,12 +675,14 @@ async def test_the_log_follows_its_end_unless_scrolled_up(tmp_path: Path) -> Non
         assert log.scroll_y == 0
         assert "2 new below" in str(log.border_subtitle)
         await pilot.press("end")
-        await pilot.pause()
-        assert log.is_vertical_scroll_end and log.border_subtitle == ""
+        await until(
+            pilot,
+            lambda: log.is_vertical_scroll_end and log.border_subtitle == "",
+            5,
+            "the log at its end after End",
+        )
         app.report("followed again")
-        await pilot.pause()
-        await pilot.pause()
-        assert log.is_vertical_scroll_end
+        await until(pilot, lambda: log.is_vertical_scroll_end, 5, "the log following again")
 
 
 async def test_unfocused_borders_show_in_the_light_theme(tmp_path: Path) -> None:
@@ -729,3 +779,54 @@ async def test_help_scrolls_to_its_last_line_on_a_small_terminal(tmp_path: Path)
         await pilot.press("end")
         await pilot.pause()
         assert scroll.scroll_y == scroll.max_scroll_y
+
+
+def _footer_keys(app: StudioApp) -> dict[str, bool]:
+    """Each key of the footer's, and whether all of it is on screen."""
+    from textual.widgets._footer import FooterKey
+
+    width = app.size.width
+    return {
+        key.description: key.region.width > 0 and key.region.right <= width
+        for key in app.screen.query(FooterKey)
+    }
+
+
+async def test_at_80_by_24_the_footer_keeps_the_first_keys_whole(tmp_path: Path) -> None:
+    """At 80 columns the footer ended at "m Measu": Place, Unload and Chat were past the
+    edge. The footer shows the newcomer's keys; the rest are under `?` and the palette.
+    The chat screen's footer too (it ended at "^o Co")."""
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+
+    async def footer(needed: str) -> dict[str, bool]:
+        # Drawn once the screen's footer lists its keys (slow on a loaded machine).
+        for _ in range(100):
+            await pilot.pause(0.1)
+            if needed in (shown := _footer_keys(app)):
+                await pilot.pause(0.2)
+                return _footer_keys(app)
+        return shown
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        shown = await footer("Place")
+        for needed in ("Place", "Unload", "Chat", "Help", "Quit"):
+            assert shown.get(needed), shown
+        assert all(shown.values()), shown  # nothing cut at the edge
+        # What the footer leaves out is still a key `?` lists, and in the palette.
+        listed = {meaning for _, meaning in app.key_rows()}
+        palette = " ".join(title for title, _, _ in app.palette_actions())
+        for hidden in ("Restart", "links", "Provision", "logs", "Refresh", "theme"):
+            assert any(hidden.lower() in m.lower() for m in listed), (hidden, listed)
+            assert hidden.lower() in palette.lower(), hidden
+        await pilot.press("c")
+        chat = await footer("Regenerate")
+        for needed in ("Stop / back", "Regenerate", "Conversations", "New", "Attach"):
+            assert chat.get(needed), chat
+        assert all(chat.values()), chat
+        # The keys it leaves out are named by /help.
+        assert "ctrl+y" in help_text() and "ctrl+b" in help_text()
+
+
+def test_dashboard_snapshot_80x24(snap_compare, tmp_path: Path, utc: None) -> None:
+    app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
+    assert snap_compare(app, terminal_size=(80, 24))

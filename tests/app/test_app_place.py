@@ -363,6 +363,59 @@ async def test_keys_two_placements_at_once_and_an_overcommit_refused(setup: Setu
             await unload_all(app)
 
 
+async def test_k_quantizes_the_kv_in_the_preview_and_the_plan_follows(setup: Setup) -> None:
+    """`k` cycles full → 8-bit → 4-bit KV: the plan's KV shrinks with it, the preview
+    says how it is kept and why requests decode one by one; a model whose heads no
+    group size divides is refused in those words."""
+    app = StudioApp(setup.home, setup.inventory)
+    async with app.run_test(size=SIZE) as pilot:
+        try:
+            await ready_app(pilot, app)
+            models = app.query_one(ModelsPane)
+
+            async def open_preview(name: str) -> PreviewScreen:
+                await pilot.press("4")
+                models.focus()
+                await pilot.pause()
+                await pilot.press("ctrl+home")
+                await pilot.press(*["down"] * [r.name for r in models.rows_shown].index(name))
+                await run_from_palette(pilot, app, "group right", "group right")
+                return await preview(pilot, app)
+
+            def kv(screen: PreviewScreen) -> float:
+                """KV reserved per stream (more fit once it is quantized)."""
+                assert screen.plan is not None, screen.text
+                return sum(s.kv_bytes for s in screen.plan.shards) / screen.plan.streams
+
+            screen = await open_preview("big")
+            assert screen.phase == "plan", screen.text
+            full = kv(screen)
+            assert "prompt cache" in screen.text  # the budget, counted per node
+            await pilot.press("k")
+            await until(pilot, lambda: screen.kv_bits == 8 and screen.phase == "plan", 10, "8-bit")
+            said = " ".join(screen.text.split())
+            assert "KV 8-bit" in said and "decode one at a time" in said, said
+            assert screen.plan is not None and screen.plan.kv_group_size == 32  # heads of 32
+            # float32 heads 32 wide: 128 bytes each, 8-bit keeps 32 + a scale and bias (8).
+            assert kv(screen) < full * 0.35
+            await pilot.press("k")
+            await until(pilot, lambda: screen.kv_bits == 4 and screen.phase == "plan", 10, "4-bit")
+            assert kv(screen) < full * 0.2
+            await pilot.press("k")
+            await until(pilot, lambda: screen.kv_bits == 0 and screen.phase == "plan", 10, "full")
+            assert kv(screen) == full
+            await pilot.press("escape")
+
+            screen = await open_preview("alpha")  # heads 16 wide: no group of 32-128 fits
+            await pilot.press("k")
+            await until(pilot, lambda: screen.phase == "refused", 10, "refused")
+            said = " ".join(screen.text.split())
+            assert "does not divide the model's attention head width 16" in said, said
+            await pilot.press("escape")
+        finally:
+            await unload_all(app)
+
+
 async def test_a_failed_load_shows_the_controllers_message(setup: Setup) -> None:
     """The controller rolls back; the preview keeps its message on screen."""
     app = StudioApp(setup.home, setup.inventory)

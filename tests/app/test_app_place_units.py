@@ -27,8 +27,15 @@ from studiotui.app.place.preview import (
     warnings_for,
 )
 from studiotui.core.forecast import chips_from_state, choose, links_from_state
-from studiotui.core.model_facts import ModelInfo
-from studiotui.core.placement import ModelFacts, NodeBudget, Plan, Refusal, plan
+from studiotui.core.model_facts import ModelInfo, with_kv_quant
+from studiotui.core.placement import (
+    ModelFacts,
+    NodeBudget,
+    Plan,
+    Refusal,
+    plan,
+    with_prompt_cache,
+)
 from studiotui.core.state import (
     ClusterState,
     NodeState,
@@ -88,7 +95,10 @@ class FixedPreview:
         streams: int | None = None,
         tensor: int | None = None,
         adapter: Adapter | None = None,
+        kv_bits: int = 0,
+        kv_group_size: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
+        info, notes, _ = with_kv_quant(self.info, kv_bits, 64)
         budgets = []
         for name in nodes:
             node = self.state.node(name)
@@ -99,7 +109,7 @@ class FixedPreview:
         # As the controller does: as many streams as fit, up to the default, else one.
         for n in [streams] if streams else range(DEFAULT_STREAMS, 0, -1):
             verdict = choose(
-                self.info.facts,
+                info.facts,
                 budgets,
                 links_from_state(self.state),
                 chips_from_state(self.state, nodes),
@@ -108,8 +118,11 @@ class FixedPreview:
                 streams=n,
             ).verdict
             if isinstance(verdict, Plan):
+                verdict = with_prompt_cache(verdict, None, None)
+            if isinstance(verdict, Plan):
+                verdict = replace(verdict, kv_bits=kv_bits, notes=notes)
                 break
-        return self.info, verdict
+        return info, verdict
 
 
 # --------------------------------------------------------------------------- pure parts

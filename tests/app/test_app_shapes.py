@@ -53,6 +53,8 @@ class Stand:
         streams: int | None = None,
         tensor: int | None = None,
         adapter: Adapter | None = None,  # none asked for here
+        kv_bits: int = 0,  # full precision here (k is tried in test_app_place)
+        kv_group_size: int | None = None,
     ) -> tuple[ModelInfo, Plan | Refusal]:
         self.asked.append(tensor)
         budgets = [

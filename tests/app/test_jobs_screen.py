@@ -213,6 +213,26 @@ async def test_jobs_screen_reattaches_stops_resumes_and_starts(
         assert record is not None
         on_node = Path(cluster.inventory.node(record.nodes[0]).workdir) / "jobs" / "fromform"
         assert fetched.read_bytes() == (on_node / "adapters" / "adapters.safetensors").read_bytes()
+
+    # A dashboard opened afterwards shows the ended jobs, without announcing them again.
+    again = StudioApp(home, cluster.inventory)
+    async with again.run_test(size=SIZE) as pilot:
+        await until(
+            pilot,
+            lambda: again.controller is not None and again.cluster.nodes[0].state == "up",
+            30,
+            "nodes up",
+        )
+        later = again.jobs_screen()
+
+        def shown_done() -> bool:
+            watch = later.watches.get("fromform")
+            return watch is not None and watch.progress.state == "done"
+
+        await until(pilot, shown_done, 30, "the ended job shown")
+        await pilot.pause(1.0)
+        said = [e.text for e in again.cluster.log]
+        assert not [t for t in said if t.startswith(("job 'fromform'", "job 'earlier'"))], said
     await asyncio.sleep(0)
 
 

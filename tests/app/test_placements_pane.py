@@ -54,3 +54,30 @@ async def test_columns_shrink_back_after_a_long_label() -> None:
         # "4 nodes" (or the header) plus a cell of padding either side, no more.
         assert widths["group"] == len("4 nodes") + 2, widths
         assert sum(widths.values()) <= table.size.width, (widths, table.size.width)
+
+
+async def test_an_adapter_placement_leaves_tokens_and_the_ring_whole() -> None:
+    """An adapter's placement (`model+adapter`, model `model + adapter`) cut the tokens
+    and ring columns to "t" and "rin" at 160 columns (the dashboard's pane, the web
+    view's too): the long names give way with "…" instead."""
+    app = PaneApp()
+    plain = _placement(4)
+    adapted = PlacementState(
+        "demo-instruct+legal-summaries-v2",
+        "demo-instruct",
+        "/m/demo-instruct",
+        plain.shards,
+        planned=PLAN,
+        adapter="legal-summaries-v2",
+    )
+    async with app.run_test(size=(78, 16)) as pilot:
+        pane = app.query_one(PlacementsPane)
+        table = pane.query_one(DataTable)
+        pane.show((plain, adapted), "dark", {})
+        await pilot.pause()
+        widths = {str(c.key.value): c.get_render_width(table) for c in table.columns.values()}
+        assert sum(widths.values()) <= table.size.width, (widths, table.size.width)
+        for column in ("tok/s", "tokens", "ring"):
+            key = column.split()[0]
+            assert widths[key] >= len(column) + 2, widths
+        assert "…" in str(table.get_row("demo-instruct+legal-summaries-v2")[2])

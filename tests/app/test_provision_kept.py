@@ -68,5 +68,9 @@ async def test_provisioning_a_node_down_stopped_loads_its_kept_shard_again(
         await until(pilot, lambda: placement_state() == "ready", 90, "placement ready again")
         said = " ".join(n.message for n in app._notifications)
         assert f"placement {placed.name!r}: reloaded its shards on {last}" in said, said
+        # Each step logged once, in words: a local node's start is not "start start".
+        logged = [e.text for e in app.controller.state.log] if app.controller else []
+        assert f"{last}: start… local agent" in logged, logged
+        assert not [t for t in logged if "start start" in t], logged
         p = app.controller.state.placement(placed.name) if app.controller else None
         assert p is not None and sorted((s.node, s.start, s.end) for s in p.shards) == layers

@@ -41,6 +41,7 @@ FIGURES = {
     "bare_hop_us",
     "hop_over_bare",
     "finetune2_ratio",
+    "kv8_context_ratio",
     "tp2_ratio",
     "mlx_tp2_ratio",
 }
@@ -69,6 +70,8 @@ def test_quick_bench_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
         figures["moe_pipe2_ratio"] / figures["moe_pipe2_floor_ratio"], abs=0.01
     )
     assert figures["batch8_ratio"] > 0 and figures["mlx_batch8_ratio"] > 0
+    # The goal: 8-bit KV offers at least 1.8x the context on the same nodes.
+    assert figures["kv8_context_ratio"] >= 1.8
     assert figures["batch8_mean_rows"] > 1  # the eight streams really met in batches
     assert figures["bare_hop_us"] > 0 and figures["hop_over_bare"] > 0
     # One hop-over-floor pair per pipe2 run, shown beside the ratio: the run's own hops

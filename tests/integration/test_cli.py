@@ -22,7 +22,7 @@ from studiotui.core.inventory import load_inventory
 from tests.tool_model import write_tool_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
-PORT = 57900  # beside the default 52500, so a developer's own local cluster is untouched
+PORT = 57900  # beside the default 28500, so a developer's own local cluster is untouched
 # What a model may say that a terminal obeys: SGR red, OSC "set the window title" ended
 # by BEL, and the one-character C1 CSI (U+009B) clearing the screen.
 ESCAPES = "Red\x1b[31m alert\x1b]0;pwned\x07 done\x9b2J!"
@@ -175,14 +175,21 @@ def test_up_place_chat_status_down(home: Path) -> None:
 
     down = run(home, "down")
     assert down.returncode == 0, down.stderr
+    assert down.stderr.count("studiotui: inventory ") == 1, down.stderr  # it said it twice
     assert not any(psutil.pid_exists(pid) and _is_agent(pid) for pid in pids if pid)
     # Stopped agents are not asked again (each would wait out a 5 s request first).
     again = run(home, "down")
     assert again.returncode == 0 and again.stdout.count("not running") == len(pids), again.stdout
-    # Every node of 'tiny' was stopped: it is gone, not a broken placement to repair.
+    # Every node of 'tiny' was stopped: kept, for `up` or `restart` to load again.
+    assert "`studiotui up` starts it and loads that shard again" in down.stdout, down.stdout
     after = run(home, "status", "--json")
     assert after.returncode == 1 and "start it with `studiotui up`" in after.stderr
-    assert json.loads(after.stdout)["placements"] == []
+    [kept] = json.loads(after.stdout)["placements"]
+    assert (kept["name"], kept["state"], kept["nodes"]) == ("tiny", "broken", [])
+    # `unload` forgets it for good, its nodes down or not.
+    assert run(home, "unload", "tiny").returncode == 0
+    gone = run(home, "status", "--json")
+    assert json.loads(gone.stdout)["placements"] == []
 
 
 def serve_it(home: Path, placement: str) -> None:

@@ -253,6 +253,23 @@ def test_what_would_waste_a_run_is_refused_before_measuring(
         os.environ.pop("STUDIOTUI_HOME", None)
 
 
+def test_a_placement_that_does_not_exist_is_refused_before_the_bar_shows(
+    bench_cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`benchmark --placement nope` drew its progress bar ("asking the nodes") and then
+    refused; now the words come alone."""
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text(dump_inventory(bench_cluster.inventory))
+    os.environ["STUDIOTUI_HOME"] = str(bench_cluster.home)
+    try:
+        code = main(["-i", str(inventory), "benchmark", *TINY_ARGS, "--placement", "nope"])
+    finally:
+        os.environ.pop("STUDIOTUI_HOME", None)
+    err = capsys.readouterr().err
+    assert code == 2 and "placement 'nope' does not exist" in err, err
+    assert "asking the nodes" not in err and "Traceback" not in err
+
+
 def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(
     bench_cluster: LocalCluster,
 ) -> None:

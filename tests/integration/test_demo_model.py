@@ -218,3 +218,46 @@ def test_a_family_with_a_layer_pattern_refuses_fewer_layers_than_it_needs(
         str(write_demo_model(tmp_path / arch, DemoSpec(**spec, layers=least)))
     )
     assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2)
+
+
+def test_the_tour_s_demo_model_reads_and_a_noise_model_says_what_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's tour writes `demo-model DIR` and chats "Hello there": that model
+    recites its passage (it answered "rlnlnlnl…" when noise was the default); `--noise`
+    keeps random output, and the model's facts say so wherever it is placed."""
+    from studiotui.core.model_facts import NOISE_NOTE, read_model
+    from worker.shared.demo_model import PASSAGE
+
+    monkeypatch.setenv("STUDIOTUI_HOME", str(tmp_path / "home"))
+    assert main(["demo-model", str(tmp_path / "demo"), "--layers", "4"]) == 0
+    assert "recites a passage" in capsys.readouterr().out
+    model, tokenizer = mlx_lm.load(str(tmp_path / "demo"))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], add_generation_prompt=True
+    )
+    answer = mlx_lm.generate(model, tokenizer, prompt, max_tokens=12)
+    assert answer and PASSAGE.startswith(answer.strip()), answer
+    assert read_model(tmp_path / "demo").note == ""
+
+    assert main(["demo-model", str(tmp_path / "noise"), "--layers", "2", "--noise"]) == 0
+    assert "writes noise" in capsys.readouterr().out
+    assert read_model(tmp_path / "noise").note == NOISE_NOTE
+    with pytest.raises(SystemExit):  # one or the other
+        main(["demo-model", str(tmp_path / "x"), "--noise", "--recite"])
+
+
+def test_a_quantized_demo_is_named_as_the_models_pane_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mlx-lm keeps a MoE's router at 8 bits: the command said "4-bit" where the Models
+    pane and the preview said "mixed 4/8-bit"; both now read the config written."""
+    from studiotui.core.model_facts import read_model
+
+    monkeypatch.setenv("STUDIOTUI_HOME", str(tmp_path / "home"))
+    target = tmp_path / "moe"
+    args = ["demo-model", str(target), "--arch", "qwen3_moe", "--layers", "2", "--quantize", "4"]
+    assert main(args) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    pane = read_model(target).quantization
+    assert pane == "mixed 4/8-bit" and f", {pane}," in said, said

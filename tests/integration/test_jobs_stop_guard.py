@@ -1,4 +1,5 @@
-"""`studiotui restart` / `down` on a node running a rank of a job refuse, naming the job.
+"""`studiotui restart` / `down` / `provision --upgrade` on a node running a rank of a job
+refuse, naming the job.
 
 Two real local nodes; a fine-tuning job runs on the first. Restarting or stopping it
 (named, or as one of all the nodes) would end the job on every node without a word:
@@ -74,10 +75,17 @@ def test_restart_and_down_refuse_to_end_a_running_job_without_yes(
 
     asyncio.run(_launch(cluster, busy, data))
     pid = local_cluster.running_pid(cluster.inventory.node(busy))
-    for argv in (["restart", busy], ["down", busy], ["down"], ["restart"]):
+    for argv in (
+        ["restart", busy],
+        ["down", busy],
+        ["down"],
+        ["restart"],
+        ["provision", "--upgrade", busy],
+        ["provision", "--upgrade"],
+    ):
         code, said = cli(*argv)
         assert code == 2, (argv, said)
-        doing = "restarting" if argv[0] == "restart" else "stopping"
+        doing = {"restart": "restarting", "provision": "upgrading"}.get(argv[0], "stopping")
         assert f"{doing} {busy} would end job 'long' (a rank of it runs on {busy})" in said
         assert "nothing was stopped" in said and "anyway, add --yes" in said, said
         assert "studiotui jobs stop long" in said, said

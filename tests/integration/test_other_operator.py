@@ -18,6 +18,7 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
+from studiotui.cli import exits
 from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import dump_inventory
@@ -183,7 +184,7 @@ def test_a_node_that_is_down_is_refused_with_the_command_that_starts_it(
     local_cluster.stop_agent(two)
     try:
         placed = ["place", str(model), "--nodes", two.name, "--dry-run", "-i", str(inventory)]
-        assert main(placed) == 1  # the plan shown: a refusal
+        assert main(placed) == exits.REFUSED["node"]  # the plan shown: a refusal
         assert main(["fetch", str(model), "--nodes", two.name, "-i", str(inventory)]) == 2
         tune = ["finetune", str(model), "--data", str(data), "--nodes", two.name]
         assert main([*tune, "--batch-size", "1", "-i", str(inventory)]) == 2

@@ -106,7 +106,12 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
                     planned.weight_bytes,
                     planned.kv_bytes,
                 )
-                assert committed_bytes(node) == planned.weight_bytes + planned.kv_bytes
+                # ...and its prompt cache's budget (default: what the node could spare
+                # when it was placed).
+                assert shard.prompt_cache_bytes > 0
+                assert committed_bytes(node) == (
+                    planned.weight_bytes + planned.kv_bytes + shard.prompt_cache_bytes
+                )
                 _, second = watching.preview(model, [held], context, streams=1)
                 assert isinstance(second, Refusal), second
                 assert "placement 'first' (copying its files) is promised" in second.reason

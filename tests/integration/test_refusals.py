@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 from studiotui.app.app import StudioApp
 from studiotui.app.panes.models import ModelsPane, rows_from_catalog
 from studiotui.app.place.preview import PlaceRequest, PreviewScreen
+from studiotui.cli import exits
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.catalog import scan
@@ -103,7 +104,7 @@ def test_dry_run_refuses_an_unsupported_family_and_quantization(
             home, "-i", str(tmp_path / "cluster.toml"), "place", str(models[key]), "--dry-run"
         )
         said = " ".join(out.stdout.split())
-        assert out.returncode == 1, out.stderr
+        assert out.returncode == exits.REFUSED["model"], out.stderr
         assert f"cannot place: {key} cannot run on a shard: {words}" in said, said
         assert words in unsupported_reason(json.loads((models[key] / "config.json").read_text()))
 

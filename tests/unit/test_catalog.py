@@ -234,6 +234,27 @@ def test_the_stamp_changes_when_a_model_comes_or_goes_and_only_then(
     assert catalog.models_stamp(home) != third
 
 
+def test_the_stamp_changes_when_a_weight_file_is_written_over_in_place(tmp_path: Path) -> None:
+    """A weight file replaced under the same name changes no directory entry: the
+    Models pane saw it only on f5. A model's own files are stamped too."""
+    home = tmp_path / "home"
+    model = home / "models" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"old")
+    before = catalog.models_stamp(home)
+    folder_time = model.stat().st_mtime_ns
+    with weights.open("r+b") as f:  # in place: the same inode, the same entry
+        f.write(b"new weights")
+    assert model.stat().st_mtime_ns == folder_time  # no directory changed
+    assert catalog.models_stamp(home) != before
+    # A folder that holds no model is not read file by file.
+    (home / "models" / "notes").mkdir()
+    (home / "models" / "notes" / "a.json").write_text("{}")
+    assert not any("a.json" in path for path, _ in catalog.models_stamp(home))
+
+
 def test_a_directory_is_settling_while_it_or_a_file_in_it_is_fresh(tmp_path: Path) -> None:
     folder = tmp_path / "half"
     folder.mkdir()

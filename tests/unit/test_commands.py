@@ -71,9 +71,12 @@ def test_the_api_and_the_browser_dashboard_listen_on_localhost_unless_told() -> 
 
 
 def _readme_invocations() -> list[tuple[list[str], str]]:
-    """Each `studiotui …` README shows (the command table's rows, the lines of its bash
-    blocks): the words before the first option, and the text naming its flags."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    """Each `studiotui …` the README and the docs pages show (a table's rows, the lines
+    of their bash blocks): the words before the first option, and the text naming its
+    flags. (docs/cli.md is written from the parsers themselves.)"""
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    readme = "\n".join(page.read_text(encoding="utf-8") for page in pages)
     found = []
     for usage, said in re.findall(r"^\| `studiotui ([^`]*)` \|(.*)$", readme, re.M):
         # The verb and any sub-verb (`adapter stamp`): the lowercase words before the
@@ -90,7 +93,7 @@ def _readme_invocations() -> list[tuple[list[str], str]]:
     return found
 
 
-def test_every_flag_the_readme_shows_is_in_its_verbs_help(
+def test_every_flag_the_docs_show_is_in_its_verbs_help(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     parser = build_parser()
@@ -162,3 +165,21 @@ def test_fit_status_gives_up_columns_in_order() -> None:
     assert shard_lines([("abcdefghij", "[0:2] ready"), ("ab", "[2:4] ready")], 5) == (
         "abcd…[0:2] ready\nab[2:4] ready"
     )
+
+
+def test_status_json_waits_for_tok_s_only_while_a_placement_answers() -> None:
+    """An idle placement makes 0 tok/s, known without watching the counts for a window
+    (`status --json` used to wait 2 s for it whenever a placement was ready)."""
+    from studiotui.cli.commands import rates_to_sample
+    from studiotui.core.state import PlacementState, ShardState
+
+    def placement(name: str, in_flight: int, state: str = "ready") -> PlacementState:
+        shards = tuple(
+            ShardState(name, f"n{i}", i, 2, 2 * i, 2 * i + 2, state, in_flight=in_flight)  # type: ignore[arg-type]
+            for i in range(2)
+        )
+        return PlacementState(name, "m", "/m", shards)
+
+    assert rates_to_sample([placement("idle", 0)]) == []
+    assert rates_to_sample([placement("idle", 0), placement("busy", 1)]) == ["busy"]
+    assert rates_to_sample([placement("loading", 1, "loading")]) == []

@@ -122,3 +122,15 @@ def test_a_pledge_counts_until_its_node_reports_the_placement_and_never_twice() 
         note
     )
     assert promises_note([reported], pledges).count("'new'") == 1
+
+
+def test_the_prompt_cache_budget_is_committed() -> None:
+    # Prepared (the agent's promise from prepare_shard), and loaded: the prompt cache's
+    # budget is promised like the KV it may grow to, and says so in the note.
+    prepared = ShardProc("big", 1, 2, spec={"weight_bytes": 7 * MB, "prompt_cache_bytes": 5 * MB})
+    node = _node(prepared)
+    assert node.shards[0].prompt_cache_bytes == 5 * MB
+    assert committed_bytes(node) == 7 * MB + 5 * MB
+    assert "placement 'big' (copying its files) is promised 12 MB" in promises_note([node])
+    ready = _shard("ready", (10 * MB, 10 * MB), kv_bytes=2 * MB, prompt_cache_bytes=4 * MB)
+    assert committed_bytes(_node(ready)) == 2 * MB + 4 * MB

@@ -222,7 +222,10 @@ async def test_commands_and_documents_without_a_cluster(tmp_path: Path) -> None:
         assert session.conversation.placement == "demo"
         reply = await session.command(Command("/system", "Be terse."))
         assert reply.status == "system prompt set" and "system" in reply.redraw
-        assert "/attach PATH" in (await session.command(Command("/help", ""))).status
+        said = (await session.command(Command("/help", ""))).status
+        assert "/attach PATH" in said
+        # The answer's settings are named too (/help named none of them).
+        assert all(word in said for word in ("temperature", "top-p", "max tokens")), said
         # A question goes with the document's passage, kept apart from what was typed.
         turn = await session.ask("What is the vault code?", Target("demo"))
         await session.run(turn, None)

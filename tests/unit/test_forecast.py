@@ -1,9 +1,8 @@
 """The speed forecast: the pure cost model, and how close it comes to real figures.
 
 Published figures (the seeds' models, header-only, on the articles' machines) and
-this machine's own measured runs (README "Performance", the bench's demo model):
-every row of the README's forecast table is computed here, so the table cannot
-drift from the model.
+the bench's demo model measured on a 2-vCPU Linux machine: every row of the forecast
+table in docs/placing.md is computed here, so the table cannot drift from the model.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from tests.seed_models import seed_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 GiB = 1024**3
-README = Path(__file__).resolve().parents[2] / "README.md"
+PLACING = Path(__file__).resolve().parents[2] / "docs" / "placing.md"
 ULTRAS = [NodeBudget(f"studio-{i}", 504 * GiB, 512 * GiB) for i in range(1, 5)]
 NAMES = [n.name for n in ULTRAS]
 M3_ULTRA = {n: chip_for("Apple M3 Ultra") for n in NAMES}
@@ -234,13 +233,15 @@ def table_line(what: str, figure: float, guess: float) -> str:
     return f"| {what} | {figure:g} | {guess:.1f} | {error:+.0f} % |"
 
 
-def test_the_readme_table_is_what_the_model_forecasts(
+def test_the_docs_table_is_what_the_model_forecasts(
     seeds: dict[str, ModelFacts], demo: ModelFacts
 ) -> None:
-    readme = README.read_text()
+    page = PLACING.read_text(encoding="utf-8")
     lines = [table_line(what, figure, guess(seeds, demo)) for what, figure, guess in ROWS]
-    missing = [line for line in lines if line not in readme]
-    assert not missing, "README forecast table differs; these rows are:\n" + "\n".join(lines)
+    missing = [line for line in lines if line not in page]
+    assert not missing, "docs/placing.md's forecast table differs; its rows are:\n" + "\n".join(
+        lines
+    )
 
 
 def test_the_published_tensor_parallel_figures_are_within_ten_percent(

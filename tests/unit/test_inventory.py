@@ -49,7 +49,7 @@ python = "python3"
 name = "studio-2"
 address = "169.254.10.2"
 memory_gb = 128
-control_port = 53000
+control_port = 29000
 
 [[nodes]]
 name = "sim"
@@ -87,9 +87,9 @@ def test_good_file_parses(tmp_path: Path) -> None:
     assert first.transport == "ssh"
     assert (first.host, first.port, first.user) == ("studio-1.local", 22, "me")
     assert first.identity == "~/.ssh/id_ed25519"
-    assert first.control_endpoint == "tcp://169.254.10.1:52500"
-    assert first.telemetry_endpoint == "tcp://169.254.10.1:52501"
-    assert first.shard_port_base == 52510
+    assert first.control_endpoint == "tcp://169.254.10.1:28500"
+    assert first.telemetry_endpoint == "tcp://169.254.10.1:28501"
+    assert first.shard_port_base == 28510
 
 
 def test_defaults(tmp_path: Path) -> None:
@@ -100,8 +100,8 @@ def test_defaults(tmp_path: Path) -> None:
     assert second.workdir == "~/.studiotui"
     assert second.python == "python3"
     assert second.memory_gb == 128.0
-    assert second.control_endpoint == "tcp://169.254.10.2:53000"
-    assert second.telemetry_endpoint == "tcp://169.254.10.2:53001"
+    assert second.control_endpoint == "tcp://169.254.10.2:29000"
+    assert second.telemetry_endpoint == "tcp://169.254.10.2:29001"
 
     sim = inv.node("sim")
     assert sim.is_local and sim.host is None
@@ -331,14 +331,14 @@ REFUSALS = [
         TWO_NODES.replace("10.2", "10.1").format(extra=""),
         10,
         "nodes[1].address",
-        'address:port 169.254.10.1:52500 is already used by nodes[0] "studio-1"',
+        'address:port 169.254.10.1:28500 is already used by nodes[0] "studio-1"',
         id="duplicate-endpoint",
     ),
     pytest.param(
-        TWO_NODES.replace("10.2", "10.1").format(extra="control_port = 52501"),
+        TWO_NODES.replace("10.2", "10.1").format(extra="control_port = 28501"),
         11,
         "nodes[1].control_port",
-        "169.254.10.1:52501 is already used",
+        "169.254.10.1:28501 is already used",
         id="control-port-on-telemetry-port",
     ),
     pytest.param(
@@ -525,7 +525,7 @@ def test_local_inventory(tmp_path: Path) -> None:
     assert inv.nodes[2].workdir == str(tmp_path / "local" / "local-3")
     assert inv.nodes[0].memory_gb == 64.0
     assert inv.nodes[0].python == sys.executable
-    assert inv.nodes[1].control_endpoint == "tcp://127.0.0.12:52500"
+    assert inv.nodes[1].control_endpoint == "tcp://127.0.0.12:28500"
 
 
 def test_local_inventory_options(tmp_path: Path) -> None:
@@ -540,7 +540,7 @@ def test_local_inventory_options(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("n", "octet", "port"), [(0, 11, 52500), (5, 252, 52500), (1, 0, 52500), (1, 11, 65530)]
+    ("n", "octet", "port"), [(0, 11, 28500), (5, 252, 28500), (1, 0, 28500), (1, 11, 65530)]
 )
 def test_local_inventory_refuses_impossible_clusters(
     tmp_path: Path, n: int, octet: int, port: int
@@ -552,10 +552,10 @@ def test_local_inventory_refuses_impossible_clusters(
 def test_local_inventory_on_macos_shares_127_0_0_1_by_port(tmp_path: Path) -> None:
     inv = local_inventory(4, home=tmp_path, platform="darwin")
     assert [n.control_endpoint for n in inv.nodes] == [
-        "tcp://127.0.0.1:52500",
-        "tcp://127.0.0.1:52600",
-        "tcp://127.0.0.1:52700",
-        "tcp://127.0.0.1:52800",
+        "tcp://127.0.0.1:28500",
+        "tcp://127.0.0.1:28600",
+        "tcp://127.0.0.1:28700",
+        "tcp://127.0.0.1:28800",
     ]
     assert parse_inventory(dump_inventory(inv)) == inv
     with pytest.raises(ValueError, match="the last node's is 65590"):
@@ -576,17 +576,17 @@ def _free_except(*busy: tuple[str, int]):
 @pytest.mark.parametrize(
     ("platform", "busy", "expected"),
     [
-        ("linux", [], LocalLayout(11, 52500)),
+        ("linux", [], LocalLayout(11, 28500)),
         # Any busy agent port (control or telemetry) of any node moves the whole range.
-        ("linux", [("127.0.0.14", 52501)], LocalLayout(21, 52500)),
-        ("linux", [("127.0.0.11", 52500), ("127.0.0.22", 52500)], LocalLayout(31, 52500)),
+        ("linux", [("127.0.0.14", 28501)], LocalLayout(21, 28500)),
+        ("linux", [("127.0.0.11", 28500), ("127.0.0.22", 28500)], LocalLayout(31, 28500)),
         # 127.0.0.1 is not ours on Linux: busy there changes nothing.
-        ("linux", [("127.0.0.1", 52500)], LocalLayout(11, 52500)),
-        ("darwin", [], LocalLayout(11, 52500)),
+        ("linux", [("127.0.0.1", 28500)], LocalLayout(11, 28500)),
+        ("darwin", [], LocalLayout(11, 28500)),
         # On macOS the step is a block of ports, never another address.
-        ("darwin", [("127.0.0.11", 52500)], LocalLayout(11, 52500)),
-        ("darwin", [("127.0.0.1", 52701)], LocalLayout(11, 52900)),
-        ("darwin", [("127.0.0.1", 52500), ("127.0.0.1", 53200)], LocalLayout(11, 53300)),
+        ("darwin", [("127.0.0.11", 28500)], LocalLayout(11, 28500)),
+        ("darwin", [("127.0.0.1", 28701)], LocalLayout(11, 28900)),
+        ("darwin", [("127.0.0.1", 28500), ("127.0.0.1", 29200)], LocalLayout(11, 29300)),
     ],
 )
 def test_choose_local_layout(
@@ -619,17 +619,17 @@ def test_choose_local_layout_says_when_nothing_is_free(platform: str) -> None:
     ("platform", "busy", "expected"),
     [
         # The next block of ports on the same addresses, past any busy one.
-        ("linux", [("127.0.0.12", 52501)], 52600),
-        ("linux", [("127.0.0.12", 52501), ("127.0.0.11", 52600)], 52700),
+        ("linux", [("127.0.0.12", 28501)], 28600),
+        ("linux", [("127.0.0.12", 28501), ("127.0.0.11", 28600)], 28700),
         # On macOS the nodes are 127.0.0.1 ports P, P+100, …: a whole block further.
-        ("darwin", [("127.0.0.1", 52500)], 52900),
-        ("darwin", [("127.0.0.1", 52500), ("127.0.0.1", 53001)], 53300),
+        ("darwin", [("127.0.0.1", 28500)], 28900),
+        ("darwin", [("127.0.0.1", 28500), ("127.0.0.1", 29001)], 29300),
     ],
 )
 def test_free_control_port(platform: str, busy: list[tuple[str, int]], expected: int) -> None:
     is_free, _ = _free_except(*busy)
-    assert free_control_port(4, platform, is_free, 52500) == expected
-    assert free_control_port(4, platform, lambda address, port: False, 52500) is None
+    assert free_control_port(4, platform, is_free, 28500) == expected
+    assert free_control_port(4, platform, lambda address, port: False, 28500) is None
 
 
 # --------------------------------------------------------------------------- round trip
@@ -770,3 +770,20 @@ def test_any_garbage_inventory_is_an_inventory_error_or_an_inventory(text: str) 
         parse_inventory(text, Path("/x/cluster.toml"))
     except InventoryError as exc:
         assert "cluster.toml" in str(exc)
+
+
+def test_the_default_ports_lie_below_the_ephemeral_ranges() -> None:
+    """Linux hands out 32768-60999 and macOS 49152-65535 for outgoing connections: an
+    agent port there can be taken by any client socket. A 4-node simulated cluster on
+    macOS (blocks of MAC_PORT_STRIDE, shards above control) stays below both too."""
+    from studiotui.core.inventory import (
+        DEFAULT_CONTROL_PORT,
+        EPHEMERAL_FLOOR,
+        MAC_PORT_STRIDE,
+        choose_local_layout,
+    )
+
+    assert DEFAULT_CONTROL_PORT >= 1024
+    assert DEFAULT_CONTROL_PORT + 4 * MAC_PORT_STRIDE < EPHEMERAL_FLOOR <= 32768
+    layout = choose_local_layout(4, "darwin", lambda address, port: True)
+    assert layout.control_port + 4 * MAC_PORT_STRIDE < 32768

@@ -17,8 +17,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from studiotui.core.kv_sizes import LayerKV, layer_caches
+from studiotui.core.kv_sizes import LayerKV, full_precision_note, layer_caches
 from studiotui.core.placement import facts_from_config
+from worker.families import make_caches
+from worker.shared.kv_quant import family_reason as kv_quant_reason
 
 VOCAB = 128
 # Small but with every feature of the family: windows shorter than the context,
@@ -141,9 +143,10 @@ def _model(config: dict[str, Any]) -> Any:
     return model
 
 
-def _run(model: Any, tokens: int) -> list[Any]:
-    """`tokens` tokens through the model's own caches: chunked prefill, then decode."""
-    cache = make_prompt_cache(model)
+def _run(model: Any, tokens: int, cache: list[Any] | None = None) -> list[Any]:
+    """`tokens` tokens through the model's own caches (or `cache`): chunked prefill,
+    then decode."""
+    cache = make_prompt_cache(model) if cache is None else cache
     ids = mx.random.randint(0, VOCAB, (1, tokens), key=mx.random.key(7))
     prompt = tokens - 2
     for start in range(0, prompt, PREFILL_CHUNK):
@@ -207,3 +210,51 @@ def test_quantized_bfloat16_models_cache_in_their_activation_dtype(family: str) 
     facts = facts_from_config(config, [1] * config["num_hidden_layers"], 1, 1, family)
     real = [c.nbytes for c in caches]
     assert facts.kv_bytes(TOKENS) == pytest.approx(real, rel=0.10), real
+
+
+def _wide(family: str) -> dict[str, Any]:
+    """The family's config with heads 32 wide, so K/V quantize in groups of 32 or 64
+    would not divide 16."""
+    config = _config(family)
+    dec = config.get("text_config") or config
+    dec["hidden_size"] = 128
+    if "head_dim" in dec:
+        dec["head_dim"] = 32
+    return config
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, 32), (4, 32)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_planner_quantized_cache_bytes_match_the_shards_caches(
+    family: str, bits: int, group: int
+) -> None:
+    """`--kv-bits`: the shard's own caches (worker.families.make_caches, QuantizedKVCache
+    where the family allows it) after N tokens, against the planner's sizes."""
+    config = _wide(family)
+    model = _model(config)
+    layers = (config.get("text_config") or config)["num_hidden_layers"]
+    # As load_shard does: a family whose attention cannot read them keeps full caches.
+    shard_bits = 0 if kv_quant_reason(config) else bits
+    caches = make_caches(model, 0, layers, layers, shard_bits, group)
+    _run(model, TOKENS, caches.full)
+    facts = facts_from_config(config, [1] * layers, 1, 1, family, kv_bits=bits, kv_group_size=group)
+    planned = facts.kv_bytes(TOKENS)
+    real = [c.nbytes for c in caches]
+    full = facts_from_config(config, [1] * layers, 1, 1, family).kv_bytes(TOKENS)
+    print(family, "planned", planned, "real", real, "full", full)
+    for layer, (p, r) in enumerate(zip(planned, real, strict=True)):
+        assert p == pytest.approx(r, rel=0.10), f"{family} layer {layer}: planned {p}, real {r}"
+    if not kv_quant_reason(config):
+        # float32 K/V of 32-wide heads: 128 bytes a head; 8-bit keeps 32 + 2 × 4.
+        assert sum(planned) < 0.5 * sum(full)
+    else:
+        assert planned == full
+
+
+def test_the_preview_note_names_the_layers_kept_full() -> None:
+    assert full_precision_note(_wide("llama"), 8) == ""
+    assert full_precision_note(_wide("llama"), 0) == ""
+    assert "2 of 4 layers with a sliding window" in full_precision_note(_wide("gemma3_text"), 8)
+    assert "2 of 4 layers with linear attention" in full_precision_note(_wide("qwen3_next"), 4)
+    assert "MLA" in full_precision_note(_config("deepseek_v3"), 8)
+    assert "sinks" in full_precision_note(_config("gpt_oss"), 8)

@@ -26,12 +26,14 @@ from studiotui.core.placement import (
     facts_from_config,
     format_bytes,
     kv_bytes_per_token,
+    longest_context,
     plan,
     plan_to_dict,
     render_plan,
     reserve_bytes,
     trained_positions,
     with_adapter,
+    with_prompt_cache,
 )
 
 GB = 1024**3
@@ -694,3 +696,49 @@ def test_trained_positions_and_a_context_beyond_them() -> None:
     assert "8192 tokens of context is beyond the 4096 positions m was trained for" in said
     assert "--context 4096 or less" in said
     assert context_beyond(ModelFacts("m", "llama", 1, (1,), 1, 1, 1), 10**6) == ""
+
+
+def test_the_prompt_cache_budget_is_split_as_the_kv_and_bounded() -> None:
+    """A placement-wide budget goes to each shard in proportion to its KV, comes off its
+    node's free memory, and one a node cannot hold is refused with what fits; without
+    one, each shard takes at most half of what its node has left and four contexts' KV."""
+    model = model_of([GB] * 4, kv=1024)  # 1 KB a token a layer
+    p = plan(model, [node("a", 20 * GB), node("b", 20 * GB)], [tb("a", "b")], context_tokens=4096)
+    assert isinstance(p, Plan)
+    kv = [s.kv_bytes for s in p.shards]
+    given = with_prompt_cache(p, 2 * GB, 8 * GB)
+    assert isinstance(given, Plan)
+    assert [s.prompt_cache_bytes for s in given.shards] == [2 * GB * k // sum(kv) for k in kv]
+    assert [s.prompt_cache_disk_bytes for s in given.shards] == [8 * GB * k // sum(kv) for k in kv]
+    assert [s.free_after for s in given.shards] == [
+        s.free_after - c.prompt_cache_bytes for s, c in zip(p.shards, given.shards, strict=True)
+    ]
+    assert given.total_bytes == p.total_bytes + sum(s.prompt_cache_bytes for s in given.shards)
+    shown = plan_to_dict(given)["shards"][0]
+    assert shown["prompt_cache_bytes"] == given.shards[0].prompt_cache_bytes
+    refused = with_prompt_cache(p, 100 * GB, None)
+    assert isinstance(refused, Refusal)
+    assert "a prompt cache of 100.0 GB does not fit" in refused.reason
+    most = float(refused.reason.rsplit("--prompt-cache ", 1)[1].split()[0])
+    assert isinstance(with_prompt_cache(p, int(most * GB), None), Plan)
+    default = with_prompt_cache(p, None, None)
+    assert isinstance(default, Plan)
+    for before, s in zip(p.shards, default.shards, strict=True):
+        assert s.prompt_cache_bytes == min(before.free_after // 2, 4 * before.kv_bytes)
+        assert s.prompt_cache_disk_bytes == 4 * s.prompt_cache_bytes
+    # With streams, four whole contexts of one stream's KV.
+    two = plan(model, [node("a", 20 * GB)], context_tokens=4096, streams=2)
+    assert isinstance(two, Plan)
+    cached = with_prompt_cache(two, None, None)
+    assert isinstance(cached, Plan)
+    assert cached.shards[0].prompt_cache_bytes == 2 * two.shards[0].kv_bytes
+    assert all(s.prompt_cache_bytes == 0 for s in with_prompt_cache(p, 0, 0).shards)  # type: ignore[union-attr]
+
+
+def test_the_longest_context_is_the_last_one_planned() -> None:
+    model = model_of([GB] * 4, kv=1024)
+    nodes = [node("a", 10 * GB)]
+    most = longest_context(model, nodes, reserve_fraction=0.0)
+    assert isinstance(plan(model, nodes, context_tokens=most, reserve_fraction=0.0), Plan)
+    assert isinstance(plan(model, nodes, context_tokens=most + 1, reserve_fraction=0.0), Refusal)
+    assert longest_context(model, [node("a", GB)]) == 0

@@ -53,7 +53,7 @@ NODE = NodeSpec(
     name="studio-1",
     host="studio-1.local",
     address="169.254.10.1",
-    control_port=52500,
+    control_port=28500,
     workdir="~/studio tui 'x'",
     python="python3",
 )
@@ -71,7 +71,7 @@ def probe_text(
     *,
     os_name: str = "Linux",
     python: str | None = "path=/usr/bin/python3\nversion=3.12.4\nvenv=0\n"
-    "bind.52500=ok\nbind.52501=ok\nrc=0",
+    "bind.28500=ok\nbind.28501=ok\nrc=0",
     venv: str = "missing=1",
     runtime: str = "",
     agent: str = "",
@@ -127,7 +127,7 @@ def runtime_ok(path: str, unmet: tuple[str, ...] = ()) -> str:
 def venv_python_text(binds: bool = True) -> str:
     text = f"path={VENV_PY}\nversion=3.12.4\nvenv=1\n"
     if binds:
-        text += "bind.52500=ok\nbind.52501=ok\n"
+        text += "bind.28500=ok\nbind.28501=ok\n"
     return text + "rc=0"
 
 
@@ -175,7 +175,7 @@ def test_parse_linux_probe() -> None:
     assert probe.os_version == "Debian GNU/Linux 12 (bookworm)"
     assert probe.addresses == ("169.254.10.1",)
     assert probe.python is not None and probe.python.version == (3, 12, 4)
-    assert probe.python.binds == {52500: "ok", 52501: "ok"}
+    assert probe.python.binds == {28500: "ok", 28501: "ok"}
     assert probe.venv_python is not None and probe.venv_python.is_venv
     assert probe.runtime is not None and probe.runtime.unmet == ("pyzmq>=26",)
     assert probe.runtime.mlx_version == "0.32.4"
@@ -304,7 +304,7 @@ def test_existing_venv_of_other_python_is_recreated() -> None:
 
 def _running(build: str = BUILD, keys: str = "k1", pid: int = 4242) -> str:
     return probe_text(
-        python=f"path={VENV_PY}\nversion=3.12.4\nvenv=1\nbind.52500=in_use\nbind.52501=in_use\nrc=0",
+        python=f"path={VENV_PY}\nversion=3.12.4\nvenv=1\nbind.28500=in_use\nbind.28501=in_use\nrc=0",
         runtime=runtime_ok(VENV_PY),
         agent=f"pid={pid}\nalive=1\ncommand={VENV_PY} -m worker --home {WORKDIR}",
         deployed=deployed_json(node_with_venv(), VENV_PY, build, keys),
@@ -344,7 +344,7 @@ def test_a_venv_is_not_rebuilt_under_a_running_agent() -> None:
     venv_py = f"{WORKDIR}/venv/bin/python"
     node = replace(NODE, python="python3")
     text = probe_text(
-        python="path=/usr/bin/python3\nversion=3.12.4\nvenv=0\nbind.52500=in_use\nrc=0",
+        python="path=/usr/bin/python3\nversion=3.12.4\nvenv=0\nbind.28500=in_use\nrc=0",
         venv=f"path={venv_py}\nversion=3.11.2\nvenv=1\nrc=0",
         agent=f"pid=4242\nalive=1\ncommand={venv_py} -m worker --home {WORKDIR}",
         deployed=deployed_json(node, venv_py, "0.0.9+old"),
@@ -419,12 +419,12 @@ def test_refuses_broken_mlx_and_intel_macs() -> None:
 
 
 def test_refuses_foreign_address_and_busy_port() -> None:
-    text = probe_text(python="path=/p\nversion=3.12.0\nvenv=0\nbind.52500=not_local\nrc=0")
+    text = probe_text(python="path=/p\nversion=3.12.0\nvenv=0\nbind.28500=not_local\nrc=0")
     r = refusal(text)
     assert "169.254.10.1 is not an address of studio-1" in r.message
-    text = probe_text(python="path=/p\nversion=3.12.0\nvenv=0\nbind.52501=in_use\nrc=0")
+    text = probe_text(python="path=/p\nversion=3.12.0\nvenv=0\nbind.28501=in_use\nrc=0")
     r = refusal(text)
-    assert "port 52501 on 169.254.10.1 is already in use" in r.message
+    assert "port 28501 on 169.254.10.1 is already in use" in r.message
     assert "lsof" in r.hint
     r = refusal(text, hello=AgentHello("0.0.1", 999))
     assert "agent.pid does not name it" in r.message and "kill 999" in r.hint

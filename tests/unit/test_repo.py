@@ -83,23 +83,132 @@ def test_the_docs_name_only_files_that_exist_and_the_layout_names_every_module()
     assert cited > 100, cited
 
 
-ARCH_DOCS = ("README.md", "docs/architecture.md", "docs/reliability.md", "docs/claims.md")
+def _docs_pages() -> tuple[str, ...]:
+    """The README and every page of the docs site (docs/**/*.md), as repository paths."""
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))
+    return ("README.md", *pages)
 
 
-def test_every_bench_field_the_readme_names_is_one_the_bench_reports() -> None:
-    """README's Performance figures are measurements, but the fields it names are
-    claims: each is a key `studiotui bench --json` prints (a string in studiotui/bench)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Performance", 1)[1].replace("\n", " ")
-    not_fields = {"all_sum", "async_eval", "sgemm_", "qwen3_moe", "tp_rank"}
+ARCH_DOCS = _docs_pages()
+
+
+def _generator():  # type: ignore[no-untyped-def]
+    """docs/hooks/generate.py, the mkdocs hook that writes the CLI reference and the
+    bench table when the site is built."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs/hooks/generate.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_keys() -> set[str]:
+    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "studiotui/bench").glob("*.py"))
+    return set(re.findall(r"""["']([a-z][a-z0-9_]*)["']""", code))
+
+
+def test_every_bench_field_the_docs_name_is_one_the_bench_reports() -> None:
+    """The performance page's figures are one saved run, but the fields it names are
+    claims: each is a key `studiotui bench --json` prints (a string in studiotui/bench),
+    and so is every row of the table the site writes from a saved run."""
+    page = (ROOT / "docs/performance.md").read_text(encoding="utf-8").replace("\n", " ")
     fields = {
         name
-        for name in re.findall(r"`([^`]+)`", section)
-        if re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9*]+)+|streams", name) and name not in not_fields
+        for name in re.findall(r"`([^`]+)`", page)
+        if re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9*]+)+|streams", name)
     }
+    fields |= set(_generator().FIELDS)
     assert len(fields) > 30, fields
-    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "studiotui/bench").glob("*.py"))
-    keys = set(re.findall(r"""["']([a-z][a-z0-9_]*)["']""", code))
+    keys = _bench_keys()
     for name in sorted(fields):
         pattern = re.compile(name.replace("*", r"\w+"))
         assert any(pattern.fullmatch(key) for key in keys), f"the bench reports no {name}"
+
+
+def test_the_bench_table_is_the_saved_run() -> None:
+    """docs/data/bench.json is a `studiotui bench --json` run: the table shows each of its
+    figures that FIELDS describes, with the value the run gave."""
+    import json
+
+    figures = json.loads((ROOT / "docs/data/bench.json").read_text(encoding="utf-8"))
+    gen = _generator()
+    table = gen.bench_table(figures)
+    assert figures["tokens_match"] is True
+    shown = [key for key in gen.FIELDS if key in figures]
+    assert len(shown) > 20, shown
+    for key in shown:
+        assert f"| `{key}` | {gen._value(figures[key])} |" in table, key
+    page = (ROOT / "docs/performance.md").read_text(encoding="utf-8")
+    assert gen.render(page).count("| `single_tps` |") == 1
+
+
+def test_the_cli_reference_is_written_from_every_parser() -> None:
+    """docs/cli.md is filled in from build_parser() when the site is built: every verb
+    and sub-verb has its section, with each of its options."""
+    import argparse
+
+    from studiotui.cli.main import build_parser
+
+    page = (ROOT / "docs/cli.md").read_text(encoding="utf-8")
+    gen = _generator()
+    reference = gen.render(page)
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> int:
+        assert f"## `{' '.join(words)}`" in reference, words
+        section = reference.split(f"## `{' '.join(words)}`", 1)[1].split("\n## ", 1)[0]
+        # A verb's copies of the global options are said once, at the top.
+        said_once = gen._global(parser) if len(words) > 1 else set()
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help") and action not in said_once:
+                    assert f"`{flag}`" in section, (words, flag)
+        count = 1
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    count += walk(child, [*words, name])
+        return count
+
+    assert walk(build_parser(), ["studiotui"]) > 20
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and mkdocs' toc make it."""
+    text = re.sub(r"[`*_\[\]()]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\s-]", "", text)
+    return re.sub(r"\s+", "-", text)
+
+
+def test_every_link_of_the_readme_resolves() -> None:
+    """The README's links to files and sections are there (mkdocs build --strict checks
+    the docs pages' own links)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert len(links) > 10, links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.is_file(), f"README links to {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{path} has no section #{anchor}"
+
+
+def test_the_readme_is_a_front_door_and_the_docs_keep_no_diary() -> None:
+    """The README stays short, architecture.md a reference; no page tells the history of
+    the runs that made it (git and CHANGELOG.md keep that): "session" is a chat's."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250
+    assert len((ROOT / "docs/architecture.md").read_text(encoding="utf-8").splitlines()) <= 800
+    # The words of the code that name a session (the chat's, a module, a POSIX one).
+    allowed = re.compile(
+        r"ChatSession|chat session|session\.py|start_new_session|Controller\.session|POSIX session"
+    )
+    for page in _docs_pages():
+        for number, line in enumerate((ROOT / page).read_text(encoding="utf-8").splitlines()):
+            said = allowed.sub("", line)
+            assert not re.search(r"session|this VM", said, re.I), f"{page}:{number + 1}: {line}"

@@ -111,6 +111,33 @@ def _cells(cell: Text | str) -> int:
     return cell.cell_len if isinstance(cell, Text) else cell_len(cell)
 
 
+# The columns cut with "…" when the row is wider than the pane, in this order: an
+# adapter's placement is named `model+adapter` and its model `model + adapter`, which
+# pushed tokens and the ring past the edge (cut to "t" and "rin" at 160 columns).
+_CUT_FIRST = (2, 0)
+
+
+def cut_widths(widths: list[int], budget: int) -> list[int]:
+    """Each fixed column's width so that all of them, with a cell of padding either
+    side, take at most `budget` cells: the columns of _CUT_FIRST give way in turn, none
+    below its header."""
+    out = list(widths)
+    for i in _CUT_FIRST:
+        over = sum(w + 2 for w in out) - budget
+        if over <= 0:
+            break
+        out[i] = max(len(_COLUMNS[i]), out[i] - over)
+    return out
+
+
+def _cut(cell: Text | str, width: int) -> Text | str:
+    if _cells(cell) <= width:
+        return cell
+    text = cell.copy() if isinstance(cell, Text) else Text(cell)
+    text.truncate(width, overflow="ellipsis")
+    return text
+
+
 class PlacementsPane(Vertical):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -189,6 +216,7 @@ class PlacementsPane(Vertical):
             )
             for p in placements
         ]
+        cells = self._fitted(cells)
         # Columns too, when a column's widest cell got narrower: a DataTable's auto
         # widths only grow, so a label that was long once (a broken placement's ✗
         # list) would push tok/s, tokens and the ring past the pane's edge for good.
@@ -211,6 +239,19 @@ class PlacementsPane(Vertical):
         if keep in names:
             table.move_cursor(row=names.index(keep), animate=False)
         self._show_ring()
+
+    def _fitted(self, cells: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The rows with their long names cut so tokens and the ring keep their room."""
+        available = self.query_one(DataTable).size.width or self.size.width
+        if not cells or not available:
+            return cells
+        widths = [
+            max([len(_COLUMNS[i]), *(_cells(row[i]) for row in cells)]) for i in range(_FIXED)
+        ]
+        fit = cut_widths(widths, available - _RING_MIN - 2)
+        if fit == widths:
+            return cells
+        return [tuple(_cut(c, w) for c, w in zip(row, fit, strict=True)) for row in cells]
 
     def _ring_room(self, cells: list[tuple[Any, ...]]) -> int:
         """What the table's width leaves the ring column after the others (each

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -28,7 +28,9 @@ from studiotui.app.guard import guard_actions
 from studiotui.app.panes.placements import HASHING_SAID, OPERATOR, progress_lines
 from studiotui.app.render import Drawing, bar, short_count, state_style, usage_style
 from studiotui.core.forecast import (
+    UNMEASURED,
     Forecast,
+    LastMeasured,
     chips_from_state,
     describe,
     forecast,
@@ -64,6 +66,8 @@ class Previewing(Protocol):
         streams: int | None = ...,
         tensor: int | None = ...,
         adapter: Adapter | None = ...,
+        kv_bits: int = ...,
+        kv_group_size: int | None = ...,
     ) -> tuple[ModelInfo, Plan | Refusal]: ...
 
     def check_adapter(
@@ -74,6 +78,8 @@ class Previewing(Protocol):
 MIN_CONTEXT = 256
 MAX_CONTEXT = 1 << 20
 MAX_STREAMS = 256
+# What `k` cycles through: full-precision KV, then mlx-lm's QuantizedKVCache at 8 and 4.
+KV_CHOICES = (0, 8, 4)
 
 
 @dataclass(frozen=True)
@@ -192,7 +198,7 @@ def plan_lines(
         return Content.assemble(format_bytes(shard["weight_bytes"]), (extra, "$accent"))
 
     def build(gauge: int, holds: bool, sizes: bool) -> list[Content]:
-        titles = ["node", "layers", weights, "KV cache", "memory now", "after loading", ""]
+        titles = ["node", "layers", weights, "KV+prompt cache", "memory now", "after loading", ""]
         if not sizes:
             titles[2:4] = []
         if holds and any_held:
@@ -203,7 +209,11 @@ def plan_lines(
                 i,
                 shard,
                 name,
-                free - shard["weight_bytes"] - shard["adapter_bytes"] - shard["kv_bytes"],
+                free
+                - shard["weight_bytes"]
+                - shard["adapter_bytes"]
+                - shard["kv_bytes"]
+                - shard["prompt_cache_bytes"],
             )
             for i, shard in enumerate(data["shards"])
             for name, free in zip(
@@ -226,7 +236,11 @@ def plan_lines(
                     (f" +{'+'.join(ends)}" if ends else "", "$text-muted"),
                 ),
                 weight_cell(shard),
-                Content(format_bytes(shard["kv_bytes"])),
+                # The prompt cache's budget beside the KV (both grow as requests come).
+                Content.assemble(
+                    format_bytes(shard["kv_bytes"]),
+                    (f" +{format_bytes(shard['prompt_cache_bytes'])}", "$accent"),
+                ),
                 # What the node reports in use, the figure its card shows; the plan's
                 # "free before" also holds back what loading shards and a runner take.
                 _memory_cell(node.memory_used if node else 0, total, gauge),
@@ -253,13 +267,18 @@ def shape_lines(
     shown: Plan | None,
     node_count: int,
     width: int = 200,
+    measured: Mapping[str, LastMeasured] | None = None,
 ) -> list[Content]:
     """Each shape that divides, with its forecast or why it does not fit; the one on
     screen marked (its groups' backends and why are in the plan's caption above).
 
     A forecast too long for `width` folds between its figures, under the forecast
     column, rather than wherever the terminal breaks it."""
+    # Said once for every shape: whether a benchmark measured these nodes.
+    guessed = [guess for _, _, guess in shapes if guess is not None]
     lines = [Content(""), Content.styled("shapes (t cycles)  ·  forecast", "bold $text-muted")]
+    if any(not g.measured for g in guessed):
+        lines.append(Content.styled(f"  {UNMEASURED}", "$text-muted"))
     labels = [
         verdict.shape
         if isinstance(verdict, Plan) and guess is not None
@@ -273,7 +292,8 @@ def shape_lines(
         mark = ("▸ ", "bold $accent") if here else ("  ", "")
         if isinstance(verdict, Plan) and guess is not None:
             head = Content.assemble(mark, (f"{label:<{column}}", "bold" if here else ""))
-            parts = describe(guess).split(" · ")
+            last = (measured or {}).get(verdict.shape)
+            parts = describe(guess, last, unmeasured=False).split(" · ")
             line = Content.assemble(head, parts[0])
             for part in parts[1:]:
                 if line.cell_length + 3 + len(part) > width:
@@ -360,6 +380,7 @@ class PreviewScreen(ModalScreen[None]):
         Binding("s", "streams(1)", "Streams +1", id="preview-streams-up"),
         Binding("S", "streams(-1)", "Streams -1", id="preview-streams-down"),
         Binding("t", "cycle_shape", "Shape", id="preview-shape"),
+        Binding("k", "cycle_kv", "KV bits", id="preview-kv"),
     ]
 
     def __init__(self, request: PlaceRequest, controller: Previewing, deploy: Deploy) -> None:
@@ -373,8 +394,12 @@ class PreviewScreen(ModalScreen[None]):
         self.streams: int | None = None
         # Nodes per stage asked for with `t`; None lets the planner take the fastest.
         self.tensor: int | None = None
+        # Quantized KV asked for with `k` (0: full precision; KV_CHOICES).
+        self.kv_bits = 0
         # Every shape that divides: (tensor size, plan or refusal, forecast if it fits).
         self.shapes: list[tuple[int, Plan | Refusal, Forecast | None]] = []
+        # What a saved benchmark last measured of this model, by shape.
+        self.measured: dict[str, LastMeasured] = {}
         # measuring, planning, plan, refused, error, loading, ready, failed
         self.phase = "planning"
         self.info: ModelInfo | None = None
@@ -450,6 +475,8 @@ class PreviewScreen(ModalScreen[None]):
                 self.streams,
                 self.tensor,
                 self.adapter,  # each layer's share counted on its shard
+                kv_bits=self.kv_bits,
+                kv_group_size=None,  # one that divides the model's heads
             )
             self.shapes = await asyncio.to_thread(self._shapes)
         except Exception as exc:  # a model directory gone or unreadable since the scan
@@ -492,6 +519,8 @@ class PreviewScreen(ModalScreen[None]):
                     self.planned_streams,
                     size,
                     self.adapter,
+                    kv_bits=self.kv_bits,
+                    kv_group_size=None,
                 )
             guess = (
                 forecast(self.info.facts, verdict, chips, links, streams=verdict.streams)
@@ -499,6 +528,11 @@ class PreviewScreen(ModalScreen[None]):
                 else None
             )
             out.append((size, verdict, guess))
+            last = getattr(self.controller, "last_measured", None)
+            if isinstance(verdict, Plan) and last is not None:
+                found = last(self.request.model.name, verdict.shape)
+                if found is not None:
+                    self.measured[verdict.shape] = found
         return out
 
     @property
@@ -559,6 +593,13 @@ class PreviewScreen(ModalScreen[None]):
         self._to_shapes = True
         self.replan()
 
+    def action_cycle_kv(self) -> None:
+        """`k`: full-precision KV, 8-bit, 4-bit, round again (the plan follows the sizes)."""
+        if self.phase not in ("plan", "refused"):
+            return
+        self.kv_bits = KV_CHOICES[(KV_CHOICES.index(self.kv_bits) + 1) % len(KV_CHOICES)]
+        self.replan()
+
     @property
     def planned_streams(self) -> int:
         """The streams the plan on screen is for (a refusal in auto mode is for one)."""
@@ -607,8 +648,8 @@ class PreviewScreen(ModalScreen[None]):
         self.query_one("#preview-body", Drawing).redraw(self._lines)
         dialog = self.query_one("#preview-dialog")
         dialog.border_subtitle = {
-            "plan": "enter deploy · +/- context · s/S streams · t shape · esc cancel",
-            "refused": "+/- context · s/S streams · esc close",
+            "plan": "enter deploy · +/- context · s/S streams · t shape · k KV bits · esc cancel",
+            "refused": "+/- context · s/S streams · k KV bits · esc close",
             "loading": "esc hide (loading goes on; see Placements)",
         }.get(self.phase, "esc close")
         dialog.set_class(self.phase in ("refused", "error", "failed"), "-refused")
@@ -638,6 +679,8 @@ class PreviewScreen(ModalScreen[None]):
         lines: list[Content] = []
         if self.info is not None:
             lines.append(_model_line(self.info))
+            if self.info.note:
+                lines.append(Content.styled(f"⚠ {self.info.note}", "$warning"))
         if self.adapter is not None:
             lines.append(_adapter_line(self.adapter))
         # "node local-1" names its node already; a group or the marks are spelled out.
@@ -653,6 +696,7 @@ class PreviewScreen(ModalScreen[None]):
                 f"{self.context_tokens} tokens of context",
                 f" × {self.planned_streams} stream{'s' if self.planned_streams != 1 else ''}"
                 " at once",
+                f" · KV {self.kv_bits}-bit" if self.kv_bits else "",
             )
         )
         if self.info is not None and (
@@ -678,7 +722,7 @@ class PreviewScreen(ModalScreen[None]):
         # A refused single shape would only repeat the reason above.
         self._shapes_at = None
         if self.phase in ("plan", "refused") and (self.plan or len(self.shapes) > 1):
-            block = shape_lines(self.shapes, self.plan, len(request.nodes), width)
+            block = shape_lines(self.shapes, self.plan, len(request.nodes), width, self.measured)
             self._shapes_at = (Content("\n").join(lines), len(block))
             lines += block
         for warning in warnings_for(state, request.nodes, request.name):

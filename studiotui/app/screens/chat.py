@@ -150,7 +150,12 @@ def nodes_card(placement: PlacementState, mine: bool, width: int) -> Content:
 
 
 def figures_text(
-    ttft_ms: float | None, tps: float | None, tokens_in: int | None, tokens_out: int, state: str
+    ttft_ms: float | None,
+    tps: float | None,
+    tokens_in: int | None,
+    tokens_out: int,
+    state: str,
+    acceptance: float | None = None,
 ) -> Content:
     def figure(label: str, value: str) -> Content:
         return Content.assemble((f"{label:<12}", "$text-muted"), (value, "bold"))
@@ -159,6 +164,8 @@ def figures_text(
         Content.styled(state, "$accent bold"),
         figure("first token", f"{ttft_ms:,.0f} ms" if ttft_ms is not None else "–"),
         figure("speed", f"{tps:,.1f} tok/s" if tps else "–"),
+        # Speculative decoding: the share of guesses kept, beside the speed it brought.
+        *([figure("guesses kept", f"{acceptance:.0%}")] if acceptance is not None else []),
         figure("tokens in", f"{tokens_in:,}" if tokens_in is not None else "–"),
         figure("tokens out", f"{tokens_out:,}"),
     ]
@@ -214,6 +221,8 @@ class AnswerView(Vertical):
             figures.append(f"{meta['completion_tokens']} tokens")
         if meta.get("decode_tps"):
             figures.append(f"{meta['decode_tps']:.1f} tok/s")
+        if meta.get("acceptance") is not None:
+            figures.append(f"{meta['acceptance']:.0%} of guesses kept")
         if meta.get("ttft_ms") is not None:
             figures.append(f"first token {meta['ttft_ms']:,.0f} ms")
         if meta.get("nodes"):
@@ -265,8 +274,9 @@ class ChatScreen(Screen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop_or_leave", "Stop / back", id="chat-stop"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="chat-regenerate"),
-        Binding("ctrl+y", "copy_answer", "Copy answer", id="chat-copy"),
-        Binding("ctrl+b", "copy_code", "Copy code", id="chat-copy-code"),
+        # Out of the footer so the rest fits 80 columns: /help names them (KEYS_HELP).
+        Binding("ctrl+y", "copy_answer", "Copy answer", show=False, id="chat-copy"),
+        Binding("ctrl+b", "copy_code", "Copy code", show=False, id="chat-copy-code"),
         Binding("ctrl+o", "conversations", "Conversations", id="chat-conversations"),
         Binding("ctrl+n", "new_conversation", "New", id="chat-new"),
         Binding("ctrl+t", "attach", "Attach", id="chat-attach"),
@@ -661,6 +671,7 @@ class ChatScreen(Screen[None]):
                 meta.get("prompt_tokens"),
                 int(meta.get("completion_tokens") or 0),
                 state,
+                meta.get("acceptance"),
             )
         )
         self.query_one("#chat-spark", Sparkline).data = list(meta.get("spark", []))

@@ -68,7 +68,9 @@ class ConversationsScreen(ModalScreen[ListChoice | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="conv-dialog") as dialog:
             dialog.border_title = "Conversations"
-            dialog.border_subtitle = "enter open · n new · r rename · d delete · e export · esc"
+            dialog.border_subtitle = (
+                "enter open · n new · r rename · d delete · e export · esc closes"
+            )
             yield DataTable(id="conv-table", cursor_type="row", zebra_stripes=True)
             rename = Input(id="conv-rename", placeholder="enter saves · esc cancels")
             rename.border_title = "Rename the conversation to"

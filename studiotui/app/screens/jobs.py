@@ -372,6 +372,11 @@ class JobsScreen(Screen[None]):
             except Exception as exc:  # said in the Log, never a traceback
                 self.dash.report(f"following job {record.name!r} failed: {exc}", "error")
                 return
+            if jobs.end_said(self.dash.home, record.name, end):
+                # Announced by an earlier dashboard: shown in the table, not news.
+                self.redraw()
+                return
+            jobs.say_end(self.dash.home, record.name, end)
             level: LogLevel = (
                 "info" if end.state == "done" else "error" if end.state == "failed" else "warning"
             )

@@ -82,6 +82,7 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     weight_bytes: int = 0
     kv_bytes: int = 0
     adapter_bytes: int = 0
+    prompt_cache_bytes: int = 0  # the plan's prompt-cache budget for this shard
     # How long the shard stays prepared unless its controller renews it (renew_shards);
     # None: PREPARED_LEASE_S. A lapsed one is dropped.
     lease_s: float | None = None
@@ -121,6 +122,20 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     # The plan's bytes of the adapter on this shard's layers: reported back, so that
     # memory promised to a shard still loading counts them (controller.committed_bytes).
     adapter_bytes: int = 0
+    # Quantized KV (`place --kv-bits`): 0 full precision, else 8 or 4 bits in groups of
+    # kv_group_size values (mlx-lm's QuantizedKVCache; shared.kv_quant says which layers).
+    kv_bits: int = 0
+    kv_group_size: int = 64
+    # The prompt cache's budget on this shard, in memory and on its node's disk (the
+    # plan counts the memory in the node's, like weights and KV).
+    prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
+    # Speculative decoding (the head shard): "" none, "lookup" (prompt lookup) or
+    # "model" (the draft model in `draft_dir`, loaded whole beside the head's layers),
+    # with `draft_tokens` guesses per verify frame (0: the default).
+    draft: str = ""
+    draft_dir: str = ""
+    draft_tokens: int = 0
 
 
 class TensorMember(Wire, frozen=True, kw_only=True):
@@ -289,6 +304,9 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     prebuilt_steps: int = 0
     batched_steps: int = 0  # decode steps that ran several requests as one batch
     batched_rows: int = 0  # the requests those steps carried
+    # (the head) speculative decoding's guesses sent in verify frames, and those kept
+    drafted: int = 0
+    kept: int = 0
     active_bytes: int = 0
     # The head's figures of its decode steps, medians in µs (worker.stage.RING_FIGURES):
     # a hop, a stage's Python per frame, the ring's overhead per token (hops and every
@@ -316,7 +334,12 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     adapter: str = ""
     adapter_dir: str = ""
     adapter_bytes: int = 0  # the plan's share of the adapter on these layers
+    draft: str = ""  # the head's speculative decoding ("", "lookup", "model")
     weight_bytes: int = 0  # the plan's weights for these layers (promised until loaded)
+    kv_bits: int = 0  # quantized KV (0: full precision)
+    kv_group_size: int = 64
+    prompt_cache_bytes: int = 0  # the prompt cache's memory budget (promised while loaded)
+    prompt_cache_disk_bytes: int = 0
     data_port: int = 0
     client_port: int = 0
     # A member of a tensor-parallel stage: its group port, rank, the group's nodes in
@@ -557,6 +580,9 @@ class DeviceFigures(Wire, frozen=True, kw_only=True):
     device: str = ""  # which of the node's processors: "gpu" on a Mac, "cpu" here
     matmul: dict[str, MatmulFigures] = {}  # by dtype
     memory: MemoryFigures = MemoryFigures()
+    # µs a decode step costs per layer by kind (dense, dense_q4, moe, moe_q4) and outside
+    # its layers (step): worker.device_bench.decode_figures
+    decode: dict[str, float] = {}
 
 
 class DeviceBenchDone(Wire, frozen=True, kw_only=True):

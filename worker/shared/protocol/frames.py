@@ -17,7 +17,11 @@ import msgspec
 from worker.shared.protocol.packing import pack
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-KINDS = ("prefill", "decode", "free", "error", "token")
+KINDS = ("prefill", "decode", "verify", "free", "error", "token")
+# Kinds that carry an activation (token ids on the head's own steps).
+STEPS = ("prefill", "decode", "verify")
+# Guesses one verify frame may carry (speculative decoding; worker/speculation.py).
+MAX_DRAFT = 64
 MAX_DIMS = 4
 # Rows of one batched decode step: far more than a placement admits at once.
 MAX_BATCH = 1024
@@ -46,6 +50,10 @@ class RingHeader:
     # A batched decode step (`rid` names the batch): per row, in order, (rid, offset) on
     # a decode frame, (rid, token, finish, logprobs or None) on the tokens coming back.
     batch: tuple[tuple[Any, ...], ...] = ()
+    # Speculative decoding: on a "verify" frame, the guessed tokens after the step's
+    # first (the frame holds 1 + len(draft) positions); on the "token" frame answering
+    # it, the guesses kept, which come before `token` in the answer.
+    draft: tuple[int, ...] = ()
 
     def expected_bytes(self) -> int:
         return math.prod(self.shape) * DTYPE_SIZES[self.dtype] if self.dtype else 0
@@ -53,7 +61,7 @@ class RingHeader:
 
 def encode_ring_header(h: RingHeader) -> bytes:
     out: dict[str, Any] = {"rid": h.rid, "kind": h.kind}
-    if h.kind in ("prefill", "decode"):
+    if h.kind in STEPS:
         out.update(offset=h.offset, dtype=h.dtype, shape=list(h.shape))
         if h.params is not None:
             out["params"] = h.params
@@ -65,6 +73,8 @@ def encode_ring_header(h: RingHeader) -> bytes:
         out["extra"] = h.extra
     if h.batch:
         out["batch"] = [list(row) for row in h.batch]
+    if h.draft:
+        out["draft"] = list(h.draft)
     return pack(out)
 
 
@@ -81,7 +91,9 @@ def decode_ring_header(data: bytes, payload_len: int) -> RingHeader:
                 _batch([list(row) for row in header.batch])
             except TypeError as exc:
                 raise FrameError(f"bad ring header field: {exc}", header.rid) from None
-    if header.kind in ("prefill", "decode"):
+    if len(header.draft) > MAX_DRAFT or any(t < 0 for t in header.draft):
+        raise FrameError(f"draft must be at most {MAX_DRAFT} token ids", header.rid)
+    if header.kind in STEPS:
         _check_activation(header, payload_len)
     return header
 
@@ -117,6 +129,7 @@ def _decode_checked(data: bytes) -> RingHeader:
             message=str(raw.get("message", "")),
             extra=dict(raw.get("extra") or {}),
             batch=_batch(raw.get("batch")),
+            draft=tuple(_int(t) for t in raw.get("draft") or ()),
         )
     except (TypeError, ValueError) as exc:
         raise FrameError(f"bad ring header field: {exc}", rid) from None

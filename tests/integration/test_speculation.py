@@ -1,0 +1,351 @@
+"""Speculative decoding across the ring, on real Stages over real shards (in process).
+
+Every answer is compared with mlx-lm's `generate_step` and with the same request
+decoded without guesses: speculation may change how many trips a token takes around
+the ring, never which token it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
+
+from tests.ring_harness import CHUNK, InProcessRing
+from worker import speculation
+from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
+
+LAYERS = 5
+N = 24
+# Repeats itself, so prompt lookup finds something to propose from the first step.
+PROMPT = [40, 41, 42, 43, 44, 45] * 3 + [40, 41, 42]
+SPLITS = {1: [(0, 5)], 2: [(0, 2), (2, 5)], 3: [(0, 1), (1, 4), (4, 5)]}
+GREEDY = {"max_tokens": N, "temperature": 0.0, "ignore_eos": True}
+SAMPLED = {"max_tokens": N, "temperature": 1.2, "top_p": 0.95, "seed": 7, "ignore_eos": True}
+K = 4
+# Families whose caches a rejected guess cannot be cut out of (linear attention).
+UNTRIMMABLE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Families with a rotating (sliding window) cache: it can be cut back inside its window.
+WINDOWED = ("gpt_oss", "gemma3_text")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    root = tmp_path_factory.mktemp("spec")
+    made: dict[str, Path] = {}
+
+    def get(arch: str, **kw: Any) -> Path:
+        key = "-".join([arch, *(f"{k}{v}" for k, v in sorted(kw.items()))])
+        if key not in made:
+            base: dict[str, Any] = {"layers": LAYERS, "hidden": 64, "heads": 4, "kv_heads": 2}
+            spec = DemoSpec(arch=arch, dtype="float32", seed=11, **{**base, **kw})
+            made[key] = write_demo_model(root / key, spec)
+        return made[key]
+
+    return get
+
+
+def reference(model: Path, n: int = N, prompt: list[int] = PROMPT, **kw: Any) -> list[int]:
+    loaded, _ = mlx_lm.load(str(model))
+    steps = generate_step(mx.array(prompt), loaded, max_tokens=n, prefill_step_size=CHUNK, **kw)
+    return [int(tok) for tok, _ in steps]
+
+
+class Ring(InProcessRing):
+    def ask(self, rid: str, params: dict[str, Any], **msg: Any) -> None:
+        body = {"rid": rid, "params": params, "tokens": msg.pop("tokens", PROMPT), **msg}
+        self.stages[0].submit(b"c", body)
+
+    def answer(self, params: dict[str, Any], rid: str = "r", **msg: Any) -> list[int]:
+        self.ask(rid, params, **msg)
+        self.drain()
+        return self.tokens(rid)
+
+    def done(self, rid: str) -> dict[str, Any]:
+        return next(f for k, f in self.client if k in ("done", "failed") and f["rid"] == rid)
+
+    def held(self) -> list[int]:
+        return [
+            len(s.caches) + len(s.prebuilt) + len(s.tail_requests) + len(s.rewind_floor)
+            for s in self.stages
+        ]
+
+
+def _trimmable(arch: str) -> bool:
+    return arch not in UNTRIMMABLE
+
+
+@pytest.mark.parametrize("arch", [a for a in FAMILIES if _trimmable(a)])
+def test_guesses_give_mlx_lm_greedy_answer_over_1_2_3_stages(
+    models: Callable[..., Path], arch: str
+) -> None:
+    """Prompt lookup (a prompt that repeats) and a predicted output wrong at its 4th
+    token, for every family whose caches can be cut back. Families with a rotating
+    window (8 tokens in the demos) get a prompt short enough to guess inside it."""
+    model = models(arch)
+    windowed = arch in WINDOWED
+    prompt = PROMPT[:2] if windowed else PROMPT
+    expected = reference(model, prompt=prompt)
+    prediction = [*expected[:3], (expected[3] + 1) % 256, *expected[4:]]
+    for n in (1, 2, 3):
+        ring = Ring(model, SPLITS[n], draft="lookup", draft_tokens=K)
+        if not windowed:
+            assert ring.answer(GREEDY, tokens=prompt) == expected, f"{arch} lookup, {n} stages"
+            assert ring.stages[0].stats.drafted > 0, "prompt lookup should have guessed"
+        got = ring.answer(GREEDY, rid="p", tokens=prompt, prediction=prediction)
+        assert got == expected, f"{arch} predicted, {n} stages"
+        assert ring.done("p")["usage"]["completion_tokens_details"]["rejected_prediction_tokens"]
+        assert ring.answer(GREEDY, rid="plain", tokens=prompt, draft="") == expected
+        assert ring.held() == [0] * n
+
+
+@pytest.mark.parametrize("arch", UNTRIMMABLE)
+def test_a_family_whose_caches_cannot_be_cut_back_is_refused(
+    models: Callable[..., Path], arch: str
+) -> None:
+    model = models(arch)
+    with pytest.raises(ValueError, match="cannot be cut back"):
+        Ring(model, SPLITS[2], draft="lookup")
+    ring = Ring(model, SPLITS[2])
+    ring.answer(GREEDY, draft="lookup")
+    assert "cannot be cut back" in ring.done("r")["message"]
+    # A predicted output is a hint: the answer comes, decoded without guesses.
+    assert ring.answer(GREEDY, rid="p", prediction=[1, 2, 3]) == reference(model)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("kept", range(K + 1))
+def test_rollback_after_a_rejection_at_every_position(
+    models: Callable[..., Path], stages: int, kept: int
+) -> None:
+    """A predicted output right for `kept` tokens, then wrong: the first verify frame
+    keeps exactly `kept` guesses and every stage cuts the rest out of its caches."""
+    model = models("llama")
+    expected = reference(model)
+    wrong = (expected[kept] + 1) % 256
+    prediction = [*expected[:kept], wrong, *expected[kept + 1 :]]
+    ring = Ring(model, SPLITS[stages], draft_tokens=K)
+    assert ring.answer(GREEDY, prediction=prediction) == expected
+    usage = ring.done("r")["usage"]["completion_tokens_details"]
+    first = ring.stages[0].stats
+    assert first.kept >= kept and usage["accepted_prediction_tokens"] == first.kept
+    assert usage["rejected_prediction_tokens"] == first.drafted - first.kept >= 1
+    assert ring.held() == [0] * stages
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_perfect_prediction_is_kept_whole(models: Callable[..., Path], stages: int) -> None:
+    model = models("llama")
+    expected = reference(model)
+    ring = Ring(model, SPLITS[stages], draft_tokens=K)
+    assert ring.answer(GREEDY, prediction=expected) == expected
+    usage = ring.done("r")["usage"]["completion_tokens_details"]
+    # Each frame's last token is the big model's own; every guess before it is kept,
+    # and K grows while they are.
+    assert usage["rejected_prediction_tokens"] == 0
+    assert usage["accepted_prediction_tokens"] >= N - N // (K + 1)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_seeded_sampling_with_guesses_draws_the_same_tokens(
+    models: Callable[..., Path], stages: int
+) -> None:
+    """The tail draws the big model's token at every verified position with the key
+    that position would have had, and gives back the keys of rejected positions: the
+    seeded answer is token for token the one without guesses (so also its
+    distribution)."""
+    model = models("qwen3")
+    plain = Ring(model, SPLITS[stages]).answer(SAMPLED)
+    ring = Ring(model, SPLITS[stages], draft_tokens=K)
+    # Right for a while, then wrong: both kept and rejected positions occur.
+    prediction = [*plain[:10], (plain[10] + 1) % 256, *plain[11:]]
+    assert ring.answer(SAMPLED, prediction=prediction) == plain
+    assert 0 < ring.stages[0].stats.kept < ring.stages[0].stats.drafted
+
+
+def test_logprobs_and_logits_processors_hold_at_every_verified_position(
+    models: Callable[..., Path],
+) -> None:
+    model = models("llama")
+    params = {
+        **GREEDY,
+        "logprobs": 3,
+        "repetition_penalty": 1.3,
+        "repetition_context_size": 6,
+        "presence_penalty": 0.4,
+        "logit_bias": [[118, 3.0]],
+    }
+    processors = make_logits_processors(
+        logit_bias={118: 3.0},
+        repetition_penalty=1.3,
+        repetition_context_size=6,
+        presence_penalty=0.4,
+        presence_context_size=20,
+    )
+    expected = reference(model, logits_processors=processors)
+    plain = Ring(model, SPLITS[2])
+    assert plain.answer(params) == expected
+    ring = Ring(model, SPLITS[2], draft_tokens=K)
+    assert ring.answer(params, prediction=[*expected[:6], 7, *expected[7:]]) == expected
+    assert ring.stages[0].stats.kept > 0
+
+    def logprobs(r: Ring) -> list[Any]:
+        return [e for k, f in r.client if k == "delta" for e in f.get("logprobs", [])]
+
+    assert len(logprobs(ring)) == N
+    for a, b in zip(logprobs(ring), logprobs(plain), strict=True):
+        assert a["id"] == b["id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+        assert [t["id"] for t in a["top"]] == [t["id"] for t in b["top"]]
+
+
+def test_a_stop_string_inside_kept_guesses_ends_the_answer_there(
+    models: Callable[..., Path],
+) -> None:
+    model = models("llama")
+    expected = reference(model)
+    tok = Ring(model, SPLITS[1]).stages[0].tokenizer
+    text = tok.decode(expected)
+    stop = tok.decode(expected[5:7])
+    assert stop and stop in text
+    params = {**GREEDY, "stop": [stop]}
+    plain = Ring(model, SPLITS[2])
+    plain.answer(params)
+    ring = Ring(model, SPLITS[2], draft_tokens=K)
+    ring.answer(params, prediction=expected)
+
+    def text_of(r: Ring) -> str:
+        return "".join(f["text"] for k, f in r.client if k == "delta")
+
+    assert text_of(ring) == text_of(plain) == text[: text.index(stop)]
+    assert ring.done("r")["finish_reason"] == "stop"
+    assert (
+        ring.done("r")["usage"]["completion_tokens"]
+        == plain.done("r")["usage"]["completion_tokens"]
+    )
+    assert ring.held() == [0, 0]
+
+
+def test_max_tokens_and_end_of_turn_cut_a_verified_run(models: Callable[..., Path]) -> None:
+    model = models("llama")
+    expected = reference(model)
+    ring = Ring(model, SPLITS[2], draft_tokens=K)
+    assert ring.answer({**GREEDY, "max_tokens": 7}, prediction=expected) == expected[:7]
+    assert ring.done("r")["usage"]["completion_tokens"] == 7
+    tok = ring.stages[0].tokenizer
+    eos = sorted(tok.eos_token_ids)[0]
+    # A bias makes the end of turn the 4th token; the guesses go past it.
+    biased = {**GREEDY, "ignore_eos": False}
+    plain = Ring(model, SPLITS[2]).answer(biased)
+    assert ring.answer(biased, rid="e", prediction=[*plain, eos, 1, 2, 3]) == plain
+    assert ring.held() == [0, 0]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_cancel_while_a_verify_frame_is_out_frees_every_stage(
+    models: Callable[..., Path], stages: int
+) -> None:
+    model = models("llama")
+    ring = Ring(model, SPLITS[stages], draft="lookup", draft_tokens=K)
+    expected = reference(model, n=200)
+    ring.ask("c", {**GREEDY, "max_tokens": 200}, prediction=expected)
+    while not any(f.get("tokens") for k, f in ring.client if k == "delta"):
+        ring.drain(steps=1)
+    spec = ring.stages[0].head_requests["c"].spec
+    assert spec is not None and spec.in_flight is not None
+    ring.drain(steps=stages)  # the verify frame is part way round
+    ring.stages[0].cancel("c")
+    ring.drain()
+    assert ring.done("c")["finish_reason"] == "cancelled"
+    assert ring.held() == [0] * stages
+    assert ring.answer(GREEDY, rid="after") == expected[:N]
+
+
+def test_a_rotating_window_stops_speculation_before_it_wraps(
+    models: Callable[..., Path],
+) -> None:
+    # gpt-oss alternates sliding (a rotating cache of 8 tokens in the demo) and full
+    # attention: guesses go out while the window holds them all, then stop.
+    model = models("gpt_oss")
+    expected = reference(model, n=20, prompt=PROMPT[:2])
+    ring = Ring(model, SPLITS[2], draft_tokens=K)
+    assert ring.stages[0].spec_window == 8
+    got = ring.answer({**GREEDY, "max_tokens": 20}, tokens=PROMPT[:2], prediction=expected)
+    assert got == expected
+    assert ring.stages[0].stats.kept > 0
+    assert "rotating window" in ring.done("r")["usage"]["speculation_off"]
+
+
+def test_speculation_stands_aside_when_its_guesses_miss(models: Callable[..., Path]) -> None:
+    model = models("llama")
+    expected = reference(model, n=40)
+    never = [(t + 1) % 256 for t in expected]
+    ring = Ring(model, SPLITS[2], draft_tokens=K)
+    assert ring.answer({**GREEDY, "max_tokens": 40}, prediction=never) == expected
+    done = ring.done("r")["usage"]
+    # It stops: its guesses were rejected, then lookup found none to make.
+    assert "lately" in done["speculation_off"] or "nothing to propose" in done["speculation_off"]
+    assert done["completion_tokens_details"]["rejected_prediction_tokens"] <= 2 * K + 4
+    assert ring.stages[1].stats.prebuilt > 0, "decoding without guesses builds steps ahead"
+
+
+def test_speculation_turns_off_for_a_request_decoded_in_a_batch(
+    models: Callable[..., Path],
+) -> None:
+    model = models("llama")
+    ring = Ring(model, SPLITS[1], draft="lookup", draft_tokens=K)
+    expected = reference(model, n=150)
+    ring.ask("a", {**GREEDY, "max_tokens": 150}, prediction=expected)
+    ring.drain(steps=8)
+    assert ring.stages[0].stats.drafted > 0
+    ring.ask("b", {**GREEDY, "max_tokens": 30}, draft="")
+    ring.drain()
+    assert ring.tokens("a") == expected
+    assert ring.tokens("b") == reference(model, n=30)
+    assert "batch" in ring.done("a")["usage"]["speculation_off"]
+    assert ring.stages[0].stats.batched > 0
+    assert ring.held() == [0]
+
+
+def test_bad_draft_choices_are_refused_in_words(models: Callable[..., Path]) -> None:
+    ring = Ring(models("llama"), SPLITS[1])
+    ring.answer(GREEDY, rid="a", draft="magic")
+    assert "draft 'magic' is not one of" in ring.done("a")["message"]
+    ring.answer(GREEDY, rid="b", draft="model")
+    assert "no draft model" in ring.done("b")["message"]
+    ring.answer(GREEDY, rid="c", prediction={"type": "content"})
+    assert "prediction must be" in ring.done("c")["message"]
+    with pytest.raises(ValueError, match="not one of"):
+        Ring(models("llama"), SPLITS[1], draft="magic")
+
+
+def test_lookup_proposes_the_continuation_of_the_longest_latest_match() -> None:
+    context = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # "2 3" occurs at 1 and 6; the latest (6) is followed by 7 8 5.
+    assert speculation.lookup([], context, 3) == [7, 8, 5]
+    assert speculation.lookup([], [*context, 7], 2) == [8, 5]  # "2 3 7" beats "3 7"
+    assert speculation.lookup([[4, 2, 3, 6, 6]], context, 2) == [6, 6]  # a prediction first
+    assert speculation.lookup([], [1, 2, 3, 4], 3) == []
+    assert speculation.lookup([], context, 0) == []
+
+
+def test_k_adapts_to_acceptance_and_speculation_stands_aside() -> None:
+    spec = speculation.Speculation(mode="lookup", k=4, k_max=6)
+    spec.record(4, 4)
+    assert spec.k == 5
+    spec.record(5, 1)
+    assert spec.k == 2 and not spec.off
+    for _ in range(6):
+        spec.record(2, 0)
+    assert spec.off and spec.budget(10) == 0
+    idle = speculation.Speculation(mode="lookup")
+    for _ in range(speculation.IDLE_ROUNDS):
+        idle.record(0, 0)
+    assert "nothing to propose" in idle.off
+    assert speculation.expected_tokens(0.0, 4) == 1.0
+    assert speculation.expected_tokens(1.0, 4) == 5.0

@@ -1,0 +1,229 @@
+"""Speculative decoding's decisions, apart from the ring: what to guess, what to keep.
+
+The head guesses the next K tokens (from a draft model it runs, or from earlier text:
+prompt lookup) and sends the last token it has plus the K guesses around the ring as
+one "verify" frame; the tail samples the big model at each of the K + 1 positions as
+mlx-lm's `speculative_generate_step` does (the target's own token at every position,
+a guess kept while it equals that token), so the answer is the one decoding without
+guesses gives, token for token, greedy or seeded. Every stage then cuts its caches
+back to the tokens that were kept (`rewind`), learning how far from the offset of the
+request's next frame.
+
+This module holds the pure parts: the lookup proposer, the acceptance count, how K
+adapts to a request's acceptance and when speculation stands aside, and the draft
+model's own session (its cache cut back with mlx-lm's `trim_prompt_cache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+# The draft choices, per placement (`--draft`) and per request.
+MODES = ("", "lookup", "model")
+# Guesses per verify frame: the default, and the most a frame may carry (the rows a
+# stage computes at once for it; a verify frame is a small prefill chunk).
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 16
+# Prompt lookup matches the last `NGRAM_MAX` .. `NGRAM_MIN` tokens (longest first).
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+# Speculation stands aside for a request whose guesses are kept less often than this,
+# once it has guessed `JUDGE_AFTER` tokens: a rejected guess costs its row of compute
+# in every stage, and the steps it makes cannot be built ahead while the last is
+# still out (a verify step's offset is only known when its tokens come back).
+MIN_ACCEPTANCE = 0.3
+JUDGE_AFTER = 12
+# ... and for a lookup request that found nothing to propose this many times running.
+IDLE_ROUNDS = 16
+
+
+def lookup(sources: Sequence[Sequence[int]], context: Sequence[int], k: int) -> list[int]:
+    """Prompt lookup decoding: up to `k` tokens that followed the longest earlier match
+    (of NGRAM_MAX down to NGRAM_MIN tokens) of the end of `context` (the prompt and the
+    answer so far). Each of `sources` is searched too, first (a predicted output), and
+    within each the latest match wins: recent text is the likeliest to repeat."""
+    if k <= 0:
+        return []
+    for n in range(min(NGRAM_MAX, len(context) - 1), NGRAM_MIN - 1, -1):
+        tail = list(context[-n:])
+        for source, own in [*((s, False) for s in sources), (context, True)]:
+            # In the context itself the match must end before its own tail.
+            last = len(source) - n - (1 if own else 0)
+            for start in range(last, -1, -1):
+                if source[start] == tail[0] and list(source[start : start + n]) == tail:
+                    follow = list(source[start + n : start + n + k])
+                    if follow:
+                        return follow
+    return []
+
+
+def lookup_guesses(
+    prediction: Sequence[int], prompt: Sequence[int], answer: Sequence[int], k: int
+) -> list[int]:
+    """Prompt lookup's guesses for an answer so far: while the answer is the start of a
+    predicted output, the prediction's next tokens; else `lookup` in the prediction,
+    then in the prompt and answer."""
+    n = len(answer)
+    if prediction and n < len(prediction) and list(prediction[:n]) == list(answer):
+        return list(prediction[n : n + k])
+    sources = [prediction] if prediction else []
+    return lookup(sources, [*prompt, *answer], k)
+
+
+def accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many guesses are kept: the leading ones equal to the token the big model
+    drew at their position (`sampled` has one more, the token after the last guess)."""
+    n = 0
+    while n < len(drafts) and n < len(sampled) and drafts[n] == sampled[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class Speculation:
+    """One request's speculation: how many guesses its next frame carries, what it has
+    kept so far, and (`off`) why it stopped guessing."""
+
+    mode: str  # "lookup" or "model"
+    k: int = DEFAULT_DRAFT_TOKENS
+    k_max: int = DEFAULT_DRAFT_TOKENS
+    prediction: tuple[int, ...] = ()  # a predicted output's tokens, looked up first
+    drafted: int = 0
+    kept: int = 0
+    idle: int = 0  # rounds running that had nothing to propose
+    off: str = ""
+    in_flight: tuple[int, ...] | None = None  # the guesses of the verify frame out now
+    recent: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) lately
+
+    @property
+    def rejected(self) -> int:
+        return self.drafted - self.kept
+
+    def budget(self, room: int) -> int:
+        """Guesses the next frame may carry: K, within `room` (the tokens the answer may
+        still have past the next one, and the context's)."""
+        return 0 if self.off else max(0, min(self.k, room))
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A verify frame came back with `kept` of its `drafted` guesses: K grows by one
+        after a frame kept them all and shrinks to what was kept plus one after one that
+        did not (as the acceptance of most speculative decoders adapts); speculation
+        stands aside when it is not paying."""
+        if drafted == 0:
+            self.idle += 1
+            # A step without guesses cannot be built ahead: a request none of whose
+            # guesses was ever kept gives up sooner.
+            limit = IDLE_ROUNDS if self.kept else IDLE_ROUNDS // 4
+            if self.mode == "lookup" and self.idle >= limit:
+                self.off = f"prompt lookup found nothing to propose {limit} times running"
+            return
+        self.idle = 0
+        self.drafted += drafted
+        self.kept += kept
+        self.recent = [*self.recent, (drafted, kept)][-8:]
+        if kept == drafted:
+            self.k = min(self.k_max, self.k + 1)
+        else:
+            self.k = max(1, min(self.k, kept + 1))
+        made = sum(d for d, _ in self.recent)
+        if made >= JUDGE_AFTER and sum(a for _, a in self.recent) < MIN_ACCEPTANCE * made:
+            self.off = (
+                f"its guesses were kept {sum(a for _, a in self.recent)} of {made} times lately "
+                f"(below {MIN_ACCEPTANCE:.0%})"
+            )
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify frame of `k` guesses yields when each is kept with probability
+    `acceptance` (independently): 1 + a + a^2 + ... + a^k."""
+    return float(sum(acceptance**i for i in range(k + 1)))
+
+
+def trim_reason(caches: Sequence[Any]) -> str:
+    """Why these caches (mlx-lm's, a whole model's kinds) cannot be cut back after a
+    rejected guess ("" if they can): linear attention's state (`ArraysCache`) holds no
+    history to cut, a rotating window can be cut only until it wraps (checked per step:
+    `window`)."""
+    for cache in caches:
+        inner = getattr(cache, "caches", None)
+        if isinstance(inner, tuple | list):
+            if reason := trim_reason(list(inner)):
+                return reason
+        elif not hasattr(cache, "trim") or not cache.is_trimmable():
+            return (
+                f"its {type(cache).__name__} (linear attention's running state) cannot be "
+                "cut back after a rejected guess"
+            )
+    return ""
+
+
+def window(caches: Sequence[Any]) -> int:
+    """The fewest tokens a rotating cache among these keeps (0: none rotates): past it a
+    cache wraps and can no longer be cut back, so speculation stops there."""
+    sizes = []
+    for cache in caches:
+        inner = getattr(cache, "caches", None)
+        if isinstance(inner, tuple | list):
+            if size := window(list(inner)):
+                sizes.append(size)
+        elif getattr(cache, "max_size", None):
+            sizes.append(int(cache.max_size))
+    return min(sizes, default=0)
+
+
+def rewind(caches: Sequence[Any], tokens: int) -> None:
+    """Cut `tokens` off the end of a shard's caches (mlx-lm's `trim_prompt_cache`)."""
+    if tokens <= 0:
+        return
+    if not can_trim_prompt_cache(list(caches)):
+        raise ValueError("these caches cannot be cut back (speculation needs them to be)")
+    trim_prompt_cache(list(caches), tokens)
+
+
+class DraftSession:
+    """A draft model's proposals for one request: its own cache, which holds the tokens
+    it has seen (the prompt, the kept answer, and its own last guesses); before each
+    proposal it is cut back to what still agrees with the context, fed the rest, and
+    asked for K greedy tokens, as mlx-lm's `speculative_generate_step` runs its draft."""
+
+    def __init__(self, model: Any, prefill_chunk: int = 512) -> None:
+        self.model = model
+        self.cache = make_prompt_cache(model)
+        self.seen: list[int] = []
+        self.prefill_chunk = prefill_chunk
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        same = 0
+        for a, b in zip(self.seen, context, strict=False):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(context) - 1)  # the last token is fed again: its logits
+        if same < len(self.seen):
+            trim_prompt_cache(self.cache, len(self.seen) - same)
+            self.seen = self.seen[:same]
+        feed = list(context[same:])
+        # The tokens new to it since its last guesses (after a verify: the big model's
+        # token, and the last guess if all were kept) go in with the first guess's step.
+        while len(feed) > self.prefill_chunk:
+            self.model(mx.array([feed[: self.prefill_chunk]]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.seen += feed[: self.prefill_chunk]
+            feed = feed[self.prefill_chunk :]
+        y = mx.array([feed])
+        out: list[mx.array] = []
+        for _ in range(k):
+            logits = self.model(y, cache=self.cache)[:, -1, :]
+            y = mx.argmax(logits, axis=-1, keepdims=True)
+            mx.async_eval(y)
+            out.append(y)
+        drafts = cast(list[int], mx.concatenate(out, axis=1)[0].tolist())
+        self.seen += [*feed, *drafts[:-1]]  # the last guess was never fed
+        return drafts
