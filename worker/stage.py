@@ -333,7 +333,9 @@ class Stage:
             params = replace(
                 params, recent=tuple(prompt[-params.window :] if params.window else ())
             )
-            spec = self._speculation(msg)
+            # A schema's mask follows each token drawn; a verify step draws several at
+            # once without it: such a request decodes token by token.
+            spec = None if params.grammar else self._speculation(msg)
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
