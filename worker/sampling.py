@@ -23,6 +23,9 @@ from functools import cache, partial
 from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from worker.shared.protocol.limits import (
@@ -35,6 +38,7 @@ from worker.shared.protocol.limits import (
     SAMPLING_LIMITS,
     limit_problem,
 )
+from worker.shared.structured import MAX_SCHEMA_BYTES, compile_grammar
 
 
 class ParamError(ValueError):
@@ -74,6 +78,10 @@ class SamplingParams:
     # The prompt's last `window` tokens, set by the head: the tail shard, which applies
     # the penalties, never sees the prompt.
     recent: tuple[int, ...] = ()
+    # Structured output: the JSON Schema every answer must match, as compact JSON text
+    # (worker/shared/structured.py builds and checks it); "" for free text. The tail
+    # compiles it and masks each draw to the tokens the grammar allows next.
+    grammar: str = ""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
@@ -111,6 +119,7 @@ class SamplingParams:
                     raw.get("frequency_context_size", DEFAULT_PENALTY_CONTEXT)
                 ),
                 recent=tuple(int(t) for t in raw.get("recent") or ()),
+                grammar=_grammar(raw.get("grammar")),
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
@@ -179,6 +188,7 @@ class SamplingParams:
             "frequency_penalty": self.frequency_penalty,
             "frequency_context_size": self.frequency_context_size,
             "recent": list(self.recent),
+            "grammar": self.grammar,
         }
 
 
@@ -232,6 +242,15 @@ def _whole(raw: Any) -> int:
     """An integer as it travels; 2.5 is no top_k (int() would make it 2)."""
     if isinstance(raw, bool) or not isinstance(raw, int):
         raise TypeError(f"expected an integer, got {raw!r}")
+    return raw
+
+
+def _grammar(raw: Any) -> str:
+    """The schema text as it travels: a string within the size the API allows."""
+    if raw is None:
+        return ""
+    if not isinstance(raw, str) or len(raw.encode()) > MAX_SCHEMA_BYTES:
+        raise TypeError(f"grammar must be JSON Schema text of at most {MAX_SCHEMA_BYTES} bytes")
     return raw
 
 
@@ -381,9 +400,15 @@ class Sampler:
     `special` are the tokens XTC never drops: mlx_lm.server's, the tokens of a newline
     and the end-of-sequence tokens."""
 
-    def __init__(self, params: SamplingParams, special: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        special: tuple[int, ...] = (),
+        grammar: Grammar | None = None,
+    ) -> None:
         self.params = params
         self.special = special
+        self.grammar = grammar
         # mlx-lm's sampler draws once for the token, and once more for XTC's coin.
         self._keys = _Keys(params.seed, 2 if params.xtc_probability > 0 else 1)
         self._sample: Callable[[mx.array], mx.array] | None = None
@@ -400,7 +425,8 @@ class Sampler:
         """Greedy on the model's own logits, wanting no log-probabilities: a batch's
         rows that are all plain share one argmax."""
         p = self.params
-        return p.temperature == 0.0 and p.logprobs < 0 and not self.processors
+        plain = p.temperature == 0.0 and p.logprobs < 0 and not self.processors
+        return plain and self.grammar is None
 
     def _process(self, logits: mx.array) -> mx.array:
         if not self.processors:
@@ -438,9 +464,19 @@ class Sampler:
         the model's own (a log-softmax of the logits, before temperature and the
         sampler's top_p, min_p, top_k and XTC), as mlx-lm's server and OpenAI give them,
         after the request's logits processors (mlx-lm's `generate_step` takes them from
-        the processed logits too)."""
+        the processed logits too), before a grammar's mask (which would make the
+        tokens it rules out -inf, which JSON cannot carry).
+
+        With a grammar the draw is among the tokens it allows after the tokens drawn so
+        far (`Grammar.accept`): so a step is drawn only once the token before it is
+        known, never built ahead."""
         logits = self._process(logits)
-        token = self(logits)
+        chosen = logits
+        if self.grammar is not None:
+            # The step's layers compute while the library works out the mask.
+            mx.async_eval(logits)
+            chosen = mx.where(self.grammar.allowed(), logits, -mx.inf)
+        token = self(chosen)
         self._remember(token)
         k = self.params.logprobs
         if k < 0:
@@ -473,6 +509,57 @@ class Sampler:
             return
         self._recent = dropped[0][0]
         self._keys.unread([key for _, key in dropped if key is not None])
+
+
+def grammar_tokenizer(tokenizer: Any, vocab: int) -> LLTokenizer:
+    """llguidance's view of a model's tokenizer (mlx-lm's TokenizerWrapper, or the
+    Hugging Face tokenizer it wraps), over the `vocab` logits the model gives (past the
+    tokenizer's own tokens, never allowed), ending at its end-of-sequence tokens.
+    Building it reads the whole vocabulary (about a second for 150 k tokens): a stage
+    builds it once. A tokenizer the library cannot read is a ParamError saying so."""
+    from llguidance.hf import from_tokenizer  # imports transformers: only when needed
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
+    try:
+        return from_tokenizer(hf, n_vocab=vocab or None, eos_token=eos or None)
+    except Exception as exc:
+        raise ParamError(
+            "response_format cannot be enforced for this model: the grammar library "
+            f"(llguidance) cannot read its tokenizer ({type(exc).__name__}: {exc}); "
+            "leave response_format out"
+        ) from None
+
+
+class Grammar:
+    """One request's structured output on the tail: llguidance's matcher for its schema,
+    advanced by every token drawn. `allowed` is the mask of the tokens it takes next
+    (once the answer is complete, only end-of-sequence)."""
+
+    def __init__(self, schema: str, tokenizer: LLTokenizer) -> None:
+        self._matcher = LLMatcher(tokenizer, compile_grammar(schema))
+        if self._matcher.is_error():
+            # The API compiled it already; a schema that got past it names itself here.
+            raise ParamError(f"response_format cannot be enforced: {self._matcher.get_error()}")
+        self._vocab = tokenizer.vocab_size
+        self._eos = frozenset(tokenizer.eos_tokens)
+        self._bits = allocate_token_bitmask(1, self._vocab)
+
+    def allowed(self) -> mx.array:
+        """[vocab] booleans: which tokens may come next."""
+        fill_next_token_bitmask(self._matcher, self._bits, 0)
+        # Bit i of 32-bit word j is token 32j + i; both platforms are little-endian.
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab]
+        return mx.array(bits.astype(np.bool_))
+
+    def accept(self, token: int) -> bool:
+        """Advance past the drawn token; True if it ended the answer (an end-of-sequence
+        token the complete answer allowed). A token the mask ruled out is a ValueError."""
+        if not self._matcher.consume_token(token):
+            raise ValueError(
+                f"the grammar refused token {token}: {self._matcher.get_error() or 'not allowed'}"
+            )
+        return token in self._eos and self._matcher.is_stopped()
 
 
 class TextStream:

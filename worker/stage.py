@@ -32,7 +32,15 @@ from worker.prompt_cache import (
     trimmable_at,
 )
 from worker.prompt_cache import snapshot as snapshot_of
-from worker.sampling import ParamError, Sampler, SamplingParams, TextStream, processor_problem
+from worker.sampling import (
+    Grammar,
+    ParamError,
+    Sampler,
+    SamplingParams,
+    TextStream,
+    grammar_tokenizer,
+    processor_problem,
+)
 from worker.shard import Shard
 from worker.shared.protocol.frames import STEPS, RingHeader
 from worker.shared.protocol.limits import (
@@ -116,6 +124,16 @@ class TailRequest:
     sampler: Sampler
     eos: frozenset[int]
     generated: int = 0
+
+    def finish_of(self, token: int) -> str:
+        """Why the answer ends at `token`, just drawn ("" if it goes on): end of turn
+        (or of the grammar's answer), or max_tokens. A grammar advances past it."""
+        grammar = self.sampler.grammar
+        if grammar is not None and grammar.accept(token):
+            return "stop"  # even with ignore_eos: the schema's answer is complete
+        if token in self.eos:
+            return "stop"
+        return "length" if self.generated >= self.sampler.params.max_tokens else ""
 
 
 @dataclass(frozen=True)
@@ -329,6 +347,13 @@ class Stage:
         # (the frame's first token is always kept); a frame below the cache's offset,
         # and not below this, cuts the cache back to it.
         self.rewind_floor: dict[str, int] = {}
+        self._grammar_tokenizer: Any = None  # llguidance's, built on the first schema
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of this model's tokenizer (ParamError if it has none)."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab)
+        return self._grammar_tokenizer
 
     def held(self) -> int:
         """Requests whose KV cache this stage holds, alone or as a row of a batch."""
@@ -352,6 +377,8 @@ class Stage:
                 )
             if problem := processor_problem(params, self.vocab):
                 raise RequestError(problem)
+            if params.grammar:
+                self.grammar_tokenizer()  # the tail needs it: refuse here if it cannot be
             prompt = self._prompt_tokens(msg, tools)
             params = self._fit_context(prompt, params)
             # The penalties look back on the prompt's last tokens too (as mlx-lm's do);
@@ -359,7 +386,9 @@ class Stage:
             params = replace(
                 params, recent=tuple(prompt[-params.window :] if params.window else ())
             )
-            spec = self._speculation(msg)
+            # A schema's mask follows each token drawn; a verify step draws several at
+            # once without it: such a request decodes token by token.
+            spec = None if params.grammar else self._speculation(msg)
         except (RequestError, ParamError) as exc:
             self.links.to_client(client, "failed", rid=rid, message=str(exc))
             return
@@ -607,7 +636,9 @@ class Stage:
             else:
                 try:
                     req = self.head_requests[rid]
-                    self._complete(self._launch_next(rid, req, prompt[-1], params))
+                    # A schema travels once: the tail keeps it from the first prefill frame.
+                    last = params if done == 0 else replace(params, grammar="")
+                    self._complete(self._launch_next(rid, req, prompt[-1], last))
                 except Exception as exc:
                     self._fail(rid, _describe(exc))
 
@@ -759,6 +790,9 @@ class Stage:
                     # The target's own token at each position (mlx-lm's rule).
                     out = self._tail(header).sampler.draw_positions(out[0])
                 else:
+                    if header.params is not None:
+                        # Its sampler (and grammar, compiled while the prompt fills in).
+                        self._tail(header)
                     out = [c.state for c in cache]  # a prefill chunk only fills the cache
         self._mlx(mx.async_eval, out)
         return Launched(header=header, out=out)
@@ -919,8 +953,11 @@ class Stage:
             if problem := processor_problem(params, self.vocab):
                 raise RequestError(problem)
             eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            grammar = None
+            if params.grammar:
+                grammar = Grammar(params.grammar, self.grammar_tokenizer())
             req = TailRequest(
-                sampler=Sampler(params, self.xtc_special),
+                sampler=Sampler(params, self.xtc_special, grammar),
                 eos=frozenset() if params.ignore_eos else eos,
             )
             self.tail_requests[header.rid] = req
@@ -930,7 +967,8 @@ class Stage:
         rid = header.rid
         req = self._tail(header)
         sampled = drawn[0] if isinstance(drawn, tuple) else drawn
-        if req.generated + 1 < req.sampler.params.max_tokens:
+        # A grammar's next mask waits for this token: its step is not built ahead.
+        if req.generated + 1 < req.sampler.params.max_tokens and req.sampler.grammar is None:
             if self.lone:
                 self._speculate(header, req, sampled)
             elif self.prebuild:
@@ -940,11 +978,11 @@ class Stage:
         self.stats.tokens += 1
         # The token goes back at once; the head turns it into text (and looks for stop
         # strings) while its shard already computes the next step.
-        finish = ""
-        if token in req.eos:
-            finish = "stop"
-        elif req.generated >= req.sampler.params.max_tokens:
-            finish = "length"
+        try:
+            finish = req.finish_of(token)
+        except ValueError as exc:
+            self._fail(rid, str(exc))
+            return
         if finish:
             self.tail_requests.pop(rid, None)
             ended = self.caches.pop(rid, None)
@@ -1461,11 +1499,11 @@ class Stage:
             token = tokens[rid]
             req.generated += 1
             self.stats.tokens += 1
-            finish = ""
-            if token in req.eos:
-                finish = "stop"
-            elif req.generated >= req.sampler.params.max_tokens:
-                finish = "length"
+            try:
+                finish = req.finish_of(token)
+            except ValueError as exc:
+                self._fail(rid, str(exc))
+                continue
             if finish:  # what the tail holds for it; the head frees the rest
                 self.tail_requests.pop(rid, None)
                 if self.store.budget and rid in self.group_of:

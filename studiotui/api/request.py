@@ -27,6 +27,7 @@ from worker.shared.protocol.limits import (
     prompt_too_long,
     shown,
 )
+from worker.shared.structured import FormatError, response_format_grammar
 
 # OpenAI means "until the context is full" when max_tokens is absent; a placement's
 # context is not known here, so a long but finite answer stands in for it.
@@ -327,14 +328,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise bad("only n=1 is supported: ask several times for several answers", "n")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise bad(
-            f"response_format {shown(kind)} is not supported: nothing here constrains the answer "
-            "to JSON; ask for JSON in the prompt and check it, or leave response_format out",
-            "response_format",
-        )
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int:
@@ -465,7 +458,19 @@ def sampling_params(
         "ignore_eos": _boolean(body, "ignore_eos", False),
         **_samplers(body),
         **_processors(body),
+        **_response_format(body),
     }
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any]:
+    """response_format as the grammar the tail enforces while it samples
+    (worker/shared/structured.py; docs/structured-output.md): JSON mode or a JSON
+    Schema. One the grammar library cannot compile is refused here, naming the part."""
+    try:
+        grammar = response_format_grammar(body.get("response_format"))
+    except FormatError as exc:
+        raise bad(str(exc), exc.param) from None
+    return {"grammar": grammar} if grammar else {}
 
 
 def _samplers(body: dict[str, Any]) -> dict[str, Any]:
