@@ -27,6 +27,7 @@ from studiotui.api.request import (
 )
 from studiotui.core.state import PlacementState
 from worker.shared.protocol.limits import MAX_STOP_STRINGS
+from worker.shared.structured import JSON_OBJECT, FormatError, schema_grammar
 
 # The Ollama API version whose shapes this follows (clients gate features on it).
 VERSION = "0.12.0"
@@ -102,14 +103,20 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     return params, num_ctx
 
 
-def _format(body: dict[str, Any]) -> None:
+def _format(body: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's `format` ("json", or a JSON Schema) as the grammar the tail enforces
+    (worker/shared/structured.py), to go beside the sampling params."""
     fmt = body.get("format")
-    if fmt is not None and fmt != "":
-        raise bad(
-            f"format {shown(fmt if isinstance(fmt, str) else 'schema')} is not supported yet: "
-            "nothing here constrains the answer to JSON; leave format out",
-            "format",
-        )
+    if fmt is None or fmt == "":
+        return {}
+    if fmt == "json":
+        return {"grammar": JSON_OBJECT}
+    if isinstance(fmt, str):
+        raise bad(f'format {shown(fmt)} is not known: give "json" or a JSON Schema', "format")
+    try:
+        return {"grammar": schema_grammar(fmt, "format")}
+    except FormatError as exc:
+        raise bad(str(exc), exc.param) from None
 
 
 def _stream(body: dict[str, Any]) -> bool:
@@ -135,8 +142,9 @@ def parse_chat(body: Any) -> OllamaRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = _model(body)
-    _format(body)
+    grammar = _format(body)
     params, num_ctx = _options(body)
+    params = {**params, **grammar}
     raw = body.get("messages")
     if raw is None or raw == []:
         # An empty chat loads the model (ollama's clients use it to preload).
@@ -207,7 +215,7 @@ def parse_generate(body: Any) -> OllamaRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = _model(body)
-    _format(body)
+    grammar = _format(body)
     _images(body, "body")
     if body.get("suffix"):
         raise bad("suffix is not supported: no model here fills in the middle", "suffix")
@@ -216,6 +224,7 @@ def parse_generate(body: Any) -> OllamaRequest:
     if body.get("context"):
         raise bad("context is not supported: send the conversation to /api/chat instead", "context")
     params, num_ctx = _options(body)
+    params = {**params, **grammar}
     prompt = body.get("prompt", "")
     system = body.get("system")
     if not isinstance(prompt, str):

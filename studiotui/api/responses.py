@@ -25,6 +25,7 @@ from studiotui.api.request import (
     shown,
     text_only,
 )
+from worker.shared.structured import FormatError, text_format_grammar
 
 # Text parts of an input message: what a user wrote, what an assistant answered.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -55,7 +56,7 @@ def parse_responses_request(body: Any) -> tuple[ChatRequest, dict[str, Any]]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream must be true or false", "stream")
-    _check_text_format(body.get("text"))
+    grammar = _text_format(body.get("text"))
     cache_key = body.get("prompt_cache_key")
     if cache_key is not None and not isinstance(cache_key, str):
         raise bad("prompt_cache_key must be a string", "prompt_cache_key")
@@ -73,6 +74,8 @@ def parse_responses_request(body: Any) -> tuple[ChatRequest, dict[str, Any]]:
                 exc.message.replace("max_tokens", "max_output_tokens"), "max_output_tokens"
             ) from None
         raise
+    if grammar:
+        params = {**params, "grammar": grammar}
     messages = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -92,7 +95,7 @@ def parse_responses_request(body: Any) -> tuple[ChatRequest, dict[str, Any]]:
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "metadata": body.get("metadata") or {},
         "prompt_cache_key": cache_key,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         "store": False,
     }
     parsed = ChatRequest(
@@ -106,21 +109,18 @@ def parse_responses_request(body: Any) -> tuple[ChatRequest, dict[str, Any]]:
     return parsed, echo
 
 
-def _check_text_format(text: Any) -> None:
+def _text_format(text: Any) -> str:
+    """`text.format` as the grammar the tail enforces (worker/shared/structured.py):
+    "" for plain text; JSON mode or a JSON Schema; one that cannot be enforced is a 400
+    naming its part."""
     if text is None:
-        return
+        return ""
     if not isinstance(text, dict):
         raise bad("text must be an object such as {format: {type: text}}", "text")
-    fmt = text.get("format")
-    if fmt is None:
-        return
-    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-    if kind != "text":
-        raise bad(
-            f"text.format {shown(kind)} is not supported yet: nothing here constrains the "
-            "answer to JSON; leave text.format out (or type text)",
-            "text.format",
-        )
+    try:
+        return text_format_grammar(text.get("format"))
+    except FormatError as exc:
+        raise bad(str(exc), exc.param) from None
 
 
 def conversation(raw: Any) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import jsonschema
+import ollama
 import openai
 import pytest
 import pytest_asyncio
@@ -242,3 +243,50 @@ async def test_a_format_that_cannot_be_enforced_is_a_400_naming_the_part(
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == param
     assert words in caught.value.message
     assert stats.served == before  # refused in the API: the cluster never saw it
+
+
+async def test_responses_text_format_and_ollamas_format_are_enforced_too(served: Served) -> None:
+    """The same grammar behind the Responses API's `text.format` (the `openai` SDK's
+    `client.responses`) and Ollama's `format` (the `ollama` client): a schema, and
+    Ollama's "json"."""
+    schema = next(iter(SCHEMAS.values()))
+    client = served.client()
+    for seed in range(3):
+        reply = await client.responses.create(
+            model=PLACEMENT,
+            input="Describe an order as JSON.",
+            temperature=1.0,
+            max_output_tokens=MOST,
+            text={"format": {"type": "json_schema", "name": "order", "schema": schema}},
+            extra_body={"seed": seed},
+        )
+        assert reply.status == "completed", reply
+        jsonschema.validate(json.loads(reply.output_text), schema)
+
+    local = ollama.AsyncClient(host=served.server.url.removesuffix("/v1"), timeout=120.0)
+    for seed in range(3):
+        got = await local.chat(
+            model=PLACEMENT,
+            messages=ASK,
+            format=schema,
+            options={"seed": seed, "temperature": 1.0, "num_predict": MOST},
+        )
+        jsonschema.validate(json.loads(got.message.content or ""), schema)
+    as_object = await local.generate(
+        model=PLACEMENT, prompt="JSON:", format="json", options={"seed": 1, "num_predict": MOST}
+    )
+    if as_object.done_reason == "stop":  # a free key closes rarely on a random model
+        assert isinstance(json.loads(as_object.response), dict)
+
+    with pytest.raises(ollama.ResponseError) as refused:
+        await local.chat(
+            model=PLACEMENT,
+            messages=ASK,
+            format={"type": "object", "properties": {"when": {"type": "date"}}},
+        )
+    assert refused.value.status_code == 400 and "format.properties.when" in str(refused.value)
+    with pytest.raises(openai.BadRequestError) as bad_format:
+        await client.responses.create(
+            model=PLACEMENT, input="x", text={"format": {"type": "json_schema", "name": "x"}}
+        )
+    assert bad_format.value.status_code == 400

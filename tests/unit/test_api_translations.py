@@ -105,12 +105,21 @@ def test_what_cannot_be_honoured_is_refused_in_words() -> None:
         anthropic.parse_messages_request({**base, "tools": [{"type": "web_search_20250305"}]})
     with pytest.raises(ApiError, match="max_tokens is required"):
         anthropic.parse_messages_request({k: v for k, v in base.items() if k != "max_tokens"})
-    with pytest.raises(ApiError, match=r'text\.format "json_schema" is not supported yet'):
+    with pytest.raises(ApiError, match=r"text\.format") as no_schema:
         responses.parse_responses_request(
             {"input": "x", "text": {"format": {"type": "json_schema"}}}
         )
-    with pytest.raises(ApiError, match='format "json" is not supported yet'):
-        ollama.parse_generate({"model": "m", "prompt": "x", "format": "json"})
+    assert no_schema.value.status == 400
+    with pytest.raises(ApiError, match=r"format\.properties\.when cannot be enforced"):
+        ollama.parse_generate(
+            {
+                "model": "m",
+                "prompt": "x",
+                "format": {"type": "object", "properties": {"when": {"type": "date"}}},
+            }
+        )
+    with pytest.raises(ApiError, match='format "yaml" is not known'):
+        ollama.parse_generate({"model": "m", "prompt": "x", "format": "yaml"})
     with pytest.raises(ApiError, match="reads text only"):
         ollama.parse_chat(
             {"model": "m", "messages": [{"role": "user", "content": "x", "images": ["AA"]}]}
