@@ -1,4 +1,4 @@
-"""Model files on real SSH nodes (tests/sshd.py): content identity, node to node, resume.
+"""Model files on real SSH nodes (tests/support/sshd.py): content identity, node to node, resume.
 
 Two "Macs" are provisioned over a real sshd on loopback. A fine-tune after its base
 (same folder name, file names and sizes; other weights) must answer with its own
@@ -21,7 +21,7 @@ import pytest
 from studiotui.cluster import model_fetch, model_files
 from studiotui.cluster.controller import Controller, PlacementError
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
-from tests.sshd import SshNodes
+from tests.support.sshd import SshNodes
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [

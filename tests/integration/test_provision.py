@@ -1,4 +1,4 @@
-"""Provisioning against a real OpenSSH sshd on loopback (tests/sshd.py).
+"""Provisioning against a real OpenSSH sshd on loopback (tests/support/sshd.py).
 
 Each sshd address stands for one Mac: the agent provisioned "there" binds the
 same 127.0.0.2X address, and every node's work dir has a space and a quote in
@@ -35,7 +35,7 @@ from studiotui.provision.deploy import (
     provision,
 )
 from studiotui.provision.remote import BUILD_MARKER
-from tests.sshd import SshdServer, SshNodes, free_port, make_node
+from tests.support.sshd import SshdServer, SshNodes, free_port, make_node
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [

@@ -27,7 +27,7 @@ from studiotui.core.inventory import Inventory, dump_inventory
 from studiotui.provision.deploy import CheckoutWheel, PrebuiltWheel
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
 from tests.integration.test_provision import agent_pid, bumped_wheel
-from tests.sshd import SshNodes
+from tests.support.sshd import SshNodes
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [

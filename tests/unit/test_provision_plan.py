@@ -40,7 +40,7 @@ from studiotui.provision.plan import (
     requirement_name,
     split_sections,
 )
-from tests.fixture_paths import macos_fixtures
+from tests.support.fixture_paths import macos_fixtures
 
 WORKDIR = "/Users/me/studio tui 'x'"
 VENV_PY = "/Users/me/venvs/mlx/bin/python"
