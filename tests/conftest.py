@@ -8,8 +8,8 @@ import pytest
 
 from studiotui.bench.provision import python_with_deps
 from studiotui.provision.deploy import CheckoutWheel
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.sshd import sshd_factory, sshd_server  # noqa: F401 - fixtures
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.sshd import agents, ssh_nodes, sshd_factory, sshd_server  # noqa: F401 - fixtures
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 

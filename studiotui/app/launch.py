@@ -25,7 +25,6 @@ from studiotui.core.inventory import (
     LOCAL_BASE_OCTET,
     Inventory,
     choose_local_layout,
-    dump_inventory,
     find_inventory,
     local_inventory,
 )
@@ -74,9 +73,7 @@ def first_run(
         control_port=layout.control_port,
         platform=platform,
     )
-    path = local_cluster.local_inventory_path(home)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_inventory(inventory))
+    local_cluster.save_local_inventory(home, inventory)
     note = (
         f"no cluster.toml found: starting a simulated cluster of {n} nodes on "
         f"{where(inventory)} and placing the demo model (`studiotui down` stops it)"

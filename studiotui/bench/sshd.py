@@ -3,7 +3,7 @@
 The cluster manager's whole job is talking to real sshd's, so the provisioning
 benchmark and the tests run one instead of a fake: quoting, SFTP, host key and auth
 failures then behave exactly as they will against the Macs. Install it with
-`.ci/install-sshd.sh`. The pytest fixtures are in `tests/sshd.py`.
+`.ci/install-sshd.sh`. The pytest fixtures are in `tests/support/sshd.py`.
 """
 
 from __future__ import annotations

@@ -46,7 +46,15 @@ def write_local_inventory(
 def save_local_inventory(home: Path, inv: Inventory) -> None:
     path = local_inventory_path(home)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_inventory(inv))
+    path.write_text(dump_inventory(inv, over=_text_of(path)))
+
+
+def _text_of(path: Path) -> str | None:
+    """The file a write replaces, so its comments and order are kept (None: none yet)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def running_outside(home: Path, new: Inventory) -> list[str]:

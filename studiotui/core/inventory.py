@@ -12,13 +12,16 @@ import math
 import re
 import sys
 import tomllib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar, cast
 
+import tomlkit
 from asyncssh.config import SSHClientConfig
+from tomlkit.exceptions import TOMLKitError
+from tomlkit.items import AoT
 
 from studiotui.core.errors import StudioError
 
@@ -63,7 +66,6 @@ NODE_KEYS = (
 # Names end up in paths, comma lists and TOML keys, so keep them to a safe alphabet.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 _NAME_RULE = "a name of letters, digits, '.', '_' or '-'"
-_BARE_KEY_RE = re.compile(r"[A-Za-z0-9_-]+\Z")
 # Shards take ports from control_port + SHARD_PORT_OFFSET upwards, so leave room above.
 _MAX_CONTROL_PORT = 65535 - SHARD_PORT_OFFSET
 
@@ -809,41 +811,69 @@ def _toml_string(value: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY_RE.match(key) else _toml_string(key)
+def _toml_item(value: object) -> object:
+    # Groups are tuples in an Inventory; TOML (and tomlkit) know arrays as lists.
+    return list(value) if isinstance(value, tuple) else value
 
 
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, tuple | list):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+def _update(
+    table: MutableMapping[str, Any],
+    values: Mapping[str, object],
+    defaults: Mapping[str, object] = MappingProxyType({}),
+) -> None:
+    """Set what changed, drop what is gone; a value left equal keeps its text and comment,
+    and a default the table leaves unsaid stays unsaid."""
+    for key in [k for k in table if k not in values]:
+        del table[key]
+    for key, value in values.items():
+        if key not in table and key in defaults and defaults[key] == value:
+            continue
+        if key not in table or table[key] != _toml_item(value):
+            table[key] = _toml_item(value)
 
 
-def _node_lines(node: NodeSpec) -> list[str]:
-    lines = ["[[nodes]]"]
-    for key in NODE_KEYS:
-        value = getattr(node, key)
-        if value is not None:
-            lines.append(f"{key} = {_toml_value(value)}")
-    return lines
+_NODE_DEFAULTS = MappingProxyType(
+    {f.name: f.default for f in fields(NodeSpec) if f.default is not MISSING}
+)
 
 
-def dump_inventory(inventory: Inventory) -> str:
-    """The inventory as `cluster.toml` text; `parse_inventory` reads it back equal."""
-    blocks = [["[cluster]", f"name = {_toml_string(inventory.name)}"]]
-    blocks.extend(_node_lines(node) for node in inventory.nodes)
+def dump_inventory(inventory: Inventory, over: str | None = None) -> str:
+    """The inventory as `cluster.toml` text; `parse_inventory` reads it back equal.
+
+    Given the text of the file it replaces (`over`), that document is changed in place
+    (tomlkit), so a user's comments, the order of keys and tables, and the layout of
+    every value left as it was survive: only what changed is written."""
+    try:
+        doc = tomlkit.parse(over) if over else tomlkit.document()
+    except TOMLKitError:
+        doc = tomlkit.document()  # not TOML: nothing in it to keep, and it is replaced
+    if "cluster" not in doc:
+        doc["cluster"] = tomlkit.table()
+    _update(doc["cluster"], {"name": inventory.name})
+    existing = doc.get("nodes")
+    if not isinstance(existing, AoT):
+        existing = tomlkit.aot()
+    # A node's table is found by name, so a kept node keeps its comments and key order.
+    old = {str(table.get("name")): table for table in existing}
+    for table in list(existing):
+        if str(table.get("name")) not in inventory.names:
+            existing.remove(table)
+    for node in inventory.nodes:
+        values = {k: getattr(node, k) for k in NODE_KEYS if getattr(node, k) is not None}
+        if node.name in old:
+            _update(old[node.name], values, _NODE_DEFAULTS)
+        else:
+            table = tomlkit.table()
+            _update(table, values, _NODE_DEFAULTS)
+            existing.append(table)
+    doc["nodes"] = existing
     if inventory.groups:
-        blocks.append(
-            ["[groups]"]
-            + [f"{_toml_key(g)} = {_toml_value(m)}" for g, m in inventory.groups.items()]
-        )
-    return "\n\n".join("\n".join(block) for block in blocks) + "\n"
+        if "groups" not in doc:
+            doc["groups"] = tomlkit.table()
+        _update(doc["groups"], dict(inventory.groups))
+    elif "groups" in doc:
+        del doc["groups"]
+    return tomlkit.dumps(doc)
 
 
 # --------------------------------------------------------------------------- selecting

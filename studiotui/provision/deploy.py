@@ -61,6 +61,7 @@ from studiotui.provision.plan import (
     Step,
     StopAgent,
     Wanted,
+    extra_requirements,
     node_requirements,
     parse_probe,
     plan_node,
@@ -224,7 +225,7 @@ class CheckoutWheel:
         self._files = _source_files(self.root)
         project = tomllib.loads(self._files["pyproject.toml"].decode())["project"]
         self._version = str(project["version"])
-        self._requirements = node_requirements(project.get("dependencies", []))
+        self._requirements = node_requirements(project)
         self._build = f"{self._version}+{_digest(self._files)[:12]}"
         self._lock = asyncio.Lock()
         self.built_now = False
@@ -312,7 +313,7 @@ class PrebuiltWheel:
             raise BuildError(f"{wheel} has no Version in its METADATA")
         self._version = version.group(1).strip()
         reqs = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
-        self._requirements = node_requirements(reqs)
+        self._requirements = extra_requirements(reqs)
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
         self._build = f"{self._version}+w{digest[:11]}"
 

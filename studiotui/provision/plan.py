@@ -24,6 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import NodeSpec
 from worker.shared import probes
@@ -34,12 +37,9 @@ MIN_FREE_BYTES = 2 * 1024**3
 SECTION_PREFIX = "@@studiotui:"
 DEPLOYMENT_FORMAT = 1
 
-# Requirements of the project that only the operator's side uses; a node gets
-# the rest. Listing the exceptions (rather than the worker's needs) means a
-# dependency added to pyproject later reaches the nodes by default.
-OPERATOR_ONLY = frozenset(
-    {"textual", "textual-serve", "rich", "asyncssh", "httpx", "aiohttp", "pypdf"}
-)
+# The extra of pyproject.toml that lists what a node needs (and all it gets: the
+# operator's own dependencies stay off the Macs that only run shards).
+NODE_EXTRA = "node"
 
 PYTHON_HINT = (
     "Install Python 3.11 or later on {node} (on macOS e.g. `brew install python@3.12`) "
@@ -408,20 +408,27 @@ class AgentHello:
 
 
 def requirement_name(requirement: str) -> str:
-    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
-    return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else requirement.strip().lower()
+    """A requirement's project name, normalised (`huggingface_hub>=1` -> huggingface-hub)."""
+    return canonicalize_name(Requirement(requirement).name)
 
 
-def node_requirements(requirements: Sequence[str]) -> tuple[str, ...]:
-    """The project's requirements a node needs: no operator-only ones, no extras'."""
+def node_requirements(project: Mapping[str, Any]) -> tuple[str, ...]:
+    """What a node needs, from pyproject.toml's `[project]` table: the node extra."""
+    extras = project.get("optional-dependencies", {})
+    return tuple(str(r).strip() for r in extras.get(NODE_EXTRA, ()))
+
+
+def extra_requirements(requires_dist: Sequence[str], extra: str = NODE_EXTRA) -> tuple[str, ...]:
+    """The requirements of one extra among a wheel's `Requires-Dist` lines: those whose
+    marker holds with that extra and not without it. They keep their markers (a node
+    evaluates them with the extra, as the probe's snippet does)."""
     kept = []
-    for req in requirements:
-        marker = req.partition(";")[2]
-        if re.search(r"\bextra\s*==", marker):
+    for line in requires_dist:
+        marker = Requirement(line).marker
+        if marker is None:
             continue
-        if requirement_name(req) in OPERATOR_ONLY:
-            continue
-        kept.append(req.strip())
+        if marker.evaluate({"extra": extra}) and not marker.evaluate({"extra": ""}):
+            kept.append(line.strip())
     return tuple(kept)
 
 

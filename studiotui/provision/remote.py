@@ -147,7 +147,8 @@ for port in sys.argv[2:]:
     print("bind.%s=%s" % (port, result))
 """
 
-# Which of the worker's requirements are unmet. Extras are checked one level
+# Which of the node's requirements (pyproject's `node` extra) are unmet; markers are
+# evaluated with that extra, as a wheel's lines carry it. Extras are checked one level
 # deep (mlx[cpu] -> mlx-cpu); pip does the full resolution when installing.
 FACTS_SNIPPET = r"""
 import json, sys
@@ -169,7 +170,7 @@ def unmet(text, env=None):
         except metadata.PackageNotFoundError:
             return [text]
     req = Requirement(text)
-    if req.marker is not None and not req.marker.evaluate(env or {"extra": ""}):
+    if req.marker is not None and not req.marker.evaluate(env or {"extra": "node"}):
         return []
     try:
         have = metadata.version(req.name)

@@ -19,9 +19,9 @@ from studiotui.app.place.preview import PreviewScreen
 from studiotui.app.screens.chat import ChatScreen
 from studiotui.core.inventory import Inventory
 from studiotui.core.placement import format_bytes
-from tests.adapter_model import write_adapter
-from tests.cluster_fixture import start_cluster, stop_cluster
-from tests.pilot_helpers import until
+from tests.support.adapter_model import write_adapter
+from tests.support.cluster_fixture import start_cluster, stop_cluster
+from tests.support.pilot_helpers import until
 from worker.shared.adapters import base_digest, read_adapter
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME

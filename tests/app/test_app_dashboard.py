@@ -38,10 +38,10 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import DOWN_AFTER_S, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.inventory import Inventory, NodeSpec, load_inventory, local_inventory
-from tests.app_fixtures import fixed_models, fixed_state
-from tests.cluster_fixture import runner_pids
 from tests.integration.test_engine import CHUNK, collect, prompt_tokens, reference_tokens
-from tests.pilot_helpers import run_from_palette
+from tests.support.app_fixtures import fixed_models, fixed_state
+from tests.support.cluster_fixture import runner_pids
+from tests.support.pilot_helpers import run_from_palette
 from worker import telemetry
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.telemetry import choose_power_source, choose_pressure_source

@@ -18,8 +18,8 @@ import pytest
 from studiotui.app.app import Startup, StudioApp
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import LocalCluster, placed_cluster
-from tests.pilot_helpers import until
+from tests.support.cluster_fixture import LocalCluster, placed_cluster
+from tests.support.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec
 
 pytestmark = pytest.mark.integration

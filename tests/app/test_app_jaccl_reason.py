@@ -1,7 +1,7 @@
 """The preview says why a tensor group of four Mac Studios does or does not run JACCL,
 from what their agents report about their Thunderbolt ports: the real app, planner and
 forecast over a frozen cluster whose nodes carry RDMA facts made from recorded macOS
-outputs (tests/rdma_mesh.py), placing the header-only Qwen3-235B-A22B 8-bit with
+outputs (tests/support/rdma_mesh.py), placing the header-only Qwen3-235B-A22B 8-bit with
 the 4-node group picked with `t` (the stand-in of tests/app/test_app_shapes.py, no I/O)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from studiotui.app.app import StudioApp
 from studiotui.app.place.preview import PlaceRequest, PreviewScreen
 from studiotui.core.model_facts import read_model
 from studiotui.core.state import ClusterState, LinkState, NodeState
-from tests import rdma_mesh
 from tests.app.test_app_shapes import Stand, planned
-from tests.app_fixtures import fixed_models
-from tests.seed_models import seed_model
+from tests.support import rdma_mesh
+from tests.support.app_fixtures import fixed_models
+from tests.support.seed_models import seed_model
 
 GiB = 1024**3
 NAMES = ["studio-1", "studio-2", "studio-3", "studio-4"]

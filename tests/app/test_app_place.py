@@ -26,8 +26,8 @@ from studiotui.app.place.preview import PreviewScreen
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory
-from tests.cluster_fixture import LocalCluster, start_cluster, stop_cluster
-from tests.pilot_helpers import run_from_palette, until
+from tests.support.cluster_fixture import LocalCluster, start_cluster, stop_cluster
+from tests.support.pilot_helpers import run_from_palette, until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 201, 59300

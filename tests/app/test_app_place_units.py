@@ -47,7 +47,7 @@ from studiotui.core.state import (
     placements_from_shards,
 )
 from studiotui.core.traffic import RateMeter
-from tests.app_fixtures import fixed_models, fixed_state
+from tests.support.app_fixtures import fixed_models, fixed_state
 from worker.shared.adapters import Adapter
 from worker.shared.protocol.limits import DEFAULT_STREAMS
 

@@ -1,6 +1,6 @@
 """The RDMA pane under Pilot reads each agent's `facts["rdma"]` as the typed RdmaFacts:
 a current agent's report (made by the real probe from recorded macOS outputs,
-tests/rdma_mesh.py) shows its devices and cables; an older agent's, without ports or in
+tests/support/rdma_mesh.py) shows its devices and cables; an older agent's, without ports or in
 a shape this operator does not read, is named "agent too old" with the command that
 updates it, and the pane keeps drawing the others. A frozen cluster, no I/O."""
 
@@ -12,8 +12,8 @@ from typing import Any
 from studiotui.app.app import StudioApp
 from studiotui.app.panes.rdma import RdmaPane
 from studiotui.core.state import ClusterState, NodeState
-from tests import rdma_mesh
-from tests.app_fixtures import fixed_models
+from tests.support import rdma_mesh
+from tests.support.app_fixtures import fixed_models
 
 GiB = 1024**3
 NAMES = ["studio-1", "studio-2", "studio-3"]

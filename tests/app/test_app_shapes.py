@@ -2,7 +2,7 @@
 
 The real app and the real planner and forecast, over a frozen cluster of four
 512 GB M3 Ultras (two pairs with RDMA between them), placing the header-only
-Qwen3-235B-A22B 8-bit (tests/seed_models.py) through a stand-in that has the
+Qwen3-235B-A22B 8-bit (tests/support/seed_models.py) through a stand-in that has the
 controller's `state` and `preview` and does no I/O.
 """
 
@@ -29,8 +29,8 @@ from studiotui.core.state import (
     PlannedShard,
     ShardState,
 )
-from tests.app_fixtures import fixed_models
-from tests.seed_models import seed_model
+from tests.support.app_fixtures import fixed_models
+from tests.support.seed_models import seed_model
 from worker.shared.adapters import Adapter
 
 GiB = 1024**3

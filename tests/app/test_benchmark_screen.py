@@ -19,10 +19,10 @@ from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.cluster import controller as controller_module
 from studiotui.core import benchmark as bm
 from studiotui.core.benchmark import Step
-from tests.app_fixtures import fixed_models, fixed_state
-from tests.benchmark_fixtures import TINY, sample_run
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.pilot_helpers import run_from_palette, until
+from tests.support.app_fixtures import fixed_models, fixed_state
+from tests.support.benchmark_fixtures import TINY, sample_run
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.pilot_helpers import run_from_palette, until
 
 BASE, PORT = 236, 59750
 SIZE = (160, 48)

@@ -33,9 +33,9 @@ from studiotui.chat.documents import split_passages
 from studiotui.chat.history import History, Settings
 from studiotui.core.inventory import Inventory
 from studiotui.core.state import ClusterState, ShardState, placements_from_shards
-from tests.cluster_fixture import placed_cluster
-from tests.pilot_helpers import run_from_palette
-from tests.pilot_helpers import until as wait_until
+from tests.support.cluster_fixture import placed_cluster
+from tests.support.pilot_helpers import run_from_palette
+from tests.support.pilot_helpers import until as wait_until
 from worker.shared.demo_model import DemoSpec
 
 # Polled finely: a coarser step let a fast answer finish before the keys were sent.
@@ -511,7 +511,7 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
 async def test_settings_fields_say_what_is_wrong_where_one_looks(tmp_path: Path) -> None:
     """No cluster needed: an emptied field keeps the value in force and says so; a
     value the shards would refuse is named under the conversation, in red."""
-    from tests.app_fixtures import fixed_models, fixed_state
+    from tests.support.app_fixtures import fixed_models, fixed_state
 
     app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
     async with app.run_test(size=SIZE) as pilot:
@@ -543,7 +543,7 @@ async def test_settings_fields_say_what_is_wrong_where_one_looks(tmp_path: Path)
 async def test_ctrl_t_attaches_a_document_from_its_dialog(tmp_path: Path) -> None:
     """README: `ctrl+t` attaches a text, Markdown or PDF document (no cluster needed to
     attach one; test_a_question_about_a_document_uses_the_related_passages asks it)."""
-    from tests.app_fixtures import fixed_models, fixed_state
+    from tests.support.app_fixtures import fixed_models, fixed_state
 
     doc = tmp_path / "handbook.md"
     doc.write_text("# Handbook\n\nThe vault code is tangerine.\n\nNothing else.\n")
@@ -565,7 +565,7 @@ async def test_a_tensor_placement_picked_by_hand_shows_its_stages(tmp_path: Path
     """Two stages × 2: each group's nodes are head or tail of the pipeline (the card
     counted four shards and called the second stage "middle"); after ctrl+l picks it,
     what one types goes to the prompt (the keys stayed on the menu)."""
-    from tests.app_fixtures import fixed_models, fixed_state
+    from tests.support.app_fixtures import fixed_models, fixed_state
 
     groups = (("studio-1", "studio-2"), ("studio-3", "studio-4"))
     spans = ((0, 31), (31, 61))
@@ -611,7 +611,7 @@ async def test_a_tensor_placement_picked_by_hand_shows_its_stages(tmp_path: Path
 async def test_the_nodes_card_fits_the_side_panel(tmp_path: Path, size: tuple[int, int]) -> None:
     """At 80x24 the side panel is 30 cells (29 with its scrollbar): the card's rows
     (node, role, layers, reqs) folded there; now the role gives way, nothing folds."""
-    from tests.app_fixtures import fixed_models, fixed_state
+    from tests.support.app_fixtures import fixed_models, fixed_state
 
     app = StudioApp(tmp_path, state=fixed_state(), models=fixed_models())
     async with app.run_test(size=size) as pilot:

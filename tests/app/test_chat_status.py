@@ -10,7 +10,7 @@ from textual.widgets import Static
 
 from studiotui.app.app import StudioApp
 from studiotui.app.screens.chat import ChatScreen
-from tests.app_fixtures import fixed_state
+from tests.support.app_fixtures import fixed_state
 
 
 async def test_a_notice_does_not_outlive_leaving_the_chat(tmp_path: Path) -> None:

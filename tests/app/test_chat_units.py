@@ -94,7 +94,7 @@ async def test_without_a_cluster_the_chat_says_so_and_commands_work(tmp_path: Pa
     from studiotui.app.app import StudioApp
     from studiotui.app.screens.chat import AnswerView, ChatScreen
     from studiotui.chat.history import History
-    from tests.app_fixtures import fixed_state
+    from tests.support.app_fixtures import fixed_state
 
     doc = tmp_path / "notes.md"
     doc.write_text("# Notes\n\nThe vault code is tangerine.\n")
@@ -151,7 +151,7 @@ async def test_with_several_placements_the_chat_asks_which(tmp_path: Path) -> No
     from studiotui.app.app import StudioApp
     from studiotui.app.screens.chat import ChatScreen
     from studiotui.core.state import placements_from_shards
-    from tests.app_fixtures import fixed_state
+    from tests.support.app_fixtures import fixed_state
 
     state = fixed_state()
     nodes = tuple(

@@ -23,8 +23,8 @@ from studiotui.app.dialogs import ConfirmScreen
 from studiotui.app.screens.jobs import UNKNOWN_JOB, JobsScreen
 from studiotui.cluster import jobs
 from studiotui.tune import finetune as ft
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.pilot_helpers import until
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.integration

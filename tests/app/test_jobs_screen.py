@@ -20,9 +20,9 @@ from studiotui.app.screens.jobs import FinetuneForm, JobsScreen, loss_chart
 from studiotui.cluster import jobs
 from studiotui.core.jobs import Point
 from studiotui.tune import finetune as ft
-from tests.app_fixtures import fixed_state
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.pilot_helpers import until
+from tests.support.app_fixtures import fixed_state
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
 

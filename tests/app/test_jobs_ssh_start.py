@@ -24,9 +24,9 @@ from studiotui.core.inventory import Inventory
 from studiotui.core.model_facts import read_model
 from studiotui.core.placement import format_bytes
 from studiotui.tune import finetune as ft
-from tests.adapter_model import write_training_text
-from tests.pilot_helpers import until
-from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
+from tests.support.adapter_model import write_training_text
+from tests.support.pilot_helpers import until
+from tests.support.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
 

@@ -22,8 +22,8 @@ from studiotui.app.place.preview import PreviewScreen
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import Inventory
 from studiotui.core.placement import format_bytes
-from tests.pilot_helpers import until
-from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
+from tests.support.pilot_helpers import until
+from tests.support.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
 

@@ -18,8 +18,8 @@ from studiotui.app.app import StudioApp
 from studiotui.app.panes.nodes import NodesPane
 from studiotui.cli.main import main
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import LocalCluster, placed_cluster
-from tests.pilot_helpers import until
+from tests.support.cluster_fixture import LocalCluster, placed_cluster
+from tests.support.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec
 
 pytestmark = pytest.mark.integration

@@ -2,7 +2,7 @@
 
 Two nodes reached over a real sshd on loopback (their agents run here, on its
 addresses, each with its own home): the job's adapter exists only under the rank-0
-node's `jobs/NAME/adapters`. It is written there directly (tests/adapter_model.py,
+node's `jobs/NAME/adapters`. It is written there directly (tests/support/adapter_model.py,
 stamped with its base as a finetune job stamps it) rather than trained by a whole
 finetune over SSH, to keep the test fast; the job's training itself is covered by
 tests/integration/test_finetune.py and test_adapters.py. The CLI's `place --adapter
@@ -24,10 +24,10 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.jobs import JobRecord, save_record
 from studiotui.core.inventory import Inventory, dump_inventory
-from tests.adapter_model import write_adapter
-from tests.cluster_fixture import wait_up
 from tests.integration.test_adapters import SPEC, collect, encode, reference
-from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
+from tests.support.adapter_model import write_adapter
+from tests.support.cluster_fixture import wait_up
+from tests.support.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import FILES, identity_of
 from worker.shared.demo_model import DemoSpec, write_demo_model
 

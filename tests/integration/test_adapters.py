@@ -1,6 +1,6 @@
 """LoRA adapters placed with their base model: real agents, runners, ZeroMQ and MLX.
 
-The adapter is a real mlx-lm one (tests/adapter_model.py: mlx-lm's LoRA layers with
+The adapter is a real mlx-lm one (tests/support/adapter_model.py: mlx-lm's LoRA layers with
 nonzero lora_b); the reference is `mlx_lm.load(model, adapter_path=adapter)`.
 """
 
@@ -32,9 +32,9 @@ from studiotui.core.inventory import Inventory, dump_inventory, local_inventory
 from studiotui.core.jobs import JobWatch
 from studiotui.core.placement import format_bytes
 from studiotui.tune import finetune as ft
-from tests.adapter_model import write_adapter, write_training_text
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
+from tests.support.adapter_model import write_adapter, write_training_text
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import base_digest, read_adapter, stamp_identity
 from worker.shared.demo_model import DemoSpec, write_demo_model
 

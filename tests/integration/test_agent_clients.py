@@ -22,8 +22,8 @@ import pytest_asyncio
 
 from studiotui.api.server import ApiServer, start_server
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.tool_model import write_agent_model
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.tool_model import write_agent_model
 from worker.shared.demo_model import PASSAGE, DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

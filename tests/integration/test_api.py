@@ -28,7 +28,7 @@ from studiotui.api.server import ApiServer, build_app, start_server
 from studiotui.bench.api_bench import bench_api
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, NodeState, ShardState, placements_from_shards
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.sampling import SamplingParams
 from worker.shared.demo_model import DemoSpec, write_demo_model
 

@@ -29,8 +29,8 @@ from mlx_lm.server import process_message_content
 
 from studiotui.api.server import ApiServer, start_server
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.tool_model import CALL, CONTENT, write_tool_model
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.tool_model import CALL, CONTENT, write_tool_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -1,7 +1,7 @@
 """Tool calls, /v1/completions and logprobs, through the real cluster and the `openai` client.
 
 Two real agents on 127.0.0.86-87:57700 serve three placements: a model that
-answers every chat with one tool call (tests/tool_model.py) on one node, a noise
+answers every chat with one tool call (tests/support/tool_model.py) on one node, a noise
 demo model as a two-shard ring, and a demo whose template knows no tool calls.
 """
 
@@ -24,8 +24,8 @@ from mlx_lm.utils import load_tokenizer
 
 from studiotui.api.server import ApiServer, start_server
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.tool_model import CALL, CONTENT, PASSAGE, write_tool_model
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.tool_model import CALL, CONTENT, PASSAGE, write_tool_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.tool_calls import ToolCallStream
 

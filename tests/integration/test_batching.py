@@ -22,8 +22,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster
-from tests.ring_harness import CHUNK, InProcessRing
+from tests.support.cluster_fixture import LocalCluster
+from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol.frames import (
     RingHeader,

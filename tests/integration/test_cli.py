@@ -19,7 +19,7 @@ import pytest
 
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import load_inventory
-from tests.tool_model import write_tool_model
+from tests.support.tool_model import write_tool_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 PORT = 57900  # beside the default 28500, so a developer's own local cluster is untouched

@@ -30,8 +30,8 @@ from studiotui.cluster.peers import AgentError
 from studiotui.core import benchmark as bm
 from studiotui.core.benchmark import DTYPES, BenchmarkError, Sizes, Step
 from studiotui.core.inventory import dump_inventory
-from tests.benchmark_fixtures import TINY, size_args
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.benchmark_fixtures import TINY, size_args
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import control
 

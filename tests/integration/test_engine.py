@@ -14,8 +14,8 @@ from mlx_lm.generate import generate_step
 
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.core.model_facts import read_model
-from tests.cluster_fixture import LocalCluster
 from tests.conftest import FAMILIES
+from tests.support.cluster_fixture import LocalCluster
 from worker.shared.demo_model import PASSAGE, DemoSpec, write_demo_model
 
 CHUNK = 16

@@ -21,8 +21,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from tests.cluster_fixture import LocalCluster
-from tests.ring_harness import CHUNK, InProcessRing
+from tests.support.cluster_fixture import LocalCluster
+from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.shard import ShardLoadError, load_shard
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 from worker.shared.model_support import FAMILIES as SUPPORTED

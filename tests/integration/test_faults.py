@@ -32,8 +32,8 @@ from studiotui.cluster.controller import (
 )
 from studiotui.cluster.peers import Peer
 from studiotui.core.inventory import dump_inventory, local_inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
 from worker import agent as agent_mod
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import curve, messages

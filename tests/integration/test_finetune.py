@@ -28,8 +28,8 @@ from studiotui.core.inventory import dump_inventory
 from studiotui.core.jobs import JobWatch
 from studiotui.tune import finetune as ft
 from studiotui.tune.data import DataError
-from tests.adapter_model import WORDS, write_training_text
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.adapter_model import WORDS, write_training_text
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.adapters import check_identity, identity_of
 from worker.shared.demo_model import DemoSpec, write_demo_model
 

@@ -29,9 +29,9 @@ from studiotui.cluster.model_files import needed_files
 from studiotui.core.inventory import Inventory, dump_inventory
 from studiotui.core.model_facts import read_model
 from studiotui.tune import finetune as ft
-from tests.adapter_model import write_training_text
-from tests.cluster_fixture import wait_up
-from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
+from tests.support.adapter_model import write_training_text
+from tests.support.cluster_fixture import wait_up
+from tests.support.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME
 

@@ -24,7 +24,7 @@ from studiotui.core import benchmark as bm
 from studiotui.core.benchmark import Sizes
 from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.placement import Plan
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 101, 59860

@@ -31,7 +31,7 @@ from studiotui.api.server import start_server
 from studiotui.cluster import keys
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.inventory import local_inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import curve, messages
 from worker.shared.protocol.curve import CurveKeys, make_client, make_server

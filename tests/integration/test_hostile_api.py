@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from studiotui.api import server as api_server
 from studiotui.api.server import ApiServer, start_server
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -1,5 +1,5 @@
 """Four real local agents that report a full RDMA mesh of Mac Studios (recorded macOS
-outputs replayed from each node's `probe-replay/`, derived by tests/rdma_mesh.py): a
+outputs replayed from each node's `probe-replay/`, derived by tests/support/rdma_mesh.py): a
 tensor placement, a fine-tuning job and the cluster benchmark's group product each
 choose MLX's JACCL backend, and every rank is launched with the device matrix (the
 `rdma_enX` each rank reaches each other rank through) and rank 0's coordinator.
@@ -30,9 +30,9 @@ from studiotui.core.jobs import JobWatch
 from studiotui.core.members import jaccl_devices
 from studiotui.tune import finetune as ft
 from studiotui.tune.finetune import FinetuneRequest
-from tests import rdma_mesh
-from tests.adapter_model import write_training_text
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support import rdma_mesh
+from tests.support.adapter_model import write_training_text
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from studiotui.cli.main import main
 from studiotui.cluster import jobs, local_cluster
 from studiotui.core.inventory import dump_inventory
 from studiotui.tune import finetune as ft
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from tests.ring_harness import CHUNK, InProcessRing
+from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.shard import ShardLoadError, load_shard
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 from worker.shared.kv_quant import family_reason

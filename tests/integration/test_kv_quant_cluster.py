@@ -22,8 +22,8 @@ from studiotui.cli.main import main
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller, committed_bytes
 from studiotui.core.inventory import dump_inventory
 from studiotui.core.placement import Plan, Refusal
-from tests.cluster_fixture import LocalCluster
 from tests.integration.test_kv_quant import quantized_cache
+from tests.support.cluster_fixture import LocalCluster
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 CHUNK = 16

@@ -21,7 +21,7 @@ import pytest_asyncio
 
 from studiotui.api.server import ApiServer, start_server
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol.limits import MAX_CHARS_PER_TOKEN, MAX_SEED, MAX_STOP_CHARS
 

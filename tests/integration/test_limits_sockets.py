@@ -20,7 +20,7 @@ import zmq.asyncio
 from mlx_lm.utils import load_tokenizer
 
 from studiotui.cluster import keys
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.agent import LOG_BACKUPS, LOG_BYTES, log_handlers
 from worker.shard import load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model

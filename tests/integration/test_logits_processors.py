@@ -3,7 +3,7 @@ equal mlx-lm's `generate_step` with the same `make_logits_processors` on the sam
 directory, over one stage and two, and a request with processors batched beside others
 (none, different ones, sampled) answers as it does alone.
 
-Real shards and real `Stage`s in one process (tests/ring_harness.py): a difference is
+Real shards and real `Stage`s in one process (tests/support/ring_harness.py): a difference is
 the engine's. The API and the official client: tests/integration/test_api.py; a tensor
 group: tests/integration/test_tensor_parallel.py.
 """
@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from tests.ring_harness import CHUNK, InProcessRing
+from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.sampling import SamplingParams
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol.frames import RingHeader

@@ -1,7 +1,7 @@
 """`studiotui fetch`: each node downloads only its share from the hub, with the real client.
 
 The hub is out of reach here, so the real `huggingface_hub` on the operator and on
-every agent talks to a stand-in that speaks the same HTTP (tests/hub_standin.py),
+every agent talks to a stand-in that speaks the same HTTP (tests/support/hub_standin.py),
 through HF_ENDPOINT. The stand-in counts what it serves per file.
 """
 
@@ -19,8 +19,8 @@ from studiotui.cli.main import main
 from studiotui.cluster.model_fetch import is_repo_id, share_names
 from studiotui.cluster.model_files import even_shares, needed_names
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture, start_cluster, stop_cluster
-from tests.hub_standin import HubStandIn
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture, start_cluster, stop_cluster
+from tests.support.hub_standin import HubStandIn
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 COMMIT = "0123456789abcdef" * 2 + "01234567"

@@ -22,7 +22,7 @@ from studiotui.cluster import local_cluster, model_sync
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.model_files import needed_files
 from studiotui.core.inventory import Inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.manifest import CACHE_NAME, manifest, part_name
 

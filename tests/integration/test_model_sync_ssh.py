@@ -1,4 +1,4 @@
-"""Model files on real SSH nodes (tests/sshd.py): content identity, node to node, resume.
+"""Model files on real SSH nodes (tests/support/sshd.py): content identity, node to node, resume.
 
 Two "Macs" are provisioned over a real sshd on loopback. A fine-tune after its base
 (same folder name, file names and sizes; other weights) must answer with its own
@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,8 @@ import pytest
 
 from studiotui.cluster import model_fetch, model_files
 from studiotui.cluster.controller import Controller, PlacementError
-from studiotui.core.inventory import Inventory
-from studiotui.provision.deploy import CheckoutWheel, provision
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
-from tests.integration.test_provision import agents, free_port, make_node  # noqa: F401 - a fixture
-from tests.sshd import SshdServer
+from tests.support.sshd import SshNodes
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [
@@ -54,24 +52,12 @@ def _log(ctl: Controller, since: int) -> list[str]:
 
 
 async def test_content_identity_node_to_node_and_resume_on_ssh_nodes(
-    sshd_server: SshdServer,
     tmp_path: Path,
-    wheel: CheckoutWheel,
-    node_python: str,
-    agents: list[Path],  # noqa: F811
+    ssh_nodes: Callable[..., Awaitable[SshNodes]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    addrs = list(sshd_server.addresses[:2])
-    port = free_port(addrs)
-    nodes = tuple(
-        make_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path, port, node_python) for a in addrs
-    )
-    agents.extend(Path(n.workdir) for n in nodes)
-    inv = Inventory(name="desk", nodes=nodes)
-    home = tmp_path / "home"
-    outcomes = await provision(home, inv, wheel=wheel, user_known_hosts=None,
-                               accept_new_host_keys=True)  # fmt: skip
-    assert all(o.status == "up" for o in outcomes.values()), outcomes
+    made = await ssh_nodes(2)
+    nodes, inv, home = made.nodes, made.inventory, made.home
     n1, n2 = (n.name for n in nodes)
     base, tune = _model(tmp_path, 1), _model(tmp_path, 2)
     ref_base = reference_tokens(base, prompt_tokens(base), 8)

@@ -22,7 +22,7 @@ from studiotui.cli import exits
 from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture, wait_up
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture, wait_up
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 236, 58940

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from studiotui.cluster.controller import PlacementError
-from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.integration.test_engine import collect, prompt_tokens
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 

@@ -22,7 +22,7 @@ from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller, comm
 from studiotui.cluster.peers import AgentError
 from studiotui.core.model_facts import read_model
 from studiotui.core.placement import Plan, Refusal
-from tests.cluster_fixture import LocalCluster, start_cluster, stop_cluster
+from tests.support.cluster_fixture import LocalCluster, start_cluster, stop_cluster
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import control
 

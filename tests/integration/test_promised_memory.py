@@ -32,7 +32,7 @@ from studiotui.cluster.controller import (
 from studiotui.core.inventory import Inventory
 from studiotui.core.model_facts import read_model
 from studiotui.core.placement import Plan, Refusal
-from tests.sshd import SshdServer, ssh_node, sshd_factory  # noqa: F401 - the fixture
+from tests.support.sshd import SshdServer, ssh_node, sshd_factory  # noqa: F401 - the fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 SPEC = DemoSpec(arch="llama", layers=4, hidden=64, heads=4, kv_heads=2, dtype="float32", seed=5)

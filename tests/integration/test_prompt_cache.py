@@ -22,8 +22,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from tests.cluster_fixture import LocalCluster
-from tests.ring_harness import CHUNK, InProcessRing
+from tests.support.cluster_fixture import LocalCluster
+from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.prompt_cache import trimmable_at
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 

@@ -1,4 +1,4 @@
-"""Provisioning against a real OpenSSH sshd on loopback (tests/sshd.py).
+"""Provisioning against a real OpenSSH sshd on loopback (tests/support/sshd.py).
 
 Each sshd address stands for one Mac: the agent provisioned "there" binds the
 same 127.0.0.2X address, and every node's work dir has a space and a quote in
@@ -11,22 +11,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import shutil
 import socket
 import stat
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from studiotui.bench.provision import kill_local_agents
 from studiotui.cli import provision_cmd
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.model_files import needed_files
@@ -38,7 +35,7 @@ from studiotui.provision.deploy import (
     provision,
 )
 from studiotui.provision.remote import BUILD_MARKER
-from tests.sshd import SshdServer, ssh_node, sshd_factory, sshd_server  # noqa: F401
+from tests.support.sshd import SshdServer, SshNodes, free_port, make_node
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [
@@ -61,46 +58,6 @@ FOREIGN_ADDRESS = "198.51.100.77"
 
 # `wheel` and `node_python` (session fixtures) live in conftest.py: the model-file
 # tests on SSH nodes use the same ones.
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Path]]:
-    """Work dirs whose agents are stopped (by pid file) when the test ends, pass or fail."""
-    workdirs: list[Path] = []
-    try:
-        yield workdirs
-    finally:
-        kill_local_agents(workdirs)
-
-
-def free_port(addresses: list[str]) -> int:
-    """A control port whose pair (port, port+1) is free on every address."""
-    for _ in range(200):
-        port = random.randrange(54000, 60000, 20)
-        try:
-            for addr in addresses:
-                for p in (port, port + 1):
-                    with socket.socket() as s:
-                        s.bind((addr, p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
-def make_node(
-    server: SshdServer,
-    addr: str,
-    name: str,
-    root: Path,
-    control_port: int,
-    python: str,
-    /,
-    **changes: Any,
-) -> NodeSpec:
-    # A work folder whose path needs quoting in every remote command.
-    node = ssh_node(server, addr, name, root / "nodes dir 'q'", control_port)
-    return replace(node, **{"python": python, **changes})
 
 
 def trust(server: SshdServer, home: Path) -> None:
@@ -174,20 +131,14 @@ def old_python(directory: Path, real: str) -> str:
 
 
 async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
-    sshd_server: SshdServer,  # noqa: F811
+    sshd_server: SshdServer,
     tmp_path: Path,
     wheel: CheckoutWheel,
-    node_python: str,
-    agents: list[Path],
+    ssh_nodes: Callable[..., Awaitable[SshNodes]],
 ) -> None:
-    addrs = list(sshd_server.addresses[:3])
-    port = free_port(addrs)
-    nodes = tuple(
-        make_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path, port, node_python) for a in addrs
-    )
-    agents.extend(Path(n.workdir) for n in nodes)
-    inv = Inventory(name="desk", nodes=nodes)
-    home = tmp_path / "home"
+    made = await ssh_nodes(3, provisioned=False)
+    nodes, inv, home = made.nodes, made.inventory, made.home
+    port = nodes[0].control_port
     common: dict[str, Any] = {"wheel": wheel, "user_known_hosts": None}
     # The operator's own files under a workdir's lib/ (as under ~/lib): never pruned.
     theirs = Path(nodes[0].workdir) / "lib" / "not-studiotuis"
@@ -320,7 +271,7 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
 
 
 async def test_each_failure_names_its_node_and_the_others_still_come_up(
-    sshd_server: SshdServer,  # noqa: F811
+    sshd_server: SshdServer,
     tmp_path: Path,
     wheel: CheckoutWheel,
     node_python: str,
@@ -417,7 +368,7 @@ async def test_each_failure_names_its_node_and_the_others_still_come_up(
 
 
 async def test_missing_mlx_that_pip_cannot_install(
-    sshd_server: SshdServer,  # noqa: F811
+    sshd_server: SshdServer,
     tmp_path: Path,
     wheel: CheckoutWheel,
 ) -> None:
@@ -447,7 +398,7 @@ async def test_missing_mlx_that_pip_cannot_install(
 
 
 async def test_no_disk_space_says_how_much_is_free_where(
-    sshd_server: SshdServer,  # noqa: F811
+    sshd_server: SshdServer,
     tmp_path: Path,
     wheel: CheckoutWheel,
     node_python: str,
@@ -469,7 +420,7 @@ async def test_no_disk_space_says_how_much_is_free_where(
 
 
 async def test_host_keys_changed_or_known_only_to_the_user(
-    sshd_factory: Callable[..., SshdServer],  # noqa: F811
+    sshd_factory: Callable[..., SshdServer],
     tmp_path: Path,
     wheel: CheckoutWheel,
     node_python: str,
@@ -530,7 +481,7 @@ async def test_host_keys_changed_or_known_only_to_the_user(
 
 
 async def test_provision_logs_restart_down_verbs(
-    sshd_server: SshdServer,  # noqa: F811
+    sshd_server: SshdServer,
     tmp_path: Path,
     node_python: str,
     wheel: CheckoutWheel,
@@ -578,7 +529,7 @@ async def test_provision_logs_restart_down_verbs(
 
 
 async def test_follow_log_reads_only_what_was_appended(
-    sshd_server: SshdServer,  # noqa: F811
+    sshd_server: SshdServer,
     tmp_path: Path,
 ) -> None:
     from studiotui.provision import deploy as prov

@@ -26,8 +26,8 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.catalog import scan
 from studiotui.core.inventory import Inventory, dump_inventory, local_inventory
-from tests.app_fixtures import fixed_state
-from tests.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401
+from tests.support.app_fixtures import fixed_state
+from tests.support.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.model_support import unsupported_reason
 

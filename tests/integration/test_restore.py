@@ -21,8 +21,8 @@ import pytest
 
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 246, 57700  # 127.0.0.246-247

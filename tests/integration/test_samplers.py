@@ -4,7 +4,7 @@ a seeded answer equals mlx-lm's `generate_step` with the same sampler after
 greedy; a request with them batched beside others (without them, with others) answers
 as it does alone; the head refuses bad values before any work.
 
-Real shards and real `Stage`s in one process (tests/ring_harness.py), the ring of
+Real shards and real `Stage`s in one process (tests/support/ring_harness.py), the ring of
 test_logits_processors.py. The API and the official client: tests/integration/test_api.py;
 a tensor group: tests/integration/test_tensor_parallel.py.
 """
@@ -22,7 +22,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from tests.integration.test_logits_processors import PROMPT, SPLITS, Ring, model
-from tests.ring_harness import CHUNK
+from tests.support.ring_harness import CHUNK
 from worker.sampling import ParamError, SamplingParams
 
 __all__ = ["model"]  # the module fixture, shared

@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from tests.ring_harness import CHUNK, InProcessRing
+from tests.support.ring_harness import CHUNK, InProcessRing
 from worker import speculation
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 

@@ -27,8 +27,8 @@ from studiotui.app.screens.chat import AnswerView, ChatScreen
 from studiotui.cli.commands import status_json
 from studiotui.cluster.controller import Controller
 from studiotui.core.placement import Plan, Refusal
-from tests.cluster_fixture import LocalCluster, cluster_fixture
-from tests.pilot_helpers import until
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

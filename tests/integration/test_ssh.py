@@ -1,4 +1,4 @@
-"""studiotui.ssh.client against a real OpenSSH sshd on loopback (see tests/sshd.py)."""
+"""studiotui.ssh.client against a real OpenSSH sshd on loopback (see tests/support/sshd.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from studiotui.ssh.client import (
     read_file_tail,
     run,
 )
-from tests.sshd import SshdServer, sshd_factory, sshd_server  # noqa: F401
+from tests.support.sshd import SshdServer, sshd_factory, sshd_server  # noqa: F401
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="function"),

@@ -23,7 +23,7 @@ import pytest
 
 from studiotui.cli import commands
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import LocalCluster, placed_cluster
+from tests.support.cluster_fixture import LocalCluster, placed_cluster
 from worker.shared.demo_model import DemoSpec
 
 pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.timeout(180)]

@@ -31,7 +31,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from tests.integration.test_logits_processors import PROMPT, SPLITS, Ring, model
-from tests.ring_harness import CHUNK
+from tests.support.ring_harness import CHUNK
 from worker.sampling import grammar_tokenizer
 from worker.shared.structured import JSON_OBJECT, compile_grammar, schema_grammar
 

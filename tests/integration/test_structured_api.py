@@ -26,8 +26,8 @@ from pydantic import BaseModel, Field
 
 from studiotui.api.server import ApiServer, start_server
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.integration.test_structured import SCHEMAS
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -33,7 +33,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.core.placement import Plan
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.integration

@@ -22,8 +22,8 @@ from studiotui.cluster import keys
 from studiotui.cluster.controller import join_seconds
 from studiotui.cluster.peers import AgentError
 from studiotui.core.placement import Plan
-from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.integration.test_faults import studiotui_cli
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import control
 

@@ -22,7 +22,7 @@ from studiotui.cli.main import home_dir
 from studiotui.cluster import keys, local_cluster
 from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory
 from studiotui.core.trust import HOME_MARK, home_mark, inventory_doubts
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import messages
 from worker.shared.protocol.curve import CurveKeys, make_client

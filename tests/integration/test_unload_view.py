@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from studiotui.core.state import ClusterState
-from tests.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = pytest.mark.integration

@@ -16,6 +16,7 @@ import argparse
 import os
 import shutil
 import zipfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -23,16 +24,10 @@ import pytest
 from studiotui.cli import provision_cmd
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory, dump_inventory
-from studiotui.provision.deploy import CheckoutWheel, PrebuiltWheel, provision
+from studiotui.provision.deploy import CheckoutWheel, PrebuiltWheel
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
-from tests.integration.test_provision import (  # noqa: F401 - a fixture
-    agent_pid,
-    agents,
-    bumped_wheel,
-    free_port,
-    make_node,
-)
-from tests.sshd import SshdServer
+from tests.integration.test_provision import agent_pid, bumped_wheel
+from tests.support.sshd import SshNodes
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 pytestmark = [
@@ -74,25 +69,14 @@ async def _answer(home: Path, inv: Inventory, tokens: list[int]) -> tuple[str, l
 
 
 async def test_upgrade_loads_the_placements_again_and_they_answer_the_same(
-    sshd_server: SshdServer,
     tmp_path: Path,
     wheel: CheckoutWheel,
-    node_python: str,
-    agents: list[Path],  # noqa: F811
+    ssh_nodes: Callable[..., Awaitable[SshNodes]],
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    addrs = list(sshd_server.addresses[:2])
-    port = free_port(addrs)
-    nodes = tuple(
-        make_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path, port, node_python) for a in addrs
-    )
-    agents.extend(Path(n.workdir) for n in nodes)
-    inv = Inventory(name="desk", nodes=nodes)
-    home = tmp_path / "home"
-    first = await provision(home, inv, wheel=wheel, user_known_hosts=None,
-                            accept_new_host_keys=True)  # fmt: skip
-    assert all(o.status == "up" for o in first.values()), first
+    made = await ssh_nodes(2)
+    nodes, inv, home = made.nodes, made.inventory, made.home
     names = [n.name for n in nodes]
     model = write_demo_model(
         tmp_path / "model", DemoSpec(layers=4, hidden=128, heads=4, kv_heads=2, seed=3)
@@ -163,25 +147,14 @@ async def test_upgrade_loads_the_placements_again_and_they_answer_the_same(
 
 
 async def test_provision_after_down_loads_the_kept_shards_again(
-    sshd_server: SshdServer,
     tmp_path: Path,
     wheel: CheckoutWheel,
-    node_python: str,
-    agents: list[Path],  # noqa: F811
+    ssh_nodes: Callable[..., Awaitable[SshNodes]],
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    addrs = list(sshd_server.addresses[:2])
-    port = free_port(addrs)
-    nodes = tuple(
-        make_node(sshd_server, a, f"mac-{a[-2:]}", tmp_path, port, node_python) for a in addrs
-    )
-    agents.extend(Path(n.workdir) for n in nodes)
-    inv = Inventory(name="desk", nodes=nodes)
-    home = tmp_path / "home"
-    first = await provision(home, inv, wheel=wheel, user_known_hosts=None,
-                            accept_new_host_keys=True)  # fmt: skip
-    assert all(o.status == "up" for o in first.values()), first
+    made = await ssh_nodes(2)
+    nodes, inv, home = made.nodes, made.inventory, made.home
     names = [n.name for n in nodes]
     model = write_demo_model(
         tmp_path / "model", DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2, seed=3)

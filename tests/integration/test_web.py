@@ -27,7 +27,7 @@ from aiohttp import ClientSession, WSServerHandshakeError
 from studiotui.cli.main import main
 from studiotui.cli.web import COOKIE, dashboard_command, host_name, start_web
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import cluster_fixture
+from tests.support.cluster_fixture import cluster_fixture
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [

@@ -25,8 +25,8 @@ import pytest
 
 from studiotui.cluster import local_cluster
 from studiotui.core.inventory import dump_inventory
-from tests.cluster_fixture import LocalCluster, cluster_fixture
 from tests.integration.test_web import CHROMIUM, CHROMIUM_FLAGS
+from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 
 BASE, PORT = 250, 57850  # 127.0.0.250-251
 

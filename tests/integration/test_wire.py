@@ -12,8 +12,8 @@ import zmq
 
 from studiotui.cluster import keys
 from studiotui.cluster.controller import Controller
-from tests.cluster_fixture import LocalCluster
 from tests.integration.test_engine import collect, place, prompt_tokens
+from tests.support.cluster_fixture import LocalCluster
 from worker.shared.protocol import (
     FrameError,
     MessageError,

@@ -27,7 +27,7 @@ from studiotui.core.adapter_catalog import (
 )
 from studiotui.core.errors import UserError
 from studiotui.core.model_facts import read_model
-from tests.adapter_model import write_adapter
+from tests.support.adapter_model import write_adapter
 from worker.shard import load_shard
 from worker.shared import manifest
 from worker.shared.adapters import (

@@ -18,7 +18,7 @@ from studiotui.core.benchmark import (
     Step,
     StreamPoint,
 )
-from tests.benchmark_fixtures import sample_run
+from tests.support.benchmark_fixtures import sample_run
 from worker import device_bench
 from worker.agent import link_sizes
 from worker.shared.protocol import control

@@ -23,7 +23,7 @@ from studiotui.cli.commands import (
 from studiotui.cli.main import build_parser, main
 from studiotui.core.errors import UserError
 from studiotui.core.state import ClusterState
-from tests.app_fixtures import fixed_state
+from tests.support.app_fixtures import fixed_state
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 

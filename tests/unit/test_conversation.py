@@ -32,7 +32,7 @@ from studiotui.chat.store import HistoryStore
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.inventory import Inventory
-from tests.cluster_fixture import placed_cluster
+from tests.support.cluster_fixture import placed_cluster
 from worker.shared.demo_model import DemoSpec
 
 BASE, PORT = 241, 59700

@@ -28,7 +28,7 @@ from studiotui.core.forecast import (
 from studiotui.core.model_facts import ModelFacts, read_model
 from studiotui.core.placement import Link, NodeBudget, Plan, TensorFacts, plan
 from studiotui.core.state import ClusterState, LinkState, NodeState
-from tests.seed_models import seed_model
+from tests.support.seed_models import seed_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 GiB = 1024**3

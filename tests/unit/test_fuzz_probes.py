@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fixture_paths import macos_fixtures
+from tests.support.fixture_paths import macos_fixtures
 from tests.unit.test_probes import _fixture_files, _parser_for
 from worker.shared.probes import ProbeParseError
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -787,3 +788,54 @@ def test_the_default_ports_lie_below_the_ephemeral_ranges() -> None:
     assert DEFAULT_CONTROL_PORT + 4 * MAC_PORT_STRIDE < EPHEMERAL_FLOOR <= 32768
     layout = choose_local_layout(4, "darwin", lambda address, port: True)
     assert layout.control_port + 4 * MAC_PORT_STRIDE < 32768
+
+
+USERS_FILE = """\
+# the desk under the window
+[cluster]
+name = "desk"  # shown on the dashboard
+
+[[nodes]]
+# the big one
+name = "studio-1"
+host = "studio-1.local"
+address = "169.254.10.1"
+
+[[nodes]]
+address = "169.254.10.2"
+name = "studio-2"
+host = "studio-2.local"   # behind the switch
+
+[[nodes]]
+name = "old-mini"
+address = "169.254.10.9"
+
+[groups]
+big = ["studio-1", "studio-2"]  # both Ultras
+"""
+
+
+def test_writing_over_a_users_file_keeps_its_comments_and_order() -> None:
+    """A write changes only what changed: comments, key order and the values left alone
+    stay as the user wrote them; a dropped node goes, a new one is added at the end."""
+    inv = parse_inventory(USERS_FILE)
+    studio_2 = replace(inv.node("studio-2"), memory_gb=64.0)
+    new = NodeSpec(name="studio-3", address="169.254.10.3", host="studio-3.local")
+    changed = replace(inv, nodes=(inv.node("studio-1"), studio_2, new))
+    text = dump_inventory(changed, over=USERS_FILE)
+    for comment in (
+        "# the desk under the window",
+        'name = "desk"  # shown on the dashboard',
+        "# the big one",
+        'host = "studio-2.local"   # behind the switch',
+        'big = ["studio-1", "studio-2"]  # both Ultras',
+    ):
+        assert comment in text, text
+    # studio-2's keys in the user's order, its new value after them; no default written.
+    assert text.index('address = "169.254.10.2"') < text.index('name = "studio-2"')
+    assert text.index('host = "studio-2.local"') < text.index("memory_gb = 64.0")
+    assert "transport" not in text and "workdir" not in text
+    assert "old-mini" not in text and text.index("studio-2") < text.index("studio-3")
+    assert parse_inventory(text) == changed
+    # Nothing changed, nothing rewritten.
+    assert dump_inventory(inv, over=USERS_FILE) == USERS_FILE

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixture_paths import read_fixture
+from tests.support.fixture_paths import read_fixture
 from worker.shared import probes
 from worker.shared.probes import LinkEnd, end_kind, link_end_from, pair_link_kind
 

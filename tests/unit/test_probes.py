@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixture_paths import (
+from tests.support.fixture_paths import (
     DEVINFO_ACTIVE,
     DEVINFO_DOWN,
     DEVINFO_GID,

@@ -32,6 +32,7 @@ from studiotui.provision.plan import (
     agent_argv,
     deployment_record,
     expand_home,
+    extra_requirements,
     node_requirements,
     parse_df,
     parse_probe,
@@ -39,7 +40,7 @@ from studiotui.provision.plan import (
     requirement_name,
     split_sections,
 )
-from tests.fixture_paths import macos_fixtures
+from tests.support.fixture_paths import macos_fixtures
 
 WORKDIR = "/Users/me/studio tui 'x'"
 VENV_PY = "/Users/me/venvs/mlx/bin/python"
@@ -222,22 +223,31 @@ def test_odd_probe_sections_become_notes() -> None:
     assert any("rdma_ctl" in n for n in probe.notes)
 
 
-def test_requirements_for_nodes_drop_operator_only_and_extras() -> None:
-    reqs = [
+def test_a_nodes_requirements_are_the_node_extra() -> None:
+    """From pyproject's table, the node extra as written; from a wheel's METADATA, the
+    lines whose marker holds with the extra and not without it, markers kept."""
+    project = {
+        "dependencies": ["studiotui[node]", "textual>=0.80"],
+        "optional-dependencies": {
+            "node": ["mlx[cpu]>=0.25; sys_platform == 'linux'", "pyzmq>=26"],
+            "test": ["pytest>=8"],
+        },
+    }
+    assert node_requirements(project) == ("mlx[cpu]>=0.25; sys_platform == 'linux'", "pyzmq>=26")
+    assert node_requirements({"dependencies": ["textual"]}) == ()
+    requires_dist = [
+        "studiotui[node]",
         "textual>=0.80",
-        "rich>=13",
-        "asyncssh>=2.14",
-        "mlx[cpu]>=0.25; sys_platform == 'linux'",
-        "mlx-lm>=0.25",
-        "httpx>=0.27",
-        "pyzmq>=26",
+        'mlx[cpu]>=0.25; sys_platform == "linux" and extra == "node"',
+        'pyzmq>=26; extra == "node"',
         'pytest>=8; extra == "test"',
     ]
-    assert node_requirements(reqs) == (
-        "mlx[cpu]>=0.25; sys_platform == 'linux'",
-        "mlx-lm>=0.25",
-        "pyzmq>=26",
+    assert extra_requirements(requires_dist) == (
+        'mlx[cpu]>=0.25; sys_platform == "linux" and extra == "node"',
+        'pyzmq>=26; extra == "node"',
     )
+    assert requirement_name("huggingface_hub>=0.24") == "huggingface-hub"
+    assert requirement_name("mlx[cpu]>=0.25; sys_platform == 'linux'") == "mlx"
 
 
 def test_expand_home_and_argv() -> None:
@@ -477,11 +487,15 @@ def test_last_start_keeps_only_the_latest_run() -> None:
 
 def test_nodes_get_no_operator_only_requirement_of_the_project() -> None:
     """What the dashboard, the API, the browser view and documents need stays off the Macs
-    that only run shards (and off their pip, which may have no index to reach)."""
+    that only run shards (and off their pip, which may have no index to reach); what the
+    node side imports is all there."""
     import tomllib
     from pathlib import Path
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    on_nodes = {requirement_name(r) for r in node_requirements(project["project"]["dependencies"])}
-    assert {"mlx-lm", "pyzmq", "msgpack", "msgspec", "psutil", "safetensors"} <= on_nodes
+    on_nodes = {requirement_name(r) for r in node_requirements(project["project"])}
+    needed = {"mlx-lm", "pyzmq", "msgpack", "msgspec", "psutil", "numpy", "huggingface-hub"}
+    assert needed <= on_nodes
     assert not on_nodes & {"textual", "textual-serve", "rich", "asyncssh", "aiohttp", "pypdf"}
+    # The operator installs what a node runs too (local nodes, demo models, the bench).
+    assert "studiotui[node]" in project["project"]["dependencies"]

@@ -4,7 +4,7 @@ recorded outputs (worker.node_probe.rdma_facts with a replay folder), and the
 operator's matching into JACCL's device matrix for 2, 3 and 4 Macs
 (studiotui.core.members), including a missing cable and a port that is down.
 
-Meshes of 3-4 Macs are derived from the recordings by tests/rdma_mesh.py (its
+Meshes of 3-4 Macs are derived from the recordings by tests/support/rdma_mesh.py (its
 docstring says how); the pair of MacBook Pros is used exactly as recorded."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from studiotui.core.members import (
 from studiotui.core.model_facts import read_model
 from studiotui.core.placement import Link, NodeBudget, Plan, backend_for, plan
 from studiotui.core.state import ClusterState, LinkState, NodeState
-from tests import rdma_mesh
-from tests.fixture_paths import (
+from tests.support import rdma_mesh
+from tests.support.fixture_paths import (
     DEVINFO_DOWN,
     IBV_MBP,
     IBV_NONE,
@@ -47,7 +47,7 @@ from tests.fixture_paths import (
     TB_TEXT_PEER,
     read_fixture,
 )
-from tests.seed_models import seed_model
+from tests.support.seed_models import seed_model
 from worker import node_probe
 from worker.shared.probes import (
     parse_ibv_devices,

@@ -3,7 +3,7 @@
 Two articles set the bar: 2 × 512 GB + 2 × 256 GB M3 Ultra Mac Studios, and
 4 × 512 GB. The models are header-only copies of DeepSeek-V3.1 / R1, Kimi-K2,
 Qwen3-235B-A22B, GLM-4.6 and gpt-oss-120b at their usual quantizations
-(tests/seed_models.py), read by the same `read_model` a real download goes through.
+(tests/support/seed_models.py), read by the same `read_model` a real download goes through.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from studiotui.core.model_facts import ModelInfo, read_model, safetensors_tensors
 from studiotui.core.placement import NodeBudget, Plan, Refusal, plan
-from tests.seed_models import renamed, seed_model
+from tests.support.seed_models import renamed, seed_model
 
 GiB = 1024**3
 CONTEXT = 32_768  # a long conversation, as the articles ran

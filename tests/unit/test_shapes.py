@@ -1,7 +1,7 @@
 """Shapes: a pipeline of stages where a stage may be a tensor group of N nodes.
 
 The seeds' models (header-only safetensors of the published Qwen3-235B-A22B,
-DeepSeek-V3.1, gpt-oss-120b, written by mlx-lm's own classes: tests/seed_models.py)
+DeepSeek-V3.1, gpt-oss-120b, written by mlx-lm's own classes: tests/support/seed_models.py)
 on the four 512 GB Mac Studios of the articles, and what mlx-lm's own `shard()`
 methods decide: which families can be cut, which sizes divide, what is cut.
 """
@@ -45,7 +45,7 @@ from studiotui.core.state import (
     PlannedShard,
     shape_label,
 )
-from tests.seed_models import seed_model
+from tests.support.seed_models import seed_model
 from worker.shared.demo_model import DemoSpec, build_model, make_config, write_demo_model
 from worker.shared.model_support import FAMILIES
 

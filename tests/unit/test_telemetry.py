@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixture_paths import read_fixture
+from tests.support.fixture_paths import read_fixture
 from worker import telemetry
 from worker.shared import probes
 from worker.telemetry import Meter, PowerFacts, Source, choose_power_source, choose_pressure_source

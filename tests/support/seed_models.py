@@ -25,7 +25,7 @@ from mlx_lm.utils import _get_classes, quantize_model
 
 from worker.shared.demo_model import tokenizer_config, tokenizer_json
 
-CONFIGS = Path(__file__).parent / "fixtures" / "models"
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "models"
 SHARD_BYTES = 5 * 1024**3  # mlx-lm's own MAX_FILE_SIZE_GB
 _SAFETENSORS_DTYPES = {
     mx.float32: "F32",

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.fixture_paths import (
+from tests.support.fixture_paths import (
     DEVINFO_DOWN,
     IBV_MBP,
     IBV_STUDIO,

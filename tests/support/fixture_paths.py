@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-IN_REPO = Path(__file__).resolve().parent / "fixtures" / "macos"
+IN_REPO = Path(__file__).resolve().parents[1] / "fixtures" / "macos"
 
 
 def macos_fixtures() -> Path:
