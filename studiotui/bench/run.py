@@ -30,7 +30,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -670,23 +670,31 @@ def run_speculative(quick: bool, as_json: bool) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="studiotui-bench-spec-") as tmp:
         home = Path(tmp)
-        inv = local_inventory(
-            2, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
-        )
-        pids = [local_cluster.start_agent(home, node, inv) for node in inv.nodes]
-        try:
-            figures = asyncio.run(_speculative_cluster(home, inv, cfg, rounds))
-        except Exception as exc:  # report it as a figure-less run, not a traceback
-            raise BenchError(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            for pid in pids:
-                local_cluster.kill_pid(pid)
+        figures = _on_agents(home, 2, lambda inv: _speculative_cluster(home, inv, cfg, rounds))
     figures["bench_seconds"] = round(time.monotonic() - started, 1)
     if as_json:
         print(json.dumps(figures))
     else:
         Console().print(figures_table(figures))
     return 0 if figures["spec_tokens_match"] else 1
+
+
+def _on_agents(
+    home: Path, n: int, run: Callable[[Inventory], Coroutine[Any, Any, dict[str, Any]]]
+) -> dict[str, Any]:
+    """`run` on n bench agents of their own under `home`, stopped by pid however it ends;
+    a failure is a figure-less run (BenchError), not a traceback."""
+    inv = local_inventory(
+        n, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
+    )
+    pids = [local_cluster.start_agent(home, node, inv) for node in inv.nodes]
+    try:
+        return asyncio.run(run(inv))
+    except Exception as exc:
+        raise BenchError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        for pid in pids:
+            local_cluster.kill_pid(pid)
 
 
 async def _speculative_cluster(
@@ -718,17 +726,9 @@ def run_soak(quick: bool, as_json: bool) -> int:
             home / "models" / "soak",
             DemoSpec(arch="qwen2", layers=8, hidden=128, heads=8, kv_heads=4, dtype="float32"),
         )
-        inv = local_inventory(
-            3, base_octet=BENCH_OCTET, control_port=BENCH_PORT, memory_gb=8.0, home=home
+        figures = _on_agents(
+            home, 3, lambda inv: _soak_cluster(home, inv, model_dir, requests, storm)
         )
-        pids = [local_cluster.start_agent(home, node, inv) for node in inv.nodes]
-        try:
-            figures = asyncio.run(_soak_cluster(home, inv, model_dir, requests, storm))
-        except Exception as exc:  # report it as a figure-less run, not a traceback
-            raise BenchError(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            for pid in pids:
-                local_cluster.kill_pid(pid)
     figures["soak_seconds"] = round(time.monotonic() - started, 1)
     if as_json:
         print(json.dumps(figures))
