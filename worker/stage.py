@@ -636,8 +636,9 @@ class Stage:
             else:
                 try:
                     req = self.head_requests[rid]
-                    # A schema travels once: the tail keeps it from the first prefill frame.
-                    last = params if done == 0 else replace(params, grammar="")
+                    # A schema travels once: the tail keeps it from the first prefill frame,
+                    # unless the cache held the whole prompt and this is the first frame.
+                    last = params if first else replace(params, grammar="")
                     self._complete(self._launch_next(rid, req, prompt[-1], last))
                 except Exception as exc:
                     self._fail(rid, _describe(exc))
