@@ -25,6 +25,7 @@ from mlx_lm.generate import generate_step
 
 from studiotui.api.server import start_server
 from studiotui.cli.commands import status_json
+from studiotui.cli.exits import REFUSED
 from studiotui.cli.main import main
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
@@ -410,7 +411,7 @@ def test_place_counts_the_adapter_on_its_layers_shard_and_refuses_what_does_not_
 
     for extra in (("--dry-run",), ()):
         code, said = place(huge, *extra)
-        assert code == 1, said
+        assert code == REFUSED["memory"], said
         assert "fresh fits these nodes without its adapter but not with it" in said, said
         assert "local-1 would hold layers 0–3 and 12.0 GB of adapter tensors" in said, said
         assert re.search(r"\d+\.\d GB more than it has free after the reserve", said), said

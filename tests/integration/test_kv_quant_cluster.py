@@ -18,6 +18,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from studiotui.cli.commands import status_json
+from studiotui.cli.exits import REFUSED
 from studiotui.cli.main import main
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller, committed_bytes
 from studiotui.core.inventory import dump_inventory
@@ -132,11 +133,11 @@ def test_the_prompt_cache_is_shown_reported_and_never_promised_twice(
     # float32 heads 32 wide: 128 bytes each, 40 at 8 bits; the weights take the same.
     assert int(kv8.group(1)) > 3 * int(full.group(1))
     code, said = cli("--kv-bits", "8", "--dry-run")  # groups of 64 on 32-wide heads
-    assert code == 1 and "--kv-group-size 64 does not divide" in said, said
+    assert code == REFUSED["shape"] and "--kv-group-size 64 does not divide" in said, said
     assert "use --kv-group-size 32" in said
     # More than the node holds beside the weights and KV: refused with what fits.
     code, said = cli("--prompt-cache", "500", "--dry-run")
-    assert code == 1 and "a prompt cache of 500.0 GB does not fit" in said, said
+    assert code == REFUSED["memory"] and "a prompt cache of 500.0 GB does not fit" in said, said
     assert "or less fits these nodes" in said
 
     async def run() -> None:
