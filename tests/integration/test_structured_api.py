@@ -287,6 +287,15 @@ async def test_responses_text_format_and_ollamas_format_are_enforced_too(served:
     assert refused.value.status_code == 400 and "format.properties.when" in str(refused.value)
     with pytest.raises(openai.BadRequestError) as bad_format:
         await client.responses.create(
-            model=PLACEMENT, input="x", text={"format": {"type": "json_schema", "name": "x"}}
+            model=PLACEMENT,
+            input="x",
+            text={
+                "format": {
+                    "type": "json_schema",
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"when": {"type": "date"}}},
+                }
+            },
         )
     assert bad_format.value.status_code == 400
+    assert "text.format.schema.properties.when" in str(bad_format.value)

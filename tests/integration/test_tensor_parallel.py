@@ -376,7 +376,7 @@ def test_a_member_killed_mid_answer_is_named_within_3_s(
 
     took, error, state, left = asyncio.run(run())
     victim = error.rsplit("[", 1)[-1].rstrip("]")
-    assert f"on {victim} is down" in error and "exited" in error, error
+    assert f"on {victim} (stage" in error and "is down" in error and "exited" in error, error
     assert took < 3.0, f"reported after {took:.1f} s"
     assert state == "failed"
     assert left == [], f"processes left after unloading: {left}"
