@@ -508,10 +508,8 @@ async def _cache_phase(
         await ctl.close()
 
 
-async def _with_cluster(
-    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
-) -> dict[str, Any]:
-
+async def _agents_up(home: Path, inv: Inventory) -> None:
+    """Until every bench agent answers; a RuntimeError naming those that did not start."""
     ctl = Controller(home, inv)
     try:
         missing = await wait_until_up(ctl, list(inv.names), 30.0)
@@ -519,6 +517,12 @@ async def _with_cluster(
         await ctl.close()
     if missing:
         raise RuntimeError(f"bench agents {missing} did not start")
+
+
+async def _with_cluster(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
+) -> dict[str, Any]:
+    await _agents_up(home, inv)
     with phase("single"):
         ttft_single = single.ttft_ms(cfg.ttft_prompt, cfg.ttft_runs)
     figures = await pipeline_figures(home, inv, model_dir, cfg, single)
@@ -700,13 +704,7 @@ def _on_agents(
 async def _speculative_cluster(
     home: Path, inv: Inventory, cfg: BenchConfig, rounds: int
 ) -> dict[str, Any]:
-    ctl = Controller(home, inv)
-    try:
-        missing = await wait_until_up(ctl, list(inv.names), 30.0)
-    finally:
-        await ctl.close()
-    if missing:
-        raise RuntimeError(f"bench agents {missing} did not start")
+    await _agents_up(home, inv)
     with phase("speculative"):
         return await speculative.spec_figures(home, inv, cfg.layers, cfg.hidden, rounds)
 
