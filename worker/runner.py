@@ -290,6 +290,9 @@ class Runner:
             draft_tokens=self.spec.draft_tokens,
             draft_model=draft_model,
         )
+        # The first answer would otherwise pay for MLX's kernels and compiled functions
+        # and the chat template's compile (seconds to its first token, not the second's).
+        self.stage.warm_up()
         emit(
             events.Ready(
                 param_bytes=shard.param_bytes,
@@ -649,6 +652,7 @@ class Runner:
             "batched_rows": s.batched_rows,
             "drafted": s.drafted,
             "kept": s.kept,
+            "warm_ms": self.stage.warmed.get("total", 0.0),
             "active_bytes": mx.get_active_memory(),
             **self.stage.cache_stats(),
             **{

@@ -380,10 +380,8 @@ class Steps(StageBase):
                 except Exception as exc:
                     failure = describe(exc)
             else:
-                # Its lane decodes together: it goes with the lane's next step, without
-                # guesses (a batch's rows take one token each).
-                if spec is not None and not spec.off:
-                    spec.off = "other requests decode in a batch with it"
+                # Its lane steps together: it goes with the lane's next step, its guesses
+                # verified with the other rows' when that pays (`_batch_guesses`).
                 lane.flying.discard(rid)
                 lane.ready[rid] = header.token
                 lane_step = self._lane_launch(lane)
