@@ -293,8 +293,31 @@ class DraftSession:
         self.cache = make_prompt_cache(model)
         self.seen: list[int] = []
         self.prefill_chunk = prefill_chunk
+        # Guesses made ahead (`guess_ahead`): the context they assume, and them; and
+        # the proposals they served.
+        self.ahead: tuple[list[int], list[int]] | None = None
+        self.served_ahead = 0
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and len(ahead[1]) >= k and ahead[0] == list(context):
+            self.served_ahead += 1
+            return ahead[1][:k]  # the guesses made while the last step was out
+        return self._propose(context, k)
+
+    def guess_ahead(self, context: Sequence[int], guesses: Sequence[int], k: int) -> None:
+        """While a verify step of `guesses` is out, guess the step after it as if every
+        guess is kept and the big model's next token is the draft's own: the step after
+        then starts without waiting for the draft. The draft ran while the head had
+        nothing else to do (the ring computed); a wrong assumption only costs that, and
+        `propose` cuts the draft's cache back to what agrees."""
+        if k <= 0 or not guesses:
+            return
+        assumed = [*context, *guesses]
+        made = self._propose(assumed, k + 1)
+        self.ahead = ([*assumed, made[0]], made[1:])
+
+    def _propose(self, context: Sequence[int], k: int) -> list[int]:
         if k <= 0:
             return []
         same = 0

@@ -390,6 +390,40 @@ def test_the_row_cost_is_fitted_to_timed_steps() -> None:
     assert speculation.row_cost([(4, 0.01 * i) for i in range(1, 10)]) is None  # one size
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_draft_model_gives_mlx_lm_greedy_answer(models: Callable[..., Path], stages: int) -> None:
+    """A draft model on the head: itself (every guess kept, so each next step's guesses
+    were made ahead while the step before was round the ring) and a 2-layer model of
+    other weights (guesses kept and rejected, the guesses made ahead thrown away)."""
+    model = models("llama")
+    expected = reference(model, n=40)
+    for draft in (model, models("llama", layers=2)):
+        loaded = mlx_lm.load(str(draft))[0]
+        ring = Ring(model, SPLITS[stages], draft="model", draft_model=loaded, draft_tokens=K)
+        assert ring.answer({**GREEDY, "max_tokens": 40}) == expected, f"{draft.name}"
+        assert ring.stages[0].stats.kept > 0
+        if draft == model and stages > 1:
+            assert ring.stages[0].stats.drafted_ahead > 0
+        assert ring.held() == [0] * stages
+
+
+def test_guesses_made_ahead_are_the_draft_s_own(tmp_path: Path) -> None:
+    """`guess_ahead` while a step is out, then `propose`: the same guesses a draft that
+    never guessed ahead makes, whether the step kept what was assumed or not."""
+    draft = write_demo_model(tmp_path / "d", DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2))
+    loaded = mlx_lm.load(str(draft))[0]
+    context = [40, 41, 42, 43, 44, 45, 46]
+    ahead = speculation.DraftSession(loaded)
+    guesses = ahead.propose(context, 3)
+    ahead.guess_ahead(context, guesses, 4)
+    assert ahead.ahead is not None
+    kept = ahead.ahead[0]  # every guess kept, and the big model's token the draft's own
+    assert ahead.propose(kept, 4) == speculation.DraftSession(loaded).propose(kept, 4)
+    ahead.guess_ahead(kept, ahead.propose(kept, 2), 2)  # ... then one that is not kept
+    other = [*kept, (kept[-1] + 7) % 256]
+    assert ahead.propose(other, 3) == speculation.DraftSession(loaded).propose(other, 3)
+
+
 def test_bad_draft_choices_are_refused_in_words(models: Callable[..., Path]) -> None:
     ring = Ring(models("llama"), SPLITS[1])
     ring.answer(GREEDY, rid="a", draft="magic")

@@ -170,6 +170,7 @@ class Stats:
     batched_rows: int = 0  # the requests those steps ran, summed
     drafted: int = 0  # (head) guesses sent in verify frames
     kept: int = 0  # (head) ... of them kept
+    drafted_ahead: int = 0  # (head) a draft model's proposals made while the step before was out
     verified_batches: int = 0  # batched steps that verified some rows' guesses
     unguessed_batches: int = 0  # (head) batched steps left without guesses: no gain
 

@@ -116,11 +116,29 @@ class Verify(StageBase):
         drafts: list[int] = []
         if k > 0:
             if spec.mode == "model" and req.drafter is not None:
+                served = req.drafter.served_ahead
                 drafts = req.drafter.propose([*req.prompt, *req.answer], k)
+                self.stats.drafted_ahead += req.drafter.served_ahead - served
             else:
                 drafts = speculation.lookup_guesses(spec.prediction, req.prompt, req.answer, k)
         spec.in_flight = tuple(drafts)
         return drafts
+
+    def _guess_ahead(self, rid: str, guesses: tuple[int, ...]) -> None:
+        """(head) A draft model's guesses for the step after the verify step just sent,
+        made while it is round the ring (`DraftSession.guess_ahead`): as many as K
+        grows to if every guess is kept."""
+        req = self.head_requests.get(rid)
+        spec = req.spec if req is not None else None
+        if req is None or req.drafter is None or spec is None or spec.off:
+            return
+        try:
+            req.drafter.guess_ahead(
+                [*req.prompt, *req.answer], list(guesses), min(spec.k_max, spec.k + 1)
+            )
+        except Exception:
+            # The step after proposes as usual, and fails the request if this recurs.
+            req.drafter.ahead = None
 
     # ---- batched verify steps ----------------------------------------------------------
 
@@ -215,16 +233,22 @@ class Verify(StageBase):
                 spec.in_flight = None
         return tokens
 
-    def _sample_verify(self, header: RingHeader, draws: list[Any]) -> None:
-        """(tail) A verify frame's draws: the guesses kept (those equal to the token drawn
-        at their position), then the drawn token after them, all back to the head in one
-        frame. The answer ends early at an end of turn or at max_tokens."""
+    def _sample_verify(self, header: RingHeader, draws: list[Any] | mx.array) -> None:
+        """(tail) A verify frame's draws (or, greedy, one argmax over its positions): the
+        guesses kept (those equal to the token drawn at their position), then the drawn
+        token after them, all back to the head in one frame. The answer ends early at an
+        end of turn or at max_tokens."""
         rid = header.rid
         req = self._tail(header)
-        sampled = [d[0] if isinstance(d, tuple) else d for d in draws]
-        values = cast(list[int], self._mlx(mx.stack(sampled).reshape(-1).tolist))
+        if isinstance(draws, mx.array):
+            values = cast(list[int], self._mlx(draws.tolist))
+            draws = []
+        else:
+            sampled = [d[0] if isinstance(d, tuple) else d for d in draws]
+            values = cast(list[int], self._mlx(mx.stack(sampled).reshape(-1).tolist))
         n = speculation.accepted(header.draft, values)
-        req.sampler.keep(n + 1)
+        if draws:
+            req.sampler.keep(n + 1)
         tokens: list[int] = []
         finish = ""
         for token in values[: n + 1]:
@@ -242,7 +266,7 @@ class Verify(StageBase):
             self.caches.pop(rid, None)
             self.rewind_floor.pop(rid, None)
         extra = self._carry(header.extra)
-        if isinstance(draws[0], tuple):
+        if draws and isinstance(draws[0], tuple):
             extra["logprobs"] = [drawn_logprobs(d) for d in draws[: len(tokens)]]
         self.links.to_head(
             RingHeader(
