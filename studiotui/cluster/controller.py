@@ -37,13 +37,7 @@ from studiotui.cluster.placing import PlaceResult, Placing
 from studiotui.cluster.records import SavedShard
 from studiotui.cluster.telemetry import DOWN_AFTER_S, Telemetry
 from studiotui.core.inventory import Inventory
-from studiotui.core.memory import (
-    RUNNER_OVERHEAD_BYTES,
-    Pledges,
-    committed_bytes,
-    pledged_bytes,
-    promises_note,
-)
+from studiotui.core.memory import RUNNER_OVERHEAD_BYTES, Promises
 from studiotui.core.state import ClusterState, PlacementState
 from worker.shared.protocol import control
 
@@ -62,10 +56,7 @@ __all__ = [
     "Progress",
     "ReloadResult",
     "SavedShard",
-    "committed_bytes",
     "join_seconds",
-    "pledged_bytes",
-    "promises_note",
 ]
 
 
@@ -126,8 +117,9 @@ class Controller:
         return self.hub.state
 
     @property
-    def pledges(self) -> Pledges:
-        return self.placing.pledges
+    def unreported_promises(self) -> Promises:
+        """This controller's promises its nodes do not report yet (core/memory.py)."""
+        return self.placing.unreported_promises
 
     @property
     def telemetry_dropped(self) -> int:

@@ -90,7 +90,7 @@ class Loading:
                     control.Prepared,
                     placement=name,
                     tensor=bool(m.group),
-                    # Promised from here, through the copy, until loaded (committed_bytes).
+                    # Promised from here, through the copy, until loaded (memory.promised_bytes).
                     weight_bytes=shards[m.stage].weight_bytes,
                     kv_bytes=shards[m.stage].kv_bytes,
                     adapter_bytes=shards[m.stage].adapter_bytes,

@@ -37,7 +37,7 @@ from studiotui.core.forecast import (
 )
 from studiotui.core.load_watch import node_gone
 from studiotui.core.members import members
-from studiotui.core.memory import Pledges, promises_note, room
+from studiotui.core.memory import Promises, promises_note, room
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model, with_kv_quant
 from studiotui.core.placement import (
     NodeBudget,
@@ -86,13 +86,13 @@ class Placing:
         self.kept = kept
         # What a placement being decided holds on each node until the node reports its
         # prepared shard: a preview in that round trip must not offer the same memory.
-        self._pledges: dict[str, dict[str, int]] = {}
+        self._promises: dict[str, dict[str, int]] = {}
 
     @property
-    def pledges(self) -> Pledges:
+    def unreported_promises(self) -> Promises:
         """The placements this controller is deciding, by node, until their nodes
         report the prepared shards (a copy: for views and tests)."""
-        return {name: dict(on) for name, on in self._pledges.items()}
+        return {name: dict(on) for name, on in self._promises.items()}
 
     def preview(
         self,
@@ -165,7 +165,7 @@ class Placing:
                 verdict = with_draft(verdict, draft_bytes(draft_dir))
         if isinstance(verdict, Refusal):
             group = [s for name in nodes if (s := self.hub.state.node(name)) is not None]
-            if note := promises_note(group, self._pledges):
+            if note := promises_note(group, self._promises):
                 verdict = Refusal(f"{verdict.reason} ({note})", verdict.kind)
         else:
             verdict = replace(
@@ -185,7 +185,7 @@ class Placing:
                 return Refusal(f"unknown node {name!r}", "node")
             if node.state != "up":
                 return Refusal(f"{name} is {node.state}: {node_start_hint(name)}", "node")
-            free = max(0, room(node, self._pledges))
+            free = max(0, room(node, self._promises))
             budgets.append(NodeBudget(name, free, node.memory_total))
         return budgets
 
@@ -324,10 +324,10 @@ class Placing:
             for node in s.nodes
         )
         hub.placing.add(name)
-        pledge = self._pledges.setdefault(name, {})
+        promise = self._promises.setdefault(name, {})
         for shard in the_plan.shards:
             for node in shard.nodes:
-                pledge[node] = (
+                promise[node] = (
                     shard.weight_bytes
                     + shard.kv_bytes
                     + shard.adapter_bytes
@@ -340,7 +340,7 @@ class Placing:
         hub.remember_plan(name, planned)
 
         def reported() -> None:
-            self._pledges.pop(name, None)  # the nodes' reports hold the promise from here
+            self._promises.pop(name, None)  # the nodes' reports hold the promise from here
 
         try:
             await self.loading.deploy(
@@ -371,7 +371,7 @@ class Placing:
             raise
         finally:
             hub.placing.discard(name)
-            self._pledges.pop(name, None)
+            self._promises.pop(name, None)
         await self.kept.record_shards(name)
         hub.record(f"placement {name!r} is ready")
         return PlaceResult(plan=the_plan, placement=placed)
@@ -411,9 +411,9 @@ class Placing:
             if node is None or node.state != "up":
                 return f"{name} is not up"
             adds = shard.free_before - shard.free_after
-            free = room(node, self._pledges)
+            free = room(node, self._promises)
             if adds > free:
-                note = promises_note([node], self._pledges)
+                note = promises_note([node], self._promises)
                 return (
                     f"{name} now has {format_bytes(max(free, 0))} free, the plan needs "
                     f"{format_bytes(adds)} there; preview again"
