@@ -273,7 +273,6 @@ class StudioApp(Dashboard):
         groups = self.inventory.groups if self.inventory else {}
         nodes.set_groups(groups)
         self.query_one(PlacementsPane).groups = groups
-        self.query_one(FilterBar).display = False
         for problem in self._theme_problems:
             self.report(f"theme file skipped: {problem}", "warning")
         if self.fixed:
