@@ -149,6 +149,22 @@ def empty_note(empty: Iterable[Path]) -> str:
     )
 
 
+def outside_note(model_dir: Path, folders: Sequence[Path]) -> str | None:
+    """What to say of a model written where the catalog does not look (None: it
+    looks there). The catalog finds a model in a folder, one level down in it, or a
+    folder that is the model itself."""
+    model_dir = Path(os.path.normpath(model_dir.expanduser().absolute()))
+    places = {Path(os.path.normpath(f.expanduser().absolute())) for f in folders}
+    if model_dir in places or model_dir.parent in places or model_dir.parent.parent in places:
+        return None
+    looked = ", ".join(str(f) for f in folders)
+    return (
+        f"{model_dir.parent} is not a model folder (models are looked for in {looked} and "
+        "the Hugging Face cache), so the dashboard does not list it: add the folder with "
+        "`a` on the Models pane (models_dirs in config.toml), or place it by its path"
+    )
+
+
 def delete_refusal(
     model_dir: Path, placements: Iterable[PlacementState], folders: Sequence[Path]
 ) -> str | None:

@@ -18,6 +18,7 @@ from studiotui.core.model_folders import (
     empty_note,
     folder_counts,
     model_folders,
+    outside_note,
     remove_folder,
     with_folder,
     without_folder,
@@ -143,3 +144,13 @@ def test_a_hub_cache_model_is_deleted_with_huggingface_hubs_own_tools(tmp_path: 
     # Its only revision: the repo goes whole, blobs and refs with it.
     assert not (cache / "models--org--tiny").exists()
     assert scan([], cache).models == ()
+
+
+def test_a_model_outside_the_folders_is_said_to_be(tmp_path: Path) -> None:
+    folders = [tmp_path / "home" / "models", tmp_path / "disk"]
+    assert outside_note(tmp_path / "home" / "models" / "demo", folders) is None
+    assert outside_note(tmp_path / "home" / "models" / "org" / "demo", folders) is None
+    assert outside_note(tmp_path / "disk", folders) is None  # a folder that is the model
+    said = outside_note(tmp_path / "elsewhere" / "demo", folders)
+    assert said is not None and said.startswith(f"{tmp_path / 'elsewhere'} is not a model folder")
+    assert str(folders[0]) in said and "`a` on the Models pane" in said
