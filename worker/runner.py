@@ -27,6 +27,7 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from worker import speculation
 from worker.group import GroupError
 from worker.shard import ShardLoadError, load_shard, read_config
 from worker.shared.manifest import model_digest, unhashed_bytes
@@ -289,6 +290,8 @@ class Runner:
             draft=draft,
             draft_tokens=self.spec.draft_tokens,
             draft_model=draft_model,
+            # A tensor group's ranks must decide alike: timed steps differ between them.
+            row_cost=speculation.ROW_COST if self.spec.group_size > 1 else None,
         )
         # The first answer would otherwise pay for MLX's kernels and compiled functions
         # and the chat template's compile (seconds to its first token, not the second's).
