@@ -246,21 +246,7 @@ class Verify(StageBase):
         else:
             sampled = [d[0] if isinstance(d, tuple) else d for d in draws]
             values = cast(list[int], self._mlx(mx.stack(sampled).reshape(-1).tolist))
-        n = speculation.accepted(header.draft, values)
-        if draws:
-            req.sampler.keep(n + 1)
-        tokens: list[int] = []
-        finish = ""
-        for token in values[: n + 1]:
-            tokens.append(token)
-            req.generated += 1
-            self.stats.tokens += 1
-            if token in req.eos:
-                finish = "stop"
-            elif req.generated >= req.sampler.params.max_tokens:
-                finish = "length"
-            if finish:
-                break
+        tokens, finish = self._verified(req, header.draft, values, draws or None)
         if finish:
             self.tail_requests.pop(rid, None)
             self.caches.pop(rid, None)
