@@ -779,7 +779,17 @@ def print_shapes(
     `--tensor N` would take), as the preview lists them."""
     chips = ctl.node_chips(group)
     links = links_from_state(ctl.state)
-    guess = forecast(facts, the_plan, chips, links, streams=the_plan.streams)
+    draft_arg = getattr(args, "draft", None) or ""
+    draft = "lookup" if draft_arg == "lookup" else ("model" if draft_arg else "")
+    guess = forecast(
+        facts,
+        the_plan,
+        chips,
+        links,
+        streams=the_plan.streams,
+        draft=draft,
+        draft_tokens=getattr(args, "draft_tokens", 0) or 0,
+    )
     model = args.model_dir.expanduser().name
     last = ctl.last_measured(model, the_plan.shape)
     console.print(f"forecast ({the_plan.shape}): {describe(guess, last)}")
