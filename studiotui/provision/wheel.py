@@ -106,26 +106,14 @@ class CheckoutWheel:
         self.cache = cache
         self._files = _source_files(self.root)
         project = tomllib.loads(self._files["pyproject.toml"].decode())["project"]
-        self._version = str(project["version"])
-        self._requirements = node_requirements(project)
-        self._build = f"{self._version}+{files_digest(self._files)[:12]}"
+        self.version = str(project["version"])
+        self.requirements = node_requirements(project)
+        self.build = f"{self.version}+{files_digest(self._files)[:12]}"
         self._lock = asyncio.Lock()
         self.built_now = False
 
-    @property
-    def build(self) -> str:
-        return self._build
-
-    @property
-    def version(self) -> str:
-        return self._version
-
-    @property
-    def requirements(self) -> tuple[str, ...]:
-        return self._requirements
-
     def cached(self) -> Path | None:
-        found = sorted((self.cache / self._build).glob("*.whl"))
+        found = sorted((self.cache / self.build).glob("*.whl"))
         return found[0] if found else None
 
     async def path(self) -> Path:
@@ -170,8 +158,8 @@ class CheckoutWheel:
                     "building the worker wheel failed (`pip wheel` exited with "
                     f"{proc.returncode}):\n{last_lines(output.decode(errors='replace'))}"
                 )
-            final = self.cache / self._build
-            staged = work / self._build
+            final = self.cache / self.build
+            staged = work / self.build
             staged.mkdir()
             shutil.move(str(wheels[0]), staged / wheels[0].name)
             with contextlib.suppress(OSError):
@@ -193,23 +181,11 @@ class PrebuiltWheel:
         version = re.search(r"^Version: (.+)$", meta, re.M)
         if version is None:
             raise BuildError(f"{wheel} has no Version in its METADATA")
-        self._version = version.group(1).strip()
+        self.version = version.group(1).strip()
         reqs = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
-        self._requirements = extra_requirements(reqs)
+        self.requirements = extra_requirements(reqs)
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-        self._build = f"{self._version}+w{digest[:11]}"
-
-    @property
-    def build(self) -> str:
-        return self._build
-
-    @property
-    def version(self) -> str:
-        return self._version
-
-    @property
-    def requirements(self) -> tuple[str, ...]:
-        return self._requirements
+        self.build = f"{self.version}+w{digest[:11]}"
 
     async def path(self) -> Path:
         return self.wheel
