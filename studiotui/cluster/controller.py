@@ -79,7 +79,9 @@ from worker.shared.adapters import WEIGHTS_NAME, Adapter
 from worker.shared.kv_quant import DEFAULT_KV_GROUP_SIZE
 from worker.shared.manifest import Hashing, manifest
 from worker.shared.protocol import control, messages
+from worker.shared.protocol.control import Error
 from worker.shared.protocol.limits import DEFAULT_STREAMS
+from worker.shared.protocol.messages import ErrorCode
 
 DOWN_AFTER_S = 3.0
 UNLOAD_QUIET_S = 10.0  # how long an unloaded placement's vanishing shards are expected
@@ -198,7 +200,12 @@ class PlacementRefused(PlacementError):
 
 
 class GenerationError(StudioError, RuntimeError):
-    pass
+    """A request that got no answer (or no whole one); `code` the head's reason
+    (messages.ErrorCode: bad_request for a refused request, busy, ...)."""
+
+    def __init__(self, message: str, code: ErrorCode = "failed") -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
 
 
 @dataclass(frozen=True)
@@ -423,7 +430,9 @@ class Controller:
             try:
                 if len(frames) != 2:
                     raise messages.MessageError(f"{len(frames)} frames, not 2")
-                msg = control.parse(messages.decode(frames[1]), control.Telemetry)
+                msg = control.decode(frames[1])
+                if not isinstance(msg, control.Telemetry):
+                    raise messages.MessageError(f"a {msg.kind} message, not telemetry")
                 if msg.name != name:
                     raise messages.MessageError(f"it names itself {msg.name!r}")
                 self._apply_telemetry(name, msg)
@@ -955,16 +964,14 @@ class Controller:
             )
             try:
                 async for msg in stream:
-                    if msg["type"] == "progress":
-                        loaded = self.peer(m.node).read(msg, control.LoadProgress)
-                        quiet = quiet.hear(time.monotonic(), loaded.done, loaded.total)
+                    if isinstance(msg, control.LoadProgress):
+                        quiet = quiet.hear(time.monotonic(), msg.done, msg.total)
                         if progress:
-                            progress(m.node, loaded.done, loaded.total)
-                    elif msg["type"] == "shard_ready":
-                        ready = self.peer(m.node).read(msg, control.ShardReady)
+                            progress(m.node, msg.done, msg.total)
+                    elif isinstance(msg, control.ShardReady):
                         quiet = quiet.hear(time.monotonic())
                         if progress:
-                            progress(m.node, ready.param_bytes, ready.param_bytes)
+                            progress(m.node, msg.param_bytes, msg.param_bytes)
                     else:
                         quiet = quiet.hear(time.monotonic())
             except AgentUnreachable:
@@ -1280,10 +1287,10 @@ class Controller:
                 "ready (or unload it: that frees its memory cache too)"
             )
         try:
-            reply = await self.head_peer(placement).request("cache_clear")
+            reply = await self.head_peer(placement).ask("cache_clear", control.CacheCleared)
         except (AgentError, AgentUnreachable) as exc:
             raise PlacementError(f"cannot clear the cache of {name!r}: {exc}") from None
-        return int(reply.get("entries", 0)), int(reply.get("bytes", 0))
+        return reply.entries, reply.bytes
 
     def not_ready_hint(self, placement: PlacementState) -> str:
         """Why `placement` cannot answer now and what to do, naming the node and stage
@@ -1366,8 +1373,8 @@ class Controller:
                     if waited >= limit:
                         raise GenerationError(self._silence_reason(chosen, limit)) from None
                     continue
-                seq = msg.get("seq")
-                if isinstance(seq, int) and not isinstance(seq, bool):
+                seq = msg.seq if isinstance(msg, control.Streamed) else None
+                if seq is not None:
                     if seq != expect:
                         raise GenerationError(
                             f"{seq - expect} message(s) of the answer from {peer.name} were "
@@ -1375,15 +1382,16 @@ class Controller:
                             "ask again"
                         )
                     expect += 1
-                kind = msg["type"]
-                if kind == "delta":
+                if isinstance(msg, control.Delta):
                     limit = step_timeout
                 waited = 0.0
-                if kind == "failed":
+                if isinstance(msg, control.Failed | control.Error):
                     finished = True
-                    raise GenerationError(await self._failure(chosen, msg))
-                yield msg
-                if kind == "done":
+                    raise GenerationError(await self._failure(chosen, msg), msg.code)
+                if not isinstance(msg, control.Streamed):
+                    continue  # no other message answers a request
+                yield control.event(msg)
+                if isinstance(msg, control.Done):
                     finished = True
                     return
         finally:
@@ -1392,19 +1400,19 @@ class Controller:
                     await peer.send("cancel", rid=rid)
             peer.close_queue(rid)
 
-    async def _failure(self, placement: PlacementState, msg: dict[str, Any]) -> str:
+    async def _failure(self, placement: PlacementState, msg: control.Failed | Error) -> str:
         """Why a request failed. A tensor group whose `mx.distributed` link broke knows
         only that a member is gone; the members' agents say which, and why (they see its
         process end within moments of the leader's all-reduce failing)."""
-        if not msg.get("group_lost"):
-            return str(msg["message"])
+        if not isinstance(msg, control.Failed) or not msg.group_lost:
+            return msg.message
         deadline = time.monotonic() + GROUP_LOST_WAIT_S
         while True:
             problem = await self.placement_problem(placement)
             if problem or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-        return f"{problem} ({msg['message']})" if problem else str(msg["message"])
+        return f"{problem} ({msg.message})" if problem else msg.message
 
     async def placement_problem(self, placement: PlacementState) -> str | None:
         """Why a placement cannot answer, in words, or None if every shard is serving."""
@@ -1507,9 +1515,8 @@ class Controller:
         ]
         extra = {"sizes": sizes} if sizes else {}
         peer = self.peer(node)
-        reply = await peer.request("measure_links", timeout=60.0, peers=targets, **extra)
-        peer.read(reply, control.Links)  # a malformed answer is the agent's error
-        return [{**r, "from": node} for r in reply["links"]]
+        reply = await peer.ask("measure_links", control.Links, timeout=60.0, peers=targets, **extra)
+        return [{**control.to_wire(r), "from": node} for r in reply.links]
 
     def _links_file(self) -> Path:
         return self.home / f"links-{self.inventory.name}.json"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from worker.agent import tensor_member
 from worker.shared.protocol import control
-from worker.shared.protocol.messages import MessageError
+from worker.shared.protocol.messages import PROTOCOL_VERSION, MessageError
 from worker.tensor import (
     CANCEL,
     GENERATE,
@@ -148,7 +149,23 @@ def _load_msg(rank: int, backend: str, **extra: object) -> dict[str, object]:
 
 
 def _member(msg: dict[str, object]) -> control.TensorMember:
-    return control.parse({"type": "load_shard", **msg}, control.TensorMember)
+    """A load_shard carrying these group fields, as the agent decodes it off the wire."""
+    load = {
+        "placement": "p",
+        "model_dir": "/m",
+        "start": 0,
+        "end": 2,
+        "index": 0,
+        "count": 1,
+        "data_port": 1,
+        "client_port": 2,
+        "next_endpoint": "tcp://a:1",
+        "next_key": "k",
+    }
+    whole = {"v": PROTOCOL_VERSION, "type": "load_shard", **load, **msg}
+    decoded = control.decode(msgspec.msgpack.encode(whole))
+    assert isinstance(decoded, control.LoadShard)
+    return decoded
 
 
 def test_a_wrong_typed_group_field_is_a_message_error_naming_it() -> None:
