@@ -33,11 +33,11 @@ from typing import Any
 
 import zmq
 
+from studiotui.bench.bare import BareEnd, pair_keys
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import stream
 from studiotui.core.inventory import Inventory
 from worker.shared.protocol import control
-from worker.shared.protocol.bare import BareEnd, pair_keys
 from worker.shared.protocol.frames import RingHeader, decode_ring_header, encode_ring_header
 
 STREAMS = 8

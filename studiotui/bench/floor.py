@@ -1,5 +1,5 @@
 """`studiotui bench`'s floor under the MoE row: the same two shards of the same model
-run by two plain processes over a bare CURVE ZeroMQ hop each way (`worker.pipe_floor`),
+run by two plain processes over a bare CURVE ZeroMQ hop each way (`pipe_floor.py`),
 with no engine and no request logic.
 
 A goal may be out of reach on this machine for reasons that have nothing to do with
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from worker.shared.protocol.bare import pair_keys
+from studiotui.bench.bare import pair_keys
 
 
 class FloorFailed(RuntimeError):
@@ -35,7 +35,7 @@ class PipeFloor:
         home = Path(self._tmp.name)
         pair_keys(home)
         here, there = f"tcp://{address}:{port}", f"tcp://{address}:{port + 1}"
-        base = [sys.executable, "-m", "worker.pipe_floor"]
+        base = [sys.executable, "-m", "studiotui.bench.pipe_floor"]
         common = [str(home), str(model_dir), str(split)]
         self.tail = subprocess.Popen([*base, "tail", *common, there, here])
         self.head = subprocess.Popen(

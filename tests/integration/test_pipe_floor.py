@@ -1,4 +1,4 @@
-"""The bench's floor under the MoE row (`worker.pipe_floor`, driven by
+"""The bench's floor under the MoE row (`studiotui.bench.pipe_floor`, driven by
 `studiotui.bench.floor.PipeFloor`): two real processes running a model's two shards over
 a bare CURVE ZeroMQ hop each way (127.0.0.78:58160-58161) give mlx-lm's greedy tokens,
 run after run, with its steps built ahead as a stage builds them."""

@@ -212,3 +212,23 @@ def test_the_readme_is_a_front_door_and_the_docs_keep_no_diary() -> None:
         for number, line in enumerate((ROOT / page).read_text(encoding="utf-8").splitlines()):
             said = allowed.sub("", line)
             assert not re.search(r"session|this VM", said, re.I), f"{page}:{number + 1}: {line}"
+
+
+def test_the_bench_apart_contract_names_every_room_of_the_product() -> None:
+    """`bench-apart` forbids the bench to each room by name (a forbidden contract cannot
+    say "all of studiotui but the bench"), so a new room must join its list."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contracts = {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}
+    sources = set(contracts["bench-apart"]["source_modules"])
+    rooms = {
+        f"studiotui.{p.name}"
+        for p in (ROOT / "studiotui").iterdir()
+        if (p / "__init__.py").is_file() and p.name != "bench"
+    }
+    modules = {
+        f"studiotui.{p.stem}" for p in (ROOT / "studiotui").glob("*.py") if p.stem != "__init__"
+    }
+    assert rooms | modules | {"worker"} == sources
+    assert rooms | modules == set(contracts["operator-uses-shared-only"]["source_modules"])

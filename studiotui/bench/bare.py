@@ -4,7 +4,7 @@ other end, with the ring's options, and nothing else (no engine, no request logi
 `studiotui bench` measures its floors with them: `bare_hop_us` (a frame out and one back
 between two otherwise idle processes, `studiotui/bench/batching.py`) and
 `moe_pipe2_floor_ratio` (two processes running a model's two shards over one such hop
-each way, `worker/pipe_floor.py`). Both ends live on keys of their own, "a" and "b",
+each way, `studiotui/bench/pipe_floor.py`). Both ends live on keys of their own, "a" and "b",
 under a home directory that only they use.
 """
 

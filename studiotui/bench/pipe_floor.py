@@ -6,17 +6,17 @@ cost on this machine with nothing of the engine between them.
 bare mechanism, in the same run and under the same load. Each process loads its shard
 as a runner does (`shard.load_shard`: mlx-lm's own model classes, the CPU's fused ops
 and compiled mixture-of-experts blocks), and they pass the hidden state and the token
-over a bare CURVE ZeroMQ PUSH/PULL hop each way (`protocol.bare.BareEnd`), a ring
+over a bare CURVE ZeroMQ PUSH/PULL hop each way (`bench.bare.BareEnd`), a ring
 header packed at each send as a stage packs it. Each builds its next decode step while
 the current one computes, on a placeholder whose bytes are written in when the input
 comes, as `worker.stage` does (the same pieces: `fill_slot`, `to_array`, the greedy
 `Sampler`). Nothing else: no admission, requests, detokenising, client replies, lanes
 or timing figures.
 
-    python -m worker.pipe_floor tail HOME MODEL_DIR SPLIT BIND PEER
-    python -m worker.pipe_floor head HOME MODEL_DIR SPLIT BIND PEER [CHUNK]
+    python -m studiotui.bench.pipe_floor tail HOME MODEL_DIR SPLIT BIND PEER
+    python -m studiotui.bench.pipe_floor head HOME MODEL_DIR SPLIT BIND PEER [CHUNK]
 
-HOME holds the two ends' keys (`protocol.bare.pair_keys`); the head is end "a" and runs
+HOME holds the two ends' keys (`bench.bare.pair_keys`); the head is end "a" and runs
 layers [0, SPLIT), the tail end "b" and [SPLIT, n). The head prints `{"ready": true}`
 once loaded, then reads one JSON object a line on stdin, `{"prompt": [ids], "tokens":
 n}`, and prints `{"tokens": [...], "tps": x, "ran_ahead": k}`: n greedy tokens after the
@@ -38,10 +38,10 @@ import mlx.core as mx
 import numpy as np
 import zmq
 
+from studiotui.bench.bare import BareEnd
 from worker.sampling import Sampler, SamplingParams
 from worker.shard import Shard, load_shard, read_config
 from worker.shared.model_support import decoder_config
-from worker.shared.protocol.bare import BareEnd
 from worker.shared.protocol.frames import RingHeader, decode_ring_header, encode_ring_header
 from worker.stage import NP_VIEW, dtype_name, fill_slot, to_array
 
@@ -211,7 +211,8 @@ def _activation(kind: str, offset: int, h: mx.array, n: int) -> RingHeader:
 def main(argv: list[str]) -> int:
     if len(argv) not in (6, 7) or argv[0] not in ("head", "tail"):
         print(
-            "usage: python -m worker.pipe_floor head|tail HOME MODEL_DIR SPLIT BIND PEER [CHUNK]",
+            "usage: python -m studiotui.bench.pipe_floor head|tail"
+            " HOME MODEL_DIR SPLIT BIND PEER [CHUNK]",
             file=sys.stderr,
         )
         return 2

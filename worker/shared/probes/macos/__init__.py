@@ -1,0 +1,1 @@
+"""Parsers of macOS probes' output."""
