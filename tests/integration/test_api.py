@@ -482,6 +482,22 @@ async def test_bad_bodies_are_400(served: Served, body: Any, param: str | None) 
     assert_openai_error(await raw_post(served.server, body), 400, param)
 
 
+async def test_a_request_the_head_refuses_carries_its_code_to_a_400(served: Served) -> None:
+    """Token ids past the model's vocabulary pass the API's checks (it knows no vocabulary)
+    and are refused by the head shard, with code bad_request: the controller raises it
+    with that code and the API answers 400, from the code, not from the words."""
+    with pytest.raises(GenerationError) as caught:
+        async for _ in served.ctl.generate(PLACEMENT, {"tokens": [10**6]}, {"max_tokens": 2}):
+            pass
+    assert caught.value.code == "bad_request"
+    assert "prompt tokens must be integers" in str(caught.value)
+    async with httpx.AsyncClient(base_url=served.server.url) as http:
+        body = {"model": PLACEMENT, "prompt": [10**6], "max_tokens": 2}
+        resp = await http.post("/completions", json=body)
+    assert_openai_error(resp, 400, "prompt")
+    assert "prompt tokens must be integers" in resp.json()["error"]["message"]
+
+
 async def test_bad_request_through_the_client(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await served.client().chat.completions.create(
