@@ -22,12 +22,13 @@ from textual.containers import Horizontal
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
-from textual.widgets import Footer, Header, TabbedContent, TabPane
+from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
 from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
 from studiotui.app.palette import StudioCommands
+from studiotui.app.panes.filter import Filterable, FilterBar
 from studiotui.app.panes.log import LogPane
 from studiotui.app.panes.models import ModelRow, ModelsPane, read_catalog
 from studiotui.app.panes.nodes import SORT_KEYS, NodesPane
@@ -37,14 +38,23 @@ from studiotui.app.panes.topology import TopologyPane
 from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
+from studiotui.app.screens.model_folders import HubFetchScreen, ModelFoldersScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.cluster import local_cluster, stops
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
-from studiotui.core.catalog import models_stamp
+from studiotui.core.catalog import models_stamp, scan_home, settings
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.model_facts import ModelDirError, read_model
+from studiotui.core.model_folders import (
+    FolderCount,
+    add_folder,
+    delete_refusal,
+    empty_note,
+    folder_counts,
+    remove_folder,
+)
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
 from studiotui.core.text import counted
@@ -75,7 +85,10 @@ MEMORY_HELP = (
 # Keys bound in more than one place, said once for all of them.
 KEY_MEANINGS = {
     "space": "Mark the selected node (from any pane): p places on the marked nodes",
-    "escape": "Back: close a dialog, leave the chat; on the dashboard, clear the marks",
+    "escape": (
+        "Back: close a dialog, leave the chat; on a filtered table, clear the filter; "
+        "on the dashboard, clear the marks"
+    ),
 }
 
 # The app's own keys that mean something only on the dashboard.
@@ -98,6 +111,10 @@ DASHBOARD_ACTIONS = frozenset(
         "mark_node",
         "finetune",
         "jobs",
+        "filter",
+        "model_folders",
+        "fetch_hub",
+        "delete_model",
     }
 )
 
@@ -162,6 +179,14 @@ class StudioApp(Dashboard):
         Binding("5", "focus_nodes", "Nodes", show=False, id="focus-nodes"),
         # From any pane: the Nodes pane's own space binding, for the selected node.
         Binding("space", "mark_node", "Mark node", show=False, id="mark-node-anywhere"),
+        Binding(
+            "slash",
+            "filter",
+            "Filter the table with the keys (Nodes, Models, Placements); esc clears",
+            key_display="/",
+            show=False,
+            id="filter",
+        ),
     ]
 
     def __init__(
@@ -232,7 +257,9 @@ class StudioApp(Dashboard):
                     yield PlacementsPane(id="placements")
                 with TabPane("Models", id="tab-models"):
                     yield ModelsPane(id="models")
+                    yield Static(id="models-note")
             yield LogPane(id="log")
+        yield FilterBar(id="filter-bar")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -250,7 +277,8 @@ class StudioApp(Dashboard):
             self.report(f"theme file skipped: {problem}", "warning")
         if self.fixed:
             self._show(self.cluster)
-            self.query_one(ModelsPane).show(self._fixed_models or [], self.models_dir)
+            # The folder by its name, not its path: a fixed view draws the same anywhere.
+            self.query_one(ModelsPane).show(self._fixed_models or [], "STUDIOTUI_HOME/models")
             return
         assert self.inventory is not None
         self.controller = Controller(self.home, self.inventory)
@@ -517,7 +545,9 @@ class StudioApp(Dashboard):
             read_catalog, self.home, MODELS_SETTLE_S if settle else 0.0, shown
         )
         self._models_stamp, self._models_held = listing.stamp, listing.held
-        pane.show(listing.rows, listing.where)
+        # Directories beside the models that hold none: a count under the table, not
+        # a red row each and a log warning at every start.
+        pane.show(listing.rows, listing.where, empty_note(listing.empty))
         for row in pane.new_problems(listing.rows):
             if self.controller is not None:
                 self.controller.record(f"model {row.name} skipped: {row.problem}", "warning")
@@ -638,7 +668,7 @@ class StudioApp(Dashboard):
         found = self.ui.get("keymap")
         keymap: dict[str, str] = found if isinstance(found, dict) else {}
         rows: dict[str, str] = {}
-        for binding in [*self.BINDINGS, *NodesPane.BINDINGS]:
+        for binding in [*self.BINDINGS, *NodesPane.BINDINGS, *ModelsPane.BINDINGS]:
             assert isinstance(binding, Binding)
             key = keymap.get(binding.id, binding.key) if binding.id else binding.key
             shown = binding.key_display or key.replace(",", " / ")
@@ -682,6 +712,22 @@ class StudioApp(Dashboard):
             ("Mark selected node", "toggle: marked nodes are where p places", "mark_node"),
             ("Clear marks", "unmark every node", "clear_marks"),
             ("Rescan models", "read the model folders and the HF cache again", "rescan_models"),
+            (
+                "Model folders: add or remove",
+                "where models are looked for (config.toml models_dirs): a in Models",
+                "model_folders",
+            ),
+            (
+                "Fetch a model from the hub",
+                "org/name: each marked (or up) node downloads its share: H in Models",
+                "fetch_hub",
+            ),
+            (
+                "Delete selected model",
+                "its files on this machine, asking first; not one a placement uses: D",
+                "delete_model",
+            ),
+            ("Filter the table", "the Nodes, Models or Placements table: / · esc clears", "filter"),
             ("Provision selected node", "install and start its agent over SSH", "provision"),
             ("Restart selected node", "stop and start its agent", "restart_node"),
             ("Re-measure links", "latency and bandwidth between nodes", "measure_links"),
@@ -888,6 +934,144 @@ class StudioApp(Dashboard):
     def action_rescan_models(self) -> None:
         if not self.fixed:
             self.background(self._scan_models(), "reading models")
+
+    # ---- the `/` filter ---------------------------------------------------------------
+
+    def action_filter(self) -> None:
+        """`/`: the filter box for the table that has the keys (else the one in view
+        below: Placements or Models)."""
+        panes: list[tuple[Filterable, Any, str]] = [
+            (self.query_one(NodesPane), self.query_one(NodesPane), "nodes"),
+            (self.query_one(ModelsPane), self.query_one(ModelsPane), "models"),
+            (self.query_one(PlacementsPane), self.query_one(PlacementsPane), "placements"),
+        ]
+        focused = self.focused
+        for target, widget, what in panes:
+            if focused is not None and (focused is widget or widget in focused.ancestors):
+                self.query_one(FilterBar).open(target, what)
+                return
+        models = self.query_one("#bottom-tabs", TabbedContent).active == "tab-models"
+        target, _widget, what = panes[1] if models else panes[2]
+        self.query_one(FilterBar).open(target, what)
+
+    # ---- model folders, the hub, deleting (the Models pane's a, H, D) ----------------
+
+    def action_model_folders(self) -> None:
+        cache = settings(self.home).hf_cache
+        said = (
+            f"and the Hugging Face cache: {cache}"
+            if cache is not None
+            else "(the Hugging Face cache is not looked in: hf_cache = false in config.toml)"
+        )
+        self.push_screen(
+            ModelFoldersScreen(self._folder_counts, self._add_folder, self._remove_folder, said),
+            lambda _: self.action_rescan_models(),
+        )
+
+    def _folder_counts(self) -> list[FolderCount]:
+        return folder_counts(self.home, settings(self.home).folders, scan_home(self.home))
+
+    def _add_folder(self, folder: Path) -> str:
+        added = add_folder(self.home, folder)
+        said = f"models are looked for in {added} too (config.toml models_dirs)"
+        self.report(said)
+        return said
+
+    def _remove_folder(self, folder: Path) -> str:
+        remove_folder(self.home, folder)
+        said = f"{folder} is no longer looked in (its files stay where they are)"
+        self.report(said)
+        return said
+
+    def action_fetch_hub(self) -> None:
+        from studiotui.cluster.model_fetch import is_repo_id
+
+        ctl = self.need_controller("fetch from the hub")
+        if ctl is None:
+            return
+        marked = sorted(self.query_one(NodesPane).marked)
+        nodes = marked or [n.name for n in ctl.state.nodes if n.state == "up"]
+        if not nodes:
+            self.report("fetch from the hub: no node is up (r on a node starts it)", "warning")
+            return
+
+        def check(repo: str) -> str | None:
+            if is_repo_id(repo):
+                return None
+            return f"{repo!r} is not a Hugging Face repo id: type org/name"
+
+        def answered(wanted: tuple[str, str] | None) -> None:
+            if wanted is not None and self.controller is ctl:
+                repo, revision = wanted
+                self.background(self._fetch_hub(ctl, repo, revision, nodes), f"fetching {repo}")
+
+        self.push_screen(HubFetchScreen(nodes, check), answered)
+
+    async def _fetch_hub(self, ctl: Controller, repo: str, revision: str, nodes: list[str]) -> None:
+        """What `studiotui fetch org/name` does, its progress in the Placements pane."""
+        from studiotui.cluster.model_fetch import FetchError, fetch_repo
+
+        pane, key = self.query_one(PlacementsPane), f"hub {repo}"
+        self.query_one("#bottom-tabs", TabbedContent).active = "tab-placements"
+        pane.start_progress(f"fetching {repo}@{revision} from the hub", nodes, key=key)
+        try:
+            await fetch_repo(
+                ctl, repo, nodes, revision, lambda n, d, t: pane.progress(n, d, t, key)
+            )
+        except FetchError as exc:
+            self.report(f"fetch {repo}: {exc}", "error")
+            return
+        finally:
+            pane.end_progress(key=key)
+        await self._scan_models()
+        if any(r.name == repo for r in self.query_one(ModelsPane).all_rows):
+            self.notify(f"{repo}: each of {', '.join(nodes)} holds its share; in Models (4)")
+        else:
+            self.report(
+                f"{repo}: each of {', '.join(nodes)} holds its share in its hub cache; this "
+                "machine holds only its small files, so Models does not list it",
+                "warning",
+            )
+
+    def action_delete_model(self) -> None:
+        row = self.query_one(ModelsPane).selected_row
+        if row is None or row.adapter:
+            self.report("delete: select a model in the Models pane (4) first", "warning")
+            return
+        path = Path(row.path)
+        refusal = delete_refusal(path, self.cluster.placements, settings(self.home).folders)
+        if refusal is not None:
+            self.report(f"{row.name} is not deleted: {refusal}", "warning")
+            return
+        size = f" ({format_bytes(row.size)})" if row.size else ""
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.background(self._delete_model(row), f"deleting {row.name}")
+
+        self.push_screen(
+            ConfirmScreen(
+                f"Delete {row.name}? Its files{size} at {row.path} are removed from this "
+                "machine, for good. Copies already on other nodes stay."
+            ),
+            answered,
+        )
+
+    async def _delete_model(self, row: ModelRow) -> None:
+        from studiotui.cluster.model_delete import delete_model
+
+        path = Path(row.path)
+        # Asked again: a placement may have started while the question was up.
+        placements = (
+            self.controller.state.placements if self.controller else self.cluster.placements
+        )
+        refusal = delete_refusal(path, placements, settings(self.home).folders)
+        if refusal is not None:
+            self.report(f"{row.name} is not deleted: {refusal}", "warning")
+            return
+        done = await asyncio.to_thread(delete_model, path)
+        self.report(f"deleted {row.name}: {format_bytes(done.freed)} freed ({done.path})")
+        await self._scan_models()
 
 
 def demo_damage(path: Path) -> str | None:

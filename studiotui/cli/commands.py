@@ -60,6 +60,7 @@ from studiotui.core.inventory import (
 )
 from studiotui.core.members import cables
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
+from studiotui.core.model_folders import model_folders, outside_note
 from studiotui.core.placement import (
     ModelFacts,
     Plan,
@@ -1054,6 +1055,10 @@ def cmd_demo_model(args: argparse.Namespace, home: Path) -> int:
         f"wrote {spec.arch} demo model ({spec.layers} layers, {dtype}"
         f"{packed}, {format_bytes(size)}; it {writes}) to {path}"
     )
+    # Written where the Models pane does not look, it would never appear: say so.
+    outside = outside_note(path, model_folders(home))
+    if outside:
+        console.print(f"note: {outside}")
     return 0
 
 

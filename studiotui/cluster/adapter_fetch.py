@@ -22,14 +22,13 @@ import asyncio
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
+from studiotui.cluster.hub import Cluster
 from studiotui.cluster.jobs import JobRecord
-from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
+from studiotui.cluster.peers import AgentError, AgentUnreachable
 from studiotui.core.adapter_catalog import ADAPTERS_FOLDER
 from studiotui.core.errors import StudioError
-from studiotui.core.inventory import NodeSpec
-from studiotui.core.state import ClusterState, LogLevel, node_start_hint
+from studiotui.core.state import node_start_hint
 from studiotui.ssh import nodes
 from studiotui.ssh.client import SshError, get_files
 from worker.shared.adapters import FILES, Adapter, AdapterError, identity_mismatch, read_adapter
@@ -43,19 +42,6 @@ Progress = Callable[[str, int, int], None] | None  # node, bytes done, bytes tot
 
 class AdapterFetchError(StudioError):
     """A job's adapter that cannot be brought here; nothing was kept."""
-
-
-class Cluster(Protocol):
-    home: Path
-
-    @property
-    def state(self) -> ClusterState: ...
-
-    def peer(self, name: str) -> Peer: ...
-
-    def spec(self, name: str) -> NodeSpec: ...
-
-    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 def job_adapter_dir(job: str) -> str:

@@ -25,13 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from studiotui.cluster.peers import AgentError, AgentUnreachable, Peer
+from studiotui.cluster.hub import Cluster
+from studiotui.cluster.peers import AgentError, AgentUnreachable
 from studiotui.core.errors import StudioError
-from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import blame
-from studiotui.core.state import LogLevel
 from worker.shared.protocol import control
 
 # Agents beat twice a second on a follow stream (worker.jobs.FOLLOW_BEAT_S); a node
@@ -51,18 +50,6 @@ Event = Callable[[str, dict[str, Any]], None]
 
 class JobFailed(StudioError, RuntimeError):
     pass
-
-
-class Cluster(Protocol):
-    """What jobs need of the controller (which does not know about jobs)."""
-
-    home: Path
-
-    def peer(self, name: str) -> Peer: ...
-
-    def spec(self, name: str) -> NodeSpec: ...
-
-    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 @dataclass(frozen=True)

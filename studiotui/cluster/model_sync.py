@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from studiotui.cluster import keys
+from studiotui.cluster.hub import Cluster
 from studiotui.cluster.model_files import (
     CopyPlan,
     ModelFilesError,
@@ -34,29 +35,10 @@ from studiotui.cluster.model_files import (
     plan_copy,
     send_files,
 )
-from studiotui.cluster.peers import Peer
-from studiotui.core.inventory import NodeSpec
-from studiotui.core.state import ClusterState, LogLevel
 from studiotui.ssh import nodes
 from worker.shared.manifest import FileId, Hashing, unhashed_bytes
 from worker.shared.protocol import control
 from worker.shared.protocol.control import DirStatus
-
-
-class Controller(Protocol):
-    """What syncing needs of the controller (which calls it, so it is not imported)."""
-
-    home: Path
-
-    @property
-    def state(self) -> ClusterState: ...
-
-    def peer(self, name: str) -> Peer: ...
-
-    def spec(self, name: str) -> NodeSpec: ...
-
-    def record(self, text: str, level: LogLevel = "info") -> None: ...
-
 
 Progress = Callable[[str, int, int], None]
 STATUS_TIMEOUT_S = 60.0
@@ -93,7 +75,7 @@ def holding(found: list[DirStatus]) -> str | None:
 
 
 async def provide(
-    ctl: Controller,
+    ctl: Cluster,
     model_dir: Path,
     needs: dict[str, list[NeededFile]],
     progress: Progress | None = None,
@@ -223,9 +205,7 @@ def file_sources(
     return found
 
 
-async def _status(
-    ctl: Controller, node: str, dirs: list[str], files: list[FileId]
-) -> list[DirStatus]:
+async def _status(ctl: Cluster, node: str, dirs: list[str], files: list[FileId]) -> list[DirStatus]:
     reply = await ctl.peer(node).ask(
         "files_status",
         control.FilesFound,
@@ -237,7 +217,7 @@ async def _status(
 
 
 async def _copy_all(
-    ctl: Controller,
+    ctl: Cluster,
     model_dir: Path,
     jobs: list[Job],
     progress: Progress | None,
@@ -275,7 +255,7 @@ async def _copy_all(
 
 
 async def _copy(
-    ctl: Controller,
+    ctl: Cluster,
     model_dir: Path,
     job: Job,
     grants: dict[Source, dict[str, Any]],
@@ -301,7 +281,7 @@ async def _copy(
 
 
 async def _from(
-    ctl: Controller,
+    ctl: Cluster,
     model_dir: Path,
     job: Job,
     source: Source | None,
@@ -342,7 +322,7 @@ async def _from(
 
 
 async def _sftp(
-    ctl: Controller,
+    ctl: Cluster,
     model_dir: Path,
     job: Job,
     files: list[tuple[FileId, int]],

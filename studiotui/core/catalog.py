@@ -15,8 +15,10 @@ Where models are looked for:
   `~/.cache/huggingface/hub`): `models--org--name/snapshots/<rev>/`, the revision
   `refs/main` names (else the newest), when it holds `config.json` and safetensors.
 
-A directory that looks like a model but cannot be read is not dropped silently:
-it comes back as `Skipped` with the reason, for the pane to show.
+A directory that looks like a model (its config.json, or weights) but cannot be read
+is not dropped silently: it comes back as `Skipped` with the reason, for the pane to
+show. A directory beside the models that holds neither (notes, datasets, a checkout)
+is only counted (`Catalog.empty`): a models folder is often a folder of many things.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class Catalog:
     sources: dict[Path, str] = field(default_factory=dict)
     # What was looked at, for an empty pane to say where it looked.
     searched: tuple[str, ...] = ()
+    # Directories in the model folders holding no model (no config.json, no weights).
+    empty: tuple[Path, ...] = ()
 
     def source(self, info: ModelInfo) -> str:
         return self.sources.get(info.path, "")
@@ -139,6 +143,7 @@ def scan(folders: Iterable[Path], hf_cache: Path | None = DEFAULT_HF_CACHE) -> C
     skipped: list[Skipped] = []
     sources: dict[Path, str] = {}
     searched: list[str] = []
+    empty: list[Path] = []
     seen: set[Path] = set()
 
     def take(path: Path, name: str, source: str) -> None:
@@ -156,17 +161,19 @@ def scan(folders: Iterable[Path], hf_cache: Path | None = DEFAULT_HF_CACHE) -> C
     for folder in folders:
         label = _tilde(folder)
         searched.append(label)
-        for path, name in _folder_models(folder, skipped, label):
+        for path, name in _folder_models(folder, skipped, label, empty):
             take(path, name, label)
     if hf_cache is not None:
         searched.append(HF_SOURCE)
         for path, name in _hf_models(hf_cache, skipped):
             take(path, name, HF_SOURCE)
     models.sort(key=lambda m: (m.name.lower(), str(m.path)))
-    return Catalog(tuple(models), tuple(skipped), sources, tuple(searched))
+    return Catalog(tuple(models), tuple(skipped), sources, tuple(searched), tuple(empty))
 
 
-def _folder_models(folder: Path, skipped: list[Skipped], label: str) -> list[tuple[Path, str]]:
+def _folder_models(
+    folder: Path, skipped: list[Skipped], label: str, empty: list[Path]
+) -> list[tuple[Path, str]]:
     if not folder.exists():
         return []
     if (folder / "config.json").is_file():
@@ -179,12 +186,21 @@ def _folder_models(folder: Path, skipped: list[Skipped], label: str) -> list[tup
         nested = [d for d in _subdirs(child, skipped, label) if (d / "config.json").exists()]
         if nested:
             found.extend((d, f"{child.name}/{d.name}") for d in nested)
-        else:
-            # Whatever sits in a models folder was meant to be a model: say why it is not.
+        elif _has_weights(child):
+            # Weights without a config: a model cut short (or a copy under way): say so.
             skipped.append(
                 Skipped(child.name, child, "no config.json: not an mlx-lm model directory", label)
             )
+        else:
+            empty.append(child)  # notes, data, a checkout: counted, not a problem
     return found
+
+
+def _has_weights(folder: Path) -> bool:
+    try:
+        return any(folder.glob("*.safetensors"))
+    except OSError:
+        return False
 
 
 def _subdirs(folder: Path, skipped: list[Skipped], label: str) -> list[Path]:

@@ -49,7 +49,7 @@ class ShardState:
     kv_bits: int = 0  # quantized KV (`place --kv-bits`; 0: full precision)
     kv_group_size: int = 64
     # The prompt cache's budget on this shard: memory (promised like its KV, see
-    # controller.committed_bytes) and the node's disk.
+    # core.memory.promised_bytes) and the node's disk.
     prompt_cache_bytes: int = 0
     prompt_cache_disk_bytes: int = 0
     # A member of a tensor-parallel stage: its rank and the group's nodes (rank order);

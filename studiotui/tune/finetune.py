@@ -19,17 +19,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from studiotui.cluster import jobs, model_files, model_sync
-from studiotui.cluster.peers import Peer
+from studiotui.cluster.hub import Cluster
 from studiotui.core.errors import StudioError
 from studiotui.core.forecast import links_from_state
-from studiotui.core.inventory import NodeSpec
 from studiotui.core.jobs import JobWatch
 from studiotui.core.members import group_backend
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
-from studiotui.core.state import ClusterState, LogLevel, node_start_hint
+from studiotui.core.state import node_start_hint
 from studiotui.tune.data import (
     Examples,
     check_counts,
@@ -50,19 +49,6 @@ Progress = Callable[[str, int, int], None]
 
 class FinetuneError(StudioError, ValueError):
     pass
-
-
-class Cluster(Protocol):
-    home: Path
-
-    @property
-    def state(self) -> ClusterState: ...
-
-    def peer(self, name: str) -> Peer: ...
-
-    def spec(self, name: str) -> NodeSpec: ...
-
-    def record(self, text: str, level: LogLevel = "info") -> None: ...
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from textual.widgets import DataTable, Static
 
 from studiotui.app.app import StudioApp
 from studiotui.app.screens.benchmark import BenchmarkScreen
-from studiotui.cluster import controller as controller_module
+from studiotui.cluster import links as links_module
 from studiotui.core import benchmark as bm
 from studiotui.core.benchmark import Step
 from tests.support.app_fixtures import fixed_models, fixed_state
@@ -92,8 +92,8 @@ async def test_the_periodic_link_measurement_waits_while_a_benchmark_runs(
     """The dashboard measures the links every LINKS_EVERY_S (300 s); run here every
     0.2 s, it measured all through a benchmark, disturbing its figures. None may end
     between the benchmark's first step and its last, and they go on after it."""
-    monkeypatch.setattr(controller_module, "LINKS_FIRST_S", 0.0)
-    monkeypatch.setattr(controller_module, "LINKS_EVERY_S", 0.2)
+    monkeypatch.setattr(links_module, "LINKS_FIRST_S", 0.0)
+    monkeypatch.setattr(links_module, "LINKS_EVERY_S", 0.2)
     app = StudioApp(screen_cluster.home, screen_cluster.inventory)
     app.benchmark_sizes = TINY
     async with app.run_test(size=SIZE) as pilot:

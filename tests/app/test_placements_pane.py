@@ -111,3 +111,44 @@ async def test_the_prompt_cache_shows_under_the_ring_once_used() -> None:
         await pilot.pause()
         line = pane._ring_lines(110).plain
         assert "prompt cache 3 entries · 8 MB in memory · 75% hits" in line, line
+
+
+async def test_name_and_state_never_run_together() -> None:
+    """Issue 30: "qwen3-32bbroken" was read off the Placements table. The table's own
+    lines, as drawn, keep a blank cell between the placement and its state, whatever
+    the state and the width (a name cut with "…" included). The run-together text is
+    what the snapshot SVG holds (each cell a <text> element of its own), not what the
+    terminal shows."""
+    from textual.geometry import Region
+
+    plan = (PlannedShard("studio-3", 0, 32), PlannedShard("studio-4", 32, 64))
+
+    def one(name: str, state: str, shards: int, placing: bool = False) -> PlacementState:
+        reported = tuple(
+            ShardState(name, p.node, i, 2, p.start, p.end, state, progress=(5, 100))  # type: ignore[arg-type]
+            for i, p in enumerate(plan[:shards])
+        )
+        return PlacementState(name, name, f"/m/{name}", reported, planned=plan, placing=placing)
+
+    for width in (48, 80, 100, 160):
+        app = PaneApp()
+        async with app.run_test(size=(width, 12)) as pilot:
+            pane = app.query_one(PlacementsPane)
+            table = pane.query_one(DataTable)
+            for name in ("qwen3-32b", "qwen3-32b-instruct-with-a-long-name"):
+                for state, shards, placing in (
+                    ("loading", 0, True),
+                    ("loading", 1, True),
+                    ("ready", 2, False),
+                    ("ready", 1, False),  # broken: a shard is gone
+                    ("failed", 2, False),
+                ):
+                    p = one(name, state, shards, placing)
+                    pane.show((p,), "dark", {})
+                    await pilot.pause()
+                    lines = [s.text for s in table.render_lines(Region(0, 0, table.size.width, 2))]
+                    row = lines[1]
+                    assert p.state in row, (width, row)
+                    before = row[: row.index(p.state)]
+                    # The name (or its cut) and then at least one blank cell.
+                    assert before.endswith(" ") and before.strip(), (width, p.state, row)

@@ -106,7 +106,7 @@ def test_placed_adapter_matches_mlx_lm_over_1_and_2_shards(
                 placed = ctl.state.placement("tiny+style")
                 assert placed is not None
                 # Each agent reports its shard's planned share of the adapter (what
-                # committed_bytes counts while a shard loads), as the plan said.
+                # node_promised_bytes counts while a shard loads), as the plan said.
                 out[f"adapter_bytes{n}"] = (
                     {s.node: s.adapter_bytes for s in done.plan.shards},
                     {s.node: s.adapter_bytes for s in placed.shards},

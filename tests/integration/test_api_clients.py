@@ -167,6 +167,7 @@ async def test_every_api_answers_the_chat_completions_greedy_answer(served: Serv
     ) as stream:
         streamed = await stream.get_final_message()
     assert streamed.content[0].type == "text" and streamed.content[0].text == want
+
     def prompt(usage: Any) -> int:  # Anthropic counts the cache's tokens apart
         return int(usage.input_tokens) + int(usage.cache_read_input_tokens or 0)
 

@@ -231,7 +231,12 @@ def test_the_tour_s_demo_model_reads_and_a_noise_model_says_what_it_is(
 
     monkeypatch.setenv("STUDIOTUI_HOME", str(tmp_path / "home"))
     assert main(["demo-model", str(tmp_path / "demo"), "--layers", "4"]) == 0
-    assert "recites a passage" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
+    assert "recites a passage" in out
+    # Issue 30 item 9: written outside the model folders, it is said where they are.
+    home = tmp_path / "home"
+    assert f"note: {tmp_path} is not a model folder (models are looked for in" in out
+    assert f"{home / 'models'}" in out and "`a` on the Models pane" in out
     model, tokenizer = mlx_lm.load(str(tmp_path / "demo"))
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hello there"}], add_generation_prompt=True
@@ -240,9 +245,11 @@ def test_the_tour_s_demo_model_reads_and_a_noise_model_says_what_it_is(
     assert answer and PASSAGE.startswith(answer.strip()), answer
     assert read_model(tmp_path / "demo").note == ""
 
-    assert main(["demo-model", str(tmp_path / "noise"), "--layers", "2", "--noise"]) == 0
-    assert "writes noise" in capsys.readouterr().out
-    assert read_model(tmp_path / "noise").note == NOISE_NOTE
+    inside = tmp_path / "home" / "models" / "noise"
+    assert main(["demo-model", str(inside), "--layers", "2", "--noise"]) == 0
+    out = capsys.readouterr().out
+    assert "writes noise" in out and "not a model folder" not in out
+    assert read_model(inside).note == NOISE_NOTE
     with pytest.raises(SystemExit):  # one or the other
         main(["demo-model", str(tmp_path / "x"), "--noise", "--recite"])
 

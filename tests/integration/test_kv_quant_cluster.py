@@ -20,8 +20,9 @@ from mlx_lm.generate import generate_step
 from studiotui.cli.commands import status_json
 from studiotui.cli.exits import REFUSED
 from studiotui.cli.main import main
-from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller, committed_bytes
+from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import dump_inventory
+from studiotui.core.memory import RUNNER_OVERHEAD_BYTES, node_promised_bytes
 from studiotui.core.placement import Plan, Refusal
 from tests.integration.test_kv_quant import quantized_cache
 from tests.support.cluster_fixture import LocalCluster
@@ -146,7 +147,7 @@ def test_the_prompt_cache_is_shown_reported_and_never_promised_twice(
             await ctl.refresh()
             state = ctl.state.node(node)
             assert state is not None
-            room = state.memory_free - committed_bytes(state) - RUNNER_OVERHEAD_BYTES
+            room = state.memory_free - node_promised_bytes(state) - RUNNER_OVERHEAD_BYTES
             # A second placement sized to fit the room the first leaves without its cache
             # but not with it.
             cache = int(room * 0.6)
@@ -155,7 +156,7 @@ def test_the_prompt_cache_is_shown_reported_and_never_promised_twice(
             assert held is not None
             (shard,) = held.shards
             assert shard.prompt_cache_bytes == cache  # the agent's own report
-            assert committed_bytes(held) >= shard.kv_bytes + cache
+            assert node_promised_bytes(held) >= shard.kv_bytes + cache
             _, second = ctl.preview(model, [node], 4096, 1, prompt_cache=int(room * 0.5))
             assert isinstance(second, Refusal), second
             _, small = ctl.preview(model, [node], 4096, 1, prompt_cache=int(room * 0.1))

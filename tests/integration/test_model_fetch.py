@@ -185,3 +185,71 @@ async def test_the_models_pane_fetches_the_selected_hub_model_to_the_nodes(
         assert weights == published  # each weight file went to one node, once
     finally:
         stop_cluster(cluster)
+
+
+async def test_the_models_pane_fetches_a_hub_model_by_its_name_with_progress(
+    hub: HubStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30 item 9: H on the Models pane asks for org/name and the nodes download
+    their shares as `studiotui fetch` does, the progress shown per node; a name that is
+    not a repo id is refused in the dialog before anything is asked of the hub."""
+    from textual.widgets import Input, Static
+
+    from studiotui.app.app import StudioApp
+    from studiotui.app.panes.models import ModelsPane
+    from studiotui.app.panes.placements import PlacementsPane
+    from studiotui.app.screens.model_folders import HubFetchScreen
+
+    # The agents and the operator share one hub cache, as on one machine: the shares
+    # make a whole model there, which the Models pane then lists.
+    cache = tmp_path / "shared-hf"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    cluster = await asyncio.to_thread(start_cluster, tmp_path / "home", 2, 82, 57960, 2.0)
+    try:
+        app = StudioApp(cluster.home, cluster.inventory)
+        async with app.run_test(size=(160, 48)) as pilot:
+            for _ in range(200):
+                if "2/2 nodes up" in app.sub_title:
+                    break
+                await pilot.pause(0.1)
+            seen: list[tuple[str, int, int]] = []
+            pane = app.query_one(PlacementsPane)
+            real = pane.progress
+
+            def spy(node: str, done: int, total: int, key: str = "") -> None:
+                seen.append((node, done, total))
+                real(node, done, total, key)
+
+            pane.progress = spy  # type: ignore[method-assign]
+            served = sum(hub.served.values())
+            await pilot.press("4", "H")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, HubFetchScreen)
+            await pilot.press(*"not a repo", "enter")
+            error = str(app.screen.query_one("#hub-error", Static).render())
+            assert "'not a repo' is not a Hugging Face repo id: type org/name" in error
+            assert sum(hub.served.values()) == served
+            app.screen.query_one("#hub-repo", Input).value = "org/demo"
+            await pilot.press("enter")
+            log: list[str] = []
+            for _ in range(300):
+                log = [e.text for e in app.cluster.log]
+                names = [r.name for r in app.query_one(ModelsPane).rows_shown]
+                if sum("downloaded its share" in t for t in log) == 2 and "org/demo" in names:
+                    break
+                await pilot.pause(0.1)
+            assert sum("downloaded its share" in t for t in log) == 2, log
+            assert "org/demo" in [r.name for r in app.query_one(ModelsPane).rows_shown]
+        nodes = {n for n, _, _ in seen}
+        assert nodes == set(cluster.inventory.names), seen
+        # Each node's gauge ends full, at its share's size.
+        for node in nodes:
+            done, total = [(d, t) for n, d, t in seen if n == node][-1]
+            assert total > 0 and done == total, seen
+        weights = {n: s for n, s in hub.served.items() if n.endswith(".safetensors")}
+        published = {p.name: p.stat().st_size for p in hub.folder.glob("*.safetensors")}
+        assert weights == published  # each weight file went to one node, once
+    finally:
+        stop_cluster(cluster)

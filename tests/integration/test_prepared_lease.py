@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller, committed_bytes
+from studiotui.cluster.controller import Controller
 from studiotui.cluster.peers import AgentError
+from studiotui.core.memory import RUNNER_OVERHEAD_BYTES, node_promised_bytes
 from studiotui.core.model_facts import read_model
 from studiotui.core.placement import Plan, Refusal
 from tests.support.cluster_fixture import LocalCluster, start_cluster, stop_cluster
@@ -48,10 +49,10 @@ def prepared(ctl: Controller) -> dict[str, str]:
     return {s.placement: s.state for s in node.shards}
 
 
-def committed(ctl: Controller) -> int:
+def promised(ctl: Controller) -> int:
     node = ctl.state.node(NODE)
     assert node is not None
-    return committed_bytes(node)
+    return node_promised_bytes(node)
 
 
 async def until(ctl: Controller, ok: Callable[[], bool], timeout: float, what: str) -> None:
@@ -75,7 +76,7 @@ def test_a_lapsed_lease_frees_the_promise_and_a_renewed_one_holds(cluster: Local
         placing, watching = cluster.controller(), cluster.controller()
         try:
             await until(watching, lambda: NODE in str(watching.state.nodes), 10, "the node")
-            before = committed(watching)
+            before = promised(watching)
             await prepare(placing, "kept", LEASE_S)
             await prepare(placing, "abandoned", LEASE_S)
             await until(
@@ -86,7 +87,7 @@ def test_a_lapsed_lease_frees_the_promise_and_a_renewed_one_holds(cluster: Local
             )
             # Both promised to every operator, as their plans said.
             promise = PROMISE["weight_bytes"] + PROMISE["kv_bytes"]
-            assert committed(watching) == before + 2 * promise
+            assert promised(watching) == before + 2 * promise
             # The placing controller keeps renewing one; the other's operator is gone.
             keeper = asyncio.create_task(placing.keep_leases("kept", [NODE], every=0.5))
             try:
@@ -96,7 +97,7 @@ def test_a_lapsed_lease_frees_the_promise_and_a_renewed_one_holds(cluster: Local
                     10 * LEASE_S,
                     "the abandoned shard dropped",
                 )
-                assert committed(watching) == before + promise
+                assert promised(watching) == before + promise
                 # Held past its lease several times over while renewed.
                 dropped = time.monotonic()
                 while time.monotonic() - dropped < 2 * LEASE_S:
@@ -108,7 +109,7 @@ def test_a_lapsed_lease_frees_the_promise_and_a_renewed_one_holds(cluster: Local
                 await asyncio.gather(keeper, return_exceptions=True)
             # Renewals stop: it lapses too, and the agent's log says why it went.
             await until(watching, lambda: not prepared(watching), 10 * LEASE_S, "kept dropped")
-            assert committed(watching) == before
+            assert promised(watching) == before
             logged = "\n".join(await watching.read_log(NODE))
             for name in ("abandoned", "kept"):
                 assert f"shard {name} dropped: prepared but not renewed" in logged, logged
@@ -155,7 +156,7 @@ def test_a_preview_in_the_prepare_round_trip_counts_the_placement_being_decided(
     is in flight, and a preview then refuses, naming the placement, what it would have
     offered again."""
     spec = DemoSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, dtype="float32")
-    model = write_demo_model(cluster.home / "models" / "pledged", spec)
+    model = write_demo_model(cluster.home / "models" / "unreported", spec)
     agent = cluster.pids[NODE]
 
     async def run() -> None:
@@ -165,7 +166,7 @@ def test_a_preview_in_the_prepare_round_trip_counts_the_placement_being_decided(
             node = ctl.state.node(NODE)
             assert node is not None
             per_token = sum(read_model(model).facts.kv_bytes(1000, 1)) / 1000
-            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            room = node.memory_free - node_promised_bytes(node) - RUNNER_OVERHEAD_BYTES
             context = int(0.6 * room / per_token)  # one fits, two do not
             _, alone = ctl.preview(model, [NODE], context, streams=1)
             assert isinstance(alone, Plan), alone
@@ -173,15 +174,15 @@ def test_a_preview_in_the_prepare_round_trip_counts_the_placement_being_decided(
                 ctl.place(model, [NODE], "first", context_tokens=context, streams=1)
             )
             # Every turn of the loop: the first one after place() sent its prepare_shard
-            # sees the pledge, before any reply can have been read.
+            # sees the unreported promise, before any reply can have been read.
             for _ in range(10_000):
-                if "first" in ctl.pledges:
+                if "first" in ctl.unreported_promises:
                     break
                 assert not task.done(), task
                 await asyncio.sleep(0)
             os.kill(agent, signal.SIGSTOP)
             try:
-                assert ctl.pledges["first"][NODE] >= alone.shards[0].kv_bytes
+                assert ctl.unreported_promises["first"][NODE] >= alone.shards[0].kv_bytes
                 assert not any(s.placement == "first" for s in node.shards)
                 _, second = ctl.preview(model, [NODE], context, streams=1)
                 assert isinstance(second, Refusal), second
@@ -189,7 +190,7 @@ def test_a_preview_in_the_prepare_round_trip_counts_the_placement_being_decided(
             finally:
                 os.kill(agent, signal.SIGCONT)
             await task
-            assert "first" not in ctl.pledges  # the node's report holds it now
+            assert "first" not in ctl.unreported_promises  # the node's report holds it now
             _, third = ctl.preview(model, [NODE], context, streams=1)
             assert isinstance(third, Refusal), third
             await ctl.unload("first")

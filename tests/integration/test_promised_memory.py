@@ -23,13 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from studiotui.cluster import local_cluster
-from studiotui.cluster.controller import (
-    RUNNER_OVERHEAD_BYTES,
-    Controller,
-    PlacementError,
-    committed_bytes,
-)
+from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory
+from studiotui.core.memory import RUNNER_OVERHEAD_BYTES, node_promised_bytes
 from studiotui.core.model_facts import read_model
 from studiotui.core.placement import Plan, Refusal
 from tests.support.sshd import SshdServer, ssh_node, sshd_factory  # noqa: F401 - the fixture
@@ -78,7 +74,7 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
             )
             node = watching.state.node(held)
             assert node is not None
-            room = node.memory_free - committed_bytes(node) - RUNNER_OVERHEAD_BYTES
+            room = node.memory_free - node_promised_bytes(node) - RUNNER_OVERHEAD_BYTES
             # Most of the node: one such placement fits, two do not.
             context = int(0.6 * room / per_token)
             _, first = watching.preview(model, [held], context, streams=1)
@@ -109,7 +105,7 @@ def test_a_placement_being_copied_holds_its_memory_for_every_operator(
                 # ...and its prompt cache's budget (default: what the node could spare
                 # when it was placed).
                 assert shard.prompt_cache_bytes > 0
-                assert committed_bytes(node) == (
+                assert node_promised_bytes(node) == (
                     planned.weight_bytes + planned.kv_bytes + shard.prompt_cache_bytes
                 )
                 _, second = watching.preview(model, [held], context, streams=1)

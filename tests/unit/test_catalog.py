@@ -59,6 +59,9 @@ def test_folder_models_with_their_facts(tmp_path: Path, demo: Path) -> None:
     (folder / "notes").mkdir()
     (folder / "broken").mkdir()
     (folder / "broken" / "config.json").write_text("{not json")
+    # Weights with no config: a model cut short, said; a folder of notes only counted.
+    (folder / "cut").mkdir()
+    shutil.copy(demo / "model.safetensors", folder / "cut" / "model.safetensors")
     (folder / ".hidden").mkdir()
 
     found = scan([folder], hf_cache=None)
@@ -75,8 +78,11 @@ def test_folder_models_with_their_facts(tmp_path: Path, demo: Path) -> None:
     assert found.models[1].facts.name == "mlx-community/tiny-llama"  # the planner's title
     assert found.source(info) == str(folder)
     skipped = {s.name: s.reason for s in found.skipped}
-    assert set(skipped) == {"notes", "broken"}
-    assert "no config.json" in skipped["notes"]
+    assert set(skipped) == {"cut", "broken"}
+    assert "no config.json" in skipped["cut"]
+    # Issue 30 item 9: every non-model folder beside the models was a red "skipped" row
+    # and a log warning at every start; now it is counted, quietly.
+    assert found.empty == (folder / "notes",)
     assert "config.json" in skipped["broken"]
     assert scan_models([folder], hf_cache=None) == list(found.models)
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
+from textual.binding import Binding, BindingType
 from textual.events import Key, MouseDown, MouseMove, MouseRelease, MouseUp
 from textual.message import Message
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Static
 
 from studiotui.app.drag import DragSession, DropSurface, DropTarget
+from studiotui.app.panes.filter import filter_note, matches
 from studiotui.app.panes.nodes import NodesPane
 from studiotui.app.render import short_count
 from studiotui.core.adapter_catalog import AdapterCatalog, scan_home_adapters
@@ -54,6 +56,11 @@ class ModelRow:
     def key(self) -> str:
         """The table's row key: a model's path, an adapter's own directory."""
         return self.adapter or self.path
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """What the `/` filter looks in."""
+        return (self.name, self.family, self.dtype, self.source, self.problem, self.path)
 
 
 def rows_from_catalog(catalog: Catalog, adapters: AdapterCatalog | None = None) -> list[ModelRow]:
@@ -103,6 +110,7 @@ class Listing:
     where: str  # where models were looked for (said when there are none)
     stamp: tuple[tuple[str, int], ...]  # the folders' `models_stamp` before the scan
     held: bool = False  # a directory still being written was left out: look again soon
+    empty: tuple[Path, ...] = ()  # directories in the model folders that hold no model
 
 
 def read_catalog(home: Path, settle_s: float = 0.0, shown: frozenset[str] = frozenset()) -> Listing:
@@ -121,10 +129,34 @@ def read_catalog(home: Path, settle_s: float = 0.0, shown: frozenset[str] = froz
         r.key for r in rows if settle_s and r.problem and settling(Path(r.path), settle_s, now)
     }
     kept = [r for r in rows if r.key not in young or r.key in shown]
-    return Listing(kept, ", ".join(catalog.searched), stamp, held=bool(young))
+    return Listing(kept, ", ".join(catalog.searched), stamp, held=bool(young), empty=catalog.empty)
+
+
+# Said under the table: the pane's own keys (the footer keeps to the first ones).
+MODELS_KEYS = "a folders · H fetch from hub · D delete · / filter"
+
+
+def models_note(where: str, empty: str = "", filtered: str = "") -> str:
+    """The line under the Models table: where models are looked for, the directories
+    that hold none (a count, quietly), the filter when one is on, and the keys."""
+    parts = [filtered] if filtered else []
+    parts.append(f"looks in {where}" if where else "")
+    parts += [empty, MODELS_KEYS]
+    return " · ".join(p for p in parts if p)
 
 
 class ModelsPane(DataTable[Any]):
+    # The pane's own keys, for the model under the cursor; `?` lists them, and the
+    # line under the table names them (the footer keeps to a newcomer's first keys).
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("a", "app.model_folders", "Model folders: add, remove", show=False,
+                id="model-folders"),
+        Binding("H", "app.fetch_hub", "Fetch a model from the hub", key_display="H",
+                show=False, id="fetch-hub"),
+        Binding("D,delete", "app.delete_model", "Delete the selected model (asks first)",
+                key_display="D", show=False, id="delete-model"),
+    ]  # fmt: skip
+
     class Dropped(Message):
         """A model row was dragged onto nodes."""
 
@@ -137,6 +169,10 @@ class ModelsPane(DataTable[Any]):
         super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
         self.border_title = "Models"
         self.rows_shown: list[ModelRow] = []
+        self.all_rows: list[ModelRow] = []
+        self.filter_text = ""
+        self.where: Path | str | None = None
+        self.empty_said = ""
         self.drag: DragSession | None = None
         self._told: set[tuple[str, str]] = set()
 
@@ -152,17 +188,53 @@ class ModelsPane(DataTable[Any]):
         self.add_column("size", key="size")
         self.add_column("from", key="source")  # or why a model was skipped
 
-    def show(self, rows: list[ModelRow], where: Path | str | None = None) -> None:
-        if rows == self.rows_shown and self.row_count and self.columns:
+    def show(self, rows: list[ModelRow], where: Path | str | None = None, empty: str = "") -> None:
+        """The catalog's rows; `where` the folders looked in, `empty` the quiet count of
+        directories there that hold no model (`models_note`)."""
+        self.empty_said = empty
+        if rows == self.all_rows and where == self.where and self.row_count and self.columns:
+            self._show_note()
             return
+        self.all_rows, self.where = list(rows), where
+        self._draw()
+
+    def _show_note(self) -> None:
+        """The line under the table (a sibling in the Models tab, when there is one)."""
+        if self.parent is None:
+            return
+        for note in self.parent.query("#models-note"):
+            if isinstance(note, Static):
+                note.update(models_note(str(self.where or ""), self.empty_said, self.filter_said))
+
+    def set_filter(self, text: str) -> None:
+        """Keep the rows holding every word of `text` (`/`); "" shows them all."""
+        if text != self.filter_text:
+            self.filter_text = text
+            self._draw()
+
+    @property
+    def filter_said(self) -> str:
+        if not self.filter_text.strip():
+            return ""
+        return filter_note(self.filter_text, len(self.rows_shown), len(self.all_rows))
+
+    def take_keys(self) -> None:
+        self.focus()
+
+    def _draw(self) -> None:
         selected = self.selected_row
-        self.rows_shown = list(rows)
+        rows = [r for r in self.all_rows if matches(self.filter_text, r.words)]
+        self.rows_shown = rows
+        self._show_note()
         # Rebuild the columns too: widths stick to the widest cell ever shown.
         self.clear(columns=True)
         self._add_columns()
         if not rows:
-            said = f" in {where}" if where else ""
-            self.add_row(Text(f"no models{said}", style="dim"), *[""] * 6)
+            if self.all_rows:
+                said = f"no model matches {self.filter_text.strip()!r} (esc clears the filter)"
+            else:
+                said = f"no models in {self.where}" if self.where else "no models"
+            self.add_row(Text(said, style="dim"), *[""] * 6)
             return
         for row in rows:
             if row.problem:
@@ -262,6 +334,9 @@ class ModelsPane(DataTable[Any]):
             event.stop()
             self.release_mouse()
             self._cancel_drag()
+        elif event.key == "escape" and self.filter_text:
+            event.stop()
+            self.set_filter("")
 
     def _cancel_drag(self) -> None:
         if self.drag is not None:

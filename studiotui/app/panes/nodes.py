@@ -21,6 +21,7 @@ from textual.widget import Widget
 
 from studiotui.app.drag import DropTarget, GroupChip, GroupsStrip
 from studiotui.app.guard import guard_actions
+from studiotui.app.panes.filter import filter_note, matches
 from studiotui.app.render import bar, fit, percent, sparkline, state_style, usage_style
 from studiotui.core.placement import format_bytes
 from studiotui.core.state import NodeState, ShardState
@@ -253,6 +254,20 @@ class NodeCard(Widget):
         self.post_message(NodesPane.Picked(self.node.name))
 
 
+def node_words(node: NodeState, groups: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """What the `/` filter looks in: the card's name, state, chip, address, message,
+    the placements of its shards and the groups it belongs to."""
+    return (
+        node.name,
+        node.state,
+        node.chip or "",
+        node.endpoint,
+        node.message or "",
+        *(s.placement for s in node.shards),
+        *(g for g, members in groups.items() if node.name in members),
+    )
+
+
 def _css_id(name: str) -> str:
     # Node names allow '.', which CSS ids do not.
     return name.replace(".", "_")
@@ -294,6 +309,8 @@ class NodesPane(VerticalScroll, can_focus=True):
         self.marked: set[str] = set()
         self.border_title = "Nodes"
         self.strip = GroupsStrip(id="groups-strip")
+        self.filter_text = ""  # `/`: only the nodes holding every word
+        self.groups: Mapping[str, Sequence[str]] = {}
 
     def compose(self) -> ComposeResult:
         yield self.strip
@@ -314,7 +331,34 @@ class NodesPane(VerticalScroll, can_focus=True):
         if self.selected not in names:
             self._select(nodes[0].name if nodes else None)
         self._order()
+        if self.filter_text:
+            self._apply_filter()
         self.border_subtitle = cluster_power_title(nodes)
+
+    # ---- the `/` filter -------------------------------------------------------------
+
+    def set_filter(self, text: str) -> None:
+        """Show the cards holding every word of `text`; "" shows them all. Marks stay
+        on hidden cards: p still places on every marked node."""
+        self.filter_text = text
+        self._apply_filter()
+
+    def take_keys(self) -> None:
+        self.focus()
+
+    def _apply_filter(self) -> None:
+        for card in self.cards.values():
+            card.display = matches(self.filter_text, node_words(card.node, self.groups))
+        shown = self.visible_order
+        if shown and self.selected not in shown:
+            self._select(shown[0])
+        self._title()
+
+    def _title(self) -> None:
+        title = f"Nodes · sorted by {self.sort_by}"
+        if self.filter_text.strip():
+            title += " · " + filter_note(self.filter_text, len(self.visible_order), len(self.cards))
+        self.border_title = title
 
     def _order(self) -> None:
         wanted = sorted((c.node for c in self.cards.values()), key=sort_key(self.sort_by))
@@ -329,15 +373,20 @@ class NodesPane(VerticalScroll, can_focus=True):
     def order(self) -> list[str]:
         return [c.node.name for c in self.children if isinstance(c, NodeCard)]
 
+    @property
+    def visible_order(self) -> list[str]:
+        """The cards the filter leaves, in order: where ↑↓ go."""
+        return [c.node.name for c in self.children if isinstance(c, NodeCard) and c.display]
+
     def watch_sort_by(self, key: str) -> None:
-        self.border_title = f"Nodes · sorted by {key}"
+        self._title()
         self._order()
 
     def action_cycle_sort(self) -> None:
         self.sort_by = SORT_KEYS[(SORT_KEYS.index(self.sort_by) + 1) % len(SORT_KEYS)]
 
     def action_move(self, step: int) -> None:
-        order = self.order
+        order = self.visible_order
         if not order:
             return
         index = order.index(self.selected) if self.selected in order else 0
@@ -346,6 +395,7 @@ class NodesPane(VerticalScroll, can_focus=True):
     # ---- marks: the nodes `p` places on ---------------------------------------------
 
     def set_groups(self, groups: Mapping[str, Sequence[str]]) -> None:
+        self.groups = groups
         self.strip.set_groups(groups)
 
     def action_toggle_mark(self) -> None:
@@ -353,6 +403,10 @@ class NodesPane(VerticalScroll, can_focus=True):
             self.set_marked(self.marked ^ {self.selected})
 
     def action_clear_marks(self) -> None:
+        # Escape: a filter goes first (as in the other tables), then the marks.
+        if self.filter_text:
+            self.set_filter("")
+            return
         self.set_marked(set())
 
     def set_marked(self, names: set[str] | Sequence[str]) -> None:

@@ -18,8 +18,10 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
+from textual.events import Key
 from textual.widgets import DataTable, Static
 
+from studiotui.app.panes.filter import filter_note, matches
 from studiotui.app.render import (
     Drawing,
     bar,
@@ -175,6 +177,8 @@ class PlacementsPane(Vertical):
         self._last: tuple[tuple[PlacementState, ...], str, dict[str, str]] | None = None
         self.clock: Callable[[], float] = time.monotonic
         self._widths: tuple[int, ...] = ()  # each column's widest cell, last drawn
+        self.filter_text = ""  # `/`: only the placements holding every word
+        self._every: tuple[PlacementState, ...] = ()  # before the filter
 
     def compose(self) -> ComposeResult:
         yield Static(id="place-progress")
@@ -186,6 +190,7 @@ class PlacementsPane(Vertical):
             ),
             id="placements-empty",
         )
+        yield Static(id="placements-filter")
         table: DataTable[Any] = DataTable(cursor_type="row", id="placements-table")
         yield table
         # Drawn at the width it really has (the pane's width is not known yet at the
@@ -195,7 +200,35 @@ class PlacementsPane(Vertical):
     def on_mount(self) -> None:
         self._add_columns(self.query_one(DataTable))
         self.query_one("#place-progress").display = False
+        self.query_one("#placements-filter").display = False
         self.query_one("#placement-ring").styles.max_height = RING_LINES
+
+    def set_filter(self, text: str) -> None:
+        """Keep the placements holding every word of `text` (`/`); "" shows them all."""
+        if text != self.filter_text:
+            self.filter_text = text
+            if self._last is not None:
+                self._signature = None
+                self.show(*self._last)
+
+    def take_keys(self) -> None:
+        # The keys go to the table: the pane itself holds none.
+        self.query_one(DataTable).focus()
+
+    def on_key(self, event: Key) -> None:
+        if event.key == "escape" and self.filter_text:
+            event.stop()
+            self.set_filter("")
+
+    def _kept(self, placements: tuple[PlacementState, ...]) -> tuple[PlacementState, ...]:
+        return tuple(
+            p
+            for p in placements
+            if matches(
+                self.filter_text,
+                (p.name, state_label(p), p.label, group_label(p, self.groups), ring_text(p)),
+            )
+        )
 
     @staticmethod
     def _add_columns(table: DataTable[Any]) -> None:
@@ -210,10 +243,12 @@ class PlacementsPane(Vertical):
         rates = {p.name: self.rates.update(p.name, placement_tokens(p), now) for p in placements}
         self.rates.forget(set(rates))
         shown_rates = tuple(round(r, 1) for r in rates.values())
-        signature = (placements_signature(placements), theme, shown_rates)
+        signature = (placements_signature(placements), theme, shown_rates, self.filter_text)
         if signature == self._signature:
             return
         self._signature = signature
+        self._every = placements
+        placements = self._kept(placements)
         self.shown = placements
         table = self.query_one(DataTable)
         keep = self._wanted if self._wanted in {p.name for p in placements} else self.selected
@@ -222,6 +257,7 @@ class PlacementsPane(Vertical):
         # An empty table says nothing; a sentence says what to do.
         table.display = bool(placements)
         self.query_one("#placements-empty").display = not placements
+        self._show_filter()
         cells = [
             (
                 Text(p.name, style="bold"),
@@ -260,6 +296,18 @@ class PlacementsPane(Vertical):
         if keep in names:
             table.move_cursor(row=names.index(keep), animate=False)
         self._show_ring()
+
+    def _show_filter(self) -> None:
+        line = self.query_one("#placements-filter", Static)
+        on = bool(self.filter_text.strip())
+        line.display = on
+        if on:
+            said = filter_note(self.filter_text, len(self.shown), len(self._every))
+            if self._every and not self.shown:
+                said = f"no placement matches {self.filter_text.strip()!r} · {said}"
+            line.update(Content.styled(said, "$accent"))
+            # The table's sentence for "no placements" would say to place one.
+            self.query_one("#placements-empty").display = not self._every
 
     def _fitted(self, cells: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """The rows with their long names cut so tokens and the ring keep their room."""

@@ -1,4 +1,4 @@
-"""Memory a node has promised to a placement still loading (controller.committed_bytes),
+"""Memory a node has promised to a placement still loading (controller.node_promised_bytes),
 from the report its agent sends: the KV reserve, the weights not read yet and the
 plan's share of the adapter, which is applied only once the weights are in. The report
 is the agent's own (`ShardProc.describe`) sent over the wire codec and read back as the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from studiotui.cluster.controller import committed_bytes, pledged_bytes, promises_note
+from studiotui.core.memory import node_promised_bytes, promises_note, unreported_promised_bytes
 from studiotui.core.state import NodeState, shard_from_report
 from worker.agent import ShardProc
 from worker.shared.protocol import control
@@ -42,12 +42,12 @@ def test_a_loading_shard_commits_its_adapter_share_until_it_is_ready() -> None:
     node = _node(loading)
     assert node.shards[0].adapter_bytes == 3 * MB
     # KV + the 6 MB of weights still to read + the whole adapter (not applied yet).
-    assert committed_bytes(node) == 2 * MB + 6 * MB + 3 * MB
+    assert node_promised_bytes(node) == 2 * MB + 6 * MB + 3 * MB
     # Prepared (ports taken, nothing read yet): the same promise.
-    assert committed_bytes(_node(_shard("prepared", (0, 0), adapter_bytes=3 * MB))) == 3 * MB
+    assert node_promised_bytes(_node(_shard("prepared", (0, 0), adapter_bytes=3 * MB))) == 3 * MB
     # Ready: weights and adapter are in the memory the node reports used; the KV may grow.
     ready = _shard("ready", (10 * MB, 10 * MB), kv_bytes=2 * MB, adapter_bytes=3 * MB)
-    assert committed_bytes(_node(ready)) == 2 * MB
+    assert node_promised_bytes(_node(ready)) == 2 * MB
 
 
 def test_a_report_without_adapter_bytes_reads_as_none() -> None:
@@ -57,7 +57,7 @@ def test_a_report_without_adapter_bytes_reads_as_none() -> None:
     described.pop("adapter_bytes")
     report = control.parse(described, control.ShardReport)
     assert report.adapter_bytes == 0
-    assert committed_bytes(_node(older)) == 2 * MB + 6 * MB
+    assert node_promised_bytes(_node(older)) == 2 * MB + 6 * MB
 
 
 def _prepared(placement: str, weights: int, kv: int, adapter: int = 0) -> ShardProc:
@@ -72,16 +72,16 @@ def test_a_prepared_shard_promises_its_whole_budget_through_the_copy() -> None:
     assert copying.state == "prepared"
     node = _node(copying)
     assert node.shards[0].weight_bytes == 700 * MB
-    assert committed_bytes(node) == 700 * MB + 200 * MB + 30 * MB
+    assert node_promised_bytes(node) == 700 * MB + 200 * MB + 30 * MB
     # Loading, before the runner's first progress: still the plan's weights.
     copying.state = "loading"
-    assert committed_bytes(_node(copying)) == 700 * MB + 200 * MB + 30 * MB
+    assert node_promised_bytes(_node(copying)) == 700 * MB + 200 * MB + 30 * MB
     # Its first progress: the file's own size stands, less what is read.
     copying.progress = (500 * MB, 720 * MB)
-    assert committed_bytes(_node(copying)) == 220 * MB + 200 * MB + 30 * MB
+    assert node_promised_bytes(_node(copying)) == 220 * MB + 200 * MB + 30 * MB
     # Loaded: the node's memory report has weights and adapter; only the KV may grow.
     copying.state, copying.progress = "ready", (720 * MB, 720 * MB)
-    assert committed_bytes(_node(copying)) == 200 * MB
+    assert node_promised_bytes(_node(copying)) == 200 * MB
 
 
 def test_the_note_names_each_placement_not_loaded_yet_and_its_promise_per_node() -> None:
@@ -106,32 +106,32 @@ def test_the_note_names_each_placement_not_loaded_yet_and_its_promise_per_node()
 def test_a_prepare_from_an_older_controller_promises_nothing_it_did_not_say() -> None:
     req = control.parse({"placement": "p"}, control.PrepareShard)
     assert (req.weight_bytes, req.kv_bytes, req.adapter_bytes) == (0, 0, 0)
-    assert committed_bytes(_node(_prepared("p", 0, 0))) == 0
+    assert node_promised_bytes(_node(_prepared("p", 0, 0))) == 0
 
 
-def test_a_pledge_counts_until_its_node_reports_the_placement_and_never_twice() -> None:
-    pledges = {"new": {"studio-1": 40 * MB, "studio-2": 60 * MB}}
+def test_an_unreported_promise_counts_until_its_node_reports_it_and_never_twice() -> None:
+    promises = {"new": {"studio-1": 40 * MB, "studio-2": 60 * MB}}
     empty = _node(name="studio-1")
-    assert pledged_bytes(pledges, empty) == 40 * MB
-    assert pledged_bytes(pledges, _node(name="studio-3")) == 0
+    assert unreported_promised_bytes(promises, empty) == 40 * MB
+    assert unreported_promised_bytes(promises, _node(name="studio-3")) == 0
     # Once the node reports the prepared shard, its report holds the promise.
     reported = _node(_prepared("new", 30 * MB, 10 * MB), name="studio-1")
-    assert pledged_bytes(pledges, reported) == 0
-    assert committed_bytes(reported) == 40 * MB
-    note = promises_note([empty, _node(name="studio-2")], pledges)
+    assert unreported_promised_bytes(promises, reported) == 0
+    assert node_promised_bytes(reported) == 40 * MB
+    note = promises_note([empty, _node(name="studio-2")], promises)
     assert "placement 'new' (being prepared) is promised 40 MB on studio-1, 60 MB on studio-2" in (
         note
     )
-    assert promises_note([reported], pledges).count("'new'") == 1
+    assert promises_note([reported], promises).count("'new'") == 1
 
 
-def test_the_prompt_cache_budget_is_committed() -> None:
+def test_the_prompt_cache_budget_is_promised() -> None:
     # Prepared (the agent's promise from prepare_shard), and loaded: the prompt cache's
     # budget is promised like the KV it may grow to, and says so in the note.
     prepared = ShardProc("big", 1, 2, spec={"weight_bytes": 7 * MB, "prompt_cache_bytes": 5 * MB})
     node = _node(prepared)
     assert node.shards[0].prompt_cache_bytes == 5 * MB
-    assert committed_bytes(node) == 7 * MB + 5 * MB
+    assert node_promised_bytes(node) == 7 * MB + 5 * MB
     assert "placement 'big' (copying its files) is promised 12 MB" in promises_note([node])
     ready = _shard("ready", (10 * MB, 10 * MB), kv_bytes=2 * MB, prompt_cache_bytes=4 * MB)
-    assert committed_bytes(_node(ready)) == 2 * MB + 4 * MB
+    assert node_promised_bytes(_node(ready)) == 2 * MB + 4 * MB
