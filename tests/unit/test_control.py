@@ -4,19 +4,15 @@ MessageError that names the message and the field, never another exception."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from studiotui.core.state import shard_from_report
+from tests.support.wire import LOAD_SHARD, arrived
 from worker.agent import ShardProc
-from worker.shared.protocol import PROTOCOL_VERSION, control, events
+from worker.shared.protocol import control, events
 from worker.shared.protocol.messages import MessageError
 
-
-def _wire(kind: str, **fields: object) -> control.AnyMessage:
-    """A message as it arrives: sent as a plain map (what any sender may send), read
-    by the one decoder every receiver uses."""
-    return control.decode(msgspec.msgpack.encode({"v": PROTOCOL_VERSION, "type": kind, **fields}))
+_wire = arrived
 
 
 def _shard() -> ShardProc:
@@ -127,18 +123,7 @@ def test_a_malformed_message_is_a_message_error_naming_it(
 
 
 def test_load_shard_defaults_and_types() -> None:
-    fields = {
-        "placement": "p",
-        "model_dir": "/m",
-        "start": 0,
-        "end": 2,
-        "index": 0,
-        "count": 1,
-        "data_port": 1,
-        "client_port": 2,
-        "next_endpoint": "tcp://a:1",
-        "next_key": "k",
-    }
+    fields = LOAD_SHARD
     req = _wire("load_shard", **fields)
     assert isinstance(req, control.LoadShard)
     assert (req.prefill_chunk, req.context_tokens, req.kv_bytes) == (512, 4096, 0)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import msgspec
 import pytest
 
+from tests.support.wire import LOAD_SHARD, arrived
 from worker.agent import tensor_member
 from worker.shared.protocol import control
-from worker.shared.protocol.messages import PROTOCOL_VERSION, MessageError
+from worker.shared.protocol.messages import MessageError
 from worker.tensor import (
     CANCEL,
     GENERATE,
@@ -150,20 +150,7 @@ def _load_msg(rank: int, backend: str, **extra: object) -> dict[str, object]:
 
 def _member(msg: dict[str, object]) -> control.TensorMember:
     """A load_shard carrying these group fields, as the agent decodes it off the wire."""
-    load = {
-        "placement": "p",
-        "model_dir": "/m",
-        "start": 0,
-        "end": 2,
-        "index": 0,
-        "count": 1,
-        "data_port": 1,
-        "client_port": 2,
-        "next_endpoint": "tcp://a:1",
-        "next_key": "k",
-    }
-    whole = {"v": PROTOCOL_VERSION, "type": "load_shard", **load, **msg}
-    decoded = control.decode(msgspec.msgpack.encode(whole))
+    decoded = arrived("load_shard", **LOAD_SHARD, **msg)
     assert isinstance(decoded, control.LoadShard)
     return decoded
 

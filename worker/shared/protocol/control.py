@@ -579,7 +579,7 @@ class DirStatus(Wire, frozen=True, kw_only=True):
 
 
 class FilesFound(Message, frozen=True, kw_only=True, tag="files_found"):
-    """The `ok` answer to files_status: each folder asked, in order."""
+    """The answer to files_status: each folder asked, in order."""
 
     dirs: list[DirStatus]
 
@@ -591,14 +591,14 @@ class FileProgress(Message, frozen=True, kw_only=True, tag="file_progress"):
 
 
 class Granted(Message, frozen=True, kw_only=True, tag="granted"):
-    """The `ok` answer to serve_files: where and with which token to fetch."""
+    """The answer to serve_files: where and with which token to fetch."""
 
     port: int
     token: str
 
 
 class Fetched(Message, frozen=True, kw_only=True, tag="fetched"):
-    """The `ok` answer to fetch_files."""
+    """The answer to fetch_files."""
 
     path: str
     received: int
@@ -606,7 +606,7 @@ class Fetched(Message, frozen=True, kw_only=True, tag="fetched"):
 
 
 class Downloaded(Message, frozen=True, kw_only=True, tag="downloaded"):
-    """The `ok` answer to hub_download."""
+    """The answer to hub_download."""
 
     path: str
     downloaded: int = 0
@@ -700,7 +700,7 @@ class MemoryFigures(Wire, frozen=True, kw_only=True):
 
 
 class DeviceFigures(Wire, frozen=True, kw_only=True):
-    """What worker.device_bench measured (the `ok` answer to device_bench)."""
+    """What worker.device_bench measured (in bench_done, the answer to device_bench)."""
 
     device: str = ""  # which of the node's processors: "gpu" on a Mac, "cpu" here
     matmul: dict[str, MatmulFigures] = {}  # by dtype
@@ -715,7 +715,7 @@ class DeviceBenchDone(Message, frozen=True, kw_only=True, tag="bench_done"):
 
 
 class BenchStopped(Message, frozen=True, kw_only=True, tag="bench_stopped"):
-    """The `ok` answer to stop_bench: how many measuring processes it ended."""
+    """The answer to stop_bench: how many measuring processes it ended."""
 
     stopped: int = 0
 
