@@ -22,7 +22,7 @@ from textual.containers import Horizontal
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
-from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
+from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, TextArea
 
 from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen, QuitScreen
 from studiotui.app.guard import guard_actions
@@ -179,12 +179,16 @@ class StudioApp(Dashboard):
         Binding("5", "focus_nodes", "Nodes", show=False, id="focus-nodes"),
         # From any pane: the Nodes pane's own space binding, for the selected node.
         Binding("space", "mark_node", "Mark node", show=False, id="mark-node-anywhere"),
+        # Priority: run at once, before the keys typed right behind it are handed to
+        # the pane that has the keys ("/l" opened a node's log); a box being typed in
+        # keeps its "/" (check_action).
         Binding(
             "slash",
             "filter",
             "Filter the table with the keys (Nodes, Models, Placements); esc clears",
             key_display="/",
             show=False,
+            priority=True,
             id="filter",
         ),
     ]
@@ -555,6 +559,8 @@ class StudioApp(Dashboard):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Dashboard keys act on the dashboard only: over the chat (and dialogs) they
         neither fire nor crowd the footer, so each screen's footer shows its own keys."""
+        if action == "filter" and isinstance(self.focused, (Input, TextArea)):
+            return False
         return not (action in DASHBOARD_ACTIONS and len(self.screen_stack) > 1)
 
     # ---- quitting -------------------------------------------------------------------------
@@ -1039,7 +1045,9 @@ class StudioApp(Dashboard):
             self.report("delete: select a model in the Models pane (4) first", "warning")
             return
         path = Path(row.path)
-        refusal = delete_refusal(path, self.cluster.placements, settings(self.home).folders)
+        refusal = delete_refusal(
+            path, self.cluster.placements, settings(self.home).folders, row.name
+        )
         if refusal is not None:
             self.report(f"{row.name} is not deleted: {refusal}", "warning")
             return
@@ -1065,7 +1073,7 @@ class StudioApp(Dashboard):
         placements = (
             self.controller.state.placements if self.controller else self.cluster.placements
         )
-        refusal = delete_refusal(path, placements, settings(self.home).folders)
+        refusal = delete_refusal(path, placements, settings(self.home).folders, row.name)
         if refusal is not None:
             self.report(f"{row.name} is not deleted: {refusal}", "warning")
             return

@@ -43,7 +43,7 @@ from rich.table import Table
 
 from studiotui.api.server import start_server
 from studiotui.app.app import StudioApp
-from studiotui.bench import batching, soak, speculative
+from studiotui.bench import batching, soak, speculative, ttft
 from studiotui.bench.api_bench import bench_api
 from studiotui.bench.finetune import finetune_figures
 from studiotui.bench.floor import PipeFloor
@@ -75,6 +75,9 @@ BENCH_PORT = 56500
 BARE_ADDRESS = f"127.0.0.{BENCH_OCTET + 4}"
 # The MoE row's floor (two shard processes over bare hops) listens there too.
 FLOOR_PORT = BENCH_PORT + 960
+# The MoE time-to-first-token row's model: half the bench's layers, since its bfloat16
+# 4-bit experts prefill slowly on MLX's CPU backend (seconds a run, both sides alike).
+MOE_TTFT_LAYERS = 4
 
 
 class BenchError(StudioError, RuntimeError):
@@ -106,9 +109,9 @@ class BenchConfig:
     layers: int
     hidden: int
     tokens: int
-    ttft_prompt: int = 512
     prefill_chunk: int = 128
-    ttft_runs: int = 3
+    # Pairs of each time-to-first-token row (`bench.ttft`): a run is seconds of prefill.
+    ttft_rounds: int = 2
     # A shared 2-vCPU machine slows whole seconds down now and then by 10-20%, so each
     # pipeline decode run is paired with a single-process run right next to it and a
     # ratio is the median of the pairs' own ratios, as the API figure does.
@@ -125,7 +128,7 @@ class BenchConfig:
                 layers=8,
                 hidden=256,
                 tokens=48,
-                ttft_runs=1,
+                ttft_rounds=1,
                 decode_rounds=2,
                 api_clients=4,
                 lone=False,
@@ -150,18 +153,6 @@ class SingleProcess:
             tokens.append(int(tok))
             stamps.append(time.perf_counter())
         return {"tokens": tokens, "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0])}
-
-    def ttft_ms(self, prompt_len: int, runs: int) -> float:
-
-        ttfts = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            for _tok, _ in generate_step(
-                mx.array(prompt_tokens(prompt_len)), self.model, max_tokens=1
-            ):
-                pass
-            ttfts.append((time.perf_counter() - start) * 1000)
-        return min(ttfts)
 
 
 # ---- the pipeline -------------------------------------------------------------------
@@ -235,12 +226,6 @@ async def pipeline_figures(
             head = ctl.head_peer(ctl.pick_placement(name))
             out[f"{name}_ring"] = ring_figures((await head.ask("stats", control.StatsReply)).stats)
             if n == 2:
-                with phase("ttft_pipe2"):
-                    ttfts = [
-                        await stream(ctl, name, prompt_tokens(cfg.ttft_prompt), 1)
-                        for _ in range(cfg.ttft_runs)
-                    ]
-                out["ttft_pipe2_ms"] = min(t["ttft_ms"] for t in ttfts)
                 out["streams"] = {}
                 for k in (1, 2, 4):
                     with phase("streams"):
@@ -251,7 +236,7 @@ async def pipeline_figures(
                     out["streams"][str(k)] = sum(len(r["tokens"]) for r in runs) / wall
                     out[f"streams{k}_tokens"] = [r["tokens"] for r in runs]
 
-                quick = cfg.ttft_runs == 1
+                quick = cfg.tokens < 100
                 with phase("api"):
                     out["api"] = await bench_api(
                         ctl,
@@ -452,6 +437,8 @@ def measure(quick: bool) -> dict[str, Any]:
                 )
             with phase("prompt_cache"):
                 cached = asyncio.run(_cache_phase(home, inv, model_dir, cfg))
+            with phase("ttft"):
+                firsts = asyncio.run(_ttft_phase(home, inv, model_dir, cfg))
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
@@ -479,7 +466,8 @@ def measure(quick: bool) -> dict[str, Any]:
             mlx_tp = mlx_tp2_tps(model_dir, BENCH_PORT, cfg.tokens)
             launched = None if quick else mlx_tp2_launch_tps(model_dir, BENCH_PORT, cfg.tokens)
     pipe["moe2"] = moe
-    figures = summarize(pipe.pop("ttft_single_ms"), pipe, ring, cfg)
+    figures = summarize(pipe, ring, cfg)
+    figures.update(firsts)
     figures.update(batch)
     figures.update(kv)
     figures.update(spec)
@@ -489,6 +477,7 @@ def measure(quick: bool) -> dict[str, Any]:
         and batch["batch8_tokens_match"]
         and spec["spec_tokens_match"]
         and cached["cache_tokens_match"]
+        and firsts["ttft_tokens_match"]
     )
     return {**figures, **summarize_tensor(tp, mlx_tp, launched)}
 
@@ -508,6 +497,43 @@ async def _cache_phase(
         await ctl.close()
 
 
+async def _ttft_phase(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig
+) -> dict[str, Any]:
+    """The time-to-first-token rows (`bench.ttft`): the dense model on a prompt of
+    several prefill chunks, and a 4-bit MoE as a new user writes it on ~600 tokens."""
+    moe_dir = write_demo_model(
+        home / "models" / "bench-moe-ttft", ttft.moe_ttft_spec(MOE_TTFT_LAYERS, cfg.hidden)
+    )
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        nodes = list(inv.names)[:2]
+        dense = await ttft.ttft_figures(
+            ctl, "ttft2", model_dir, nodes, ttft.CHUNKED_PROMPT, cfg.ttft_rounds
+        )
+        moe = await ttft.ttft_figures(
+            ctl, "moe-ttft2", moe_dir, nodes, ttft.MOE_PROMPT, cfg.ttft_rounds
+        )
+    finally:
+        await ctl.close()
+    return {
+        "ttft_prompt_tokens": dense["prompt"],
+        "ttft_single_ms": dense["mlx_ms"],
+        "ttft_pipe2_ms": dense["pipe_ms"],
+        "ttft_pipe2_ratio": dense["ratio"],
+        "ttft_pipe2_pairs": dense["pairs"],
+        "moe_ttft_model": f"qwen3_moe demo, {MOE_TTFT_LAYERS} layers, hidden {cfg.hidden}, "
+        "8 experts, 4-bit, bfloat16",
+        "moe_ttft_prompt_tokens": moe["prompt"],
+        "moe_ttft_single_ms": moe["mlx_ms"],
+        "moe_ttft_pipe2_ms": moe["pipe_ms"],
+        "moe_ttft_ratio": moe["ratio"],
+        "moe_ttft_pairs": moe["pairs"],
+        "ttft_tokens_match": dense["tokens_match"] and moe["tokens_match"],
+    }
+
+
 async def _agents_up(home: Path, inv: Inventory) -> None:
     """Until every bench agent answers; a RuntimeError naming those that did not start."""
     ctl = Controller(home, inv)
@@ -523,10 +549,7 @@ async def _with_cluster(
     home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig, single: SingleProcess
 ) -> dict[str, Any]:
     await _agents_up(home, inv)
-    with phase("single"):
-        ttft_single = single.ttft_ms(cfg.ttft_prompt, cfg.ttft_runs)
     figures = await pipeline_figures(home, inv, model_dir, cfg, single)
-    figures["ttft_single_ms"] = ttft_single
     with phase("tui"):
         figures["tui_idle_cpu_pct"] = await tui_idle_cpu(
             home, inv, 3.0 if cfg.tokens < 100 else 10.0
@@ -549,9 +572,7 @@ async def tui_idle_cpu(home: Path, inv: Inventory, seconds: float) -> float:
         return 100.0 * (time.process_time() - cpu) / (time.monotonic() - wall)
 
 
-def summarize(
-    ttft_single_ms: float, pipe: dict[str, Any], ring: float | None, cfg: BenchConfig
-) -> dict[str, Any]:
+def summarize(pipe: dict[str, Any], ring: float | None, cfg: BenchConfig) -> dict[str, Any]:
     singles = [r for n in (1, 2, 4) for r in pipe.get(f"pipe{n}", {}).get("single", [])]
     s = statistics.median(r["tps"] for r in singles)
     expected = singles[0]["tokens"]
@@ -594,8 +615,6 @@ def summarize(
         "hop_over_bare": round(ring_us["hop_us_p50"] / bare, 2) if bare else None,
         # Each pipe2 run's hop over the floor measured right after it, so the spread shows.
         "hop_over_bare_pairs": [round(r, 2) for r in pairs],
-        "ttft_single_ms": round(ttft_single_ms, 1),
-        "ttft_pipe2_ms": round(pipe["ttft_pipe2_ms"], 1),
         "moe_model": f"qwen3_moe demo, {cfg.layers} layers, hidden {cfg.hidden}, 8 experts, 4-bit"
         if moe
         else None,

@@ -144,9 +144,7 @@ def empty_note(empty: Iterable[Path]) -> str:
         return ""
     shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
     said = "holds" if len(names) == 1 else "hold"
-    return (
-        f"{len(names)} folder{'s' if len(names) != 1 else ''} beside them {said} no model ({shown})"
-    )
+    return f"{len(names)} folder{'s' if len(names) != 1 else ''} there {said} no model ({shown})"
 
 
 def outside_note(model_dir: Path, folders: Sequence[Path]) -> str | None:
@@ -166,11 +164,15 @@ def outside_note(model_dir: Path, folders: Sequence[Path]) -> str | None:
 
 
 def delete_refusal(
-    model_dir: Path, placements: Iterable[PlacementState], folders: Sequence[Path]
+    model_dir: Path,
+    placements: Iterable[PlacementState],
+    folders: Sequence[Path],
+    name: str = "",
 ) -> str | None:
     """Why the model at `model_dir` must not be deleted, None when it may: a
     placement uses it, or it is not a model inside a model folder (a folder named
-    directly in models_dirs is the operator's, not a model the pane holds)."""
+    directly in models_dirs is the operator's, not a model the pane holds). `name`
+    is the model as the pane lists it (a hub snapshot's folder is its commit)."""
     target = os.path.normpath(model_dir)
     for p in placements:
         dirs = {p.model_dir, *(s.model_dir for s in p.shards)} - {""}
@@ -178,7 +180,7 @@ def delete_refusal(
             not dirs and p.model == model_dir.name
         ):
             return (
-                f"placement {p.name!r} uses {model_dir.name}: unload it first "
+                f"placement {p.name!r} uses {name or model_dir.name}: unload it first "
                 "(u on the Placements pane), then delete the model"
             )
     if any(os.path.normpath(f) == target for f in folders):

@@ -92,7 +92,7 @@ def test_the_file_is_written_and_scanned(tmp_path: Path) -> None:
         ("", 0, 0, False),
         (str(extra.resolve()), 1, 2, True),
     ]
-    assert empty_note(catalog.empty) == "2 folders beside them hold no model (datasets, notes)"
+    assert empty_note(catalog.empty) == "2 folders there hold no model (datasets, notes)"
     remove_folder(home, extra)
     assert model_folders(home) == (home / "models",)
     assert (extra / "tiny" / "config.json").is_file()  # removing a folder deletes nothing
@@ -109,6 +109,9 @@ def test_a_model_a_placement_uses_is_not_deleted(tmp_path: Path) -> None:
     said = delete_refusal(model, used, [tmp_path / "models"])
     assert said is not None and "placement 'chat' uses tiny: unload it first" in said
     assert delete_refusal(model, [_placement("other", "/m/else")], [tmp_path / "models"]) is None
+    # A hub snapshot's folder is its commit: the refusal names the model as listed.
+    said = delete_refusal(model, used, [], name="org/tiny")
+    assert said is not None and "uses org/tiny: unload it first" in said
     said = delete_refusal(model, [], [model])
     assert said is not None and "is a model folder itself" in said
 

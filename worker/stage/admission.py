@@ -30,6 +30,26 @@ from worker.stage.records import (
 )
 from worker.tool_calls import ToolCallStream, supports_tools
 
+# The smallest chunk `prefill_split` cuts a prompt into: below it a chunk's own costs (a
+# hop, a frame's Python, thin products) outweigh what the overlap saves.
+MIN_SPLIT_CHUNK = 64
+
+
+def prefill_split(prompt: int, chunk: int, stages: int) -> int:
+    """The size of a prompt's prefill chunks: the placement's `chunk`, or less on a ring
+    of two or more stages, so that a prompt of `prompt` tokens spans two chunks a stage.
+
+    A stage starts on a chunk once the stage before has finished it, so while a prompt
+    is a single chunk the stages take turns and its first token waits for the sum of
+    their work (a 600-token prompt at the default 512: 512 then 87, in turn); cut into
+    k equal chunks on s stages they compute side by side, and the prompt takes about
+    (1 + (s - 1) / k) / s of that sum. Never below MIN_SPLIT_CHUNK (nor above `chunk`).
+    On MLX's CPU backend a prompt's caches and logits do not depend on the chunking
+    (mlx-lm's own `prefill_step_size` gives the same bits), so neither do the tokens."""
+    if stages < 2:
+        return chunk
+    return min(chunk, max(MIN_SPLIT_CHUNK, -(-prompt // (2 * stages))))
+
 
 class Admission(StageBase):
     """(head) Requests in: checked, admitted or queued; prompts scheduled."""
@@ -187,22 +207,24 @@ class Admission(StageBase):
         self, rid: str, prompt: list[int], done: int, params: SamplingParams, first: bool = True
     ) -> None:
         """Queue the prompt one chunk at a time, like mlx-lm: all but the last token
-        in chunks, then the last token as the first decode step. `done` tokens are in
-        the caches already (0, or a reused prefix)."""
+        in chunks (`prefill_split`'s size for what the cache did not hold), then the
+        last token as the first decode step. `done` tokens are in the caches already
+        (0, or a reused prefix)."""
 
         def step() -> None:
-            if rid not in self.head_requests:
+            req = self.head_requests.get(rid)
+            if req is None:
                 return
             self._start_frame()
             remaining = len(prompt) - done - 1
             if remaining > 0:
-                n = min(self.prefill_chunk, remaining)
+                size = prefill_split(len(prompt) - req.cached - 1, self.prefill_chunk, self.hops)
+                n = min(size, remaining)
                 sent = params if first else None
                 self._head_step(rid, prompt[done : done + n], "prefill", done, sent)
                 self._schedule_prefill(rid, prompt, done + n, params, first=False)
             else:
                 try:
-                    req = self.head_requests[rid]
                     # A schema travels once: the tail keeps it from the first prefill frame,
                     # unless the cache held the whole prompt and this is the first frame.
                     last = params if first else replace(params, grammar="")

@@ -57,7 +57,10 @@ class FilterBar(Input):
         self.border_title = f"filter {what}"
         self.value = target.filter_text
         self.display = True
-        self.focus()
+        # At once, not at the next idle (`focus()`): keys typed right after `/` (a fast
+        # typist, a paste) are already queued and must reach the box, not the panes
+        # ("/l" opened a node's log).
+        self.screen.set_focus(self)
         self.cursor_position = len(self.value)
 
     def on_input_changed(self, event: Input.Changed) -> None:

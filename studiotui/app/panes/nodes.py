@@ -355,10 +355,13 @@ class NodesPane(VerticalScroll, can_focus=True):
         self._title()
 
     def _title(self) -> None:
-        title = f"Nodes · sorted by {self.sort_by}"
+        # Filtered, the filter is what the title says (the sort would push it past a
+        # narrow pane's edge).
         if self.filter_text.strip():
-            title += " · " + filter_note(self.filter_text, len(self.visible_order), len(self.cards))
-        self.border_title = title
+            note = filter_note(self.filter_text, len(self.visible_order), len(self.cards))
+            self.border_title = f"Nodes · {note}"
+        else:
+            self.border_title = f"Nodes · sorted by {self.sort_by}"
 
     def _order(self) -> None:
         wanted = sorted((c.node for c in self.cards.values()), key=sort_key(self.sort_by))
