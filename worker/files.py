@@ -40,7 +40,9 @@ from worker.shared.manifest import (
     sha256_file,
     sha256_state,
 )
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import control, curve
+from worker.shared.protocol.control import Error, Message, encode
+from worker.shared.protocol.messages import MessageError
 
 log = logging.getLogger("studiotui.files")
 CHUNK = 4 * 1024 * 1024
@@ -186,27 +188,31 @@ class FileServer:
             if len(frames) != 2:
                 continue
             ident, data = frames
+            header: Message
             try:
-                msg = messages.decode(data)
+                msg = control.decode(data)
+                if not isinstance(msg, control.ReadChunk):
+                    raise FileError(f"a file server answers read, not {msg.kind}")
                 header, chunk = await self._read(msg)
-            except (messages.MessageError, FileError, KeyError, ValueError, OSError) as exc:
-                header, chunk = {"type": "error", "message": str(exc)}, b""
-                if isinstance(exc, messages.MessageError):
-                    header["message"] = f"bad message: {exc}"
-            reply = messages.encode(header.pop("type"), **header)
-            await self.sock.send_multipart([ident, reply, chunk], copy=False)
+            except MessageError as exc:
+                header = Error(code="bad_request", message=f"bad message: {exc}")
+                chunk = b""
+            except FileError as exc:
+                header, chunk = Error(code="not_found", message=str(exc)), b""
+            except OSError as exc:
+                header, chunk = Error(code="failed", message=str(exc)), b""
+            await self.sock.send_multipart([ident, encode(header), chunk], copy=False)
 
-    async def _read(self, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        grant = self.grants.get(str(msg.get("token")))
-        name = str(msg.get("name"))
-        if grant is None or name not in grant.files:
-            raise FileError(f"{name} is not being served under this token")
-        offset, length = int(msg["offset"]), min(int(msg["length"]), CHUNK)
+    async def _read(self, msg: control.ReadChunk) -> tuple[control.Chunk, bytes]:
+        grant = self.grants.get(msg.token)
+        if grant is None or msg.name not in grant.files:
+            raise FileError(f"{msg.name} is not being served under this token")
+        offset, length = msg.offset, min(msg.length, CHUNK)
         if offset < 0 or length < 0:
             raise FileError("negative offset or length")
-        chunk = await asyncio.to_thread(_read_at, grant.directory / name, offset, length)
+        chunk = await asyncio.to_thread(_read_at, grant.directory / msg.name, offset, length)
         grant.sent += len(chunk)
-        return {"type": "chunk", "seq": msg.get("seq"), "offset": offset}, chunk
+        return control.Chunk(seq=msg.seq, offset=offset), chunk
 
 
 def _read_at(path: Path, offset: int, length: int) -> bytes:
@@ -308,11 +314,16 @@ async def _pull(
                     header_raw, chunk = await sock.recv_multipart()
             except TimeoutError:
                 raise FileError(f"the source sent nothing for {FETCH_TIMEOUT_S:g} s") from None
-            header = messages.decode(header_raw)
-            if header["type"] == "error":
-                raise FileError(f"the source refused: {header['message']}")
-            if header.get("seq") != i or int(header["offset"]) != offset:
-                raise FileError(f"{f.name}: chunk {header.get('seq')} arrived for {i}")
+            try:
+                header = control.decode(header_raw)
+            except MessageError as exc:
+                raise FileError(f"the source sent a bad message: {exc}") from None
+            if isinstance(header, control.Error):
+                raise FileError(f"the source refused: {header.message}")
+            if not isinstance(header, control.Chunk):
+                raise FileError(f"the source answered {header.kind}, not a chunk")
+            if header.seq != i or header.offset != offset:
+                raise FileError(f"{f.name}: chunk {header.seq} arrived for {i}")
             expected = min(CHUNK, f.size - offset)
             if len(chunk) != expected:
                 raise FileError(
@@ -334,6 +345,5 @@ def _write(out: Any, digest: Any, chunk: bytes) -> None:
 
 
 async def _ask(sock: zmq.asyncio.Socket, token: str, name: str, offset: int, seq: int) -> None:
-    await sock.send(
-        messages.encode("read", token=token, name=name, offset=offset, length=CHUNK, seq=seq)
-    )
+    ask = control.ReadChunk(token=token, name=name, offset=offset, length=CHUNK, seq=seq)
+    await sock.send(encode(ask))

@@ -37,6 +37,7 @@ from typing import Any
 
 from worker import group
 from worker.shared.protocol import control
+from worker.shared.protocol.messages import ErrorCode
 
 # kind -> the module run as `python -m MODULE SPEC.json`; nothing else can be started.
 # Each kind of job adds its module here (and to the node's layers in pyproject.toml).
@@ -59,7 +60,12 @@ _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class JobError(ValueError):
-    """A start or stop request that cannot be done, with what to change."""
+    """A start or stop request that cannot be done, with what to change; `code` says
+    which kind of refusal (answered as an error reply's code)."""
+
+    def __init__(self, message: str, code: ErrorCode = "bad_request") -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
 
 
 def check_name(name: str) -> str:
@@ -179,7 +185,7 @@ class Jobs:
             raise JobError(f"unknown job kind {kind!r}; this node runs {', '.join(sorted(KINDS))}")
         old = self.jobs.get(name)
         if old is not None and not old.finished:
-            raise JobError(f"job {name!r} is {old.state} here: stop it first")
+            raise JobError(f"job {name!r} is {old.state} here: stop it first", "conflict")
         rank, size, backend = req.rank, req.size, req.backend
         if not 0 <= rank < size:
             raise JobError(f"rank {rank} is not one of a group of {size} (0-{size - 1})")
@@ -206,7 +212,7 @@ class Jobs:
                 start_new_session=True,
             )
         except OSError as exc:
-            raise JobError(f"cannot start job {name!r}: {exc}") from None
+            raise JobError(f"cannot start job {name!r}: {exc}", "failed") from None
         self.jobs[name] = job
         job.state = "running"
         job.add({"event": "started", "pid": job.proc.pid, "rank": rank})
@@ -302,7 +308,7 @@ class Jobs:
         FOLLOW_BEAT_S while the rank lives, and a last ("end", status)."""
         job = self.jobs.get(name)
         if job is None:
-            raise JobError(f"no job {name!r} on this node")
+            raise JobError(f"no job {name!r} on this node", "not_found")
         seen = since
         while True:
             waiter = job.changed  # taken before reading: an event added meanwhile wakes it
@@ -322,7 +328,7 @@ class Jobs:
         """SIGTERM the rank's process group, SIGKILL it after STOP_GRACE_S: nothing is left."""
         job = self.jobs.get(name)
         if job is None:
-            raise JobError(f"no job {name!r} on this node")
+            raise JobError(f"no job {name!r} on this node", "not_found")
         proc = job.proc
         if proc is None or proc.returncode is not None:
             return job

@@ -31,7 +31,8 @@ from worker import speculation
 from worker.group import GroupError
 from worker.shard import ShardLoadError, load_shard, read_config
 from worker.shared.manifest import model_digest, unhashed_bytes
-from worker.shared.protocol import curve, events, messages
+from worker.shared.protocol import control, curve, events
+from worker.shared.protocol.control import Error, encode
 from worker.shared.protocol.frames import (
     FrameError,
     RingHeader,
@@ -39,6 +40,7 @@ from worker.shared.protocol.frames import (
     encode_ring_header,
 )
 from worker.shared.protocol.limits import DEFAULT_STREAMS, MAX_QUEUED_WORK, ring_frame_limit
+from worker.shared.protocol.messages import MessageError
 from worker.stage import Stage, hidden_size
 from worker.tensor import (
     CANCEL,
@@ -153,7 +155,7 @@ class SocketLinks:
         if kind == "failed" and self.runner.spec.group and lost_member(fields.get("message", "")):
             # The controller then asks the group's agents which member is gone.
             fields["group_lost"] = list(self.runner.spec.group)
-        self.runner.send_client(client, messages.encode(kind, **fields))
+        self.runner.send_client(client, encode(control.build(kind, **fields)))
 
 
 class Runner:
@@ -466,10 +468,12 @@ class Runner:
         if kind == RING:
             return self._ring_job(frames[1], frames[2])
         if kind == GENERATE:
-            msg = messages.decode(frames[1])
-            if msg["type"] == "cache_clear":
+            msg = control.decode(frames[1])
+            if isinstance(msg, control.CacheClear):
                 return self._clear_job(b"", msg)
-            return self._generate_job(b"", msg)
+            if isinstance(msg, control.Generate):
+                return self._generate_job(b"", msg)
+            raise MessageError(f"a mirrored {msg.kind} is not a client's request")
         return self._cancel_job(frames[1].decode())
 
     def _timed(self, job: Callable[[], None]) -> None:
@@ -579,20 +583,22 @@ class Runner:
             return lambda: None
         return self._for_request(header.rid, lambda: stage.on_frame(header, payload, arrived))
 
-    def _generate_job(self, client: bytes, msg: dict[str, Any]) -> Callable[[], None]:
+    def _generate_job(self, client: bytes, msg: control.Generate) -> Callable[[], None]:
         assert self.stage is not None
         stage = self.stage
-        return self._for_request(msg["rid"], lambda: stage.submit(client, msg), client)
+        # The Stage reads a request as a map (its fields checked there, in its words).
+        request = msgspec.structs.asdict(msg)
+        return self._for_request(msg.rid, lambda: stage.submit(client, request), client)
 
-    def _clear_job(self, client: bytes, msg: dict[str, Any]) -> Callable[[], None]:
+    def _clear_job(self, client: bytes, msg: control.CacheClear) -> Callable[[], None]:
         assert self.stage is not None
         stage = self.stage
 
         def job() -> None:
             entries, size = stage.clear_cache()
             if client:  # a follower answers no one
-                ok = messages.encode("ok", re=msg.get("id"), entries=entries, bytes=size)
-                self.send_client(client, ok)
+                done = control.CacheCleared(re=msg.id, entries=entries, bytes=size)
+                self.send_client(client, encode(done))
 
         return job
 
@@ -611,31 +617,34 @@ class Runner:
             # Requests are the controller's to make: a node's key (or a stolen one of a
             # removed node) gets nothing out of a head shard.
             self.refused += 1
-            self.send_client(client, messages.encode("error", message="only the controller"))
+            refusal = Error(code="not_authorized", message="only the controller")
+            self.send_client(client, encode(refusal))
             return
         try:
-            msg = messages.decode(frames[1].bytes)
-        except messages.MessageError as exc:
+            msg = control.decode(frames[1].bytes)
+        except MessageError as exc:
             self.stage.stats.dropped += 1
-            self.send_client(client, messages.encode("error", message=str(exc)))
+            self.send_client(client, encode(Error(re=exc.re, code="bad_request", message=str(exc))))
             return
-        kind = msg["type"]
-        if kind == "generate":
-            job = self._generate_job(client, msg)
-            self.work.append(Outside(job, [GENERATE, frames[1].bytes]))
-        elif kind == "cancel":
-            # Queued behind the request's own submit: a cancel that overtook it would
-            # find nothing to cancel and the request would run (and hold caches) on.
-            self.work.append(self._cancel_job(msg["rid"]))
-        elif kind == "stats":
-            reply = messages.encode("stats_reply", re=msg.get("id"), **self._stats())
-            self.send_client(client, reply)
-        elif kind == "cache_clear":
-            # Every rank of a tensor group clears too (mirrored as a client's item):
-            # their decisions must stay the leader's.
-            self.work.append(Outside(self._clear_job(client, msg), [GENERATE, frames[1].bytes]))
-        else:
-            self.send_client(client, messages.encode("error", message=f"{kind} is not for a shard"))
+        match msg:
+            case control.Generate():
+                job = self._generate_job(client, msg)
+                self.work.append(Outside(job, [GENERATE, frames[1].bytes]))
+            case control.Cancel():
+                # Queued behind the request's own submit: a cancel that overtook it would
+                # find nothing to cancel and the request would run (and hold caches) on.
+                self.work.append(self._cancel_job(msg.rid))
+            case control.StatsAsk():
+                stats = control.ShardStats(**self._stats())
+                self.send_client(client, encode(control.StatsReply(re=msg.id, stats=stats)))
+            case control.CacheClear():
+                # Every rank of a tensor group clears too (mirrored as a client's item):
+                # their decisions must stay the leader's.
+                job = self._clear_job(client, msg)
+                self.work.append(Outside(job, [GENERATE, frames[1].bytes]))
+            case _:
+                unknown = f"{msg.kind} is not for a shard"
+                self.send_client(client, encode(Error(code="unknown_request", message=unknown)))
 
     def _stats(self) -> dict[str, Any]:
         """The fields of control.ShardStats (the stats event is built from them)."""
@@ -749,10 +758,15 @@ def fatal_message(exc: BaseException, *, loading: bool) -> str:
     """The runner's last word; running out of memory is named as such. A failure while
     reading weights arrives wrapped in ShardLoadError, the MemoryError as its context."""
     text = str(exc) or type(exc).__name__
-    oom = isinstance(exc, MemoryError) or isinstance(exc.__context__, MemoryError)
-    if oom or any(word in text.lower() for word in _OOM_WORDS):
+    if out_of_memory(exc):
         return f"out of memory {'while loading' if loading else 'while serving'}: {text}"
     return text
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    text = (str(exc) or type(exc).__name__).lower()
+    oom = isinstance(exc, MemoryError) or isinstance(exc.__context__, MemoryError)
+    return oom or any(word in text for word in _OOM_WORDS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -782,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runner.serve()
     except (ShardLoadError, GroupError, MirrorError, zmq.ZMQError, OSError, MemoryError) as exc:
-        emit(events.Fatal(message=fatal_message(exc, loading=runner.stage is None)))
+        message = fatal_message(exc, loading=runner.stage is None)
+        emit(events.Fatal(message=message, out_of_memory=out_of_memory(exc)))
         return 1
     finally:
         runner.close()

@@ -85,9 +85,9 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code)
 
 
-# How deep a body may nest: msgpack, which carries the request to the head shard, stops
-# at 511 levels and Python's JSON parser at about 1000 (a RecursionError); no OpenAI body
-# or tool schema comes near this.
+# How deep a body may nest: Python's JSON parser stops at about 1000 levels (a
+# RecursionError), and the msgpack the request travels in to the head shard has its
+# own limit; no OpenAI body or tool schema comes near this.
 MAX_DEPTH = 64
 # The integers msgpack can carry; JSON has no bound of its own.
 MIN_INT, MAX_INT = -(2**63), 2**64 - 1

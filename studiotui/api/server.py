@@ -42,7 +42,8 @@ from studiotui.api.request import (
 )
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
-from worker.shared.protocol.limits import BUSY, SAMPLING_LIMITS
+from worker.shared.protocol.limits import SAMPLING_LIMITS
+from worker.shared.protocol.messages import ErrorCode
 
 __all__ = ["ApiServer", "build_app", "serve", "start_server"]
 
@@ -60,28 +61,15 @@ BODY_TIMEOUT_S = 30.0
 WRITE_STALL_S = 60.0
 # How long a request that found its model not ready waits for the nodes' word of now.
 REFRESH_S = 1.0
-# The head shard's own refusals (worker/stage.py, worker/sampling.py) arrive as text
-# before "accepted"; they are the client's fault, everything else is the cluster's.
-REFUSALS = (
-    "cannot apply the chat template",
-    "bad sampling parameter",
-    "the prompt is empty",
-    "the prompt has",
-    "prompt tokens must",
-    "logprobs must",
-    "tools are not supported",
-    "tools must",
-    "stop strings",
-    "logit_bias",
-    # The model's tokenizer cannot be given to the grammar library (worker/sampling.py).
-    "response_format",
-    # Speculative decoding (worker/stage.py `_speculation`).
-    "draft",
-    "prediction",
-    # The ranges both sides check (SAMPLING_LIMITS): "top_p must be a number from ...".
-    *(f"{name} must" for name in SAMPLING_LIMITS),
-)
-# A refusal that begins with a parameter's name blames that parameter.
+# A request the head shard did not accept says why with a code (worker.shared.protocol
+# .messages.ErrorCode, set where the refusal is raised: worker/stage, worker/sampling):
+# its HTTP status follows from the code alone, so rewording a message changes no status.
+# bad_request is the client's mistake (400); busy, every stream taken and the queue
+# full (429, what OpenAI's clients back off and retry on); any other code is the
+# cluster's (503).
+STATUS_OF: dict[ErrorCode, int] = {"bad_request": 400, "busy": 429}
+# A refusal that begins with a parameter's name blames that parameter (only the
+# error's `param` field, never its status).
 BLAMED = ("tools", "response_format", "draft", "prediction", *SAMPLING_LIMITS)
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -597,19 +585,21 @@ async def _accepted(
     try:
         return await anext(gen)
     except GenerationError as exc:
-        text = str(exc)
-        if text.startswith(BUSY):
-            # Every stream the placement was planned for is taken and the queue is
-            # full: a 429 is what OpenAI clients back off and retry on.
-            raise ApiError(
-                429, f"placement {name!r} is {text}", type_="rate_limit_error", code="busy"
-            ) from None
-        if text.startswith(REFUSALS):
-            blamed = next((name for name in BLAMED if text.startswith(name + " ")), param)
-            raise bad(f"the model refused the request: {text}", blamed) from None
-        raise _unavailable(f"placement {name!r} cannot answer: {text}", "cluster_error") from None
+        raise refused(exc.code, str(exc), name, param) from None
     except StopAsyncIteration:
         raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
+
+
+def refused(code: ErrorCode, text: str, name: str, param: str = "messages") -> ApiError:
+    """The API's answer to a request placement `name` did not accept: its status from
+    the refusal's `code` (STATUS_OF), its words the head's."""
+    status = STATUS_OF.get(code, 503)
+    if status == 429:
+        return ApiError(429, f"placement {name!r} is {text}", type_="rate_limit_error", code="busy")
+    if status == 400:
+        blamed = next((name for name in BLAMED if text.startswith(name + " ")), param)
+        return bad(f"the model refused the request: {text}", blamed)
+    return _unavailable(f"placement {name!r} cannot answer: {text}", "cluster_error")
 
 
 class _OpenAIShape(Shape):

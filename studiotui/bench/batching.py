@@ -37,6 +37,7 @@ from studiotui.bench.bare import BareEnd, pair_keys
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.streams import stream
 from studiotui.core.inventory import Inventory
+from worker.shared.protocol import control
 from worker.shared.protocol.frames import RingHeader, decode_ring_header, encode_ring_header
 
 STREAMS = 8
@@ -123,18 +124,19 @@ async def batch_figures(
                     one = (await asyncio.to_thread(mlx.one, batch[0], tokens))[0]
                     eight = (await asyncio.to_thread(mlx.batch, batch, tokens))[0]
                     theirs.append((one, eight))
-        stats = await ctl.head_peer(ctl.pick_placement("batch2")).request("stats")
+        head = ctl.head_peer(ctl.pick_placement("batch2"))
+        stats = (await head.ask("stats", control.StatsReply)).stats
         await ctl.unload("batch2")
     finally:
         await ctl.close()
     alone = [(await asyncio.to_thread(mlx.one, p, tokens))[1] for p in batch]
-    steps = stats.get("batched_steps") or 0
+    steps = stats.batched_steps
     return {
         "batch8_tps": round(statistics.median(e for _, e in ours), 2),
         "batch8_ratio": round(statistics.median(e / o for o, e in ours), 3),
         "mlx_batch8_tps": round(statistics.median(e for _, e in theirs), 2),
         "mlx_batch8_ratio": round(statistics.median(e / o for o, e in theirs), 3),
-        "batch8_mean_rows": round(stats.get("batched_rows", 0) / steps, 2) if steps else None,
+        "batch8_mean_rows": round(stats.batched_rows / steps, 2) if steps else None,
         # Each of our eight answers, decoded in batches, is mlx-lm's greedy answer alone.
         "batch8_tokens_match": got == alone,
     }

@@ -224,7 +224,7 @@ async def pipeline_figures(
                 else:
                     out[name] = await paired_decode(ctl, name, single, cfg)
             head = ctl.head_peer(ctl.pick_placement(name))
-            out[f"{name}_ring"] = ring_figures(await head.ask("stats", control.ShardStats))
+            out[f"{name}_ring"] = ring_figures((await head.ask("stats", control.StatsReply)).stats)
             if n == 2:
                 out["streams"] = {}
                 for k in (1, 2, 4):

@@ -94,10 +94,10 @@ async def settled_caches(ctl: Controller, placement: str, timeout: float) -> lis
         await asyncio.sleep(1.2)
         counts = []
         for node in ctl.inventory.names:
-            reply = await ctl.peer(node).request("list_shards")
-            for shard in reply["shards"]:
-                if shard.get("placement") == placement:
-                    counts.append(int((shard.get("stats") or {}).get("in_flight", -1)))
+            reply = await ctl.peer(node).ask("list_shards", control.Shards)
+            for shard in reply.shards:
+                if shard.placement == placement:
+                    counts.append(shard.stats.in_flight)
         if not any(counts) or time.monotonic() > deadline:
             return counts
 

@@ -201,9 +201,9 @@ class Benchmark:
             async for msg in peer.stream(
                 "device_bench", timeout=DEVICE_SILENCE_S, sizes=self.sizes.device_spec()
             ):
-                if msg["type"] == "bench_step":
-                    self._say(detail=peer.read(msg, control.BenchStep).step)
-                elif msg["type"] == "ok":
+                if isinstance(msg, control.BenchStep):
+                    self._say(detail=msg.step)
+                else:
                     figures = peer.read(msg, control.DeviceBenchDone).figures
         except (AgentError, AgentUnreachable) as exc:
             self._say("failed", str(exc))

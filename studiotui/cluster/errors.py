@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from studiotui.core.errors import StudioError
 from studiotui.core.placement import Refusal
+from worker.shared.protocol.messages import ErrorCode
 
 
 class PlacementError(StudioError, RuntimeError):
@@ -20,4 +21,9 @@ class PlacementRefused(PlacementError):
 
 
 class GenerationError(StudioError, RuntimeError):
-    pass
+    """A request that got no answer (or no whole one); `code` the head's reason
+    (messages.ErrorCode: bad_request for a refused request, busy, ...)."""
+
+    def __init__(self, message: str, code: ErrorCode = "failed") -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code

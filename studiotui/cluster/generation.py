@@ -105,8 +105,8 @@ class Generation:
                     if waited >= limit:
                         raise GenerationError(self._silence_reason(chosen, limit)) from None
                     continue
-                seq = msg.get("seq")
-                if isinstance(seq, int) and not isinstance(seq, bool):
+                seq = msg.seq if isinstance(msg, control.Streamed) else None
+                if seq is not None:
                     if seq != expect:
                         raise GenerationError(
                             f"{seq - expect} message(s) of the answer from {peer.name} were "
@@ -114,15 +114,16 @@ class Generation:
                             "ask again"
                         )
                     expect += 1
-                kind = msg["type"]
-                if kind == "delta":
+                if isinstance(msg, control.Delta):
                     limit = step_timeout
                 waited = 0.0
-                if kind == "failed":
+                if isinstance(msg, control.Failed | control.Error):
                     finished = True
-                    raise GenerationError(await self._failure(chosen, msg))
-                yield msg
-                if kind == "done":
+                    raise GenerationError(await self._failure(chosen, msg), msg.code)
+                if not isinstance(msg, control.Streamed):
+                    continue  # no other message answers a request
+                yield control.event(msg)
+                if isinstance(msg, control.Done):
                     finished = True
                     return
         finally:
@@ -131,19 +132,19 @@ class Generation:
                     await peer.send("cancel", rid=rid)
             peer.close_queue(rid)
 
-    async def _failure(self, placement: PlacementState, msg: dict[str, Any]) -> str:
+    async def _failure(self, placement: PlacementState, msg: control.Failed | control.Error) -> str:
         """Why a request failed. A tensor group whose `mx.distributed` link broke knows
         only that a member is gone; the members' agents say which, and why (they see its
         process end within moments of the leader's all-reduce failing)."""
-        if not msg.get("group_lost"):
-            return str(msg["message"])
+        if not isinstance(msg, control.Failed) or not msg.group_lost:
+            return msg.message
         deadline = time.monotonic() + GROUP_LOST_WAIT_S
         while True:
             problem = await self.placement_problem(placement)
             if problem or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-        return f"{problem} ({msg['message']})" if problem else str(msg["message"])
+        return f"{problem} ({msg.message})" if problem else msg.message
 
     async def placement_problem(self, placement: PlacementState) -> str | None:
         """Why a placement cannot answer, in words, or None if every shard is serving."""
@@ -217,7 +218,8 @@ class Generation:
                 "ready (or unload it: that frees its memory cache too)"
             )
         try:
-            reply = await self.hub.head_peer(placement).request("cache_clear")
+            head = self.hub.head_peer(placement)
+            reply = await head.ask("cache_clear", control.CacheCleared)
         except (AgentError, AgentUnreachable) as exc:
             raise PlacementError(f"cannot clear the cache of {name!r}: {exc}") from None
-        return int(reply.get("entries", 0)), int(reply.get("bytes", 0))
+        return reply.entries, reply.bytes

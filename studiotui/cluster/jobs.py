@@ -201,18 +201,15 @@ async def follow(
         stream = ctl.peer(node).stream(
             "follow_job", timeout=BEAT_TIMEOUT_S, job=name, since=seen.get(node, 0)
         )
-        peer = ctl.peer(node)
         async for msg in stream:
-            if msg["type"] == "job_event":
-                event = peer.read(msg, control.JobEvent)
-                seen[node] = max(seen.get(node, 0), event.seq)
-                on_event(node, dict(event.data))
-            elif msg["type"] == "job_beat" and on_beat is not None:
-                beat = peer.read(msg, control.JobBeat)
-                on_beat(node, beat.state, beat.message)
-            elif msg["type"] == "job_end":
-                end = peer.read(msg, control.JobBeat)
-                ends[node] = (end.state, end.message)
+            match msg:
+                case control.JobEvent():
+                    seen[node] = max(seen.get(node, 0), msg.seq)
+                    on_event(node, dict(msg.data))
+                case control.JobEnd():  # before JobBeat: an end is a beat too
+                    ends[node] = (msg.state, msg.message)
+                case control.JobBeat() if on_beat is not None:
+                    on_beat(node, msg.state, msg.message)
 
     async def one(node: str) -> None:
         stale = 0

@@ -102,9 +102,8 @@ class Links:
         ]
         extra = {"sizes": sizes} if sizes else {}
         peer = hub.peer(node)
-        reply = await peer.request("measure_links", timeout=60.0, peers=targets, **extra)
-        peer.read(reply, control.Links)  # a malformed answer is the agent's error
-        return [{**r, "from": node} for r in reply["links"]]
+        reply = await peer.ask("measure_links", control.Links, timeout=60.0, peers=targets, **extra)
+        return [{**control.to_wire(r), "from": node} for r in reply.links]
 
     def _link(self, pair: frozenset[str], results: list[control.LinkResult]) -> LinkState:
         a, b = sorted(pair)

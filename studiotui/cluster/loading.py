@@ -172,16 +172,14 @@ class Loading:
             )
             try:
                 async for msg in stream:
-                    if msg["type"] == "progress":
-                        loaded = hub.peer(m.node).read(msg, control.LoadProgress)
-                        quiet = quiet.hear(time.monotonic(), loaded.done, loaded.total)
+                    if isinstance(msg, control.LoadProgress):
+                        quiet = quiet.hear(time.monotonic(), msg.done, msg.total)
                         if progress:
-                            progress(m.node, loaded.done, loaded.total)
-                    elif msg["type"] == "shard_ready":
-                        ready = hub.peer(m.node).read(msg, control.ShardReady)
+                            progress(m.node, msg.done, msg.total)
+                    elif isinstance(msg, control.ShardReady):
                         quiet = quiet.hear(time.monotonic())
                         if progress:
-                            progress(m.node, ready.param_bytes, ready.param_bytes)
+                            progress(m.node, msg.param_bytes, msg.param_bytes)
                     else:
                         quiet = quiet.hear(time.monotonic())
             except AgentUnreachable:

@@ -140,10 +140,10 @@ async def fetch_repo(
             endpoint=endpoint or "",
             cache_dir=cache_dir or "",
         ):
-            if msg["type"] == "file_progress" and progress:
-                loaded = peer.read(msg, control.FileProgress)
-                progress(node, loaded.done, loaded.total)
-            if msg["type"] == "ok":
+            if isinstance(msg, control.FileProgress):
+                if progress:
+                    progress(node, msg.done, msg.total)
+            else:
                 path = peer.read(msg, control.Downloaded).path
                 if progress:
                     progress(node, total, total)

@@ -305,9 +305,9 @@ async def _from(
             key=keys.node_public_key(ctl.home, source.node).decode(),
             token=grant["token"],
         ):
-            if msg["type"] == "file_progress":
-                step(source, peer.read(msg, control.FileProgress).done)
-            if msg["type"] == "ok":
+            if isinstance(msg, control.FileProgress):
+                step(source, msg.done)
+            else:
                 received = peer.read(msg, control.Fetched).received
                 step(source, size)  # the agent's last progress may trail its answer
         how = f"from {source.node} over {endpoint.removeprefix('tcp://')}"

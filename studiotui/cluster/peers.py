@@ -2,7 +2,9 @@
 
 One DEALER per peer; every request carries an id and replies carry it back as
 `re`, so several requests to one agent can be in flight and a request may get
-several replies (load progress, then ready).
+several replies (load progress, then ready). Replies arrive as their typed structs
+(worker.shared.protocol.control), decoded once; an error reply is raised as an
+`AgentError` carrying its code.
 
 Each DEALER has a routing identity that stays the same for the controller's
 session, so after a network blip the reconnected socket is the same client to the
@@ -24,29 +26,26 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from studiotui.core.errors import StudioError
-from worker.shared.protocol import control, messages
+from worker.shared.protocol import control
+from worker.shared.protocol.control import Error, Message, encode
 from worker.shared.protocol.curve import CurveKeys, make_client
+from worker.shared.protocol.messages import ErrorCode, MessageError
 
-T = TypeVar("T")
+T = TypeVar("T", bound=Message)
 
-FINAL = {
-    "hello_reply",
-    "prepared",
-    "renewed",
-    "shard_ready",
-    "unloaded",
-    "shards",
-    "log",
-    "ok",
-    "error",
-    "links",
-    "stats_reply",
-    "job_ports",
-    "job_started",
-    "job_end",
-    "jobs",
-    "job_stopped",
-}
+# Replies that say "still working" (progress, steps, a followed job's events): a request
+# ends at its first reply of any other type.
+INTERIM: frozenset[type[Message]] = frozenset(
+    {
+        control.LoadProgress,
+        control.FileProgress,
+        control.BenchStep,
+        control.JobEvent,
+        control.JobBeat,
+        control.Accepted,
+        control.Delta,
+    }
+)
 
 
 class AgentUnreachable(StudioError, ConnectionError):
@@ -54,7 +53,12 @@ class AgentUnreachable(StudioError, ConnectionError):
 
 
 class AgentError(StudioError, RuntimeError):
-    pass
+    """A peer's error reply (or a reply that could not be read): `code` is the peer's
+    stable reason (messages.ErrorCode), for programs; the words are for people."""
+
+    def __init__(self, message: str, code: ErrorCode = "failed") -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
 
 
 class Peer:
@@ -86,7 +90,7 @@ class Peer:
         )
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
-        self._queues: dict[Any, asyncio.Queue[dict[str, Any]]] = {}
+        self._queues: dict[Any, asyncio.Queue[Message]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.dropped = 0
@@ -119,20 +123,24 @@ class Peer:
         while True:
             data = await self.sock.recv()
             try:
-                msg = messages.decode(data)
-            except messages.MessageError:
+                msg: Message = control.decode(data)
+            except MessageError as exc:
                 self.dropped += 1
+                waiting = self._queues.get(exc.re)
+                if waiting is not None:  # the request it answers fails now, not at its timeout
+                    why = f"sent a malformed reply: {exc}"
+                    waiting.put_nowait(Error(re=exc.re, code="bad_request", message=why))
                 continue
-            key = msg.get("re", msg.get("rid"))
+            key = msg.re if msg.re is not None else getattr(msg, "rid", None)
             queue = self._queues.get(key)
             if queue is None:
                 self.dropped += 1
                 continue
             queue.put_nowait(msg)
 
-    def open(self, key: Any) -> asyncio.Queue[dict[str, Any]]:
+    def open(self, key: Any) -> asyncio.Queue[Message]:
         self._ensure_reader()
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[Message] = asyncio.Queue()
         self._queues[key] = queue
         return queue
 
@@ -140,30 +148,31 @@ class Peer:
         self._queues.pop(key, None)
 
     async def send(self, kind: str, **fields: Any) -> None:
-        await self.sock.send(messages.encode(kind, **fields))
+        """Send the message of type `kind` with these fields (control.build)."""
+        await self.sock.send(encode(control.build(kind, **fields)))
 
-    async def request(self, kind: str, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
+    async def request(self, kind: str, timeout: float = 5.0, **fields: Any) -> Message:
         """Send and wait for the final reply; raise on an error reply or silence."""
         async for msg in self.stream(kind, timeout=timeout, **fields):
-            if msg["type"] in FINAL:
+            if type(msg) not in INTERIM:
                 return msg
         raise AgentUnreachable(f"{self.name} ({self.endpoint}) closed the request")
 
     async def ask(self, kind: str, reply: type[T], timeout: float = 5.0, **fields: Any) -> T:
-        """`request`, its final reply read as a `reply` (control.py); a reply of the
-        wrong shape is the agent's error, as an error reply is."""
+        """`request`, its final reply checked to be a `reply` (control.py); a reply of
+        another type is the agent's error, as an error reply is."""
         return self.read(await self.request(kind, timeout=timeout, **fields), reply)
 
-    def read(self, msg: dict[str, Any], reply: type[T]) -> T:
-        """One reply as a `reply`, or AgentError naming this peer and the bad field."""
-        try:
-            return control.parse(msg, reply)
-        except messages.MessageError as exc:
-            raise AgentError(f"{self.name} sent a malformed reply: {exc}") from None
+    def read(self, msg: Message, reply: type[T]) -> T:
+        """One reply as the `reply` it must be, or AgentError naming this peer."""
+        if not isinstance(msg, reply):
+            want = reply.__struct_config__.tag or reply.__name__
+            raise AgentError(f"{self.name} answered {msg.kind} where {want} was due", "internal")
+        return msg
 
     async def stream(
         self, kind: str, timeout: float = 5.0, **fields: Any
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[Message]:
         """Yield every reply to one request until a final one; `timeout` is per reply."""
         rid = next(self._ids)
         queue = self.open(rid)
@@ -177,10 +186,10 @@ class Peer:
                     raise AgentUnreachable(
                         f"{self.name} ({self.endpoint}) did not answer {kind} within {timeout:g} s"
                     ) from None
-                if msg["type"] == "error":
-                    raise AgentError(f"{self.name}: {msg['message']}")
+                if isinstance(msg, Error):
+                    raise AgentError(f"{self.name}: {msg.message}", msg.code)
                 yield msg
-                if msg["type"] in FINAL:
+                if type(msg) not in INTERIM:
                     return
         finally:
             self.close_queue(rid)

@@ -60,7 +60,9 @@ class Telemetry:
             try:
                 if len(frames) != 2:
                     raise messages.MessageError(f"{len(frames)} frames, not 2")
-                msg = control.parse(messages.decode(frames[1]), control.Telemetry)
+                msg = control.decode(frames[1])
+                if not isinstance(msg, control.Telemetry):
+                    raise messages.MessageError(f"a {msg.kind} message, not telemetry")
                 if msg.name != name:
                     raise messages.MessageError(f"it names itself {msg.name!r}")
                 self._apply(name, msg)

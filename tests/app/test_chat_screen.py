@@ -37,6 +37,7 @@ from tests.support.cluster_fixture import placed_cluster
 from tests.support.pilot_helpers import run_from_palette
 from tests.support.pilot_helpers import until as wait_until
 from worker.shared.demo_model import DemoSpec
+from worker.shared.protocol import control
 
 # Polled finely: a coarser step let a fast answer finish before the keys were sent.
 until = partial(wait_until, step=0.05)
@@ -483,9 +484,10 @@ async def test_a_node_failing_mid_answer_keeps_the_partial_answer(
         placement = ctl.state.placement("demo")
         assert placement is not None
         head = placement.shards[0].node
-        reply = await ctl.peer(head).request("list_shards")
-        [runner] = [s for s in reply["shards"] if s["placement"] == "demo"]
-        os.kill(int(runner["pid"]), signal.SIGKILL)
+        reply = await ctl.peer(head).ask("list_shards", control.Shards)
+        [runner] = [s for s in reply.shards if s.placement == "demo"]
+        assert runner.pid is not None
+        os.kill(runner.pid, signal.SIGKILL)
 
         view = await answered(pilot, screen, timeout=20)
         turn = screen.turn

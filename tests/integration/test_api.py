@@ -31,6 +31,7 @@ from studiotui.core.state import ClusterState, NodeState, ShardState, placements
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.sampling import SamplingParams
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol.messages import ErrorCode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -482,6 +483,22 @@ async def test_bad_bodies_are_400(served: Served, body: Any, param: str | None) 
     assert_openai_error(await raw_post(served.server, body), 400, param)
 
 
+async def test_a_request_the_head_refuses_carries_its_code_to_a_400(served: Served) -> None:
+    """Token ids past the model's vocabulary pass the API's checks (it knows no vocabulary)
+    and are refused by the head shard, with code bad_request: the controller raises it
+    with that code and the API answers 400, from the code, not from the words."""
+    with pytest.raises(GenerationError) as caught:
+        async for _ in served.ctl.generate(PLACEMENT, {"tokens": [10**6]}, {"max_tokens": 2}):
+            pass
+    assert caught.value.code == "bad_request"
+    assert "prompt tokens must be integers" in str(caught.value)
+    async with httpx.AsyncClient(base_url=served.server.url) as http:
+        body = {"model": PLACEMENT, "prompt": [10**6], "max_tokens": 2}
+        resp = await http.post("/completions", json=body)
+    assert_openai_error(resp, 400, "prompt")
+    assert "prompt tokens must be integers" in resp.json()["error"]["message"]
+
+
 async def test_bad_request_through_the_client(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await served.client().chat.completions.create(
@@ -873,7 +890,7 @@ async def wait_caches_freed(ctl: Controller, timeout: float = 10.0) -> list[int]
 class FailingController:
     """Just enough of a Controller, whose generate() fails the way a cluster does."""
 
-    def __init__(self, fail_after: int, message: str) -> None:
+    def __init__(self, fail_after: int, message: str, code: ErrorCode = "failed") -> None:
         shard = ShardState("flaky", "n1", 0, 1, 0, 4, "ready", model_dir="/m/flaky")
         self.state = ClusterState(
             nodes=(node := NodeState("n1", "127.0.0.1", 1, "local", state="up", shards=(shard,)),),
@@ -881,6 +898,7 @@ class FailingController:
         )
         self.fail_after = fail_after
         self.message = message
+        self.code: ErrorCode = code
         self.closed = False
 
     def subscribe(self, listener: Any) -> None:
@@ -891,11 +909,11 @@ class FailingController:
     ) -> AsyncIterator[dict[str, Any]]:
         try:
             if self.fail_after < 0:
-                raise GenerationError(self.message)
+                raise GenerationError(self.message, self.code)
             yield {"type": "accepted", "prompt_tokens": 3}
             for _ in range(self.fail_after):
                 yield {"type": "delta", "text": "ok ", "tokens": [1]}
-            raise GenerationError(self.message)
+            raise GenerationError(self.message, self.code)
         finally:
             self.closed = True
 
@@ -911,15 +929,23 @@ async def serve_fake(fake: FailingController) -> tuple[Any, str]:
 
 
 @pytest.mark.parametrize(
-    ("fail_after", "message", "status"),
+    ("fail_after", "message", "code", "status"),
     [
-        (-1, "cannot apply the chat template: roles must alternate", 400),
-        (-1, "node n2 of placement 'flaky' is down", 503),
-        (2, "placement 'flaky' sent nothing for 30 s", 503),
+        (-1, "cannot apply the chat template: roles must alternate", "bad_request", 400),
+        # The same refusal reworded: the same status, from its code.
+        (-1, "the chat template wants roles to alternate", "bad_request", 400),
+        # Words that once meant a refusal, with a cluster's code: the cluster's status.
+        (-1, "tools must be a list, given with messages", "failed", 503),
+        (-1, "busy: every stream of 'flaky' is taken", "busy", 429),
+        (-1, "every stream of 'flaky' is taken, reworded", "busy", 429),
+        (-1, "node n2 of placement 'flaky' is down", "failed", 503),
+        (2, "placement 'flaky' sent nothing for 30 s", "failed", 503),
     ],
 )
-async def test_cluster_failures_map_to_statuses(fail_after: int, message: str, status: int) -> None:
-    fake = FailingController(fail_after, message)
+async def test_cluster_failures_map_to_statuses(
+    fail_after: int, message: str, code: ErrorCode, status: int
+) -> None:
+    fake = FailingController(fail_after, message, code)
     runner, url = await serve_fake(fake)
     try:
         client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)

@@ -25,6 +25,7 @@ from studiotui.cluster.controller import Controller
 from tests.support.cluster_fixture import LocalCluster
 from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 from worker.shared.protocol.frames import (
     RingHeader,
 )
@@ -251,7 +252,8 @@ def test_batched_decode_over_two_real_shards_matches_each_answer_alone(
                     for i, ((p, q), d) in enumerate(zip(jobs, delays, strict=True))
                 )
             )
-            head = await ctl.head_peer(ctl.pick_placement(name)).request("stats")
+            asked = await ctl.head_peer(ctl.pick_placement(name)).ask("stats", control.StatsReply)
+            head = control.to_wire(asked.stats)
             freed = await _caches_freed(ctl, name)
             await ctl.unload(name)
             return one, list(four), list(eight), head, freed

@@ -98,7 +98,7 @@ def test_a_run_measures_every_part_and_round_trips(
             assert 0 < quick["sent_bytes"] < 256 << 20 and quick["received_bytes"] > 0
             # The group's ranks ended and their job records were forgotten.
             for name in names:
-                assert (await ctl.peer(name).request("job_status"))["jobs"] == []
+                assert (await ctl.peer(name).ask("job_status", control.JobsFound)).jobs == []
             return run
         finally:
             await ctl.close()
@@ -282,19 +282,21 @@ def test_a_killed_measurement_fails_alone_and_the_agent_carries_on(
         try:
             # Sizes the program itself refuses come back in its words.
             bad = {"matmul_n": 128, "copy_mib": 4, "seconds": 0.1, "dtypes": ["int4"]}
-            with pytest.raises(AgentError, match="int4"):
+            with pytest.raises(AgentError, match="int4") as refused:
                 await peer.request("device_bench", timeout=30, sizes=bad)
+            assert refused.value.code == "bench_failed"
             long = {"matmul_n": 256, "copy_mib": 4, "seconds": 30.0}
             task = asyncio.create_task(peer.request("device_bench", timeout=60, sizes=long))
             measuring = await first_child(agent, DEVICE_BENCH)
             # The agent's loop is free while its device is measured.
-            assert (await peer.request("hello", timeout=3))["name"] == name
-            with pytest.raises(AgentError, match="already runs"):
+            assert (await peer.ask("hello", control.HelloReply, timeout=3)).name == name
+            with pytest.raises(AgentError, match="already runs") as busy:
                 await peer.request("device_bench", timeout=5, sizes=long)
+            assert busy.value.code == "busy"
             os.kill(measuring.pid, signal.SIGKILL)
             with pytest.raises(AgentError, match="SIGKILL"):
                 await task
-            assert (await peer.request("hello", timeout=3))["name"] == name
+            assert (await peer.ask("hello", control.HelloReply, timeout=3)).name == name
             assert children(agent, DEVICE_BENCH) == []
         finally:
             await ctl.close()
@@ -367,7 +369,8 @@ def test_a_rank_killed_mid_product_fails_the_group_alone(bench_cluster: LocalClu
                 rank.send_signal(signal.SIGKILL)
             run = await asyncio.wait_for(task, 60)
             for name in names:  # both agents answer, no rank is left anywhere
-                assert (await ctl.peer(name).request("hello", timeout=3))["name"] == name
+                hello = await ctl.peer(name).ask("hello", control.HelloReply, timeout=3)
+                assert hello.name == name
             return run
         finally:
             await ctl.close()

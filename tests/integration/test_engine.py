@@ -17,6 +17,7 @@ from studiotui.core.model_facts import read_model
 from tests.conftest import FAMILIES
 from tests.support.cluster_fixture import LocalCluster
 from worker.shared.demo_model import PASSAGE, DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 CHUNK = 16
 N_TOKENS = 64
@@ -74,8 +75,9 @@ def test_pipelines_match_mlx_lm(
                 await place(ctl, model, names[:n], name)
                 layers = ctl.state.placement(name).layers
                 got, _, _ = await collect(ctl, name, tokens, N_TOKENS)
-                stats = await ctl.head_peer(ctl.pick_placement(name)).request("stats")
-                results[n] = (got, layers, stats["prebuilt_steps"])
+                head = ctl.head_peer(ctl.pick_placement(name))
+                stats = (await head.ask("stats", control.StatsReply)).stats
+                results[n] = (got, layers, stats.prebuilt_steps)
                 await ctl.unload(name)
         finally:
             await ctl.close()
@@ -299,8 +301,9 @@ def test_a_shard_dying_mid_answer_fails_the_request_clearly(
             names = list(engine_cluster.inventory.names[1:4])
             await place(ctl, model, names, "dies")
             middle = ctl.state.placement("dies").shards[1]
-            reply = await ctl.peer(middle.node).request("list_shards")
-            pid = next(s["pid"] for s in reply["shards"] if s["placement"] == "dies")
+            reply = await ctl.peer(middle.node).ask("list_shards", control.Shards)
+            pid = next(s.pid for s in reply.shards if s.placement == "dies")
+            assert pid is not None
             try:
                 async for msg in ctl.generate(
                     "dies", {"tokens": tokens}, {"max_tokens": 100000, "ignore_eos": True}

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -36,7 +37,7 @@ from tests.integration.test_engine import collect, prompt_tokens, reference_toke
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
 from worker import agent as agent_mod
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import PROTOCOL_VERSION, curve
 from worker.shared.protocol.frames import RingHeader, encode_ring_header
 
 BASE, PORT = 111, 59100  # 127.0.0.111-113: far from the other test modules
@@ -338,7 +339,9 @@ def test_the_agent_reader_survives_long_lines_and_non_object_json(tmp_path: Path
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        await asyncio.gather(agent._follow(b"nobody", 1, shard), agent._read_stderr(shard))
+        nobody = agent_mod.Ask(agent._send, b"nobody", 1)
+        room = agent.shard_room
+        await asyncio.gather(room.follow(nobody, shard), room.read_stderr(shard))
         agent.control.close(linger=0)
         agent.ctx.term()
         return shard
@@ -369,7 +372,9 @@ def test_telemetry_takes_the_node_from_the_connection_and_survives_bad_messages(
             ctl._start_telemetry()
 
             def sample(name: str, **extra: Any) -> bytes:
-                return messages.encode("telemetry", name=name, time=time.time(), **extra)
+                # As a map: some of these are wrong on purpose, as no struct may be.
+                fields = {"v": PROTOCOL_VERSION, "type": "telemetry", "name": name, **extra}
+                return msgspec.msgpack.encode({**fields, "time": time.time()})
 
             bad = [
                 [b"telemetry", b"\xc1not msgpack"],

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgpack
+import msgspec
 import psutil
 import pytest
 import zmq
@@ -33,7 +33,7 @@ from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.inventory import local_inventory
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import PROTOCOL_VERSION, control, curve
 from worker.shared.protocol.curve import CurveKeys, make_client, make_server
 from worker.shared.protocol.frames import RingHeader, encode_ring_header
 from worker.shared.protocol.limits import BUSY
@@ -72,6 +72,7 @@ values = st.recursive(
     ),
     max_leaves=12,
 )
+V = PROTOCOL_VERSION
 FIELDS = ["rid", "params", "prompt", "tokens", "messages", "id", "name", "time", "lines",
           "placement", "peers", "shards", "text", "re", "stream"]  # fmt: skip
 
@@ -79,8 +80,8 @@ FIELDS = ["rid", "params", "prompt", "tokens", "messages", "id", "name", "time",
 def envelope(types: list[str]) -> st.SearchStrategy[bytes]:
     """A map that looks like a message: a version (mostly right), a type, odd fields."""
     return st.builds(
-        lambda v, t, extra: msgpack.packb({"v": v, "type": t, **extra}, use_bin_type=True),
-        st.sampled_from([1, 1, 1, 0, 2, "1", None, 1.0]),
+        lambda v, t, extra: msgspec.msgpack.encode({"v": v, "type": t, **extra}),
+        st.sampled_from([V, V, V, 0, V + 1, str(V), None, float(V)]),
         st.sampled_from([*types, "bogus", ""]),
         st.dictionaries(st.sampled_from(FIELDS), values, max_size=5),
     )
@@ -89,7 +90,7 @@ def envelope(types: list[str]) -> st.SearchStrategy[bytes]:
 def raw_messages(types: list[str]) -> st.SearchStrategy[bytes]:
     return st.one_of(
         st.binary(max_size=256),
-        st.builds(lambda v: msgpack.packb(v, use_bin_type=True), values),
+        st.builds(lambda v: msgspec.msgpack.encode(v), values),
         envelope(types),
         envelope(types).map(lambda b: b[: len(b) // 2]),  # truncated
         st.builds(lambda b: b"\xc1\xff\xfe" + b, st.binary(max_size=32)),  # not msgpack / UTF-8
@@ -121,13 +122,13 @@ def generate_messages() -> st.SearchStrategy[bytes]:
         st.just({}),
     )
     return st.builds(
-        lambda rid, p, b, v: msgpack.packb(
-            {"v": v, "type": "generate", "rid": rid, "params": p, **b}, use_bin_type=True
+        lambda rid, p, b, v: msgspec.msgpack.encode(
+            {"v": v, "type": "generate", "rid": rid, "params": p, **b}
         ),
         st.text(min_size=1, max_size=8).map(lambda s: "fz-" + s),
         params | values,
         body,
-        st.sampled_from([1, 1, 1, 2]),
+        st.sampled_from([V, V, V, V + 1]),
     )
 
 
@@ -158,9 +159,7 @@ def ring_frames() -> st.SearchStrategy[list[bytes]]:
     return st.one_of(
         st.builds(with_payload, header, st.sampled_from([0, 0, 1, 4])),
         st.lists(st.binary(max_size=64), min_size=1, max_size=4),
-        st.builds(
-            lambda v, p: [msgpack.packb(v, use_bin_type=True), p], values, st.binary(max_size=64)
-        ),
+        st.builds(lambda v, p: [msgspec.msgpack.encode(v), p], values, st.binary(max_size=64)),
     )
 
 
@@ -207,9 +206,9 @@ async def _setup(cluster: LocalCluster, model: Path) -> Target:
         want = await answer(ctl)
         shards = []
         for shard in ctl.state.placement(PLACEMENT).shards:
-            reply = await ctl.peer(shard.node).request("list_shards")
-            mine = next(s for s in reply["shards"] if s["placement"] == PLACEMENT)
-            shards.append({**mine, "node": shard.node})
+            reply = await ctl.peer(shard.node).ask("list_shards", control.Shards)
+            mine = next(s for s in reply.shards if s.placement == PLACEMENT)
+            shards.append({**control.to_wire(mine), "node": shard.node})
     finally:
         await ctl.close()
     pids = {f"agent {n}": p for n, p in cluster.pids.items()}
@@ -274,11 +273,12 @@ def still_serving(target: Target) -> None:
             got = await answer(ctl)
             # Nothing the fuzz started is left holding memory on the head.
             for _ in range(50):
-                stats = await ctl.head_peer(ctl.pick_placement(PLACEMENT)).request("stats")
-                if stats["in_flight"] == 0 and stats["waiting"] == 0:
+                head = ctl.head_peer(ctl.pick_placement(PLACEMENT))
+                stats = (await head.ask("stats", control.StatsReply)).stats
+                if stats.in_flight == 0 and stats.waiting == 0:
                     break
                 await asyncio.sleep(0.1)
-            assert stats["in_flight"] == 0 and stats["waiting"] == 0, stats
+            assert stats.in_flight == 0 and stats.waiting == 0, stats
             return got
         finally:
             await ctl.close()
@@ -382,9 +382,9 @@ def test_the_ring_takes_frames_only_from_node_keys(fuzz_cluster: Target) -> None
     async def dropped() -> int:
         ctl = fuzz_cluster.cluster.controller()
         try:
-            reply = await ctl.peer(tail["node"]).request("list_shards")
-            mine = next(s for s in reply["shards"] if s["placement"] == PLACEMENT)
-            return int(mine["stats"].get("dropped", 0))
+            reply = await ctl.peer(tail["node"]).ask("list_shards", control.Shards)
+            mine = next(s for s in reply.shards if s.placement == PLACEMENT)
+            return mine.stats.dropped
         finally:
             await ctl.close()
 
@@ -417,8 +417,10 @@ def test_fuzz_the_telemetry_reader(tmp_path: Path) -> None:
     node = inv.nodes[0]
     workdir = Path(node.workdir)
     keys.install_locally(workdir, keys.node_key_files(home, node.name, [node.name]))
-    good = messages.encode(
-        "telemetry", name=node.name, time=1.0, version="9.9.9", memory_used=1, memory_total=2**30
+    good = control.encode(
+        control.Telemetry(
+            name=node.name, time=1.0, version="9.9.9", memory_used=1, memory_total=2**30
+        )
     )
 
     async def go() -> tuple[Controller, int]:
@@ -455,8 +457,8 @@ def test_fuzz_the_telemetry_reader(tmp_path: Path) -> None:
                 sent += 1
                 if sent % 50 == 0:
                     await asyncio.sleep(0)  # let the reader keep up; PUB drops otherwise
-            changed = messages.encode(
-                "telemetry", name=node.name, time=2.0, version="9.9.10", memory_total=2**31
+            changed = control.encode(
+                control.Telemetry(name=node.name, time=2.0, version="9.9.10", memory_total=2**31)
             )
             for _ in range(100):
                 await pub.send_multipart([b"telemetry", changed])
@@ -479,8 +481,8 @@ def test_fuzz_the_telemetry_reader(tmp_path: Path) -> None:
 def telemetry_lies(name: str) -> st.SearchStrategy[bytes]:
     """Telemetry that is well formed on the outside and wrong inside."""
     return st.builds(
-        lambda n, fields: msgpack.packb(
-            {"v": 1, "type": "telemetry", "name": n, "time": 1.0, **fields}, use_bin_type=True
+        lambda n, fields: msgspec.msgpack.encode(
+            {"v": V, "type": "telemetry", "name": n, "time": 1.0, **fields}
         ),
         st.sampled_from([name, "nobody", ""]),
         st.dictionaries(

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
+import msgspec
 import psutil
 import pytest
 import zmq
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from studiotui.cluster import keys
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import PROTOCOL_VERSION, control, curve
 
 # Everything that drives the node but shutdown (which stops it on purpose) and what
 # reaches out to endpoints the message names (measure_links, fetch_files, hub_download).
@@ -90,9 +90,9 @@ def test_wrong_typed_requests_from_the_controller_are_answered_and_change_nothin
     node = one_agent.inventory.nodes[0]
     agent = psutil.Process(one_agent.pids[node.name])
     batch = draw()
-    replies: dict[int, dict[str, Any]] = {}
+    replies: dict[int, control.Message] = {}
 
-    async def go() -> dict[str, Any]:
+    async def go() -> control.Message:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         try:
@@ -104,7 +104,8 @@ def test_wrong_typed_requests_from_the_controller_are_answered_and_change_nothin
             )
             sock.connect(node.control_endpoint)
             for rid, (kind, fields) in enumerate(batch, 1):
-                raw = msgpack.packb({"v": 1, "type": kind, "id": rid, **fields}, use_bin_type=True)
+                envelope = {"v": PROTOCOL_VERSION, "type": kind, "id": rid}
+                raw = msgspec.msgpack.encode({**envelope, **fields})
                 await sock.send(raw)
                 # One at a time: each must be answered, not merely survived.
                 deadline = time.monotonic() + 30
@@ -112,36 +113,41 @@ def test_wrong_typed_requests_from_the_controller_are_answered_and_change_nothin
                     left = deadline - time.monotonic()
                     assert left > 0, f"no reply to {kind} {fields!r}"
                     try:
-                        msg = messages.decode(await asyncio.wait_for(sock.recv(), left))
+                        # Every reply is a message the controller's decoder takes.
+                        msg = control.decode(await asyncio.wait_for(sock.recv(), left))
                     except TimeoutError:
                         before = [
-                            (batch[i - 1], replies[i].get("type"), str(replies[i])[:150])
+                            (batch[i - 1], replies[i].kind, str(replies[i])[:150])
                             for i in range(max(1, rid - 4), rid)
                         ]
                         raise AssertionError(
                             f"no reply to {kind} {fields!r} after {before}"
                         ) from None
-                    if isinstance(msg.get("re"), int):
-                        replies.setdefault(msg["re"], msg)
+                    if isinstance(msg.re, int):
+                        replies.setdefault(msg.re, msg)
                 assert agent.is_running(), (kind, fields)
-            await sock.send(messages.encode("list_shards", id=0))
+            await sock.send(control.encode(control.ListShards(id=0)))
             while True:
-                msg = messages.decode(await asyncio.wait_for(sock.recv(), 10))
-                if msg.get("re") == 0:
+                msg = control.decode(await asyncio.wait_for(sock.recv(), 10))
+                if msg.re == 0:
                     return msg
         finally:
             sock.close(linger=0)
             ctx.term()
 
     listed = asyncio.run(go())
-    assert listed["type"] == "shards" and listed["shards"] == [], listed
-    kinds = {replies[rid]["type"] for rid in replies}
+    # A prepare_shard whose fields happen to be right is a real request: it reserves
+    # ports (until its lease lapses) and starts nothing. Nothing else is left.
+    assert isinstance(listed, control.Shards), listed
+    assert all(s.state == "prepared" and s.pid is None for s in listed.shards), listed
+    kinds = {replies[rid].kind for rid in replies}
     assert "error" in kinds, kinds
     for rid, msg in replies.items():
-        if msg["type"] == "error":
+        if isinstance(msg, control.Error):
             kind, fields = batch[rid - 1]
-            text = msg.get("message", "")
-            assert text and "Traceback" not in text, (kind, fields, msg)
+            assert msg.message and "Traceback" not in msg.message, (kind, fields, msg)
+            # A junk request is the asker's mistake or a refusal, never a handler's bug.
+            assert msg.code != "internal", (kind, fields, msg)
     # Nothing started by a junk request is left running (a runner, a job, a bench).
     for _ in range(50):
         children = [c for c in agent.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]

@@ -23,6 +23,7 @@ from studiotui.api.server import ApiServer, start_server
 from studiotui.cluster.controller import Controller
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 from worker.shared.protocol.limits import MAX_CHARS_PER_TOKEN, MAX_SEED, MAX_STOP_CHARS
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -51,11 +52,12 @@ class Served:
 
     async def runner_pid(self, index: int) -> int:
         node = self.ctl.state.placement(PLACEMENT).nodes[index]
-        reply = await self.ctl.peer(node).request("list_shards")
-        return int(next(s["pid"] for s in reply["shards"] if s["placement"] == PLACEMENT))
+        reply = await self.ctl.peer(node).ask("list_shards", control.Shards)
+        return int(next(s.pid or 0 for s in reply.shards if s.placement == PLACEMENT))
 
     async def head_stats(self) -> dict[str, Any]:
-        return await self.ctl.head_peer(self.ctl.pick_placement(PLACEMENT)).request("stats")
+        head = self.ctl.head_peer(self.ctl.pick_placement(PLACEMENT))
+        return control.to_wire((await head.ask("stats", control.StatsReply)).stats)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.agent import LOG_BACKUPS, LOG_BYTES, log_handlers
 from worker.shard import load_shard
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.protocol import curve, messages
+from worker.shared.protocol import control, curve
 from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import (
     MAX_CONTROL_BYTES,
@@ -135,10 +135,9 @@ def test_an_oversized_control_message_is_refused_unbuffered(one_agent: LocalClus
                 keys.node_public_key(one_agent.home, node.name),
             )
             sock.connect(f"tcp://{node.address}:{node.control_port}")
-            await sock.send(messages.encode("hello", id=1))
-            assert messages.decode(await asyncio.wait_for(sock.recv(), 10))["type"] == (
-                "hello_reply"
-            )
+            await sock.send(control.encode(control.Hello(id=1)))
+            hello = control.decode(await asyncio.wait_for(sock.recv(), 10))
+            assert isinstance(hello, control.HelloReply)
             before = agent.memory_info().rss
             for _ in range(4):
                 await sock.send(b"\0" * (MAX_CONTROL_BYTES + 1024))
@@ -147,13 +146,13 @@ def test_an_oversized_control_message_is_refused_unbuffered(one_agent: LocalClus
             # reconnects and the agent answers as before.
             deadline = asyncio.get_running_loop().time() + 20
             while True:
-                await sock.send(messages.encode("hello", id=2))
+                await sock.send(control.encode(control.Hello(id=2)))
                 try:
-                    reply = messages.decode(await asyncio.wait_for(sock.recv(), 2))
+                    reply = control.decode(await asyncio.wait_for(sock.recv(), 2))
                     break
                 except TimeoutError:
                     assert asyncio.get_running_loop().time() < deadline
-            assert reply["type"] == "hello_reply" and reply["re"] == 2, reply
+            assert isinstance(reply, control.HelloReply) and reply.re == 2, reply
             assert agent.memory_info().rss - before < MAX_CONTROL_BYTES
             assert agent.is_running()
         finally:

@@ -225,7 +225,7 @@ def test_a_file_server_answers_only_cluster_keys_and_only_granted_files(
     import zmq.asyncio
 
     from studiotui.cluster import keys
-    from worker.shared.protocol import curve, messages
+    from worker.shared.protocol import control, curve
 
     model = _model(tmp_path)
     a = trio.inventory.nodes[0]
@@ -240,11 +240,11 @@ def test_a_file_server_answers_only_cluster_keys_and_only_granted_files(
         curve.make_client(sock, who, server_key)
         sock.connect(f"tcp://{a.address}:{port}")
         try:
-            await sock.send(messages.encode("read", offset=0, length=16, seq=0, **read))
+            await sock.send(control.encode(control.build("read", offset=0, length=16, **read)))
             if not await sock.poll(2000):
                 return None
             header, chunk = await sock.recv_multipart()
-            return messages.decode(header), chunk
+            return control.decode(header), chunk
         finally:
             sock.close(linger=0)
 
@@ -252,12 +252,13 @@ def test_a_file_server_answers_only_cluster_keys_and_only_granted_files(
         ctl = trio.controller()
         ctx = zmq.asyncio.Context()
         try:
-            grant = await ctl.peer(a.name).request(
+            grant = await ctl.peer(a.name).ask(
                 "serve_files",
+                control.Granted,
                 dir="models/m",
                 files=[{"name": "config.json", "size": (model / "config.json").stat().st_size}],
             )
-            port, token = int(grant["port"]), str(grant["token"])
+            port, token = grant.port, grant.token
             return [
                 await ask(ctx, member, port, token=token, name="config.json"),
                 await ask(ctx, stranger, port, token=token, name="config.json"),
@@ -273,5 +274,6 @@ def test_a_file_server_answers_only_cluster_keys_and_only_granted_files(
     assert granted is not None and granted[1] == (model / "config.json").read_bytes()[:16]
     assert stranger_asked is None  # CURVE: a key not authorized gets no answer at all
     for refused in (other_file, bad_token, escape):
-        assert refused is not None and refused[0]["type"] == "error", refused
-        assert "not being served" in refused[0]["message"] and refused[1] == b""
+        assert refused is not None and isinstance(refused[0], control.Error), refused
+        assert refused[0].code == "not_found" and "not being served" in refused[0].message
+        assert refused[1] == b""

@@ -30,6 +30,7 @@ from studiotui.core.placement import Plan, Refusal
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from tests.support.pilot_helpers import until
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -227,5 +228,5 @@ async def test_each_runner_warmed_its_stage_before_ready(served: Served) -> None
     guesses among it), before saying "ready"; the answers above came after it."""
     for name in ("drafted", "lookup"):
         head = served.ctl.head_peer(served.ctl.pick_placement(name))
-        stats = await head.request("stats")
-        assert stats["warm_ms"] > 0, stats
+        stats = (await head.ask("stats", control.StatsReply)).stats
+        assert stats.warm_ms > 0, stats

@@ -35,6 +35,7 @@ from studiotui.cluster.controller import Controller, GenerationError, PlacementE
 from studiotui.core.placement import Plan
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 pytestmark = pytest.mark.integration
 
@@ -438,8 +439,8 @@ def test_a_member_killed_mid_answer_is_named_within_3_s(
             victim = [s for s in p.shards if s.index == 1][victim_rank].node
             pids = []
             for node in p.nodes:
-                reply = await ctl.peer(node).request("list_shards")
-                pids += [s["pid"] for s in reply["shards"] if s["placement"] == name]
+                reply = await ctl.peer(node).ask("list_shards", control.Shards)
+                pids += [s.pid for s in reply.shards if s.placement == name]
             victim_pid = pids[p.nodes.index(victim)]
             got, killed_at, error = 0, 0.0, "no error?!"
             try:

@@ -54,10 +54,10 @@ async def _answer(cluster: LocalCluster) -> tuple[str, list[int], dict[str, int]
                     got += msg["tokens"]
         pids: dict[str, int] = {}
         for node in p.nodes if p else ():
-            reply = await ctl.peer(node).request("list_shards")
-            for shard in reply["shards"]:
-                if shard["placement"] == NAME:
-                    pids[node] = int(shard["pid"])
+            reply = await ctl.peer(node).ask("list_shards", control.Shards)
+            for shard in reply.shards:
+                if shard.placement == NAME and shard.pid is not None:
+                    pids[node] = shard.pid
         return (p.state if p else "gone"), got, pids
     finally:
         await ctl.close()

@@ -24,7 +24,7 @@ from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory
 from studiotui.core.trust import HOME_MARK, home_mark, inventory_doubts
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.protocol import messages
+from worker.shared.protocol import control
 from worker.shared.protocol.curve import CurveKeys, make_client
 
 
@@ -137,17 +137,17 @@ def test_a_stale_pid_file_never_gets_another_process_killed(agent: LocalCluster)
 
 def ask(
     endpoint: str, client: CurveKeys, server_key: bytes, kind: str, **fields: Any
-) -> dict[str, Any] | None:
+) -> control.Message | None:
     """One request on a fresh CURVE connection; None if nothing comes back."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         make_client(sock, client, server_key)
         sock.connect(endpoint)
-        sock.send(messages.encode(kind, id=1, **fields))
+        sock.send(control.encode(control.build(kind, id=1, **fields)))
         if not sock.poll(3000):
             return None
-        return messages.decode(sock.recv())
+        return control.decode(sock.recv())
     finally:
         ctx.destroy(linger=0)
 
@@ -170,12 +170,12 @@ def test_only_the_controllers_key_drives_an_agent(agent: LocalCluster) -> None:
         ("unload", {"placement": "x"}),
     ):
         reply = ask(node.control_endpoint, peer, server, kind, **fields)
-        assert reply is not None and reply["type"] == "error", (kind, reply)
-        assert "controller's key only" in reply["message"]
+        assert isinstance(reply, control.Error), (kind, reply)
+        assert reply.code == "not_authorized" and "controller's key only" in reply.message
     # What peers do need of each other: the pings of measure_links.
-    assert ask(node.control_endpoint, peer, server, "ping_peer")["type"] == "ok"
+    assert isinstance(ask(node.control_endpoint, peer, server, "ping_peer"), control.Pong)
     boss = keys.controller_keys(agent.home)
-    assert ask(node.control_endpoint, boss, server, "hello")["type"] == "hello_reply"
+    assert isinstance(ask(node.control_endpoint, boss, server, "hello"), control.HelloReply)
     assert local_cluster.running_pid(node) == agent.pids[node.name]  # no shutdown happened
 
 
@@ -197,13 +197,13 @@ def test_only_the_controllers_key_asks_a_head_shard(agent: LocalCluster, tmp_pat
             reply = await asyncio.to_thread(
                 ask, endpoint, peer, server, "generate", rid="r", params=params, prompt="hi"
             )
-            assert reply is not None and reply["type"] == "error"
-            assert "only the controller" in reply["message"]
+            assert isinstance(reply, control.Error)
+            assert reply.code == "not_authorized" and "only the controller" in reply.message
             # The controller's own requests are served as ever.
             got = [m async for m in ctl.generate("trusted", {"prompt": "hi"}, params)]
             assert got[-1]["type"] == "done" and got[-1]["usage"]["completion_tokens"] == 3
-            stats = await ctl.head_peer(ctl.pick_placement("trusted")).request("stats")
-            assert stats["refused"] == 1
+            head = ctl.head_peer(ctl.pick_placement("trusted"))
+            assert (await head.ask("stats", control.StatsReply)).stats.refused == 1
             await ctl.unload("trusted")
         finally:
             await ctl.close()
@@ -220,7 +220,7 @@ def test_a_removed_nodes_key_is_revoked_without_a_restart(agent: LocalCluster) -
 
     def pings() -> bool:
         reply = ask(node.control_endpoint, gone, server, "ping_peer")
-        return reply is not None and reply["type"] == "ok"
+        return isinstance(reply, control.Pong)
 
     def eventually(check: Callable[[], bool]) -> None:
         deadline = time.monotonic() + 15
@@ -237,7 +237,7 @@ def test_a_removed_nodes_key_is_revoked_without_a_restart(agent: LocalCluster) -
     assert (workdir / "keys/authorized/controller.key").exists()
     eventually(lambda: not pings())
     boss = keys.controller_keys(agent.home)
-    assert ask(node.control_endpoint, boss, server, "hello")["type"] == "hello_reply"
+    assert isinstance(ask(node.control_endpoint, boss, server, "hello"), control.HelloReply)
     assert local_cluster.running_pid(node) == agent.pids[node.name]  # the same agent
 
 

@@ -15,6 +15,7 @@ from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory, local_inventory
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,8 @@ async def runner_pids(ctl: Controller, placement: str) -> dict[str, int]:
     """The pid of the placement's runner process on each node, as its agent says."""
     out = {}
     for name in ctl.inventory.names:
-        reply = await ctl.peer(name).request("list_shards")
-        for shard in reply["shards"]:
-            if shard["placement"] == placement:
-                out[name] = int(shard["pid"])
+        reply = await ctl.peer(name).ask("list_shards", control.Shards)
+        for shard in reply.shards:
+            if shard.placement == placement and shard.pid is not None:
+                out[name] = shard.pid
     return out

@@ -3,10 +3,10 @@ joining, leaving and coming apart again, and batch rows on the wire."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import msgspec
 import pytest
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -77,7 +77,7 @@ def test_batch_rows_cross_the_wire_and_bad_ones_are_refused() -> None:
         ("b", 6, "stop", [-0.5, []]),
     )
     for bad in ((("a", 1), ("a", 2)), (("a",),), ((3, 1),), (("a", "x"),)):
-        raw = encode_ring_header(replace(header, batch=bad))
+        raw = encode_ring_header(msgspec.structs.replace(header, batch=bad))
         with pytest.raises(FrameError, match="batch") as caught:
             decode_ring_header(raw, 2 * 4 * 4)
         assert caught.value.rid == "batch0"

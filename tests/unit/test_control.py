@@ -1,5 +1,5 @@
 """Typed control messages (worker/shared/protocol/control.py): what the agent really
-sends parses into the structs the controller reads; anything malformed is a
+sends decodes, once, into the structs the controller reads; anything malformed is a
 MessageError that names the message and the field, never another exception."""
 
 from __future__ import annotations
@@ -7,14 +7,12 @@ from __future__ import annotations
 import pytest
 
 from studiotui.core.state import shard_from_report
+from tests.support.wire import LOAD_SHARD, arrived
 from worker.agent import ShardProc
-from worker.shared.protocol import control, events, messages
+from worker.shared.protocol import control, events
 from worker.shared.protocol.messages import MessageError
 
-
-def _wire(kind: str, **fields: object) -> dict[str, object]:
-    """A message as it arrives: encoded, decoded and envelope-checked."""
-    return messages.decode(messages.encode(kind, **fields))
+_wire = arrived
 
 
 def _shard() -> ShardProc:
@@ -36,7 +34,9 @@ def _shard() -> ShardProc:
 
 
 def test_an_agents_shard_report_reads_back_as_the_shard_state() -> None:
-    reply = control.parse(_wire("shards", shards=[_shard().describe()]), control.Shards)
+    report = control.to_wire(_shard().describe())
+    reply = _wire("shards", shards=[report])
+    assert isinstance(reply, control.Shards)
     state = shard_from_report("n1", reply.shards[0])
     assert (state.placement, state.node, state.state) == ("p", "n1", "ready")
     assert (state.start, state.end, state.index, state.count) == (2, 4, 1, 2)
@@ -53,7 +53,7 @@ def test_telemetry_with_shards_and_unknown_fields_parses() -> None:
         time=1.5,
         version="0.1.0",
         facts={"chip": "M3 Ultra"},
-        shards=[_shard().describe()],
+        shards=[control.to_wire(_shard().describe())],
         memory_used=3,
         memory_total=8,
         cpu_pct=12,  # an int where a float is expected is a float
@@ -61,7 +61,8 @@ def test_telemetry_with_shards_and_unknown_fields_parses() -> None:
         power={"total_w": 40.0},
         something_newer={"a": 1},
     )
-    t = control.parse(msg, control.Telemetry)
+    assert isinstance(msg, control.Telemetry)
+    t = msg
     assert (t.name, t.memory_used, t.memory_total, t.cpu_pct) == ("n1", 3, 8, 12.0)
     assert t.shards[0].state == "ready" and t.power == {"total_w": 40.0}
 
@@ -99,7 +100,7 @@ def test_telemetry_with_shards_and_unknown_fields_parses() -> None:
         ),
         ("follow_job", {"job": "j", "since": "0"}, control.FollowJob, "$.since"),
         (
-            "ok",
+            "bench_done",
             {"figures": {"matmul": {"float32": {"n": 512, "gflops": "fast"}}}},
             control.DeviceBenchDone,
             "$.figures.matmul[...].gflops",
@@ -115,30 +116,21 @@ def test_telemetry_with_shards_and_unknown_fields_parses() -> None:
 def test_a_malformed_message_is_a_message_error_naming_it(
     kind: str, fields: dict[str, object], struct: type[control.Wire], words: str
 ) -> None:
+    assert control.BY_KIND[kind] is struct
     with pytest.raises(MessageError, match=kind) as caught:
-        control.parse(_wire(kind, **fields), struct)
+        _wire(kind, **fields)
     assert words in str(caught.value)
 
 
 def test_load_shard_defaults_and_types() -> None:
-    fields = {
-        "placement": "p",
-        "model_dir": "/m",
-        "start": 0,
-        "end": 2,
-        "index": 0,
-        "count": 1,
-        "data_port": 1,
-        "client_port": 2,
-        "next_endpoint": "tcp://a:1",
-        "next_key": "k",
-    }
-    req = control.parse(_wire("load_shard", **fields), control.LoadShard)
+    fields = LOAD_SHARD
+    req = _wire("load_shard", **fields)
+    assert isinstance(req, control.LoadShard)
     assert (req.prefill_chunk, req.context_tokens, req.kv_bytes) == (512, 4096, 0)
     with pytest.raises(
         MessageError, match=r"load_shard: Expected `int`, got `str` - at `\$.streams`"
     ):
-        control.parse(_wire("load_shard", **fields, streams="4"), control.LoadShard)
+        _wire("load_shard", **fields, streams="4")
 
 
 def test_runner_events_round_trip_and_anything_else_is_an_event_error() -> None:
@@ -147,7 +139,7 @@ def test_runner_events_round_trip_and_anything_else_is_an_event_error() -> None:
         events.Loading(done=3, total=9),
         events.Ready(param_bytes=10, start=0, end=2, active_bytes=7),
         events.Stats(busy=0.5, tokens=4, in_flight=1, hop_us_p50=None),
-        events.Fatal(message="out of memory while loading: bad_alloc"),
+        events.Fatal(message="out of memory while loading: bad_alloc", out_of_memory=True),
     ]
     lines = [events.encode(e) for e in sent]
     assert all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in lines)

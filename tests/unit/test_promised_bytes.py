@@ -11,14 +11,15 @@ from typing import Any
 from studiotui.core.memory import node_promised_bytes, promises_note, unreported_promised_bytes
 from studiotui.core.state import NodeState, shard_from_report
 from worker.agent import ShardProc
-from worker.shared.protocol import control, messages
+from worker.shared.protocol import control
 
 MB = 1024**2
 
 
 def _node(*shard: ShardProc, name: str = "studio-1") -> NodeState:
-    wire = messages.decode(messages.encode("shards", shards=[s.describe() for s in shard]))
-    reports = control.parse(wire, control.Shards).shards
+    wire = control.decode(control.encode(control.Shards(shards=[s.describe() for s in shard])))
+    assert isinstance(wire, control.Shards)
+    reports = wire.shards
     return NodeState(
         name,
         "10.0.0.11",
@@ -52,7 +53,7 @@ def test_a_loading_shard_commits_its_adapter_share_until_it_is_ready() -> None:
 def test_a_report_without_adapter_bytes_reads_as_none() -> None:
     # An agent from before the field (or a shard without an adapter) reports none.
     older = _shard("loading", (4 * MB, 10 * MB), kv_bytes=2 * MB)
-    described = older.describe()
+    described = control.to_wire(older.describe())
     described.pop("adapter_bytes")
     report = control.parse(described, control.ShardReport)
     assert report.adapter_bytes == 0

@@ -494,7 +494,7 @@ def test_nodes_get_no_operator_only_requirement_of_the_project() -> None:
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     on_nodes = {requirement_name(r) for r in node_requirements(project["project"])}
-    needed = {"mlx-lm", "pyzmq", "msgpack", "msgspec", "psutil", "numpy", "huggingface-hub"}
+    needed = {"mlx-lm", "pyzmq", "msgspec", "psutil", "numpy", "huggingface-hub"}
     assert needed <= on_nodes
     assert not on_nodes & {"textual", "textual-serve", "rich", "asyncssh", "aiohttp", "pypdf"}
     # The operator installs what a node runs too (local nodes, demo models, the bench).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 
 from worker.shared.protocol.frames import FrameError, RingHeader, decode_ring_header
@@ -40,8 +40,23 @@ def test_every_kind_of_header_comes_back_as_it_was_sent(header: RingHeader) -> N
 
 
 def _raw(**fields: Any) -> bytes:
+    """A header as any sender may pack it: its fields in RingHeader's order, as an array."""
     base = {"rid": "r9", "kind": "decode", "offset": 3, "dtype": "float32", "shape": [1, 1, 4]}
-    return msgpack.packb({**base, **fields})
+    given = {**base, **fields}
+    names = RingHeader.__struct_fields__
+    last = max(names.index(name) for name in given)
+    defaults = msgspec.msgpack.decode(encode(RingHeader(rid="", kind="")))
+    return msgspec.msgpack.encode(
+        [given.get(n, defaults[i]) for i, n in enumerate(names[: last + 1])]
+    )
+
+
+def test_a_header_is_an_array_of_its_fields_in_order() -> None:
+    """Compact on the wire: no field names, every field in RingHeader's order."""
+    h = RingHeader(rid="r1", kind="decode", offset=3, dtype="float16", shape=(1, 1, 8))
+    sent = msgspec.msgpack.decode(encode(h))
+    assert sent[:5] == ["r1", "decode", 3, "float16", [1, 1, 8]]
+    assert len(sent) == len(RingHeader.__struct_fields__)
 
 
 def test_unusual_fields_are_decoded_field_by_field_and_faults_named_with_the_request() -> None:
@@ -62,4 +77,8 @@ def test_unusual_fields_are_decoded_field_by_field_and_faults_named_with_the_req
     with pytest.raises(FrameError, match="payload has 15 bytes"):
         decode_ring_header(_raw(), 15)
     with pytest.raises(FrameError, match="string 'rid'"):
-        decode_ring_header(msgpack.packb({"kind": "free"}), 0)
+        decode_ring_header(msgspec.msgpack.encode({"kind": "free"}), 0)
+    with pytest.raises(FrameError, match="string 'rid'"):
+        decode_ring_header(msgspec.msgpack.encode([7, "free"]), 0)
+    with pytest.raises(FrameError, match="13 fields"):
+        decode_ring_header(msgspec.msgpack.encode(["r", "free", *([0] * 11)]), 0)

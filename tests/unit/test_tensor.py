@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.wire import LOAD_SHARD, arrived
 from worker.agent import tensor_member
 from worker.shared.protocol import control
 from worker.shared.protocol.messages import MessageError
@@ -148,7 +149,10 @@ def _load_msg(rank: int, backend: str, **extra: object) -> dict[str, object]:
 
 
 def _member(msg: dict[str, object]) -> control.TensorMember:
-    return control.parse({"type": "load_shard", **msg}, control.TensorMember)
+    """A load_shard carrying these group fields, as the agent decodes it off the wire."""
+    decoded = arrived("load_shard", **LOAD_SHARD, **msg)
+    assert isinstance(decoded, control.LoadShard)
+    return decoded
 
 
 def test_a_wrong_typed_group_field_is_a_message_error_naming_it() -> None:

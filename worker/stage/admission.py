@@ -64,7 +64,7 @@ class Admission(StageBase):
         rid = msg["rid"]
         try:
             if rid in self.head_requests or rid in self.waiting:
-                raise RequestError(f"request id {rid!r} is already in flight")
+                raise RequestError(f"request id {rid!r} is already in flight", "conflict")
             params = SamplingParams.from_dict(msg["params"])
             tools = self._tools(msg)
             if len(self.head_requests) >= self.streams and len(self.waiting) >= self.max_waiting:
@@ -72,7 +72,8 @@ class Admission(StageBase):
                 raise RequestError(
                     f"{BUSY} this placement serves {self.streams} request(s) at once and "
                     f"{len(self.waiting)} more are waiting; try again shortly, or place the "
-                    "model with more --streams"
+                    "model with more --streams",
+                    "busy",
                 )
             if problem := processor_problem(params, self.vocab):
                 raise RequestError(problem)
@@ -89,7 +90,8 @@ class Admission(StageBase):
             # once without it: such a request decodes token by token.
             spec = None if params.grammar else self._speculation(msg)
         except (RequestError, ParamError) as exc:
-            self.links.to_client(client, "failed", rid=rid, message=str(exc))
+            code = exc.code if isinstance(exc, RequestError) else "bad_request"
+            self.links.to_client(client, "failed", rid=rid, message=str(exc), code=code)
             return
         if len(self.head_requests) >= self.streams:
             # "accepted" on its turn

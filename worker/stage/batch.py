@@ -4,10 +4,10 @@ groups (mlx-lm's batched caches) that run their rows in one forward."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any, cast
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 
 from worker import families, speculation
@@ -54,7 +54,7 @@ class Batches(StageBase):
         if self.shard.is_first:
             self.sent_at[header.rid] = time.perf_counter()
         self.links.to_next(
-            replace(
+            msgspec.structs.replace(
                 header,
                 dtype=dtype_name(out),
                 shape=tuple(out.shape),
@@ -369,7 +369,7 @@ class Batches(StageBase):
         else:
             result = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
             self._mlx(mx.async_eval, result)
-        return Launched(header=replace(header, batch=rows_done), out=result)
+        return Launched(header=msgspec.structs.replace(header, batch=rows_done), out=result)
 
     def _input(self, header: RingHeader, rows: np.ndarray) -> mx.array:
         """A step's input from its rows' bytes: token ids on the head, else activations

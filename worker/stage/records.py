@@ -16,6 +16,7 @@ from worker.sampling import (
     TextStream,
 )
 from worker.shared.protocol.frames import RingHeader
+from worker.shared.protocol.messages import ErrorCode
 from worker.speculation import DraftSession, Speculation
 from worker.tool_calls import ToolCallStream
 
@@ -38,7 +39,12 @@ class Links(Protocol):
 
 
 class RequestError(ValueError):
-    pass
+    """A request the head refuses; `code` says which kind of refusal (the `failed`
+    message carries it: the operator decides on it, never on these words)."""
+
+    def __init__(self, message: str, code: ErrorCode = "bad_request") -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
 
 
 @dataclass

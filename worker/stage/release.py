@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 from typing import Any
+
+import msgspec
 
 from worker.shared.protocol.frames import RingHeader
 from worker.stage.base import StageBase
@@ -103,7 +104,7 @@ class Release(StageBase):
                 # A batch's frame itself was unusable (a bad frame names the batch):
                 # every request in that step fails, rather than waiting for ever.
                 for member in sorted(lane.flying):
-                    self._on_error(replace(header, rid=member))
+                    self._on_error(msgspec.structs.replace(header, rid=member))
                 return
             req = self.head_requests.pop(rid, None)
             if req is not None:

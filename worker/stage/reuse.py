@@ -4,8 +4,9 @@ new request, an ended request's caches kept as entries, the cache's figures."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Any, cast
+
+import msgspec
 
 from worker.families import LayerCaches
 from worker.prompt_cache import (
@@ -47,7 +48,7 @@ class Reuse(StageBase):
                 ok = False
             else:
                 self.caches[rid] = cache
-        passed = replace(header, extra={**extra, "ok": ok})
+        passed = msgspec.structs.replace(header, extra={**extra, "ok": ok})
         if self.shard.is_last:
             self.links.to_head(passed)
         else:

@@ -1,9 +1,12 @@
 """The wire between the operator and the nodes: the only module both sides import.
 
-`messages` holds the control-plane message types and their validation, `frames`
-the data-plane activation header, `curve` the ZeroMQ CURVE key handling.
+`messages` holds the control plane's version, error codes and errors, `control` every
+control message as a struct tagged by its type, with the encoder and the decoder that
+reads a message straight into its struct, `frames` the data-plane activation header,
+`curve` the ZeroMQ CURVE key handling.
 """
 
+from worker.shared.protocol.control import AnyMessage, Error, Message, build, decode, encode
 from worker.shared.protocol.curve import (
     CurveKeys,
     ensure_keypair,
@@ -19,19 +22,24 @@ from worker.shared.protocol.frames import (
 )
 from worker.shared.protocol.messages import (
     PROTOCOL_VERSION,
+    CodedError,
+    ErrorCode,
     MessageError,
-    decode,
-    encode,
-    make,
 )
 
 __all__ = [
     "DTYPE_SIZES",
     "PROTOCOL_VERSION",
+    "AnyMessage",
+    "CodedError",
     "CurveKeys",
+    "Error",
+    "ErrorCode",
     "FrameError",
+    "Message",
     "MessageError",
     "RingHeader",
+    "build",
     "decode",
     "decode_ring_header",
     "encode",
@@ -39,5 +47,4 @@ __all__ = [
     "ensure_keypair",
     "load_keypair",
     "load_public_keys",
-    "make",
 ]

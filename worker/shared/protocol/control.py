@@ -1,38 +1,76 @@
-"""Typed control messages: what an agent is asked, what it answers, what it publishes.
+"""Typed control messages: what an agent is asked, what it answers, what it publishes,
+and what a head shard is asked and streams back.
 
-`messages.decode` checks the envelope (version, type, the fields every message of a
-type must have); `parse` turns a decoded map into one of these frozen structs,
-checking every field it reads — optional ones too, and nested ones (a shard report
-inside telemetry, a peer inside measure_links) — so a read site never re-reads a
-`dict[str, Any]` with `.get()` and a default. A field of the wrong type, or a
-status no one knows, raises `MessageError` naming the message, the field and what
-was expected: the agent answers it with an error, the controller counts it dropped.
+Every message is a frozen msgspec struct tagged by its `type` (messages.Message);
+`decode` reads a message's bytes once, straight into the one struct its tag names
+(`AnyMessage`, their union), checking every field — optional ones too, and nested
+ones (a shard report inside telemetry, a peer inside measure_links) — in C. A read
+site never re-reads a `dict[str, Any]`: a handler takes its struct. A field of the
+wrong type, or a status no one knows, raises `MessageError` naming the message, the
+field and what was expected: the agent answers it with an error, the controller
+counts it dropped.
 
 Fields a message carries that a struct does not name are ignored (a newer peer may
-send more). The structs are msgspec's: `msgspec.convert` does the checking, in C.
+send more).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 import msgspec
 
 from worker.shared.manifest import FileId
 from worker.shared.protocol.limits import DEFAULT_STREAMS
-from worker.shared.protocol.messages import MessageError
+from worker.shared.protocol.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    MessageError,
+)
 from worker.shared.protocol.status import FileState, ShardStatus
 
 T = TypeVar("T")
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
-    """A control message as its reader sees it (unknown fields are ignored)."""
+    """A part of a message (a shard report, a peer, ...): fields a newer peer sends
+    that a struct does not name are ignored."""
+
+
+class Message(Wire, frozen=True, kw_only=True, tag_field="type"):
+    """A whole control message: its tag is its `type` on the wire."""
+
+    v: int = PROTOCOL_VERSION
+    id: int | str | None = None  # a request's, echoed as `re` by every reply to it
+    re: int | str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The message's type, as on the wire."""
+        tag: str = self.__struct_config__.tag  # type: ignore[assignment]
+        return tag
+
+
+class Error(Message, frozen=True, kw_only=True, tag="error"):
+    """A request refused or failed: `code` for programs, `message` for people."""
+
+    message: str
+    code: ErrorCode = "failed"
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Message) -> bytes:
+    """A message's bytes on the wire."""
+    return _encoder.encode(msg)
 
 
 def parse(raw: Any, kind: type[T]) -> T:
-    """`raw` (a decoded message, or a part of one) as a `kind`, or MessageError."""
+    """`raw` (a plain map: a record kept on disk, a probe's facts, a part of one) as a
+    `kind`, or MessageError. Messages from the network are read by `decode`."""
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
@@ -41,7 +79,7 @@ def parse(raw: Any, kind: type[T]) -> T:
 
 
 def to_wire(struct: Wire) -> dict[str, Any]:
-    """A struct's fields as the plain map msgpack sends."""
+    """A struct's fields as a plain map (to keep on disk, to show)."""
     out: dict[str, Any] = msgspec.to_builtins(struct)
     return out
 
@@ -69,7 +107,7 @@ GROUP_JOIN_S = 300.0
 JOIN_S_VAR = "STUDIOTUI_JOIN_S"
 
 
-class PrepareShard(Wire, frozen=True, kw_only=True):
+class PrepareShard(Message, frozen=True, kw_only=True, tag="prepare_shard"):
     placement: str
     # A shard reloaded after a restart asks for the ports it had (None: any free ones).
     data_port: int | None = None
@@ -88,21 +126,36 @@ class PrepareShard(Wire, frozen=True, kw_only=True):
     lease_s: float | None = None
 
 
-class RenewShards(Wire, frozen=True, kw_only=True):
+class RenewShards(Message, frozen=True, kw_only=True, tag="renew_shards"):
     """The placing controller's "still copying": the leases of these placements'
     prepared shards start again (a shard loading or loaded has none)."""
 
     placements: list[str]
 
 
-class Renewed(Wire, frozen=True, kw_only=True):
+class Renewed(Message, frozen=True, kw_only=True, tag="renewed"):
     """The placements whose prepared shard here was renewed (others are not prepared
     here any more: loaded, unloaded, or dropped when their lease lapsed)."""
 
     placements: list[str]
 
 
-class LoadShard(Wire, frozen=True, kw_only=True):
+class TensorMember(Message, frozen=True, kw_only=True):
+    """A tensor-parallel stage member's part of load_shard (no `group`: a one-node stage).
+    The agent writes the hostfile (ring) or device file (jaccl) from it, worker.group."""
+
+    group: list[str] = []  # the stage's nodes in rank order
+    rank: int = 0
+    backend: str = "ring"
+    group_addresses: list[str] = []  # each member's bridge address, in rank order
+    group_ports: list[int] = []  # each member's mx.distributed port
+    devices: Any = None  # jaccl's device map
+    followers: list[tuple[str, str]] = []  # the leader's: each follower's mirror endpoint, key
+    leader_key: str = ""  # a follower's: its leader's CURVE key
+    join_s: float = GROUP_JOIN_S  # how long the ranks wait for one another (GROUP_JOIN_S)
+
+
+class LoadShard(TensorMember, frozen=True, kw_only=True, tag="load_shard"):
     placement: str
     model_dir: str
     start: int
@@ -141,26 +194,31 @@ class LoadShard(Wire, frozen=True, kw_only=True):
     model_digest: str = ""
 
 
-class TensorMember(Wire, frozen=True, kw_only=True):
-    """A tensor-parallel stage member's part of load_shard (no `group`: a one-node stage).
-    The agent writes the hostfile (ring) or device file (jaccl) from it, worker.group."""
-
-    group: list[str] = []  # the stage's nodes in rank order
-    rank: int = 0
-    backend: str = "ring"
-    group_addresses: list[str] = []  # each member's bridge address, in rank order
-    group_ports: list[int] = []  # each member's mx.distributed port
-    devices: Any = None  # jaccl's device map
-    followers: list[tuple[str, str]] = []  # the leader's: each follower's mirror endpoint, key
-    leader_key: str = ""  # a follower's: its leader's CURVE key
-    join_s: float = GROUP_JOIN_S  # how long the ranks wait for one another (GROUP_JOIN_S)
+class Hello(Message, frozen=True, kw_only=True, tag="hello"):
+    """Who are you and what do you run (hello_reply); also the cheapest "are you there"."""
 
 
-class Unload(Wire, frozen=True, kw_only=True):
+class ListShards(Message, frozen=True, kw_only=True, tag="list_shards"):
+    """The shards this agent runs (shards)."""
+
+
+class Shutdown(Message, frozen=True, kw_only=True, tag="shutdown"):
+    """Stop the agent and every shard and job it runs (ok, then it exits)."""
+
+
+class Unload(Message, frozen=True, kw_only=True, tag="unload"):
     placement: str
 
 
-class ReadLog(Wire, frozen=True, kw_only=True):
+class Unloaded(Message, frozen=True, kw_only=True, tag="unloaded"):
+    placement: str
+
+
+class Ok(Message, frozen=True, kw_only=True, tag="ok"):
+    """Done, nothing more to say (files_commit, shutdown)."""
+
+
+class ReadLog(Message, frozen=True, kw_only=True, tag="read_log"):
     lines: int = 200
 
 
@@ -183,12 +241,12 @@ class LinkSizes(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     in_flight: int | None = None
 
 
-class MeasureLinks(Wire, frozen=True, kw_only=True):
+class MeasureLinks(Message, frozen=True, kw_only=True, tag="measure_links"):
     peers: list[LinkPeer]
     sizes: LinkSizes = LinkSizes()
 
 
-class HubDownload(Wire, frozen=True, kw_only=True):
+class HubDownload(Message, frozen=True, kw_only=True, tag="hub_download"):
     repo: str
     revision: str
     files: list[str]
@@ -197,7 +255,7 @@ class HubDownload(Wire, frozen=True, kw_only=True):
     total: int = 0  # bytes the files take, checked against the free disk first
 
 
-class DeviceBench(Wire, frozen=True, kw_only=True):
+class DeviceBench(Message, frozen=True, kw_only=True, tag="device_bench"):
     # matmul_n, copy_mib, seconds, dtypes: given as they are to worker.device_bench,
     # which checks them (limits.DEVICE_BENCH_BOUNDS) and refuses bad ones in its words
     sizes: dict[str, Any]
@@ -206,12 +264,12 @@ class DeviceBench(Wire, frozen=True, kw_only=True):
 # Model files (worker/files.py): `files` are the model's files by name, size and sha256.
 
 
-class FilesStatus(Wire, frozen=True, kw_only=True):
+class FilesStatus(Message, frozen=True, kw_only=True, tag="files_status"):
     dirs: list[str]  # folders to look in, absolute or under the agent's home
     files: list[FileId]
 
 
-class FilesCommit(Wire, frozen=True, kw_only=True):
+class FilesCommit(Message, frozen=True, kw_only=True, tag="files_commit"):
     dir: str
     files: list[FileId]
 
@@ -221,12 +279,12 @@ class ServedFile(Wire, frozen=True, kw_only=True):
     size: int
 
 
-class ServeFiles(Wire, frozen=True, kw_only=True):
+class ServeFiles(Message, frozen=True, kw_only=True, tag="serve_files"):
     dir: str
     files: list[ServedFile]
 
 
-class FetchFiles(Wire, frozen=True, kw_only=True):
+class FetchFiles(Message, frozen=True, kw_only=True, tag="fetch_files"):
     dir: str
     files: list[FileId]
     endpoint: str  # the serving agent's file server
@@ -237,11 +295,11 @@ class FetchFiles(Wire, frozen=True, kw_only=True):
 # Jobs (worker/jobs.py): one rank of a job per node, asked by studiotui.cluster.jobs.
 
 
-class JobPorts(Wire, frozen=True, kw_only=True):
+class JobPorts(Message, frozen=True, kw_only=True, tag="job_ports"):
     count: int = 1  # free ports wanted (1-16, checked by the agent)
 
 
-class StartJob(Wire, frozen=True, kw_only=True):
+class StartJob(Message, frozen=True, kw_only=True, tag="start_job"):
     job: str  # its name (checked by worker.jobs.check_name)
     job_kind: str
     rank: int
@@ -252,38 +310,73 @@ class StartJob(Wire, frozen=True, kw_only=True):
     spec: dict[str, Any] = {}  # the job's own settings, passed to it as they are
 
 
-class JobRef(Wire, frozen=True, kw_only=True):
-    """stop_job, forget_job."""
+class JobRef(Message, frozen=True, kw_only=True):
+    """A request naming one job."""
 
     job: str
 
 
-class FollowJob(JobRef, frozen=True, kw_only=True):
+class StopJob(JobRef, frozen=True, kw_only=True, tag="stop_job"):
+    pass
+
+
+class ForgetJob(JobRef, frozen=True, kw_only=True, tag="forget_job"):
+    """Forget a finished job here (forgotten says whether it was)."""
+
+
+class Forgotten(Message, frozen=True, kw_only=True, tag="forgotten"):
+    forgotten: bool
+
+
+class FollowJob(JobRef, frozen=True, kw_only=True, tag="follow_job"):
     since: int = 0  # the last event seen: only later ones are sent
 
 
-class JobStatusAsk(Wire, frozen=True, kw_only=True):
+class JobStatusAsk(Message, frozen=True, kw_only=True, tag="job_status"):
     job: str = ""  # one job ("": all)
 
 
 # ---- agent -> agent (link measurement) ------------------------------------------------
 
 
-class Token(Wire, frozen=True, kw_only=True):
-    """open_sink and close_sink (a link measurement), unserve_files (a file grant)."""
+class Token(Message, frozen=True, kw_only=True):
+    """A request naming a link sink (open_sink, close_sink) or a file grant."""
 
     token: str
 
 
-class OpenSink(Token, frozen=True, kw_only=True):
+class OpenSink(Token, frozen=True, kw_only=True, tag="open_sink"):
     in_flight: int | None = None  # messages the measuring side keeps in flight
 
 
-class SinkOpen(Wire, frozen=True, kw_only=True):
+class CloseSink(Token, frozen=True, kw_only=True, tag="close_sink"):
+    """The measured stream ended: what the sink received (sink_result)."""
+
+
+class UnserveFiles(Token, frozen=True, kw_only=True, tag="unserve_files"):
+    """End a file grant (unserved: the bytes it sent)."""
+
+
+class Unserved(Message, frozen=True, kw_only=True, tag="unserved"):
+    sent: int = 0
+
+
+class PingPeer(Message, frozen=True, kw_only=True, tag="ping_peer"):
+    """A link measurement's ping; with `echo`, its `pad` comes back whole (pong)."""
+
+    pad: bytes = b""
+    echo: bool = False
+
+
+class Pong(Message, frozen=True, kw_only=True, tag="pong"):
+    pad: bytes = b""
+
+
+class SinkOpen(Message, frozen=True, kw_only=True, tag="sink_open"):
     port: int
 
 
-class SinkResult(Wire, frozen=True, kw_only=True):
+class SinkResult(Message, frozen=True, kw_only=True, tag="sink_result"):
     bytes: int
     seconds: float
     messages: int
@@ -331,6 +424,12 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     mlx_us_p50: float | None = None
 
 
+class StatsReply(Message, frozen=True, kw_only=True, tag="stats_reply"):
+    """A head shard's answer to `stats`."""
+
+    stats: ShardStats
+
+
 class ShardReport(Wire, frozen=True, kw_only=True):
     """One shard as its agent describes it (hello_reply, shards, telemetry)."""
 
@@ -370,13 +469,19 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     silent_since: float | None = None  # wall clock
 
 
-class NodeSample(Wire, frozen=True, kw_only=True):
-    """What an agent says of its node in hello_reply and every telemetry message."""
+class AgentBrief(Message, frozen=True, kw_only=True):
+    """What provisioning reads of a hello_reply: its version, pid and memory."""
 
     version: str = ""
+    pid: int | None = None
+    memory_total: int = 0
+
+
+class NodeSample(AgentBrief, frozen=True, kw_only=True):
+    """What an agent says of its node in hello_reply and every telemetry message."""
+
     facts: dict[str, Any] = {}  # machine facts and probes, shown as they are
     shards: list[ShardReport] = []
-    memory_total: int = 0
     memory_used: int = 0
     cpu_pct: float = 0.0
     gpu_pct: float | None = None
@@ -386,16 +491,7 @@ class NodeSample(Wire, frozen=True, kw_only=True):
     pressure: dict[str, Any] = {}
 
 
-class AgentBrief(Wire, frozen=True, kw_only=True):
-    """The part of hello_reply provisioning reads. It talks to agents of other builds
-    too (the one it replaces), so it reads no more than this."""
-
-    version: str = ""
-    pid: int | None = None
-    memory_total: int = 0
-
-
-class HelloReply(NodeSample, frozen=True, kw_only=True):
+class HelloReply(NodeSample, frozen=True, kw_only=True, tag="hello_reply"):
     name: str
     pid: int
     address: str = ""
@@ -403,21 +499,21 @@ class HelloReply(NodeSample, frozen=True, kw_only=True):
     started: float = 0.0
 
 
-class Telemetry(NodeSample, frozen=True, kw_only=True):
+class Telemetry(NodeSample, frozen=True, kw_only=True, tag="telemetry"):
     name: str
     time: float
     dropped: int = 0  # control messages the agent could not accept
     refused: int = 0  # control requests from a key that may not make them
 
 
-class Prepared(Wire, frozen=True, kw_only=True):
+class Prepared(Message, frozen=True, kw_only=True, tag="prepared"):
     placement: str
     data_port: int
     client_port: int
     group_port: int = 0  # a tensor group member's port for mx.distributed (0: none)
 
 
-class LoadProgress(Wire, frozen=True, kw_only=True):
+class LoadProgress(Message, frozen=True, kw_only=True, tag="progress"):
     """A `progress` reply to load_shard: weight bytes read so far."""
 
     placement: str
@@ -425,14 +521,14 @@ class LoadProgress(Wire, frozen=True, kw_only=True):
     total: int
 
 
-class ShardReady(Wire, frozen=True, kw_only=True):
+class ShardReady(Message, frozen=True, kw_only=True, tag="shard_ready"):
     placement: str
     start: int
     end: int
     param_bytes: int = 0
 
 
-class Shards(Wire, frozen=True, kw_only=True):
+class Shards(Message, frozen=True, kw_only=True, tag="shards"):
     shards: list[ShardReport]
 
 
@@ -455,11 +551,11 @@ class LinkResult(Wire, frozen=True, kw_only=True):
     error: str = ""
 
 
-class Links(Wire, frozen=True, kw_only=True):
+class Links(Message, frozen=True, kw_only=True, tag="links"):
     links: list[LinkResult]
 
 
-class LogLines(Wire, frozen=True, kw_only=True):
+class LogLines(Message, frozen=True, kw_only=True, tag="log"):
     lines: list[str]
 
 
@@ -483,48 +579,49 @@ class DirStatus(Wire, frozen=True, kw_only=True):
         return msgspec.structs.replace(self, files=[f for f in self.files if f.name in names])
 
 
-class FilesFound(Wire, frozen=True, kw_only=True):
-    """The `ok` answer to files_status: each folder asked, in order."""
+class FilesFound(Message, frozen=True, kw_only=True, tag="files_found"):
+    """The answer to files_status: each folder asked, in order."""
 
     dirs: list[DirStatus]
 
 
-class FileProgress(Wire, frozen=True, kw_only=True):
+class FileProgress(Message, frozen=True, kw_only=True, tag="file_progress"):
     stage: str  # hashing, copying, downloading
     done: int
     total: int
 
 
-class Granted(Wire, frozen=True, kw_only=True):
-    """The `ok` answer to serve_files: where and with which token to fetch."""
+class Granted(Message, frozen=True, kw_only=True, tag="granted"):
+    """The answer to serve_files: where and with which token to fetch."""
 
     port: int
     token: str
 
 
-class Fetched(Wire, frozen=True, kw_only=True):
-    """The `ok` answer to fetch_files."""
+class Fetched(Message, frozen=True, kw_only=True, tag="fetched"):
+    """The answer to fetch_files."""
 
     path: str
     received: int
     resumed: int = 0
 
 
-class Downloaded(Wire, frozen=True, kw_only=True):
-    """The `ok` answer to hub_download."""
+class Downloaded(Message, frozen=True, kw_only=True, tag="downloaded"):
+    """The answer to hub_download."""
 
     path: str
     downloaded: int = 0
 
 
-class JobPortsFree(Wire, frozen=True, kw_only=True):
+class JobPortsFree(Message, frozen=True, kw_only=True, tag="job_ports_free"):
     """The answer to job_ports."""
 
     ports: list[int]
 
 
-class JobRank(Wire, frozen=True, kw_only=True):
-    """One rank of a job as its agent describes it (job_started, job_stopped, jobs)."""
+class JobRank(Message, frozen=True, kw_only=True, tag="job_rank"):
+    """One rank of a job as its agent describes it (in jobs; job_started and job_stopped
+    are one too)."""
 
     job: str
     job_kind: str = ""
@@ -543,14 +640,22 @@ class JobRank(Wire, frozen=True, kw_only=True):
     spec: dict[str, Any] = {}
 
 
-class JobsFound(Wire, frozen=True, kw_only=True):
+class JobStarted(JobRank, frozen=True, kw_only=True, tag="job_started"):
+    pass
+
+
+class JobStopped(JobRank, frozen=True, kw_only=True, tag="job_stopped"):
+    pass
+
+
+class JobsFound(Message, frozen=True, kw_only=True, tag="jobs"):
     """The answer to job_status."""
 
     node: str = ""
     jobs: list[JobRank] = []
 
 
-class JobEvent(Wire, frozen=True, kw_only=True):
+class JobEvent(Message, frozen=True, kw_only=True, tag="job_event"):
     """One event of a followed rank; the job's own fields stay in `data`."""
 
     node: str = ""
@@ -559,7 +664,7 @@ class JobEvent(Wire, frozen=True, kw_only=True):
     data: dict[str, Any] = {}
 
 
-class JobBeat(Wire, frozen=True, kw_only=True):
+class JobBeat(Message, frozen=True, kw_only=True, tag="job_beat"):
     """job_beat (the rank lives) and job_end (its last word)."""
 
     node: str = ""
@@ -571,7 +676,15 @@ class JobBeat(Wire, frozen=True, kw_only=True):
     seq: int = 0
 
 
-class BenchStep(Wire, frozen=True, kw_only=True):
+class JobEnd(JobBeat, frozen=True, kw_only=True, tag="job_end"):
+    pass
+
+
+class StopBench(Message, frozen=True, kw_only=True, tag="stop_bench"):
+    """The measurement asked for was given up: end its process now (bench_stopped)."""
+
+
+class BenchStep(Message, frozen=True, kw_only=True, tag="bench_step"):
     """A `bench_step` reply: the figure a benchmark starts on."""
 
     step: str = ""
@@ -588,7 +701,7 @@ class MemoryFigures(Wire, frozen=True, kw_only=True):
 
 
 class DeviceFigures(Wire, frozen=True, kw_only=True):
-    """What worker.device_bench measured (the `ok` answer to device_bench)."""
+    """What worker.device_bench measured (in bench_done, the answer to device_bench)."""
 
     device: str = ""  # which of the node's processors: "gpu" on a Mac, "cpu" here
     matmul: dict[str, MatmulFigures] = {}  # by dtype
@@ -598,11 +711,271 @@ class DeviceFigures(Wire, frozen=True, kw_only=True):
     decode: dict[str, float] = {}
 
 
-class DeviceBenchDone(Wire, frozen=True, kw_only=True):
+class DeviceBenchDone(Message, frozen=True, kw_only=True, tag="bench_done"):
     figures: DeviceFigures
 
 
-class BenchStopped(Wire, frozen=True, kw_only=True):
-    """The `ok` answer to stop_bench: how many measuring processes it ended."""
+class BenchStopped(Message, frozen=True, kw_only=True, tag="bench_stopped"):
+    """The answer to stop_bench: how many measuring processes it ended."""
 
     stopped: int = 0
+
+
+# ---- agent -> agent (a model's files, worker/files.py) ----------------------------------
+
+
+class ReadChunk(Message, frozen=True, kw_only=True, tag="read"):
+    """Up to `length` bytes of a served file from `offset` (chunk, with the bytes as the
+    message's second frame)."""
+
+    token: str
+    name: str
+    offset: int
+    length: int
+    seq: int = 0
+
+
+class Chunk(Message, frozen=True, kw_only=True, tag="chunk"):
+    offset: int
+    seq: int = 0
+
+
+# ---- controller -> head shard (worker/runner.py, worker/stage.py) ------------------------
+
+
+class Generate(Message, frozen=True, kw_only=True, tag="generate"):
+    """A request to answer: `params` the sampling (worker.sampling.SamplingParams) and
+    one of messages, prompt or tokens. The head shard checks each of them and refuses
+    a bad one in its own words (a `failed` with code bad_request), so they are taken
+    here as they come."""
+
+    rid: str
+    params: dict[str, Any]
+    messages: Any = None
+    prompt: Any = None
+    tokens: Any = None
+    tools: Any = None
+    draft: Any = None  # the request's guesser ("lookup", "model", ""); None: the placement's
+    prediction: Any = None  # a predicted answer: text or token ids
+
+
+class Cancel(Message, frozen=True, kw_only=True, tag="cancel"):
+    rid: str
+
+
+class StatsAsk(Message, frozen=True, kw_only=True, tag="stats"):
+    """The head shard's counters (stats_reply)."""
+
+
+class CacheClear(Message, frozen=True, kw_only=True, tag="cache_clear"):
+    """Empty the placement's prefix cache, every stage (cache_cleared)."""
+
+
+class CacheCleared(Message, frozen=True, kw_only=True, tag="cache_cleared"):
+    """What the head's prefix cache held: entries and bytes."""
+
+    entries: int = 0
+    bytes: int = 0
+
+
+# ---- head shard -> controller: one request's stream ---------------------------------------
+
+
+class Streamed(Message, frozen=True, kw_only=True):
+    """A message of one request's answer: numbered, so a gap (messages lost while the
+    connection was down) is seen."""
+
+    rid: str
+    seq: int | None = None
+
+
+class Accepted(Streamed, frozen=True, kw_only=True, tag="accepted"):
+    prompt_tokens: int
+    cached_tokens: int = 0  # of them, reused from the prefix cache
+
+
+class Delta(Streamed, frozen=True, kw_only=True, tag="delta"):
+    text: str
+    tokens: list[int]
+    logprobs: list[dict[str, Any]] | None = None  # each token's, if the request asked
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class Done(Streamed, frozen=True, kw_only=True, tag="done"):
+    finish_reason: str
+    usage: dict[str, Any]
+    timings: dict[str, Any] = {}
+    stop: str = ""  # the stop string that ended the answer, if one did
+
+
+class Failed(Streamed, frozen=True, kw_only=True, tag="failed"):
+    """The request failed: refused before it was accepted (`code` says why: bad_request,
+    busy, ...) or after (failed)."""
+
+    message: str
+    code: ErrorCode = "failed"
+    group_lost: list[str] = []  # a tensor group whose link broke: its nodes
+
+
+def event(msg: Streamed) -> dict[str, Any]:
+    """One message of an answer as the plain map the operator's readers take (the
+    chat, the API's shapes): its type and fields, without the envelope's. Fields
+    left at their empty default are left out, as the head leaves them out."""
+    out: dict[str, Any] = {"type": msg.kind}
+    for f in msgspec.structs.fields(msg):
+        value = getattr(msg, f.name)
+        if f.name not in _ENVELOPE and (f.required or value != _default(f)):
+            out[f.name] = value
+    return out
+
+
+_ENVELOPE = frozenset({"v", "id", "re"})
+
+
+def _default(f: msgspec.structs.FieldInfo) -> Any:
+    return f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+
+
+# ---- the union, and reading a message off the wire -----------------------------------------
+
+AnyMessage = Union[  # noqa: UP007 (msgspec reads the union from this object)
+    Hello,
+    PrepareShard,
+    RenewShards,
+    LoadShard,
+    Unload,
+    ListShards,
+    MeasureLinks,
+    PingPeer,
+    OpenSink,
+    CloseSink,
+    Shutdown,
+    ReadLog,
+    FilesStatus,
+    FilesCommit,
+    ServeFiles,
+    UnserveFiles,
+    FetchFiles,
+    HubDownload,
+    ReadChunk,
+    DeviceBench,
+    StopBench,
+    JobPorts,
+    StartJob,
+    FollowJob,
+    JobStatusAsk,
+    StopJob,
+    ForgetJob,
+    HelloReply,
+    Telemetry,
+    Prepared,
+    Renewed,
+    LoadProgress,
+    ShardReady,
+    Unloaded,
+    Shards,
+    Links,
+    LogLines,
+    Ok,
+    Error,
+    Pong,
+    SinkOpen,
+    SinkResult,
+    FilesFound,
+    FileProgress,
+    Granted,
+    Unserved,
+    Fetched,
+    Downloaded,
+    Chunk,
+    BenchStep,
+    DeviceBenchDone,
+    BenchStopped,
+    JobPortsFree,
+    JobStarted,
+    JobStopped,
+    JobsFound,
+    JobEvent,
+    JobBeat,
+    JobEnd,
+    Forgotten,
+    Generate,
+    Cancel,
+    StatsAsk,
+    CacheClear,
+    StatsReply,
+    CacheCleared,
+    Accepted,
+    Delta,
+    Done,
+    Failed,
+]
+# Each message's struct by its type (what `build` makes from a type's name).
+BY_KIND: dict[str, type[Message]] = {
+    cls.__struct_config__.tag: cls
+    for cls in AnyMessage.__args__  # type: ignore[attr-defined]
+}
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def build(kind: str, **fields: Any) -> Message:
+    """The message of type `kind` with these fields, checked as its reader checks it
+    (nested maps become their structs): for senders that name a message by its type
+    (a Stage's `to_client`, the controller's `Peer.send`). MessageError if one is wrong."""
+    try:
+        return msgspec.convert(fields, BY_KIND[kind])
+    except KeyError:
+        raise MessageError(f"unknown message type {kind!r}") from None
+    except msgspec.ValidationError as exc:
+        raise MessageError(f"{kind}: {exc}") from None
+
+
+def decode(data: bytes) -> AnyMessage:
+    """A message's bytes as its struct, every field checked; or MessageError saying
+    what is wrong (with `re` set when the message carried an id to answer)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES} limit")
+    try:
+        msg: AnyMessage = _decoder.decode(data)
+    except msgspec.DecodeError:  # ValidationError is one too: name the fault, slowly
+        raise _fault(data) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise _version_fault(msg.v, msg.id)
+    return msg
+
+
+def _fault(data: bytes) -> MessageError:
+    """Why `data` is no message: decoded as plain msgpack, the envelope checked first
+    (a peer of another version is told so, not that a field is wrong)."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError as exc:
+        return MessageError(f"not a msgpack message: {exc}")
+    if not isinstance(raw, dict):
+        return MessageError(f"expected a map, got {type(raw).__name__}")
+    rid = raw.get("id")
+    if raw.get("v") != PROTOCOL_VERSION:
+        return _version_fault(raw.get("v"), rid)
+    kind = raw.get("type")
+    if kind not in BY_KIND:
+        error = MessageError(f"unknown message type {kind!r}")
+    else:
+        try:
+            msgspec.convert(raw, BY_KIND[kind])
+        except msgspec.ValidationError as exc:
+            error = MessageError(f"{kind}: {exc}")
+        else:  # a map key msgpack allows and a struct's field names do not (an int)
+            error = MessageError(f"{kind}: a map key that is not a string")
+    if isinstance(rid, int | str) and not isinstance(rid, bool):
+        error.re = rid
+    return error
+
+
+def _version_fault(version: Any, rid: Any) -> MessageError:
+    error = MessageError(
+        f"protocol version {version!r} is not {PROTOCOL_VERSION}; "
+        "run the same studiotui version on both sides (provision --upgrade)"
+    )
+    if isinstance(rid, int | str) and not isinstance(rid, bool):
+        error.re = rid
+    return error

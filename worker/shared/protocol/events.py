@@ -46,9 +46,11 @@ class Stats(ShardStats, frozen=True, kw_only=True, tag_field="event", tag="stats
 
 
 class Fatal(Event, frozen=True, kw_only=True, tag="fatal"):
-    """The runner's last word before it exits: why."""
+    """The runner's last word before it exits: why (and whether memory ran out, which
+    the agent answers a load with as code out_of_memory)."""
 
     message: str = ""
+    out_of_memory: bool = False
 
 
 RunnerEvent = Beat | Loading | Ready | Stats | Fatal
