@@ -27,6 +27,7 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from worker import speculation
 from worker.group import GroupError
 from worker.shard import ShardLoadError, load_shard, read_config
 from worker.shared.manifest import model_digest, unhashed_bytes
@@ -289,7 +290,12 @@ class Runner:
             draft=draft,
             draft_tokens=self.spec.draft_tokens,
             draft_model=draft_model,
+            # A tensor group's ranks must decide alike: timed steps differ between them.
+            row_cost=speculation.ROW_COST if self.spec.group_size > 1 else None,
         )
+        # The first answer would otherwise pay for MLX's kernels and compiled functions
+        # and the chat template's compile (seconds to its first token, not the second's).
+        self.stage.warm_up()
         emit(
             events.Ready(
                 param_bytes=shard.param_bytes,
@@ -649,6 +655,7 @@ class Runner:
             "batched_rows": s.batched_rows,
             "drafted": s.drafted,
             "kept": s.kept,
+            "warm_ms": self.stage.warmed.get("total", 0.0),
             "active_bytes": mx.get_active_memory(),
             **self.stage.cache_stats(),
             **{

@@ -40,6 +40,13 @@ MIN_ACCEPTANCE = 0.3
 JUDGE_AFTER = 12
 # ... and for a lookup request that found nothing to propose this many times running.
 IDLE_ROUNDS = 16
+# A request's acceptance before it has guessed: what a batch expects of its guesses.
+PRIOR_ACCEPTANCE = 0.5
+# Batched verify steps (`batch_pays`): a row-position's compute as a share of a step's
+# fixed cost (reading the weights, the trips around the ring) until the head has timed
+# steps of different sizes, and how much more a verify step must yield to be taken.
+ROW_COST = 0.05
+BATCH_MARGIN = 0.05
 
 
 def lookup(sources: Sequence[Sequence[int]], context: Sequence[int], k: int) -> list[int]:
@@ -104,6 +111,12 @@ class Speculation:
     def rejected(self) -> int:
         return self.drafted - self.kept
 
+    @property
+    def acceptance(self) -> float:
+        """The share of its recent guesses kept (PRIOR_ACCEPTANCE before any)."""
+        made = sum(d for d, _ in self.recent)
+        return sum(a for _, a in self.recent) / made if made else PRIOR_ACCEPTANCE
+
     def budget(self, room: int) -> int:
         """Guesses the next frame may carry: K, within `room` (the tokens the answer may
         still have past the next one, and the context's)."""
@@ -142,6 +155,90 @@ def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens one verify frame of `k` guesses yields when each is kept with probability
     `acceptance` (independently): 1 + a + a^2 + ... + a^k."""
     return float(sum(acceptance**i for i in range(k + 1)))
+
+
+def batch_pays(expected: Sequence[float], width: int, row_cost: float) -> bool:
+    """Whether a batch's step should verify guesses: `expected` is the tokens each row
+    would yield from it (1 for a row without guesses), `width` the positions every row
+    then computes (1 + the most guesses of a row: the others are padded to it). A step
+    costs 1 (its fixed part) plus `row_cost` per row-position; a decode step computes
+    one position a row and yields one token a row. Guesses pay when their tokens per
+    unit of cost beat decoding's by BATCH_MARGIN: a large batch, whose rows already
+    fill the compute, or guesses seldom kept, decode without them."""
+    rows = len(expected)
+    if rows == 0 or width <= 1:
+        return False
+    guessing = sum(expected) / (1 + row_cost * rows * width)
+    decoding = rows / (1 + row_cost * rows)
+    return guessing > decoding * (1 + BATCH_MARGIN)
+
+
+def row_cost(steps: Sequence[tuple[int, float]]) -> float | None:
+    """A row-position's cost as a share of a step's fixed cost, fitted (least squares,
+    seconds = fixed + per_position x positions) to timed steps (positions, seconds);
+    None until there are 8 steps whose sizes differ by 2x or more."""
+    if len(steps) < 8:
+        return None
+    sizes = [n for n, _ in steps]
+    if max(sizes) < 2 * min(sizes):
+        return None
+    mean_n = sum(sizes) / len(steps)
+    mean_t = sum(t for _, t in steps) / len(steps)
+    spread = sum((n - mean_n) ** 2 for n in sizes)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in steps) / spread
+    fixed = mean_t - slope * mean_n
+    if fixed <= 0:
+        return 1.0  # all cost scales with the positions: guesses in a batch never pay
+    return min(1.0, max(0.0, slope / fixed))
+
+
+def _leaves(caches: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for cache in caches:
+        inner = getattr(cache, "caches", None)
+        out += _leaves(list(inner)) if isinstance(inner, tuple | list) else [cache]
+    return out
+
+
+def batch_reason(caches: Sequence[Any]) -> str:
+    """Why a batch of requests holding these caches (one request's, mlx-lm's) cannot
+    verify guesses in one pass ("" if it can): each row keeps its own number of guesses,
+    so each is cut back by its own amount, which mlx-lm's `BatchKVCache` does (its
+    right padding rolled to the left, `prepare` / `finalize`); other batched caches
+    cannot."""
+    for cache in _leaves(caches):
+        if type(cache).__name__ != "KVCache":
+            return f"its {type(cache).__name__} cannot cut the rows of a batch back one by one"
+    return ""
+
+
+# A batch's caches drop the padding all its rows have on the left once it is this wide.
+COMPACT_AFTER = 32
+
+
+def rewind_rows(caches: Sequence[Any], amounts: Sequence[int]) -> None:
+    """Cut row i of a batch's caches (mlx-lm's `BatchKVCache`s) back by amounts[i]: all
+    by the least, then each by the rest, which mlx-lm's `finalize` rolls into the row's
+    left padding (masked from then on)."""
+    if not any(amounts):
+        return
+    least = min(amounts)
+    rest = [a - least for a in amounts]
+    for cache in _leaves(caches):
+        if least:
+            cache.trim(least)
+        if any(rest):
+            cache.prepare(right_padding=rest)
+            cache.finalize()
+    leaves = _leaves(caches)
+    # Padding every row has is dropped (mlx-lm's `filter` does it) now and then.
+    if (
+        any(rest)
+        and leaves
+        and int(cast(int, mx.min(leaves[0].left_padding).item())) >= COMPACT_AFTER
+    ):
+        for cache in leaves:
+            cache.filter(list(range(len(amounts))))
 
 
 def trim_reason(caches: Sequence[Any]) -> str:
@@ -196,8 +293,31 @@ class DraftSession:
         self.cache = make_prompt_cache(model)
         self.seen: list[int] = []
         self.prefill_chunk = prefill_chunk
+        # Guesses made ahead (`guess_ahead`): the context they assume, and them; and
+        # the proposals they served.
+        self.ahead: tuple[list[int], list[int]] | None = None
+        self.served_ahead = 0
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and len(ahead[1]) >= k and ahead[0] == list(context):
+            self.served_ahead += 1
+            return ahead[1][:k]  # the guesses made while the last step was out
+        return self._propose(context, k)
+
+    def guess_ahead(self, context: Sequence[int], guesses: Sequence[int], k: int) -> None:
+        """While a verify step of `guesses` is out, guess the step after it as if every
+        guess is kept and the big model's next token is the draft's own: the step after
+        then starts without waiting for the draft. The draft ran while the head had
+        nothing else to do (the ring computed); a wrong assumption only costs that, and
+        `propose` cuts the draft's cache back to what agrees."""
+        if k <= 0 or not guesses:
+            return
+        assumed = [*context, *guesses]
+        made = self._propose(assumed, k + 1)
+        self.ahead = ([*assumed, made[0]], made[1:])
+
+    def _propose(self, context: Sequence[int], k: int) -> list[int]:
         if k <= 0:
             return []
         same = 0

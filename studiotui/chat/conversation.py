@@ -33,15 +33,7 @@ from studiotui.chat.budget import (
     request_messages,
 )
 from studiotui.chat.commands import Command, help_text
-from studiotui.chat.documents import (
-    Passage,
-    Selection,
-    build_prompt,
-    local_chars_per_token,
-    read_document,
-    select_passages,
-    split_passages,
-)
+from studiotui.chat.documents import Selection, build_prompt, local_chars_per_token, select_passages
 from studiotui.chat.history import (
     Conversation,
     Document,
@@ -52,6 +44,7 @@ from studiotui.chat.history import (
 )
 from studiotui.chat.store import HistoryStore
 from studiotui.cluster.controller import Controller, GenerationError
+from studiotui.core.documents import Passage, read_document, split_passages
 from studiotui.core.errors import StudioError
 from studiotui.core.state import LogLevel, PlacementState
 from studiotui.core.text import printable

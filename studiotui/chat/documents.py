@@ -1,12 +1,10 @@
-"""Documents attached to a conversation: text, Markdown or PDF → numbered passages.
+"""Documents attached to a conversation: which of their passages go into a prompt.
 
-A document that fits in the prompt goes in whole. A longer one is cut into
-passages of about PASSAGE_WORDS words (paragraphs kept together where they fit,
-a Markdown heading starting a new passage, a long paragraph cut at sentences)
-and the passages most related to the question are chosen with BM25 over words:
-a plain, local, explainable ranking. Nothing here talks to the network; the text
-of a document never leaves the operator's machine except as part of a prompt to
-the cluster's own shards.
+A document (read and cut into passages by `core.documents`) that fits in the prompt
+goes in whole. Of a longer one the passages most related to the question are chosen
+with BM25 over words: a plain, local, explainable ranking. Nothing here talks to the
+network; the text of a document never leaves the operator's machine except as part
+of a prompt to the cluster's own shards.
 """
 
 from __future__ import annotations
@@ -19,19 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from studiotui.core.errors import StudioError
+from studiotui.core.documents import Passage
 
-PASSAGE_WORDS = 150
-MAX_PASSAGE_WORDS = 220
-MAX_FILE_BYTES = 50 * 1024 * 1024
 # Passages scoring below this share of the best are left out even when they would
 # fit: they share a common word with the question and little else.
 RELATIVE_CUTOFF = 0.2
 BM25_K1 = 1.2
 BM25_B = 0.75
-PAGE_BREAK = "\f"
-
-TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text", ""}
 
 # Small on purpose: the words that say nothing about which passage is meant.
 _STOPWORDS = """a an and are as at be been but by can could did do does for from had has have how i
@@ -40,22 +32,6 @@ _STOPWORDS = """a an and are as at be been but by can could did do does for from
     would you your he his her about also any all more most other some such only own same
     should just very"""
 STOPWORDS = frozenset(_STOPWORDS.split())
-
-
-class DocumentError(StudioError, ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Passage:
-    document: str
-    number: int  # 1-based, in document order
-    text: str
-    page: int | None = None  # PDF page it starts on
-
-    @property
-    def words(self) -> int:
-        return len(self.text.split())
 
 
 @dataclass(frozen=True)
@@ -70,55 +46,6 @@ class Selection:
         for p in self.passages:
             by_doc.setdefault(p.document, []).append(p.number)
         return [{"document": d, "passages": sorted(n)} for d, n in by_doc.items()]
-
-
-# ---- reading -------------------------------------------------------------------------
-
-
-def read_document(path: Path) -> tuple[str, str]:
-    """(kind, text) of a text, Markdown or PDF file; DocumentError says why not."""
-    path = path.expanduser()
-    if not path.exists():
-        raise DocumentError(f"{path} does not exist: check the path")
-    if path.is_dir():
-        raise DocumentError(f"{path} is a folder: attach one file (text, Markdown or PDF)")
-    if not path.is_file():
-        raise DocumentError(f"{path} is not a file")
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise DocumentError(f"{path.name} is {size / 1e6:.0f} MB; the limit is 50 MB")
-    suffix = path.suffix.lower()
-    if suffix == ".pdf":
-        return "pdf", _read_pdf(path)
-    raw = path.read_bytes()
-    if b"\x00" in raw[:8192]:
-        raise DocumentError(f"{path.name} does not look like text: attach text, Markdown or PDF")
-    text = raw.decode("utf-8", errors="replace")
-    if not text.strip():
-        raise DocumentError(f"{path.name} is empty")
-    kind = "markdown" if suffix in (".md", ".markdown") else "text"
-    return kind, text
-
-
-def _read_pdf(path: Path) -> str:
-    try:
-        from pypdf import PdfReader
-        from pypdf.errors import PdfReadError
-    except ImportError:  # pragma: no cover - pypdf is a dependency
-        raise DocumentError("reading PDF needs the pypdf package") from None
-    try:
-        reader = PdfReader(path)
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise DocumentError(f"{path.name} is encrypted with a password")
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except (PdfReadError, ValueError, KeyError, OSError) as exc:
-        raise DocumentError(f"cannot read {path.name} as PDF: {exc}") from None
-    if not any(p.strip() for p in pages):
-        raise DocumentError(
-            f"no text in {path.name}: a scanned PDF holds pictures of pages, not text"
-        )
-    # Pages are kept apart so passages can say where they start.
-    return PAGE_BREAK.join(pages)
 
 
 # ---- sizes in tokens -----------------------------------------------------------------
@@ -145,85 +72,6 @@ def local_chars_per_token(model_dir: str) -> float | None:
     except Exception:  # missing, unreadable or not a tokenizers file: estimate instead
         return None
     return len(_SAMPLE) / tokens if tokens else None
-
-
-# ---- passages ------------------------------------------------------------------------
-
-
-def split_passages(
-    name: str, text: str, target_words: int = PASSAGE_WORDS, max_words: int = MAX_PASSAGE_WORDS
-) -> list[Passage]:
-    pages = text.split(PAGE_BREAK)
-    numbered = len(pages) > 1
-    chunks: list[tuple[str, int | None]] = []
-    current: list[str] = []
-    current_words = 0
-    current_page: int | None = None
-
-    def flush() -> None:
-        nonlocal current, current_words
-        if current:
-            chunks.append(("\n\n".join(current), current_page))
-        current, current_words = [], 0
-
-    for page_no, page in enumerate(pages, start=1):
-        # A passage stays on one page, so "page N" in the prompt is exact.
-        flush()
-        for block in _blocks(page):
-            for piece in _cut_long(block, target_words, max_words):
-                words = len(piece.split())
-                heading = piece.lstrip().startswith("#")
-                if current and (heading or current_words + words > target_words):
-                    flush()
-                if not current:
-                    current_page = page_no if numbered else None
-                current.append(piece)
-                current_words += words
-    flush()
-    return [Passage(name, i, chunk, page) for i, (chunk, page) in enumerate(chunks, start=1)]
-
-
-def _blocks(text: str) -> list[str]:
-    """Paragraphs: split at blank lines, and before each Markdown heading."""
-    out: list[str] = []
-    for para in re.split(r"\n\s*\n", text):
-        lines: list[str] = []
-        for line in para.splitlines():
-            clean = " ".join(line.split())
-            if clean.startswith("#") and lines:
-                out.append("\n".join(lines))
-                lines = []
-            if clean:
-                lines.append(clean)
-        if lines:
-            out.append("\n".join(lines))
-    return out
-
-
-def _cut_long(block: str, target: int, limit: int) -> list[str]:
-    if len(block.split()) <= limit:
-        return [block]
-    sentences = re.split(r"(?<=[.!?])\s+", block)
-    pieces: list[str] = []
-    current: list[str] = []
-    count = 0
-    for sentence in sentences:
-        words = sentence.split()
-        # A "sentence" longer than a passage (a PDF page with no full stops) is cut by words.
-        while len(words) > limit:
-            if current:
-                pieces.append(" ".join(current))
-                current, count = [], 0
-            pieces.append(" ".join(words[:target]))
-            words = words[target:]
-        if current and count + len(words) > target:
-            pieces.append(" ".join(current))
-            current, count = [], 0
-        current += words
-        count += len(words)
-    if current:
-        pieces.append(" ".join(current))
-    return pieces
 
 
 # ---- ranking -------------------------------------------------------------------------

@@ -14,12 +14,12 @@ from rich.table import Table
 
 from studiotui.cli.args import inventory_of
 from studiotui.cluster.benchmark import Benchmark
-from studiotui.cluster.controller import Controller
+from studiotui.cluster.session import open_controller
 from studiotui.core import benchmark as figures
 from studiotui.core.benchmark import Sizes, Step
-from studiotui.core.benchmark_view import compare_markdown, compare_table, markdown, report
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import SelectionError, resolve_group
+from studiotui.views.benchmark import compare_markdown, compare_table, markdown, report
 
 console = Console(highlight=False)
 # Progress goes to stderr, so `--json` leaves stdout one JSON object.
@@ -188,8 +188,7 @@ async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
         raise UserError(str(exc)) from None
-    ctl = Controller(home, inv)
-    try:
+    async with open_controller(inv, home, ask=None) as ctl:
         bench = Benchmark(ctl, nodes, sizes, None, args.placement)
         # Unknown nodes and placements refused before the bar shows (`run` asks again:
         # a placement may have gone meanwhile).
@@ -212,8 +211,6 @@ async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
 
             bench.on_step = on_step
             run = await bench.run()
-    finally:
-        await ctl.close()
     path = figures.save(home, run)
     if args.json:
         print(json.dumps(figures.to_json(run)))

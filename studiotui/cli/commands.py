@@ -40,7 +40,7 @@ from studiotui.cluster.controller import (
     SavedShard,
 )
 from studiotui.cluster.model_sync import SyncRefused
-from studiotui.cluster.session import wait_until_up
+from studiotui.cluster.session import open_controller, wait_until_up
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
     adapter_placement_name,
@@ -67,7 +67,6 @@ from studiotui.core.placement import (
     Refusal,
     context_beyond,
     format_bytes,
-    render_plan,
     tensor_refusal,
     tensor_sizes,
 )
@@ -82,6 +81,7 @@ from studiotui.core.traffic import (
 )
 from studiotui.provision import restart
 from studiotui.provision.deploy import Outcome
+from studiotui.views.plan import render_plan
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 
@@ -124,9 +124,8 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
         inv = inventory_of(args, home)
     local = [n for n in inv.nodes if n.is_local]
     remote = [n for n in inv.nodes if not n.is_local]
-    ctl = Controller(home, inv)
     done: restart.Restarted | None = None
-    try:
+    async with open_controller(inv, home, ask=None) as ctl:
         names = [n.name for n in local]
         if names and restart.has_kept(ctl, names):
             # `down` kept these nodes' shards: started, they load them again, as after
@@ -143,8 +142,6 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
                 local_cluster.start_agent(home, node, inv)
             missing = await wait_until_up(ctl, names, timeout=30.0)
         print_nodes(ctl)
-    finally:
-        await ctl.close()
     if done is not None:
         print_restarted(done)
     if remote:
@@ -172,8 +169,7 @@ async def cmd_down(args: argparse.Namespace, home: Path, inv: Inventory | None =
     idle = [
         n for n in names if inv.node(n).is_local and local_cluster.running_pid(inv.node(n)) is None
     ]
-    ctl = Controller(home, inv)
-    try:
+    async with open_controller(inv, home, ask=None) as ctl:
         live = [n for n in names if n not in idle]
         # Placements stay planned, even one whose every node stops: `restart` and `up`
         # load the kept shards again (`unload` forgets one for good).
@@ -182,8 +178,6 @@ async def cmd_down(args: argparse.Namespace, home: Path, inv: Inventory | None =
         stops.record_stops(home, inv.name, live)
         results = await ctl.shutdown(live)
         results.update({n: "not running" for n in idle})
-    finally:
-        await ctl.close()
     for name in names:
         node = inv.node(name)
         if node.is_local:
@@ -295,10 +289,8 @@ def _nobody_home(inv: Inventory) -> bool:
 
 async def cmd_status(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
-    ctl = Controller(home, inv)
-    try:
-        # No agent process here to answer: ask briefly rather than wait the full timeout.
-        await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
+    # No agent process here to answer: ask briefly rather than wait the full timeout.
+    async with open_controller(inv, home, ask=0.3 if _nobody_home(inv) else 2.0) as ctl:
         if args.json:
             rates = await sample_rates(ctl, STATUS_RATE_WINDOW_S)
             console.print_json(
@@ -307,8 +299,6 @@ async def cmd_status(args: argparse.Namespace, home: Path) -> int:
         else:
             print_nodes(ctl)
             print_running(home)
-    finally:
-        await ctl.close()
     if not any(n.state == "up" for n in ctl.state.nodes):
         errors.print(f"no node of cluster {inv.name} is up: start it with {start_hint(inv)}")
         return 1
@@ -528,14 +518,10 @@ async def adapter_here(spec: str | Path, home: Path, inv: Inventory) -> Path:
         if record is None or Path(spec).expanduser().exists():
             raise
     console.print(f"adapter {spec} is job {spec}'s, not here yet: fetching it from its node")
-    ctl = Controller(home, inv)
-    try:
-        await ctl.refresh()
+    async with open_controller(inv, home) as ctl:
         await fetch_adapter(ctl, record)
         for line in ctl.state.log[-1:]:
             console.print(line.text)
-    finally:
-        await ctl.close()
     return resolve_adapter(spec, home)
 
 
@@ -647,9 +633,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
         raise UserError(str(exc)) from None
-    ctl = Controller(home, inv)
-    try:
-        await ctl.refresh()
+    async with open_controller(inv, home) as ctl:
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         if not group:
             raise UserError(
@@ -767,8 +751,6 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         console.print(
             f"placement [bold]{result.placement.name}[/] is ready ({result.placement.label})"
         )
-    finally:
-        await ctl.close()
     return 0
 
 
@@ -797,7 +779,17 @@ def print_shapes(
     `--tensor N` would take), as the preview lists them."""
     chips = ctl.node_chips(group)
     links = links_from_state(ctl.state)
-    guess = forecast(facts, the_plan, chips, links, streams=the_plan.streams)
+    draft_arg = getattr(args, "draft", None) or ""
+    draft = "lookup" if draft_arg == "lookup" else ("model" if draft_arg else "")
+    guess = forecast(
+        facts,
+        the_plan,
+        chips,
+        links,
+        streams=the_plan.streams,
+        draft=draft,
+        draft_tokens=getattr(args, "draft_tokens", 0) or 0,
+    )
     model = args.model_dir.expanduser().name
     last = ctl.last_measured(model, the_plan.shape)
     console.print(f"forecast ({the_plan.shape}): {describe(guess, last)}")
@@ -839,9 +831,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
         nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
     except SelectionError as exc:
         raise UserError(str(exc)) from None
-    ctl = Controller(home, inv)
-    try:
-        await ctl.refresh()
+    async with open_controller(inv, home) as ctl:
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         down = [n for n in group if (s := ctl.state.node(n)) is None or s.state != "up"]
         if down or not group:
@@ -880,20 +870,16 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
                 console.print(entry.text)
         for node, path in where.items():
             console.print(f"{node}: {path}")
-    finally:
-        await ctl.close()
     return 0
 
 
 async def cmd_unload(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
-    ctl = Controller(home, inv)
-    try:
-        await ctl.unload(args.name)
-    except PlacementError as exc:
-        raise UserError(str(exc)) from None
-    finally:
-        await ctl.close()
+    async with open_controller(inv, home, ask=None) as ctl:
+        try:
+            await ctl.unload(args.name)
+        except PlacementError as exc:
+            raise UserError(str(exc)) from None
     console.print(f"placement {args.name} unloaded")
     return 0
 
@@ -902,9 +888,7 @@ async def cmd_cache(args: argparse.Namespace, home: Path) -> int:
     """`studiotui cache clear [PLACEMENT]`: empty a placement's prefix cache (every
     placement's when none is named)."""
     inv = inventory_of(args, home)
-    ctl = Controller(home, inv)
-    try:
-        await ctl.refresh()
+    async with open_controller(inv, home) as ctl:
         names = [args.placement] if args.placement else [p.name for p in ctl.state.placements]
         if not names:
             raise UserError("no placement to clear: place a model first (studiotui place)")
@@ -917,8 +901,6 @@ async def cmd_cache(args: argparse.Namespace, home: Path) -> int:
                 f"placement {name}: prompt cache cleared ({entries} entries, "
                 f"{format_bytes(size)} on the head)"
             )
-    finally:
-        await ctl.close()
     return 0
 
 
@@ -939,45 +921,44 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
         "seed": args.seed,
         "stop": args.stop,
     }
-    ctl = Controller(home, inv)
     try:
-        await ctl.refresh(timeout=0.3 if _nobody_home(inv) else 2.0)
-        # The whole way to an answer, once, rather than one step per failed command.
-        place = "place a model (`studiotui place MODEL_DIR`; `studiotui demo-model DIR` writes one)"
-        if not any(n.state == "up" for n in ctl.state.nodes):
-            raise UserError(
-                f"no node is up: start the cluster with {start_hint(inv)}, {place}, then chat"
+        async with open_controller(inv, home, ask=0.3 if _nobody_home(inv) else 2.0) as ctl:
+            # The whole way to an answer, once, rather than one step per failed command.
+            place = (
+                "place a model (`studiotui place MODEL_DIR`; `studiotui demo-model DIR` writes one)"
             )
-        if not ctl.state.placements:
-            raise UserError(f"no placement yet: {place}, then chat")
-        done: dict[str, Any] = {}
-        try:
-            async for msg in ctl.generate(args.placement, request, params):
-                if msg["type"] == "delta":
-                    # As the dashboard's chat: a model's ESC must not drive the terminal.
-                    sys.stdout.write(printable(msg["text"]))
-                    sys.stdout.flush()
-                elif msg["type"] == "done":
-                    done = msg
-        except asyncio.CancelledError:
-            # Ctrl-C: the request is cancelled on the cluster as the generator closes;
-            # the shell's prompt goes on a line of its own.
+            if not any(n.state == "up" for n in ctl.state.nodes):
+                raise UserError(
+                    f"no node is up: start the cluster with {start_hint(inv)}, {place}, then chat"
+                )
+            if not ctl.state.placements:
+                raise UserError(f"no placement yet: {place}, then chat")
+            done: dict[str, Any] = {}
+            try:
+                async for msg in ctl.generate(args.placement, request, params):
+                    if msg["type"] == "delta":
+                        # As the dashboard's chat: a model's ESC must not drive the terminal.
+                        sys.stdout.write(printable(msg["text"]))
+                        sys.stdout.flush()
+                    elif msg["type"] == "done":
+                        done = msg
+            except asyncio.CancelledError:
+                # Ctrl-C: the request is cancelled on the cluster as the generator closes;
+                # the shell's prompt goes on a line of its own.
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                errors.print("[dim]stopped: the answer was cancelled[/]")
+                raise
             sys.stdout.write("\n")
-            sys.stdout.flush()
-            errors.print("[dim]stopped: the answer was cancelled[/]")
-            raise
-        sys.stdout.write("\n")
-        t = done.get("timings", {})
-        u = done.get("usage", {})
-        errors.print(
-            f"[dim]{u.get('prompt_tokens', 0)} tokens in, {u.get('completion_tokens', 0)} out, "
-            f"first token {t.get('ttft_ms', 0):.0f} ms, {t.get('decode_tps', 0):.1f} tok/s, "
-            f"finish: {done.get('finish_reason', '?')}[/]"
-        )
+            t = done.get("timings", {})
+            u = done.get("usage", {})
+            errors.print(
+                f"[dim]{u.get('prompt_tokens', 0)} tokens in, {u.get('completion_tokens', 0)} out, "
+                f"first token {t.get('ttft_ms', 0):.0f} ms, {t.get('decode_tps', 0):.1f} tok/s, "
+                f"finish: {done.get('finish_reason', '?')}[/]"
+            )
     except GenerationError as exc:
         raise UserError(str(exc)) from None
-    finally:
-        await ctl.close()
     return 0
 
 
@@ -988,8 +969,7 @@ async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     if args.node not in inv.names:
         raise UserError(f"unknown node {args.node!r}; known: {', '.join(inv.names)}")
-    ctl = Controller(home, inv)
-    try:
+    async with open_controller(inv, home, ask=None) as ctl:
         seen: list[str] = []
         while True:
             try:
@@ -1003,8 +983,6 @@ async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
             if not args.follow:
                 return 0
             await asyncio.sleep(1.0)
-    finally:
-        await ctl.close()
 
 
 def _new_lines_start(seen: list[str], lines: list[str]) -> int:

@@ -23,7 +23,7 @@ from rich.text import Text
 from studiotui.cli import commands
 from studiotui.cli.args import inventory_of
 from studiotui.cluster import local_cluster, stops
-from studiotui.cluster.controller import Controller
+from studiotui.cluster.session import open_controller
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.placement import format_bytes
@@ -219,8 +219,7 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
 
     # Replacing an agent stops its shards, and a node `down` stopped had shards kept for
     # it: load them again, as `restart` does. Otherwise nothing is asked of the agents.
-    ctl = Controller(home, inv)
-    try:
+    async with open_controller(inv, home, ask=None) as ctl:
         if upgrade and not getattr(args, "yes", False):
             # Replacing an agent stops the job ranks it runs, as a restart does.
             ending_jobs_refused("upgrade", "upgrading", await ft.jobs_on(ctl, names))
@@ -236,8 +235,6 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
             doing="upgrade" if upgrade else "provisioning",
             on_back=_say_back,
         )
-    finally:
-        await ctl.close()
     commands.print_restarted(done)
     return 0 if done.ok else 1
 
@@ -252,15 +249,12 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
     selected = _select(inv, getattr(args, "nodes", []) or [])
     names = [n.name for n in selected]
-    ctl = Controller(home, inv)
-    try:
+    async with open_controller(inv, home, ask=None) as ctl:
         if not getattr(args, "yes", False):
             ending_jobs_refused("restart", "restarting", await ft.jobs_on(ctl, names))
         done = await restart.restart_nodes(
             ctl, names, on_reload=commands.say_reloading, on_back=_say_back
         )
-    finally:
-        await ctl.close()
     commands.print_restarted(done)
     return 0 if done.ok else 1
 
@@ -280,11 +274,8 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     if not getattr(args, "yes", False):
         # A local node with no agent runs nothing, and asking it would wait out a timeout.
         running = [n for n in names if n not in local or local_cluster.running_pid(inv.node(n))]
-        ctl = Controller(home, inv)
-        try:
+        async with open_controller(inv, home, ask=None) as ctl:
             ending_jobs_refused("stop", "stopping", await ft.jobs_on(ctl, running))
-        finally:
-            await ctl.close()
     code = 0
     if local:
         code = await commands.cmd_down(
@@ -299,11 +290,8 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
 
     kept = []
     if remote_nodes:
-        ctl = Controller(home, inv)
-        try:
+        async with open_controller(inv, home, ask=None) as ctl:
             kept = await commands.keep_for_restart(ctl, [n.name for n in remote_nodes])
-        finally:
-            await ctl.close()
     remote = [n.name for n in remote_nodes]
     stopped: set[str] = set()
     stops.record_stops(home, inv.name, remote)

@@ -91,13 +91,11 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
     from studiotui.api.server import MODELS, is_loopback, start_server
     from studiotui.cli.args import inventory_of
     from studiotui.cluster import running
-    from studiotui.cluster.controller import Controller
+    from studiotui.cluster.session import open_controller
 
     key_file = key_file_of(args)
     inv = inventory_of(args, home)
-    ctl = Controller(home, inv)
-    try:
-        await ctl.start(telemetry=True)
+    async with open_controller(inv, home, telemetry=True) as ctl:
         try:
             server = await start_server(ctl, args.host, args.port, args.api_key, key_file)
         except OSError as exc:
@@ -115,8 +113,6 @@ async def _serve_main(args: argparse.Namespace, home: Path) -> None:
             await until_stopped(server)
         finally:
             running.unregister(pid_file)
-    finally:
-        await ctl.close()
 
 
 async def until_stopped(server: Any) -> None:

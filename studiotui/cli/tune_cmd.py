@@ -19,6 +19,7 @@ from studiotui.cli.commands import resolve_model, start_hint, transfer_shown
 from studiotui.cluster import jobs
 from studiotui.cluster.adapter_fetch import AdapterFetchError, fetch_adapter
 from studiotui.cluster.controller import Controller
+from studiotui.cluster.session import open_controller
 from studiotui.core.errors import UserError
 from studiotui.core.inventory import Inventory, SelectionError, resolve_group
 from studiotui.core.jobs import JobProgress, JobWatch
@@ -138,9 +139,7 @@ def resume_conflicts(args: argparse.Namespace) -> list[str]:
 
 async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
-    ctl = Controller(home, inv)
-    try:
-        await ctl.refresh()
+    async with open_controller(inv, home) as ctl:
         if args.resume:
             conflicts = resume_conflicts(args)
             if conflicts:
@@ -175,8 +174,6 @@ async def cmd_finetune(args: argparse.Namespace, home: Path) -> int:
             console.print(f"job {req.name} runs on the nodes: studiotui jobs follow {req.name}")
             return 0
         return await _follow(ctl, record)
-    finally:
-        await ctl.close()
 
 
 async def _follow(ctl: Controller, record: jobs.JobRecord) -> int:
@@ -255,9 +252,7 @@ def _duration(seconds: float | None) -> str:
 
 async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
     inv = inventory_of(args, home)
-    ctl = Controller(home, inv)
-    try:
-        await ctl.refresh()
+    async with open_controller(inv, home) as ctl:
         up = [n.name for n in ctl.state.nodes if n.state == "up"]
         if args.action in ("stop", "follow", "forget", "fetch"):
             if not args.name:
@@ -300,8 +295,6 @@ async def cmd_jobs(args: argparse.Namespace, home: Path) -> int:
                 rank = found.get(name, {}).get(node)
                 rows.append([name, record.kind if record else "?", node, *_rank_cells(rank)])
         console.print(jobs_table(rows))
-    finally:
-        await ctl.close()
     return 0
 
 

@@ -83,6 +83,13 @@ class Loading:
         hub = self.hub
         shards = the_plan.shards
         procs = members(the_plan)
+        if speculation[0] == "model" and len(shards[0].group) > 1:
+            # Every rank of a head group must guess alike; the draft runs on one node.
+            raise PlacementError(
+                "--draft DRAFT_DIR: a draft model runs on one head node, and this head "
+                f"stage is a tensor group ({' + '.join(shards[0].group)}): place the "
+                "head stage on one node, or use --draft lookup"
+            )
         prepared = await asyncio.gather(
             *(
                 hub.peer(m.node).ask(
@@ -157,6 +164,9 @@ class Loading:
                 **(
                     {"draft": draft, "draft_dir": draft_at, "draft_tokens": draft_tokens}
                     if m is head
+                    # A head group's followers run the leader's steps: its guesses too.
+                    else {"draft": draft, "draft_tokens": draft_tokens}
+                    if m.stage == 0
                     else {}
                 ),
             )

@@ -1,11 +1,14 @@
-"""Opening the cluster a command or the dashboard works on: find the inventory, start a
-controller, wait for agents. Shared by the CLI, the dashboard and the benchmark."""
+"""Opening the cluster a command or the dashboard works on: find the inventory, open a
+controller (every CLI verb through `open_controller`), wait for agents. Shared by the
+CLI, the dashboard and the benchmark."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from studiotui.cluster import local_cluster
@@ -49,10 +52,24 @@ def load_cluster(inventory: Path | None, home: Path, *, trust: bool = False) -> 
     return inv
 
 
-async def open_controller(inv: Inventory, home: Path, telemetry: bool = False) -> Controller:
+@contextlib.asynccontextmanager
+async def open_controller(
+    inv: Inventory, home: Path, *, ask: float | None = 2.0, telemetry: bool = False
+) -> AsyncIterator[Controller]:
+    """A controller on `inv` for one command, its sockets closed when the block ends
+    (however it ends). `ask`: how long the agents get to say who they are and what they
+    run before the block starts (`refresh`); None: not asked (the verb asks when it
+    needs to, or never: `down`, `logs`). `telemetry`: follow the agents' telemetry too,
+    for a long-lived command (`serve`)."""
     ctl = Controller(home, inv)
-    await ctl.start(telemetry=telemetry)
-    return ctl
+    try:
+        if telemetry:
+            await ctl.start(telemetry=True)
+        elif ask is not None:
+            await ctl.refresh(timeout=ask)
+        yield ctl
+    finally:
+        await ctl.close()
 
 
 async def wait_until_up(ctl: Controller, names: list[str], timeout: float) -> list[str]:

@@ -149,6 +149,23 @@ class Forecast:
     ttft_ms: float  # time to first token of a PROMPT_TOKENS prompt
     streams: int = STREAMS  # what tps_streams is for: the placement's streams, when known
     measured: bool = False  # every node's figures come from a `studiotui benchmark` run
+    # With speculative decoding (`place --draft`): one stream's tok/s when the share
+    # `spec_acceptance` of the guesses is kept (0: the placement does not speculate).
+    spec_tps_1: float = 0.0
+    spec_acceptance: float = 0.0
+
+
+# Speculative decoding's forecast states the share of guesses kept it assumes: a draft
+# model of the model's own family keeps most on ordinary text, prompt lookup fewer (it
+# pays where the answer copies its input). Guesses per step as worker/speculation's.
+SPEC_ACCEPTANCE = {"model": 0.7, "lookup": 0.5}
+DRAFT_TOKENS = 4
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step of `k` guesses yields when each is kept with probability
+    `acceptance`: 1 + a + ... + a^k (worker.speculation's rule of K)."""
+    return float(sum(acceptance**i for i in range(k + 1)))
 
 
 # --------------------------------------------------------------------------- parts
@@ -354,6 +371,8 @@ def forecast(
     *,
     streams: int = STREAMS,
     prompt_tokens: int = PROMPT_TOKENS,
+    draft: str = "",
+    draft_tokens: int = 0,
 ) -> Forecast:
     """Decode tok/s at one and at `streams` streams, and the time to first token of a
     `prompt_tokens` prompt, for `plan` on nodes with these `chips` and `links`.
@@ -361,7 +380,12 @@ def forecast(
     One stream: a token crosses every stage and every hop (the tail's token goes back
     to the head). Several: batched decode — each step reads the weights once for all
     the requests in it (more of a MoE's experts as the batch grows, each request's own
-    KV) — as one batch going round the ring."""
+    KV) — as one batch going round the ring.
+
+    With `draft` ("lookup", "model"): one stream's tok/s with `draft_tokens` guesses a
+    step kept at SPEC_ACCEPTANCE — a step of 1 + K positions round the ring (priced as
+    a batch of that many) plus, with a draft model, its K steps on the head's node
+    (its weights, `draft_bytes`, read once a guess)."""
     pair = _pair_links(links)
     names = [n for s in plan.shards for n in s.nodes]
     hosts = _hosts(names, pair)
@@ -406,7 +430,19 @@ def forecast(
     slowest = max(per_stage, key=sum)
     ttft = sum(t[0] for t in per_stage) + sum(slowest[1:]) + hops
     measured = all(chips[n].measured for n in names if n in chips)
-    return Forecast(plan.shape, 1e6 / one, many * 1e6, ttft / 1e3, streams, measured)
+    spec_tps, acceptance = 0.0, 0.0
+    if draft in SPEC_ACCEPTANCE:
+        k = draft_tokens or DRAFT_TOKENS
+        acceptance = SPEC_ACCEPTANCE[draft]
+        guessing = 0.0
+        head = chips.get(plan.shards[0].nodes[0])
+        draft_bytes = plan.shards[0].draft_bytes
+        if draft == "model" and head is not None and draft_bytes:
+            guessing = k * draft_bytes / (head.bandwidth_gbs * _GB * BANDWIDTH_EFFICIENCY) * 1e6
+        spec_tps = expected_tokens(acceptance, k) / (cycle(k + 1) + guessing) * 1e6
+    return Forecast(
+        plan.shape, 1e6 / one, many * 1e6, ttft / 1e3, streams, measured, spec_tps, acceptance
+    )
 
 
 # --------------------------------------------------------------------------- choosing
@@ -604,6 +640,11 @@ def describe(f: Forecast, last: LastMeasured | None = None, *, unmeasured: bool 
     ttft = f"{f.ttft_ms / 1000:.1f} s" if f.ttft_ms >= 1000 else f"{f.ttft_ms:.0f} ms"
     many = f"{f.streams} streams {f.tps_streams:.0f} tok/s · " if f.streams > 1 else ""
     said = f"{f.tps_1:.1f} tok/s · {many}first token of {PROMPT_TOKENS // 1024}k {ttft}"
+    if f.spec_tps_1:
+        said += (
+            f" · with guesses {f.spec_tps_1:.1f} tok/s ({f.spec_tps_1 / f.tps_1:.2f}×) if "
+            f"{f.spec_acceptance:.0%} of them are kept"
+        )
     if last is not None:
         said += f" · last measured {last.tps_1:.1f} tok/s"
     if not f.measured and unmeasured:

@@ -24,3 +24,8 @@ def printable(text: str) -> str:
 def counted(n: int, noun: str) -> str:
     """`n` and `noun`, plural unless one: "1 training example", "3 nodes"."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def last_lines(text: str, lines: int = 12) -> str:
+    """The last `lines` lines of `text` (a command's output said beside its failure)."""
+    return "\n".join(text.rstrip().splitlines()[-lines:])

@@ -3,14 +3,14 @@
 `provision` works on all nodes at once (one asyncio task each; one failing node
 never stops the others) and returns an `Outcome` per node. Per SSH node:
 connect (host key checked) -> probe (one remote command) -> `plan_node` (pure,
-in provision_plan.py) -> carry out the planned steps -> wait until the agent
+in plan.py) -> carry out the planned steps -> wait until the agent
 answers on its control socket. Progress goes to `on_event(node, step, status,
 detail)` with status one of "start", "done", "fail", "info".
 
 The worker travels as a wheel built from this checkout once per source state
 (cached under STUDIOTUI_HOME/wheels by version + source hash), copied over SFTP
-and unpacked into the node's work dir; see `provision_plan.InstallWheel` for why
-it is not pip-installed. Its dependencies are pip-installed from the package
+and unpacked into the node's work dir (`wheel.py`; see `plan.InstallWheel` for why
+it is not pip-installed). Its dependencies are pip-installed from the package
 index only when the probe finds them missing.
 """
 
@@ -18,20 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
-import re
-import shutil
-import sys
-import tempfile
 import time
-import tomllib
-import zipfile
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import asyncssh
 import psutil
@@ -41,6 +34,7 @@ from studiotui.cluster.controller import Controller
 from studiotui.cluster.peers import AgentError, AgentUnreachable
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import Inventory, NodeSpec
+from studiotui.core.text import last_lines
 from studiotui.core.trust import home_mark
 from studiotui.provision import remote
 from studiotui.provision.plan import (
@@ -61,11 +55,18 @@ from studiotui.provision.plan import (
     Step,
     StopAgent,
     Wanted,
-    extra_requirements,
-    node_requirements,
     parse_probe,
     plan_node,
     requirement_name,
+)
+from studiotui.provision.wheel import (
+    BuildError,
+    CheckoutWheel,
+    WheelSource,
+    files_digest,
+)
+from studiotui.provision.wheel import (
+    project_root as project_root,  # re-exported: the engine bench builds from it
 )
 from studiotui.ssh import client as ssh
 from studiotui.ssh import nodes
@@ -134,207 +135,8 @@ class StepFailed(StudioError):
         self.log_tail = log_tail
 
 
-class BuildError(StudioError, RuntimeError):
-    """The worker wheel could not be built from this checkout."""
-
-
-# --------------------------------------------------------------------------- the wheel
-
-
-class WheelSource(Protocol):
-    """Where the worker wheel comes from, and what it is."""
-
-    @property
-    def build(self) -> str: ...
-
-    @property
-    def version(self) -> str: ...
-
-    @property
-    def requirements(self) -> tuple[str, ...]: ...
-
-    async def path(self) -> Path: ...
-
-
-def project_root() -> Path:
-    """The checkout this studiotui runs from (the directory with its pyproject.toml)."""
-    root = Path(__file__).resolve().parents[2]
-    pyproject = root / "pyproject.toml"
-    try:
-        name = tomllib.loads(pyproject.read_text())["project"]["name"]
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        name = None
-    if name != "studiotui":
-        raise BuildError(
-            f"studiotui runs from {root}, which is not a checkout of it (no pyproject.toml "
-            "naming studiotui); provisioning builds the worker wheel from a checkout"
-        )
-    return root
-
-
-_TOP_FILES = re.compile(
-    r"(pyproject\.toml|setup\.cfg|setup\.py|MANIFEST\.in|README.*|LICEN[CS]E.*)"
-)
-
-
-def _source_files(root: Path) -> dict[str, bytes]:
-    """The files a wheel is built from, read once: the build and its hash agree
-    even while someone edits the checkout."""
-    project = tomllib.loads((root / "pyproject.toml").read_text())
-    find = project.get("tool", {}).get("setuptools", {}).get("packages", {}).get("find", {})
-    patterns = find.get("include") or ["studiotui*", "worker*", "themes*"]
-    roots = sorted({p.rstrip("*").rstrip(".") for p in patterns if p.rstrip("*")})
-    files: dict[str, bytes] = {}
-    for entry in sorted(root.iterdir()):
-        if entry.is_file() and _TOP_FILES.fullmatch(entry.name):
-            files[entry.name] = entry.read_bytes()
-    for name in roots:
-        base = root / name
-        if not base.is_dir():
-            continue
-        for path in sorted(base.rglob("*")):
-            rel = path.relative_to(root)
-            if not path.is_file() or any(
-                part == "__pycache__" or part.startswith(".") or part.endswith(".egg-info")
-                for part in rel.parts
-            ):
-                continue
-            if path.suffix in (".pyc", ".pyo"):
-                continue
-            files[rel.as_posix()] = path.read_bytes()
-    return files
-
-
-def _digest(files: Mapping[str, bytes]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(files):
-        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-    return h.hexdigest()
-
-
-def _tail(text: str, lines: int = 12) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-class CheckoutWheel:
-    """A wheel of this checkout, built with `pip wheel` at most once per source state."""
-
-    def __init__(self, cache: Path, root: Path | None = None) -> None:
-        self.root = root or project_root()
-        self.cache = cache
-        self._files = _source_files(self.root)
-        project = tomllib.loads(self._files["pyproject.toml"].decode())["project"]
-        self._version = str(project["version"])
-        self._requirements = node_requirements(project)
-        self._build = f"{self._version}+{_digest(self._files)[:12]}"
-        self._lock = asyncio.Lock()
-        self.built_now = False
-
-    @property
-    def build(self) -> str:
-        return self._build
-
-    @property
-    def version(self) -> str:
-        return self._version
-
-    @property
-    def requirements(self) -> tuple[str, ...]:
-        return self._requirements
-
-    def cached(self) -> Path | None:
-        found = sorted((self.cache / self._build).glob("*.whl"))
-        return found[0] if found else None
-
-    async def path(self) -> Path:
-        async with self._lock:
-            cached = self.cached()
-            if cached is not None:
-                return cached
-            built = await self._build_wheel()
-            self.built_now = True
-            return built
-
-    async def _build_wheel(self) -> Path:
-        self.cache.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=".build-", dir=self.cache))
-        try:
-            src = work / "src"
-            for rel, data in self._files.items():
-                target = src / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
-            out = work / "out"
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "pip",
-                "wheel",
-                "--no-deps",
-                "--disable-pip-version-check",
-                "--no-input",
-                "-q",
-                "-w",
-                str(out),
-                str(src),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )
-            output, _ = await proc.communicate()
-            wheels = sorted(out.glob("*.whl"))
-            if proc.returncode != 0 or not wheels:
-                raise BuildError(
-                    "building the worker wheel failed (`pip wheel` exited with "
-                    f"{proc.returncode}):\n{_tail(output.decode(errors='replace'))}"
-                )
-            final = self.cache / self._build
-            staged = work / self._build
-            staged.mkdir()
-            shutil.move(str(wheels[0]), staged / wheels[0].name)
-            with contextlib.suppress(OSError):
-                # Another process may have built the same source meanwhile.
-                staged.rename(final)
-            return sorted(final.glob("*.whl"))[0]
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-
-
-class PrebuiltWheel:
-    """An existing wheel file; its build id is its version plus a hash of the file."""
-
-    def __init__(self, wheel: Path) -> None:
-        self.wheel = wheel
-        with zipfile.ZipFile(wheel) as z:
-            meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-            meta = z.read(meta_name).decode()
-        version = re.search(r"^Version: (.+)$", meta, re.M)
-        if version is None:
-            raise BuildError(f"{wheel} has no Version in its METADATA")
-        self._version = version.group(1).strip()
-        reqs = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
-        self._requirements = extra_requirements(reqs)
-        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-        self._build = f"{self._version}+w{digest[:11]}"
-
-    @property
-    def build(self) -> str:
-        return self._build
-
-    @property
-    def version(self) -> str:
-        return self._version
-
-    @property
-    def requirements(self) -> tuple[str, ...]:
-        return self._requirements
-
-    async def path(self) -> Path:
-        return self.wheel
-
-
 def keys_digest(bundle: keys.NodeKeyFiles) -> str:
-    return _digest(bundle.files)[:16]
+    return files_digest(bundle.files)[:16]
 
 
 # --------------------------------------------------------------------------- one run
@@ -579,7 +381,7 @@ class _Run:
                 argv = [step.python, "-m", "venv", *(["--clear"] if step.clear else []), step.venv]
                 result = await ssh.run(conn, argv, timeout=600, check=False)
                 if result.exit_status != 0:
-                    out = _tail(result.stderr or result.stdout)
+                    out = last_lines(result.stderr or result.stdout)
                     hint = (
                         f"Install the venv module on {name} (Debian/Ubuntu: `sudo apt install "
                         "python3-venv`), or point `python` in cluster.toml at a venv's python."
@@ -598,7 +400,7 @@ class _Run:
                     conn, [step.python, "-c", remote.MLX_SNIPPET], timeout=300, check=False
                 )
                 if result.exit_status != 0:
-                    out = _tail(result.stderr or result.stdout, 6)
+                    out = last_lines(result.stderr or result.stdout, 6)
                     raise StepFailed(
                         f"MLX does not work with {step.python} on {name}:\n    "
                         + out.replace("\n", "\n    "),
@@ -620,7 +422,7 @@ class _Run:
                 if result.exit_status != 0:
                     raise StepFailed(
                         f"could not unpack the worker into {step.target} on {name}:\n    "
-                        + _tail(result.stderr or result.stdout, 6).replace("\n", "\n    "),
+                        + last_lines(result.stderr or result.stdout, 6).replace("\n", "\n    "),
                         f"Check free space and permissions of {probe.workdir} on {name}.",
                     )
             case StopAgent():
@@ -679,7 +481,7 @@ class _Run:
         if result.exit_status == 0:
             return
         names = [requirement_name(r) for r in step.requirements]
-        out = _tail(result.stderr or result.stdout, 8)
+        out = last_lines(result.stderr or result.stdout, 8)
         if "No module named pip" in out:
             hint = (
                 f"{step.python} has no pip: recreate that venv with pip "
@@ -777,7 +579,7 @@ def last_start(text: str, lines: int = LOG_TAIL_LINES) -> str:
     """The last lines of agent.out written since the last start marker."""
     cut = text.rsplit(START_MARKER, 1)
     body = cut[1].split("\n", 1)[1] if len(cut) == 2 and "\n" in cut[1] else cut[-1]
-    return _tail(body, lines)
+    return last_lines(body, lines)
 
 
 async def agent_output_tail(conn: asyncssh.SSHClientConnection, workdir: str) -> str:

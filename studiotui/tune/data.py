@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from studiotui.chat.documents import TEXT_SUFFIXES, DocumentError, read_document, split_passages
+from studiotui.core.documents import TEXT_SUFFIXES, DocumentError, read_document, split_passages
 from studiotui.core.errors import StudioError
 from studiotui.core.text import counted
 

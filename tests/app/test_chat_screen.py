@@ -29,8 +29,8 @@ from studiotui.app.dialogs import ConfirmScreen
 from studiotui.app.screens import chat
 from studiotui.app.screens.chat import AnswerView, ChatScreen, UserView
 from studiotui.app.screens.conversations import ConversationsScreen
-from studiotui.chat.documents import split_passages
 from studiotui.chat.history import History, Settings
+from studiotui.core.documents import split_passages
 from studiotui.core.inventory import Inventory
 from studiotui.core.state import ClusterState, ShardState, placements_from_shards
 from tests.support.cluster_fixture import placed_cluster

@@ -35,6 +35,10 @@ def test_tensor_sizes_are_refused_in_words_previewed_with_a_forecast_and_shapes_
         assert "forecast (1 stage × 2 (ring)):" in two.stdout and "tok/s" in two.stdout
         # …and what the other shape would do.
         assert "  --tensor 1, 2 stages: " in two.stdout
+        # With speculation, the forecast says what guesses gain at the share kept it assumes.
+        guessing = run(home, "place", str(model), "--draft", "lookup", "--dry-run")
+        assert guessing.returncode == 0, guessing.stderr
+        assert "with guesses" in guessing.stdout and "if 50% of them are kept" in guessing.stdout
 
         # And placed for real: every member's load reports progress under its own node
         # (the command once kept a bar only per stage and failed on the follower's

@@ -28,13 +28,9 @@ from studiotui.cli import provision_cmd
 from studiotui.cluster.controller import Controller
 from studiotui.cluster.model_files import needed_files
 from studiotui.core.inventory import Inventory, NodeSpec, dump_inventory
-from studiotui.provision.deploy import (
-    CheckoutWheel,
-    Outcome,
-    PrebuiltWheel,
-    provision,
-)
+from studiotui.provision.deploy import CheckoutWheel, Outcome, provision
 from studiotui.provision.remote import BUILD_MARKER
+from studiotui.provision.wheel import PrebuiltWheel
 from tests.support.sshd import SshdServer, SshNodes, free_port, make_node
 from worker.shared.demo_model import DemoSpec, write_demo_model
 

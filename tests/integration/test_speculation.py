@@ -294,22 +294,134 @@ def test_speculation_stands_aside_when_its_guesses_miss(models: Callable[..., Pa
     assert ring.stages[1].stats.prebuilt > 0, "decoding without guesses builds steps ahead"
 
 
-def test_speculation_turns_off_for_a_request_decoded_in_a_batch(
+BATCH_PROMPTS = {
+    "a": PROMPT,
+    "b": [50, 51, 52, 53, 54, 55, 56],
+    "c": [60, 61, 62, 63] * 4,
+    "d": PROMPT[3:],
+}
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_batch_mixing_requests_with_and_without_guesses_verifies_each_row(
+    models: Callable[..., Path], stages: int
+) -> None:
+    """Requests in one lane's batch: one with a predicted output, one without guesses,
+    one with prompt lookup, one sampled with a seed and a prediction that goes wrong.
+    Each row's own guesses are verified in the batch's one pass and cut back by its own
+    amount: every answer is mlx-lm's (greedy) or the one alone without guesses."""
+    model = models("llama")
+    n = 30
+    greedy = {**GREEDY, "max_tokens": n}
+    sampled = {**SAMPLED, "max_tokens": n}
+    expected = {rid: reference(model, n=n, prompt=p) for rid, p in BATCH_PROMPTS.items()}
+    alone = Ring(model, SPLITS[stages]).answer(sampled, rid="d", tokens=BATCH_PROMPTS["d"])
+    # Two lanes a stage on a ring: enough requests that each lane batches several.
+    ring = Ring(model, SPLITS[stages], draft_tokens=K, row_cost=speculation.ROW_COST)
+    wrong = [*alone[:5], (alone[5] + 1) % 256, *alone[6:]]
+    asks = {
+        "a": (greedy, {"prediction": expected["a"]}),
+        "b": (greedy, {"draft": ""}),
+        "c": (greedy, {"draft": "lookup"}),
+        "d": (sampled, {"prediction": wrong}),
+    }
+    for _ in range(stages):
+        for rid, (params, more) in asks.items():
+            ring.ask(f"{rid}{_}", params, tokens=BATCH_PROMPTS[rid], **more)
+    ring.drain()
+    for _ in range(stages):
+        for rid in "abc":
+            assert ring.tokens(f"{rid}{_}") == expected[rid], f"{rid}{_}, {stages} stages"
+        assert ring.tokens(f"d{_}") == alone
+        usage = ring.done(f"b{_}")["usage"]
+        assert "completion_tokens_details" not in usage
+    head = ring.stages[0].stats
+    assert head.verified_batches > 0, "the batch should have verified its rows' guesses"
+    assert head.kept > 0 and head.drafted > head.kept
+    assert all(s.stats.verified_batches == head.verified_batches for s in ring.stages)
+    assert ring.held() == [0] * stages
+    assert not any(s.groups for s in ring.stages)
+
+
+def test_a_batch_too_costly_to_guess_in_decodes_without_guesses(
     models: Callable[..., Path],
 ) -> None:
+    """When a row-position costs as much as a step's fixed part (a batch that already
+    fills the compute), guesses not yet known to be kept are left out of the batch's
+    steps (all kept, they would still pay: no position is wasted); each answer is the
+    same."""
     model = models("llama")
-    ring = Ring(model, SPLITS[1], draft="lookup", draft_tokens=K)
-    expected = reference(model, n=150)
-    ring.ask("a", {**GREEDY, "max_tokens": 150}, prediction=expected)
-    ring.drain(steps=8)
-    assert ring.stages[0].stats.drafted > 0
-    ring.ask("b", {**GREEDY, "max_tokens": 30}, draft="")
+    n = 30
+    expected = {rid: reference(model, n=n, prompt=p) for rid, p in BATCH_PROMPTS.items()}
+    ring = Ring(model, SPLITS[1], draft="lookup", draft_tokens=K, row_cost=1.0)
+    for rid, prompt in BATCH_PROMPTS.items():
+        never = [(t + 1) % 256 for t in expected[rid]]
+        ring.ask(rid, {**GREEDY, "max_tokens": n}, tokens=prompt, prediction=never)
     ring.drain()
-    assert ring.tokens("a") == expected
-    assert ring.tokens("b") == reference(model, n=30)
-    assert "batch" in ring.done("a")["usage"]["speculation_off"]
-    assert ring.stages[0].stats.batched > 0
+    assert {rid: ring.tokens(rid) for rid in BATCH_PROMPTS} == expected
+    stats = ring.stages[0].stats
+    assert stats.batched > 0 and stats.verified_batches == 0 and stats.unguessed_batches > 0
     assert ring.held() == [0]
+
+
+def test_guesses_in_a_batch_pay_only_while_the_batch_is_small() -> None:
+    # Two rows, one guessing at the prior acceptance: worth a verify step of 5 positions.
+    one = speculation.expected_tokens(speculation.PRIOR_ACCEPTANCE, 4)
+    assert speculation.batch_pays([one, 1.0], 5, speculation.ROW_COST)
+    # Sixteen rows, one guessing: the padding of the others costs more than it gains.
+    assert not speculation.batch_pays([one, *[1.0] * 15], 5, speculation.ROW_COST)
+    # Sixteen rows all kept 90% of the time still pay; at 20% they do not.
+    good = speculation.expected_tokens(0.9, 4)
+    poor = speculation.expected_tokens(0.2, 4)
+    assert speculation.batch_pays([good] * 16, 5, speculation.ROW_COST)
+    assert not speculation.batch_pays([poor] * 16, 5, speculation.ROW_COST)
+    # Free positions: any expected gain pays; nothing to verify never does.
+    assert speculation.batch_pays([1.2, 1.0], 5, 0.0)
+    assert not speculation.batch_pays([1.0, 1.0], 1, 0.0)
+    assert not speculation.batch_pays([], 5, 0.0)
+
+
+def test_the_row_cost_is_fitted_to_timed_steps() -> None:
+    # seconds = 0.010 + 0.001 x positions: a position costs a tenth of the fixed part.
+    steps = [(n, 0.010 + 0.001 * n) for n in (2, 4, 10, 3, 8, 2, 12, 6)]
+    fitted = speculation.row_cost(steps)
+    assert fitted is not None and fitted == pytest.approx(0.1)
+    assert speculation.row_cost(steps[:5]) is None  # too few steps
+    assert speculation.row_cost([(4, 0.01 * i) for i in range(1, 10)]) is None  # one size
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_draft_model_gives_mlx_lm_greedy_answer(models: Callable[..., Path], stages: int) -> None:
+    """A draft model on the head: itself (every guess kept, so each next step's guesses
+    were made ahead while the step before was round the ring) and a 2-layer model of
+    other weights (guesses kept and rejected, the guesses made ahead thrown away)."""
+    model = models("llama")
+    expected = reference(model, n=40)
+    for draft in (model, models("llama", layers=2)):
+        loaded = mlx_lm.load(str(draft))[0]
+        ring = Ring(model, SPLITS[stages], draft="model", draft_model=loaded, draft_tokens=K)
+        assert ring.answer({**GREEDY, "max_tokens": 40}) == expected, f"{draft.name}"
+        assert ring.stages[0].stats.kept > 0
+        if draft == model and stages > 1:
+            assert ring.stages[0].stats.drafted_ahead > 0
+        assert ring.held() == [0] * stages
+
+
+def test_guesses_made_ahead_are_the_draft_s_own(tmp_path: Path) -> None:
+    """`guess_ahead` while a step is out, then `propose`: the same guesses a draft that
+    never guessed ahead makes, whether the step kept what was assumed or not."""
+    draft = write_demo_model(tmp_path / "d", DemoSpec(layers=2, hidden=64, heads=4, kv_heads=2))
+    loaded = mlx_lm.load(str(draft))[0]
+    context = [40, 41, 42, 43, 44, 45, 46]
+    ahead = speculation.DraftSession(loaded)
+    guesses = ahead.propose(context, 3)
+    ahead.guess_ahead(context, guesses, 4)
+    assert ahead.ahead is not None
+    kept = ahead.ahead[0]  # every guess kept, and the big model's token the draft's own
+    assert ahead.propose(kept, 4) == speculation.DraftSession(loaded).propose(kept, 4)
+    ahead.guess_ahead(kept, ahead.propose(kept, 2), 2)  # ... then one that is not kept
+    other = [*kept, (kept[-1] + 7) % 256]
+    assert ahead.propose(other, 3) == speculation.DraftSession(loaded).propose(other, 3)
 
 
 def test_bad_draft_choices_are_refused_in_words(models: Callable[..., Path]) -> None:

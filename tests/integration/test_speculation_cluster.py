@@ -220,3 +220,12 @@ async def test_the_chat_shows_the_share_of_guesses_kept_beside_tok_s(
         figures = str(screen.query_one("#chat-figures", Static).content)
         assert "tok/s" in note and "% of guesses kept" in note, note
         assert "guesses kept" in figures and "tok/s" in figures, figures
+
+
+async def test_each_runner_warmed_its_stage_before_ready(served: Served) -> None:
+    """The runners ran their stage's warm-up at load (`Stage.warm_up`, the draft model's
+    guesses among it), before saying "ready"; the answers above came after it."""
+    for name in ("drafted", "lookup"):
+        head = served.ctl.head_peer(served.ctl.pick_placement(name))
+        stats = await head.request("stats")
+        assert stats["warm_ms"] > 0, stats

@@ -299,6 +299,91 @@ def test_a_group_reuses_a_conversation_s_history_on_every_rank(
     assert got[:judged] == want[:judged]
 
 
+@pytest.mark.parametrize("shape", ["tp2", "2x2"])
+def test_guesses_on_a_group_answer_as_mlx_lm(
+    tp_cluster: LocalCluster, tmp_path: Path, shape: str
+) -> None:
+    """Speculation on a tensor group and on a pipeline of groups (`--draft lookup`, fed
+    by a predicted output wrong at its 6th token): every rank computes the verify steps
+    and cuts its slice of the caches back alike. Alone, and two at once (their guesses
+    verified in one batched step), the greedy answers are mlx-lm's."""
+    model = write_demo_model(tmp_path / "dense", _spec("dense", "float"))
+    want, margins = _reference(model)
+    judged = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+    assert judged >= MIN_COMPARED, f"margins too thin to judge: {margins}"
+    prediction = [*want[:5], (want[5] + 1) % 256, *want[6:]]
+    name = f"spec-{shape}"
+
+    async def ask(ctl: Controller) -> tuple[list[int], dict[str, Any]]:
+        got: list[int] = []
+        usage: dict[str, Any] = {}
+        params = {"max_tokens": N_TOKENS, "ignore_eos": True}
+        request = {"tokens": PROMPT, "prediction": prediction}
+        async for msg in ctl.generate(name, request, params):
+            if msg["type"] == "delta":
+                got += msg["tokens"]
+            elif msg["type"] == "done":
+                usage = msg["usage"]
+        return got, usage
+
+    async def run() -> list[tuple[list[int], dict[str, Any]]]:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            a, b, c, d = tp_cluster.inventory.names
+            nodes = [a, b] if shape == "tp2" else [a, b, c, d]
+            _, plan = ctl.preview(model, [a] if shape == "tp2" else [a, c])
+            assert isinstance(plan, Plan)
+            grouped = _grouped(plan, {a: b, c: d})
+            await ctl.place(model, nodes, name, expected=grouped, prefill_chunk=8, draft="lookup")
+            try:
+                alone = await ask(ctl)
+                together = await asyncio.gather(ask(ctl), ask(ctl))
+                return [alone, *together]
+            finally:
+                await ctl.unload(name)
+        finally:
+            await ctl.close()
+
+    for got, usage in asyncio.run(run()):
+        assert got[:judged] == want[:judged]
+        details = usage["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] >= 5
+        assert details["rejected_prediction_tokens"] >= 1
+
+
+def test_a_draft_model_on_a_head_group_is_refused_in_words(
+    tp_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Every rank of a head group must guess alike, and a draft model is loaded on one
+    node: refused before any node prepares anything."""
+    model = write_demo_model(tmp_path / "dense", _spec("dense", "float"))
+    draft = write_demo_model(
+        tmp_path / "draft", dataclasses.replace(_spec("dense", "float"), layers=1)
+    )
+
+    async def run() -> None:
+        ctl = tp_cluster.controller()
+        try:
+            await ctl.refresh()
+            a, b, _, _ = tp_cluster.inventory.names
+            _, plan = ctl.preview(model, [a])
+            assert isinstance(plan, Plan)
+            with pytest.raises(PlacementError, match="a draft model runs on one head node"):
+                await ctl.place(
+                    model,
+                    [a, b],
+                    "spec-model",
+                    expected=_grouped(plan, {a: b}),
+                    draft_dir=str(draft),
+                )
+            assert ctl.state.placement("spec-model") is None
+        finally:
+            await ctl.close()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("placement", ["dense-float-tp2", "moe-4bit-2x2"])
 def test_concurrent_requests_on_a_group_answer_as_alone(
     tp_cluster: LocalCluster, placed: dict[str, object], placement: str

@@ -24,7 +24,8 @@ import pytest
 from studiotui.cli import provision_cmd
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory, dump_inventory
-from studiotui.provision.deploy import CheckoutWheel, PrebuiltWheel
+from studiotui.provision.deploy import CheckoutWheel
+from studiotui.provision.wheel import PrebuiltWheel
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
 from tests.integration.test_provision import agent_pid, bumped_wheel
 from tests.support.sshd import SshNodes

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from studiotui.core import benchmark as bm
-from studiotui.core import benchmark_view as view
 from studiotui.core.benchmark import (
     BenchmarkError,
     NodeFigures,
@@ -18,6 +17,7 @@ from studiotui.core.benchmark import (
     Step,
     StreamPoint,
 )
+from studiotui.views import benchmark as view
 from tests.support.benchmark_fixtures import sample_run
 from worker import device_bench
 from worker.agent import link_sizes

@@ -7,16 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from studiotui.chat.documents import (
-    Bm25,
-    DocumentError,
-    Passage,
-    build_prompt,
-    read_document,
-    select_passages,
-    split_passages,
-    terms,
-)
+from studiotui.chat.documents import Bm25, build_prompt, select_passages, terms
+from studiotui.core.documents import DocumentError, Passage, read_document, split_passages
 
 FILLER = (
     "The quarterly review covered routine maintenance of the office and its shared equipment. "

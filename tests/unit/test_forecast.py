@@ -17,11 +17,14 @@ import pytest
 from studiotui.core.forecast import (
     CHIPS,
     CPU_DEFAULT,
+    DRAFT_TOKENS,
+    SPEC_ACCEPTANCE,
     Chip,
     Forecast,
     chip_for,
     chips_from_state,
     describe,
+    expected_tokens,
     forecast,
     links_from_state,
 )
@@ -127,6 +130,37 @@ def test_decode_follows_bandwidth_and_more_nodes_on_one_machine_gain_nothing() -
     # A pipeline on one machine runs its stages one after the other: no faster; a
     # tensor group there shares one memory bus and adds its all-reduces: slower.
     assert four.tps_1 < fast.tps_1 and group.tps_1 < four.tps_1
+
+
+def test_speculation_forecasts_its_gain_at_a_stated_acceptance() -> None:
+    """A 70B on two Ultras: a step of 1 + 4 positions reads the weights once, as one of
+    one position does, so prompt lookup at 50% kept nearly multiplies one stream's
+    tok/s by its expected tokens a step; a draft model pays its own reads; a CPU node,
+    compute bound, gains less."""
+    model = dense("d", 80, 8192, 28672, 64, 8, 128256, 4.5)
+    two = plan(model, ULTRAS[:2], mesh(NAMES[:2], False))
+    assert isinstance(two, Plan)
+    plain = forecast(model, two, M3_ULTRA, mesh(NAMES[:2], False))
+    assert plain.spec_tps_1 == 0.0 and "guesses" not in describe(plain)
+    lookup = forecast(model, two, M3_ULTRA, mesh(NAMES[:2], False), draft="lookup")
+    most = expected_tokens(SPEC_ACCEPTANCE["lookup"], DRAFT_TOKENS)
+    assert lookup.spec_acceptance == 0.5
+    assert 0.8 * most < lookup.spec_tps_1 / lookup.tps_1 < most
+    said = describe(lookup)
+    assert f"with guesses {lookup.spec_tps_1:.1f} tok/s" in said
+    assert "if 50% of them are kept" in said
+    # A 1 GB draft model read 4 times a step, at 70% kept.
+    drafted = replace(two, shards=(replace(two.shards[0], draft_bytes=GiB), *two.shards[1:]))
+    model_draft = forecast(model, drafted, M3_ULTRA, mesh(NAMES[:2], False), draft="model")
+    free = expected_tokens(0.7, DRAFT_TOKENS) / expected_tokens(0.5, DRAFT_TOKENS)
+    assert 1.0 < model_draft.spec_tps_1 / lookup.spec_tps_1 < free
+    # Past what half kept guesses add (1/32 of a token, then 1/64), more guesses a step
+    # only make each step dearer.
+    six = forecast(model, two, M3_ULTRA, mesh(NAMES[:2], False), draft="lookup", draft_tokens=6)
+    assert six.spec_tps_1 < lookup.spec_tps_1
+    cpu = {n: chip_for("") for n in NAMES[:2]}
+    slow = forecast(model, two, cpu, mesh(NAMES[:2], False), draft="lookup")
+    assert slow.spec_tps_1 / slow.tps_1 < lookup.spec_tps_1 / lookup.tps_1
 
 
 def test_batched_decode_gains_less_on_a_moe_whose_batch_touches_more_experts() -> None:

@@ -76,8 +76,8 @@ def test_the_plan_reserves_kv_for_its_streams_and_says_so() -> None:
         Plan,
         plan,
         plan_to_dict,
-        render_plan,
     )
+    from studiotui.views.plan import render_plan
 
     facts = ModelFacts("m", "llama", 4, (1 << 20,) * 4, 1 << 20, 1 << 20, 4096)
     nodes = [NodeBudget("a", 8 << 30, 16 << 30), NodeBudget("b", 8 << 30, 16 << 30)]

@@ -29,12 +29,12 @@ from studiotui.core.placement import (
     longest_context,
     plan,
     plan_to_dict,
-    render_plan,
     reserve_bytes,
     trained_positions,
     with_adapter,
     with_prompt_cache,
 )
+from studiotui.views.plan import render_plan
 
 GB = 1024**3
 MB = 1024**2

@@ -35,7 +35,6 @@ from studiotui.core.placement import (
     backend_for,
     plan,
     plan_to_dict,
-    render_plan,
     tensor_refusal,
     tensor_sizes,
 )
@@ -45,6 +44,7 @@ from studiotui.core.state import (
     PlannedShard,
     shape_label,
 )
+from studiotui.views.plan import render_plan
 from tests.support.seed_models import seed_model
 from worker.shared.demo_model import DemoSpec, build_model, make_config, write_demo_model
 from worker.shared.model_support import FAMILIES

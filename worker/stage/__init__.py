@@ -9,8 +9,9 @@ a one-stage pipeline in a single process and a ring spread over nodes.
 The parts, by what they do: `admission` (requests in, prompts scheduled), `step`
 (one request's frames and tokens), `batch` (lanes and batched caches), `verify`
 (speculative decoding), `reuse` (the prefix cache), `release` (a request's end),
-`figures` (the ring's timing); `base` holds the state they share, `records` and
-`arrays` the data they pass. `core.Stage` joins them.
+`figures` (the ring's timing), `warmup` (the pieces run once at load); `base` holds
+the state they share, `records` and `arrays` the data they pass. `core.Stage` joins
+them.
 """
 
 from worker.stage.arrays import NP_VIEW, dtype_name, fill_slot, hidden_size, to_array

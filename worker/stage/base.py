@@ -33,6 +33,7 @@ from worker.stage.arrays import hidden_size
 from worker.stage.records import (
     RING_FIGURES,
     WAITING_PER_STREAM,
+    BatchDraw,
     Group,
     HeadRequest,
     Lane,
@@ -72,6 +73,7 @@ class StageBase:
         draft: str = "",
         draft_tokens: int = 0,
         draft_model: Any = None,
+        row_cost: float | None = None,
     ) -> None:
         self.shard = shard
         self.tokenizer = tokenizer
@@ -172,7 +174,16 @@ class StageBase:
         # (the frame's first token is always kept); a frame below the cache's offset,
         # and not below this, cuts the cache back to it.
         self.rewind_floor: dict[str, int] = {}
+        # A lane's batched step verifies its rows' guesses in one pass when the batch's
+        # caches can cut each row back by its own amount (`batch_spec_reason` says why
+        # not) and it pays (`speculation.batch_pays`, with `row_cost`: the setting, or
+        # fitted to the lanes' steps, timed from launch to tokens back).
+        self.batch_spec_reason = self.batch_reason or speculation.batch_reason(kinds)
+        self.row_cost_setting = row_cost
+        self.lane_steps: deque[tuple[int, float]] = deque(maxlen=64)
+        self.lane_launched: dict[str, tuple[int, float]] = {}
         self._grammar_tokenizer: Any = None  # llguidance's, built on the first schema
+        self.warmed: dict[str, float] = {}  # the warm-up's pieces and their ms (`warm_up`)
 
     def held(self) -> int:
         """Requests whose KV cache this stage holds, alone or as a row of a batch."""
@@ -213,7 +224,7 @@ class StageBase:
 
         def _tail(self, header: RingHeader) -> TailRequest: ...
 
-        def _sample_verify(self, header: RingHeader, draws: list[Any]) -> None: ...
+        def _sample_verify(self, header: RingHeader, draws: list[Any] | mx.array) -> None: ...
 
         def _deliver_all(
             self, rid: str, req: HeadRequest, header: RingHeader, tokens: list[int]
@@ -264,3 +275,19 @@ class StageBase:
         def _fail(self, rid: str, message: str) -> None: ...
 
         def _on_error(self, header: RingHeader) -> None: ...
+
+        def _batch_guesses(
+            self, order: list[str], offsets: list[int]
+        ) -> list[list[int]] | None: ...
+
+        def _draw_verify_rows(
+            self, rids: list[str], logits: mx.array, guesses: dict[str, tuple[int, ...]]
+        ) -> BatchDraw: ...
+
+        def _verified(
+            self, req: TailRequest, guesses: tuple[int, ...], values: list[int], own: Any
+        ) -> tuple[list[int], str]: ...
+
+        def _take_verified(self, req: HeadRequest, kept: int, token: int) -> list[int]: ...
+
+        def _guess_ahead(self, rid: str, guesses: tuple[int, ...]) -> None: ...

@@ -10,7 +10,7 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from worker import families
+from worker import families, speculation
 from worker.shared.protocol.frames import RingHeader
 from worker.stage.arrays import (
     NP_VIEW,
@@ -27,6 +27,7 @@ from worker.stage.records import (
     RequestError,
     describe,
     drawn_logprobs,
+    row_guesses,
     rows_of,
 )
 
@@ -104,13 +105,38 @@ class Batches(StageBase):
         offsets = [self._head_offset(r) for r in order]
         try:
             if len(order) == 1:
-                return self._launch_head(order[0], tokens, "decode", offsets[0], None)
-            header = RingHeader(
-                rid=lane.gid,
-                kind="decode",
-                batch=tuple(zip(order, offsets, strict=True)),
-            )
-            return self._launch_batch(header, np.array(tokens, dtype=np.int32))
+                # Alone this step: its own step (built ahead, or with its guesses).
+                req = self.head_requests[order[0]]
+                return self._launch_next(order[0], req, tokens[0])
+            guesses = self._batch_guesses(order, offsets)
+            if guesses is None:
+                header = RingHeader(
+                    rid=lane.gid,
+                    kind="decode",
+                    batch=tuple(zip(order, offsets, strict=True)),
+                )
+                inputs = np.array(tokens, dtype=np.int32)
+            else:
+                # One verify step for them all: each row its token and its own guesses,
+                # padded (with its token) to the row with the most.
+                width = 1 + max(len(g) for g in guesses)
+                rows = [
+                    [t, *g, *[t] * (width - 1 - len(g))]
+                    for t, g in zip(tokens, guesses, strict=True)
+                ]
+                header = RingHeader(
+                    rid=lane.gid,
+                    kind="verify",
+                    shape=(len(order), width),
+                    batch=tuple(
+                        (rid, off, list(g))
+                        for rid, off, g in zip(order, offsets, guesses, strict=True)
+                    ),
+                )
+                inputs = np.array(rows, dtype=np.int32).reshape(-1)
+            width = 1 if guesses is None else header.shape[1]
+            self.lane_launched[lane.gid] = (len(order) * width, time.perf_counter())
+            return self._launch_batch(header, inputs)
         except Exception as exc:
             for rid in order:
                 self._fail(rid, describe(exc))
@@ -129,29 +155,32 @@ class Batches(StageBase):
         sent = self.sent_at.pop(header.rid, None)
         if sent is not None and self.hops > 1:
             self._ring_figures(self.frame_began - sent, header.extra)
-        arrived: list[tuple[str, HeadRequest, RingHeader]] = []
-        for rid, token, finish, drawn in header.batch:
+        launched = self.lane_launched.pop(header.rid, None)
+        if launched is not None:
+            self.lane_steps.append((launched[0], now - launched[1]))
+        # A verify step's: per row, how many of its guesses were kept.
+        kept = header.extra.get("kept")
+        arrived: list[tuple[str, HeadRequest, RingHeader, list[int], bool]] = []
+        for i, (rid, token, finish, drawn) in enumerate(header.batch):
             req = self.head_requests.get(rid)
             if req is None or rid not in lane.flying:
                 continue  # cancelled, or failed, while the step computed
             if req.first_token_at is None:
                 req.first_token_at = now
-            req.generated += 1
-            req.out.append(token)
+            guessed = bool(req.spec is not None and req.spec.in_flight)
+            tokens = self._take_verified(req, int(kept[i]) if kept else 0, token)
             if not finish:
                 lane.ready[rid] = token
             extra = {"logprobs": drawn} if drawn is not None else {}
-            arrived.append(
-                (
-                    rid,
-                    req,
-                    RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra),
-                )
-            )
+            one = RingHeader(rid=rid, kind="token", token=token, finish=finish, extra=extra)
+            arrived.append((rid, req, one, tokens, guessed))
         lane.flying = set()
         step = self._lane_launch(lane)
-        for rid, req, token in arrived:
-            finish = self._deliver(rid, req, token)
+        for rid, req, one, tokens, guessed in arrived:
+            if guessed:
+                finish = self._deliver_all(rid, req, one, tokens)
+            else:
+                finish = self._deliver(rid, req, one)
             if finish:
                 self._finish(rid, finish)
         if step is not None:
@@ -185,18 +214,36 @@ class Batches(StageBase):
 
     def _batch_problem(self, header: RingHeader) -> str | None:
         shape = header.shape
-        if header.kind != "decode":
-            return "only decode steps are batched"
+        if header.kind not in ("decode", "verify"):
+            return "only decode and verify steps are batched"
         wide = self.hidden or "hidden"
-        if len(shape) != 3 or shape[0] != len(header.batch) or shape[1] != 1:
-            return f"batch activation shape {list(shape)} is not [{len(header.batch)}, 1, {wide}]"
+        steps = shape[1] if len(shape) == 3 else 0
+        most = 1 if header.kind == "decode" else 1 + speculation.MAX_DRAFT_TOKENS
+        if len(shape) != 3 or shape[0] != len(header.batch) or not 1 <= steps <= most:
+            return (
+                f"batch activation shape {list(shape)} is not [{len(header.batch)}, "
+                f"{'1' if most == 1 else f'1..{most}'}, {wide}]"
+            )
         if self.hidden and shape[2] != self.hidden:
-            return f"batch activation shape {list(shape)} is not [{shape[0]}, 1, {wide}]"
-        for rid, offset, *_ in header.batch:
-            if offset + 1 > self.context_tokens:
+            return f"batch activation shape {list(shape)} is not [{shape[0]}, {steps}, {wide}]"
+        for row in header.batch:
+            rid, offset = row[0], row[1]
+            if offset + steps > self.context_tokens:
                 return (
-                    f"request {rid!r}: token {offset} is past the context of {self.context_tokens}"
+                    f"request {rid!r}: tokens {offset}..{offset + steps} are past the context "
+                    f"of {self.context_tokens}"
                 )
+            if header.kind == "verify":
+                guesses = row[2] if len(row) > 2 else None
+                if not isinstance(guesses, list | tuple) or len(guesses) > steps - 1:
+                    return f"request {rid!r}: a verify row needs its guesses (at most {steps - 1})"
+                if not all(
+                    isinstance(t, int)
+                    and not isinstance(t, bool)
+                    and 0 <= t < (self.vocab or 1 << 31)
+                    for t in guesses
+                ):
+                    return f"request {rid!r}: guesses must be token ids"
         return None
 
     def _launch_batch(self, header: RingHeader, flat: np.ndarray) -> Launched | None:
@@ -206,6 +253,8 @@ class Batches(StageBase):
         there is one. The joiners' caches then join the batch (mlx-lm's `merge` and
         `extend`); rows the frame no longer names left it (finished) and are dropped."""
         gid, batch = header.rid, [(str(row[0]), int(row[1])) for row in header.batch]
+        verify = header.kind == "verify"
+        steps = header.shape[1] if len(header.shape) >= 2 else 1
         named = {rid for rid, _ in batch}
         group = self.groups.get(gid)
         if group is not None:
@@ -219,22 +268,35 @@ class Batches(StageBase):
                 f"this shard batches {kept} first"
             )
         assert group is not None or not kept
-        if group is not None and [off for _, off in batch[: len(kept)]] != group.offsets:
-            raise RequestError(
-                f"batch {gid!r}: frame is for cache offsets {[off for _, off in batch]}, "
-                f"the shard is at {group.offsets}"
-            )
+        if group is not None:
+            got = [off for _, off in batch[: len(kept)]]
+            floors = group.floors or group.offsets
+            if not all(f <= g <= o for f, g, o in zip(floors, got, group.offsets, strict=True)):
+                raise RequestError(
+                    f"batch {gid!r}: frame is for cache offsets {[off for _, off in batch]}, "
+                    f"the shard is at {group.offsets}"
+                )
+            if got != group.offsets:
+                # The last step's guesses past each row's offset were rejected: cut them
+                # out, each row by its own amount.
+                amounts = [o - g for o, g in zip(group.offsets, got, strict=True)]
+                speculation.rewind_rows(group.caches, amounts)
+                group.offsets = got
+            group.floors = None
         width = flat.size // len(batch)
         rows = flat.reshape(len(batch), width)
         last = self.shard.is_last
         outs: list[Any] = []
         draws: dict[str, Any] = {}
         greedy: mx.array | None = None
+        logits: list[mx.array] = []  # (tail) a verify step's, row by row
         if kept:
             assert group is not None
             h = self._input(header, rows[: len(kept)])
             out = self.shard.forward(h, group.caches)
-            if last:
+            if last and verify:
+                logits.append(out)
+            elif last:
                 greedy, more = self._draw_rows(kept, out[:, -1, :])
                 draws.update(more)
             else:
@@ -244,14 +306,20 @@ class Batches(StageBase):
         for i, (rid, offset) in enumerate(batch[len(kept) :], start=len(kept)):
             one = RingHeader(
                 rid=rid,
-                kind="decode",
+                kind=header.kind,
                 offset=offset,
                 dtype=header.dtype,
                 shape=(1, *header.shape[1:]),
             )
             step: Any
             try:
-                pre = self._take_prebuilt(one)
+                pre = None if verify else self._take_prebuilt(one)
+                if verify and rid in self.prebuilt:
+                    # The head verifies only rows without one (`_batch_guesses`).
+                    raise RequestError(
+                        f"request {rid!r}: its next step was built ahead, it cannot join "
+                        "a verify step"
+                    )
                 if pre is not None:
                     if pre.slot is not None:
                         fill_slot(pre.slot, rows[i])
@@ -260,12 +328,14 @@ class Batches(StageBase):
                     step = self.shard.forward(
                         self._input(one, rows[i : i + 1]), self._cache_for(one)
                     )
-                    if last:
+                    if last and not verify:
                         step = self._tail(one).sampler.draw(self.shard.logits(step))
             except Exception as exc:  # this request alone fails; the others go on
                 self._fail(rid, describe(exc))
                 continue
-            if last:
+            if last and verify:
+                logits.append(step)
+            elif last:
                 draws[rid] = step
             else:
                 outs.append(step)
@@ -275,16 +345,25 @@ class Batches(StageBase):
             self._join(gid, joined, [off for rid, off in batch if rid in joined])
         group = self.groups.get(gid)
         if group is not None:
-            group.offsets = [off + 1 for off in group.offsets]
+            if verify:
+                group.floors = [off + 1 for off in group.offsets]
+            group.offsets = [off + steps for off in group.offsets]
         if not done:
             return None  # every row failed, each on its own: nothing goes on
         if len(done) > 1:
             self.stats.batched += 1
             self.stats.batched_rows += len(done)
-        offset_of = dict(batch)
-        rows_done = tuple((rid, offset_of[rid]) for rid in done)
+            self.stats.verified_batches += verify
+        row_of = {str(row[0]): row for row in header.batch}
+        rows_done = tuple(row_of[rid] for rid in done)
         result: Any
-        if last:
+        if last and verify:
+            guesses = {rid: row_guesses(row_of[rid]) for rid in done}
+            every = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)
+            result = self._draw_verify_rows(done, every, guesses)
+            pending = [result.greedy, *result.draws.values()]
+            self._mlx(mx.async_eval, [x for x in pending if x is not None])
+        elif last:
             result = BatchDraw(rows=tuple(done), greedy=greedy, draws=draws)
             self._mlx(mx.async_eval, [x for x in (greedy, *draws.values()) if x is not None])
         else:
@@ -296,11 +375,11 @@ class Batches(StageBase):
         """A step's input from its rows' bytes: token ids on the head, else activations
         (bfloat16 travels as its bits)."""
         if self.shard.is_first:
-            return self.shard.embed(mx.array(rows.reshape(len(rows), 1)))
+            return self.shard.embed(mx.array(rows.reshape(len(rows), -1)))
         arr = mx.array(rows)
         if header.dtype == "bfloat16":
             arr = arr.view(mx.bfloat16)
-        return arr.reshape(len(rows), 1, -1)
+        return arr.reshape(len(rows), header.shape[1], -1)
 
     def _draw_rows(
         self, rids: list[str], logits: mx.array
@@ -345,45 +424,77 @@ class Batches(StageBase):
         families.filter_caches(group.caches, keep)
         group.rows = [group.rows[i] for i in keep]
         group.offsets = [group.offsets[i] for i in keep]
+        if group.floors is not None:
+            group.floors = [group.floors[i] for i in keep]
 
     def _extract(self, rid: str) -> None:
         group = self.groups[self.group_of[rid]]
         i = group.rows.index(rid)
         self.caches[rid] = families.extract_caches(group.caches, i, group.offsets[i])
+        if group.floors is not None:
+            # Its guesses of the last (verify) step may be cut back on its own cache.
+            self.rewind_floor[rid] = group.floors[i]
         self._leave_group(rid)
 
     def _sample_batch(self, step: Launched) -> None:
         header, drawn = step.header, cast(BatchDraw, step.out)
-        tokens: dict[str, int] = {}
+        verify = header.kind == "verify"
+        tokens: dict[str, Any] = {}  # per row its token (a verify step: one per position)
         if drawn.greedy is not None:
             greedy_rows = [rid for rid in drawn.rows if rid not in drawn.draws]
-            values = cast(list[int], self._mlx(drawn.greedy.tolist))
+            values = cast(list[Any], self._mlx(drawn.greedy.tolist))
             tokens.update(zip(greedy_rows, values, strict=True))
         rows: list[tuple[Any, ...]] = []
+        kept: list[int] = []  # a verify step's: per row, the guesses kept
         for rid in drawn.rows:
             req = self.tail_requests.get(rid)
             if req is None:
                 continue  # (a lone stage) it ended after its row was started
             own = drawn.draws.get(rid)
-            if own is not None:
-                sampled = own[0] if isinstance(own, tuple) else own
-                tokens[rid] = int(cast(int, self._mlx(sampled.item)))
-            token = tokens[rid]
-            req.generated += 1
-            self.stats.tokens += 1
-            try:
-                finish = req.finish_of(token)
-            except ValueError as exc:
-                self._fail(rid, str(exc))
-                continue
-            if finish:  # what the tail holds for it; the head frees the rest
-                self.tail_requests.pop(rid, None)
-                if self.store.budget and rid in self.group_of:
-                    self._extract(rid)  # its row, kept until the head's "free" says
-                    self.finished[rid] = self.caches.pop(rid)
-                else:
-                    self._leave_group(rid)
+            if isinstance(own, list):  # a row's draws at each verified position
+                sampled = [d[0] if isinstance(d, tuple) else d for d in own]
+                tokens[rid] = self._mlx(mx.stack(sampled).reshape(-1).tolist)
+            elif own is not None:
+                sampled_one = own[0] if isinstance(own, tuple) else own
+                tokens[rid] = int(cast(int, self._mlx(sampled_one.item)))
+            if verify:
+                values = tokens[rid] if isinstance(tokens[rid], list) else [tokens[rid]]
+                run, finish = self._verified(req, drawn.guesses.get(rid, ()), values, own)
+                token = run[-1]
+                kept.append(len(run) - 1)
+                if isinstance(own, list):
+                    logprobs: Any = None
+                    if own and isinstance(own[0], tuple):
+                        logprobs = [drawn_logprobs(d) for d in own[: len(run)]]
+                    self._end_row(rid, finish)
+                    rows.append((rid, token, finish, logprobs))
+                    continue
+            else:
+                token = tokens[rid]
+                req.generated += 1
+                self.stats.tokens += 1
+                try:
+                    finish = req.finish_of(token)
+                except ValueError as exc:
+                    self._fail(rid, str(exc))
+                    continue
+            self._end_row(rid, finish)
             logprobs = drawn_logprobs(own) if isinstance(own, tuple) else None
             rows.append((rid, token, finish, logprobs))
         extra = self._carry(header.extra)
+        if verify:
+            extra["kept"] = kept
         self.links.to_head(RingHeader(rid=header.rid, kind="token", batch=tuple(rows), extra=extra))
+
+    def _end_row(self, rid: str, finish: str) -> None:
+        """(tail) A row whose answer ended: what the tail holds for it goes (its row kept
+        until the head's "free" says whether the prefix cache keeps it)."""
+        if not finish:
+            return
+        self.tail_requests.pop(rid, None)
+        if self.store.budget and rid in self.group_of:
+            self._extract(rid)
+            self.finished[rid] = self.caches.pop(rid)
+            self.rewind_floor.pop(rid, None)
+        else:
+            self._leave_group(rid)

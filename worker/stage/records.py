@@ -129,6 +129,9 @@ class Group:
     rows: list[str]
     offsets: list[int]  # per row, the cache offset of its next step
     caches: LayerCaches
+    # After a verify step: per row, the least offset its next step may take (the step's
+    # first token is always kept); a row's next offset below `offsets` cuts it back.
+    floors: list[int] | None = None
 
 
 @dataclass
@@ -150,7 +153,10 @@ class BatchDraw:
 
     rows: tuple[str, ...]
     greedy: mx.array | None
-    draws: dict[str, mx.array | tuple[mx.array, ...]]
+    draws: dict[str, Any]
+    # A verify step's: each row's guesses (none for a row without), and `greedy` and a
+    # row's draws then hold a token per position (`Sampler.draw_positions`).
+    guesses: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,6 +170,14 @@ class Stats:
     batched_rows: int = 0  # the requests those steps ran, summed
     drafted: int = 0  # (head) guesses sent in verify frames
     kept: int = 0  # (head) ... of them kept
+    drafted_ahead: int = 0  # (head) a draft model's proposals made while the step before was out
+    verified_batches: int = 0  # batched steps that verified some rows' guesses
+    unguessed_batches: int = 0  # (head) batched steps left without guesses: no gain
+
+
+def row_guesses(row: tuple[Any, ...]) -> tuple[int, ...]:
+    """A batched verify frame's row (rid, offset, guesses): its guesses."""
+    return tuple(int(t) for t in row[2]) if len(row) > 2 and row[2] else ()
 
 
 def rows_of(header: RingHeader) -> list[str]:

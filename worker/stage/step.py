@@ -147,8 +147,13 @@ class Steps(StageBase):
                 if header.kind == "decode":
                     out = self._tail(header).sampler.draw(self.shard.logits(out))
                 elif header.kind == "verify":
-                    # The target's own token at each position (mlx-lm's rule).
-                    out = self._tail(header).sampler.draw_positions(out[0])
+                    # The target's own token at each position (mlx-lm's rule): one
+                    # argmax over them all when that is what each draw would take.
+                    sampler = self._tail(header).sampler
+                    if sampler.plain:
+                        out = mx.argmax(out[0], axis=-1)
+                    else:
+                        out = sampler.draw_positions(out[0])
                 else:
                     if header.params is not None:
                         # Its sampler (and grammar, compiled while the prompt fills in).
@@ -189,6 +194,8 @@ class Steps(StageBase):
             ),
             out,
         )
+        if self.shard.is_first and header.kind == "verify" and header.draft:
+            self._guess_ahead(rid, header.draft)  # while the step is round the ring
 
     def _take_prebuilt(self, header: RingHeader) -> Prebuilt | None:
         pre = self.prebuilt.pop(header.rid, None)
@@ -380,10 +387,8 @@ class Steps(StageBase):
                 except Exception as exc:
                     failure = describe(exc)
             else:
-                # Its lane decodes together: it goes with the lane's next step, without
-                # guesses (a batch's rows take one token each).
-                if spec is not None and not spec.off:
-                    spec.off = "other requests decode in a batch with it"
+                # Its lane steps together: it goes with the lane's next step, its guesses
+                # verified with the other rows' when that pays (`_batch_guesses`).
                 lane.flying.discard(rid)
                 lane.ready[rid] = header.token
                 lane_step = self._lane_launch(lane)

@@ -14,9 +14,11 @@ from worker.shared.protocol.limits import prompt_too_long
 from worker.speculation import Speculation
 from worker.stage.base import StageBase
 from worker.stage.records import (
+    BatchDraw,
     HeadRequest,
     Launched,
     RequestError,
+    TailRequest,
     drawn_logprobs,
 )
 
@@ -81,9 +83,18 @@ class Verify(StageBase):
         """(head) A request's next step on its newest token, decoding alone: a verify
         frame of the token and its guesses while it speculates, else a decode step."""
         offset = len(req.prompt) + req.generated - 1
+        k = self._budget(req, offset)
+        if k is None:
+            return self._launch_head(rid, [token], "decode", offset, params)
+        drafts = self._propose(req, k)
+        return self._launch_head(rid, [token, *drafts], "verify", offset, params)
+
+    def _budget(self, req: HeadRequest, offset: int) -> int | None:
+        """(head) The guesses a request's step at `offset` may carry (K, within what is
+        left of its answer and context), or None: it decodes without guesses."""
         spec = req.spec
         if spec is None or spec.off:
-            return self._launch_head(rid, [token], "decode", offset, params)
+            return None
         room = min(
             req.params.max_tokens - req.generated - 1,
             self.context_tokens - offset - 1,
@@ -94,26 +105,150 @@ class Verify(StageBase):
             room = min(room, self.spec_window - offset - 2)
             if room < 0:
                 spec.off = f"past its rotating window of {self.spec_window} tokens"
-        k = spec.budget(room)
+                return None
+        return spec.budget(room)
+
+    def _propose(self, req: HeadRequest, k: int) -> list[int]:
+        """(head) Up to `k` guesses from the request's draft model or prompt lookup; they
+        are its guesses in flight until its tokens come back."""
+        spec = req.spec
+        assert spec is not None
         drafts: list[int] = []
         if k > 0:
             if spec.mode == "model" and req.drafter is not None:
+                served = req.drafter.served_ahead
                 drafts = req.drafter.propose([*req.prompt, *req.answer], k)
+                self.stats.drafted_ahead += req.drafter.served_ahead - served
             else:
                 drafts = speculation.lookup_guesses(spec.prediction, req.prompt, req.answer, k)
         spec.in_flight = tuple(drafts)
-        return self._launch_head(rid, [token, *drafts], "verify", offset, params)
+        return drafts
 
-    def _sample_verify(self, header: RingHeader, draws: list[Any]) -> None:
-        """(tail) A verify frame's draws: the guesses kept (those equal to the token drawn
-        at their position), then the drawn token after them, all back to the head in one
-        frame. The answer ends early at an end of turn or at max_tokens."""
+    def _guess_ahead(self, rid: str, guesses: tuple[int, ...]) -> None:
+        """(head) A draft model's guesses for the step after the verify step just sent,
+        made while it is round the ring (`DraftSession.guess_ahead`): as many as K
+        grows to if every guess is kept."""
+        req = self.head_requests.get(rid)
+        spec = req.spec if req is not None else None
+        if req is None or req.drafter is None or spec is None or spec.off:
+            return
+        try:
+            req.drafter.guess_ahead(
+                [*req.prompt, *req.answer], list(guesses), min(spec.k_max, spec.k + 1)
+            )
+        except Exception:
+            # The step after proposes as usual, and fails the request if this recurs.
+            req.drafter.ahead = None
+
+    # ---- batched verify steps ----------------------------------------------------------
+
+    def _batch_guesses(self, order: list[str], offsets: list[int]) -> list[list[int]] | None:
+        """(head) Each row's guesses for a lane's batched step, or None: the step decodes
+        without guesses (no row speculates, the batch's caches cannot cut rows back one
+        by one, or guessing would not pay for a batch this large: `batch_pays`)."""
+        if self.batch_spec_reason or any(rid in self.prebuilt for rid in order):
+            # A row whose next step was built ahead (it decoded alone) joins decoding:
+            # its step is in its caches already, and its draw (a seeded key) too.
+            return None
+        reqs = [self.head_requests[rid] for rid in order]
+        ks = [self._budget(req, off) or 0 for req, off in zip(reqs, offsets, strict=True)]
+        if not any(ks):
+            return None
+        expected = [
+            speculation.expected_tokens(req.spec.acceptance, k) if req.spec and k else 1.0
+            for req, k in zip(reqs, ks, strict=True)
+        ]
+        if not speculation.batch_pays(expected, 1 + max(ks), self._row_cost()):
+            self.stats.unguessed_batches += 1
+            return None
+        guesses = [self._propose(req, k) if k else [] for req, k in zip(reqs, ks, strict=True)]
+        if not any(guesses):
+            for req in reqs:
+                if req.spec is not None and req.spec.in_flight == ():
+                    req.spec.record(0, 0)  # nothing to propose: counts as an idle round
+                    req.spec.in_flight = None
+            return None
+        return guesses
+
+    def _row_cost(self) -> float:
+        """(head) A row-position's cost as a share of a batched step's fixed cost: the
+        placement's setting, else fitted to the lanes' timed steps, else the default."""
+        if self.row_cost_setting is not None:
+            return self.row_cost_setting
+        fitted = speculation.row_cost(list(self.lane_steps))
+        return speculation.ROW_COST if fitted is None else fitted
+
+    def _draw_verify_rows(
+        self, rids: list[str], logits: mx.array, guesses: dict[str, tuple[int, ...]]
+    ) -> BatchDraw:
+        """(tail) A batched verify step's draws over `logits` [rows, positions, vocab]:
+        one argmax when every row is plain, else each row by its own sampler at its
+        first 1 + k positions, k its guesses (the rest are padding)."""
+        samplers = [self.tail_requests[rid].sampler for rid in rids]
+        ks = [len(guesses[rid]) for rid in rids]
+        if all(s.plain for s in samplers):
+            return BatchDraw(
+                rows=tuple(rids), greedy=mx.argmax(logits, axis=-1), draws={}, guesses=guesses
+            )
+        draws: dict[str, Any] = {}
+        for i, (rid, sampler, k) in enumerate(zip(rids, samplers, ks, strict=True)):
+            draws[rid] = (
+                sampler.draw_positions(logits[i, : k + 1]) if k else sampler.draw(logits[i, 0])
+            )
+        return BatchDraw(rows=tuple(rids), greedy=None, draws=draws, guesses=guesses)
+
+    def _verified(
+        self, req: TailRequest, guesses: tuple[int, ...], values: list[int], own: Any
+    ) -> tuple[list[int], str]:
+        """(tail) A row's tokens from a verify step: the guesses kept, then the big model's
+        token after them, cut at an end of turn or max_tokens; and why it ends there."""
+        n = speculation.accepted(guesses, values) if guesses else 0
+        if isinstance(own, list):
+            req.sampler.keep(n + 1)  # the draws past it are undone, their keys given back
+        tokens: list[int] = []
+        finish = ""
+        for token in values[: n + 1]:
+            tokens.append(token)
+            req.generated += 1
+            self.stats.tokens += 1
+            finish = req.finish_of(token)
+            if finish:
+                break
+        return tokens, finish
+
+    def _take_verified(self, req: HeadRequest, kept: int, token: int) -> list[int]:
+        """(head) A row's tokens back from a batched step: its guesses in flight that were
+        kept, then `token`; its speculation learns from them."""
+        spec = req.spec
+        guessed = spec.in_flight if spec is not None and spec.in_flight is not None else ()
+        tokens = [*guessed[: max(0, min(kept, len(guessed)))], token]
+        req.generated += len(tokens)
+        req.out += tokens
+        if spec is not None:
+            req.answer += tokens
+            if spec.in_flight is not None:
+                self.stats.drafted += len(spec.in_flight)
+                self.stats.kept += len(tokens) - 1
+                spec.record(len(spec.in_flight), len(tokens) - 1)
+                spec.in_flight = None
+        return tokens
+
+    def _sample_verify(self, header: RingHeader, draws: list[Any] | mx.array) -> None:
+        """(tail) A verify frame's draws (or, greedy, one argmax over its positions): the
+        guesses kept (those equal to the token drawn at their position), then the drawn
+        token after them, all back to the head in one frame. The answer ends early at an
+        end of turn or at max_tokens."""
         rid = header.rid
         req = self._tail(header)
-        sampled = [d[0] if isinstance(d, tuple) else d for d in draws]
-        values = cast(list[int], self._mlx(mx.stack(sampled).reshape(-1).tolist))
+        if isinstance(draws, mx.array):
+            values = cast(list[int], self._mlx(draws.tolist))
+            draws = []
+        else:
+            sampled = [d[0] if isinstance(d, tuple) else d for d in draws]
+            values = cast(list[int], self._mlx(mx.stack(sampled).reshape(-1).tolist))
         n = speculation.accepted(header.draft, values)
-        req.sampler.keep(n + 1)
+        if draws:
+            req.sampler.keep(n + 1)
         tokens: list[int] = []
         finish = ""
         for token in values[: n + 1]:
@@ -131,7 +266,7 @@ class Verify(StageBase):
             self.caches.pop(rid, None)
             self.rewind_floor.pop(rid, None)
         extra = self._carry(header.extra)
-        if isinstance(draws[0], tuple):
+        if draws and isinstance(draws[0], tuple):
             extra["logprobs"] = [drawn_logprobs(d) for d in draws[: len(tokens)]]
         self.links.to_head(
             RingHeader(

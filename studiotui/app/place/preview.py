@@ -43,11 +43,11 @@ from studiotui.core.placement import (
     context_beyond,
     format_bytes,
     plan_to_dict,
-    render_plan,
     tensor_sizes,
 )
 from studiotui.core.rates import Paced, Rates
 from studiotui.core.state import ClusterState, shape_label
+from studiotui.views.plan import render_plan
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
 

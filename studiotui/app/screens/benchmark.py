@@ -2,7 +2,7 @@
 drawn, and compare two saved runs side by side.
 
 The run itself is `studiotui.cluster.benchmark.Benchmark` on the dashboard's controller,
-in a worker (the keys stay answered); the drawings are `core.benchmark_view`'s, the same
+in a worker (the keys stay answered); the drawings are `views.benchmark`'s, the same
 the command line prints.
 """
 
@@ -27,8 +27,8 @@ from studiotui.app.host import Dashboard
 from studiotui.cluster.benchmark import Benchmark
 from studiotui.core import benchmark as figures
 from studiotui.core.benchmark import Run, Sizes, Step
-from studiotui.core.benchmark_view import compare_markdown, compare_table, markdown, report
 from studiotui.core.errors import StudioError
+from studiotui.views.benchmark import compare_markdown, compare_table, markdown, report
 
 
 def run_row(run: Run, marked: bool) -> tuple[Text, Text, str, Text]:

@@ -310,6 +310,7 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     # (the head) speculative decoding's guesses sent in verify frames, and those kept
     drafted: int = 0
     kept: int = 0
+    warm_ms: float = 0.0  # the stage's warm-up at load, before "ready" (worker.stage.warmup)
     active_bytes: int = 0
     # The prefix cache (worker.prompt_cache): this shard's entries and their bytes in
     # memory and on disk; on the head, the requests that reused an entry or found none
