@@ -55,6 +55,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "moe_pipe2_ratio": ("4-bit qwen3_moe on 2 shards ÷ mlx-lm beside it", "≥ 0.95"),
     "moe_pipe2_floor_ratio": ("the same two shards in two bare processes ÷ mlx-lm", ""),
     "moe_pipe2_over_floor": ("`moe_pipe2_ratio` ÷ `moe_pipe2_floor_ratio`", ""),
+    "structured_tok_ratio": (
+        "decode tokens/s with a `json_schema` response format ÷ without, same prompt",
+        "≥ 0.9",
+    ),
     "batch8_ratio": ("8 requests at once on 2 shards ÷ 1 request", "≥ mlx-lm's"),
     "mlx_batch8_ratio": ("mlx-lm's `BatchGenerator`, 8 prompts ÷ its one stream", ""),
     "kv8_context_ratio": (

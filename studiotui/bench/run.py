@@ -43,7 +43,7 @@ from rich.table import Table
 
 from studiotui.api.server import start_server
 from studiotui.app.app import StudioApp
-from studiotui.bench import batching, soak, speculative, ttft
+from studiotui.bench import batching, soak, speculative, structured, ttft
 from studiotui.bench.api_bench import bench_api
 from studiotui.bench.finetune import finetune_figures
 from studiotui.bench.floor import PipeFloor
@@ -439,6 +439,8 @@ def measure(quick: bool) -> dict[str, Any]:
                 cached = asyncio.run(_cache_phase(home, inv, model_dir, cfg))
             with phase("ttft"):
                 firsts = asyncio.run(_ttft_phase(home, inv, model_dir, cfg))
+            with phase("structured"):
+                schema = asyncio.run(_structured_phase(home, inv, model_dir, cfg))
 
             async def paired(ctl: Controller, name: str) -> dict[str, Any]:
                 await stream(ctl, name, prompt_tokens(16), 8)  # warm up
@@ -468,6 +470,7 @@ def measure(quick: bool) -> dict[str, Any]:
     pipe["moe2"] = moe
     figures = summarize(pipe, ring, cfg)
     figures.update(firsts)
+    figures.update(schema)
     figures.update(batch)
     figures.update(kv)
     figures.update(spec)
@@ -532,6 +535,26 @@ async def _ttft_phase(
         "moe_ttft_pairs": moe["pairs"],
         "ttft_tokens_match": dense["tokens_match"] and moe["tokens_match"],
     }
+
+
+async def _structured_phase(
+    home: Path, inv: Inventory, model_dir: Path, cfg: BenchConfig
+) -> dict[str, Any]:
+    """`structured_tok_ratio` (`bench.structured`) on the dense model over 2 nodes, an
+    even number of pairs (each side first as often)."""
+    ctl = Controller(home, inv)
+    try:
+        await ctl.refresh()
+        return await structured.structured_figures(
+            ctl,
+            model_dir,
+            list(inv.names)[:2],
+            cfg.prefill_chunk,
+            cfg.tokens,
+            max(2, cfg.decode_rounds + cfg.decode_rounds % 2),
+        )
+    finally:
+        await ctl.close()
 
 
 async def _agents_up(home: Path, inv: Inventory) -> None:

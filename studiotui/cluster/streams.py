@@ -16,13 +16,16 @@ def prompt_tokens(n: int) -> list[int]:
     return [(7 * i) % 200 + 32 for i in range(n)]
 
 
-async def stream(ctl: Controller, name: str, tokens: list[int], n: int) -> dict[str, Any]:
-    """Decode `n` tokens (end of turn ignored) after `tokens`; the tokens and their timing."""
+async def stream(
+    ctl: Controller, name: str, tokens: list[int], n: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Decode `n` tokens (end of turn ignored) after `tokens`, with `extra` sampling
+    parameters (a grammar, say); the tokens and their timing."""
     got: list[int] = []
     stamps: list[float] = []
     timings: dict[str, Any] = {}
     start = time.perf_counter()
-    params = {"max_tokens": n, "ignore_eos": True}
+    params = {"max_tokens": n, "ignore_eos": True, **(extra or {})}
     async for msg in ctl.generate(name, {"tokens": tokens}, params):
         if msg["type"] == "delta":
             got += msg["tokens"]
