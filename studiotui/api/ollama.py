@@ -176,7 +176,7 @@ def parse_chat(body: Any) -> OllamaRequest:
                 turn["name"] = name
             messages.append(turn)
             continue
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad(
                 f"{where}.role must be system, user, assistant or tool; got {shown(role)}",
                 f"{where}.role",

@@ -124,3 +124,12 @@ def test_what_cannot_be_honoured_is_refused_in_words() -> None:
         ollama.parse_chat(
             {"model": "m", "messages": [{"role": "user", "content": "x", "images": ["AA"]}]}
         )
+
+
+@pytest.mark.parametrize("role", [["user"], {"a": 1}, 3, None])
+def test_an_ollama_role_of_another_type_is_a_400_naming_it(role: object) -> None:
+    # A list or a map is not hashable: looking it up in the roles once raised a TypeError,
+    # a 500 to the client.
+    with pytest.raises(ApiError) as err:
+        ollama.parse_chat({"model": "m", "messages": [{"role": role, "content": "x"}]})
+    assert err.value.status == 400 and err.value.param == "messages[0].role"
