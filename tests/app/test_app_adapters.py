@@ -136,6 +136,8 @@ async def test_an_adapter_row_previews_places_and_is_named_everywhere(
         assert str(table.get_row_at(0)[2]) == "tiny + style"
 
         await pilot.press("c")
+        # The chat screen is pushed on the next turns of the event loop, later under load.
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen), 10, "the chat")
         chat = app.screen
         assert isinstance(chat, ChatScreen)
         await until(pilot, lambda: chat._options != [], 5, "picker filled")
