@@ -167,7 +167,7 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
         secret = workdir / "keys" / "self.key_secret"
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600
         assert stat.S_IMODE((workdir / "keys").stat().st_mode) == 0o700
-        assert (workdir / "lib" / wheel.build / "worker" / "agent.py").is_file()
+        assert (workdir / "lib" / wheel.build / "worker" / "__main__.py").is_file()
     # Parallel: every node was probing before any node finished.
     last_probe = max(events.first(n.name, "probe", "start") for n in nodes)
     first_result = min(events.first(n.name, "result", "done") for n in nodes)

@@ -51,7 +51,7 @@ def broken_wheel(source: Path, dest: Path, version: str) -> PrebuiltWheel:
     with zipfile.ZipFile(good.wheel) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
             data = src.read(info)
-            if info.filename == "worker/agent.py":
+            if info.filename == "worker/__main__.py":
                 data = b'raise SystemExit("this build is broken")\n'
             dst.writestr(info, data)
     return PrebuiltWheel(out)
