@@ -23,6 +23,7 @@ from studiotui.cluster import local_cluster
 from studiotui.core.inventory import dump_inventory
 from tests.integration.test_engine import collect, prompt_tokens, reference_tokens
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
+from tests.support.output import read_until
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 246, 57700  # 127.0.0.246-247
@@ -156,9 +157,6 @@ def test_down_of_every_node_then_restart_or_up_brings_the_shards_back(
     assert answer(cluster) == ("ready", placed)
 
 
-API_PORT = 57790
-
-
 @pytest.fixture
 def serve(cluster: LocalCluster) -> Iterator[str]:
     """`studiotui serve` in a process of its own, as an operator runs it; its base URL."""
@@ -166,7 +164,7 @@ def serve(cluster: LocalCluster) -> Iterator[str]:
     path.write_text(dump_inventory(cluster.inventory))
     env = {**os.environ, "STUDIOTUI_HOME": str(cluster.home), "NO_COLOR": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "studiotui", "-i", str(path), "serve", "--port", str(API_PORT)],
+        [sys.executable, "-m", "studiotui", "-i", str(path), "serve", "--port", "0"],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -175,9 +173,9 @@ def serve(cluster: LocalCluster) -> Iterator[str]:
     )
     try:
         assert proc.stdout is not None
-        lines = [proc.stdout.readline() for _ in range(2)]
-        assert any("studiotui serve: http" in line for line in lines), lines
-        yield f"http://127.0.0.1:{API_PORT}/v1"
+        # Port 0: a fixed port can be taken by one of the agents' own outgoing sockets.
+        found, _ = read_until(proc.stdout, r"studiotui serve: (http://\S+/v1)")
+        yield found.group(1)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -28,6 +28,7 @@ from studiotui.cli.main import main
 from studiotui.cli.web import COOKIE, dashboard_command, host_name, start_web
 from studiotui.core.inventory import dump_inventory
 from tests.support.cluster_fixture import cluster_fixture
+from tests.support.output import read_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [
@@ -68,11 +69,7 @@ def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Web]:
         )
         try:
             assert proc.stdout is not None
-            line = proc.stdout.readline()
-            found = re.search(r"(http://127\.0\.0\.1:\d+)/\?token=(\S+)", line)
-            assert found, (
-                f"no address printed: {line!r} {proc.stderr.read() if proc.poll() else ''}"
-            )
+            found, _ = read_until(proc.stdout, r"(http://127\.0\.0\.1:\d+)/\?token=(\S+)")
             base, token = found.groups()
             yield Web(proc, f"{base}/?token={token}", base, token, list(cluster.inventory.names))
         finally:

@@ -27,6 +27,7 @@ from studiotui.cluster import local_cluster
 from studiotui.core.inventory import dump_inventory
 from tests.integration.test_web import CHROMIUM, CHROMIUM_FLAGS
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.output import read_until
 
 BASE, PORT = 250, 57850  # 127.0.0.250-251
 
@@ -79,13 +80,12 @@ def start_web(cluster: LocalCluster) -> Web:
         env=env(cluster),
     )
     assert proc.stdout is not None
-    for _ in range(5):
-        line = proc.stdout.readline()
-        found = re.search(r"(http://127\.0\.0\.1:\d+/\?token=\S+)", line)
-        if found:
-            return Web(proc, found.group(1))
-    proc.kill()
-    raise AssertionError("studiotui web printed no address")
+    try:
+        found, _ = read_until(proc.stdout, r"(http://127\.0\.0\.1:\d+/\?token=\S+)")
+    except AssertionError:
+        proc.kill()
+        raise
+    return Web(proc, found.group(1))
 
 
 def cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
@@ -246,8 +246,7 @@ def test_down_all_stops_the_api_server_and_the_browser_view(
     )
     try:
         assert api.stdout is not None
-        lines = [api.stdout.readline() for _ in range(2)]
-        assert any("studiotui serve: http" in line for line in lines), lines
+        read_until(api.stdout, "studiotui serve: http")
         status = cli(cluster, "status", "--json")
         kinds = sorted(s["kind"] for s in json.loads(status.stdout)["services"])
         assert kinds == ["api", "web"], status.stdout
