@@ -256,6 +256,7 @@ class KeptShards:
             kv_group_size=r.kv_group_size,
             prompt_cache_bytes=r.prompt_cache_bytes,
             prompt_cache_disk_bytes=r.prompt_cache_disk_bytes,
+            model_digest=r.model_digest,
             **(group or {}),
         ):
             pass

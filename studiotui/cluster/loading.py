@@ -23,7 +23,7 @@ from studiotui.core.model_facts import read_model
 from studiotui.core.placement import Plan
 from worker.shared.adapters import FILES as ADAPTER_FILES
 from worker.shared.adapters import WEIGHTS_NAME, Adapter
-from worker.shared.manifest import Hashing, manifest
+from worker.shared.manifest import Hashing, manifest, model_digest
 from worker.shared.protocol import control
 
 UNLOAD_TIMEOUT_S = 10.0
@@ -125,6 +125,11 @@ class Loading:
                 # The draft model goes whole to the head node, as a model's files do.
                 whole = [Member(0, 0, head.node, 0, read_model(guesser).n_layers, (), None)]
                 draft_at = (await self.model_dirs(whole, guesser, progress, hashing))[head.node]
+            # The model by its bytes, for every shard: it names the prefix cache's
+            # entries on disk, so a folder whose weights were replaced never serves the
+            # old ones' and a re-copied one (new times, same bytes) keeps them. Files
+            # hashed for a copy above are cached already; the rest are read once.
+            digest = await asyncio.to_thread(model_digest, model_dir, on_progress=hashing)
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
@@ -161,6 +166,7 @@ class Loading:
                 kv_group_size=the_plan.kv_group_size,
                 prompt_cache_bytes=shards[m.stage].prompt_cache_bytes,
                 prompt_cache_disk_bytes=shards[m.stage].prompt_cache_disk_bytes,
+                model_digest=digest,
                 **(
                     {"draft": draft, "draft_dir": draft_at, "draft_tokens": draft_tokens}
                     if m is head

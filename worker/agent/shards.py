@@ -110,6 +110,7 @@ class ShardProc:
             kv_group_size=spec.get("kv_group_size", 64),
             prompt_cache_bytes=spec.get("prompt_cache_bytes", 0),
             prompt_cache_disk_bytes=spec.get("prompt_cache_disk_bytes", 0),
+            model_digest=spec.get("model_digest", ""),
             data_port=self.data_port,
             client_port=self.client_port,
             group_port=self.group_port,

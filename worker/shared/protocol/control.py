@@ -452,6 +452,9 @@ class ShardReport(Wire, frozen=True, kw_only=True):
     kv_group_size: int = 64
     prompt_cache_bytes: int = 0  # the prompt cache's memory budget (promised while loaded)
     prompt_cache_disk_bytes: int = 0
+    # The model's content digest its load was given: a restart loads it again with it,
+    # so the prefix cache's entries on disk keep their name (LoadShard.model_digest).
+    model_digest: str = ""
     data_port: int = 0
     client_port: int = 0
     # A member of a tensor-parallel stage: its group port, rank, the group's nodes in

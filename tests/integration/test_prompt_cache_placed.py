@@ -1,0 +1,130 @@
+"""The prefix cache of a placement on real agents: its entries on disk named by the
+model's bytes (the controller's content digest), and `--prompt-cache 0` keeping none.
+
+A model folder whose files were copied again (new times, the same bytes) keeps its
+entries; one whose weights were replaced under the same path never serves the old
+weights' entries: its answer equals mlx-lm's on the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+
+from studiotui.core.traffic import placement_cache
+from tests.support.cluster_fixture import LocalCluster
+from tests.support.ring_harness import CHUNK
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+N = 4
+PROMPT = list(range(40, 64))
+
+
+def _spec(seed: int) -> DemoSpec:
+    return DemoSpec(
+        arch="qwen3", dtype="float32", seed=seed, layers=5, hidden=64, heads=4, kv_heads=2
+    )
+
+
+def _reference(model: Path, prompt: list[int]) -> list[int]:
+    loaded, _ = mlx_lm.load(str(model))
+    steps = generate_step(mx.array(prompt), loaded, max_tokens=N, prefill_step_size=CHUNK)
+    return [int(t) for t, _ in steps]
+
+
+async def _turn(ctl: Any, placement: str, prompt: list[int]) -> tuple[list[int], int]:
+    tokens: list[int] = []
+    cached = -1
+    async for msg in ctl.generate(
+        placement, {"tokens": prompt}, {"max_tokens": N, "ignore_eos": True}
+    ):
+        if msg["type"] == "delta":
+            tokens += msg["tokens"]
+        elif msg["type"] == "done":
+            cached = msg["usage"]["cached_tokens"]
+    return tokens, cached
+
+
+async def _placed_turn(
+    cluster: LocalCluster, model: Path, name: str, **options: Any
+) -> tuple[list[int], int]:
+    """Place `model` on two nodes, answer PROMPT once, unload (the shards' writes to
+    disk finish as they stop)."""
+    ctl = cluster.controller()
+    try:
+        await ctl.refresh()
+        nodes = list(cluster.inventory.names)[:2]
+        await ctl.place(model, nodes, name, prefill_chunk=CHUNK, **options)
+        got = await _turn(ctl, name, PROMPT)
+        await ctl.unload(name)
+        return got
+    finally:
+        await ctl.close()
+
+
+@pytest.mark.integration
+def test_disk_entries_are_the_model_s_bytes_not_its_path(
+    engine_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    model = write_demo_model(tmp_path / "model", _spec(31))
+    other = write_demo_model(tmp_path / "other", _spec(32))
+    first_ref, other_ref = _reference(model, PROMPT), _reference(other, PROMPT)
+    assert first_ref != other_ref  # else the test could not tell the weights apart
+
+    first = asyncio.run(_placed_turn(engine_cluster, model, "dk"))
+    assert first == (first_ref, 0)
+
+    # Copied again: the same bytes with new times. The entries are still the model's
+    # (from disk: nothing of the first placement is in memory any more).
+    later = time.time() + 60
+    for f in model.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            os.utime(f, (later, later))
+    again = asyncio.run(_placed_turn(engine_cluster, model, "dk"))
+    assert again == (first_ref, len(PROMPT) - 1)
+
+    # Other weights under the same path: the old entries are never read.
+    for f in other.glob("*.safetensors"):
+        shutil.copyfile(f, model / f.name)
+    replaced = asyncio.run(_placed_turn(engine_cluster, model, "dk"))
+    assert replaced == (other_ref, 0)
+
+
+@pytest.mark.integration
+def test_prompt_cache_0_keeps_nothing(engine_cluster: LocalCluster, tmp_path: Path) -> None:
+    model = write_demo_model(tmp_path / "model", _spec(33))
+    expected = _reference(model, PROMPT)
+
+    async def run() -> tuple[list[tuple[list[int], int]], Any, list[int]]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            nodes = list(engine_cluster.inventory.names)[:2]
+            result = await ctl.place(model, nodes, "off", prefill_chunk=CHUNK, prompt_cache=0)
+            budgets = [s.prompt_cache_bytes for s in result.plan.shards]
+            turns = [await _turn(ctl, "off", PROMPT) for _ in range(2)]
+            # The shards' figures come with their telemetry, once a second.
+            await asyncio.sleep(2.5)
+            await ctl.refresh()
+            placement = ctl.state.placement("off")
+            assert placement is not None
+            figures = placement_cache(placement)
+            await ctl.unload("off")
+            return turns, figures, budgets
+        finally:
+            await ctl.close()
+
+    turns, figures, budgets = asyncio.run(run())
+    assert budgets == [0, 0]
+    assert turns == [(expected, 0), (expected, 0)]
+    assert (figures.entries, figures.bytes, figures.disk_bytes) == (0, 0, 0)
+    assert figures.misses == 0 and figures.hits == 0
