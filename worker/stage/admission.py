@@ -129,7 +129,8 @@ class Admission(StageBase):
                 reuse = None
         req = self.head_requests[rid]
         if reuse is None:
-            self.store.stats.misses += 1
+            if self.store.budget:  # with the cache off there is nothing to miss
+                self.store.stats.misses += 1
             self.caches[rid] = self.shard.make_cache()
         else:
             self.store.stats.hits += 1

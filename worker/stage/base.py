@@ -66,8 +66,8 @@ class StageBase:
         schedule: Callable[[Callable[[], None]], None],
         prebuild: bool = True,
         batch: bool = True,
-        prompt_cache_bytes: int = 0,
-        prompt_cache_disk_bytes: int = 0,
+        prompt_cache_bytes: int | None = None,
+        prompt_cache_disk_bytes: int | None = None,
         cache_dir: Path | None = None,
         cache_key: str = "",
         draft: str = "",
@@ -123,9 +123,14 @@ class StageBase:
             self.lanes = [Lane(gid=f"batch{i}") for i in range(max(1, hops))]
         self.lane_of: dict[str, Lane] = {}
         # The prefix cache (worker.prompt_cache): this stage's entries; the head's index
-        # of their tokens. 0 bytes means the default; a negative budget turns it off.
-        budget = prompt_cache_bytes or DEFAULT_PROMPT_CACHE_BYTES
-        disk_budget = prompt_cache_disk_bytes or DEFAULT_PROMPT_CACHE_DISK_BYTES
+        # of their tokens. None means the default; 0 (`place --prompt-cache 0`, or a
+        # node with nothing to spare) turns it off: the plan promised it no memory.
+        budget = DEFAULT_PROMPT_CACHE_BYTES if prompt_cache_bytes is None else prompt_cache_bytes
+        disk_budget = (
+            DEFAULT_PROMPT_CACHE_DISK_BYTES
+            if prompt_cache_disk_bytes is None
+            else prompt_cache_disk_bytes
+        )
         disk = None
         if cache_dir is not None and budget > 0 and disk_budget > 0:
             # On disk under `cache_dir`, in a folder named by `cache_key` (whose model,
