@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GB",
         help="disk under each node's workdir for prompt-cache entries pushed out of "
-        "memory, over the whole placement (default: 4x the memory budget; 0: none)",
+        "memory, over the whole placement, checked against each node's free disk "
+        "(default: 4x the memory budget, at most half of a node's free disk; 0: none)",
     )
     place.add_argument("--dry-run", action="store_true", help="show the plan, load nothing")
     place.add_argument(

@@ -25,6 +25,7 @@ from studiotui.core.adapter_catalog import (
     adapter_tensor,
     check_adapter,
 )
+from studiotui.core.disk_budget import fit_disk
 from studiotui.core.forecast import (
     Chip,
     LastMeasured,
@@ -154,6 +155,9 @@ class Placing:
                 verdict = with_prompt_cache(verdict, prompt_cache, prompt_cache_disk)
             if isinstance(verdict, Plan):
                 break
+        if isinstance(verdict, Plan):
+            # The disk budget against each node's free disk (its telemetry says it).
+            verdict = fit_disk(verdict, prompt_cache_disk, self._disk_free(nodes))
         if draft:
             try:
                 problem = check_draft(model_dir, draft, draft_dir, draft_tokens)
@@ -188,6 +192,13 @@ class Placing:
             free = max(0, room(node, self._promises))
             budgets.append(NodeBudget(name, free, node.memory_total))
         return budgets
+
+    def _disk_free(self, nodes: Sequence[str]) -> dict[str, int | None]:
+        """Bytes free on each node's disk, as its last telemetry said (None: unsaid)."""
+        return {
+            name: node.disk_free if (node := self.hub.state.node(name)) is not None else None
+            for name in nodes
+        }
 
     def context_offer(
         self,

@@ -95,6 +95,9 @@ class NodeState:
     power_history: tuple[float, ...] = ()
     pressure: dict[str, Any] = field(default_factory=dict)
     pressure_history: tuple[float, ...] = ()
+    # Bytes free on the disk of its agent's home (None: not said), for the prompt
+    # cache's disk budget (core.disk_budget).
+    disk_free: int | None = None
 
     @property
     def pressure_pct(self) -> float | None:

@@ -20,6 +20,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from studiotui.cluster.errors import PlacementRefused
+from studiotui.core.placement import Plan
 from studiotui.core.traffic import placement_cache
 from tests.support.cluster_fixture import LocalCluster
 from tests.support.ring_harness import CHUNK
@@ -128,3 +130,41 @@ def test_prompt_cache_0_keeps_nothing(engine_cluster: LocalCluster, tmp_path: Pa
     assert turns == [(expected, 0), (expected, 0)]
     assert (figures.entries, figures.bytes, figures.disk_bytes) == (0, 0, 0)
     assert figures.misses == 0 and figures.hits == 0
+
+
+@pytest.mark.integration
+def test_a_disk_budget_beyond_a_node_s_free_disk_is_refused_before_loading(
+    engine_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    model = write_demo_model(tmp_path / "model", _spec(34))
+    free = shutil.disk_usage(engine_cluster.home).free  # the simulated nodes share it
+    asked = (free // 1024**3 + 100) * 1024**3
+
+    async def run() -> tuple[str, Any, list[int], list[int | None]]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            nodes = list(engine_cluster.inventory.names)[:2]
+            said = ""
+            try:
+                await ctl.place(model, nodes, "big", prefill_chunk=CHUNK, prompt_cache_disk=asked)
+            except PlacementRefused as exc:
+                said = str(exc)
+            placed = ctl.state.placement("big")
+            # By default each node keeps at most half of its free disk.
+            _, default = ctl.preview(model, nodes)
+            assert isinstance(default, Plan)
+            frees = [n.disk_free for name in nodes if (n := ctl.state.node(name))]
+            return said, placed, [s.prompt_cache_disk_bytes for s in default.shards], frees
+        finally:
+            await ctl.close()
+
+    said, placed, default_disk, frees = asyncio.run(run())
+    assert placed is None
+    assert f"a prompt cache of {asked / 1024**3:.1f} GB on disk does not fit" in said, said
+    where = said.split("does not fit:", 1)[1]
+    assert next(iter(engine_cluster.inventory.names)) in where, said
+    assert "free on its disk" in where, said
+    assert "--prompt-cache-disk " in said, said
+    assert all(isinstance(f, int) and f > 0 for f in frees), frees
+    assert all(0 < d <= min(f for f in frees if f) // 2 for d in default_disk), default_disk

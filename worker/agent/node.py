@@ -5,8 +5,10 @@ memory pressure), its log (read_log), and stopping (shutdown)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -50,6 +52,9 @@ class Node:
         """Memory, CPU (this agent's and its processes'), power and pressure now."""
         sample = {**telemetry.sample(self.host.config.memory_gb, self.pids()), **self.host.live}
         sample.pop("time", None)
+        # The prompt cache's disk budget is checked against it (core.disk_budget).
+        with contextlib.suppress(OSError):
+            sample["disk_free"] = shutil.disk_usage(self.host.config.home).free
         return sample
 
     async def hello(self, ask: Ask, req: control.Hello) -> None:

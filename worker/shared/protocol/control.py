@@ -492,6 +492,9 @@ class NodeSample(AgentBrief, frozen=True, kw_only=True):
     # the reason there is none (worker.telemetry.Meter); shown as sent.
     power: dict[str, Any] = {}
     pressure: dict[str, Any] = {}
+    # Bytes free on the disk of the agent's home (its workdir), where shards keep their
+    # prefix cache's entries; None from an agent that does not say.
+    disk_free: int | None = None
 
 
 class HelloReply(NodeSample, frozen=True, kw_only=True, tag="hello_reply"):
