@@ -294,6 +294,7 @@ class Runner:
             draft_model=draft_model,
             # A tensor group's ranks must decide alike: timed steps differ between them.
             row_cost=speculation.ROW_COST if self.spec.group_size > 1 else None,
+            tensor_group=self.group,
         )
         # The first answer would otherwise pay for MLX's kernels and compiled functions
         # and the chat template's compile (seconds to its first token, not the second's).

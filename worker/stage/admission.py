@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from worker.families import LayerCaches
+from worker.prompt_cache import ranks_agree, reuse_row
 from worker.sampling import (
     ParamError,
     SamplingParams,
@@ -127,6 +128,11 @@ class Admission(StageBase):
             if cache is None:
                 self._forget([reuse.entry])
                 reuse = None
+        if self.tensor_group is not None and self.index is not None and self.store.budget:
+            # Every rank of a head group reuses the same entry, or none prefills less.
+            mine = reuse_row(reuse.entry, reuse.tokens) if reuse is not None else None
+            if not ranks_agree(self.tensor_group, mine):
+                reuse = cache = None
         req = self.head_requests[rid]
         if reuse is None:
             if self.store.budget:  # with the cache off there is nothing to miss

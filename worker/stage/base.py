@@ -74,6 +74,7 @@ class StageBase:
         draft_tokens: int = 0,
         draft_model: Any = None,
         row_cost: float | None = None,
+        tensor_group: Any = None,
     ) -> None:
         self.shard = shard
         self.tokenizer = tokenizer
@@ -139,6 +140,8 @@ class StageBase:
             layers = f"layers={shard.start}-{shard.end}/{shard.n_layers}"
             disk = DiskStore(cache_dir, f"{cache_key} {layers}", disk_budget)
         self.store = PromptStore(max(0, budget), disk)
+        # A tensor group's ranks agree before any of them reuses an entry (ranks_agree).
+        self.tensor_group = tensor_group
         self.index = PromptIndex() if shard.is_first else None
         if self.index is not None and disk is not None:
             for ident, meta in disk.headers():

@@ -11,6 +11,8 @@ import msgspec
 from worker.families import LayerCaches
 from worker.prompt_cache import (
     cut_to,
+    ranks_agree,
+    reuse_row,
     trimmable_at,
 )
 from worker.shared.protocol.frames import RingHeader
@@ -44,6 +46,11 @@ class Reuse(StageBase):
             return
         if ok:
             cache = self.store.take(cast(str, entry), cast(int, tokens), self.shard.make_cache())
+            if self.tensor_group is not None:
+                # Every rank of this group holds the entry, or the request prefills anew.
+                mine = reuse_row(cast(str, entry), cast(int, tokens)) if cache is not None else None
+                if not ranks_agree(self.tensor_group, mine):
+                    cache = None
             if cache is None:
                 ok = False
             else:

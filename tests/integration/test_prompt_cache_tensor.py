@@ -1,0 +1,111 @@
+"""The prefix cache on a tensor group whose ranks do not hold the same entries.
+
+Each rank of a group keeps its own slice of every entry, on its own node's disk. When
+one rank's file is damaged, the ranks agree before any of them reuses the entry, so
+none computes from a state its partner lacks: the request prefills in full on every
+rank and answers as mlx-lm does; the next one reuses the entry stored anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+
+from studiotui.core.placement import Plan
+from tests.support.cluster_fixture import LocalCluster
+from worker.prompt_cache import safetensors_metadata
+from worker.shared.demo_model import DemoSpec, write_demo_model
+
+pytestmark = pytest.mark.integration
+
+PROMPT = list(range(40, 62))
+N = 8
+MARGIN = 1e-2
+SPEC = DemoSpec(
+    arch="qwen3",
+    layers=4,
+    hidden=128,
+    heads=8,
+    kv_heads=4,
+    intermediate=384,
+    dtype="float32",
+    seed=41,
+)
+
+
+def _reference(model: Path) -> tuple[list[int], int]:
+    """mlx-lm's greedy tokens, and how many of them a group's sums can be held to (up
+    to the first step whose top two are within MARGIN)."""
+    loaded, _ = mlx_lm.load(str(model))
+    tokens, margins = [], []
+    for tok, logprobs in generate_step(mx.array(PROMPT), loaded, max_tokens=N, prefill_step_size=8):
+        top2 = mx.sort(logprobs)[-2:]
+        tokens.append(int(tok))
+        margins.append(float((top2[1] - top2[0]).item()))
+    judged = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+    return tokens, judged
+
+
+async def _turn(ctl: Any, placement: str) -> tuple[list[int], int]:
+    tokens: list[int] = []
+    cached = -1
+    params = {"max_tokens": N, "ignore_eos": True}
+    async for msg in ctl.generate(placement, {"tokens": PROMPT}, params):
+        if msg["type"] == "delta":
+            tokens += msg["tokens"]
+        elif msg["type"] == "done":
+            cached = msg["usage"]["cached_tokens"]
+    return tokens, cached
+
+
+def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
+    engine_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    model = write_demo_model(tmp_path / "dense", dataclasses.replace(SPEC))
+    want, judged = _reference(model)
+    assert judged >= 4, "margins too thin to judge"
+    names = list(engine_cluster.inventory.names)[:2]
+
+    async def place_and_ask(times: int) -> tuple[tuple[str, ...], list[tuple[list[int], int]]]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            result = await ctl.place(model, names, "tp-cache", prefill_chunk=8, tensor=2)
+            assert isinstance(result.plan, Plan)
+            group = result.plan.shards[0].group
+            got = [await asyncio.wait_for(_turn(ctl, "tp-cache"), 120) for _ in range(times)]
+            await ctl.unload("tp-cache")
+            return group, got
+        finally:
+            await ctl.close()
+
+    group, [first] = asyncio.run(place_and_ask(1))
+    assert len(group) == 2
+    assert first[1] == 0 and first[0][:judged] == want[:judged]
+
+    # The follower's file of the entry loses its data (its header, and so the index
+    # every rank rebuilds from its own files, stays as it was).
+    follower = next(n for n in engine_cluster.inventory.nodes if n.name == group[1])
+    files = [
+        f
+        for f in Path(follower.workdir).expanduser().glob("prompt-cache/*/*.safetensors")
+        if safetensors_metadata(f).get("tokens", "").startswith(f"[{PROMPT[0]}, ")
+    ]
+    assert len(files) == 1, files
+    raw = files[0].read_bytes()
+    header = 8 + int.from_bytes(raw[:8], "little")
+    files[0].write_bytes(raw[: header + 16])
+
+    _, [again, third] = asyncio.run(place_and_ask(2))
+    assert again[1] == 0, "one rank lacked the entry: every rank prefilled"
+    assert again[0][:judged] == want[:judged]
+    # The full prefill stored the entry anew on both ranks: reused whole now.
+    assert third[1] >= len(PROMPT) - 1
+    assert third[0][:judged] == want[:judged]
