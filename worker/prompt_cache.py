@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import PromptTrie, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    PromptTrie,
+    load_prompt_cache,
+    save_prompt_cache,
+)
 
 from worker import families
 from worker.families import LayerCaches
@@ -409,6 +415,28 @@ class PromptStore:
 def snapshot(caches: LayerCaches) -> list[Any]:
     """A copy of a request's caches as they are now (its later steps do not change it)."""
     return [copy.deepcopy(c) for c in caches]
+
+
+def light_snapshot(caches: Sequence[Any]) -> list[Any] | None:
+    """A copy of caches as they are now that shares their arrays, cheap enough to take
+    at every decode step; None unless every layer's is a `KVCache` or an `ArraysCache`.
+
+    Sharing is safe for these two: an `ArraysCache`'s later steps put new arrays in its
+    slots (the copy keeps its own list of the old ones), and a `KVCache`'s write only
+    past the copy's offset (or into a grown buffer of the original's own); MLX arrays
+    are values. A `RotatingKVCache` writes over its window, and others are not known."""
+    out: list[Any] = []
+    for cache in caches:
+        kind = type(cache)
+        if kind is ArraysCache:
+            twin = copy.copy(cache)
+            twin.cache = list(cache.cache)
+        elif kind is KVCache:
+            twin = copy.copy(cache)
+        else:
+            return None
+        out.append(twin)
+    return out
 
 
 class PromptIndex:

@@ -214,8 +214,9 @@ def test_two_real_stages_reuse_a_conversation_s_history(
     first, second, (turn2, _) = asyncio.run(run())
     assert first == (ref(turn1), 0)
     assert second[0] == ref(turn2)
-    # Turn 1's prompt and answer (all but its last token), or its prompt's snapshot.
-    assert second[1] == (len(turn1) + N - 1 if arch == "qwen3" else len(turn1) - 1)
+    # Turn 1's prompt and answer (all but its last token): cut back, or the snapshot
+    # at the end of the answer (linear attention).
+    assert second[1] == len(turn1) + N - 1
 
 
 # ---- on disk -----------------------------------------------------------------------------

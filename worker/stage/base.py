@@ -18,6 +18,7 @@ from worker.prompt_cache import (
     PromptIndex,
     PromptStore,
     cache_kinds,
+    light_snapshot,
     trimmable_at,
 )
 from worker.sampling import SamplingParams
@@ -158,6 +159,10 @@ class StageBase:
         # prompt (but its last token), taken as the first decode step starts.
         self.snapshot = budget > 0 and not trimmable_at(self.kinds, 1 << 62)
         self.snapshots: dict[str, tuple[int, list[Any]]] = {}
+        # And at the end of each answer: the caches as they were before a step built
+        # ahead (of a token that may never come) went into them (Reuse._snap_answer).
+        self.answer_snaps: dict[str, tuple[int, list[Any]]] = {}
+        self.answer_snap = self.snapshot and light_snapshot(shard.make_cache().full) is not None
         self.finished: dict[str, LayerCaches] = {}  # (tail) ended, until "free" says keep
         # Speculative decoding (worker/speculation.py): the placement's draft ("",
         # "lookup", "model"; a request may choose its own), and whether this model's
@@ -269,6 +274,8 @@ class StageBase:
         def _keep_plan(self, req: HeadRequest) -> dict[str, Any]: ...
 
         def _keep(self, rid: str, keep: list[Any]) -> None: ...
+
+        def _snap_answer(self, rid: str, offset: int, cache: LayerCaches) -> None: ...
 
         def _free(self, rid: str, forward: bool, extra: dict[str, Any] | None = None) -> None: ...
 

@@ -65,6 +65,7 @@ class Release(StageBase):
     def _free(self, rid: str, forward: bool, extra: dict[str, Any] | None = None) -> None:
         self._leave_group(rid)
         self.snapshots.pop(rid, None)
+        self.answer_snaps.pop(rid, None)
         self.finished.pop(rid, None)
         if self.lanes:
             self._leave_lane(rid)
@@ -82,6 +83,7 @@ class Release(StageBase):
         self.stats.errors += 1
         self._leave_group(rid)
         self.snapshots.pop(rid, None)
+        self.answer_snaps.pop(rid, None)
         self.finished.pop(rid, None)
         self.caches.pop(rid, None)
         self.prebuilt.pop(rid, None)

@@ -11,6 +11,7 @@ import msgspec
 from worker.families import LayerCaches
 from worker.prompt_cache import (
     cut_to,
+    light_snapshot,
     ranks_agree,
     reuse_row,
     trimmable_at,
@@ -103,8 +104,15 @@ class Reuse(StageBase):
         if trimmable_at(self.kinds, held + 2):  # +2: a step built ahead may be in them
             tokens, kind = [*req.prompt, *req.out[: req.generated - 1]], "end"
         elif self.snapshot and len(req.prompt) > 1:
-            tokens, kind = req.prompt[:-1], "prompt"
-            held = len(tokens)
+            # Snapshots, reused only whole: the prompt's (the same prompt again), and
+            # where the stages could take one, the answer's (the next turn).
+            prompt_id, _ = self.index.add(req.prompt[:-1], False)
+            keep: list[list[Any]] = [[prompt_id, len(req.prompt) - 1, "prompt"]]
+            if self.answer_snap:
+                answer = [*req.prompt, *req.out[: req.generated - 1]]
+                answer_id, _ = self.index.add(answer, False)
+                keep.append([answer_id, len(answer), "answer"])
+            return {"keep": keep, "drop": []}
         else:
             return {}
         ident, gone = self.index.add(tokens, trimmable_at(self.kinds, held + 2))
@@ -114,6 +122,7 @@ class Reuse(StageBase):
         """Store this stage's caches of `rid` as the entries `keep` names."""
         cache = self._own_cache(rid)
         snap = self.snapshots.pop(rid, None)
+        ahead = self.answer_snaps.pop(rid, None)
         for item in keep:
             if not (isinstance(item, list) and len(item) == 3):
                 continue
@@ -127,9 +136,27 @@ class Reuse(StageBase):
                 cache = None  # the store owns it now
             elif kind == "prompt" and snap is not None and snap[0] == held:
                 evicted = self.store.put(ident, snap[1], held, meta)
+            elif kind == "answer":
+                # The caches themselves if no step was built ahead into them, else
+                # their copy from before that step; a stage with neither keeps nothing
+                # (a later request then prefills in full: `_on_reuse`).
+                if cache is not None and cache.offset == held:
+                    evicted = self.store.put(ident, list(cache), held, meta)
+                    cache = None
+                elif ahead is not None and ahead[0] == held:
+                    evicted = self.store.put(ident, ahead[1], held, meta)
             if self.index is not None:
                 for gone in evicted:
                     self.index.remove(gone)
+
+    def _snap_answer(self, rid: str, offset: int, cache: LayerCaches) -> None:
+        """Before a step is built ahead into `rid`'s caches (holding `offset` tokens),
+        keep their light copy: if the answer ends at that token, the copy is the end
+        of the answer a snapshot family's next turn starts from."""
+        if self.answer_snap:
+            snap = light_snapshot(cache)
+            if snap is not None:
+                self.answer_snaps[rid] = (offset, snap)
 
     def _entry_meta(self, ident: str) -> dict[str, str]:
         """(head) What an entry's file keeps for the index to be rebuilt from it after a

@@ -233,6 +233,7 @@ class Steps(StageBase):
             # bfloat16 has no numpy type: fill its bits, view them as bfloat16.
             slot = self._slot(rid, offset, done.shape, NP_VIEW[done.dtype])
             h = slot.view(mx.bfloat16) if done.dtype == "bfloat16" else slot
+        self._snap_answer(rid, offset, cache)
         try:
             out = self.shard.forward(h, cache)
             if self.shard.is_last:
@@ -339,6 +340,7 @@ class Steps(StageBase):
         when the head takes the step."""
         offset, error = header.offset + 1, ""
         out: mx.array | tuple[mx.array, ...] | None = None
+        self._snap_answer(header.rid, offset, self.caches[header.rid])
         try:
             h = self.shard.embed(sampled.reshape(1, 1))
             logits = self.shard.logits(self.shard.forward(h, self.caches[header.rid]))
