@@ -89,6 +89,9 @@ class NodeState:
     shards: tuple[ShardState, ...] = ()
     facts: dict[str, Any] = field(default_factory=dict)
     message: str = ""
+    # When the operator's `studiotui down` stopped the node (stops.json), if that is
+    # why it is down: decisions read this, never `message`'s words.
+    stopped_at: float | None = None
     # The agent's last power and memory-pressure reports as sent (source, watts
     # by part, or the reason there is no figure), and their histories at 1 Hz.
     power: dict[str, Any] = field(default_factory=dict)
