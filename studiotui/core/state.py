@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from worker.shared.protocol.control import ShardReport
 from worker.shared.protocol.status import (
@@ -248,11 +248,18 @@ class LinkState:
     rdma_why: str = ""  # why not, when both nodes have RDMA (placement.Link.rdma_why)
 
 
+# What a log entry reports, for a program that picks entries out (the words are for
+# people): "files", a node received a model's files (a fetch's share, a copy); "" any
+# other.
+LogTopic = Literal["", "files"]
+
+
 @dataclass(frozen=True)
 class LogEntry:
     time: float
     level: LogLevel
     text: str
+    topic: LogTopic = ""
 
 
 @dataclass(frozen=True)
