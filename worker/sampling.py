@@ -42,7 +42,12 @@ from worker.shared.structured import MAX_SCHEMA_BYTES, compile_grammar
 
 
 class ParamError(ValueError):
-    pass
+    """Sampling parameters refused; `param` the request's field to blame, if one (it
+    travels in the `failed` message, so the API names it without reading these words)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,8 @@ class SamplingParams:
             )
         except (TypeError, ValueError) as exc:
             raise ParamError(f"bad sampling parameter: {exc}") from None
-        if problem := limits_problem(params):
-            raise ParamError(problem)
+        if found := limits_problem(params):
+            raise ParamError(found[1], found[0])
         if params.top_p == 0.0:
             # Nucleus sampling over no mass keeps only the likeliest token (as OpenAI
             # means it; mlx-lm's `make_sampler` would take 0 for "off").
@@ -134,8 +139,7 @@ class SamplingParams:
             problem := limit_problem("top_logprobs", params.logprobs, "logprobs")
         ):
             raise ParamError(problem)
-        if problem := processor_problem(params):
-            raise ParamError(problem)
+        check_processors(params)
         return params
 
     @property
@@ -201,19 +205,41 @@ SCALAR_LIMITS = tuple(
 )
 
 
-def limits_problem(params: SamplingParams) -> str:
+def limits_problem(params: SamplingParams) -> tuple[str, str] | None:
     """The first parameter outside its range in SAMPLING_LIMITS, the table the API
-    checks too ("" if none). mlx-lm's pieces check some of them only when a token is
-    drawn, or not at all (a repetition penalty of 1e-40 overflows the logits)."""
+    checks too: its name and what is wrong (None if none). mlx-lm's pieces check some
+    of them only when a token is drawn, or not at all (a repetition penalty of 1e-40
+    overflows the logits)."""
     for name in SCALAR_LIMITS:
         if problem := limit_problem(name, getattr(params, name)):
-            return problem
-    return ""
+            return name, problem
+    return None
+
+
+def check_processors(params: SamplingParams, vocab: int = 0) -> None:
+    """processor_problem's words as a ParamError, blaming logit_bias when it is that."""
+    if problem := logit_bias_problem(params, vocab):
+        raise ParamError(problem, "logit_bias")
+    if problem := processor_problem(params, vocab):
+        raise ParamError(problem)
 
 
 def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
     """What is wrong with the logits processors' tokens ("" if nothing); token ids are
     checked against the vocabulary when it is known (`vocab` > 0)."""
+    if problem := logit_bias_problem(params, vocab):
+        return problem
+    if len(params.recent) > MAX_PENALTY_CONTEXT or any(
+        t < 0 or 0 < vocab <= t for t in params.recent
+    ):
+        # The head fills it from the prompt; a tail checks it all the same, since an
+        # index past the logits is no error MLX would raise.
+        return f"recent must be at most {MAX_PENALTY_CONTEXT} token ids of the vocabulary"
+    return ""
+
+
+def logit_bias_problem(params: SamplingParams, vocab: int = 0) -> str:
+    """What is wrong with the request's logit_bias ("" if nothing)."""
     if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
         return (
             f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(params.logit_bias)}"
@@ -229,12 +255,6 @@ def processor_problem(params: SamplingParams, vocab: int = 0) -> str:
             )
         if problem := limit_problem("logit_bias", bias, f"logit_bias for token {token}"):
             return problem
-    if len(params.recent) > MAX_PENALTY_CONTEXT or any(
-        t < 0 or 0 < vocab <= t for t in params.recent
-    ):
-        # The head fills it from the prompt; a tail checks it all the same, since an
-        # index past the logits is no error MLX would raise.
-        return f"recent must be at most {MAX_PENALTY_CONTEXT} token ids of the vocabulary"
     return ""
 
 
@@ -527,7 +547,8 @@ def grammar_tokenizer(tokenizer: Any, vocab: int) -> LLTokenizer:
         raise ParamError(
             "response_format cannot be enforced for this model: the grammar library "
             f"(llguidance) cannot read its tokenizer ({type(exc).__name__}: {exc}); "
-            "leave response_format out"
+            "leave response_format out",
+            "response_format",
         ) from None
 
 
@@ -540,7 +561,10 @@ class Grammar:
         self._matcher = LLMatcher(tokenizer, compile_grammar(schema))
         if self._matcher.is_error():
             # The API compiled it already; a schema that got past it names itself here.
-            raise ParamError(f"response_format cannot be enforced: {self._matcher.get_error()}")
+            raise ParamError(
+                f"response_format cannot be enforced: {self._matcher.get_error()}",
+                "response_format",
+            )
         self._vocab = tokenizer.vocab_size
         self._eos = frozenset(tokenizer.eos_tokens)
         self._bits = allocate_token_bitmask(1, self._vocab)

@@ -42,7 +42,6 @@ from studiotui.api.request import (
 )
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
-from worker.shared.protocol.limits import SAMPLING_LIMITS
 from worker.shared.protocol.messages import ErrorCode
 
 __all__ = ["ApiServer", "build_app", "serve", "start_server"]
@@ -68,9 +67,6 @@ REFRESH_S = 1.0
 # full (429, what OpenAI's clients back off and retry on); any other code is the
 # cluster's (503).
 STATUS_OF: dict[ErrorCode, int] = {"bad_request": 400, "busy": 429}
-# A refusal that begins with a parameter's name blames that parameter (only the
-# error's `param` field, never its status).
-BLAMED = ("tools", "response_format", "draft", "prediction", *SAMPLING_LIMITS)
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -585,20 +581,21 @@ async def _accepted(
     try:
         return await anext(gen)
     except GenerationError as exc:
-        raise refused(exc.code, str(exc), name, param) from None
+        # The head names the field it blames (tools, a sampling parameter, ...) in the
+        # `failed` message; a refusal of no one field blames the prompt.
+        raise refused(exc.code, str(exc), name, exc.param or param) from None
     except StopAsyncIteration:
         raise _unavailable(f"placement {name!r} closed the request", "cluster_error") from None
 
 
 def refused(code: ErrorCode, text: str, name: str, param: str = "messages") -> ApiError:
     """The API's answer to a request placement `name` did not accept: its status from
-    the refusal's `code` (STATUS_OF), its words the head's."""
+    the refusal's `code` (STATUS_OF), its words the head's, the field it blames `param`."""
     status = STATUS_OF.get(code, 503)
     if status == 429:
         return ApiError(429, f"placement {name!r} is {text}", type_="rate_limit_error", code="busy")
     if status == 400:
-        blamed = next((name for name in BLAMED if text.startswith(name + " ")), param)
-        return bad(f"the model refused the request: {text}", blamed)
+        return bad(f"the model refused the request: {text}", param)
     return _unavailable(f"placement {name!r} cannot answer: {text}", "cluster_error")
 
 

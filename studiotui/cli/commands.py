@@ -866,7 +866,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
             except (agents.AgentError, agents.AgentUnreachable) as exc:
                 raise UserError(f"fetch failed: {exc}") from None
         for entry in ctl.state.log:
-            if "downloaded its share" in entry.text or "copied " in entry.text:
+            if entry.topic == "files":
                 console.print(entry.text)
         for node, path in where.items():
             console.print(f"{node}: {path}")

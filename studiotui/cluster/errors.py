@@ -22,8 +22,10 @@ class PlacementRefused(PlacementError):
 
 class GenerationError(StudioError, RuntimeError):
     """A request that got no answer (or no whole one); `code` the head's reason
-    (messages.ErrorCode: bad_request for a refused request, busy, ...)."""
+    (messages.ErrorCode: bad_request for a refused request, busy, ...); `param` the
+    request's field the head blamed for a refusal (the `failed` message's), or None."""
 
-    def __init__(self, message: str, code: ErrorCode = "failed") -> None:
+    def __init__(self, message: str, code: ErrorCode = "failed", param: str | None = None) -> None:
         super().__init__(message)
         self.code: ErrorCode = code
+        self.param = param

@@ -119,7 +119,8 @@ class Generation:
                 waited = 0.0
                 if isinstance(msg, control.Failed | control.Error):
                     finished = True
-                    raise GenerationError(await self._failure(chosen, msg), msg.code)
+                    param = msg.param if isinstance(msg, control.Failed) else None
+                    raise GenerationError(await self._failure(chosen, msg), msg.code, param)
                 if not isinstance(msg, control.Streamed):
                     continue  # no other message answers a request
                 yield control.event(msg)

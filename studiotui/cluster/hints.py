@@ -7,6 +7,8 @@ import time
 
 from studiotui.core.state import NodeState, PlacementState, ShardState
 
+# How a node's message says the operator stopped it (NodeState.stopped_at says it to
+# programs).
 STOPPED_BY_DOWN = "stopped by `studiotui down`"
 
 
@@ -21,7 +23,7 @@ def stage_words(shard: ShardState) -> str:
 def stopped_by_down(placement: PlacementState, nodes: tuple[NodeState, ...]) -> bool:
     """Every node of `placement` that is missing was stopped by `studiotui down`."""
     gone = [n for n in nodes if n.name in placement.missing]
-    return bool(gone) and all(n.message.startswith(STOPPED_BY_DOWN) for n in gone)
+    return bool(gone) and all(n.stopped_at is not None for n in gone)
 
 
 def reload_hint(node: str) -> str:
@@ -66,7 +68,7 @@ def not_ready_hint(placement: PlacementState, nodes: tuple[NodeState, ...] = ())
             ),
             "",
         )
-        if n.message.startswith(STOPPED_BY_DOWN):
+        if n.stopped_at is not None:
             return (
                 f"node {n.name}{where} was {n.message}; `studiotui up` or `studiotui restart "
                 f"{n.name}` (r on the dashboard) starts it and loads its shard again"

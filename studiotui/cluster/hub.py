@@ -27,6 +27,7 @@ from studiotui.core.state import (
     ClusterState,
     LogEntry,
     LogLevel,
+    LogTopic,
     NodeState,
     PlacementState,
     PlannedPlacement,
@@ -58,7 +59,7 @@ class Cluster(Protocol):
 
     def spec(self, name: str) -> NodeSpec: ...
 
-    def record(self, text: str, level: LogLevel = "info") -> None: ...
+    def record(self, text: str, level: LogLevel = "info", topic: LogTopic = "") -> None: ...
 
 
 class Hub:
@@ -133,8 +134,8 @@ class Hub:
         for name in names:
             self.update_node(name, state="provisioning")
 
-    def record(self, text: str, level: LogLevel = "info") -> None:
-        entry = LogEntry(time=time.time(), level=level, text=text)
+    def record(self, text: str, level: LogLevel = "info", topic: LogTopic = "") -> None:
+        entry = LogEntry(time=time.time(), level=level, text=text, topic=topic)
         self.set(replace(self.state, log=(*self.state.log[-(LOG_KEEP - 1) :], entry)))
 
     # ---- planned rings ------------------------------------------------------------------

@@ -150,7 +150,8 @@ async def fetch_repo(
         weights = [n for n in names if n.endswith(".safetensors")]
         ctl.record(
             f"{node} downloaded its share of {repo}@{commit[:12]}: {len(weights)} weight "
-            f"files, {total / 1e6:.1f} MB, into {path}"
+            f"files, {total / 1e6:.1f} MB, into {path}",
+            topic="files",
         )
         return path
 

@@ -317,7 +317,8 @@ async def _from(
     seconds = max(time.monotonic() - began, 1e-6)
     ctl.record(
         f"copied {received / 1e6:.1f} MB of {model_dir.name} to {job.node} {how} "
-        f"({received / 1e6 / seconds:.1f} MB/s), {len(files)} files, {size / 1e6:.1f} MB verified"
+        f"({received / 1e6 / seconds:.1f} MB/s), {len(files)} files, {size / 1e6:.1f} MB verified",
+        topic="files",
     )
 
 

@@ -106,6 +106,7 @@ class Telemetry:
             facts=facts,
             shards=shards,
             message="",
+            stopped_at=None,
         )
         if was != "up":
             self.hub.record(f"{name} is up ({msg.version or '?'})")
@@ -125,7 +126,9 @@ class Telemetry:
                     # The operator's `down` (from another terminal): said as such, not
                     # as a fault to mend.
                     said = f"{STOPPED_BY_DOWN} at {clock(when)}"
-                    hub.update_node(node.name, state="down", shards=(), message=said)
+                    hub.update_node(
+                        node.name, state="down", shards=(), message=said, stopped_at=when
+                    )
                     hub.record(
                         f"{node.name} is {said}; `studiotui up` or r starts it again, "
                         "with the shards it held"
@@ -135,7 +138,7 @@ class Telemetry:
                 quiet = f"silent since {since} (no telemetry for {DOWN_AFTER_S:g} s)"
                 # Its shards may well be serving still (a stopped agent, a blip):
                 # the planned ring keeps the placement, and the words say so.
-                hub.update_node(node.name, state="down", shards=(), message=quiet)
+                hub.update_node(node.name, state="down", shards=(), message=quiet, stopped_at=None)
                 hub.record(
                     f"{node.name} is down: {quiet}; it is used again as soon as it "
                     f"answers; if it stays silent, restart it "
@@ -151,7 +154,9 @@ class Telemetry:
         )
         for node, result in zip(hub.inventory.nodes, results, strict=True):
             if isinstance(result, BaseException):
-                hub.update_node(node.name, state="down", shards=(), message=str(result))
+                hub.update_node(
+                    node.name, state="down", shards=(), message=str(result), stopped_at=None
+                )
         return hub.state
 
     async def hello(self, name: str, timeout: float) -> None:
@@ -176,4 +181,5 @@ class Telemetry:
             shards=shards,
             last_seen=time.time(),
             message="",
+            stopped_at=None,
         )

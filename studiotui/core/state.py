@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from worker.shared.protocol.control import ShardReport
 from worker.shared.protocol.status import (
@@ -89,6 +89,9 @@ class NodeState:
     shards: tuple[ShardState, ...] = ()
     facts: dict[str, Any] = field(default_factory=dict)
     message: str = ""
+    # When the operator's `studiotui down` stopped the node (stops.json), if that is
+    # why it is down: decisions read this, never `message`'s words.
+    stopped_at: float | None = None
     # The agent's last power and memory-pressure reports as sent (source, watts
     # by part, or the reason there is no figure), and their histories at 1 Hz.
     power: dict[str, Any] = field(default_factory=dict)
@@ -248,11 +251,18 @@ class LinkState:
     rdma_why: str = ""  # why not, when both nodes have RDMA (placement.Link.rdma_why)
 
 
+# What a log entry reports, for a program that picks entries out (the words are for
+# people): "files", a node received a model's files (a fetch's share, a copy); "" any
+# other.
+LogTopic = Literal["", "files"]
+
+
 @dataclass(frozen=True)
 class LogEntry:
     time: float
     level: LogLevel
     text: str
+    topic: LogTopic = ""
 
 
 @dataclass(frozen=True)

@@ -354,7 +354,7 @@ class _Run:
     async def _start(
         self, conn: asyncssh.SSHClientConnection, node: NodeSpec, plan: NodePlan, step: StartAgent
     ) -> int:
-        pid, state = await remote.launch(
+        launched = await remote.launch(
             conn,
             node.name,
             plan.python,
@@ -364,9 +364,9 @@ class _Run:
             self.options.start_timeout,
             step.argv,
         )
-        if state.startswith("exited"):
+        if launched.state == "exited":
             raise _died(node, step.workdir, await agent_output_tail(conn, step.workdir))
-        return pid
+        return launched.pid
 
     async def _do(
         self,
@@ -703,7 +703,7 @@ async def restart_agent(
             )
         await remote.stop_agent(conn, workdir, STOP_GRACE_S)
         argv = [str(a) for a in record["argv"]]
-        pid, state = await remote.launch(
+        launched = await remote.launch(
             conn,
             node.name,
             argv[0],
@@ -713,8 +713,9 @@ async def restart_agent(
             start_timeout,
             argv,
         )
-        if state.startswith("exited"):
+        if launched.state == "exited":
             raise _died(node, workdir, await agent_output_tail(conn, workdir))
+        pid = launched.pid
         reply = await run._wait_up(conn, node, workdir, pid)
         return Outcome(
             node.name,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import asyncssh
 
@@ -251,7 +252,8 @@ deadline = time.time() + float(wait_s)
 while time.time() < deadline:
     code = proc.poll()
     if code is not None:
-        state = "exited %d" % code
+        state = "exited"
+        print("code=%d" % code)
         break
     try:
         socket.create_connection((addr, int(port)), timeout=0.5).close()
@@ -382,6 +384,34 @@ async def is_alive(conn: asyncssh.SSHClientConnection, pid: int) -> bool:
     return parse_kv(result.stdout).get("alive") == "1"
 
 
+# How a launch ended on the node: the agent listens, exited (its status in `code`), or
+# did neither within the wait.
+LaunchState = Literal["listening", "exited", "timeout"]
+LAUNCH_STATES: tuple[LaunchState, ...] = get_args(LaunchState)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """The agent the launcher started: its pid and how the wait for it ended."""
+
+    pid: int
+    state: LaunchState
+    code: int | None = None  # the exit status, when it exited
+
+
+def parse_launch(node: str, stdout: str) -> Launched:
+    """The launcher's `key=value` lines as a Launched (SshError without a pid); a state
+    it does not name is a timeout, the caller's cue to look at the agent's log."""
+    kv = parse_kv(stdout)
+    pid = kv.get("pid", "")
+    if not pid.isdigit():
+        raise ssh.SshError(node, f"the agent launcher printed no pid: {stdout.strip()[:200]!r}", "")
+    said = kv.get("state", "timeout")
+    state: LaunchState = next((s for s in LAUNCH_STATES if s == said), "timeout")
+    code = kv.get("code", "")
+    return Launched(int(pid), state, int(code) if code.lstrip("-").isdigit() else None)
+
+
 async def launch(
     conn: asyncssh.SSHClientConnection,
     node: str,
@@ -391,17 +421,11 @@ async def launch(
     listen: tuple[str, int],
     wait_s: float,
     argv: Sequence[str],
-) -> tuple[int, str]:
-    """Start the agent detached; (pid, "listening" | "exited N" | "timeout")."""
+) -> Launched:
+    """Start the agent detached, and wait until it listens or exits (or `wait_s` ends)."""
     result = await ssh.run(
         conn,
         launch_argv(python, workdir, pythonpath, listen, wait_s, argv),
         timeout=wait_s + 60,
     )
-    kv = parse_kv(result.stdout)
-    pid = kv.get("pid", "")
-    if not pid.isdigit():
-        raise ssh.SshError(
-            node, f"the agent launcher printed no pid: {result.stdout.strip()[:200]!r}", ""
-        )
-    return int(pid), kv.get("state", "timeout")
+    return parse_launch(node, result.stdout)

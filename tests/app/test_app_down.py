@@ -72,6 +72,7 @@ async def test_down_from_another_terminal_is_said_as_such(cluster: LocalCluster)
             assert f"{name} is stopped by `studiotui down` at" in said, said
             node = app.controller.state.node(name)
             assert node is not None and node.message.startswith("stopped by `studiotui down`")
+            assert node.stopped_at is not None  # what decisions read, not the words
         assert "silent since" not in said, said
         assert not [e for e in log if e.level == "error"], said
     assert cli(cluster, "up").returncode == 0

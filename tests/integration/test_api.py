@@ -490,13 +490,28 @@ async def test_a_request_the_head_refuses_carries_its_code_to_a_400(served: Serv
     with pytest.raises(GenerationError) as caught:
         async for _ in served.ctl.generate(PLACEMENT, {"tokens": [10**6]}, {"max_tokens": 2}):
             pass
-    assert caught.value.code == "bad_request"
+    assert (caught.value.code, caught.value.param) == ("bad_request", None)
     assert "prompt tokens must be integers" in str(caught.value)
     async with httpx.AsyncClient(base_url=served.server.url) as http:
         body = {"model": PLACEMENT, "prompt": [10**6], "max_tokens": 2}
         resp = await http.post("/completions", json=body)
     assert_openai_error(resp, 400, "prompt")
     assert "prompt tokens must be integers" in resp.json()["error"]["message"]
+
+
+async def test_the_heads_refusal_names_the_field_it_blames_on_the_wire(served: Served) -> None:
+    """A token past the vocabulary in logit_bias is refused by the head alone: its
+    `failed` message names the field (param), the controller's error carries it and
+    the API blames it, whatever the refusal's words."""
+    with pytest.raises(GenerationError) as caught:
+        params = {"max_tokens": 2, "logit_bias": [[10**6, 1.0]]}
+        async for _ in served.ctl.generate(PLACEMENT, {"prompt": "hi"}, params):
+            pass
+    assert (caught.value.code, caught.value.param) == ("bad_request", "logit_bias")
+    async with httpx.AsyncClient(base_url=served.server.url) as http:
+        body = {"model": PLACEMENT, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1000000": 1}}
+        resp = await http.post("/completions", json=body)
+    assert_openai_error(resp, 400, "logit_bias")
 
 
 async def test_bad_request_through_the_client(served: Served) -> None:

@@ -67,6 +67,8 @@ def test_api_and_head_refuse_alike(name: str, value: float) -> None:
         SamplingParams.from_dict(wire(name, value))
     spoken = TRAVELS_AS.get(name, name)
     assert str(head.value).startswith(f"{label(spoken)} must be {words}")
+    # The field travels beside the words (the API checked top_logprobs already).
+    assert head.value.param == (None if name in TRAVELS_AS else name)
 
 
 @pytest.mark.parametrize("name", list(SAMPLING_LIMITS))

@@ -12,8 +12,8 @@ from worker.sampling import (
     ParamError,
     SamplingParams,
     TextStream,
+    check_processors,
     grammar_tokenizer,
-    processor_problem,
 )
 from worker.shared.protocol.frames import RingHeader
 from worker.shared.protocol.limits import (
@@ -76,8 +76,7 @@ class Admission(StageBase):
                     "model with more --streams",
                     "busy",
                 )
-            if problem := processor_problem(params, self.vocab):
-                raise RequestError(problem)
+            check_processors(params, self.vocab)
             if params.grammar:
                 self.grammar_tokenizer()  # the tail needs it: refuse here if it cannot be
             prompt = self._prompt_tokens(msg, tools)
@@ -92,7 +91,9 @@ class Admission(StageBase):
             spec = None if params.grammar else self._speculation(msg)
         except (RequestError, ParamError) as exc:
             code = exc.code if isinstance(exc, RequestError) else "bad_request"
-            self.links.to_client(client, "failed", rid=rid, message=str(exc), code=code)
+            self.links.to_client(
+                client, "failed", rid=rid, message=str(exc), code=code, param=exc.param
+            )
             return
         if len(self.head_requests) >= self.streams:
             # "accepted" on its turn
@@ -169,12 +170,13 @@ class Admission(StageBase):
         if not tools:
             return None
         if not isinstance(tools, list) or not isinstance(msg.get("messages"), list):
-            raise RequestError("tools must be a list, given with messages")
+            raise RequestError("tools must be a list, given with messages", param="tools")
         if not supports_tools(self.tokenizer):
             # The template would drop them or the answer could not be read back.
             raise RequestError(
                 "tools are not supported by this model: mlx-lm knows no tool-call format "
-                "for its chat template; send the request without tools"
+                "for its chat template; send the request without tools",
+                param="tools",
             )
         return tools
 

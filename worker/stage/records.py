@@ -39,12 +39,16 @@ class Links(Protocol):
 
 
 class RequestError(ValueError):
-    """A request the head refuses; `code` says which kind of refusal (the `failed`
-    message carries it: the operator decides on it, never on these words)."""
+    """A request the head refuses; `code` says which kind of refusal and `param` which
+    field of the request it blames, if one (the `failed` message carries both: the
+    operator decides on them, never on these words)."""
 
-    def __init__(self, message: str, code: ErrorCode = "bad_request") -> None:
+    def __init__(
+        self, message: str, code: ErrorCode = "bad_request", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code: ErrorCode = code
+        self.param = param
 
 
 @dataclass

@@ -34,7 +34,9 @@ class Verify(StageBase):
         if mode is None:
             mode = self.draft
         if mode not in speculation.MODES:
-            raise RequestError(f"draft {mode!r} is not one of 'lookup', 'model' or ''")
+            raise RequestError(
+                f"draft {mode!r} is not one of 'lookup', 'model' or ''", param="draft"
+            )
         predicted = msg.get("prediction")
         if predicted is not None and not (
             isinstance(predicted, str)
@@ -43,9 +45,11 @@ class Verify(StageBase):
                 and all(isinstance(t, int) and 0 <= t < self.vocab for t in predicted)
             )
         ):
-            raise RequestError("prediction must be the predicted answer's text or token ids")
+            raise RequestError(
+                "prediction must be the predicted answer's text or token ids", param="prediction"
+            )
         if predicted and (problem := prompt_too_long(len(predicted), self.context_tokens)):
-            raise RequestError(f"prediction: {problem}")
+            raise RequestError(f"prediction: {problem}", param="prediction")
         if predicted and mode == "" and msg.get("draft") is None:
             mode = "lookup"
         if not mode:
@@ -56,12 +60,14 @@ class Verify(StageBase):
             model = self.shard.config.get("model_type", "this model")
             raise RequestError(
                 f"draft {mode!r}: {model} cannot speculate: {self.spec_reason}; "
-                "send the request without a draft"
+                "send the request without a draft",
+                param="draft",
             )
         if mode == "model" and self.draft_model is None:
             raise RequestError(
                 "draft 'model': this placement has no draft model (place it with --draft "
-                "DRAFT_DIR), use draft 'lookup' or none"
+                "DRAFT_DIR), use draft 'lookup' or none",
+                param="draft",
             )
         prediction: tuple[int, ...] = ()
         if isinstance(predicted, str) and predicted:

@@ -821,6 +821,9 @@ class Failed(Streamed, frozen=True, kw_only=True, tag="failed"):
     message: str
     code: ErrorCode = "failed"
     group_lost: list[str] = []  # a tensor group whose link broke: its nodes
+    # The request's field a bad_request refusal blames (tools, response_format, draft,
+    # prediction, a sampling parameter), for the API's error `param`; None: no one field.
+    param: str | None = None
 
 
 def event(msg: Streamed) -> dict[str, Any]:
