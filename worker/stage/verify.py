@@ -68,14 +68,13 @@ class Verify(StageBase):
             prediction = tuple(self.tokenizer.encode(predicted, add_special_tokens=False))
         elif isinstance(predicted, list):
             prediction = tuple(predicted)
-        # Lookup's guesses cost nothing to make: K may grow past the placement's.
-        most = self.draft_tokens if mode == "model" else 2 * self.draft_tokens
-        return Speculation(
-            mode=mode,
-            k=self.draft_tokens,
-            k_max=min(most, speculation.MAX_DRAFT_TOKENS),
-            prediction=prediction,
-        )
+        if mode == "model":
+            # A draft model's guesses each cost a step of it: K is the placement's.
+            first, most = self.draft_tokens, self.draft_tokens
+        else:
+            # Lookup's cost nothing to make: K starts small and grows while kept.
+            first, most = speculation.LOOKUP_FIRST_TOKENS, speculation.MAX_DRAFT_TOKENS
+        return Speculation(mode=mode, k=first, k_max=most, prediction=prediction)
 
     def _launch_next(
         self, rid: str, req: HeadRequest, token: int, params: SamplingParams | None = None
@@ -120,7 +119,7 @@ class Verify(StageBase):
                 drafts = req.drafter.propose([*req.prompt, *req.answer], k)
                 self.stats.drafted_ahead += req.drafter.served_ahead - served
             else:
-                drafts = speculation.lookup_guesses(spec.prediction, req.prompt, req.answer, k)
+                drafts = spec.guesses(req.prompt, req.answer, k)
         spec.in_flight = tuple(drafts)
         return drafts
 
