@@ -126,14 +126,14 @@ class Verify(StageBase):
     def _guess_ahead(self, rid: str, guesses: tuple[int, ...]) -> None:
         """(head) A draft model's guesses for the step after the verify step just sent,
         made while it is round the ring (`DraftSession.guess_ahead`): as many as K
-        grows to if every guess is kept."""
+        grows to if every guess is kept (`Speculation.record` doubles it)."""
         req = self.head_requests.get(rid)
         spec = req.spec if req is not None else None
         if req is None or req.drafter is None or spec is None or spec.off:
             return
         try:
             req.drafter.guess_ahead(
-                [*req.prompt, *req.answer], list(guesses), min(spec.k_max, spec.k + 1)
+                [*req.prompt, *req.answer], list(guesses), min(spec.k_max, spec.k * 2)
             )
         except Exception:
             # The step after proposes as usual, and fails the request if this recurs.
