@@ -29,6 +29,10 @@ MODES = ("", "lookup", "model")
 # stage computes at once for it; a verify frame is a small prefill chunk).
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 16
+# Prompt lookup's K starts here and doubles while every guess is kept, up to
+# MAX_DRAFT_TOKENS: its guesses cost nothing to make, but a rejected one costs its row
+# in every stage, so a request earns a wide step by a narrow one kept whole.
+LOOKUP_FIRST_TOKENS = 2
 # Prompt lookup matches the last `NGRAM_MAX` .. `NGRAM_MIN` tokens (longest first).
 NGRAM_MAX = 4
 NGRAM_MIN = 2
@@ -38,8 +42,12 @@ NGRAM_MIN = 2
 # still out (a verify step's offset is only known when its tokens come back).
 MIN_ACCEPTANCE = 0.3
 JUDGE_AFTER = 12
-# ... and for a lookup request that found nothing to propose this many times running.
-IDLE_ROUNDS = 16
+# ... or once it has made this many verify steps (K falls to 1 after rejections, so
+# a request missing every guess would take 12 steps to reach JUDGE_AFTER guesses).
+JUDGE_ROUNDS = 4
+# ... and for a lookup request that found nothing to propose this many times running
+# (a step without guesses is not built ahead: an idle round costs what a guess saves).
+IDLE_ROUNDS = 8
 # A request's acceptance before it has guessed: what a batch expects of its guesses.
 PRIOR_ACCEPTANCE = 0.5
 # Batched verify steps (`batch_pays`): a row-position's compute as a share of a step's
@@ -67,6 +75,56 @@ def lookup(sources: Sequence[Sequence[int]], context: Sequence[int], k: int) -> 
                     if follow:
                         return follow
     return []
+
+
+class LookupIndex:
+    """Prompt lookup over a growing context without rescanning it: for each n-gram
+    (NGRAM_MIN..NGRAM_MAX tokens) the position after its latest occurrence that has a
+    token after it, kept up to date token by token (`extend`), so a proposal costs a
+    few dictionary reads however long the context. `propose` returns what `lookup`
+    does on the same sources and context.
+
+    An n-gram ending at the context's last token is entered only once a token follows
+    it: `lookup` wants the latest match that ends before the context's own tail."""
+
+    def __init__(self, sources: Sequence[Sequence[int]] = ()) -> None:
+        # A predicted output is fixed: its n-grams are entered once, each source its own
+        # table (the sources are searched in order before the context).
+        self.sources = [(list(src), _table(src, len(src) - 1)) for src in sources]
+        self.tokens: list[int] = []
+        self.table: dict[tuple[int, ...], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens)  # the n-grams ending just before `token` get it next
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, end) + 1):
+                self.table[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        context = self.tokens
+        for n in range(min(NGRAM_MAX, len(context) - 1), NGRAM_MIN - 1, -1):
+            tail = tuple(context[-n:])
+            for source, table in [*self.sources, (context, self.table)]:
+                at = table.get(tail)
+                if at is not None:
+                    return list(source[at : at + k])
+        return []
+
+
+def _table(source: Sequence[int], end: int) -> dict[tuple[int, ...], int]:
+    """`LookupIndex`'s table for the n-grams of `source` ending before position `end`,
+    the latest of each (a later occurrence overwrites an earlier one)."""
+    table: dict[tuple[int, ...], int] = {}
+    for at in range(1, end + 1):
+        for n in range(NGRAM_MIN, min(NGRAM_MAX, at) + 1):
+            table[tuple(source[at - n : at])] = at
+    return table
 
 
 def lookup_guesses(
@@ -106,6 +164,33 @@ class Speculation:
     off: str = ""
     in_flight: tuple[int, ...] | None = None  # the guesses of the verify frame out now
     recent: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) lately
+    # Prompt lookup's index of the prompt and the kept answer (`guesses`), and how much
+    # of the answer is still the predicted output's beginning.
+    index: LookupIndex | None = None
+    answered: int = 0  # answer tokens entered in the index
+    predicted: int = 0  # answer tokens that are the prediction's first ones (if all)
+
+    def guesses(self, prompt: Sequence[int], answer: Sequence[int], k: int) -> list[int]:
+        """Prompt lookup's guesses (what `lookup_guesses` gives), from the index: only
+        the answer's tokens new since the last call are entered."""
+        if self.index is None:
+            self.index = LookupIndex([self.prediction] if self.prediction else [])
+            self.index.extend(prompt)
+        fresh = answer[self.answered :]
+        self.index.extend(fresh)
+        if self.predicted == self.answered:
+            # Still the prediction's beginning? Only the new tokens need a look.
+            for token in fresh:
+                at = self.predicted
+                if at >= len(self.prediction) or self.prediction[at] != token:
+                    break
+                self.predicted += 1
+        self.answered = len(answer)
+        if k <= 0:
+            return []
+        if self.prediction and self.predicted == len(answer) < len(self.prediction):
+            return list(self.prediction[len(answer) : len(answer) + k])
+        return self.index.propose(k)
 
     @property
     def rejected(self) -> int:
@@ -123,15 +208,15 @@ class Speculation:
         return 0 if self.off else max(0, min(self.k, room))
 
     def record(self, drafted: int, kept: int) -> None:
-        """A verify frame came back with `kept` of its `drafted` guesses: K grows by one
-        after a frame kept them all and shrinks to what was kept plus one after one that
-        did not (as the acceptance of most speculative decoders adapts); speculation
-        stands aside when it is not paying."""
+        """A verify frame came back with `kept` of its `drafted` guesses: K doubles
+        after a frame kept them all (up to `k_max`) and after one that did not halves,
+        or falls to what was kept plus one if that is less; speculation stands aside
+        when it is not paying."""
         if drafted == 0:
             self.idle += 1
             # A step without guesses cannot be built ahead: a request none of whose
             # guesses was ever kept gives up sooner.
-            limit = IDLE_ROUNDS if self.kept else IDLE_ROUNDS // 4
+            limit = IDLE_ROUNDS if self.kept else IDLE_ROUNDS // 2
             if self.mode == "lookup" and self.idle >= limit:
                 self.off = f"prompt lookup found nothing to propose {limit} times running"
             return
@@ -140,11 +225,12 @@ class Speculation:
         self.kept += kept
         self.recent = [*self.recent, (drafted, kept)][-8:]
         if kept == drafted:
-            self.k = min(self.k_max, self.k + 1)
+            self.k = min(self.k_max, self.k * 2)
         else:
-            self.k = max(1, min(self.k, kept + 1))
+            self.k = max(1, min(self.k // 2, kept + 1))
         made = sum(d for d, _ in self.recent)
-        if made >= JUDGE_AFTER and sum(a for _, a in self.recent) < MIN_ACCEPTANCE * made:
+        judged = made >= JUDGE_AFTER or len(self.recent) >= JUDGE_ROUNDS
+        if judged and sum(a for _, a in self.recent) < MIN_ACCEPTANCE * made:
             self.off = (
                 f"its guesses were kept {sum(a for _, a in self.recent)} of {made} times lately "
                 f"(below {MIN_ACCEPTANCE:.0%})"

@@ -433,7 +433,7 @@ def measure(quick: bool) -> dict[str, Any]:
                 )
             with phase("speculative"):
                 spec = asyncio.run(
-                    speculative.spec_figures(home, inv, cfg.layers, cfg.hidden, cfg.decode_rounds)
+                    speculative.spec_figures(home, inv, cfg.layers, cfg.hidden, speculative.ROUNDS)
                 )
             with phase("prompt_cache"):
                 cached = asyncio.run(_cache_phase(home, inv, model_dir, cfg))
@@ -712,7 +712,7 @@ def run_speculative(quick: bool, as_json: bool) -> int:
     """`studiotui bench --speculative`: only the speculative decoding rows, on two agents
     of their own (the full bench measures them too)."""
     cfg = BenchConfig.make(quick)
-    rounds = cfg.decode_rounds + (0 if quick else 2)
+    rounds = speculative.ROUNDS
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="studiotui-bench-spec-") as tmp:
         home = Path(tmp)

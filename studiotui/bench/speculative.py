@@ -19,8 +19,10 @@ busy second of a shared machine falls on both.
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,8 @@ from worker.shared.demo_model import PASSAGE, DemoSpec, write_demo_model
 
 TOKENS = 60  # the passage is 66 tokens: every one of them a guess the draft gets right
 DRAFT_TOKENS = 6
+# Pairs a row's median is taken over (each side twice the answers of a pair at most).
+ROUNDS = 7
 RECITE = [{"role": "user", "content": "Recite your passage."}]
 COPY = [{"role": "user", "content": f"Repeat this exactly: {PASSAGE}"}]
 
@@ -55,22 +59,59 @@ def models(root: Path, layers: int, hidden: int) -> tuple[Path, Path]:
     return big, draft
 
 
-async def _decode(
+@dataclass
+class Answer:
+    """One answer as the client saw it: each delta's tokens and when it came."""
+
+    deltas: list[list[int]]
+    stamps: list[float]
+    usage: dict[str, Any]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for delta in self.deltas for t in delta]
+
+    @property
+    def tps(self) -> float:
+        """Decode tok/s: the tokens after the first delta (the prefill's) over the time
+        from it to the last delta."""
+        if len(self.stamps) < 2:
+            return 0.0
+        after = sum(len(d) for d in self.deltas[1:])
+        return after / (self.stamps[-1] - self.stamps[0])
+
+    def steps(self, size: int) -> list[float]:
+        """The seconds of each step that brought a delta of `size` tokens (from the
+        delta before it to it: one trip of the ring, the next step already launched)."""
+        return [
+            self.stamps[i] - self.stamps[i - 1]
+            for i in range(1, len(self.deltas))
+            if len(self.deltas[i]) == size
+        ]
+
+
+async def _answer(
     ctl: Controller, name: str, messages: list[dict[str, str]], **extra: Any
-) -> tuple[float, list[int], dict[str, Any]]:
-    """tok/s of one answer (first token to last), its tokens, and its usage."""
-    got: list[int] = []
+) -> Answer:
+    deltas: list[list[int]] = []
     stamps: list[float] = []
     usage: dict[str, Any] = {}
     params = {"max_tokens": TOKENS, "ignore_eos": True}
     async for msg in ctl.generate(name, {"messages": messages, **extra}, params):
-        if msg["type"] == "delta":
-            got += msg["tokens"]
+        if msg["type"] == "delta" and msg["tokens"]:
+            deltas.append(list(msg["tokens"]))
             stamps.append(time.perf_counter())
         elif msg["type"] == "done":
             usage = msg.get("usage") or {}
-    tps = (len(got) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-    return tps, got, usage
+    return Answer(deltas, stamps, usage)
+
+
+async def _decode(
+    ctl: Controller, name: str, messages: list[dict[str, str]], **extra: Any
+) -> tuple[float, list[int], dict[str, Any]]:
+    """tok/s of one answer (first token to last), its tokens, and its usage."""
+    got = await _answer(ctl, name, messages, **extra)
+    return got.tps, got.tokens, got.usage
 
 
 async def _paired(
@@ -99,6 +140,32 @@ async def _paired(
         "same": same,
         "acceptance": round(kept / (kept + rejected), 3) if kept + rejected else None,
     }
+
+
+async def _ceiling(
+    ctl: Controller, name: str, messages: list[dict[str, str]], answer: list[int], rounds: int
+) -> tuple[float | None, int]:
+    """`spec_verify_ceiling`: (K + 1) one-token decode steps ÷ one step verifying K
+    guesses, on this placement, at the widest K a request's guesses reach (returned
+    too). The verify steps are those of a request whose prediction is its own answer
+    (every guess kept, so K grows as far as it goes); each round pairs it with the
+    request without guesses, back to back, in alternating order."""
+    perfect = {"draft": "lookup", "prediction": answer}
+    paired: list[tuple[Answer, Answer]] = []
+    for r in range(rounds):
+        sides: dict[str, Answer] = {}
+        for side in ("with", "without") if r % 2 else ("without", "with"):
+            sides[side] = await _answer(
+                ctl, name, messages, **(perfect if side == "with" else {"draft": ""})
+            )
+        paired.append((sides["with"], sides["without"]))
+    widest = max((len(d) for w, _ in paired for d in w.deltas[1:]), default=1)
+    ceilings = []
+    for wide, plain in paired:
+        one, verify = plain.steps(1), wide.steps(widest)
+        if one and verify and widest > 1:
+            ceilings.append(widest * statistics.median(one) / statistics.median(verify))
+    return (round(statistics.median(ceilings), 3) if ceilings else None), widest - 1
 
 
 def mlx_draft_ratio(big: Path, draft: Path, rounds: int) -> float:
@@ -159,6 +226,7 @@ async def spec_figures(
         never = [(t + 1) % 256 for t in answer]
         wrong = {"draft": "lookup", "prediction": never}
         miss = await _paired(ctl, "spec-draft", RECITE, wrong, rounds)
+        ceiling, widest = await _ceiling(ctl, "spec-draft", COPY, answer, rounds)
         await ctl.unload("spec-draft")
     finally:
         await ctl.close()
@@ -170,6 +238,10 @@ async def spec_figures(
         spec_lookup_acceptance=lookup["acceptance"],
         spec_miss_ratio=miss["ratio"],
         spec_miss_acceptance=miss["acceptance"],
+        spec_verify_ceiling=ceiling,
+        spec_verify_ceiling_guesses=widest,
+        spec_lookup_of_ceiling=(round(lookup["ratio"] / ceiling, 3) if ceiling else None),
+        spec_load_avg=round(os.getloadavg()[0], 2),
         # Guesses change how many trips a token takes, never which token it is.
         spec_tokens_match=drafted["same"] and lookup["same"] and miss["same"],
     )

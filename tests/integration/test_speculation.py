@@ -7,6 +7,8 @@ the ring, never which token it is.
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,23 +121,37 @@ def test_a_family_whose_caches_cannot_be_cut_back_is_refused(
     assert ring.answer(GREEDY, rid="p", prediction=[1, 2, 3]) == reference(model)
 
 
+# Prompt lookup's K doubles from 2 while every guess is kept: a perfect prediction's
+# verify steps carry 2, 4, 8 guesses, the 8 at answer tokens 8..15 (the first step
+# carries the prompt's last token, and each step's last token is the model's own).
+WIDE_FRAME_AT = (2 + 1) + (4 + 1)
+WIDE_FRAME = 8
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("kept", range(K + 1))
+@pytest.mark.parametrize("kept", range(WIDE_FRAME + 1))
 def test_rollback_after_a_rejection_at_every_position(
     models: Callable[..., Path], stages: int, kept: int
 ) -> None:
-    """A predicted output right for `kept` tokens, then wrong: the first verify frame
-    keeps exactly `kept` guesses and every stage cuts the rest out of its caches."""
+    """A predicted output right until its guess at position `kept` of the step that
+    carries 8 guesses (K has grown 2, 4, 8 on it), then wrong: that step keeps exactly
+    `kept` guesses and every stage cuts the rest out of its caches."""
     model = models("llama")
     expected = reference(model)
-    wrong = (expected[kept] + 1) % 256
-    prediction = [*expected[:kept], wrong, *expected[kept + 1 :]]
+    at = WIDE_FRAME_AT + kept
+    prediction = [*expected[:at], (expected[at] + 1) % 256, *expected[at + 1 :]]
     ring = Ring(model, SPLITS[stages], draft_tokens=K)
     assert ring.answer(GREEDY, prediction=prediction) == expected
     usage = ring.done("r")["usage"]["completion_tokens_details"]
     first = ring.stages[0].stats
-    assert first.kept >= kept and usage["accepted_prediction_tokens"] == first.kept
-    assert usage["rejected_prediction_tokens"] == first.drafted - first.kept >= 1
+    assert first.kept >= 2 + 4 + kept and usage["accepted_prediction_tokens"] == first.kept
+    assert usage["rejected_prediction_tokens"] == first.drafted - first.kept
+    if kept < WIDE_FRAME:
+        assert usage["rejected_prediction_tokens"] >= 1
+    # The steps' sizes as the client saw them: 3, 5, then the wide step's kept guesses
+    # and the model's own token.
+    sizes = [len(f["tokens"]) for k, f in ring.client if k == "delta" and f["rid"] == "r"]
+    assert sizes[:3] == [3, 5, kept + 1]
     assert ring.held() == [0] * stages
 
 
@@ -147,9 +163,9 @@ def test_a_perfect_prediction_is_kept_whole(models: Callable[..., Path], stages:
     assert ring.answer(GREEDY, prediction=expected) == expected
     usage = ring.done("r")["usage"]["completion_tokens_details"]
     # Each frame's last token is the big model's own; every guess before it is kept,
-    # and K grows while they are.
+    # and K doubles while they are: steps of 2, 4, 8 guesses, then the rest.
     assert usage["rejected_prediction_tokens"] == 0
-    assert usage["accepted_prediction_tokens"] >= N - N // (K + 1)
+    assert usage["accepted_prediction_tokens"] == N - 4
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
@@ -447,17 +463,81 @@ def test_lookup_proposes_the_continuation_of_the_longest_latest_match() -> None:
 
 
 def test_k_adapts_to_acceptance_and_speculation_stands_aside() -> None:
-    spec = speculation.Speculation(mode="lookup", k=4, k_max=6)
-    spec.record(4, 4)
-    assert spec.k == 5
-    spec.record(5, 1)
-    assert spec.k == 2 and not spec.off
-    for _ in range(6):
-        spec.record(2, 0)
-    assert spec.off and spec.budget(10) == 0
+    """K doubles after a step that kept every guess (up to its most), halves or falls
+    to the kept plus one after one that did not; a request whose recent guesses are
+    seldom kept, or that finds nothing to propose a few rounds running, stops."""
+    spec = speculation.Speculation(mode="lookup", k=2, k_max=16)
+    for want in (4, 8, 16, 16):
+        spec.record(spec.k, spec.k)
+        assert spec.k == want
+    spec.record(16, 12)
+    assert spec.k == 8  # halved: 12 kept of 16
+    spec.record(8, 1)
+    assert spec.k == 2 and not spec.off  # what was kept plus one
+    spec.record(2, 2)
+    assert spec.k == 4
+    missing = speculation.Speculation(mode="lookup", k=2, k_max=16)
+    for _ in range(speculation.JUDGE_ROUNDS - 1):
+        missing.record(missing.k, 0)
+        assert missing.k == 1 and not missing.off
+    missing.record(1, 0)
+    assert "lately" in missing.off and missing.budget(10) == 0
     idle = speculation.Speculation(mode="lookup")
-    for _ in range(speculation.IDLE_ROUNDS):
+    for _ in range(speculation.IDLE_ROUNDS // 2):
         idle.record(0, 0)
-    assert "nothing to propose" in idle.off
+    assert "nothing to propose" in idle.off  # none of its guesses was ever kept
+    found = speculation.Speculation(mode="lookup")
+    found.record(2, 2)
+    for _ in range(speculation.IDLE_ROUNDS - 1):
+        found.record(0, 0)
+    assert not found.off
+    found.record(0, 0)
+    assert "nothing to propose 8 times" in found.off
     assert speculation.expected_tokens(0.0, 4) == 1.0
     assert speculation.expected_tokens(1.0, 4) == 5.0
+
+
+def test_the_lookup_index_proposes_what_a_full_scan_does() -> None:
+    """`LookupIndex`, fed token by token, proposes at every length what `lookup`
+    proposes scanning the whole context (and a prediction) again; and
+    `Speculation.guesses`, fed the answer as it grows, what `lookup_guesses` gives."""
+    rng = random.Random(5)
+    for trial in range(40):
+        vocab = rng.choice([3, 6, 20])
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+        sources = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 30))]][: trial % 2]
+        index = speculation.LookupIndex(sources)
+        for at, token in enumerate(context):
+            index.extend([token])
+            k = rng.randrange(0, 9)
+            assert index.propose(k) == speculation.lookup(sources, context[: at + 1], k), (
+                trial,
+                at,
+            )
+        prompt, answer = context[:20], context[20:]
+        prediction = [*answer[:15], vocab] if trial % 3 == 0 else []
+        spec = speculation.Speculation(mode="lookup", prediction=tuple(prediction))
+        for n in range(len(answer) + 1):
+            if rng.random() < 0.3:
+                continue  # a step may bring several tokens at once
+            k = rng.randrange(1, 9)
+            got = spec.guesses(prompt, answer[:n], k)
+            assert got == speculation.lookup_guesses(prediction, prompt, answer[:n], k)
+
+
+def test_a_lookup_proposal_costs_the_same_however_long_the_context() -> None:
+    """The index makes a step's proposal a few dictionary reads: at 32k tokens it costs
+    what it does at 1k (a full scan grows with the context)."""
+
+    def per_step(length: int) -> float:
+        rng = random.Random(length)
+        index = speculation.LookupIndex()
+        index.extend([rng.randrange(50_000) for _ in range(length)])
+        began = time.perf_counter()
+        for _ in range(500):
+            index.extend([rng.randrange(50_000)])
+            index.propose(8)
+        return (time.perf_counter() - began) / 500
+
+    short, long = min(per_step(1024) for _ in range(3)), min(per_step(32_768) for _ in range(3))
+    assert long < 4 * short + 20e-6, (short, long)

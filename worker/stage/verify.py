@@ -74,14 +74,13 @@ class Verify(StageBase):
             prediction = tuple(self.tokenizer.encode(predicted, add_special_tokens=False))
         elif isinstance(predicted, list):
             prediction = tuple(predicted)
-        # Lookup's guesses cost nothing to make: K may grow past the placement's.
-        most = self.draft_tokens if mode == "model" else 2 * self.draft_tokens
-        return Speculation(
-            mode=mode,
-            k=self.draft_tokens,
-            k_max=min(most, speculation.MAX_DRAFT_TOKENS),
-            prediction=prediction,
-        )
+        if mode == "model":
+            # A draft model's guesses each cost a step of it: K is the placement's.
+            first, most = self.draft_tokens, self.draft_tokens
+        else:
+            # Lookup's cost nothing to make: K starts small and grows while kept.
+            first, most = speculation.LOOKUP_FIRST_TOKENS, speculation.MAX_DRAFT_TOKENS
+        return Speculation(mode=mode, k=first, k_max=most, prediction=prediction)
 
     def _launch_next(
         self, rid: str, req: HeadRequest, token: int, params: SamplingParams | None = None
@@ -126,21 +125,21 @@ class Verify(StageBase):
                 drafts = req.drafter.propose([*req.prompt, *req.answer], k)
                 self.stats.drafted_ahead += req.drafter.served_ahead - served
             else:
-                drafts = speculation.lookup_guesses(spec.prediction, req.prompt, req.answer, k)
+                drafts = spec.guesses(req.prompt, req.answer, k)
         spec.in_flight = tuple(drafts)
         return drafts
 
     def _guess_ahead(self, rid: str, guesses: tuple[int, ...]) -> None:
         """(head) A draft model's guesses for the step after the verify step just sent,
         made while it is round the ring (`DraftSession.guess_ahead`): as many as K
-        grows to if every guess is kept."""
+        grows to if every guess is kept (`Speculation.record` doubles it)."""
         req = self.head_requests.get(rid)
         spec = req.spec if req is not None else None
         if req is None or req.drafter is None or spec is None or spec.off:
             return
         try:
             req.drafter.guess_ahead(
-                [*req.prompt, *req.answer], list(guesses), min(spec.k_max, spec.k + 1)
+                [*req.prompt, *req.answer], list(guesses), min(spec.k_max, spec.k * 2)
             )
         except Exception:
             # The step after proposes as usual, and fails the request if this recurs.
