@@ -127,7 +127,9 @@ async def test_without_a_cluster_the_chat_says_so_and_commands_work(tmp_path: Pa
         await enter("/system Be terse.")
         assert screen.query_one("#chat-system", TextArea).text == "Be terse."
         await enter("/help")
-        assert "/attach PATH" in str(screen.query_one("#chat-status").content)
+        said = str(screen.query_one("#chat-status").content)
+        assert "/attach PATH" in said
+        assert "temperature, top-p and max tokens" in said  # the editable settings
         await enter("/detach notes.md")
         assert "detached notes.md" in str(screen.query_one("#chat-status").content)
         await enter("/export")
