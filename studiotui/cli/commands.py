@@ -71,7 +71,13 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
-from studiotui.core.state import ClusterState, PlacementState, PlannedPlacement, node_start_hint
+from studiotui.core.state import (
+    ClusterState,
+    PlacementState,
+    PlannedPlacement,
+    model_label,
+    node_start_hint,
+)
 from studiotui.core.text import printable
 from studiotui.core.traffic import (
     RateMeter,
@@ -678,7 +684,8 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         name = args.name or (
             adapter_placement_name(args.model_dir.expanduser().resolve(), args.adapter)
             if adapter
-            else args.model_dir.expanduser().resolve().name
+            # A hub snapshot is named by its repo (`org/qwen3` → qwen3), not its commit.
+            else model_label(str(args.model_dir.expanduser().resolve())).rsplit("/", 1)[-1]
         )
         if (existing := ctl.state.placement(name)) is not None:
             # Before the plan and progress bars: nothing would be loaded.
@@ -826,7 +833,8 @@ def print_shapes(
         draft=draft,
         draft_tokens=getattr(args, "draft_tokens", 0) or 0,
     )
-    model = args.model_dir.expanduser().name
+    # Saved as `status` names the model (a hub snapshot: org/name, not its commit).
+    model = model_label(str(args.model_dir.expanduser().resolve()))
     last = ctl.last_measured(model, the_plan.shape)
     console.print(f"forecast ({the_plan.shape}): {describe(guess, last)}")
     if args.adapter:
