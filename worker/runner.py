@@ -681,15 +681,18 @@ class Runner:
 
     def _cache_key(self) -> str:
         """Whose prefix cache entries this shard's are, as their folder on disk says:
-        the model's bytes, the adapter's, the rank, the format (the stage adds its
-        layers). Entries of other weights or another split are never read."""
+        the placement, the model's bytes, the adapter's, the rank, the format (the
+        stage adds its layers). Entries of other weights or another split are never
+        read; two placements of one model keep their own folders (a folder has one
+        writer, which counts its bytes against its own budget), and placing the same
+        model again under the same name finds its entries."""
         spec = self.spec
         model = spec.model_digest or _files_key(Path(spec.model_dir))
         adapter = ""
         if spec.adapter_dir:
             adapter = model_digest(Path(spec.adapter_dir), write_cache=False)
         return (
-            f"model={model} adapter={spec.adapter}:{adapter} "
+            f"placement={spec.placement} model={model} adapter={spec.adapter}:{adapter} "
             f"rank={spec.rank}/{spec.group_size} kv={spec.kv_bits}/{spec.kv_group_size} format=1"
         )
 

@@ -24,7 +24,13 @@ from textual.screen import Screen
 from textual.theme import Theme
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, TextArea
 
-from studiotui.app.dialogs import ConfirmScreen, HelpScreen, NodeLogScreen, QuitScreen
+from studiotui.app.dialogs import (
+    ConfirmScreen,
+    DeleteScreen,
+    HelpScreen,
+    NodeLogScreen,
+    QuitScreen,
+)
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
 from studiotui.app.palette import StudioCommands
@@ -1058,7 +1064,7 @@ class StudioApp(Dashboard):
                 self.background(self._delete_model(row), f"deleting {row.name}")
 
         self.push_screen(
-            ConfirmScreen(
+            DeleteScreen(
                 f"Delete {row.name}? Its files{size} at {row.path} are removed from this "
                 "machine, for good. Copies already on other nodes stay."
             ),

@@ -114,6 +114,23 @@ class ConfirmScreen(ModalScreen[bool]):
 
 
 @guard_actions
+class DeleteScreen(ConfirmScreen, inherit_bindings=False):
+    """A yes/no question before something is removed for good (a model's files, a
+    conversation): enter, the key pressed out of habit, keeps it; only `y` deletes."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("y", "answer(True)", "Delete", id="confirm-yes"),
+        Binding("n,escape,enter", "answer(False)", "Keep", id="confirm-no"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-dialog") as dialog:
+            dialog.border_title = "Delete"
+            dialog.border_subtitle = "y delete · n / enter keep"
+            yield Static(Content(self.question), id="confirm-body")
+
+
+@guard_actions
 class QuitScreen(ModalScreen[str | None]):
     """Quitting with local agents running: they stay unless the operator stops them."""
 

@@ -90,7 +90,8 @@ class GroupChip(Static):
             if self.nodes:
                 self.update(Content.assemble(("✓ ", "$accent bold"), ", ".join(self.nodes)))
             else:
-                self.update("space marks nodes · drag a model here")
+                # 31 cells: whole in the Nodes pane at 80 columns (it ended "drag a model he").
+                self.update("space marks · drag a model here")
             return
         self.update(Content.assemble((self.group, "bold"), (f" ·{len(self.nodes)}", "dim")))
         self.tooltip = f"group {self.group}: {', '.join(self.nodes)} (click to mark them)"

@@ -8,7 +8,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from studiotui.cluster.controller import (
     SavedShard,
 )
 from studiotui.cluster.model_sync import SyncRefused
+from studiotui.cluster.records import Records
 from studiotui.cluster.session import open_controller, wait_until_up
 from studiotui.core.adapter_catalog import (
     AdapterRefused,
@@ -70,7 +71,13 @@ from studiotui.core.placement import (
     tensor_refusal,
     tensor_sizes,
 )
-from studiotui.core.state import ClusterState, PlacementState, node_start_hint
+from studiotui.core.state import (
+    ClusterState,
+    PlacementState,
+    PlannedPlacement,
+    model_label,
+    node_start_hint,
+)
 from studiotui.core.text import printable
 from studiotui.core.traffic import (
     RateMeter,
@@ -120,6 +127,8 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
                 + (f": studiotui up --local {args.local} --port {free}" if free else ""),
             )
         local_cluster.save_local_inventory(home, inv)
+        for said in forget_placements_outside(home, inv):
+            console.print(said)
     else:
         inv = inventory_of(args, home)
     local = [n for n in inv.nodes if n.is_local]
@@ -154,6 +163,39 @@ async def cmd_up(args: argparse.Namespace, home: Path) -> int:
             errors.print(tail or "(nothing)")
         return 1
     return 0 if done is None or done.ok else 1
+
+
+def placements_outside(
+    planned: Mapping[str, PlannedPlacement], names: Collection[str]
+) -> dict[str, list[str]]:
+    """Each planned placement with a shard on a node outside `names`, with those
+    nodes: a cluster without them can never load it again."""
+    gone: dict[str, list[str]] = {}
+    for name, placement in planned.items():
+        missing = sorted({s.node for s in placement.shards if s.node not in names})
+        if missing:
+            gone[name] = missing
+    return gone
+
+
+def forget_placements_outside(home: Path, inv: Inventory) -> list[str]:
+    """`up --local N` of fewer nodes than the last: a placement that ran on a node it
+    no longer has stays broken for good, and its name blocks placing the model again
+    (the README's tour after the first run's four nodes). Forget it, saying so."""
+    records = Records(home, inv.name)
+    planned = records.read_planned()
+    gone = placements_outside(planned, set(inv.names))
+    if not gone:
+        return []
+    records.write_planned({k: v for k, v in planned.items() if k not in gone})
+    for name in gone:
+        records.write_recorded(name, [])
+    records.write_kept(records.read_kept())  # read_kept keeps the planned ones only
+    return [
+        f"placement '{name}' ran on {', '.join(nodes)}, which this cluster has no more: "
+        "forgotten (place the model again)"
+        for name, nodes in gone.items()
+    ]
 
 
 async def cmd_down(args: argparse.Namespace, home: Path, inv: Inventory | None = None) -> int:
@@ -642,7 +684,8 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         name = args.name or (
             adapter_placement_name(args.model_dir.expanduser().resolve(), args.adapter)
             if adapter
-            else args.model_dir.expanduser().resolve().name
+            # A hub snapshot is named by its repo (`org/qwen3` → qwen3), not its commit.
+            else model_label(str(args.model_dir.expanduser().resolve())).rsplit("/", 1)[-1]
         )
         if (existing := ctl.state.placement(name)) is not None:
             # Before the plan and progress bars: nothing would be loaded.
@@ -790,7 +833,8 @@ def print_shapes(
         draft=draft,
         draft_tokens=getattr(args, "draft_tokens", 0) or 0,
     )
-    model = args.model_dir.expanduser().name
+    # Saved as `status` names the model (a hub snapshot: org/name, not its commit).
+    model = model_label(str(args.model_dir.expanduser().resolve()))
     last = ctl.last_measured(model, the_plan.shape)
     console.print(f"forecast ({the_plan.shape}): {describe(guess, last)}")
     if args.adapter:

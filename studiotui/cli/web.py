@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("studiotui.web")
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 52416
+DEFAULT_PORT = 28416  # beside serve's 28415, below the ephemeral ranges
 COOKIE = "studiotui_web"
 REFUSED = (
     "studiotui web: this page needs the token printed when `studiotui web` started; "

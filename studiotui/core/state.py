@@ -326,6 +326,18 @@ class PlannedPlacement:
         )
 
 
+def model_label(model_dir: str) -> str:
+    """The model as people name it: a Hugging Face cache snapshot
+    (`…/models--org--name/snapshots/<commit>`) is its repo id `org/name`, not the
+    commit; any other directory its last part."""
+    parts = model_dir.rstrip("/").split("/")
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        repo = parts[-3].split("--")[1:]
+        if len(repo) >= 2 and all(repo):
+            return "/".join(repo)
+    return parts[-1]
+
+
 def placements_from_shards(
     nodes: tuple[NodeState, ...],
     planned: Mapping[str, PlannedPlacement] | None = None,
@@ -354,7 +366,7 @@ def placements_from_shards(
         model_dir = (plan.model_dir if plan else "") or next(
             (s.model_dir for s in shards if s.model_dir), ""
         )
-        model = model_dir.rstrip("/").rsplit("/", 1)[-1]
+        model = model_label(model_dir)
         adapter = (plan.adapter if plan else "") or next(
             (s.adapter for s in shards if s.adapter), ""
         )

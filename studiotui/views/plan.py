@@ -54,8 +54,8 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
         f"{streams_words(p.streams)}{kv_label(p)}",
         caption="\n".join([ring_line(p), *backends, *p.notes]),
         caption_justify="left",
+        collapse_padding=True,  # a cell more for the figures at each column at 80 columns
     )
-    table.add_column("node")
     # A placement with an adapter shows each shard's share of it beside its weights.
     adapter = any(s.adapter_bytes for s in p.shards)
     cache = any(s.prompt_cache_bytes or s.prompt_cache_disk_bytes for s in p.shards)
@@ -68,10 +68,8 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
         "KV cache",
         *(("prompt cache", "on disk") if cache else ()),
     )
-    for column in (*columns, "free before", "free after"):
-        table.add_column(column, justify="right")
-    for i, s in enumerate(p.shards):
-        table.add_row(
+    rows = [
+        (
             " + ".join(s.nodes),
             layer_label(s, i, len(p.shards)),
             format_bytes(s.weight_bytes),
@@ -86,6 +84,20 @@ def render_plan(p: Plan | Refusal) -> Table | Text:
             format_bytes(s.free_before),
             format_bytes(s.free_after),
         )
+        for i, s in enumerate(p.shards)
+    ]
+    # A figure or a node's name never breaks (at 80 columns "245.0 GB" came out on two
+    # lines and names were cut to "studio…"): the headers and the layers wrap instead.
+    for k, column in enumerate(("node", *columns, "free before", "free after")):
+        whole = k != 1 and (k == 0 or column != "layers")
+        table.add_column(
+            column,
+            justify="left" if k == 0 else "right",
+            overflow="fold",  # never "studio…" for each of four studios
+            min_width=max(len(r[k]) for r in rows) if whole and rows else None,
+        )
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

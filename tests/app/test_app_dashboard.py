@@ -821,6 +821,12 @@ async def test_at_80_by_24_the_footer_keeps_the_first_keys_whole(tmp_path: Path)
         for needed in ("Place", "Unload", "Chat", "Help", "Quit"):
             assert shown.get(needed), shown
         assert all(shown.values()), shown  # nothing cut at the edge
+        # The Nodes pane's first hint too (it ended "drag a model he").
+        chip = app.query_one("#chip-marked")
+        hint = str(chip.render())
+        strip = app.query_one("#groups-strip")
+        assert "drag a model here" in hint, hint
+        assert chip.region.right <= strip.region.right, (hint, chip.region, strip.region)
         # What the footer leaves out is still a key `?` lists, and in the palette.
         listed = {meaning for _, meaning in app.key_rows()}
         palette = " ".join(title for title, _, _ in app.palette_actions())

@@ -201,6 +201,9 @@ def test_node_card_power_and_pressure_line() -> None:
     assert line.startswith("  pwr  n/a   stall 1.5% ")
     assert line.endswith("no RAPL: /sys/class/powercap does not exist")
     assert all(len(x) <= 40 for x in node_lines(linux, 40, selected=False).plain.splitlines())
+    # Where it does not fit (a 160-column dashboard's Nodes pane), its head says it whole.
+    narrow = node_lines(linux, 60, selected=False).plain.splitlines()[3]
+    assert narrow.endswith("no RAPL") and "…" not in narrow, narrow
 
 
 def test_cluster_power_counts_each_machine_once() -> None:

@@ -25,7 +25,7 @@ import pytest
 from textual.widgets import DataTable, Input, Markdown, Select, Sparkline
 
 from studiotui.app.app import StudioApp
-from studiotui.app.dialogs import ConfirmScreen
+from studiotui.app.dialogs import DeleteScreen
 from studiotui.app.screens import chat
 from studiotui.app.screens.chat import AnswerView, ChatScreen, UserView
 from studiotui.app.screens.conversations import ConversationsScreen
@@ -389,7 +389,13 @@ async def test_conversations_persist_across_a_restart(cluster: tuple[Path, Inven
         assert isinstance(dialog, ConversationsScreen)
         dialog.query_one(DataTable).move_cursor(row=dialog.ids.index(sample.id))
         await pilot.press("d")
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 3, "confirm")
+        await until(pilot, lambda: isinstance(app.screen, DeleteScreen), 3, "confirm")
+        await pilot.press("enter")  # enter, pressed out of habit, keeps it
+        await until(pilot, lambda: app.screen is dialog, 3, "the question closed")
+        await pilot.pause(0.2)
+        assert sample.id in dialog.ids
+        await pilot.press("d")
+        await until(pilot, lambda: isinstance(app.screen, DeleteScreen), 3, "confirm")
         await pilot.press("y")
         await until(pilot, lambda: sample.id not in dialog.ids, 3, "deleted")
         await pilot.press("escape")

@@ -127,7 +127,9 @@ async def test_without_a_cluster_the_chat_says_so_and_commands_work(tmp_path: Pa
         await enter("/system Be terse.")
         assert screen.query_one("#chat-system", TextArea).text == "Be terse."
         await enter("/help")
-        assert "/attach PATH" in str(screen.query_one("#chat-status").content)
+        said = str(screen.query_one("#chat-status").content)
+        assert "/attach PATH" in said
+        assert "temperature, top-p and max tokens" in said  # the editable settings
         await enter("/detach notes.md")
         assert "detached notes.md" in str(screen.query_one("#chat-status").content)
         await enter("/export")
@@ -176,3 +178,24 @@ async def test_with_several_placements_the_chat_asks_which(tmp_path: Path) -> No
         status = str(screen.query_one("#chat-status").content)
         assert "several placements are ready (deepseek-v3, qwen3-32b)" in status
         assert prompt.value == "hello" and screen.conv is None
+
+
+async def test_the_conversations_dialog_keeps_its_keys_whole_at_80_by_24(tmp_path: Path) -> None:
+    """The Conversations dialog's line of keys was cut after "esc" at 80x24."""
+    from studiotui.app.app import StudioApp
+    from studiotui.app.screens.conversations import ConversationsScreen
+    from tests.support.app_fixtures import fixed_state
+    from tests.support.pilot_helpers import until
+
+    app = StudioApp(tmp_path, state=fixed_state())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("c")
+        await pilot.pause(0.3)
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: isinstance(app.screen, ConversationsScreen), 5, "the dialog")
+        await pilot.pause(0.3)
+        dialog = app.screen.query_one("#conv-dialog")
+        keys = str(dialog.border_subtitle)
+        assert keys.endswith("esc closes"), keys
+        # The border's corners and a cell either side of the words take four cells.
+        assert len(keys) + 4 <= dialog.outer_size.width, (keys, dialog.outer_size)

@@ -14,7 +14,7 @@ from textual.events import Key
 from textual.widgets import DataTable, Input, Static
 
 from studiotui.app.app import StudioApp
-from studiotui.app.dialogs import ConfirmScreen
+from studiotui.app.dialogs import ConfirmScreen, DeleteScreen
 from studiotui.app.panes.filter import FilterBar
 from studiotui.app.panes.models import ModelRow, ModelsPane
 from studiotui.app.panes.nodes import NodesPane
@@ -114,6 +114,12 @@ async def test_a_marked_model_is_deleted_after_a_question(
         assert "Delete gone? Its files" in question and str(gone) in question
         await pilot.press("n")  # no: nothing happens
         assert gone.is_dir()
+        await pilot.press("D")
+        await until(pilot, lambda: isinstance(app.screen, DeleteScreen), 10, "the question")
+        await pilot.press("enter")  # enter, pressed out of habit, keeps it too
+        await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen), 10, "closed")
+        await pilot.pause(0.5)
+        assert gone.is_dir() and "deleting gone" not in log_text(app)
         await pilot.press("D")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 10, "the question")
         await pilot.press("y")

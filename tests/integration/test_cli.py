@@ -402,6 +402,32 @@ def test_up_local_of_another_size_is_refused_while_that_cluster_runs(home: Path)
     assert down.returncode == 0, down.stderr
 
 
+def test_the_tour_after_a_larger_first_run_places_and_answers(home: Path) -> None:
+    """The README's tour after the first run: that run placed `demo` over four nodes and
+    `down` stopped them; `up --local 2` cannot bring back a placement on nodes it does
+    not start, so it forgets it, saying so, and the tour's `place` of its own `demo`
+    works (it was refused: "a placement named 'demo' exists (broken)", and `up` exit 1).
+    Three nodes here, for the same trip."""
+    model = home.parent / "models" / "demo"
+    assert run(home, "demo-model", str(model), "--layers", "6").returncode == 0
+    port = str(PORT + 80)
+    assert run(home, "up", "--local", "3", "--port", port).returncode == 0
+    first = run(home, "place", str(model))
+    assert first.returncode == 0, first.stderr
+    assert run(home, "down").returncode == 0
+    up = run(home, "up", "--local", "2", "--port", port)
+    said = " ".join((up.stdout + up.stderr).split())
+    assert up.returncode == 0, said
+    assert "placement 'demo' ran on local-3, which this cluster has no more" in said, said
+    placed = run(home, "place", str(model))
+    assert placed.returncode == 0, placed.stderr
+    answer = run(home, "chat", "What is studiotui?")
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.startswith("Hello from studiotui!"), answer.stdout
+    assert [p["name"] for p in status(home)["placements"]] == ["demo"]
+    assert run(home, "down").returncode == 0
+
+
 def test_up_local_on_ports_something_else_holds_is_refused_naming_a_free_port(
     home: Path,
 ) -> None:

@@ -5,11 +5,15 @@
 is then priced from that run's figures and set beside what the same run measured.
 
 This compares two measurements of the same machine in the same run, so a load that
-comes and goes weighs on both. The machine the suite runs on is shared (two cores, many
-processes): a bound of 25 % does not hold there from one run to the next, so this test
-asks for a factor of 2 — the forecast was 2.4x (pipeline) to 7x (MoE) high before it
-used a benchmark's figures — and `studiotui bench` reports the ratios as
-`forecast_error_*` rows, where the 25 % is checked."""
+comes and goes weighs on both, though not always alike. The machine the suite runs on
+is shared (two cores, many processes): two quiet runs there gave 0.91/0.99/1.12x and
+1.04/0.82/1.02x (pipeline, tensor, MoE), inside the 25 % aimed at; a third, beside
+other engineers' benchmarks, measured the tensor group at 12.6 tok/s against 54-65
+before (2.87x), the ring's two ranks starved of the cores while the all-reduce it was
+priced from had been timed at a quieter moment. So this test asks for a factor of 2 —
+the forecast was 2.4x (pipeline) to 7x (MoE) high before it used a benchmark's
+figures — and may still fail on a saturated machine. Run with -s, it prints each
+ratio."""
 
 from __future__ import annotations
 
@@ -110,6 +114,7 @@ def test_the_forecast_after_a_benchmark_lands_near_what_it_measures(
     found = asyncio.run(go())
     for name, (guessed, measured, said) in found.items():
         ratio = guessed / measured
+        print(f"forecast {name}: {guessed:.1f} vs measured {measured:.1f} tok/s ({ratio:.2f}x)")
         assert 1 / BOUND <= ratio <= BOUND, (
             f"{name}: forecast {guessed:.1f} tok/s, measured {measured:.1f} ({ratio:.2f}x)"
         )

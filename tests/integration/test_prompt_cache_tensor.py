@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +66,16 @@ async def _turn(ctl: Any, placement: str) -> tuple[list[int], int]:
     return tokens, cached
 
 
+@pytest.mark.parametrize("nodes", [2, 4])
 def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
-    engine_cluster: LocalCluster, tmp_path: Path
+    engine_cluster: LocalCluster, tmp_path: Path, nodes: int
 ) -> None:
+    """One group (the head's), and a pipeline of two groups (the damage on the last
+    stage's follower, which learns of the entry from the ring's frame)."""
     model = write_demo_model(tmp_path / "dense", dataclasses.replace(SPEC))
     want, judged = _reference(model)
     assert judged >= 4, "margins too thin to judge"
-    names = list(engine_cluster.inventory.names)[:2]
+    names = list(engine_cluster.inventory.names)[:nodes]
 
     async def place_and_ask(times: int) -> tuple[tuple[str, ...], list[tuple[list[int], int]]]:
         ctl = engine_cluster.controller()
@@ -79,13 +83,15 @@ def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
             await ctl.refresh()
             result = await ctl.place(model, names, "tp-cache", prefill_chunk=8, tensor=2)
             assert isinstance(result.plan, Plan)
-            group = result.plan.shards[0].group
+            assert len(result.plan.shards) == nodes // 2
+            group = result.plan.shards[-1].group
             got = [await asyncio.wait_for(_turn(ctl, "tp-cache"), 120) for _ in range(times)]
             await ctl.unload("tp-cache")
             return group, got
         finally:
             await ctl.close()
 
+    began = time.time()
     group, [first] = asyncio.run(place_and_ask(1))
     assert len(group) == 2
     assert first[1] == 0 and first[0][:judged] == want[:judged]
@@ -96,7 +102,8 @@ def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
     files = [
         f
         for f in Path(follower.workdir).expanduser().glob("prompt-cache/*/*.safetensors")
-        if safetensors_metadata(f).get("tokens", "").startswith(f"[{PROMPT[0]}, ")
+        if f.stat().st_mtime >= began
+        and safetensors_metadata(f).get("held") == str(len(PROMPT) + N - 1)
     ]
     assert len(files) == 1, files
     raw = files[0].read_bytes()

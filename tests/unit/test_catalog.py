@@ -273,3 +273,22 @@ def test_a_directory_is_settling_while_it_or_a_file_in_it_is_fresh(tmp_path: Pat
     assert catalog.settling(folder, 20.0, now + 5)  # the file is still fresh
     os.utime(weights, (now - 100, now - 100))
     assert not catalog.settling(folder, 20.0, now + 5)
+
+
+def test_a_hub_snapshot_is_named_by_its_repo_not_its_commit() -> None:
+    """A model the hub fetched lives in `models--org--name/snapshots/<commit>`: the
+    Placements pane, the chat and `status` named it by the commit's 40 hex digits."""
+    from studiotui.core.state import PlannedPlacement, PlannedShard, model_label
+    from studiotui.core.state import placements_from_shards as placements
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = (
+        f"/home/me/.cache/huggingface/hub/models--mlx-community--Qwen3-8B-4bit/snapshots/{commit}"
+    )
+    assert model_label(snapshot) == "mlx-community/Qwen3-8B-4bit"
+    assert model_label(snapshot + "/") == "mlx-community/Qwen3-8B-4bit"
+    assert model_label("/models/qwen3-8b") == "qwen3-8b"
+    assert model_label("/x/snapshots/abc") == "abc"  # not a hub cache's layout
+    planned = {"qwen": PlannedPlacement(snapshot, (PlannedShard("a", 0, 2),))}
+    [placement] = placements((), planned)
+    assert placement.model == "mlx-community/Qwen3-8B-4bit"

@@ -66,7 +66,7 @@ def test_the_api_and_the_browser_dashboard_listen_on_localhost_unless_told() -> 
     assert parser.parse_args(["serve"]).host == "127.0.0.1"
     assert parser.parse_args(["web"]).host == "127.0.0.1"
     assert parser.parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
-    assert parser.parse_args(["--serve", "52415"]).serve == ("127.0.0.1", 52415)
+    assert parser.parse_args(["--serve", "28415"]).serve == ("127.0.0.1", 28415)
     assert parser.parse_args(["--serve", "0.0.0.0:8000"]).serve == ("0.0.0.0", 8000)
 
 

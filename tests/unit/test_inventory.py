@@ -788,6 +788,13 @@ def test_the_default_ports_lie_below_the_ephemeral_ranges() -> None:
     assert DEFAULT_CONTROL_PORT + 4 * MAC_PORT_STRIDE < EPHEMERAL_FLOOR <= 32768
     layout = choose_local_layout(4, "darwin", lambda address, port: True)
     assert layout.control_port + 4 * MAC_PORT_STRIDE < 32768
+    # `serve` and `web` listen below both ranges too, and below the agents' ports.
+    from studiotui.api.defaults import DEFAULT_PORT as SERVE_PORT
+    from studiotui.cli.web import DEFAULT_PORT as WEB_PORT
+
+    for port in (SERVE_PORT, WEB_PORT):
+        assert 1024 <= port < DEFAULT_CONTROL_PORT, port
+    assert SERVE_PORT != WEB_PORT
 
 
 USERS_FILE = """\

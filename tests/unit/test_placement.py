@@ -323,6 +323,25 @@ def test_seed_cluster_preview_shows_every_node_and_the_ring() -> None:
     assert "+embed" in text and "+head" in text
 
 
+def test_the_preview_keeps_figures_and_names_whole_at_80_columns() -> None:
+    """`place` at 80 columns broke "245.0 GB" over two lines and cut every node to
+    "studio…" once the prompt cache's two columns were there."""
+    result = plan(DEEPSEEK, STUDIOS, MESH)
+    assert isinstance(result, Plan)
+    shards = tuple(
+        replace(s, prompt_cache_bytes=32 << 20, prompt_cache_disk_bytes=128 << 20)
+        for s in result.shards
+    )
+    console = Console(record=True, width=80)
+    console.print(render_plan(replace(result, shards=shards)))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "…" not in text, text
+    for s in shards:
+        for figure in (s.weight_bytes, s.free_before, s.free_after):
+            assert format_bytes(figure) in text, (format_bytes(figure), text)
+
+
 # --------------------------------------------------------------------------- worked examples
 
 

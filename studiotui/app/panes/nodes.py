@@ -163,7 +163,12 @@ def power_line(node: NodeState, width: int) -> Content | None:
         ]
     reasons = [str(r) for r in (node.power.get("reason"), node.pressure.get("reason")) if r]
     if node.power_w is None and reasons:
-        parts += ["  ", Content.styled(reasons[0], "$text-muted")]
+        reason = reasons[0]
+        # Cut at the edge, the reason read "no RAPL: /sys/class/powercap does not exi…"
+        # on every node: where it does not fit, its head before the colon says it.
+        if Content.assemble(*parts).cell_length + 2 + len(reason) > width:
+            reason = reason.split(":", 1)[0]
+        parts += ["  ", Content.styled(reason, "$text-muted")]
     return Content.assemble(*parts)
 
 

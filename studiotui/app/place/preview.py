@@ -46,7 +46,7 @@ from studiotui.core.placement import (
     tensor_sizes,
 )
 from studiotui.core.rates import Paced, Rates
-from studiotui.core.state import ClusterState, shape_label
+from studiotui.core.state import ClusterState, model_label, shape_label
 from studiotui.views.plan import render_plan
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
@@ -530,7 +530,8 @@ class PreviewScreen(ModalScreen[None]):
             out.append((size, verdict, guess))
             last = getattr(self.controller, "last_measured", None)
             if isinstance(verdict, Plan) and last is not None:
-                found = last(self.request.model.name, verdict.shape)
+                # Saved as the Placements pane names it (a hub snapshot: org/name).
+                found = last(model_label(str(self.request.model)), verdict.shape)
                 if found is not None:
                     self.measured[verdict.shape] = found
         return out

@@ -17,7 +17,7 @@ from textual.screen import ModalScreen
 from textual.suggester import Suggester
 from textual.widgets import DataTable, Input, Static
 
-from studiotui.app.dialogs import ConfirmScreen
+from studiotui.app.dialogs import DeleteScreen
 from studiotui.app.guard import guard_actions
 from studiotui.chat.history import History, HistoryError
 from studiotui.chat.store import HistoryStore
@@ -160,7 +160,7 @@ class ConversationsScreen(ModalScreen[ListChoice | None]):
                 await self.reload()
 
         self.app.push_screen(
-            ConfirmScreen(
+            DeleteScreen(
                 f"Delete {conv.display_title!r} and its {conv.message_count} messages? "
                 "This cannot be undone (e exports it first)."
             ),
