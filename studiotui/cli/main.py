@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="K",
-        help="guesses per verify step (default 4; it adapts to each request's acceptance)",
+        help="a draft model's guesses per verify step (default 4); lookup starts at 2 and "
+        "doubles up to 16 while its guesses are kept",
     )
 
     fetch = sub.add_parser(
