@@ -128,8 +128,11 @@ class Loading:
             # The model by its bytes, for every shard: it names the prefix cache's
             # entries on disk, so a folder whose weights were replaced never serves the
             # old ones' and a re-copied one (new times, same bytes) keeps them. Files
-            # hashed for a copy above are cached already; the rest are read once.
-            digest = await asyncio.to_thread(model_digest, model_dir, on_progress=hashing)
+            # hashed for a copy above are cached already; the rest are read once, and
+            # not at all when nothing goes to disk.
+            digest = ""
+            if any(s.prompt_cache_bytes and s.prompt_cache_disk_bytes for s in shards):
+                digest = await asyncio.to_thread(model_digest, model_dir, on_progress=hashing)
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
