@@ -152,9 +152,10 @@ MAX_CHARS_PER_TOKEN = 64
 # Requests a placement serves at once unless told otherwise (`place --streams`): the
 # plan reserves a whole context of KV cache for each, and the head runs no more.
 DEFAULT_STREAMS = 4
-# A placement's prefix cache when the plan names no budget (`LoadShard.prompt_cache_bytes`
-# 0): per shard, in memory and on the node's disk. Conservative: the plan reserves the
-# KV of its streams, not this, so it must fit beside them on a small node.
+# A stage's prefix cache when it is built with no budget at all (tests, tools): per
+# shard, in memory and on the node's disk. A placement always sends the plan's budget,
+# and its 0 turns the cache off. Conservative: it must fit beside the KV of the streams
+# on a small node.
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30
 DEFAULT_PROMPT_CACHE_DISK_BYTES = 8 << 30
 # How a head shard's refusal for want of a free stream begins: the API answers 429.
