@@ -15,6 +15,7 @@ from typing import Any
 
 from studiotui.api import shapes
 from studiotui.api.request import ApiError
+from worker.shared.protocol import control
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 SSE = "text/event-stream; charset=utf-8"
@@ -35,10 +36,10 @@ def named_event(obj: dict[str, Any]) -> bytes:
     return f"event: {obj['type']}\ndata: {dumps(obj)}\n\n".encode()
 
 
-def usage(done: dict[str, Any]) -> dict[str, int]:
+def usage(done: control.Done) -> dict[str, int]:
     """OpenAI's usage; `prompt_tokens_details.cached_tokens` when the head reported
     how much of the prompt its cache held."""
-    got = done.get("usage") or {}
+    got = done.usage
     prompt = int(got.get("prompt_tokens", 0))
     completion = int(got.get("completion_tokens", 0))
     out: dict[str, Any] = {
@@ -58,9 +59,9 @@ def usage(done: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def cached_tokens(done: dict[str, Any]) -> int:
+def cached_tokens(done: control.Done) -> int:
     """The prompt tokens the head's cache held (0 where it reports none)."""
-    got = done.get("usage") or {}
+    got = done.usage
     details = got.get("prompt_tokens_details") or {}
     return int(got.get("cached_tokens", details.get("cached_tokens", 0)) or 0)
 
@@ -100,31 +101,29 @@ class Shape:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def accepted(self, msg: dict[str, Any]) -> None:
+    def accepted(self, msg: control.Accepted) -> None:
         """The head took the request: it counted the prompt."""
-        self.prompt_tokens = int(msg.get("prompt_tokens", 0))
+        self.prompt_tokens = msg.prompt_tokens
 
-    def add(self, msg: dict[str, Any]) -> None:
-        self.parts.append(msg["text"])
-        self.calls.extend(msg.get("tool_calls") or ())
-        self.entries.extend(msg.get("logprobs") or ())
+    def add(self, msg: control.Delta) -> None:
+        self.parts.append(msg.text)
+        self.calls.extend(msg.tool_calls or ())
+        self.entries.extend(msg.logprobs or ())
 
-    def reason(self, done: dict[str, Any]) -> str:
+    def reason(self, done: control.Done) -> str:
         """OpenAI's finish_reason: stop, length or tool_calls."""
-        return shapes.finish_reason(
-            FINISH.get(done.get("finish_reason", "stop"), "stop"), bool(self.calls)
-        )
+        return shapes.finish_reason(FINISH.get(done.finish_reason, "stop"), bool(self.calls))
 
-    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+    def body(self, done: control.Done) -> dict[str, Any]:
         raise NotImplementedError
 
     def start(self) -> bytes:
         return b""
 
-    def chunk(self, msg: dict[str, Any]) -> bytes:
+    def chunk(self, msg: control.Delta) -> bytes:
         raise NotImplementedError
 
-    def end(self, done: dict[str, Any]) -> bytes:
+    def end(self, done: control.Done) -> bytes:
         """All a stream sends once the answer is done."""
         raise NotImplementedError
 

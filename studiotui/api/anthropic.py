@@ -25,6 +25,7 @@ from studiotui.api.request import (
     shown,
     text_only,
 )
+from worker.shared.protocol import control
 from worker.shared.protocol.limits import MAX_STOP_STRINGS
 
 # Claude Code names the model it wants (claude-sonnet-…, claude-haiku-… for its
@@ -296,15 +297,15 @@ class MessageAnswer(Shape):
         call_id = call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"
         return {"type": "tool_use", "id": call_id, "name": call["name"], "input": {}}
 
-    def _stop(self, done: dict[str, Any], text: str) -> tuple[str, str | None]:
+    def _stop(self, done: control.Done, text: str) -> tuple[str, str | None]:
         reason = STOP_REASONS[self.reason(done)]
-        matched = done.get("stop")
-        if reason == "end_turn" and isinstance(matched, str) and matched in self.stops:
+        matched = done.stop  # "" when no stop string ended it
+        if reason == "end_turn" and matched and matched in self.stops:
             return "stop_sequence", matched
         return reason, None
 
-    def _usage(self, done: dict[str, Any]) -> dict[str, int]:
-        got = done.get("usage") or {}
+    def _usage(self, done: control.Done) -> dict[str, int]:
+        got = done.usage
         cached = cached_tokens(done)
         prompt = int(got.get("prompt_tokens", self.prompt_tokens))
         return {
@@ -315,10 +316,14 @@ class MessageAnswer(Shape):
             "cache_read_input_tokens": cached,
         }
 
-    def _message(self, content: list[dict[str, Any]], done: dict[str, Any] | None) -> dict:
-        reason, sequence = self._stop(done, "".join(self.parts)) if done else (None, None)
+    def _message(self, content: list[dict[str, Any]], done: control.Done | None) -> dict:
+        reason, sequence = (
+            self._stop(done, "".join(self.parts)) if done is not None else (None, None)
+        )
         usage = (
-            self._usage(done) if done else {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+            self._usage(done)
+            if done is not None
+            else {"input_tokens": self.prompt_tokens, "output_tokens": 0}
         )
         return {
             "id": self.id,
@@ -331,7 +336,7 @@ class MessageAnswer(Shape):
             "usage": usage,
         }
 
-    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+    def body(self, done: control.Done) -> dict[str, Any]:
         text = "".join(self.parts)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         for call in self.calls:
@@ -349,9 +354,9 @@ class MessageAnswer(Shape):
         self.open_text = False
         return named_event({"type": "content_block_stop", "index": self.index})
 
-    def chunk(self, msg: dict[str, Any]) -> bytes:
+    def chunk(self, msg: control.Delta) -> bytes:
         out = b""
-        text = msg["text"]
+        text = msg.text
         if text:
             self.parts.append(text)
             if not self.open_text:
@@ -371,7 +376,7 @@ class MessageAnswer(Shape):
                     "delta": {"type": "text_delta", "text": text},
                 }
             )
-        for call in msg.get("tool_calls") or ():
+        for call in msg.tool_calls or ():
             self.calls.append(call)
             out += self._close()
             self.index += 1
@@ -393,7 +398,7 @@ class MessageAnswer(Shape):
                 out += named_event(ev)
         return out
 
-    def end(self, done: dict[str, Any]) -> bytes:
+    def end(self, done: control.Done) -> bytes:
         reason, sequence = self._stop(done, "".join(self.parts))
         usage = self._usage(done)
         return (

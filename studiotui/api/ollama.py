@@ -26,6 +26,7 @@ from studiotui.api.request import (
     shown,
 )
 from studiotui.core.state import PlacementState
+from worker.shared.protocol import control
 from worker.shared.protocol.limits import MAX_STOP_STRINGS
 from worker.shared.structured import JSON_OBJECT, FormatError, schema_grammar
 
@@ -357,9 +358,9 @@ class OllamaAnswer(Shape):
             return {"message": message}
         return {"response": text}
 
-    def _last(self, done: dict[str, Any], text: str, calls: list[dict[str, Any]]) -> dict:
-        got = done.get("usage") or {}
-        timings = done.get("timings") or {}
+    def _last(self, done: control.Done, text: str, calls: list[dict[str, Any]]) -> dict:
+        got = done.usage
+        timings = done.timings
         total = time.perf_counter_ns() - self.started
         ttft = int(float(timings.get("ttft_ms", 0)) * 1e6)
         return {
@@ -376,18 +377,18 @@ class OllamaAnswer(Shape):
             "eval_duration": max(total - ttft, 0),
         }
 
-    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+    def body(self, done: control.Done) -> dict[str, Any]:
         return self._last(done, "".join(self.parts), self.calls)
 
-    def chunk(self, msg: dict[str, Any]) -> bytes:
-        text, calls = msg["text"], msg.get("tool_calls") or []
+    def chunk(self, msg: control.Delta) -> bytes:
+        text, calls = msg.text, msg.tool_calls or []
         self.calls.extend(calls)
         if not text and not calls:
             return b""
         line = {"model": self.model, "created_at": _now(), **self._piece(text, calls)}
         return (dumps({**line, "done": False}) + "\n").encode()
 
-    def end(self, done: dict[str, Any]) -> bytes:
+    def end(self, done: control.Done) -> bytes:
         return (dumps(self._last(done, "", [])) + "\n").encode()
 
     def failed(self, err: ApiError) -> bytes:

@@ -25,6 +25,7 @@ from studiotui.api.request import (
     shown,
     text_only,
 )
+from worker.shared.protocol import control
 from worker.shared.structured import FormatError, text_format_grammar
 
 # Text parts of an input message: what a user wrote, what an assistant answered.
@@ -269,7 +270,7 @@ class ResponseAnswer(Shape):
         self.seq += 1
         return out
 
-    def _response(self, status: str, done: dict[str, Any] | None) -> dict[str, Any]:
+    def _response(self, status: str, done: control.Done | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.id,
             "object": "response",
@@ -278,14 +279,14 @@ class ResponseAnswer(Shape):
             "error": None,
             "incomplete_details": None,
             "model": self.model,
-            "output": self.items if done else [],
+            "output": self.items if done is not None else [],
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "usage": None,
             **self.echo,
         }
         if done is not None:
-            got = done.get("usage") or {}
+            got = done.usage
             prompt = int(got.get("prompt_tokens", self.prompt_tokens))
             completion = int(got.get("completion_tokens", 0))
             body["usage"] = {
@@ -299,7 +300,7 @@ class ResponseAnswer(Shape):
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
         return body
 
-    def _status(self, done: dict[str, Any]) -> str:
+    def _status(self, done: control.Done) -> str:
         return "incomplete" if self.reason(done) == "length" else "completed"
 
     def _message_item(self, text: str, status: str) -> dict[str, Any]:
@@ -325,7 +326,7 @@ class ResponseAnswer(Shape):
             "status": status,
         }
 
-    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+    def body(self, done: control.Done) -> dict[str, Any]:
         text = "".join(self.parts)
         if text:
             self.items.append(self._message_item(text, "completed"))
@@ -381,9 +382,9 @@ class ResponseAnswer(Shape):
         self.message_id = f"msg_{uuid.uuid4().hex}"
         return out
 
-    def chunk(self, msg: dict[str, Any]) -> bytes:
+    def chunk(self, msg: control.Delta) -> bytes:
         out = b""
-        text = msg["text"]
+        text = msg.text
         if text:
             self.parts.append(text)
             if self.text_index < 0:
@@ -397,7 +398,7 @@ class ResponseAnswer(Shape):
                 delta=text,
                 logprobs=[],
             )
-        for call in msg.get("tool_calls") or ():
+        for call in msg.tool_calls or ():
             self.calls.append(call)
             out += self._close_text()
             item = self._call_item(call)
@@ -425,7 +426,7 @@ class ResponseAnswer(Shape):
             out += self._event("response.output_item.done", output_index=index, item=item)
         return out
 
-    def end(self, done: dict[str, Any]) -> bytes:
+    def end(self, done: control.Done) -> bytes:
         status = self._status(done)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         out = self._close_text()

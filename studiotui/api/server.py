@@ -42,6 +42,7 @@ from studiotui.api.request import (
 )
 from studiotui.cluster.controller import Controller, GenerationError
 from studiotui.core.state import ClusterState, PlacementState
+from worker.shared.protocol import control
 from worker.shared.protocol.messages import ErrorCode
 
 __all__ = ["ApiServer", "build_app", "serve", "start_server"]
@@ -452,7 +453,7 @@ async def _count_tokens(request: web.Request) -> web.Response:
         accepted = await _accepted(gen, placement.name)
     finally:
         await gen.aclose()
-    return web.json_response({"input_tokens": int(accepted.get("prompt_tokens", 0))})
+    return web.json_response({"input_tokens": accepted.prompt_tokens})
 
 
 async def _responses(request: web.Request) -> web.StreamResponse:
@@ -575,11 +576,18 @@ async def _answer(
 
 
 async def _accepted(
-    gen: AsyncIterator[dict[str, Any]], name: str, param: str = "messages"
-) -> dict[str, Any]:
+    gen: AsyncIterator[control.Answer], name: str, param: str = "messages"
+) -> control.Accepted:
     """Wait for the head shard to take the request, before any status is sent."""
     try:
-        return await anext(gen)
+        match await anext(gen):
+            case control.Accepted() as accepted:
+                return accepted
+            case other:
+                raise _unavailable(
+                    f"placement {name!r} answered with a {other.kind} before taking the request",
+                    "cluster_error",
+                )
     except GenerationError as exc:
         # The head names the field it blames (tools, a sampling parameter, ...) in the
         # `failed` message; a refusal of no one field blames the prompt.
@@ -613,13 +621,13 @@ class _OpenAIShape(Shape):
             "system_fingerprint": None,
         }
 
-    def finish_reason(self, done: dict[str, Any]) -> str:
+    def finish_reason(self, done: control.Done) -> str:
         return self.reason(done)
 
-    def finish(self, done: dict[str, Any]) -> bytes:
+    def finish(self, done: control.Done) -> bytes:
         raise NotImplementedError
 
-    def end(self, done: dict[str, Any]) -> bytes:
+    def end(self, done: control.Done) -> bytes:
         out = self.finish(done)
         if self.include_usage:
             out += _event({**self.head, "choices": [], "usage": _usage(done)})
@@ -642,7 +650,7 @@ class _ChatAnswer(_OpenAIShape):
     def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         return shapes.chat_logprobs(entries, self.top) if self.wants_logprobs else None
 
-    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+    def body(self, done: control.Done) -> dict[str, Any]:
         text = "".join(self.parts)
         message: dict[str, Any] = {
             "role": "assistant",
@@ -664,8 +672,8 @@ class _ChatAnswer(_OpenAIShape):
     def start(self) -> bytes:
         return (self._prefix + '{"role":"assistant","content":""}' + self._suffix).encode()
 
-    def chunk(self, msg: dict[str, Any]) -> bytes:
-        text, calls, entries = msg["text"], msg.get("tool_calls"), msg.get("logprobs")
+    def chunk(self, msg: control.Delta) -> bytes:
+        text, calls, entries = msg.text, msg.tool_calls, msg.logprobs
         self.calls.extend(calls or ())
         if not calls and not (entries and self.wants_logprobs):
             if not text:
@@ -683,7 +691,7 @@ class _ChatAnswer(_OpenAIShape):
         }
         return _event({**self.head, "choices": [choice]})
 
-    def finish(self, done: dict[str, Any]) -> bytes:
+    def finish(self, done: control.Done) -> bytes:
         reason = self.finish_reason(done)
         choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
         return _event({**self.head, "choices": [choice]})
@@ -703,7 +711,7 @@ class _TextAnswer(_OpenAIShape):
             return None
         return shapes.completion_logprobs(entries, self.top, offset)
 
-    def body(self, done: dict[str, Any]) -> dict[str, Any]:
+    def body(self, done: control.Done) -> dict[str, Any]:
         choice = {
             "index": 0,
             "text": "".join(self.parts),
@@ -712,8 +720,8 @@ class _TextAnswer(_OpenAIShape):
         }
         return {**self.head, "choices": [choice], "usage": _usage(done)}
 
-    def chunk(self, msg: dict[str, Any]) -> bytes:
-        text, entries = msg["text"], msg.get("logprobs") or []
+    def chunk(self, msg: control.Delta) -> bytes:
+        text, entries = msg.text, msg.logprobs or []
         if not text and not (entries and self.wants_logprobs):
             return b""
         choice = {
@@ -725,7 +733,7 @@ class _TextAnswer(_OpenAIShape):
         self.offset += sum(len(e["token"]) for e in entries)
         return _event({**self.head, "choices": [choice]})
 
-    def finish(self, done: dict[str, Any]) -> bytes:
+    def finish(self, done: control.Done) -> bytes:
         choice = {
             "index": 0,
             "text": "",
@@ -735,18 +743,21 @@ class _TextAnswer(_OpenAIShape):
         return _event({**self.head, "choices": [choice]})
 
 
-async def _complete(gen: AsyncIterator[dict[str, Any]], answer: Shape) -> web.Response:
-    done: dict[str, Any] = {}
+async def _complete(gen: AsyncIterator[control.Answer], answer: Shape) -> web.Response:
+    done: control.Done | None = None
     try:
         async for msg in gen:
-            if msg["type"] == "delta":
-                answer.add(msg)
-            elif msg["type"] == "done":
-                done = msg
+            match msg:
+                case control.Delta():
+                    answer.add(msg)
+                case control.Done():
+                    done = msg
     except GenerationError as exc:
         raise _unavailable(
             f"placement {answer.model!r} failed mid-answer: {exc}", "cluster_error"
         ) from None
+    if done is None:  # generate ends with a done or raises; said rather than assumed
+        raise _unavailable(f"placement {answer.model!r} ended without a done", "cluster_error")
     return web.json_response(answer.body(done), dumps=_dumps)
 
 
@@ -766,7 +777,7 @@ async def write_or_give_up(request: web.Request, resp: web.StreamResponse, data:
 
 
 async def _stream(
-    request: web.Request, gen: AsyncIterator[dict[str, Any]], answer: Shape
+    request: web.Request, gen: AsyncIterator[control.Answer], answer: Shape
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={**SSE_HEADERS, "Content-Type": answer.content_type})
     await resp.prepare(request)
@@ -774,11 +785,12 @@ async def _stream(
         if first := answer.start():
             await write_or_give_up(request, resp, first)
         async for msg in gen:
-            if msg["type"] == "delta":
-                if chunk := answer.chunk(msg):
-                    await write_or_give_up(request, resp, chunk)
-            elif msg["type"] == "done":
-                await write_or_give_up(request, resp, answer.end(msg))
+            match msg:
+                case control.Delta():
+                    if chunk := answer.chunk(msg):
+                        await write_or_give_up(request, resp, chunk)
+                case control.Done():
+                    await write_or_give_up(request, resp, answer.end(msg))
     except GenerationError as exc:
         # The status line is long gone; OpenAI's clients raise on an error event.
         # No [DONE] after it, so no client mistakes the cut answer for a whole one.

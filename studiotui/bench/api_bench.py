@@ -22,6 +22,7 @@ import httpx
 
 from studiotui.api.server import start_server
 from studiotui.cluster.controller import Controller
+from worker.shared.protocol import control
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
 
@@ -116,8 +117,8 @@ async def bench_api(
                 tokens = 0
                 request = {"messages": body["messages"]}
                 async for msg in controller.generate(placement, request, params):
-                    if msg["type"] == "done":
-                        tokens = int(msg["usage"]["completion_tokens"])
+                    if isinstance(msg, control.Done):
+                        tokens = int(msg.usage["completion_tokens"])
                 return tokens
 
             sides: dict[str, Callable[[], list[Awaitable[int]]]] = {

@@ -57,7 +57,7 @@ async def cancel_storm(
         async def read() -> None:
             nonlocal got
             async for msg in agen:
-                if msg["type"] == "delta":
+                if isinstance(msg, control.Delta):
                     got += 1
                     if how == "tokens" and got >= after_tokens:
                         return

@@ -34,6 +34,7 @@ from mlx_lm.utils import load_tokenizer
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import Inventory
 from worker.shared.demo_model import PASSAGE, DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 TOKENS = 60  # the passage is 66 tokens: every one of them a guess the draft gets right
 DRAFT_TOKENS = 6
@@ -98,11 +99,12 @@ async def _answer(
     usage: dict[str, Any] = {}
     params = {"max_tokens": TOKENS, "ignore_eos": True}
     async for msg in ctl.generate(name, {"messages": messages, **extra}, params):
-        if msg["type"] == "delta" and msg["tokens"]:
-            deltas.append(list(msg["tokens"]))
-            stamps.append(time.perf_counter())
-        elif msg["type"] == "done":
-            usage = msg.get("usage") or {}
+        match msg:
+            case control.Delta() if msg.tokens:
+                deltas.append(list(msg.tokens))
+                stamps.append(time.perf_counter())
+            case control.Done():
+                usage = msg.usage or {}
     return Answer(deltas, stamps, usage)
 
 

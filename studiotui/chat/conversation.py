@@ -48,6 +48,7 @@ from studiotui.core.documents import Passage, read_document, split_passages
 from studiotui.core.errors import StudioError
 from studiotui.core.state import LogLevel, PlacementState
 from studiotui.core.text import printable
+from worker.shared.protocol import control
 
 CHECKPOINT_S = 2.0  # a crash mid-answer loses at most this much text
 NO_CLUSTER = "no cluster is connected (this is a fixed view)"
@@ -93,7 +94,7 @@ class Turn:
     spark_at: float = 0.0
     spark_tokens: int = 0
     saved_at: float = 0.0
-    done: dict[str, Any] | None = None
+    done: control.Done | None = None
     error: str | None = None
     stopped: bool = False
     # The final write, once queued; `finished` once it is in the history.
@@ -131,9 +132,9 @@ class Turn:
 
     def final_meta(self, now: float) -> dict[str, Any]:
         """The answer's meta as the history keeps it once the answer has ended."""
-        done = self.done or {}
-        usage = done.get("usage") or {}
-        timings = done.get("timings") or {}
+        done = self.done
+        usage = done.usage if done else {}
+        timings = done.timings if done else {}
         meta = dict(self.meta)
         meta.update(
             ttft_ms=round(ttft, 1) if (ttft := self.ttft_ms()) is not None else None,
@@ -143,7 +144,8 @@ class Turn:
             completion_tokens=usage.get("completion_tokens", self.tokens),
             # Of the prompt's tokens, those the placement's prefix cache served.
             cached_tokens=int(usage.get("cached_tokens") or 0),
-            finish_reason=done.get("finish_reason") or ("stopped" if self.stopped else "error"),
+            finish_reason=(done.finish_reason if done else "")
+            or ("stopped" if self.stopped else "error"),
             spark=[round(x, 1) for x in self.spark],
         )
         if (rate := acceptance(usage)) is not None:
@@ -443,27 +445,27 @@ class ChatSession:
         finally:
             await self._end(turn)
 
-    def _take(self, turn: Turn, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        if kind == "accepted":
-            turn.prompt_tokens = int(msg.get("prompt_tokens", 0)) or None
-            ratio = learned_ratio(turn.chars_sent, turn.prompt_tokens)
-            if turn.placement and ratio is not None:
-                self.chars_per_token[turn.placement] = ratio
-        elif kind == "delta":
-            now = time.monotonic()
-            if turn.first_at is None:
-                turn.first_at = now
-            turn.tokens += len(msg.get("tokens") or ()) or 1
-            text = printable(str(msg.get("text", "")))
-            if text:
-                turn.text += text
-                turn.pending.append(text)
-            if now - turn.saved_at >= CHECKPOINT_S:
-                turn.saved_at = now
-                self.store.write(History.update_message, turn.answer.id, turn.text)
-        elif kind == "done":
-            turn.done = msg
+    def _take(self, turn: Turn, msg: control.Answer) -> None:
+        match msg:
+            case control.Accepted():
+                turn.prompt_tokens = msg.prompt_tokens or None
+                ratio = learned_ratio(turn.chars_sent, turn.prompt_tokens)
+                if turn.placement and ratio is not None:
+                    self.chars_per_token[turn.placement] = ratio
+            case control.Delta():
+                now = time.monotonic()
+                if turn.first_at is None:
+                    turn.first_at = now
+                turn.tokens += len(msg.tokens) or 1
+                text = printable(msg.text)
+                if text:
+                    turn.text += text
+                    turn.pending.append(text)
+                if now - turn.saved_at >= CHECKPOINT_S:
+                    turn.saved_at = now
+                    self.store.write(History.update_message, turn.answer.id, turn.text)
+            case control.Done():
+                turn.done = msg
 
     def stop(self) -> Turn | None:
         """Mark the answer being made as stopped (the caller cancels its task); it

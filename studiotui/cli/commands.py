@@ -91,6 +91,7 @@ from studiotui.provision.deploy import Outcome
 from studiotui.views.plan import render_plan
 from worker.shared.adapters import Adapter
 from worker.shared.manifest import Hashing
+from worker.shared.protocol import control
 
 console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -977,15 +978,17 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
                 )
             if not ctl.state.placements:
                 raise UserError(f"no placement yet: {place}, then chat")
-            done: dict[str, Any] = {}
+            done: control.Done | None = None
             try:
                 async for msg in ctl.generate(args.placement, request, params):
-                    if msg["type"] == "delta":
-                        # As the dashboard's chat: a model's ESC must not drive the terminal.
-                        sys.stdout.write(printable(msg["text"]))
-                        sys.stdout.flush()
-                    elif msg["type"] == "done":
-                        done = msg
+                    match msg:
+                        case control.Delta():
+                            # As the dashboard's chat: a model's ESC must not drive the
+                            # terminal.
+                            sys.stdout.write(printable(msg.text))
+                            sys.stdout.flush()
+                        case control.Done():
+                            done = msg
             except asyncio.CancelledError:
                 # Ctrl-C: the request is cancelled on the cluster as the generator closes;
                 # the shell's prompt goes on a line of its own.
@@ -994,12 +997,12 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
                 errors.print("[dim]stopped: the answer was cancelled[/]")
                 raise
             sys.stdout.write("\n")
-            t = done.get("timings", {})
-            u = done.get("usage", {})
+            t = done.timings if done else {}
+            u = done.usage if done else {}
             errors.print(
                 f"[dim]{u.get('prompt_tokens', 0)} tokens in, {u.get('completion_tokens', 0)} out, "
                 f"first token {t.get('ttft_ms', 0):.0f} ms, {t.get('decode_tps', 0):.1f} tok/s, "
-                f"finish: {done.get('finish_reason', '?')}[/]"
+                f"finish: {done.finish_reason if done else '?'}[/]"
             )
     except GenerationError as exc:
         raise UserError(str(exc)) from None

@@ -67,7 +67,7 @@ class Generation:
         params: dict[str, Any],
         first_timeout: float = 900.0,
         step_timeout: float = 60.0,
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[control.Answer, None]:
         """Yield accepted, delta… and done messages; raise GenerationError on failure.
 
         `request` holds one of messages / prompt / tokens.
@@ -121,12 +121,15 @@ class Generation:
                     finished = True
                     param = msg.param if isinstance(msg, control.Failed) else None
                     raise GenerationError(await self._failure(chosen, msg), msg.code, param)
-                if not isinstance(msg, control.Streamed):
-                    continue  # no other message answers a request
-                yield control.event(msg)
-                if isinstance(msg, control.Done):
-                    finished = True
-                    return
+                match msg:
+                    case control.Accepted() | control.Delta():
+                        yield msg
+                    case control.Done():
+                        yield msg
+                        finished = True
+                        return
+                    case _:
+                        continue  # no other message answers a request
         finally:
             if not finished:
                 with contextlib.suppress(Exception):

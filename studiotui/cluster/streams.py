@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from studiotui.cluster.controller import Controller
+from worker.shared.protocol import control
 
 
 def prompt_tokens(n: int) -> list[int]:
@@ -27,11 +28,12 @@ async def stream(
     start = time.perf_counter()
     params = {"max_tokens": n, "ignore_eos": True, **(extra or {})}
     async for msg in ctl.generate(name, {"tokens": tokens}, params):
-        if msg["type"] == "delta":
-            got += msg["tokens"]
-            stamps.append(time.perf_counter())
-        elif msg["type"] == "done":
-            timings = msg.get("timings") or {}
+        match msg:
+            case control.Delta():
+                got += msg.tokens
+                stamps.append(time.perf_counter())
+            case control.Done():
+                timings = msg.timings
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return {
         "tokens": got,

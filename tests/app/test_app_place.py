@@ -29,6 +29,7 @@ from studiotui.core.inventory import Inventory
 from tests.support.cluster_fixture import LocalCluster, start_cluster, stop_cluster
 from tests.support.pilot_helpers import run_from_palette, until
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 BASE, PORT = 201, 59300
 SIZE = (160, 48)
@@ -103,8 +104,8 @@ async def chat(app: StudioApp, placement: str, n: int = 24) -> tuple[list[int], 
     async for msg in app.controller.generate(
         placement, request, {"max_tokens": n, "ignore_eos": True}
     ):
-        if msg["type"] == "delta":
-            out += msg["tokens"]
+        if isinstance(msg, control.Delta):
+            out += msg.tokens
             last = time.monotonic()
             first = first or last
     return out, first, last

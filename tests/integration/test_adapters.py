@@ -38,6 +38,7 @@ from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from tests.support.sshd import SshdServer, ssh_node, sshd_server  # noqa: F401 - the fixture
 from worker.shared.adapters import base_digest, read_adapter, stamp_identity
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 CHUNK = 16
 N = 24
@@ -82,8 +83,8 @@ async def collect(ctl: Controller, placement: str, tokens: list[int]) -> list[in
     out: list[int] = []
     params = {"max_tokens": N, "ignore_eos": True}
     async for msg in ctl.generate(placement, {"tokens": tokens}, params):
-        if msg["type"] == "delta":
-            out += msg["tokens"]
+        if isinstance(msg, control.Delta):
+            out += msg.tokens
     return out
 
 

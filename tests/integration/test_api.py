@@ -31,6 +31,7 @@ from studiotui.core.state import ClusterState, NodeState, ShardState, placements
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.sampling import SamplingParams
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 from worker.shared.protocol.messages import ErrorCode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -88,14 +89,15 @@ async def served(api_cluster: LocalCluster, model_dir: Path) -> AsyncIterator[Se
 
 async def direct(ctl: Controller, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
     """The same request straight through the engine: what the API must give back."""
-    text, tokens, done = "", 0, {}
+    text, tokens, done = "", 0, None
     async for msg in ctl.generate(PLACEMENT, {"messages": messages}, params):
-        if msg["type"] == "delta":
-            text += msg["text"]
-            tokens += len(msg["tokens"])
-        elif msg["type"] == "done":
+        if isinstance(msg, control.Delta):
+            text += msg.text
+            tokens += len(msg.tokens)
+        elif isinstance(msg, control.Done):
             done = msg
-    return {"text": text, "tokens": tokens, "usage": done["usage"], "finish": done["finish_reason"]}
+    assert done is not None
+    return {"text": text, "tokens": tokens, "usage": done.usage, "finish": done.finish_reason}
 
 
 async def stream_text(client: openai.AsyncOpenAI, **kw: Any) -> tuple[str, list[Any]]:
@@ -545,9 +547,9 @@ async def engine_tokens(ctl: Controller, **params: Any) -> tuple[list[int], str]
     tokens: list[int] = []
     text = ""
     async for msg in ctl.generate(PLACEMENT, {"messages": MESSAGES}, params):
-        if msg["type"] == "delta":
-            tokens += msg["tokens"]
-            text += msg["text"]
+        if isinstance(msg, control.Delta):
+            tokens += msg.tokens
+            text += msg.text
     return tokens, text
 
 
@@ -921,13 +923,13 @@ class FailingController:
 
     async def generate(
         self, placement: str, request: dict[str, Any], params: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[control.Answer]:
         try:
             if self.fail_after < 0:
                 raise GenerationError(self.message, self.code)
-            yield {"type": "accepted", "prompt_tokens": 3}
+            yield control.Accepted(rid="r", prompt_tokens=3)
             for _ in range(self.fail_after):
-                yield {"type": "delta", "text": "ok ", "tokens": [1]}
+                yield control.Delta(rid="r", text="ok ", tokens=[1])
             raise GenerationError(self.message, self.code)
         finally:
             self.closed = True

@@ -27,6 +27,7 @@ from studiotui.cluster.controller import Controller
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from tests.support.tool_model import CALL, CONTENT, PASSAGE, write_tool_model
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 from worker.tool_calls import ToolCallStream
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -249,8 +250,8 @@ async def test_the_head_splits_calls_wherever_the_text_breaks(models: dict[str, 
 async def direct(ctl: Controller, placement: str, request: dict[str, Any], **params: Any) -> str:
     text = ""
     async for msg in ctl.generate(placement, request, params):
-        if msg["type"] == "delta":
-            text += msg["text"]
+        if isinstance(msg, control.Delta):
+            text += msg.text
     return text
 
 

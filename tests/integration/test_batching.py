@@ -212,8 +212,8 @@ async def answer(
     await asyncio.sleep(delay)
     out: list[int] = []
     async for msg in ctl.generate(name, {"tokens": prompt}, params):
-        if msg["type"] == "delta":
-            out += msg["tokens"]
+        if isinstance(msg, control.Delta):
+            out += msg.tokens
             if cancel_after and len(out) >= cancel_after:
                 break  # the generator sends cancel
     return out

@@ -37,16 +37,16 @@ def prompt_tokens(model_dir: Path, text: str = PROMPT) -> list[int]:
 
 async def collect(
     ctl: Controller, placement: str, tokens: list[int], n: int, **params: Any
-) -> tuple[list[int], str, dict[str, Any]]:
+) -> tuple[list[int], str, control.Done | None]:
     out: list[int] = []
     text = ""
-    done: dict[str, Any] = {}
+    done: control.Done | None = None
     params = {"max_tokens": n, "ignore_eos": True, **params}
     async for msg in ctl.generate(placement, {"tokens": tokens}, params):
-        if msg["type"] == "delta":
-            out += msg["tokens"]
-            text += msg["text"]
-        elif msg["type"] == "done":
+        if isinstance(msg, control.Delta):
+            out += msg.tokens
+            text += msg.text
+        elif isinstance(msg, control.Done):
             done = msg
     return out, text, done
 
@@ -123,16 +123,16 @@ def test_the_reciting_demo_answers_its_passage_through_the_ring(
     model = write_demo_model(tmp_path / "recite", spec)
     request = {"messages": [{"role": "user", "content": "What are you?"}]}
 
-    async def answer(ctl: Controller, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        text, done = "", {}
+    async def answer(ctl: Controller, params: dict[str, Any]) -> tuple[str, control.Done | None]:
+        text, done = "", None
         async for msg in ctl.generate("recite", request, params):
-            if msg["type"] == "delta":
-                text += msg["text"]
-            elif msg["type"] == "done":
+            if isinstance(msg, control.Delta):
+                text += msg.text
+            elif isinstance(msg, control.Done):
                 done = msg
         return text, done
 
-    Answer = tuple[str, dict[str, Any]]
+    Answer = tuple[str, control.Done | None]
 
     async def run() -> tuple[Answer, Answer, list[int]]:
         ctl = engine_cluster.controller()
@@ -151,10 +151,11 @@ def test_the_reciting_demo_answers_its_passage_through_the_ring(
 
     (text, done), (cut, cut_done), in_flight = asyncio.run(run())
     assert text == PASSAGE
-    assert done["finish_reason"] == "stop"
+    assert done is not None and cut_done is not None
+    assert done.finish_reason == "stop"
     assert cut == PASSAGE[: PASSAGE.index("every shard")]
-    assert cut_done["finish_reason"] == "stop"
-    assert cut_done["usage"]["completion_tokens"] < done["usage"]["completion_tokens"]
+    assert cut_done.finish_reason == "stop"
+    assert cut_done.usage["completion_tokens"] < done.usage["completion_tokens"]
     assert in_flight == [0, 0]
 
 
@@ -185,7 +186,7 @@ def test_concurrent_requests_match_alone_and_cancel_frees(
             async for msg in ctl.generate(
                 "conc", {"tokens": prompts[0]}, {"max_tokens": 500, "ignore_eos": True}
             ):
-                seen += msg["type"] == "delta"
+                seen += isinstance(msg, control.Delta)
                 if seen == 3:
                     break
             in_flight = await wait_caches_freed(ctl, "conc")
@@ -308,7 +309,7 @@ def test_a_shard_dying_mid_answer_fails_the_request_clearly(
                 async for msg in ctl.generate(
                     "dies", {"tokens": tokens}, {"max_tokens": 100000, "ignore_eos": True}
                 ):
-                    got += msg["type"] == "delta"
+                    got += isinstance(msg, control.Delta)
                     if got == 5:
                         os.kill(pid, signal.SIGKILL)  # a runner our own agent started
                 error = "no error?!"
@@ -348,7 +349,8 @@ def test_context_budget_refuses_long_prompts_and_ends_answers(
                 refused = str(exc)
             got, _, done = await collect(ctl, "ctx", short_prompt, 100)
             await ctl.unload("ctx")
-            return refused, len(got), done["finish_reason"], context
+            assert done is not None
+            return refused, len(got), done.finish_reason, context
         finally:
             await ctl.close()
 

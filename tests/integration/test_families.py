@@ -27,6 +27,7 @@ from worker.shard import ShardLoadError, load_shard
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 from worker.shared.model_support import FAMILIES as SUPPORTED
 from worker.shared.model_support import unsupported_reason
+from worker.shared.protocol import control
 
 LAYERS = 5
 N_TOKENS = 12
@@ -196,8 +197,8 @@ async def _collect(ctl: Any, placement: str, n: int) -> list[int]:
     out: list[int] = []
     params = {"max_tokens": n, "ignore_eos": True}
     async for msg in ctl.generate(placement, {"tokens": PROMPT}, params):
-        if msg["type"] == "delta":
-            out += msg["tokens"]
+        if isinstance(msg, control.Delta):
+            out += msg.tokens
     return out
 
 
@@ -479,9 +480,9 @@ def test_float32_prompts_of_several_full_chunks_cross_real_sockets(
             try:
                 params = {"max_tokens": 8, "ignore_eos": True}
                 async for msg in ctl.generate("f32", {"tokens": prompt}, params):
-                    assert msg["type"] != "error", msg
-                    if msg["type"] == "delta":
-                        out += msg["tokens"]
+                    assert isinstance(msg, control.Accepted | control.Delta | control.Done), msg
+                    if isinstance(msg, control.Delta):
+                        out += msg.tokens
             finally:
                 await ctl.unload("f32")
             return out

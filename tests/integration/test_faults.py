@@ -37,7 +37,7 @@ from tests.integration.test_engine import collect, prompt_tokens, reference_toke
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture, runner_pids
 from worker import agent as agent_mod
 from worker.shared.demo_model import DemoSpec, write_demo_model
-from worker.shared.protocol import PROTOCOL_VERSION, curve
+from worker.shared.protocol import PROTOCOL_VERSION, control, curve
 from worker.shared.protocol.frames import RingHeader, encode_ring_header
 
 BASE, PORT = 111, 59100  # 127.0.0.111-113: far from the other test modules
@@ -149,7 +149,7 @@ def test_a_hung_stage_is_found_in_seconds_and_comes_back_by_itself(
                 name, {"tokens": tokens}, {"max_tokens": 100_000, "ignore_eos": True}
             )
             async for msg in agen:
-                if msg["type"] == "delta":
+                if isinstance(msg, control.Delta):
                     break
             with stopped(pids[middle]):
                 began = time.monotonic()
@@ -286,9 +286,9 @@ def test_a_bad_token_frame_fails_only_its_request(
             )
             rid = ""
             async for msg in victim:
-                if msg["type"] == "accepted":
-                    rid = msg["rid"]
-                if msg["type"] == "delta":
+                if isinstance(msg, control.Accepted):
+                    rid = msg.rid
+                if isinstance(msg, control.Delta):
                     break
             neighbour = asyncio.create_task(collect(ctl, name, tokens, N))
             bad = RingHeader(rid=rid, kind="token", token=1, extra={"work_us": "not a number"})
@@ -489,10 +489,10 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
             # the reconnected socket (same identity) gets all of it.
             got: list[int] = []
             async for msg in ctl.generate(name, {"tokens": long_prompt}, params):
-                if msg["type"] == "accepted":
+                if isinstance(msg, control.Accepted):
                     blip.drop(1.0)
-                if msg["type"] == "delta":
-                    got += msg["tokens"]
+                if isinstance(msg, control.Delta):
+                    got += msg.tokens
             seen["resumed"] = got
             seen["reconnects"] = ctl.peers[ctl.head_key(p)].reconnects
             # 2. dropped mid-answer: whole and right, or a clear failure, in seconds.
@@ -500,8 +500,8 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
             got = []
             try:
                 async for msg in ctl.generate(name, {"tokens": long_prompt}, params):
-                    if msg["type"] == "delta":
-                        got += msg["tokens"]
+                    if isinstance(msg, control.Delta):
+                        got += msg.tokens
                         if len(got) == 3:
                             blip.drop(0.5)
                 seen["mid"] = ("whole", got == expected, time.monotonic() - began)
@@ -515,8 +515,8 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
             got = []
             try:
                 async for msg in ctl.generate(name, {"tokens": tokens}, params):
-                    if msg["type"] == "delta":
-                        got += msg["tokens"]
+                    if isinstance(msg, control.Delta):
+                        got += msg.tokens
                 seen["late"] = got
             except GenerationError as exc:
                 seen["late"] = str(exc)
@@ -524,7 +524,7 @@ def test_a_stream_resumes_after_a_blip_or_fails_clearly_within_seconds(
             began = time.monotonic()
             try:
                 async for msg in ctl.generate(name, {"tokens": long_prompt}, params):
-                    if msg["type"] == "accepted":
+                    if isinstance(msg, control.Accepted):
                         blip.drop(30.0)
                 seen["gone"] = ("answered?!", 0.0)
             except GenerationError as exc:
@@ -634,7 +634,8 @@ def test_restart_reloads_the_shards_it_stopped_and_the_placement_stays_whole(
             got, cached = [], -1
             if p and p.state == "ready":
                 got, _, done = await collect(ctl, name, tokens, N)
-                cached = done["usage"]["cached_tokens"]
+                assert done is not None
+                cached = done.usage["cached_tokens"]
             return (
                 (p.state if p else "gone"),
                 (p.layers if p else []),

@@ -183,8 +183,8 @@ class Target:
 async def answer(ctl: Controller) -> list[int]:
     tokens: list[int] = []
     async for msg in ctl.generate(PLACEMENT, PROMPT, PARAMS):
-        if msg["type"] == "delta":
-            tokens += msg["tokens"]
+        if isinstance(msg, control.Delta):
+            tokens += msg.tokens
     return tokens
 
 

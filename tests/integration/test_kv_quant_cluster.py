@@ -27,6 +27,7 @@ from studiotui.core.placement import Plan, Refusal
 from tests.integration.test_kv_quant import quantized_cache
 from tests.support.cluster_fixture import LocalCluster
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 CHUNK = 16
 N_TOKENS = 24
@@ -56,8 +57,8 @@ async def answer(ctl: Controller, name: str, tokens: list[int]) -> list[int]:
     out: list[int] = []
     params = {"max_tokens": N_TOKENS, "ignore_eos": True, "temperature": 0.0}
     async for msg in ctl.generate(name, {"tokens": tokens}, params):
-        if msg["type"] == "delta":
-            out += msg["tokens"]
+        if isinstance(msg, control.Delta):
+            out += msg.tokens
     return out
 
 

@@ -26,6 +26,7 @@ from tests.support.cluster_fixture import LocalCluster
 from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.prompt_cache import trimmable_at
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 N = 4
 SYSTEM = list(range(40, 52))  # a system prompt both conversations share
@@ -180,10 +181,10 @@ async def _turn(ctl: Any, placement: str, prompt: list[int], n: int) -> tuple[li
     async for msg in ctl.generate(
         placement, {"tokens": prompt}, {"max_tokens": n, "ignore_eos": True}
     ):
-        if msg["type"] == "delta":
-            tokens += msg["tokens"]
-        elif msg["type"] == "done":
-            cached = msg["usage"]["cached_tokens"]
+        if isinstance(msg, control.Delta):
+            tokens += msg.tokens
+        elif isinstance(msg, control.Done):
+            cached = msg.usage["cached_tokens"]
     return tokens, cached
 
 

@@ -33,6 +33,7 @@ from studiotui.provision.remote import BUILD_MARKER
 from studiotui.provision.wheel import PrebuiltWheel
 from tests.support.sshd import SshdServer, SshNodes, free_port, make_node
 from worker.shared.demo_model import DemoSpec, write_demo_model
+from worker.shared.protocol import control
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="function"),
@@ -183,14 +184,15 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
         assert all(n.state == "up" for n in ctl.state.nodes)
         placed = await ctl.place(model, [n.name for n in nodes], name="demo")
         assert sorted(placed.placement.nodes) == [n.name for n in nodes]
-        text, done = "", {}
+        text, done = "", None
         params = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": 0, "stop": []}
         async for msg in ctl.generate("demo", {"prompt": "hello"}, params):
-            if msg["type"] == "delta":
-                text += msg["text"]
-            elif msg["type"] == "done":
+            if isinstance(msg, control.Delta):
+                text += msg.text
+            elif isinstance(msg, control.Done):
                 done = msg
-        assert 1 <= done["usage"]["completion_tokens"] <= 8 and done["finish_reason"]
+        assert done is not None
+        assert 1 <= done.usage["completion_tokens"] <= 8 and done.finish_reason
         # Each node got, over SFTP, only the weight files its own layers live in.
         for shard in placed.placement.shards:
             copy = Path(inv.node(shard.node).workdir) / "models" / "m"
@@ -210,7 +212,7 @@ async def test_three_nodes_in_parallel_then_a_prompt_then_nothing_to_do(
             (snapshot / f.name).symlink_to(Path("../../blobs") / f.name)
         await ctl.place(snapshot, [n.name for n in nodes], name="hub")
         async for msg in ctl.generate("hub", {"prompt": "hello"}, {**params, "max_tokens": 4}):
-            assert msg["type"] != "failed", msg
+            assert isinstance(msg, control.Accepted | control.Delta | control.Done), msg
         held = [e.text for e in ctl.state.log if "already holds" in e.text]
         assert sorted(t.split()[0] for t in held) == [n.name for n in nodes], held
         assert all(f"studiotui--demo@c0ffee012345 at {snapshot}" in t for t in held)

@@ -25,6 +25,7 @@ from studiotui.cli import commands
 from studiotui.core.inventory import dump_inventory
 from tests.support.cluster_fixture import LocalCluster, placed_cluster
 from worker.shared.demo_model import DemoSpec
+from worker.shared.protocol import control
 
 pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.timeout(180)]
 
@@ -70,8 +71,8 @@ async def test_status_json_says_requests_in_flight_tokens_and_rate(
     async def answer() -> None:
         params = {"max_tokens": 3500, "ignore_eos": True}
         async for msg in ctl.generate(idle["name"], {"tokens": list(range(5, 40))}, params):
-            if msg["type"] == "delta":
-                got.extend(msg["tokens"])
+            if isinstance(msg, control.Delta):
+                got.extend(msg.tokens)
                 started.set()
 
     await ctl.refresh()

@@ -156,8 +156,8 @@ async def _answer(
     got: list[int] = []
     params = {"max_tokens": n, "ignore_eos": True, **more}
     async for msg in ctl.generate(placement, {"tokens": prompt}, params):
-        if msg["type"] == "delta":
-            got += msg["tokens"]
+        if isinstance(msg, control.Delta):
+            got += msg.tokens
     return got
 
 
@@ -287,10 +287,10 @@ def test_a_group_reuses_a_conversation_s_history_on_every_rank(
             cached = -1
             params = {"max_tokens": 8, "ignore_eos": True}
             async for msg in ctl.generate(f"{kind}-float-tp2", {"tokens": turn2}, params):
-                if msg["type"] == "delta":
-                    got += msg["tokens"]
-                elif msg["type"] == "done":
-                    cached = msg["usage"]["cached_tokens"]
+                if isinstance(msg, control.Delta):
+                    got += msg.tokens
+                elif isinstance(msg, control.Done):
+                    cached = msg.usage["cached_tokens"]
             return got, cached
         finally:
             await ctl.close()
@@ -321,10 +321,10 @@ def test_guesses_on_a_group_answer_as_mlx_lm(
         params = {"max_tokens": N_TOKENS, "ignore_eos": True}
         request = {"tokens": PROMPT, "prediction": prediction}
         async for msg in ctl.generate(name, request, params):
-            if msg["type"] == "delta":
-                got += msg["tokens"]
-            elif msg["type"] == "done":
-                usage = msg["usage"]
+            if isinstance(msg, control.Delta):
+                got += msg.tokens
+            elif isinstance(msg, control.Done):
+                usage = msg.usage
         return got, usage
 
     async def run() -> list[tuple[list[int], dict[str, Any]]]:
@@ -446,7 +446,7 @@ def test_a_member_killed_mid_answer_is_named_within_3_s(
             try:
                 params = {"max_tokens": 100000, "ignore_eos": True}
                 async for msg in ctl.generate(name, {"tokens": PROMPT}, params):
-                    got += msg["type"] == "delta"
+                    got += isinstance(msg, control.Delta)
                     if got == 3:
                         os.kill(victim_pid, signal.SIGKILL)  # a runner our own agent started
                         killed_at = time.monotonic()

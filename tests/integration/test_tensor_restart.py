@@ -50,8 +50,8 @@ async def _answer(cluster: LocalCluster) -> tuple[str, list[int], dict[str, int]
         if p is not None and p.state == "ready":
             params = {"max_tokens": N_TOKENS, "ignore_eos": True}
             async for msg in ctl.generate(NAME, {"tokens": PROMPT}, params):
-                if msg["type"] == "delta":
-                    got += msg["tokens"]
+                if isinstance(msg, control.Delta):
+                    got += msg.tokens
         pids: dict[str, int] = {}
         for node in p.nodes if p else ():
             reply = await ctl.peer(node).ask("list_shards", control.Shards)

@@ -201,7 +201,8 @@ def test_only_the_controllers_key_asks_a_head_shard(agent: LocalCluster, tmp_pat
             assert reply.code == "not_authorized" and "only the controller" in reply.message
             # The controller's own requests are served as ever.
             got = [m async for m in ctl.generate("trusted", {"prompt": "hi"}, params)]
-            assert got[-1]["type"] == "done" and got[-1]["usage"]["completion_tokens"] == 3
+            last = got[-1]
+            assert isinstance(last, control.Done) and last.usage["completion_tokens"] == 3
             head = ctl.head_peer(ctl.pick_placement("trusted"))
             assert (await head.ask("stats", control.StatsReply)).stats.refused == 1
             await ctl.unload("trusted")

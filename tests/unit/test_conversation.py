@@ -34,6 +34,7 @@ from studiotui.cluster.session import wait_until_up
 from studiotui.core.inventory import Inventory
 from tests.support.cluster_fixture import placed_cluster
 from worker.shared.demo_model import DemoSpec
+from worker.shared.protocol import control
 
 BASE, PORT = 241, 59700
 LONG = "tell me a long story"
@@ -95,11 +96,12 @@ def test_a_turn_ends_with_the_figures_the_history_keeps() -> None:
     stopped = Turn(user, answer, "demo", {}, {}, {}, chars_sent=1, stopped=True)
     assert stopped.final_meta(11.0)["stopped"] is True
     assert stopped.final_meta(11.0)["finish_reason"] == "stopped"
-    turn.done = {
-        "finish_reason": "length",
-        "usage": {"prompt_tokens": 40, "completion_tokens": 11},
-        "timings": {"decode_tps": 25.0},
-    }
+    turn.done = control.Done(
+        rid="r",
+        finish_reason="length",
+        usage={"prompt_tokens": 40, "completion_tokens": 11},
+        timings={"decode_tps": 25.0},
+    )
     meta = turn.final_meta(11.5)
     assert meta["seed"] == 3 and meta["ttft_ms"] == 500.0 and meta["decode_tps"] == 25.0
     assert meta["finish_reason"] == "length" and meta["prompt_tokens"] == 40

@@ -826,23 +826,10 @@ class Failed(Streamed, frozen=True, kw_only=True, tag="failed"):
     param: str | None = None
 
 
-def event(msg: Streamed) -> dict[str, Any]:
-    """One message of an answer as the plain map the operator's readers take (the
-    chat, the API's shapes): its type and fields, without the envelope's. Fields
-    left at their empty default are left out, as the head leaves them out."""
-    out: dict[str, Any] = {"type": msg.kind}
-    for f in msgspec.structs.fields(msg):
-        value = getattr(msg, f.name)
-        if f.name not in _ENVELOPE and (f.required or value != _default(f)):
-            out[f.name] = value
-    return out
-
-
-_ENVELOPE = frozenset({"v", "id", "re"})
-
-
-def _default(f: msgspec.structs.FieldInfo) -> Any:
-    return f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+# One request's answer as the controller's `generate` yields it to its readers (the
+# chat, the API's shapes, the CLI): the messages as decoded, read with `match`. A
+# `failed` is raised (GenerationError), never yielded.
+Answer = Accepted | Delta | Done
 
 
 # ---- the union, and reading a message off the wire -----------------------------------------
