@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"studiotui {__version__}")
     add_global_options(p, on_verb=False)
-    sub = p.add_subparsers(dest="verb")
+    # One word in the usage line; the list of commands is below it, each with its help.
+    sub = p.add_subparsers(dest="verb", metavar="COMMAND")
     from studiotui.cli import provision_cmd
 
     provision_cmd.add_parsers(sub)  # provision, restart

@@ -225,6 +225,10 @@ async def test_the_chosen_shape_stays_in_view_as_t_cycles(
             # No shape's forecast runs past the dialog to be folded mid-figure.
             width = screen.query_one("#preview-body", Drawing).content_size.width
             assert all(len(line.rstrip()) <= width for line in seen)
+        # The keys under the dialog end whole (at 80 columns they ended "esc …").
+        dialog = screen.query_one("#preview-dialog")
+        keys = str(dialog.border_subtitle)
+        assert keys.endswith("esc cancel") and len(keys) + 4 <= dialog.outer_size.width, keys
 
 
 @pytest.mark.parametrize(

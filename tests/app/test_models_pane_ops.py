@@ -198,3 +198,24 @@ async def test_slash_filters_nodes_models_and_placements(tmp_path: Path) -> None
         assert [p.name for p in placements.shown] == ["qwen3-32b"]
         await pilot.press("enter", "escape")
         assert [p.name for p in placements.shown] == ["deepseek-v3", "qwen3-32b"]
+
+
+async def test_at_80_by_24_the_note_under_the_models_keeps_its_keys_in_view(
+    tmp_path: Path,
+) -> None:
+    """The note under the Models table ended "D delete ·" at 80x24: "/ filter" was on a
+    line the pane had no room for."""
+    from textual.geometry import Region
+
+    # Where models are looked for, as long as a real home's path: the test's own.
+    app = _live_app(tmp_path / "home")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("4")
+        await until(pilot, lambda: "looks in" in note(app), 20, "the note")
+        await pilot.pause(0.3)
+        shown = app.query_one("#models-note", Static)
+        width, height = shown.size
+        lines = shown.render_lines(Region(0, 0, width, height))
+        seen = " ".join(" ".join(s.text for s in lines).split())
+        for key in ("a folders", "H fetch from hub", "D delete", "/ filter"):
+            assert key in seen, (key, seen)

@@ -183,3 +183,11 @@ def test_status_json_waits_for_tok_s_only_while_a_placement_answers() -> None:
     assert rates_to_sample([placement("idle", 0)]) == []
     assert rates_to_sample([placement("idle", 0), placement("busy", 1)]) == ["busy"]
     assert rates_to_sample([placement("loading", 1, "loading")]) == []
+
+
+def test_the_usage_line_names_commands_once() -> None:
+    """`studiotui --help` listed the twenty commands in braces in its usage line and
+    again above their descriptions."""
+    usage = build_parser().format_usage()
+    assert "COMMAND ..." in usage and "{provision" not in usage, usage
+    assert "{provision" not in build_parser().format_help()

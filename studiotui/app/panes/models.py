@@ -138,10 +138,10 @@ MODELS_KEYS = "a folders · H fetch from hub · D delete · / filter"
 
 def models_note(where: str, empty: str = "", filtered: str = "") -> str:
     """The line under the Models table: where models are looked for, the directories
-    that hold none (a count, quietly), the filter when one is on, and the keys."""
+    that hold none (a count, quietly), the filter when one is on; the keys first."""
+    # The keys before the folders: at 80x24 the note's two lines ended before "/ filter".
     parts = [filtered] if filtered else []
-    parts.append(f"looks in {where}" if where else "")
-    parts += [empty, MODELS_KEYS]
+    parts += [MODELS_KEYS, f"looks in {where}" if where else "", empty]
     return " · ".join(p for p in parts if p)
 
 

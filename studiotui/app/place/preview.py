@@ -649,7 +649,8 @@ class PreviewScreen(ModalScreen[None]):
         self.query_one("#preview-body", Drawing).redraw(self._lines)
         dialog = self.query_one("#preview-dialog")
         dialog.border_subtitle = {
-            "plan": "enter deploy · +/- context · s/S streams · t shape · k KV bits · esc cancel",
+            # 70 cells: whole in the dialog at 80 columns (it ended "esc …").
+            "plan": "enter deploy · +/- context · s/S streams · t shape · k KV · esc cancel",
             "refused": "+/- context · s/S streams · k KV bits · esc close",
             "loading": "esc hide (loading goes on; see Placements)",
         }.get(self.phase, "esc close")
