@@ -22,11 +22,11 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from tests.support.answers import greedy_turn
 from tests.support.cluster_fixture import LocalCluster
 from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.prompt_cache import trimmable_at
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
-from worker.shared.protocol import control
 
 N = 4
 SYSTEM = list(range(40, 52))  # a system prompt both conversations share
@@ -175,19 +175,6 @@ def test_a_small_budget_evicts_the_least_recently_used_on_every_stage(
 # ---- through real agents and runner processes ------------------------------------------
 
 
-async def _turn(ctl: Any, placement: str, prompt: list[int], n: int) -> tuple[list[int], int]:
-    tokens: list[int] = []
-    cached = -1
-    async for msg in ctl.generate(
-        placement, {"tokens": prompt}, {"max_tokens": n, "ignore_eos": True}
-    ):
-        if isinstance(msg, control.Delta):
-            tokens += msg.tokens
-        elif isinstance(msg, control.Done):
-            cached = msg.usage["cached_tokens"]
-    return tokens, cached
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
 def test_two_real_stages_reuse_a_conversation_s_history(
@@ -204,9 +191,9 @@ def test_two_real_stages_reuse_a_conversation_s_history(
             names = list(engine_cluster.inventory.names)[:2]
             await ctl.place(model, names, f"pc-{arch}", prefill_chunk=CHUNK)
             assert len(ctl.state.placement(f"pc-{arch}").shards) == 2
-            first = await _turn(ctl, f"pc-{arch}", turn1, N)
+            first = await greedy_turn(ctl, f"pc-{arch}", turn1, N)
             turn2 = turn1 + first[0] + [90, 91]
-            second = await _turn(ctl, f"pc-{arch}", turn2, N)
+            second = await greedy_turn(ctl, f"pc-{arch}", turn2, N)
             await ctl.unload(f"pc-{arch}")
             return [first, second, (turn2, 0)]
         finally:

@@ -23,6 +23,7 @@ from mlx_lm.generate import generate_step
 from studiotui.cluster.errors import PlacementRefused
 from studiotui.core.placement import Plan
 from studiotui.core.traffic import placement_cache
+from tests.support.answers import greedy_turn
 from tests.support.cluster_fixture import LocalCluster
 from tests.support.ring_harness import CHUNK
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -43,19 +44,6 @@ def _reference(model: Path, prompt: list[int]) -> list[int]:
     return [int(t) for t, _ in steps]
 
 
-async def _turn(ctl: Any, placement: str, prompt: list[int]) -> tuple[list[int], int]:
-    tokens: list[int] = []
-    cached = -1
-    async for msg in ctl.generate(
-        placement, {"tokens": prompt}, {"max_tokens": N, "ignore_eos": True}
-    ):
-        if msg["type"] == "delta":
-            tokens += msg["tokens"]
-        elif msg["type"] == "done":
-            cached = msg["usage"]["cached_tokens"]
-    return tokens, cached
-
-
 async def _placed_turn(
     cluster: LocalCluster, model: Path, name: str, **options: Any
 ) -> tuple[list[int], int]:
@@ -66,7 +54,7 @@ async def _placed_turn(
         await ctl.refresh()
         nodes = list(cluster.inventory.names)[:2]
         await ctl.place(model, nodes, name, prefill_chunk=CHUNK, **options)
-        got = await _turn(ctl, name, PROMPT)
+        got = await greedy_turn(ctl, name, PROMPT, N)
         await ctl.unload(name)
         return got
     finally:
@@ -113,7 +101,7 @@ def test_prompt_cache_0_keeps_nothing(engine_cluster: LocalCluster, tmp_path: Pa
             nodes = list(engine_cluster.inventory.names)[:2]
             result = await ctl.place(model, nodes, "off", prefill_chunk=CHUNK, prompt_cache=0)
             budgets = [s.prompt_cache_bytes for s in result.plan.shards]
-            turns = [await _turn(ctl, "off", PROMPT) for _ in range(2)]
+            turns = [await greedy_turn(ctl, "off", PROMPT, N) for _ in range(2)]
             # The shards' figures come with their telemetry, once a second.
             await asyncio.sleep(2.5)
             await ctl.refresh()
@@ -186,13 +174,13 @@ def test_two_placements_of_one_model_keep_their_own_entries(
             await ctl.refresh()
             nodes = list(engine_cluster.inventory.names)[:2]
             placed = await ctl.place(model, nodes, "one", prefill_chunk=CHUNK)
-            first = await _turn(ctl, "one", PROMPT)
+            first = await greedy_turn(ctl, "one", PROMPT, N)
             await ctl.unload("one")  # its writes finish
             await ctl.place(model, nodes, "two", prefill_chunk=CHUNK)
             # The same split as before (the layers name the entries too).
             await ctl.place(model, nodes, "one", prefill_chunk=CHUNK, expected=placed.plan)
-            other = await _turn(ctl, "two", PROMPT)
-            own = await _turn(ctl, "one", PROMPT)
+            other = await greedy_turn(ctl, "two", PROMPT, N)
+            own = await greedy_turn(ctl, "one", PROMPT, N)
             await ctl.unload("one")
             await ctl.unload("two")
             return [first, other, own]

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx_lm
@@ -20,6 +19,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from studiotui.core.placement import Plan
+from tests.support.answers import greedy_turn
 from tests.support.cluster_fixture import LocalCluster
 from worker.prompt_cache import safetensors_metadata
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -54,18 +54,6 @@ def _reference(model: Path) -> tuple[list[int], int]:
     return tokens, judged
 
 
-async def _turn(ctl: Any, placement: str) -> tuple[list[int], int]:
-    tokens: list[int] = []
-    cached = -1
-    params = {"max_tokens": N, "ignore_eos": True}
-    async for msg in ctl.generate(placement, {"tokens": PROMPT}, params):
-        if msg["type"] == "delta":
-            tokens += msg["tokens"]
-        elif msg["type"] == "done":
-            cached = msg["usage"]["cached_tokens"]
-    return tokens, cached
-
-
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
     engine_cluster: LocalCluster, tmp_path: Path, nodes: int
@@ -85,7 +73,10 @@ def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
             assert isinstance(result.plan, Plan)
             assert len(result.plan.shards) == nodes // 2
             group = result.plan.shards[-1].group
-            got = [await asyncio.wait_for(_turn(ctl, "tp-cache"), 120) for _ in range(times)]
+            got = [
+                await asyncio.wait_for(greedy_turn(ctl, "tp-cache", PROMPT, N), 120)
+                for _ in range(times)
+            ]
             await ctl.unload("tp-cache")
             return group, got
         finally:
