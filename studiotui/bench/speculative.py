@@ -234,17 +234,19 @@ async def spec_figures(
         await ctl.close()
     out["mlx_spec_draft_ratio"] = await asyncio.to_thread(mlx_draft_ratio, big, draft, rounds)
     out.update(
-        spec_draft_ratio=drafted["ratio"],
-        spec_draft_acceptance=drafted["acceptance"],
-        spec_lookup_ratio=lookup["ratio"],
-        spec_lookup_acceptance=lookup["acceptance"],
-        spec_miss_ratio=miss["ratio"],
-        spec_miss_acceptance=miss["acceptance"],
-        spec_verify_ceiling=ceiling,
-        spec_verify_ceiling_guesses=widest,
-        spec_lookup_of_ceiling=(round(lookup["ratio"] / ceiling, 3) if ceiling else None),
-        spec_load_avg=round(os.getloadavg()[0], 2),
-        # Guesses change how many trips a token takes, never which token it is.
-        spec_tokens_match=drafted["same"] and lookup["same"] and miss["same"],
+        {
+            "spec_draft_ratio": drafted["ratio"],
+            "spec_draft_acceptance": drafted["acceptance"],
+            "spec_lookup_ratio": lookup["ratio"],
+            "spec_lookup_acceptance": lookup["acceptance"],
+            "spec_miss_ratio": miss["ratio"],
+            "spec_miss_acceptance": miss["acceptance"],
+            "spec_verify_ceiling": ceiling,
+            "spec_verify_ceiling_guesses": widest,
+            "spec_lookup_of_ceiling": (round(lookup["ratio"] / ceiling, 3) if ceiling else None),
+            "spec_load_avg": round(os.getloadavg()[0], 2),
+            # Guesses change how many trips a token takes, never which token it is.
+            "spec_tokens_match": drafted["same"] and lookup["same"] and miss["same"],
+        }
     )
     return out
