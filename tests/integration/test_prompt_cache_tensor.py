@@ -90,12 +90,20 @@ def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
     # The follower's file of the entry loses its data (its header, and so the index
     # every rank rebuilds from its own files, stays as it was).
     follower = next(n for n in engine_cluster.inventory.nodes if n.name == group[1])
-    files = [
-        f
-        for f in Path(follower.workdir).expanduser().glob("prompt-cache/*/*.safetensors")
-        if f.stat().st_mtime >= began
-        and safetensors_metadata(f).get("held") == str(len(PROMPT) + N - 1)
-    ]
+
+    def written() -> list[Path]:
+        return [
+            f
+            for f in Path(follower.workdir).expanduser().glob("prompt-cache/*/*.safetensors")
+            if f.stat().st_mtime >= began
+            and safetensors_metadata(f).get("held") == str(len(PROMPT) + N - 1)
+        ]
+
+    # A stage writes its entries from a thread of their own, after the answer: on a busy
+    # machine the file can land a moment after the unload's reply.
+    deadline = time.monotonic() + 30
+    while not (files := written()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert len(files) == 1, files
     raw = files[0].read_bytes()
     header = 8 + int.from_bytes(raw[:8], "little")
