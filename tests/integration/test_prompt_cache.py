@@ -24,9 +24,10 @@ from mlx_lm.generate import generate_step
 
 from tests.support.answers import greedy_turn
 from tests.support.cluster_fixture import LocalCluster
+from tests.support.family_models import small_family_models
 from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.prompt_cache import trimmable_at
-from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
+from worker.shared.demo_model import FAMILIES
 
 N = 4
 SYSTEM = list(range(40, 52))  # a system prompt both conversations share
@@ -37,16 +38,7 @@ GREEDY = {"max_tokens": N, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    root = tmp_path_factory.mktemp("prompt-cache")
-
-    def get(arch: str) -> Path:
-        spec = DemoSpec(
-            arch=arch, dtype="float32", seed=11, layers=5, hidden=64, heads=4, kv_heads=2
-        )
-        path = root / arch
-        return path if path.is_dir() else write_demo_model(path, spec)
-
-    return get
+    return small_family_models(tmp_path_factory.mktemp("prompt-cache"), seed=11)
 
 
 class Ring(InProcessRing):

@@ -13,9 +13,10 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from tests.support.family_models import small_family_models
 from tests.support.ring_harness import CHUNK, InProcessRing
 from worker.prompt_cache import light_snapshot, trimmable_at
-from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
+from worker.shared.demo_model import FAMILIES
 
 N = 4
 SPLITS = {1: [(0, 5)], 2: [(0, 2), (2, 5)]}
@@ -23,16 +24,7 @@ SPLITS = {1: [(0, 5)], 2: [(0, 2), (2, 5)]}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    root = tmp_path_factory.mktemp("prompt-cache-answer")
-
-    def get(arch: str) -> Path:
-        spec = DemoSpec(
-            arch=arch, dtype="float32", seed=13, layers=5, hidden=64, heads=4, kv_heads=2
-        )
-        path = root / arch
-        return path if path.is_dir() else write_demo_model(path, spec)
-
-    return get
+    return small_family_models(tmp_path_factory.mktemp("prompt-cache-answer"), seed=13)
 
 
 def _ask(ring: InProcessRing, rid: str, prompt: list[int], n: int) -> tuple[list[int], int]:
