@@ -132,6 +132,11 @@ class Turn:
 
     def final_meta(self, now: float) -> dict[str, Any]:
         """The answer's meta as the history keeps it once the answer has ended."""
+        if self.tokens > self.spark_tokens and now > self.spark_at:
+            # The stretch since the last sample ends the line: an answer shorter than a
+            # few sample periods (or one whose redraws a busy machine delayed) still
+            # draws one, and its last part counts.
+            self.sample_rate(now, 0.0, len(self.spark) + 1)
         done = self.done
         usage = done.usage if done else {}
         timings = done.timings if done else {}

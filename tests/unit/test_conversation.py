@@ -114,6 +114,18 @@ def test_a_turn_ends_with_the_figures_the_history_keeps() -> None:
     assert meta["finish_reason"] == "error"
 
 
+def test_the_rate_line_ends_with_the_stretch_after_its_last_sample() -> None:
+    user = Message(1, 1, 0.0, "user", "q")
+    answer = Message(2, 1, 0.0, "assistant", "")
+    turn = Turn(user, answer, "demo", {}, {}, {}, chars_sent=1, started=10.0)
+    turn.first_at, turn.tokens = 10.1, 20
+    assert turn.sample_rate(10.5, 0.25, 120)  # 20 tokens in 0.5 s
+    turn.tokens = 50  # the answer ended before the next sample was due
+    assert turn.final_meta(10.6)["spark"] == [40.0, 300.0]
+    # Read again, nothing is added twice.
+    assert turn.final_meta(10.7)["spark"] == [40.0, 300.0]
+
+
 # ---- the history's thread ---------------------------------------------------------
 
 
