@@ -112,22 +112,17 @@ def plan_reuse(trie: PromptTrie, trimmable: dict[str, bool], prompt: Sequence[in
     return best
 
 
-def reuse_row(entry: str, tokens: int) -> tuple[int, int, int]:
-    """What a rank says of the entry it would reuse, for `ranks_agree`: the tokens and
-    48 bits of the entry's name (int32-sized parts)."""
-    return tokens, int(entry[:6], 16), int(entry[6:12], 16)
-
-
-def ranks_agree(group: Any, mine: tuple[int, int, int] | None) -> bool:
-    """(a tensor group) Whether every rank of `group` would reuse the same entry, as
-    `mine` says for this one (None: it cannot: evicted, a damaged file, another index
+def ranks_agree(group: Any, entry: str | None, tokens: int = 0) -> bool:
+    """(a tensor group) Whether every rank of `group` would reuse the same entry: this
+    one `tokens` of `entry` (None: it cannot: evicted, a damaged file, another index
     after a restart). A rank that computed from an entry its partners did not hold
     would feed its all-reduces other numbers: a wrong answer, never a slow one. This is
     a collective: every rank calls it at the same point of the same work item. Without
     a group, whether this stage can."""
     if group is None or group.size() < 2:
-        return mine is not None
-    row = [1, *mine] if mine is not None else [0, 0, 0, 0]
+        return entry is not None
+    # The tokens and 48 bits of the entry's name, in int32-sized parts.
+    row = [1, tokens, int(entry[:6], 16), int(entry[6:12], 16)] if entry is not None else [0] * 4
     gathered = mx.distributed.all_gather(mx.array(row, dtype=mx.int32), group=group, stream=mx.cpu)
     values = [int(v) for v in cast(list[int], gathered.tolist())]
     rows = [values[i : i + 4] for i in range(0, len(values), 4)]

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from worker.families import LayerCaches
-from worker.prompt_cache import ranks_agree, reuse_row
+from worker.prompt_cache import ranks_agree
 from worker.sampling import (
     ParamError,
     SamplingParams,
@@ -131,8 +131,8 @@ class Admission(StageBase):
                 reuse = None
         if self.tensor_group is not None and self.index is not None and self.store.budget:
             # Every rank of a head group reuses the same entry, or none prefills less.
-            mine = reuse_row(reuse.entry, reuse.tokens) if reuse is not None else None
-            if not ranks_agree(self.tensor_group, mine):
+            mine = (reuse.entry, reuse.tokens) if reuse is not None else (None, 0)
+            if not ranks_agree(self.tensor_group, *mine):
                 reuse = cache = None
         req = self.head_requests[rid]
         if reuse is None:

@@ -13,7 +13,6 @@ from worker.prompt_cache import (
     cut_to,
     light_snapshot,
     ranks_agree,
-    reuse_row,
     trimmable_at,
 )
 from worker.shared.protocol.frames import RingHeader
@@ -49,8 +48,8 @@ class Reuse(StageBase):
             cache = self.store.take(cast(str, entry), cast(int, tokens), self.shard.make_cache())
             if self.tensor_group is not None:
                 # Every rank of this group holds the entry, or the request prefills anew.
-                mine = reuse_row(cast(str, entry), cast(int, tokens)) if cache is not None else None
-                if not ranks_agree(self.tensor_group, mine):
+                held = cast(str, entry) if cache is not None else None
+                if not ranks_agree(self.tensor_group, held, cast(int, tokens)):
                     cache = None
             if cache is None:
                 ok = False
