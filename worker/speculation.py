@@ -90,7 +90,12 @@ class LookupIndex:
     def __init__(self, sources: Sequence[Sequence[int]] = ()) -> None:
         # A predicted output is fixed: its n-grams are entered once, each source its own
         # table (the sources are searched in order before the context).
-        self.sources = [(list(src), _table(src, len(src) - 1)) for src in sources]
+        self.sources: list[tuple[list[int], dict[tuple[int, ...], int]]] = []
+        for src in sources:
+            tokens: list[int] = []
+            table: dict[tuple[int, ...], int] = {}
+            _enter(tokens, table, src)
+            self.sources.append((tokens, table))
         self.tokens: list[int] = []
         self.table: dict[tuple[int, ...], int] = {}
 
@@ -98,11 +103,7 @@ class LookupIndex:
         return len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        for token in tokens:
-            end = len(self.tokens)  # the n-grams ending just before `token` get it next
-            for n in range(NGRAM_MIN, min(NGRAM_MAX, end) + 1):
-                self.table[tuple(self.tokens[end - n : end])] = end
-            self.tokens.append(token)
+        _enter(self.tokens, self.table, tokens)
 
     def propose(self, k: int) -> list[int]:
         if k <= 0:
@@ -117,14 +118,15 @@ class LookupIndex:
         return []
 
 
-def _table(source: Sequence[int], end: int) -> dict[tuple[int, ...], int]:
-    """`LookupIndex`'s table for the n-grams of `source` ending before position `end`,
-    the latest of each (a later occurrence overwrites an earlier one)."""
-    table: dict[tuple[int, ...], int] = {}
-    for at in range(1, end + 1):
-        for n in range(NGRAM_MIN, min(NGRAM_MAX, at) + 1):
-            table[tuple(source[at - n : at])] = at
-    return table
+def _enter(tokens: list[int], table: dict[tuple[int, ...], int], new: Sequence[int]) -> None:
+    """Append `new` to `tokens`, entering in `table` each n-gram (NGRAM_MIN..NGRAM_MAX)
+    that a token now follows, at the position after it (a later occurrence overwrites
+    an earlier one)."""
+    for token in new:
+        end = len(tokens)  # the n-grams ending just before `token` get it next
+        for n in range(NGRAM_MIN, min(NGRAM_MAX, end) + 1):
+            table[tuple(tokens[end - n : end])] = end
+        tokens.append(token)
 
 
 def lookup_guesses(
