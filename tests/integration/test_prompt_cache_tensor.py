@@ -13,13 +13,10 @@ import dataclasses
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import mlx_lm
 import pytest
-from mlx_lm.generate import generate_step
 
 from studiotui.core.placement import Plan
-from tests.support.answers import greedy_turn
+from tests.support.answers import greedy_turn, greedy_with_margins
 from tests.support.cluster_fixture import LocalCluster
 from worker.prompt_cache import safetensors_metadata
 from worker.shared.demo_model import DemoSpec, write_demo_model
@@ -44,12 +41,7 @@ SPEC = DemoSpec(
 def _reference(model: Path) -> tuple[list[int], int]:
     """mlx-lm's greedy tokens, and how many of them a group's sums can be held to (up
     to the first step whose top two are within MARGIN)."""
-    loaded, _ = mlx_lm.load(str(model))
-    tokens, margins = [], []
-    for tok, logprobs in generate_step(mx.array(PROMPT), loaded, max_tokens=N, prefill_step_size=8):
-        top2 = mx.sort(logprobs)[-2:]
-        tokens.append(int(tok))
-        margins.append(float((top2[1] - top2[0]).item()))
+    tokens, margins = greedy_with_margins(model, PROMPT, N)
     judged = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
     return tokens, judged
 

@@ -33,6 +33,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from studiotui.cluster.controller import Controller, GenerationError, PlacementError
 from studiotui.core.placement import Plan
+from tests.support.answers import greedy_with_margins
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from worker.shared.demo_model import DemoSpec, write_demo_model
 from worker.shared.protocol import control
@@ -70,19 +71,7 @@ def _spec(kind: str, quant: str) -> DemoSpec:
 def _reference(model: Path, **processors: Any) -> tuple[list[int], list[float]]:
     """mlx-lm's greedy tokens and, per step, its top-1 minus top-2 log-probability,
     with `processors` (make_logits_processors' options) if given."""
-    loaded, _ = mlx_lm.load(str(model))
-    tokens, margins = [], []
-    for tok, logprobs in generate_step(
-        mx.array(PROMPT),
-        loaded,
-        max_tokens=N_TOKENS,
-        prefill_step_size=8,
-        logits_processors=make_logits_processors(**processors),
-    ):
-        top2 = mx.sort(logprobs)[-2:]
-        tokens.append(int(tok))
-        margins.append(float((top2[1] - top2[0]).item()))
-    return tokens, margins
+    return greedy_with_margins(model, PROMPT, N_TOKENS, make_logits_processors(**processors))
 
 
 def _grouped(plan: Plan, partner: dict[str, str]) -> Plan:
