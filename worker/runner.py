@@ -8,6 +8,7 @@ with SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -17,7 +18,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -66,6 +67,11 @@ BEAT_EVERY_S = 0.5
 # Replies to a controller that is reconnecting wait this long for it, then its
 # requests are cancelled; a session keeps one routing identity, so it comes back.
 CLIENT_GONE_S = 30.0
+# A stopping runner keeps what the requests that ended before the stop asked it to
+# keep (their "free" frames, whose entries the prefix cache writes to disk): it reads
+# what reaches it until the ring is quiet this long, never longer than STOP_SETTLE_S.
+STOP_QUIET_MS = 100
+STOP_SETTLE_S = 1.5
 CLIENT_PENDING_MAX = 4096
 _emit_lock = threading.Lock()
 # Under the node's home (its workdir): each shard's prefix cache entries on disk.
@@ -448,6 +454,38 @@ class Runner:
                 if os.getppid() != parent:
                     self.running = False
 
+    def settle(self) -> None:
+        """After a stop, run the "free" frames that reached this stage before it and
+        nothing else: a request that ended just before an unload keeps its prefix-cache
+        entries on every stage (written to disk as the stage closes), while a step's
+        all-reduce would wait for a partner that is stopping too. A follower takes them
+        from its leader, which mirrors them here as it runs them."""
+        if self.stage is None or self.ring_in is None:
+            return
+        deadline = time.monotonic() + STOP_SETTLE_S
+        if isinstance(self.work, FollowerQueue):
+            queue = self.work
+            while time.monotonic() < deadline and self.ring_in.poll(STOP_QUIET_MS):
+                with contextlib.suppress(MirrorError):
+                    self._hear_leader(queue, wait=0)
+            for _, frames in queue.outside:
+                if _is_free(frames):
+                    self._run(self._mirrored(frames))
+            return
+        queued = self.work.outside if isinstance(self.work, LeaderQueue) else self.work
+        items = list(queued)
+        queued.clear()
+        while time.monotonic() < deadline and self.ring_in.poll(STOP_QUIET_MS):
+            self._drain(self.ring_in, self._on_ring)
+            items += queued
+            queued.clear()
+        for item in items:
+            if isinstance(item, Outside) and _is_free(item.event):
+                if isinstance(self.work, LeaderQueue):
+                    kind, *rest = item.event
+                    self.work.mirror.send([kind, str(self.work.ran).encode(), *rest])
+                self._run(item.job)
+
     def _hear_leader(self, queue: FollowerQueue, wait: int) -> None:
         assert self.ring_in is not None
         if wait and not self.ring_in.poll(wait):
@@ -709,6 +747,16 @@ class Runner:
         self.ctx.term()
 
 
+def _is_free(event: Sequence[bytes | memoryview]) -> bool:
+    """Whether a work item's frames are a ring frame that ends a request ("free")."""
+    if len(event) != 3 or event[0] != RING:
+        return False
+    try:
+        return decode_ring_header(bytes(event[1]), len(event[2])).kind == "free"
+    except FrameError:
+        return False
+
+
 def _files_key(directory: Path) -> str:
     """The model's content digest when its files' hashes are known (cached beside them:
     a copy by studiotui verified them), without hashing anything at load time (hundreds
@@ -799,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.serve_follower()
         else:
             runner.serve()
+        runner.settle()
     except (ShardLoadError, GroupError, MirrorError, zmq.ZMQError, OSError, MemoryError) as exc:
         message = fatal_message(exc, loading=runner.stage is None)
         emit(events.Fatal(message=message, out_of_memory=out_of_memory(exc)))

@@ -57,25 +57,30 @@ def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
     assert judged >= 4, "margins too thin to judge"
     names = list(engine_cluster.inventory.names)[:nodes]
 
-    async def place_and_ask(times: int) -> tuple[tuple[str, ...], list[tuple[list[int], int]]]:
+    async def place_and_ask(
+        times: int, expected: Plan | None = None
+    ) -> tuple[Plan, list[tuple[list[int], int]]]:
         ctl = engine_cluster.controller()
         try:
             await ctl.refresh()
-            result = await ctl.place(model, names, "tp-cache", prefill_chunk=8, tensor=2)
+            result = await ctl.place(
+                model, names, "tp-cache", prefill_chunk=8, tensor=2, expected=expected
+            )
             assert isinstance(result.plan, Plan)
             assert len(result.plan.shards) == nodes // 2
-            group = result.plan.shards[-1].group
             got = [
                 await asyncio.wait_for(greedy_turn(ctl, "tp-cache", PROMPT, N), 120)
                 for _ in range(times)
             ]
+            # Unloaded as soon as the answer is done: each stage still keeps its entry.
             await ctl.unload("tp-cache")
-            return group, got
+            return result.plan, got
         finally:
             await ctl.close()
 
     began = time.time()
-    group, [first] = asyncio.run(place_and_ask(1))
+    plan, [first] = asyncio.run(place_and_ask(1))
+    group = plan.shards[-1].group
     assert len(group) == 2
     assert first[1] == 0 and first[0][:judged] == want[:judged]
 
@@ -91,17 +96,15 @@ def test_a_damaged_entry_on_one_rank_makes_every_rank_prefill(
             and safetensors_metadata(f).get("held") == str(len(PROMPT) + N - 1)
         ]
 
-    # A stage writes its entries from a thread of their own, after the answer: on a busy
-    # machine the file can land a moment after the unload's reply.
-    deadline = time.monotonic() + 30
-    while not (files := written()) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    files = written()
     assert len(files) == 1, files
     raw = files[0].read_bytes()
     header = 8 + int.from_bytes(raw[:8], "little")
     files[0].write_bytes(raw[: header + 16])
 
-    _, [again, third] = asyncio.run(place_and_ask(2))
+    # The same plan again (the same stages on the same nodes), so the damaged file is
+    # the one the last stage's follower reads.
+    _, [again, third] = asyncio.run(place_and_ask(2, expected=plan))
     assert again[1] == 0, "one rank lacked the entry: every rank prefilled"
     assert again[0][:judged] == want[:judged]
     # The full prefill stored the entry anew on both ranks: reused whole now.

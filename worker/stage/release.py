@@ -45,6 +45,15 @@ class Release(StageBase):
             timings["hop_us_p50"] = statistics.median(req.hops_us)
         # Which stop string ended the answer: Anthropic's API names it (stop_sequence).
         matched = {"stop": req.stream.matched} if req.stream.matched else {}
+        extra = self._keep_plan(req)
+        if extra.get("drop"):
+            self._forget(extra["drop"])
+        if extra.get("keep"):
+            self._keep(rid, extra["keep"])
+        self._free(rid, forward=True, extra=extra)
+        # The answer is done for its client only once the ring has been told what to
+        # keep of it: an unload the client sends on "done" reaches each stage after
+        # that word (a stopping runner still runs the frees it heard: Runner.settle).
         self.links.to_client(
             req.client,
             "done",
@@ -54,12 +63,6 @@ class Release(StageBase):
             timings=timings,
             **matched,
         )
-        extra = self._keep_plan(req)
-        if extra.get("drop"):
-            self._forget(extra["drop"])
-        if extra.get("keep"):
-            self._keep(rid, extra["keep"])
-        self._free(rid, forward=True, extra=extra)
         self._admit_waiting()
 
     def _free(self, rid: str, forward: bool, extra: dict[str, Any] | None = None) -> None:
