@@ -25,7 +25,6 @@ from studiotui.core.adapter_catalog import (
     adapter_tensor,
     check_adapter,
 )
-from studiotui.core.disk_budget import fit_disk
 from studiotui.core.forecast import (
     Chip,
     LastMeasured,
@@ -44,6 +43,7 @@ from studiotui.core.placement import (
     NodeBudget,
     Plan,
     Refusal,
+    fit_disk,
     format_bytes,
     longest_context,
     with_adapter,

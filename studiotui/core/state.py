@@ -99,7 +99,7 @@ class NodeState:
     pressure: dict[str, Any] = field(default_factory=dict)
     pressure_history: tuple[float, ...] = ()
     # Bytes free on the disk of its agent's home (None: not said), for the prompt
-    # cache's disk budget (core.disk_budget).
+    # cache's disk budget (core.placement.disk).
     disk_free: int | None = None
 
     @property

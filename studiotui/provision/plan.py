@@ -29,6 +29,7 @@ from packaging.utils import canonicalize_name
 
 from studiotui.core.errors import StudioError
 from studiotui.core.inventory import NodeSpec
+from studiotui.core.placement import gb
 from worker.shared import probes
 from worker.shared.probes import Interface, ProbeParseError, RdmaSummary
 
@@ -632,10 +633,6 @@ class Refusal:
 # --------------------------------------------------------------------------- planning
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1024**3:.1f} GB"
-
-
 def _check_python(node: NodeSpec, probe: NodeProbe) -> Refusal | PythonFacts:
     hint = PYTHON_HINT.format(node=node.name)
     py = probe.python
@@ -837,8 +834,8 @@ def plan_node(
         where = probe.free_path or probe.workdir
         return Refusal(
             node.name,
-            f"only {_gb(probe.free_bytes)} free on {where} on {node.name}; installing the "
-            f"worker needs {_gb(min_free_bytes)}",
+            f"only {gb(probe.free_bytes)} free on {where} on {node.name}; installing the "
+            f"worker needs {gb(min_free_bytes)}",
             f"Free some space on {node.name}, or set `workdir` for {node.name} in cluster.toml "
             "to a disk with room.",
         )

@@ -52,7 +52,7 @@ class Node:
         """Memory, CPU (this agent's and its processes'), power and pressure now."""
         sample = {**telemetry.sample(self.host.config.memory_gb, self.pids()), **self.host.live}
         sample.pop("time", None)
-        # The prompt cache's disk budget is checked against it (core.disk_budget).
+        # The prompt cache's disk budget is checked against it (core.placement.disk).
         with contextlib.suppress(OSError):
             sample["disk_free"] = shutil.disk_usage(self.host.config.home).free
         return sample

@@ -16,7 +16,8 @@ The modules, by what they do (importers use the names re-exported here):
 - `ring`: links ranked and the ring's order; `split`: layers cut into ranges;
 - `accounting`: the reserve, what a shard holds besides layers, the prompt cache;
 - `refusals`: why a model does not fit, and what would; `tensor`: tensor groups;
-- `config`: `ModelFacts` from config.json; `words`: sizes and lists for people.
+- `config`: `ModelFacts` from config.json; `words`: sizes and lists for people;
+- `disk`: the prompt cache's disk budget against each node's free disk.
 """
 
 from studiotui.core.placement.accounting import (
@@ -32,13 +33,14 @@ from studiotui.core.placement.config import (
     kv_bytes_per_token,
     trained_positions,
 )
+from studiotui.core.placement.disk import disk_by_node, fit_disk
 from studiotui.core.placement.facts import Link, ModelFacts, NodeBudget, TensorFacts, with_adapter
 from studiotui.core.placement.planner import longest_context, plan
 from studiotui.core.placement.plans import REFUSAL_KINDS, Plan, Refusal, ShardPlan, plan_to_dict
 from studiotui.core.placement.refusals import remedies
 from studiotui.core.placement.ring import link_figures
 from studiotui.core.placement.tensor import backend_for, tensor_refusal, tensor_sizes
-from studiotui.core.placement.words import format_bytes
+from studiotui.core.placement.words import format_bytes, gb
 
 __all__ = [
     "CACHE_DISK_MULTIPLE",
@@ -54,8 +56,11 @@ __all__ = [
     "TensorFacts",
     "backend_for",
     "context_beyond",
+    "disk_by_node",
     "facts_from_config",
+    "fit_disk",
     "format_bytes",
+    "gb",
     "kv_bytes_per_token",
     "link_figures",
     "longest_context",

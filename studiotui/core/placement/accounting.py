@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from studiotui.core.placement.facts import ModelFacts, NodeBudget
 from studiotui.core.placement.plans import Plan, Refusal, ShardPlan
-from studiotui.core.placement.words import _GB, _gb
+from studiotui.core.placement.words import _GB, gb
 
 
 def reserve_bytes(node: NodeBudget, reserve_fraction: float) -> int:
@@ -75,12 +75,12 @@ def with_prompt_cache(p: Plan, memory: int | None, disk: int | None) -> Plan | R
                 for s in p.shards
             )
             where = ", ".join(
-                f"{'+'.join(s.nodes)} would hold {_gb(m)} of it with {_gb(max(s.free_after, 0))} "
+                f"{'+'.join(s.nodes)} would hold {gb(m)} of it with {gb(max(s.free_after, 0))} "
                 "free after weights and KV"
                 for s, m in short
             )
             return Refusal(
-                f"a prompt cache of {_gb(memory)} does not fit: {where}; "
+                f"a prompt cache of {gb(memory)} does not fit: {where}; "
                 f"--prompt-cache {math.floor(most / _GB * 10) / 10:.1f} or less fits these nodes"
             )
     if disk is None:

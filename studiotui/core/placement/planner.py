@@ -20,7 +20,7 @@ from studiotui.core.placement.refusals import (
 from studiotui.core.placement.ring import _best_links, _ring_order, _slowest_link
 from studiotui.core.placement.split import _best_fit
 from studiotui.core.placement.tensor import _plan_tensor, tensor_refusal
-from studiotui.core.placement.words import _gb, _joined
+from studiotui.core.placement.words import _joined, gb
 
 
 def _check_args(context_tokens: int, streams: int, reserve_fraction: float) -> None:
@@ -77,13 +77,13 @@ def _adapter_refusal(
     if not short:
         return None
     parts = [
-        f"{node} would hold layers {span} and {_gb(share)} of adapter tensors, "
-        f"{_gb(lack)} more than it has free"
+        f"{node} would hold layers {span} and {gb(share)} of adapter tensors, "
+        f"{gb(lack)} more than it has free"
         for node, span, share, lack in short
     ]
     return Refusal(
         f"{model.name} fits these nodes without its adapter but not with it "
-        f"({_gb(model.adapter_bytes)} of adapter tensors, each held by the shard of its "
+        f"({gb(model.adapter_bytes)} of adapter tensors, each held by the shard of its "
         f"layer): "
         f"{_joined(parts, 'and')} after the reserve; free that much there, add a node, "
         "or shorten the context"

@@ -12,7 +12,7 @@ from studiotui.core.kv_sizes import (
 )
 from studiotui.core.placement.facts import ModelFacts, NodeBudget
 from studiotui.core.placement.plans import Refusal
-from studiotui.core.placement.words import _gb, _joined
+from studiotui.core.placement.words import _joined, gb
 
 
 def _group_refusal(model: ModelFacts, nodes: Sequence[NodeBudget]) -> Refusal | None:
@@ -51,7 +51,7 @@ def remedies(
     wider than 4 bits and its weights at 4 bits beside the same KV cache would fit (a
     tiny model whose KV cache is what does not fit gains nothing from it); a shorter
     context when one fits (`context_fit`)."""
-    parts = [f"add a node with at least {_gb(weights + kv - available)} free"]
+    parts = [f"add a node with at least {gb(weights + kv - available)} free"]
     bits = _bits(model)
     if (bits is None or bits > 4) and weights * 4 // (bits or 16) + kv <= available:
         parts.append("use a 4-bit copy")
@@ -95,9 +95,9 @@ def _total_refusal(
         return None
     fit = _context_that_fits(model, available, weights, context_tokens, streams)
     return Refusal(
-        f"{model.name} needs {_gb(need)} ({_gb(weights)} weights + {_gb(kv_total)} KV cache "
+        f"{model.name} needs {gb(need)} ({gb(weights)} weights + {gb(kv_total)} KV cache "
         f"for {context_tokens} tokens × {streams} stream{'s' if streams > 1 else ''}), "
-        f"the group has {_gb(available)} free after a {reserve_fraction:.0%} reserve per node; "
+        f"the group has {gb(available)} free after a {reserve_fraction:.0%} reserve per node; "
         f"{_joined(remedies(model, weights, kv_total, available, fit), 'or')}"
     )
 
@@ -108,9 +108,9 @@ def _small_node_refusal(usable: Mapping[str, int], costs: Sequence[int]) -> Refu
     tiny = sorted(name for name, room in usable.items() if room < smallest)
     if not tiny:
         return None
-    rooms = ", ".join(f"{name} {_gb(max(usable[name], 0))}" for name in tiny)
+    rooms = ", ".join(f"{name} {gb(max(usable[name], 0))}" for name in tiny)
     return Refusal(
-        f"one layer with its KV cache needs at least {_gb(smallest)} but "
+        f"one layer with its KV cache needs at least {gb(smallest)} but "
         f"{_joined(tiny, 'and')} {'has' if len(tiny) == 1 else 'have'} less free "
         f"after the reserve ({rooms}); "
         f"drop {'it' if len(tiny) == 1 else 'them'} from the group or free memory there"
@@ -123,8 +123,8 @@ def _cut_refusal(model: ModelFacts, usable: Sequence[int], costs: Sequence[int])
     # A 4-bit copy helps where weights, not the KV cache, make the layers too large.
     smaller = (bits is None or bits > 4) and model.weight_bytes * 2 > need
     return Refusal(
-        f"{model.name} needs {_gb(need)} and the group has {_gb(sum(max(u, 0) for u in usable))} "
-        f"free, but its {model.n_layers} layers (the largest {_gb(max(costs))} with KV cache) "
+        f"{model.name} needs {gb(need)} and the group has {gb(sum(max(u, 0) for u in usable))} "
+        f"free, but its {model.n_layers} layers (the largest {gb(max(costs))} with KV cache) "
         "cannot be cut into contiguous ranges that fit every node; add a node"
         + (
             ", free memory on the smallest node or use a 4-bit copy"

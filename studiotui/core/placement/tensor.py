@@ -21,7 +21,7 @@ from studiotui.core.placement.ring import (
     _slowest_link,
 )
 from studiotui.core.placement.split import _best_fit
-from studiotui.core.placement.words import _count, _gb, _joined
+from studiotui.core.placement.words import _count, _joined, gb
 from studiotui.core.state import shape_label
 
 
@@ -153,10 +153,10 @@ def _plan_tensor(
     available = sum(max(u, 0) for u in usable.values())
     if need > available:
         return Refusal(
-            f"{model.name} as {label} needs {_gb(need)} ({_gb((n - 1) * whole)} more than a "
+            f"{model.name} as {label} needs {gb(need)} ({gb((n - 1) * whole)} more than a "
             f"pipeline: what shard() leaves whole — norms, routers, embedding, head, an MLA "
             f"cache — is held by each of the {n} nodes of a group), the group has "
-            f"{_gb(available)} free after a {reserve_fraction:.0%} "
+            f"{gb(available)} free after a {reserve_fraction:.0%} "
             f"reserve per node; use fewer nodes per tensor group or add a node"
         )
     refusal = _small_node_refusal(usable, costs)

@@ -33,7 +33,7 @@ def format_bytes(n: int) -> str:
     return f"{sign}{n} B"
 
 
-def _gb(n: int) -> str:
+def gb(n: int) -> str:
     """Refusals always speak GB so the numbers in one sentence compare at a glance;
     below 1 GB with two significant digits, so small nodes' figures still differ."""
     x = n / _GB

@@ -1,10 +1,9 @@
-"""The prompt cache's disk budget against each node's free disk (core.disk_budget)."""
+"""The prompt cache's disk budget against each node's free disk (core.placement.disk)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from studiotui.core.disk_budget import disk_by_node, fit_disk
 from studiotui.core.placement import (
     Link,
     ModelFacts,
@@ -12,6 +11,8 @@ from studiotui.core.placement import (
     Plan,
     Refusal,
     TensorFacts,
+    disk_by_node,
+    fit_disk,
     plan,
     with_prompt_cache,
 )

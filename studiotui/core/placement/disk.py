@@ -13,15 +13,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
-from studiotui.core.placement import Plan, Refusal
+from studiotui.core.placement.plans import Plan, Refusal
+from studiotui.core.placement.words import gb
 
 _GB = 1024**3
 # Of a node's free disk, the most the default budget takes.
 DEFAULT_SHARE_OF_FREE_DISK = 0.5
-
-
-def _gb(n: int) -> str:
-    return f"{n / _GB:.1f} GB"
 
 
 def disk_by_node(p: Plan) -> dict[str, int]:
@@ -52,11 +49,11 @@ def fit_disk(p: Plan, asked: int | None, free: Mapping[str, int | None]) -> Plan
         # Each node's share is a fixed part of the whole: the whole that fits them all.
         most = min(max(room, 0) * asked // bytes_ for _, bytes_, room in short)
         where = ", ".join(
-            f"{node} would keep {_gb(bytes_)} of it with {_gb(max(room, 0))} free on its disk"
+            f"{node} would keep {gb(bytes_)} of it with {gb(max(room, 0))} free on its disk"
             for node, bytes_, room in short
         )
         return Refusal(
-            f"a prompt cache of {_gb(asked)} on disk does not fit: {where}; "
+            f"a prompt cache of {gb(asked)} on disk does not fit: {where}; "
             f"--prompt-cache-disk {math.floor(most / _GB * 10) / 10:.1f} or less fits, "
             "or free some disk on those nodes"
         )
