@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
@@ -170,9 +171,27 @@ def state_arrays(caches: Sequence[Any]) -> list[mx.array]:
         for part in state if isinstance(state, tuple | list) else [state]:
             if isinstance(part, mx.array):
                 out.append(part)
-            elif isinstance(part, list):
+            elif isinstance(part, tuple | list):  # a quantized cache's (data, scales, biases)
                 out += [p for p in part if isinstance(p, mx.array)]
     return out
+
+
+def digest(caches: Sequence[Any]) -> str:
+    """The digest of evaluated caches' states as `save_prompt_cache` writes them: every
+    leaf by its place, arrays by their bytes, scalars (offsets, settings) by value. An
+    entry's file carries the digest of what it holds, so a file of the right length with
+    changed bytes (a failing disk, a copy cut and padded) is not reused as sound."""
+    h = hashlib.blake2b(digest_size=16)
+    leaves = cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))
+    for place, leaf in leaves:
+        h.update(place.encode())
+        if isinstance(leaf, mx.array):
+            view = memoryview(cast(Any, leaf))  # mx.array has the buffer protocol
+            # A cache's state is a view of a longer buffer; hash its bytes in order.
+            h.update(view if view.c_contiguous else view.tobytes())
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
 
 
 def nbytes(caches: Sequence[Any]) -> int:
@@ -202,7 +221,8 @@ class DiskStore:
     the adapter, the shard's layers, the cache settings), and each file says the key
     again: a shard never loads another model's or another split's entry. Files are
     written by one background thread, so a request does not wait for the disk; a
-    damaged or foreign file is removed when it is read."""
+    damaged or foreign file (cut short, bytes changed: each file carries the digest of
+    its arrays) is removed when it is read."""
 
     def __init__(self, root: Path, key: str, budget: int) -> None:
         self.key, self.budget = key, budget
@@ -243,6 +263,7 @@ class DiskStore:
 
     def _write(self, ident: str, caches: list[Any], metadata: dict[str, str]) -> None:
         part = self.tmp / (ident + _SUFFIX)
+        metadata = {**metadata, "digest": digest(caches)}
         save_prompt_cache(str(part), caches, metadata)
         os.replace(part, self.path(ident))
 
@@ -270,6 +291,8 @@ class DiskStore:
             arrays = state_arrays(caches)
             if arrays:
                 mx.eval(arrays)  # read now: a damaged file fails here, not mid-request
+            if meta.get("digest") != digest(caches):
+                raise ValueError("the entry's bytes are not the ones written")
         except Exception:
             self.remove(ident)
             return None

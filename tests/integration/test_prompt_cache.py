@@ -26,8 +26,8 @@ from tests.support.answers import greedy_turn
 from tests.support.cluster_fixture import LocalCluster
 from tests.support.family_models import small_family_models
 from tests.support.ring_harness import CHUNK, InProcessRing
-from worker.prompt_cache import trimmable_at
-from worker.shared.demo_model import FAMILIES
+from worker.prompt_cache import safetensors_metadata, trimmable_at
+from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 
 N = 4
 SYSTEM = list(range(40, 52))  # a system prompt both conversations share
@@ -238,8 +238,18 @@ def test_entries_pushed_out_of_memory_come_back_from_disk_and_survive_a_restart(
     assert other.ask(("a5", a))["a5"] == (first[0], 0)
 
 
+def _cut_short(raw: bytes) -> bytes:
+    return raw[:200]
+
+
+def _flipped(raw: bytes) -> bytes:
+    """The same length and header, one byte of the last array's data changed."""
+    return raw[:-5] + bytes([raw[-5] ^ 0x5A]) + raw[-4:]
+
+
+@pytest.mark.parametrize("damage", [_cut_short, _flipped], ids=["cut_short", "bytes_flipped"])
 def test_a_damaged_entry_on_disk_is_removed_and_the_prompt_prefilled(
-    models: Callable[[str], Path], tmp_path: Path
+    models: Callable[[str], Path], tmp_path: Path, damage: Callable[[bytes], bytes]
 ) -> None:
     model = models("llama")
     prompt = SYSTEM + ASK_A
@@ -250,7 +260,10 @@ def test_a_damaged_entry_on_disk_is_removed_and_the_prompt_prefilled(
     tail = ring.stages[1].store.disk
     assert tail is not None
     [ident] = list(tail.files)
-    tail.path(ident).write_bytes(tail.path(ident).read_bytes()[:200])  # cut short
+    raw = tail.path(ident).read_bytes()
+    tail.path(ident).write_bytes(damage(raw))
+    if damage is _flipped:  # the header still reads: only the digest can tell
+        assert safetensors_metadata(tail.path(ident)).get("key") == tail.key
 
     restarted = _disk_ring(model, tmp_path)
     assert restarted.ask(("b", prompt))["b"] == (first[0], 0)  # fell back, same answer
@@ -258,6 +271,37 @@ def test_a_damaged_entry_on_disk_is_removed_and_the_prompt_prefilled(
     assert disk is not None and not disk.path(ident).exists()
     # The full prefill stored the entry anew: the next request reuses it.
     assert restarted.ask(("c", prompt))["c"] == (first[0], len(prompt) - 1)
+
+
+def test_a_quantized_entry_comes_back_from_disk_and_a_changed_one_does_not(
+    tmp_path: Path,
+) -> None:
+    """A quantized KV cache's file holds (data, scales, biases) for keys and values and
+    its offset and settings as scalars: all are in the file's digest."""
+    # Heads 32 wide: KV quantizes in groups of 32 along them.
+    spec = DemoSpec(arch="llama", dtype="float32", seed=11, layers=5, hidden=128, heads=4)
+    model = write_demo_model(tmp_path / "model", spec)
+    prompt = SYSTEM + ASK_A
+    quant = {"kv_bits": 8, "kv_group_size": 32}
+    first = _disk_ring(model, tmp_path, shard_options=quant)
+    answer = first.ask(("a", prompt))["a"][0]
+    for stage in first.stages:
+        stage.close()
+    again = _disk_ring(model, tmp_path, shard_options=quant)
+    assert again.ask(("b", prompt))["b"] == (answer, len(prompt) - 1)
+    for stage in again.stages:
+        stage.close()
+    head = again.stages[0].store.disk
+    assert head is not None
+    [(ident, _)] = head.headers()  # the turn's entry: prompt and answer
+    raw = head.path(ident).read_bytes()
+    header = 8 + int.from_bytes(raw[:8], "little")
+    # The first bytes of data: one of the scalars (mlx-lm writes a cache's offset and
+    # settings as arrays beside its state), not the last array's.
+    at = header + 3
+    head.path(ident).write_bytes(raw[:at] + bytes([raw[at] ^ 0x01]) + raw[at + 1 :])
+    third = _disk_ring(model, tmp_path, shard_options=quant)
+    assert third.ask(("c", prompt))["c"] == (answer, 0)
 
 
 def test_a_small_disk_budget_removes_the_least_recently_used_files(
