@@ -37,7 +37,7 @@ from studiotui.core.forecast import (
 )
 from studiotui.core.load_watch import node_gone
 from studiotui.core.members import members
-from studiotui.core.memory import Promises, promises_note, room
+from studiotui.core.memory import Promises, disk_room, promises_note, room
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model, with_kv_quant
 from studiotui.core.placement import (
     NodeBudget,
@@ -194,9 +194,10 @@ class Placing:
         return budgets
 
     def _disk_free(self, nodes: Sequence[str]) -> dict[str, int | None]:
-        """Bytes free on each node's disk, as its last telemetry said (None: unsaid)."""
+        """Bytes each node's disk can still give a prompt cache, as its last telemetry
+        said, less what its placements' caches may still write (None: unsaid)."""
         return {
-            name: node.disk_free if (node := self.hub.state.node(name)) is not None else None
+            name: disk_room(node) if (node := self.hub.state.node(name)) is not None else None
             for name in nodes
         }
 

@@ -58,6 +58,17 @@ def room(node: NodeState, promises: Promises) -> int:
     )
 
 
+def disk_room(node: NodeState) -> int | None:
+    """The disk a new placement's prompt cache may count on `node`: its free disk less
+    what the prompt caches of the shards it runs may still write there (each one's disk
+    budget less what it holds already), so two placements' defaults never promise the
+    same free space twice. None when the node does not say its free disk."""
+    if node.disk_free is None:
+        return None
+    pending = sum(max(0, s.prompt_cache_disk_bytes - s.cache_disk_bytes) for s in node.shards)
+    return node.disk_free - pending
+
+
 def promises_note(nodes: Sequence[NodeState], promises: Promises | None = None) -> str:
     """Who holds the memory of these nodes that their reports still show free: the
     placements not loaded yet, each with its promise per node, and what frees it; ""

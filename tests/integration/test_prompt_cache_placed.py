@@ -152,10 +152,57 @@ def test_a_disk_budget_beyond_a_node_s_free_disk_is_refused_before_loading(
     assert f"a prompt cache of {asked / 1024**3:.1f} GB on disk does not fit" in said, said
     where = said.split("does not fit:", 1)[1]
     assert any(name in where for name in list(engine_cluster.inventory.names)[:2]), said
-    assert "free on its disk" in where, said
+    assert "free for it on its disk" in where, said
     assert "--prompt-cache-disk " in said, said
     assert all(isinstance(f, int) and f > 0 for f in frees), frees
     assert all(0 < d <= min(f for f in frees if f) // 2 for d in default_disk), default_disk
+
+
+@pytest.mark.integration
+def test_a_placed_cache_s_disk_budget_is_spoken_for_when_the_next_is_placed(
+    engine_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A second placement on the same nodes counts on their free disk less what the
+    first one's prompt cache may still write: a budget that fits the free disk alone
+    is refused while the first is placed, and fits again once it is unloaded."""
+    model = write_demo_model(tmp_path / "model", _spec(36))
+    gb = 1024**3
+    free = shutil.disk_usage(engine_cluster.home).free  # the simulated nodes share it
+    # Each of two nodes keeps half of a budget: the first holds 0.5 F a node; the second
+    # asks 0.8 F a node, which the free disk alone (F) would hold.
+    first, second = free // gb * gb, (free * 8 // 5) // gb * gb
+
+    async def run() -> tuple[str, list[int], bool]:
+        ctl = engine_cluster.controller()
+        try:
+            await ctl.refresh()
+            nodes = list(engine_cluster.inventory.names)[:2]
+            await ctl.place(model, nodes, "one", prefill_chunk=CHUNK, prompt_cache_disk=first)
+            await ctl.refresh()
+            held = [
+                s.prompt_cache_disk_bytes
+                for name in nodes
+                if (n := ctl.state.node(name))
+                for s in n.shards
+                if s.placement == "one"
+            ]
+            said = ""
+            try:
+                await ctl.place(model, nodes, "two", prefill_chunk=CHUNK, prompt_cache_disk=second)
+            except PlacementRefused as exc:
+                said = str(exc)
+            await ctl.unload("one")
+            await ctl.refresh()
+            _, after = ctl.preview(model, nodes, prompt_cache_disk=second)
+            return said, held, isinstance(after, Plan)
+        finally:
+            await ctl.close()
+
+    said, held, fits_after = asyncio.run(run())
+    assert len(held) == 2 and all(h > 0 for h in held), held
+    assert f"a prompt cache of {second / gb:.1f} GB on disk does not fit" in said, said
+    assert "free for it on its disk" in said, said
+    assert fits_after, "with the first unloaded, the same budget fits the free disk"
 
 
 @pytest.mark.integration

@@ -6,9 +6,15 @@ controller reads it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from studiotui.core.memory import node_promised_bytes, promises_note, unreported_promised_bytes
+from studiotui.core.memory import (
+    disk_room,
+    node_promised_bytes,
+    promises_note,
+    unreported_promised_bytes,
+)
 from studiotui.core.state import NodeState, shard_from_report
 from worker.agent import ShardProc
 from worker.shared.protocol import control
@@ -135,3 +141,16 @@ def test_the_prompt_cache_budget_is_promised() -> None:
     assert "placement 'big' (copying its files) is promised 12 MB" in promises_note([node])
     ready = _shard("ready", (10 * MB, 10 * MB), kv_bytes=2 * MB, prompt_cache_bytes=4 * MB)
     assert node_promised_bytes(_node(ready)) == 2 * MB + 4 * MB
+
+
+def test_disk_room_counts_what_placed_prompt_caches_may_still_write() -> None:
+    """Two placements' default disk budgets must not both count on the same free disk:
+    what a placed cache may still write (its budget less what it holds) is spoken for."""
+    spec = {"prompt_cache_disk_bytes": 10 * MB}
+    node = _node(_shard("ready", (1, 1), **spec), _shard("ready", (1, 1), **spec))
+    assert [s.prompt_cache_disk_bytes for s in node.shards] == [10 * MB, 10 * MB]
+    assert disk_room(node) is None  # the node did not say its free disk
+    held = replace(node.shards[0], cache_disk_bytes=4 * MB)
+    over = replace(node.shards[1], cache_disk_bytes=12 * MB)  # past its budget: no credit
+    node = replace(node, disk_free=100 * MB, shards=(held, over))
+    assert disk_room(node) == 100 * MB - 6 * MB

@@ -5,6 +5,8 @@ Asked for (`place --prompt-cache-disk GB`), a budget a node's disk cannot hold i
 refused before anything loads, naming the node, its free space and the flag. By
 default each node keeps at most half of its free disk for it: a cache must never be
 what fills a node's disk (its logs, copies of models and the system need the rest).
+"Free" here is what the caller counts on: the node's free disk less what the prompt
+caches already placed there may still write (core.memory.disk_room).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def fit_disk(p: Plan, asked: int | None, free: Mapping[str, int | None]) -> Plan
         # Each node's share is a fixed part of the whole: the whole that fits them all.
         most = min(max(room, 0) * asked // bytes_ for _, bytes_, room in short)
         where = ", ".join(
-            f"{node} would keep {gb(bytes_)} of it with {gb(max(room, 0))} free on its disk"
+            f"{node} would keep {gb(bytes_)} of it with {gb(max(room, 0))} free for it on its disk"
             for node, bytes_, room in short
         )
         return Refusal(
