@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP API."""
+"""The HTTP API: OpenAI's Chat Completions and Responses, Anthropic's Messages, Ollama's."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: every client other than the TUI talks to the cluster here.
+"""The HTTP API (OpenAI, Anthropic, Ollama): every client other than the TUI talks here.
 
 One aiohttp server in the controller's own event loop. Each request is one
 `Controller.generate()` call and nothing else is shared between requests, so as

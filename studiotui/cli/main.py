@@ -193,7 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_demo_parser(sub)
 
-    bench = sub.add_parser("bench", help="measure the pipeline and print figures")
+    bench = sub.add_parser(
+        "bench",
+        help="measure studiotui's own engine here on generated models, runs paired "
+        "side by side (your cluster: see benchmark)",
+    )
     bench.add_argument(
         "--quick",
         action="store_true",
@@ -347,7 +351,8 @@ def add_global_options(p: argparse.ArgumentParser, on_verb: bool) -> None:
             {
                 "type": _host_port,
                 "metavar": "[HOST:]PORT",
-                "help": "with the dashboard: also serve the OpenAI-compatible API from it",
+                "help": "with the dashboard: also serve the HTTP API (OpenAI, Anthropic, Ollama) "
+                "from it",
                 **suppress,
             },
         ),

@@ -39,7 +39,11 @@ def listen_refused(host: str, port: int, exc: OSError) -> UserError:
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the placements over an OpenAI-compatible API")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the placements over HTTP: the OpenAI (Chat, Responses), Anthropic "
+        "Messages and Ollama APIs",
+    )
     p.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
     )
@@ -138,7 +142,7 @@ def api_service(
         from studiotui.api.server import start_server
 
         server = await start_server(ctl, host, port, api_key, key_file)
-        ctl.record(f"serving the OpenAI-compatible API on {server.url}")
+        ctl.record(f"serving the HTTP API (OpenAI, Anthropic, Ollama) on {server.url}")
         return server
 
     return start

@@ -628,7 +628,7 @@ async def test_the_dashboard_can_serve_the_api_too(cluster: tuple[Path, Inventor
         server, keyed = app.services
         await until(
             pilot,
-            lambda: "serving the OpenAI-compatible API" in log_text(app),
+            lambda: "serving the HTTP API (OpenAI, Anthropic, Ollama)" in log_text(app),
             3,
             "serving entry in the log",
         )
