@@ -70,6 +70,7 @@ from studiotui.provision.wheel import (
 )
 from studiotui.ssh import client as ssh
 from studiotui.ssh import nodes
+from worker.shared import ports
 from worker.shared.protocol.control import AgentBrief
 
 log = logging.getLogger("studiotui.provision.deploy")
@@ -365,7 +366,8 @@ class _Run:
             step.argv,
         )
         if launched.state == "exited":
-            raise _died(node, step.workdir, await agent_output_tail(conn, step.workdir))
+            tail = await agent_output_tail(conn, step.workdir)
+            raise _died(node, step.workdir, tail, launched.code)
         return launched.pid
 
     async def _do(
@@ -592,22 +594,24 @@ async def agent_output_tail(conn: asyncssh.SSHClientConnection, workdir: str) ->
     return last_start(text)
 
 
-def _died(node: NodeSpec, workdir: str, tail: str) -> StepFailed:
-    if "Address already in use" in tail:
-        return StepFailed(
-            f"the agent on {node.name} could not bind {node.address}:{node.control_port}: "
-            "the port is already in use",
-            f"Stop the program holding port {node.control_port} on {node.name} (`lsof -nP "
-            f"-iTCP:{node.control_port}`) or choose another control_port in cluster.toml.",
-            tail,
-        )
-    if "assign requested address" in tail:
-        return StepFailed(
-            f"the agent on {node.name} could not bind {node.address}: it is not an address of "
-            f"{node.name}",
-            f"Set `address` for {node.name} in cluster.toml to one of its own addresses.",
-            tail,
-        )
+def _died(node: NodeSpec, workdir: str, tail: str, code: int | None = None) -> StepFailed:
+    """Why the agent on `node` exited, from its exit status (`code`; None: not known)."""
+    match code:
+        case ports.EXIT_PORT_IN_USE:
+            return StepFailed(
+                f"the agent on {node.name} could not bind {node.address}:{node.control_port}: "
+                "the port is already in use",
+                f"Stop the program holding port {node.control_port} on {node.name} (`lsof -nP "
+                f"-iTCP:{node.control_port}`) or choose another control_port in cluster.toml.",
+                tail,
+            )
+        case ports.EXIT_NOT_AN_ADDRESS:
+            return StepFailed(
+                f"the agent on {node.name} could not bind {node.address}: it is not an address "
+                f"of {node.name}",
+                f"Set `address` for {node.name} in cluster.toml to one of its own addresses.",
+                tail,
+            )
     return StepFailed(
         f"the agent on {node.name} exited right after starting; the last lines of "
         f"{workdir}/agent.out:",
@@ -714,7 +718,7 @@ async def restart_agent(
             argv,
         )
         if launched.state == "exited":
-            raise _died(node, workdir, await agent_output_tail(conn, workdir))
+            raise _died(node, workdir, await agent_output_tail(conn, workdir), launched.code)
         pid = launched.pid
         reply = await run._wait_up(conn, node, workdir, pid)
         return Outcome(

@@ -32,7 +32,7 @@ from worker.agent.jobs import Jobs
 from worker.agent.links import Links
 from worker.agent.node import Node
 from worker.agent.shards import SHARD_PORT_OFFSET, Shards
-from worker.shared.ports import port_free
+from worker.shared.ports import bind_exit_status, port_free
 from worker.shared.protocol import control, curve
 from worker.shared.protocol.control import Error, Message, encode
 from worker.shared.protocol.messages import CodedError, ErrorCode, MessageError
@@ -302,5 +302,5 @@ def run_agent(config: AgentConfig) -> int:
             f"studiotui-worker: cannot bind {config.address}:{config.control_port}: {exc}",
             file=sys.stderr,
         )
-        return 2
+        return bind_exit_status(exc.errno)
     return 0

@@ -4,7 +4,23 @@ and the operator laying out or starting a simulated cluster."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
+
+# The agent's exit status when it cannot bind its control socket, so `provision` says
+# why from the status rather than from the words of its log.
+EXIT_BIND_FAILED = 2
+EXIT_PORT_IN_USE = 12
+EXIT_NOT_AN_ADDRESS = 13
+
+
+def bind_exit_status(error_number: int | None) -> int:
+    """The agent's exit status for a bind that failed with `error_number`."""
+    if error_number == errno.EADDRINUSE:
+        return EXIT_PORT_IN_USE
+    if error_number == errno.EADDRNOTAVAIL:
+        return EXIT_NOT_AN_ADDRESS
+    return EXIT_BIND_FAILED
 
 
 def port_free(address: str, port: int) -> bool:
