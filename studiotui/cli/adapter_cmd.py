@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from studiotui.cli.commands import hashing_shown, resolve_model
+from studiotui.cli.output import hashing_shown
+from studiotui.cli.place_cmd import resolve_model
 from studiotui.cluster import jobs
 from studiotui.core.adapter_catalog import (
     AdapterRefused,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import os
 import sys
 import tempfile
@@ -413,10 +414,37 @@ def home_dir() -> Path:
     return home
 
 
+# The module that runs each verb (its `cmd_<verb>`), imported when the verb is run so
+# `studiotui --help` loads none of them. `provision_cmd` runs down and logs too: it
+# handles SSH nodes and hands local ones to `nodes_cmd`.
+VERB_MODULES: dict[str, str] = {
+    "tui": "tui_cmd",
+    "provision": "provision_cmd",
+    "restart": "provision_cmd",
+    "down": "provision_cmd",
+    "logs": "provision_cmd",
+    "up": "nodes_cmd",
+    "status": "status_cmd",
+    "place": "place_cmd",
+    "fetch": "place_cmd",
+    "unload": "place_cmd",
+    "cache": "place_cmd",
+    "chat": "chat_cmd",
+    "demo-model": "demo_cmd",
+    "bench": "bench_cmd",
+    "finetune": "tune_cmd",
+    "jobs": "tune_cmd",
+    "benchmark": "benchmark_cmd",
+    "serve": "serve",
+    "web": "web",
+    "fuse": "adapter_cmd",
+    "adapter": "adapter_cmd",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from studiotui.cli import commands, provision_cmd
 
     verb = args.verb or "tui"
     if verb != "tui" and getattr(args, "serve", None):
@@ -424,16 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--serve works with the dashboard only (studiotui --serve PORT); "
             f"for the API on its own run `studiotui serve`, not with `{verb}`"
         )
-    # SSH-aware versions of these verbs; they hand local nodes to `commands`.
-    module = provision_cmd if verb in {"provision", "restart", "down", "logs"} else commands
-    if verb in {"finetune", "jobs"}:
-        from studiotui.cli import tune_cmd as module
-    if verb == "web":
-        from studiotui.cli import web as module
-    if verb == "benchmark":
-        from studiotui.cli import benchmark_cmd as module
-    if verb in {"fuse", "adapter"}:
-        from studiotui.cli import adapter_cmd as module
+    module = importlib.import_module(f"studiotui.cli.{VERB_MODULES[verb]}")
     handler = getattr(module, f"cmd_{verb.replace('-', '_')}")
     try:
         result = handler(args, home_dir())

@@ -2,7 +2,7 @@
 
 `add_parsers(subparsers)` adds `provision` and `restart`; `cmd_logs` and `cmd_down`
 take the same arguments as the existing `logs` and `down` verbs and hand local
-nodes to `commands.cmd_logs` / `commands.cmd_down`, so the CLI can route those
+nodes to `nodes_cmd.cmd_logs` / `nodes_cmd.cmd_down`, so the CLI can route those
 verbs here for every inventory.
 """
 
@@ -20,8 +20,9 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 from rich.text import Text
 
-from studiotui.cli import commands
+from studiotui.cli import nodes_cmd
 from studiotui.cli.args import inventory_of
+from studiotui.cli.output import console, errors
 from studiotui.cluster import local_cluster, stops
 from studiotui.cluster.session import open_controller
 from studiotui.core.errors import UserError
@@ -200,7 +201,6 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
     selected = _select(inv, getattr(args, "nodes", []) or [])
     names = [n.name for n in selected]
     upgrade = bool(getattr(args, "upgrade", False))
-    console, errors = commands.console, commands.errors
 
     async def run() -> list[Outcome]:
         with _Display(console, names) as display:
@@ -231,16 +231,16 @@ async def cmd_provision(args: argparse.Namespace, home: Path) -> int:
             ctl,
             names,
             run,
-            on_reload=commands.say_reloading,
+            on_reload=nodes_cmd.say_reloading,
             doing="upgrade" if upgrade else "provisioning",
             on_back=_say_back,
         )
-    commands.print_restarted(done)
+    nodes_cmd.print_restarted(done)
     return 0 if done.ok else 1
 
 
 def _say_back(outcomes: Sequence[Outcome]) -> None:
-    print_outcomes(commands.console, commands.errors, outcomes)
+    print_outcomes(console, errors, outcomes)
 
 
 async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
@@ -253,9 +253,9 @@ async def cmd_restart(args: argparse.Namespace, home: Path) -> int:
         if not getattr(args, "yes", False):
             ending_jobs_refused("restart", "restarting", await ft.jobs_on(ctl, names))
         done = await restart.restart_nodes(
-            ctl, names, on_reload=commands.say_reloading, on_back=_say_back
+            ctl, names, on_reload=nodes_cmd.say_reloading, on_back=_say_back
         )
-    commands.print_restarted(done)
+    nodes_cmd.print_restarted(done)
     return 0 if done.ok else 1
 
 
@@ -264,7 +264,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     With --all, first the API servers and browser views of this home (`running`)."""
     inv = inventory_of(args, home)
     if getattr(args, "all", False):
-        await asyncio.to_thread(commands.stop_running, home)
+        await asyncio.to_thread(nodes_cmd.stop_running, home)
     names = list(getattr(args, "nodes", []) or inv.names)
     unknown = [n for n in names if n not in inv.names]
     if unknown:
@@ -278,7 +278,7 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
             ending_jobs_refused("stop", "stopping", await ft.jobs_on(ctl, running))
     code = 0
     if local:
-        code = await commands.cmd_down(
+        code = await nodes_cmd.cmd_down(
             argparse.Namespace(**{**vars(args), "nodes": local}), home, inv
         )
 
@@ -291,18 +291,18 @@ async def cmd_down(args: argparse.Namespace, home: Path) -> int:
     kept = []
     if remote_nodes:
         async with open_controller(inv, home, ask=None) as ctl:
-            kept = await commands.keep_for_restart(ctl, [n.name for n in remote_nodes])
+            kept = await nodes_cmd.keep_for_restart(ctl, [n.name for n in remote_nodes])
     remote = [n.name for n in remote_nodes]
     stopped: set[str] = set()
     stops.record_stops(home, inv.name, remote)
     for name, text, ok in await asyncio.gather(*(one(n) for n in remote_nodes)):
-        target = commands.console if ok else commands.errors
+        target = console if ok else errors
         target.print(f"{name}: {text}", markup=False, highlight=False)
         code = code if ok else 1
         if ok:
             stopped.add(name)
     stops.record_stops(home, inv.name, [n for n in remote if n in stopped])
-    commands.say_kept(kept, ssh=True)
+    nodes_cmd.say_kept(kept, ssh=True)
     return code
 
 
@@ -331,7 +331,7 @@ async def cmd_logs(args: argparse.Namespace, home: Path) -> int:
         raise UserError(f"unknown node {args.node!r}; known: {', '.join(inv.names)}")
     node = inv.node(args.node)
     if node.is_local:
-        return await commands.cmd_logs(args, home)
+        return await nodes_cmd.cmd_logs(args, home)
     try:
         conn = await provision.connect(home, node)
     except SshError as exc:

@@ -15,7 +15,9 @@ from rich.text import Text
 
 from studiotui.cli.args import inventory_of
 from studiotui.cli.argtypes import positive, positive_float
-from studiotui.cli.commands import resolve_model, start_hint, transfer_shown
+from studiotui.cli.nodes_cmd import start_hint
+from studiotui.cli.output import transfer_shown
+from studiotui.cli.place_cmd import resolve_model
 from studiotui.cluster import jobs
 from studiotui.cluster.adapter_fetch import AdapterFetchError, fetch_adapter
 from studiotui.cluster.controller import Controller

@@ -24,9 +24,9 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from studiotui.api.server import start_server
-from studiotui.cli.commands import status_json
 from studiotui.cli.exits import REFUSED
 from studiotui.cli.main import main
+from studiotui.cli.status_cmd import status_json
 from studiotui.cluster import local_cluster
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.inventory import Inventory, dump_inventory, local_inventory

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from studiotui.cli.commands import status_json
+from studiotui.cli.status_cmd import status_json
 from studiotui.cluster.benchmark import Benchmark
 from studiotui.cluster.controller import Controller, PlacementError
 from studiotui.core.benchmark import Sizes

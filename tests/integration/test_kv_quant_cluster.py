@@ -17,9 +17,9 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from studiotui.cli.commands import status_json
 from studiotui.cli.exits import REFUSED
 from studiotui.cli.main import main
+from studiotui.cli.status_cmd import status_json
 from studiotui.cluster.controller import Controller
 from studiotui.core.inventory import dump_inventory
 from studiotui.core.memory import RUNNER_OVERHEAD_BYTES, node_promised_bytes

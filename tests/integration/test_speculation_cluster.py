@@ -24,7 +24,7 @@ from textual.widgets import Input, Select, Static
 from studiotui.api.server import ApiServer, start_server
 from studiotui.app.app import StudioApp
 from studiotui.app.screens.chat import AnswerView, ChatScreen
-from studiotui.cli.commands import status_json
+from studiotui.cli.status_cmd import status_json
 from studiotui.cluster.controller import Controller
 from studiotui.core.placement import Plan, Refusal
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture

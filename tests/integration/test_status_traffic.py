@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from studiotui.cli import commands
+from studiotui.cli import status_cmd
 from studiotui.core.inventory import dump_inventory
 from tests.support.cluster_fixture import LocalCluster, placed_cluster
 from worker.shared.demo_model import DemoSpec
@@ -43,7 +43,7 @@ async def _status(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> 
     path = cluster.home / "cluster.toml"
     path.write_text(dump_inventory(cluster.inventory))
     args = argparse.Namespace(json=True, inventory=path)
-    assert await commands.cmd_status(args, cluster.home) == 0
+    assert await status_cmd.cmd_status(args, cluster.home) == 0
     return json.loads(capsys.readouterr().out)
 
 

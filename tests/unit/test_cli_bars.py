@@ -12,7 +12,7 @@ import re
 
 from rich.console import Console
 
-from studiotui.cli.commands import Bars
+from studiotui.cli.output import Bars
 
 LABEL = "hashing demo to stamp the adapter with its base (once: cached)"
 

@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from studiotui.cli.commands import (
+from studiotui.cli.main import build_parser, main
+from studiotui.cli.place_cmd import resolve_model
+from studiotui.core.errors import UserError
+from studiotui.core.state import ClusterState
+from studiotui.views.status import (
     SHARD_NAME_MIN,
     fit_status,
-    resolve_model,
     shard_lines,
     status_table,
     table_width,
 )
-from studiotui.cli.main import build_parser, main
-from studiotui.core.errors import UserError
-from studiotui.core.state import ClusterState
 from tests.support.app_fixtures import fixed_state
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
@@ -170,7 +170,7 @@ def test_fit_status_gives_up_columns_in_order() -> None:
 def test_status_json_waits_for_tok_s_only_while_a_placement_answers() -> None:
     """An idle placement makes 0 tok/s, known without watching the counts for a window
     (`status --json` used to wait 2 s for it whenever a placement was ready)."""
-    from studiotui.cli.commands import rates_to_sample
+    from studiotui.cli.status_cmd import rates_to_sample
     from studiotui.core.state import PlacementState, ShardState
 
     def placement(name: str, in_flight: int, state: str = "ready") -> PlacementState:
