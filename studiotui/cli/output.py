@@ -25,6 +25,19 @@ console = Console(stderr=False, highlight=False)
 errors = Console(stderr=True, highlight=False)
 
 
+def node_bars() -> Progress:
+    """One bar in bytes per node (or per shard process), labelled by its name: a
+    placement's loading, a model's copy to nodes."""
+    return Progress(
+        TextColumn("{task.description:>12}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
 class Bars:
     """One progress display in bytes for an operation's steps (a model's first hashing,
     each node's copies), started at the first report, so nothing is drawn when there is

@@ -7,19 +7,10 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-
 from studiotui.cli import exits
 from studiotui.cli.args import inventory_of
 from studiotui.cli.nodes_cmd import start_hint
-from studiotui.cli.output import console, errors, hashing_shown
+from studiotui.cli.output import console, errors, hashing_shown, node_bars
 from studiotui.cluster import jobs, model_fetch
 from studiotui.cluster import peers as agents
 from studiotui.cluster.adapter_fetch import fetch_adapter
@@ -196,15 +187,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
             print_shapes(ctl, info.facts, the_plan, group, args)
         if args.dry_run:
             return 0
-        with Progress(
-            TextColumn("{task.description:>12}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-            transient=False,
-        ) as bar:
+        with node_bars() as bar:
             # One bar per process: every node of a tensor group loads (and reports) its own.
             tasks = {n: bar.add_task(n, total=None) for s in the_plan.shards for n in s.nodes}
 
@@ -343,14 +326,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
                 f"{', '.join(down)} {'is' if len(down) == 1 else 'are'} not up",
                 "; ".join(node_start_hint(n) for n in down),
             )
-        with Progress(
-            TextColumn("{task.description:>12}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-        ) as bar:
+        with node_bars() as bar:
             tasks = {n: bar.add_task(n, total=None) for n in group}
 
             def progress(node: str, done: int, total: int) -> None:
