@@ -26,13 +26,13 @@ from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPan
 
 from studiotui.app.dialogs import (
     ConfirmScreen,
-    DeleteScreen,
     HelpScreen,
     NodeLogScreen,
     QuitScreen,
 )
 from studiotui.app.guard import guard_actions
 from studiotui.app.host import Dashboard
+from studiotui.app.model_files import ModelFiles
 from studiotui.app.palette import StudioCommands
 from studiotui.app.panes.filter import Filterable, FilterBar
 from studiotui.app.panes.log import LogPane
@@ -44,22 +44,16 @@ from studiotui.app.panes.topology import TopologyPane
 from studiotui.app.place.flow import Placer
 from studiotui.app.screens.benchmark import BenchmarkScreen
 from studiotui.app.screens.jobs import FinetuneForm, JobsScreen
-from studiotui.app.screens.model_folders import HubFetchScreen, ModelFoldersScreen
 from studiotui.app.themes import DEFAULT_THEME, load_themes, load_ui, save_ui
 from studiotui.cluster import local_cluster, stops
 from studiotui.cluster.controller import RUNNER_OVERHEAD_BYTES, Controller
 from studiotui.cluster.session import wait_until_up
 from studiotui.core.benchmark import Sizes
-from studiotui.core.catalog import models_stamp, scan_home, settings
+from studiotui.core.catalog import models_stamp
 from studiotui.core.inventory import Inventory, NodeSpec
 from studiotui.core.model_facts import ModelDirError, read_model
 from studiotui.core.model_folders import (
-    FolderCount,
-    add_folder,
-    delete_refusal,
     empty_note,
-    folder_counts,
-    remove_folder,
 )
 from studiotui.core.placement import Plan, format_bytes
 from studiotui.core.state import ClusterState, LogEntry, LogLevel
@@ -240,6 +234,7 @@ class StudioApp(Dashboard):
         self._theme_problems = problems
         self.exit_note = ""  # printed by `studiotui` once the terminal is back
         self.placer = Placer(self)
+        self.model_files = ModelFiles(self)
         # What the Benchmark screen measures with (tests make it small).
         self.benchmark_sizes = Sizes()
         wanted = self.ui.get("theme")
@@ -295,7 +290,7 @@ class StudioApp(Dashboard):
         self.controller.subscribe(self._on_state)
         self._show(self.controller.state)
         self.background(self._start(), "starting")
-        self.background(self._scan_models(settle=True), "reading models")
+        self.background(self.scan_models(settle=True), "reading models")
         self.set_interval(MODELS_CHECK_S, self._check_models)
 
     def _check_models(self) -> None:
@@ -310,7 +305,7 @@ class StudioApp(Dashboard):
         try:
             stamp = await asyncio.to_thread(models_stamp, self.home)
             if stamp != self._models_stamp or self._models_held:
-                await self._scan_models(settle=True)
+                await self.scan_models(settle=True)
         finally:
             self._models_checking = False
 
@@ -522,7 +517,7 @@ class StudioApp(Dashboard):
                 self.report(f"cannot write the demo model: {exc}", "error")
                 return
             finally:
-                await self._scan_models()
+                await self.scan_models()
         if not place or ctl.state.placement(path.name) is not None:
             return
         up = [n.name for n in ctl.state.nodes if n.state == "up"]
@@ -546,7 +541,7 @@ class StudioApp(Dashboard):
             pane.end_progress()
         self.notify(f"placement {path.name} is ready")
 
-    async def _scan_models(self, settle: bool = False) -> None:
+    async def scan_models(self, settle: bool = False) -> None:
         """Read the catalog in a thread and show it; `settle` (the periodic check) leaves
         out directories still being written, f5 shows everything as it is."""
         pane = self.query_one(ModelsPane)
@@ -892,7 +887,7 @@ class StudioApp(Dashboard):
         ctl = self.need_controller("refresh")
         if ctl is not None:
             self.background(ctl.refresh(), "refreshing")
-            self.background(self._scan_models(), "reading models")
+            self.background(self.scan_models(), "reading models")
 
     # ---- placing (the flow lives in place_flow.py) ----------------------------------------
 
@@ -913,29 +908,7 @@ class StudioApp(Dashboard):
         self.placer.place_again()
 
     def action_fetch_model(self) -> None:
-        ctl = self.need_controller("fetch")
-        row = self.query_one(ModelsPane).selected_row
-        if ctl is None:
-            return
-        if row is None or not row.placeable:
-            self.report("fetch: select a model in the Models pane first", "warning")
-            return
-        marked = sorted(self.query_one(NodesPane).marked)
-        nodes = marked or [n.name for n in ctl.state.nodes if n.state == "up"]
-        self.background(self._fetch(ctl, row, nodes), f"fetching {row.name}")
-
-    async def _fetch(self, ctl: Controller, row: ModelRow, nodes: list[str]) -> None:
-        from studiotui.cluster.model_fetch import fetch_model
-
-        pane, key = self.query_one(PlacementsPane), f"fetch {row.path}"
-        pane.start_progress(f"fetching {row.name} to {', '.join(nodes)}", nodes, key=key)
-        try:
-            await fetch_model(
-                ctl, Path(row.path), nodes, lambda n, d, t: pane.progress(n, d, t, key)
-            )
-        finally:
-            pane.end_progress(key=key)
-        self.notify(f"{row.name}: each of {', '.join(nodes)} holds its share")
+        self.model_files.fetch_selected()
 
     def action_mark_node(self) -> None:
         self.query_one(NodesPane).action_toggle_mark()
@@ -945,7 +918,7 @@ class StudioApp(Dashboard):
 
     def action_rescan_models(self) -> None:
         if not self.fixed:
-            self.background(self._scan_models(), "reading models")
+            self.background(self.scan_models(), "reading models")
 
     # ---- the `/` filter ---------------------------------------------------------------
 
@@ -966,126 +939,16 @@ class StudioApp(Dashboard):
         target, _widget, what = panes[1] if models else panes[2]
         self.query_one(FilterBar).open(target, what)
 
-    # ---- model folders, the hub, deleting (the Models pane's a, H, D) ----------------
+    # ---- model folders, the hub, deleting (the Models pane's a, H, D: model_files.py) ----
 
     def action_model_folders(self) -> None:
-        cache = settings(self.home).hf_cache
-        said = (
-            f"and the Hugging Face cache: {cache}"
-            if cache is not None
-            else "(the Hugging Face cache is not looked in: hf_cache = false in config.toml)"
-        )
-        self.push_screen(
-            ModelFoldersScreen(self._folder_counts, self._add_folder, self._remove_folder, said),
-            lambda _: self.action_rescan_models(),
-        )
-
-    def _folder_counts(self) -> list[FolderCount]:
-        return folder_counts(self.home, settings(self.home).folders, scan_home(self.home))
-
-    def _add_folder(self, folder: Path) -> str:
-        added = add_folder(self.home, folder)
-        said = f"models are looked for in {added} too (config.toml models_dirs)"
-        self.report(said)
-        return said
-
-    def _remove_folder(self, folder: Path) -> str:
-        remove_folder(self.home, folder)
-        said = f"{folder} is no longer looked in (its files stay where they are)"
-        self.report(said)
-        return said
+        self.model_files.folders()
 
     def action_fetch_hub(self) -> None:
-        from studiotui.cluster.model_fetch import is_repo_id
-
-        ctl = self.need_controller("fetch from the hub")
-        if ctl is None:
-            return
-        marked = sorted(self.query_one(NodesPane).marked)
-        nodes = marked or [n.name for n in ctl.state.nodes if n.state == "up"]
-        if not nodes:
-            self.report("fetch from the hub: no node is up (r on a node starts it)", "warning")
-            return
-
-        def check(repo: str) -> str | None:
-            if is_repo_id(repo):
-                return None
-            return f"{repo!r} is not a Hugging Face repo id: type org/name"
-
-        def answered(wanted: tuple[str, str] | None) -> None:
-            if wanted is not None and self.controller is ctl:
-                repo, revision = wanted
-                self.background(self._fetch_hub(ctl, repo, revision, nodes), f"fetching {repo}")
-
-        self.push_screen(HubFetchScreen(nodes, check), answered)
-
-    async def _fetch_hub(self, ctl: Controller, repo: str, revision: str, nodes: list[str]) -> None:
-        """What `studiotui fetch org/name` does, its progress in the Placements pane."""
-        from studiotui.cluster.model_fetch import FetchError, fetch_repo
-
-        pane, key = self.query_one(PlacementsPane), f"hub {repo}"
-        self.query_one("#bottom-tabs", TabbedContent).active = "tab-placements"
-        pane.start_progress(f"fetching {repo}@{revision} from the hub", nodes, key=key)
-        try:
-            await fetch_repo(
-                ctl, repo, nodes, revision, lambda n, d, t: pane.progress(n, d, t, key)
-            )
-        except FetchError as exc:
-            self.report(f"fetch {repo}: {exc}", "error")
-            return
-        finally:
-            pane.end_progress(key=key)
-        await self._scan_models()
-        if any(r.name == repo for r in self.query_one(ModelsPane).all_rows):
-            self.notify(f"{repo}: each of {', '.join(nodes)} holds its share; in Models (4)")
-        else:
-            self.report(
-                f"{repo}: each of {', '.join(nodes)} holds its share in its hub cache; this "
-                "machine holds only its small files, so Models does not list it",
-                "warning",
-            )
+        self.model_files.fetch_hub()
 
     def action_delete_model(self) -> None:
-        row = self.query_one(ModelsPane).selected_row
-        if row is None or row.adapter:
-            self.report("delete: select a model in the Models pane (4) first", "warning")
-            return
-        path = Path(row.path)
-        refusal = delete_refusal(
-            path, self.cluster.placements, settings(self.home).folders, row.name
-        )
-        if refusal is not None:
-            self.report(f"{row.name} is not deleted: {refusal}", "warning")
-            return
-        size = f" ({format_bytes(row.size)})" if row.size else ""
-
-        def answered(yes: bool | None) -> None:
-            if yes:
-                self.background(self._delete_model(row), f"deleting {row.name}")
-
-        self.push_screen(
-            DeleteScreen(
-                f"Delete {row.name}? Its files{size} at {row.path} are removed from this "
-                "machine, for good. Copies already on other nodes stay."
-            ),
-            answered,
-        )
-
-    async def _delete_model(self, row: ModelRow) -> None:
-        from studiotui.cluster.model_delete import delete_model
-
-        path = Path(row.path)
-        # Asked again: a placement may have started while the question was up.
-        placements = (
-            self.controller.state.placements if self.controller else self.cluster.placements
-        )
-        refusal = delete_refusal(path, placements, settings(self.home).folders, row.name)
-        if refusal is not None:
-            self.report(f"{row.name} is not deleted: {refusal}", "warning")
-            return
-        done = await asyncio.to_thread(delete_model, path)
-        self.report(f"deleted {row.name}: {format_bytes(done.freed)} freed ({done.path})")
-        await self._scan_models()
+        self.model_files.delete_selected()
 
 
 def demo_damage(path: Path) -> str | None:

@@ -33,6 +33,12 @@ class Dashboard(App[None]):
     def palette_actions(self) -> list[tuple[str, str, str]]:
         raise NotImplementedError
 
+    async def scan_models(self, settle: bool = False) -> None:
+        raise NotImplementedError
+
+    def action_rescan_models(self) -> None:
+        raise NotImplementedError
+
     def theme_names(self) -> list[str]:
         raise NotImplementedError
 
