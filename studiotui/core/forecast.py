@@ -10,8 +10,10 @@ from; `docs/architecture.md` ("Placement" → "Forecast") and the forecast table
 say how close the model comes to published and measured figures.
 
 What it does not model: the KV cache's growth within an answer (decode is priced at a
-fixed context), prefix caching, sliding windows in prefill, thermal limits, and how
-several stages sharing one CPU-only host compete for its cores (only its bandwidth).
+fixed context), prefix caching, sliding windows in prefill, thermal limits, how
+several stages sharing one CPU-only host compete for its cores (only its bandwidth),
+and other programs keeping a host's cores busy, which slows a tensor group on the ring
+backend most: its ranks busy-poll at every all-reduce (docs/forecast.md).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class Chip:
     source: str
     layer_us: float = 0.0  # fixed dispatch cost per layer per step (CPU-only nodes)
     # What `studiotui benchmark` measured on the node's device, when it did: µs of a
-    # decode step per layer by kind (dense, dense_q4, moe, moe_q4) and outside its
+    # decode step per layer by kind (dense, dense_q4, moe, moe_q4; dense_tp2: a dense
+    # layer as a 2-way tensor rank's slice, see rank_share) and outside its
     # layers (step), MLX GFLOP/s per dtype, and µs per round of a small all-reduce by
     # backend and group size ("ring/2": the group's product step measured it there).
     decode_us: Mapping[str, float] = field(default_factory=dict)
@@ -594,7 +597,8 @@ def with_benchmark(chips: Mapping[str, Chip], runs: Sequence[Run], cluster: str)
     """`chips` with what the newest saved `studiotui benchmark` run of this cluster
     measured on each node (`runs` newest first): its decode step per layer, its MLX
     GFLOP/s, its memory read bandwidth, its links to the other nodes, and a round of a
-    small all-reduce of a group it was in (the run's all-reduce over N ranks took 2(N-1) rounds of the ring, 2 of JACCL)."""
+    small all-reduce of a group it was in (the run's all-reduce over N ranks took
+    2(N-1) rounds of the ring, 2 of JACCL)."""
     out = dict(chips)
     for name, chip in chips.items():
         for run in runs:
