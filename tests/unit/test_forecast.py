@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -399,3 +400,29 @@ def test_after_a_benchmark_a_tensor_rank_pays_its_slice_and_the_links_it_measure
     measured = [Link("local-1", "local-2", 100.0, 10.0, "loopback")]
     at_100 = 1e6 / forecast(demo, verdict, chips, measured, streams=1).tps_1
     assert at_100 == pytest.approx(fast, rel=0.001)
+
+
+def test_the_slice_a_benchmark_times_is_a_2_way_ranks_share_of_a_layer() -> None:
+    """`dense_tp2` is a dense layer with half its heads, KV heads and MLP width, the
+    hidden size and head width kept: what a rank of a 2-way group holds of it."""
+    import mlx.core as mx
+
+    from worker.device_bench import DECODE_KINDS, _decode_model
+
+    assert DECODE_KINDS["dense_tp2"][2] == 2
+    whole, half = (
+        _decode_model("llama", 1, None, mx.float32, cut).model.layers[0] for cut in (1, 2)
+    )
+
+    def shape(layer: Any, path: str) -> tuple[int, ...]:
+        for part in path.split("."):
+            layer = getattr(layer, part)
+        # On a CPU the shard's fusions wrap each projection (its `plain` Linear inside).
+        return tuple(getattr(layer, "plain", layer).weight.shape)
+
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj"):
+        (rows, cols), (half_rows, half_cols) = shape(whole, name), shape(half, name)
+        assert (half_rows * 2, half_cols) == (rows, cols), name
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        (rows, cols), (half_rows, half_cols) = shape(whole, name), shape(half, name)
+        assert (half_rows, half_cols * 2) == (rows, cols), name
