@@ -19,7 +19,7 @@ host busy-poll the ring at every all-reduce, so when other programs keep the hos
 cores busy (the test counts the CPU time spent outside the cluster's own processes
 during the run) a rank waits for the scheduler as well as for its peer, and the group
 decodes several times slower than any figure of a quiet moment forecasts (8-42 tok/s
-against 58-78 not starved). Then the tensor group's forecast
+against 56-78 not starved). Then the tensor group's forecast
 is held to the bound on the low side only (never too pessimistic); the pipeline and the
 MoE are held to it on both. Run with -s, it prints each ratio and the outside load."""
 
