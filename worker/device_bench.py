@@ -137,24 +137,35 @@ def bandwidth_figures(mib: int, seconds: float) -> dict[str, Any]:
 # fixed costs a layer pays whatever its weights: op dispatch, the attention over a short
 # cache, a MoE's routing and gathered expert products), through the shard's own CPU
 # fusions. The forecast adds the bytes a real layer reads over the measured bandwidth.
-DECODE_KINDS: dict[str, tuple[str, int | None]] = {
-    "dense": ("llama", None),
-    "dense_q4": ("llama", 4),
-    "moe": ("qwen3_moe", None),
-    "moe_q4": ("qwen3_moe", 4),
+# `dense_tp2` is a dense layer cut as one rank of a 2-way tensor group holds it (half the
+# heads, KV heads and MLP width; its all-reduces are priced apart): beside `dense` it
+# tells how much of a layer's cost shrinks with its share of the weights and how much
+# does not (dispatch), which is what a rank of a tensor group of any size pays.
+DECODE_KINDS: dict[str, tuple[str, int | None, int]] = {
+    "dense": ("llama", None, 1),
+    "dense_tp2": ("llama", None, 2),
+    "dense_q4": ("llama", 4, 1),
+    "moe": ("qwen3_moe", None, 1),
+    "moe_q4": ("qwen3_moe", 4, 1),
 }
 DECODE_LAYERS = (1, 5)  # two depths: the slope is a layer, the rest the step's own cost
 DECODE_CONTEXT = 32  # tokens in the cache before the timed steps
 DECODE_PAIRS = 12  # least pairs of steps timed per kind
 
 
-def _decode_model(arch: str, layers: int, bits: int | None, dtype: mx.Dtype) -> Any:
+def _decode_model(arch: str, layers: int, bits: int | None, dtype: mx.Dtype, cut: int = 1) -> Any:
+    """The demo model of `arch` with `layers` layers; with `cut` > 1, each layer as one
+    rank of a `cut`-way tensor group holds it (heads, KV heads and MLP width divided,
+    the head width and hidden size kept), without the group's all-reduces."""
     from mlx_lm.utils import quantize_model
 
     from worker.cpu_fusion import fuse_for_cpu
     from worker.shared.demo_model import DemoSpec, build_model, make_config
 
     config = make_config(DemoSpec(arch=arch, layers=layers))
+    if cut > 1:
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            config[key] //= cut
     model = build_model(config)
     model.set_dtype(dtype)
     if bits is not None:
@@ -204,8 +215,8 @@ def _layer_and_step_s(
 
 
 def decode_figures(seconds: float) -> dict[str, float]:
-    """µs of one decode step per layer of each kind (`dense`, `dense_q4`, `moe`,
-    `moe_q4`), and `step`: a step's cost outside its layers (embedding, head, argmax),
+    """µs of one decode step per layer of each kind (`dense`, `dense_tp2`, `dense_q4`,
+    `moe`, `moe_q4`), and `step`: a step's cost outside its layers (embedding, head, argmax),
     timed on this device as the forecast prices a stage."""
     # The CPU backend multiplies unquantized experts in float32 only (gather_mm):
     # float32 there; quantized weights keep bfloat16 scales, as mlx-lm's conversions do.
@@ -213,9 +224,9 @@ def decode_figures(seconds: float) -> dict[str, float]:
     share = seconds / len(DECODE_KINDS)
     out: dict[str, float] = {}
     fixed = []
-    for kind, (arch, bits) in DECODE_KINDS.items():
+    for kind, (arch, bits, cut) in DECODE_KINDS.items():
         dtype = mx.bfloat16 if bits else plain
-        shallow, deep = (_decoder(_decode_model(arch, n, bits, dtype)) for n in DECODE_LAYERS)
+        shallow, deep = (_decoder(_decode_model(arch, n, bits, dtype, cut)) for n in DECODE_LAYERS)
         layer, step = _layer_and_step_s(shallow, deep, share)
         out[kind] = layer * 1e6
         fixed.append(step)

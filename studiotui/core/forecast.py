@@ -10,8 +10,10 @@ from; `docs/architecture.md` ("Placement" → "Forecast") and the forecast table
 say how close the model comes to published and measured figures.
 
 What it does not model: the KV cache's growth within an answer (decode is priced at a
-fixed context), prefix caching, sliding windows in prefill, thermal limits, and how
-several stages sharing one CPU-only host compete for its cores (only its bandwidth).
+fixed context), prefix caching, sliding windows in prefill, thermal limits, how
+several stages sharing one CPU-only host compete for its cores (only its bandwidth),
+and other programs keeping a host's cores busy, which slows a tensor group on the ring
+backend most: its ranks busy-poll at every all-reduce (docs/forecast.md).
 """
 
 from __future__ import annotations
@@ -100,13 +102,17 @@ class Chip:
     source: str
     layer_us: float = 0.0  # fixed dispatch cost per layer per step (CPU-only nodes)
     # What `studiotui benchmark` measured on the node's device, when it did: µs of a
-    # decode step per layer by kind (dense, dense_q4, moe, moe_q4) and outside its
+    # decode step per layer by kind (dense, dense_q4, moe, moe_q4; dense_tp2: a dense
+    # layer as a 2-way tensor rank's slice, see rank_share) and outside its
     # layers (step), MLX GFLOP/s per dtype, and µs per round of a small all-reduce by
     # backend and group size ("ring/2": the group's product step measured it there).
     decode_us: Mapping[str, float] = field(default_factory=dict)
     gflops: Mapping[str, float] = field(default_factory=dict)
     allreduce_round_us: Mapping[str, float] = field(default_factory=dict)
     run: str = ""  # the benchmark run the measured figures come from
+    # The links that run measured from this node (latency and Gb/s to each other node),
+    # used for a pair the caller's links have no measured figure for.
+    links: tuple[Link, ...] = ()
 
     @property
     def measured(self) -> bool:
@@ -169,6 +175,25 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 # --------------------------------------------------------------------------- parts
+
+
+def measured_links(links: Sequence[Link], chips: Mapping[str, Chip]) -> list[Link]:
+    """`links`, and for each pair that none of them measured, the link a benchmark
+    measured (`Chip.links`), with its kind and the RDMA the caller's link judged."""
+    known = {frozenset((x.a, x.b)) for x in links if x.latency_us is not None}
+    judged = {frozenset((x.a, x.b)): x for x in links}
+    out = list(links)
+    for chip in chips.values():
+        for link in chip.links:
+            key = frozenset((link.a, link.b))
+            if key in known or link.latency_us is None:
+                continue
+            known.add(key)
+            old = judged.get(key)
+            out.append(replace(link, rdma=old.rdma, rdma_why=old.rdma_why) if old else link)
+    # An unmeasured link of a pair measured now is left out: its defaults would win.
+    measured = {frozenset((x.a, x.b)) for x in out if x.latency_us is not None}
+    return [x for x in out if x.latency_us is not None or frozenset((x.a, x.b)) not in measured]
 
 
 def _pair_links(links: Sequence[Link]) -> dict[frozenset[str], Link]:
@@ -285,7 +310,9 @@ def _step_us(
         if chip.measured:
             # The measured cost of each layer's step already holds a small layer's reads
             # and products: a larger layer costs more only where its bytes or FLOPs do.
-            layers = sum(_layer_us(model, chip, i) for i in range(st.start, st.end))
+            # A rank of a tensor group holds a slice of each layer (rank_share).
+            cut = rank_share(chip.decode_us, len(st.nodes))
+            layers = cut * sum(_layer_us(model, chip, i) for i in range(st.start, st.end))
             slowest = max(slowest, chip.decode_us.get("step", 0.0) + max(layers, memory, compute))
             continue
         dispatch = chip.layer_us * (st.end - st.start)
@@ -301,6 +328,22 @@ def _flops(chip: Chip, model: ModelFacts) -> float:
     COMPUTE_EFFICIENCY."""
     measured = chip.gflops.get(model.dtype) or chip.gflops.get("float32")
     return measured * 1e9 if measured else chip.tflops * 1e12 * COMPUTE_EFFICIENCY
+
+
+def rank_share(decode_us: Mapping[str, float], n: int) -> float:
+    """The share of a layer's measured decode cost one rank of an `n`-way tensor group
+    pays for its slice: a benchmark timed a dense layer whole (`dense`) and as a rank of
+    a 2-way group holds it (`dense_tp2`), so a layer's cost is a part that does not
+    shrink with the slice (op dispatch, the step's Python) and a part that does:
+    whole = fixed + cut, half = fixed + cut / 2, and a rank of n pays fixed + cut / n.
+    1 for one node, or where the run did not time the slice (an older benchmark)."""
+    whole, half = decode_us.get("dense", 0.0), decode_us.get("dense_tp2", 0.0)
+    if n < 2 or whole <= 0 or half <= 0:
+        return 1.0
+    # Timings under load can put the half above the whole, or below a half of it:
+    # the fixed part is kept between none and all of the layer.
+    fixed = min(max(2 * half / whole - 1, 0.0), 1.0)
+    return fixed + (1 - fixed) / n
 
 
 def _layer_us(model: ModelFacts, chip: Chip, layer: int) -> float:
@@ -386,7 +429,7 @@ def forecast(
     step kept at SPEC_ACCEPTANCE — a step of 1 + K positions round the ring (priced as
     a batch of that many) plus, with a draft model, its K steps on the head's node
     (its weights, `draft_bytes`, read once a guess)."""
-    pair = _pair_links(links)
+    pair = _pair_links(measured_links(links, chips))
     names = [n for s in plan.shards for n in s.nodes]
     hosts = _hosts(names, pair)
     count = len(plan.shards)
@@ -553,8 +596,9 @@ def measured_bandwidths(runs: Sequence[Run], cluster: str) -> dict[str, float]:
 def with_benchmark(chips: Mapping[str, Chip], runs: Sequence[Run], cluster: str) -> dict[str, Chip]:
     """`chips` with what the newest saved `studiotui benchmark` run of this cluster
     measured on each node (`runs` newest first): its decode step per layer, its MLX
-    GFLOP/s, its memory read bandwidth, and a round of a small all-reduce of a group it
-    was in (the run's all-reduce over N ranks took 2(N-1) rounds of the ring, 2 of JACCL)."""
+    GFLOP/s, its memory read bandwidth, its links to the other nodes, and a round of a
+    small all-reduce of a group it was in (the run's all-reduce over N ranks took
+    2(N-1) rounds of the ring, 2 of JACCL)."""
     out = dict(chips)
     for name, chip in chips.items():
         for run in runs:
@@ -570,6 +614,11 @@ def with_benchmark(chips: Mapping[str, Chip], runs: Sequence[Run], cluster: str)
                 # Keyed by the group's size too: on hosts whose cores the ranks share, a
                 # round over 4 ranks is no guide to one over 2.
                 rounds[f"{g.backend}/{len(g.nodes)}"] = g.allreduce_us / count
+            measured_from = tuple(
+                Link(x.a, x.b, x.latency_us, x.best_gbps, x.kind)
+                for x in run.links
+                if name in (x.a, x.b) and x.latency_us is not None and not x.error
+            )
             out[name] = replace(
                 chip,
                 bandwidth_gbs=node.read_gbs or chip.bandwidth_gbs,
@@ -578,6 +627,7 @@ def with_benchmark(chips: Mapping[str, Chip], runs: Sequence[Run], cluster: str)
                 gflops=dict(node.gflops),
                 allreduce_round_us=rounds,
                 run=run.id,
+                links=measured_from,
             )
             break
     return out

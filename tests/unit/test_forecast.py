@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -330,3 +331,98 @@ def test_the_batched_figure_is_for_the_streams_the_placement_admits() -> None:
     assert "4 streams 100 tok/s" in describe(four)
     one = Forecast("2 stages", 30.0, 30.0, 2100.0, streams=1)
     assert "streams" not in describe(one) and "30.0 tok/s" in describe(one)
+
+
+# --------------------------------------------------------------------------- after a benchmark
+
+
+def test_a_rank_pays_the_part_of_a_layer_that_shrinks_with_its_slice() -> None:
+    from studiotui.core.forecast import rank_share
+
+    # Whole 1000 µs, a 2-way rank's slice 600: 200 of it does not shrink, 800 does.
+    timed = {"dense": 1000.0, "dense_tp2": 600.0}
+    assert rank_share(timed, 1) == 1.0
+    assert rank_share(timed, 2) == pytest.approx(0.6)
+    assert rank_share(timed, 4) == pytest.approx(0.2 + 0.8 / 4)
+    # Not timed (an older run): the whole layer, as before.
+    assert rank_share({"dense": 1000.0}, 2) == 1.0
+    # Noise past either end: all of the layer fixed, or all of it shrinking.
+    assert rank_share({"dense": 1000.0, "dense_tp2": 1200.0}, 2) == 1.0
+    assert rank_share({"dense": 1000.0, "dense_tp2": 300.0}, 4) == pytest.approx(0.25)
+
+
+def _benchmarked(names: list[str], latency: float, kind: str = "loopback") -> list:
+    """A saved run that timed each node's decode step (a layer whole and as a 2-way
+    rank's slice) and every link at `latency` µs, newest first."""
+    from studiotui.core.benchmark import LinkFigures, NodeFigures, Run, Sizes
+
+    decode = {"dense": 1000.0, "dense_tp2": 600.0, "step": 300.0}
+    # Bandwidth and compute to spare: the measured layers are what a step costs.
+    nodes = tuple(NodeFigures(n, read_gbs=400.0, gflops={"float32": 400.0}, decode_us=decode)
+                  for n in names)  # fmt: skip
+    links = tuple(
+        LinkFigures(a, b, kind, latency, None, 10.0, 10.0)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    )
+    return [Run("r", "2026-12-01T00:00:00Z", "desk", {}, "b", Sizes(), nodes=nodes, links=links)]
+
+
+def test_after_a_benchmark_a_tensor_rank_pays_its_slice_and_the_links_it_measured(
+    demo: ModelFacts,
+) -> None:
+    """A 2-node tensor group priced from a run: each rank pays its share of every
+    layer's measured cost, and each of the 2 × layers all-reduces two rounds over the
+    link the run measured (no link measured by the dashboard: the run's is used, not
+    a default)."""
+    from studiotui.core.forecast import ALLREDUCE_SYNC_US, with_benchmark
+
+    names = ["local-1", "local-2"]
+    nodes = [NodeBudget(n, 2 * GiB, 8 * GiB) for n in names]
+    base = {n: chip_for("AMD EPYC") for n in names}
+    verdict = plan(demo, nodes, [], tensor=2)
+    assert isinstance(verdict, Plan)
+
+    def per_token_us(latency: float) -> float:
+        chips = with_benchmark(base, _benchmarked(names, latency), "desk")
+        return 1e6 / forecast(demo, verdict, chips, [], streams=1).tps_1
+
+    layers = demo.n_layers
+    # Each rank: the step's own 300 µs and 8 layers at 0.6 of 1000 µs.
+    compute = 300.0 + layers * 600.0
+    fast, slow = per_token_us(100.0), per_token_us(300.0)
+    # Two more rounds of 200 µs for each of the 2 × 8 all-reduces.
+    assert slow - fast == pytest.approx(2 * layers * 2 * 200.0, rel=0.01)
+    allreduce = ALLREDUCE_SYNC_US + 2 * 100.0
+    assert fast == pytest.approx(compute + 2 * layers * allreduce, rel=0.02)
+    # A link the dashboard measured is the one taken.
+    chips = with_benchmark(base, _benchmarked(names, 300.0), "desk")
+    measured = [Link("local-1", "local-2", 100.0, 10.0, "loopback")]
+    at_100 = 1e6 / forecast(demo, verdict, chips, measured, streams=1).tps_1
+    assert at_100 == pytest.approx(fast, rel=0.001)
+
+
+def test_the_slice_a_benchmark_times_is_a_2_way_ranks_share_of_a_layer() -> None:
+    """`dense_tp2` is a dense layer with half its heads, KV heads and MLP width, the
+    hidden size and head width kept: what a rank of a 2-way group holds of it."""
+    import mlx.core as mx
+
+    from worker.device_bench import DECODE_KINDS, _decode_model
+
+    assert DECODE_KINDS["dense_tp2"][2] == 2
+    whole, half = (
+        _decode_model("llama", 1, None, mx.float32, cut).model.layers[0] for cut in (1, 2)
+    )
+
+    def shape(layer: Any, path: str) -> tuple[int, ...]:
+        for part in path.split("."):
+            layer = getattr(layer, part)
+        # On a CPU the shard's fusions wrap each projection (its `plain` Linear inside).
+        return tuple(getattr(layer, "plain", layer).weight.shape)
+
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj"):
+        (rows, cols), (half_rows, half_cols) = shape(whole, name), shape(half, name)
+        assert (half_rows * 2, half_cols) == (rows, cols), name
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        (rows, cols), (half_rows, half_cols) = shape(whole, name), shape(half, name)
+        assert (half_rows, half_cols * 2) == (rows, cols), name
