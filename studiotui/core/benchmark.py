@@ -194,8 +194,8 @@ class NodeFigures:
     matmul_n: dict[str, int] = field(default_factory=dict)  # the product each was timed on
     copy_gbs: float | None = None  # read and write of every byte
     read_gbs: float | None = None  # a sum: read only
-    # µs of a decode step per layer by kind (dense, dense_q4, moe, moe_q4) and outside its
-    # layers (step): what the forecast prices a stage with (worker/device_bench.py)
+    # µs of a decode step per layer by kind (dense, dense_tp2, dense_q4, moe, moe_q4) and
+    # outside its layers (step): what the forecast prices a stage with (worker/device_bench.py)
     decode_us: dict[str, float] = field(default_factory=dict)
     error: str = ""
 

@@ -712,8 +712,8 @@ class DeviceFigures(Wire, frozen=True, kw_only=True):
     device: str = ""  # which of the node's processors: "gpu" on a Mac, "cpu" here
     matmul: dict[str, MatmulFigures] = {}  # by dtype
     memory: MemoryFigures = MemoryFigures()
-    # µs a decode step costs per layer by kind (dense, dense_q4, moe, moe_q4) and outside
-    # its layers (step): worker.device_bench.decode_figures
+    # µs a decode step costs per layer by kind (dense, dense_tp2, dense_q4, moe, moe_q4)
+    # and outside its layers (step): worker.device_bench.decode_figures
     decode: dict[str, float] = {}
 
 
