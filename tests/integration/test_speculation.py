@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -570,3 +570,48 @@ def test_a_lookup_proposal_costs_the_same_however_long_the_context() -> None:
 
     short, long = min(per_step(1024) for _ in range(3)), min(per_step(32_768) for _ in range(3))
     assert long < 4 * short + 20e-6, (short, long)
+
+
+class _Counted(Sequence[int]):
+    """A context that counts the tokens read from it."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.reads = tokens, 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: Any) -> Any:
+        got = self.tokens[i]
+        self.reads += len(got) if isinstance(i, slice) else 1
+        return got
+
+
+def test_a_draft_step_reads_only_the_end_of_the_context(tmp_path: Path) -> None:
+    """A draft model's session compares only what is new since its last proposal with
+    what it has seen: a step reads as many context tokens at 8k tokens as at 100 (it
+    once compared the whole context, O(context) Python a step), and its guesses are
+    those of a session that proposes from scratch."""
+    draft = write_demo_model(tmp_path / "d", DemoSpec(layers=1, hidden=32, heads=2, kv_heads=1))
+    loaded = mlx_lm.load(str(draft))[0]
+
+    def reads(length: int) -> list[int]:
+        rng = random.Random(length)
+        context = [rng.randrange(256) for _ in range(length)]
+        session = speculation.DraftSession(loaded, prefill_chunk=4096)
+        session.propose(context, 3)
+        counts = []
+        for step in range(6):
+            guesses = session.propose(_Counted(context), 3)
+            if step == 3:
+                fresh = speculation.DraftSession(loaded, prefill_chunk=4096)
+                assert guesses == fresh.propose(context, 3)
+            session.guess_ahead(context, guesses, 3)  # made ahead, then not kept
+            counted = _Counted(context)
+            session.propose(counted, 3)
+            counts.append(counted.reads)
+            context += [guesses[0], (guesses[1] + 1) % 256]  # one kept, then another token
+        return counts
+
+    short, long = reads(100), reads(8192)
+    assert max(long) <= 16 and long == short, (short, long)
