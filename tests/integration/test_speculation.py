@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from tests.support.ring_harness import CHUNK, InProcessRing
 from worker import speculation
+from worker.cpu_fusion import DecodeRMSNorm
 from worker.shared.demo_model import FAMILIES, DemoSpec, write_demo_model
 
 LAYERS = 5
@@ -449,6 +450,8 @@ def test_a_draft_model_gives_mlx_lm_greedy_answer(models: Callable[..., Path], s
     for draft in (model, models("llama", layers=2)):
         loaded = mlx_lm.load(str(draft))[0]
         ring = Ring(model, SPLITS[stages], draft="model", draft_model=loaded, draft_tokens=K)
+        # The draft's steps take the CPU's fused ops, as a shard's do.
+        assert any(isinstance(m, DecodeRMSNorm) for m in loaded.modules())
         assert ring.answer({**GREEDY, "max_tokens": 40}) == expected, f"{draft.name}"
         assert ring.stages[0].stats.kept > 0
         if draft == model and stages > 1:
