@@ -15,8 +15,9 @@ on the CPU a shard swaps, for one-token steps:
 
 Measured on the 8-layer bench model: 1121 ops a token become 547, and every output
 is bit-identical (tests/unit/test_cpu_fusion.py), so greedy tokens still equal
-mlx-lm's. Only steps of one token per sequence take the fused path: their shapes
-never change, so each compiled function is traced once, where prefill chunks of
+mlx-lm's. Only steps of at most `FUSED_TOKENS` tokens per sequence take the fused
+path (a decode step, a speculative verify step: a token and its guesses): so few
+shapes that each compiled function keeps a trace of each, where prefill chunks of
 every length would each leave a trace behind.
 """
 
@@ -29,6 +30,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
+
+# The most tokens a sequence's step may have to take the fused path: a verify step's
+# (worker.speculation.MAX_DRAFT_TOKENS guesses and the token before them).
+FUSED_TOKENS = 17
 
 
 class DecodeRoPE(nn.Module):
@@ -45,10 +50,11 @@ class DecodeRoPE(nn.Module):
         self.plain = rope
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        if x.shape[-2] != 1 or not isinstance(offset, int):
+        n = x.shape[-2]
+        if not 1 <= n <= FUSED_TOKENS or not isinstance(offset, int):
             return self.plain(x, offset=offset)
         r = self.plain
-        cos, sin = _rows(r.dims, r.base, r.scale, x.dtype, offset)
+        cos, sin = _rows(r.dims, r.base, r.scale, x.dtype, offset, n)
         return rotate(x, r.dims, r.traditional, cos, sin)
 
 
@@ -89,24 +95,24 @@ def angle_table(
 
 _TableKey = tuple[int, float, float, mx.Dtype]
 _tables: dict[_TableKey, tuple[mx.array, mx.array]] = {}
-_row_cache: dict[tuple[_TableKey, int], tuple[mx.array, mx.array]] = {}
+_row_cache: dict[tuple[_TableKey, int, int], tuple[mx.array, mx.array]] = {}
 
 
 def _rows(
-    dims: int, base: float, scale: float, dtype: mx.Dtype, offset: int
+    dims: int, base: float, scale: float, dtype: mx.Dtype, offset: int, n: int = 1
 ) -> tuple[mx.array, mx.array]:
     key = (dims, base, scale, dtype)
-    rows = _row_cache.get((key, offset))
+    rows = _row_cache.get((key, offset, n))
     if rows is not None:
         return rows
     table = _tables.get(key)
-    if table is None or offset >= table[0].shape[0]:
-        size = max(1024, 1 << offset.bit_length())  # grows by doubling, rarely rebuilt
+    if table is None or offset + n > table[0].shape[0]:
+        size = max(1024, 1 << (offset + n).bit_length())  # grows by doubling, rarely rebuilt
         table = _tables[key] = angle_table(dims, base, scale, size, dtype)
     cos, sin = table
     if len(_row_cache) > 256:  # rows of steps long past: every request moved on
         _row_cache.clear()
-    rows = _row_cache[(key, offset)] = (cos[offset : offset + 1], sin[offset : offset + 1])
+    rows = _row_cache[(key, offset, n)] = (cos[offset : offset + n], sin[offset : offset + n])
     return rows
 
 
@@ -122,7 +128,7 @@ class DecodeRMSNorm(nn.Module):
         self._fused = mx.compile(normalize)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.ndim < 2 or x.shape[1] != 1:
+        if x.ndim < 2 or x.shape[1] > FUSED_TOKENS:
             return self.plain(x)
         return self._fused(x, self.plain.weight)
 

@@ -522,6 +522,22 @@ class Sampler:
             self._marks.append((before, self._last_key))
         return outs
 
+    def draw_undoable(
+        self, logits: mx.array
+    ) -> tuple[mx.array | tuple[mx.array, ...], tuple[mx.array, int | None]]:
+        """`draw`, and what `undo` needs to take it back (a step built ahead that does
+        not run after all: the next draw is then the one it would have been)."""
+        before = self._recent
+        self._last_key = None
+        out = self.draw(logits)
+        return out, (before, self._last_key)
+
+    def undo(self, mark: tuple[mx.array, int | None]) -> None:
+        before, key = mark
+        self._recent = before
+        if key is not None:
+            self._keys.unread([key])
+
     def keep(self, n: int) -> None:
         """Keep the first `n` draws of the last `draw_positions`; undo the others."""
         dropped, self._marks = self._marks[n:], []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -45,9 +45,6 @@ JUDGE_AFTER = 12
 # ... or once it has made this many verify steps (K falls to 1 after rejections, so
 # a request missing every guess would take 12 steps to reach JUDGE_AFTER guesses).
 JUDGE_ROUNDS = 4
-# ... and for a lookup request that found nothing to propose this many times running
-# (a step without guesses is not built ahead: an idle round costs what a guess saves).
-IDLE_ROUNDS = 8
 # A request's acceptance before it has guessed: what a batch expects of its guesses.
 PRIOR_ACCEPTANCE = 0.5
 # Batched verify steps (`batch_pays`): a row-position's compute as a share of a step's
@@ -162,7 +159,6 @@ class Speculation:
     prediction: tuple[int, ...] = ()  # a predicted output's tokens, looked up first
     drafted: int = 0
     kept: int = 0
-    idle: int = 0  # rounds running that had nothing to propose
     off: str = ""
     in_flight: tuple[int, ...] | None = None  # the guesses of the verify frame out now
     recent: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) lately
@@ -215,14 +211,9 @@ class Speculation:
         or falls to what was kept plus one if that is less; speculation stands aside
         when it is not paying."""
         if drafted == 0:
-            self.idle += 1
-            # A step without guesses cannot be built ahead: a request none of whose
-            # guesses was ever kept gives up sooner.
-            limit = IDLE_ROUNDS if self.kept else IDLE_ROUNDS // 2
-            if self.mode == "lookup" and self.idle >= limit:
-                self.off = f"prompt lookup found nothing to propose {limit} times running"
+            # Nothing to propose: the step decoded (built ahead, as without guesses), so
+            # prompt lookup goes on looking: a match may come later in the answer.
             return
-        self.idle = 0
         self.drafted += drafted
         self.kept += kept
         self.recent = [*self.recent, (drafted, kept)][-8:]
@@ -361,6 +352,29 @@ def window(caches: Sequence[Any]) -> int:
     return min(sizes, default=0)
 
 
+def hold(caches: Sequence[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """What `put_back` needs to return these caches (mlx-lm's) to how they are now, once
+    a step has been built on them that will not run: each one's attributes, an array
+    among them by a handle of its own (a cache writes its arrays in place, which gives
+    the array it wrote a new value; the handle keeps the old one, sharing its buffer,
+    so nothing of the step built on it is ever computed)."""
+    return [(cache, {k: _handle(v) for k, v in vars(cache).items()}) for cache in _leaves(caches)]
+
+
+def _handle(value: Any) -> Any:
+    if isinstance(value, mx.array):
+        return value.reshape(value.shape)  # the same array, not a copy
+    if isinstance(value, tuple | list) and any(isinstance(v, mx.array) for v in value):
+        return type(value)(_handle(v) for v in value)
+    return value
+
+
+def put_back(held: Sequence[tuple[Any, dict[str, Any]]]) -> None:
+    """Return caches to what `hold` saw."""
+    for cache, attrs in held:
+        vars(cache).update(attrs)
+
+
 def rewind(caches: Sequence[Any], tokens: int) -> None:
     """Cut `tokens` off the end of a shard's caches (mlx-lm's `trim_prompt_cache`)."""
     if tokens <= 0:
@@ -370,28 +384,68 @@ def rewind(caches: Sequence[Any], tokens: int) -> None:
     trim_prompt_cache(list(caches), tokens)
 
 
+class Joined(Sequence[int]):
+    """Two token lists read as one without copying them (a request's prompt and answer
+    so far): a draft reads only their last few tokens each step."""
+
+    def __init__(self, first: Sequence[int], second: Sequence[int]) -> None:
+        self.first, self.second = first, second
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self.first)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            if start >= n:
+                return list(self.second[start - n : stop - n])
+            if stop <= n:
+                return list(self.first[start:stop])
+            return [*self.first[start:], *self.second[: stop - n]]
+        if i < 0:
+            i += len(self)
+        return self.first[i] if i < n else self.second[i - n]
+
+
 class DraftSession:
     """A draft model's proposals for one request: its own cache, which holds the tokens
     it has seen (the prompt, the kept answer, and its own last guesses); before each
     proposal it is cut back to what still agrees with the context, fed the rest, and
-    asked for K greedy tokens, as mlx-lm's `speculative_generate_step` runs its draft."""
+    asked for K greedy tokens, as mlx-lm's `speculative_generate_step` runs its draft.
+
+    The context only grows at its end between proposals (the answer so far): what
+    agreed with it last time still does, so each step compares only the few tokens
+    past that, however long the context (`Joined` passes it without a copy)."""
 
     def __init__(self, model: Any, prefill_chunk: int = 512) -> None:
         self.model = model
         self.cache = make_prompt_cache(model)
         self.seen: list[int] = []
+        # Leading tokens of `seen` known to be the context's (they stay so as it grows).
+        self.agree = 0
         self.prefill_chunk = prefill_chunk
-        # Guesses made ahead (`guess_ahead`): the context they assume, and them; and
-        # the proposals they served.
-        self.ahead: tuple[list[int], list[int]] | None = None
+        # Guesses made ahead (`guess_ahead`): the context's length then, the tokens
+        # they assume follow it, and them; and the proposals they served.
+        self.ahead: tuple[int, list[int], list[int]] | None = None
         self.served_ahead = 0
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and len(ahead[1]) >= k and ahead[0] == list(context):
-            self.served_ahead += 1
-            return ahead[1][:k]  # the guesses made while the last step was out
-        return self._propose(context, k)
+        if ahead is not None and len(ahead[2]) >= k:
+            known, assumed, guesses = ahead
+            if len(context) == known + len(assumed) and list(context[known:]) == assumed:
+                self.served_ahead += 1
+                return guesses[:k]  # the guesses made while the last step was out
+        return self._propose(context, k, len(context))
 
     def guess_ahead(self, context: Sequence[int], guesses: Sequence[int], k: int) -> None:
         """While a verify step of `guesses` is out, guess the step after it as if every
@@ -401,23 +455,24 @@ class DraftSession:
         `propose` cuts the draft's cache back to what agrees."""
         if k <= 0 or not guesses:
             return
-        assumed = [*context, *guesses]
-        made = self._propose(assumed, k + 1)
-        self.ahead = ([*assumed, made[0]], made[1:])
+        known = len(context)
+        made = self._propose(Joined(context, list(guesses)), k + 1, known)
+        self.ahead = (known, [*guesses, made[0]], made[1:])
 
-    def _propose(self, context: Sequence[int], k: int) -> list[int]:
+    def _propose(self, context: Sequence[int], k: int, known: int) -> list[int]:
+        """K greedy guesses after `context`, whose first `known` tokens are the
+        request's own (the rest assumed)."""
         if k <= 0:
             return []
-        same = 0
-        for a, b in zip(self.seen, context, strict=False):
-            if a != b:
-                break
+        same = min(self.agree, len(self.seen), len(context))
+        while same < len(self.seen) and same < len(context) and self.seen[same] == context[same]:
             same += 1
         same = min(same, len(context) - 1)  # the last token is fed again: its logits
         if same < len(self.seen):
             trim_prompt_cache(self.cache, len(self.seen) - same)
-            self.seen = self.seen[:same]
+            del self.seen[same:]
         feed = list(context[same:])
+        self.agree = min(known, same)
         # The tokens new to it since its last guesses (after a verify: the big model's
         # token, and the last guess if all were kept) go in with the first guess's step.
         while len(feed) > self.prefill_chunk:
@@ -434,4 +489,5 @@ class DraftSession:
             out.append(y)
         drafts = cast(list[int], mx.concatenate(out, axis=1)[0].tolist())
         self.seen += [*feed, *drafts[:-1]]  # the last guess was never fed
+        self.agree = known  # `seen` now starts with the whole context
         return drafts

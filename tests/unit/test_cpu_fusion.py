@@ -47,6 +47,16 @@ def test_the_angle_table_rotates_exactly_like_fast_rope(
         want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
         got = rotate(x, dims, traditional, cos[offset : offset + 1], sin[offset : offset + 1])
         assert mx.array_equal(want, got).item(), f"offset {offset} differs"
+    # A verify step's rows: a token and its guesses at consecutive positions.
+    many = mx.random.normal((1, 4, 17, width), key=mx.random.key(dims)).astype(dtype)
+    for offset in [0, 1, 511, 1000, 4083]:
+        for n in (2, 7, 17):
+            x = many[:, :, :n]
+            want = mx.fast.rope(
+                x, dims, traditional=traditional, base=base, scale=scale, offset=offset
+            )
+            got = rotate(x, dims, traditional, cos[offset : offset + n], sin[offset : offset + n])
+            assert mx.array_equal(want, got).item(), f"offset {offset}, {n} rows differ"
 
 
 def test_decode_rope_matches_and_leaves_other_steps_to_the_original() -> None:
@@ -54,7 +64,9 @@ def test_decode_rope_matches_and_leaves_other_steps_to_the_original() -> None:
     fused = DecodeRoPE(plain)
     one = mx.random.normal((1, 8, 1, 32), key=mx.random.key(1))
     many = mx.random.normal((1, 8, 7, 32), key=mx.random.key(2))
-    for offset in (0, 5, 3000):  # 3000 is past the first table: it grows
+    prefill = mx.random.normal((1, 8, 40, 32), key=mx.random.key(2))  # the original's
+    for offset in (0, 5, 3000, 4090):  # 3000 is past the first table: it grows
+        assert mx.array_equal(fused(prefill, offset=offset), plain(prefill, offset=offset)).item()
         assert mx.array_equal(fused(one, offset=offset), plain(one, offset=offset)).item()
         assert mx.array_equal(fused(many, offset=offset), plain(many, offset=offset)).item()
     per_row = mx.array([4, 9])  # a batch cache's offsets: the original handles them
@@ -65,7 +77,7 @@ def test_decode_rope_matches_and_leaves_other_steps_to_the_original() -> None:
 def test_decode_norm_and_pretransposed_linear_match_exactly() -> None:
     norm = nn.RMSNorm(64, eps=1e-6)
     norm.weight = mx.random.uniform(0.5, 1.5, (64,), key=mx.random.key(4))
-    for shape in [(1, 1, 64), (1, 9, 64), (1, 1, 4, 64)]:
+    for shape in [(1, 1, 64), (1, 9, 64), (1, 17, 64), (1, 40, 64), (3, 1, 64), (1, 1, 4, 64)]:
         x = mx.random.normal(shape, key=mx.random.key(5))
         assert mx.array_equal(DecodeRMSNorm(norm)(x), norm(x)).item()
     for bias in (True, False):
@@ -108,6 +120,13 @@ def test_a_fused_shard_computes_what_the_plain_one_does(
             outs.append(shard.logits(h))
             token[i] = mx.argmax(outs[-1])
         assert mx.array_equal(outs[0], outs[1]).item(), f"{arch} fused differs"
+    # A verify step's width (a token and its guesses): the fused path too.
+    guesses = mx.array([[7, 19, 31, 43, 55]])
+    outs = [
+        shard.logits(shard.forward(shard.embed(guesses), caches[i]))
+        for i, shard in enumerate((fused, plain))
+    ]
+    assert mx.array_equal(outs[0], outs[1]).item(), f"{arch} fused verify step differs"
     compiled = [m for m in fused.inner.modules() if isinstance(m, DecodeCompiledMoE)]
     if arch in HAS_EXPERTS:
         # Every expert block ran compiled (none fell back to the plain one).

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import mlx.core as mx
 
 from worker import families, speculation
+from worker.cpu_fusion import DecodeRMSNorm, fuse_for_cpu
 from worker.families import LayerCaches
 from worker.prompt_cache import (
     DiskStore,
@@ -182,6 +183,12 @@ class StageBase:
         self.draft_tokens = min(
             draft_tokens or speculation.DEFAULT_DRAFT_TOKENS, speculation.MAX_DRAFT_TOKENS
         )
+        if draft_model is not None and not any(
+            isinstance(m, DecodeRMSNorm) for m in draft_model.modules()
+        ):
+            # Its one-token steps on the CPU: fewer, fused ops, bit-identical (as a
+            # shard's: worker.cpu_fusion; a no-op on a GPU), once for every stage.
+            fuse_for_cpu([draft_model])
         self.draft_model = draft_model
         # Per request, after a verify frame: the least offset its next frame may take
         # (the frame's first token is always kept); a frame below the cache's offset,
@@ -232,6 +239,8 @@ class StageBase:
         def _complete_batch(self, step: Launched) -> None: ...
 
         def _take_prebuilt(self, header: RingHeader) -> Prebuilt | None: ...
+
+        def _drop_prebuilt(self, rid: str) -> None: ...
 
         def _cache_for(self, header: RingHeader) -> LayerCaches: ...
 

@@ -129,6 +129,11 @@ class Prebuilt:
     # lazy; the activation to pass on, or what the tail's sampler drew
     out: mx.array | tuple[mx.array, ...] | None
     error: str = ""  # building it failed: the request ends when the step is due
+    # What puts the caches back should the step not run after all (a verify frame comes
+    # instead: `speculation.hold`); emptied when the step is taken, so the handles it
+    # keeps do not stop the step's cache writes from reusing their buffers.
+    undo: list[Any] = field(default_factory=list)
+    mark: Any = None  # (the tail) what gives its draw back (`Sampler.undo`), likewise
 
 
 @dataclass
@@ -180,6 +185,7 @@ class Stats:
     batched_rows: int = 0  # the requests those steps ran, summed
     drafted: int = 0  # (head) guesses sent in verify frames
     kept: int = 0  # (head) ... of them kept
+    dropped_ahead: int = 0  # decode steps built ahead, then not run: a verify frame came
     drafted_ahead: int = 0  # (head) a draft model's proposals made while the step before was out
     verified_batches: int = 0  # batched steps that verified some rows' guesses
     unguessed_batches: int = 0  # (head) batched steps left without guesses: no gain

@@ -79,6 +79,8 @@ class Steps(StageBase):
                 self._fail(header.rid, problem)
                 return
             try:
+                if kind == "verify":
+                    self._drop_prebuilt(header.rid)
                 pre = self._take_prebuilt(header) if kind == "decode" else None
                 if pre is not None and pre.slot is not None:
                     fill_slot(pre.slot, np.frombuffer(payload, dtype=NP_VIEW[header.dtype]))
@@ -212,8 +214,28 @@ class Steps(StageBase):
                 f"request {header.rid!r}: frame is for cache offset {header.offset} "
                 f"shape {list(header.shape)}, the shard expected offset {pre.offset}"
             )
+        pre.undo.clear()
         self.stats.prebuilt += 1
         return pre
+
+    def _drop_prebuilt(self, rid: str) -> None:
+        """A verify frame comes where a decode step was built ahead (prompt lookup found
+        guesses after a step that had none): the caches go back to before it. A step
+        built on a stage's own lazy token (a lone stage) is computing already: it is
+        cut back out of the caches."""
+        pre = self.prebuilt.pop(rid, None)
+        cache = self.caches.get(rid)
+        if pre is None or cache is None or pre.error:
+            return
+        if pre.undo:
+            speculation.put_back(pre.undo)
+        elif self.shard.cache_offset(cache) == pre.offset + 1:
+            speculation.rewind(cache, 1)
+        cache.offset = pre.offset
+        req = self.tail_requests.get(rid)
+        if pre.mark is not None and req is not None:
+            req.sampler.undo(pre.mark)  # the draw it made is given back
+        self.stats.dropped_ahead += 1
 
     def _build_ahead(self, done: RingHeader) -> None:
         """Build the step after `done`, a decode step whose evaluation has begun, while
@@ -226,6 +248,7 @@ class Steps(StageBase):
         if cache is None or rid in self.prebuilt or self.shard.cache_offset(cache) != offset:
             return  # freed, finished or already built
         error, out = "", cast(mx.array | tuple[mx.array, ...] | None, None)
+        mark: Any = None
         if self.shard.is_first:
             slot = self._slot(rid, offset, (1, 1), np.int32)
             h = self.shard.embed(slot)
@@ -234,13 +257,17 @@ class Steps(StageBase):
             slot = self._slot(rid, offset, done.shape, NP_VIEW[done.dtype])
             h = slot.view(mx.bfloat16) if done.dtype == "bfloat16" else slot
         self._snap_answer(rid, offset, cache)
+        # A stage whose caches cannot be cut back never sees a verify frame.
+        undo = [] if self.spec_reason else speculation.hold(cache)
         try:
             out = self.shard.forward(h, cache)
             if self.shard.is_last:
-                out = self.tail_requests[rid].sampler.draw(self.shard.logits(out))
+                out, mark = self.tail_requests[rid].sampler.draw_undoable(self.shard.logits(out))
         except Exception as exc:  # the cache may be half advanced: no step can follow
             error = describe(exc)
-        self.prebuilt[rid] = Prebuilt(offset=offset, slot=slot, out=out, error=error)
+        self.prebuilt[rid] = Prebuilt(
+            offset=offset, slot=slot, out=out, error=error, undo=undo, mark=mark
+        )
 
     def _slot(
         self, rid: str, offset: int, shape: tuple[int, ...], dtype: type[np.generic]
@@ -340,15 +367,18 @@ class Steps(StageBase):
         when the head takes the step."""
         offset, error = header.offset + 1, ""
         out: mx.array | tuple[mx.array, ...] | None = None
+        mark: Any = None
         self._snap_answer(header.rid, offset, self.caches[header.rid])
         try:
             h = self.shard.embed(sampled.reshape(1, 1))
             logits = self.shard.logits(self.shard.forward(h, self.caches[header.rid]))
-            out = req.sampler.draw(logits)
+            out, mark = req.sampler.draw_undoable(logits)
             mx.async_eval(out)
         except Exception as exc:  # the cache may be half advanced: no step can follow
             error = describe(exc)
-        self.prebuilt[header.rid] = Prebuilt(offset=offset, slot=None, out=out, error=error)
+        self.prebuilt[header.rid] = Prebuilt(
+            offset=offset, slot=None, out=out, error=error, mark=mark
+        )
 
     def _on_token(self, header: RingHeader) -> None:
         rid = header.rid

@@ -86,12 +86,17 @@ class Verify(StageBase):
         self, rid: str, req: HeadRequest, token: int, params: SamplingParams | None = None
     ) -> Launched:
         """(head) A request's next step on its newest token, decoding alone: a verify
-        frame of the token and its guesses while it speculates, else a decode step."""
+        frame of the token and its guesses while it has some, else a decode step (built
+        ahead while the step before computed). A decode step built ahead that a verify
+        frame replaces is dropped on every stage, never computed (`_drop_prebuilt`)."""
         offset = len(req.prompt) + req.generated - 1
         k = self._budget(req, offset)
-        if k is None:
+        drafts = self._propose(req, k) if k else []
+        if not drafts:
+            if req.spec is not None:
+                req.spec.in_flight = None  # nothing to propose: no guesses out
             return self._launch_head(rid, [token], "decode", offset, params)
-        drafts = self._propose(req, k)
+        self._drop_prebuilt(rid)
         return self._launch_head(rid, [token, *drafts], "verify", offset, params)
 
     def _budget(self, req: HeadRequest, offset: int) -> int | None:
@@ -122,7 +127,7 @@ class Verify(StageBase):
         if k > 0:
             if spec.mode == "model" and req.drafter is not None:
                 served = req.drafter.served_ahead
-                drafts = req.drafter.propose([*req.prompt, *req.answer], k)
+                drafts = req.drafter.propose(speculation.Joined(req.prompt, req.answer), k)
                 self.stats.drafted_ahead += req.drafter.served_ahead - served
             else:
                 drafts = spec.guesses(req.prompt, req.answer, k)
@@ -139,7 +144,9 @@ class Verify(StageBase):
             return
         try:
             req.drafter.guess_ahead(
-                [*req.prompt, *req.answer], list(guesses), min(spec.k_max, spec.k * 2)
+                speculation.Joined(req.prompt, req.answer),
+                list(guesses),
+                min(spec.k_max, spec.k * 2),
             )
         except Exception:
             # The step after proposes as usual, and fails the request if this recurs.
@@ -170,8 +177,7 @@ class Verify(StageBase):
         if not any(guesses):
             for req in reqs:
                 if req.spec is not None and req.spec.in_flight == ():
-                    req.spec.record(0, 0)  # nothing to propose: counts as an idle round
-                    req.spec.in_flight = None
+                    req.spec.in_flight = None  # nothing to propose: no guesses out
             return None
         return guesses
 
