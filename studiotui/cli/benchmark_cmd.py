@@ -12,13 +12,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from studiotui.cli.args import inventory_of
+from studiotui.cli.args import inventory_of, nodes_of
 from studiotui.cluster.benchmark import Benchmark
 from studiotui.cluster.session import open_controller
 from studiotui.core import benchmark as figures
 from studiotui.core.benchmark import Sizes, Step
 from studiotui.core.errors import UserError
-from studiotui.core.inventory import SelectionError, resolve_group
 from studiotui.views.benchmark import compare_markdown, compare_table, markdown, report
 
 console = Console(highlight=False)
@@ -184,10 +183,7 @@ async def cmd_benchmark(args: argparse.Namespace, home: Path) -> int:
     # Every refusal comes before a node is asked anything.
     sizes = (Sizes.quick() if args.quick else Sizes()).changed(args.size)
     inv = inventory_of(args, home)
-    try:
-        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
-    except SelectionError as exc:
-        raise UserError(str(exc)) from None
+    nodes = nodes_of(args, inv)
     async with open_controller(inv, home, ask=None) as ctl:
         bench = Benchmark(ctl, nodes, sizes, None, args.placement)
         # Unknown nodes and placements refused before the bar shows (`run` asks again:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from studiotui.cli import exits
-from studiotui.cli.args import inventory_of
+from studiotui.cli.args import inventory_of, nodes_of
 from studiotui.cli.nodes_cmd import start_hint
 from studiotui.cli.output import console, errors, hashing_shown, node_bars
 from studiotui.cluster import jobs, model_fetch
@@ -34,8 +34,6 @@ from studiotui.core.errors import UserError
 from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.inventory import (
     Inventory,
-    SelectionError,
-    resolve_group,
 )
 from studiotui.core.model_facts import ModelDirError, ModelInfo, read_model
 from studiotui.core.placement import (
@@ -120,10 +118,7 @@ async def cmd_place(args: argparse.Namespace, home: Path) -> int:
         )
     # An adapter is applied by pipeline stages, each to whole layers: no tensor groups.
     tensor = adapter_tensor(args.tensor) if adapter else args.tensor
-    try:
-        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
-    except SelectionError as exc:
-        raise UserError(str(exc)) from None
+    nodes = nodes_of(args, inv)
     async with open_controller(inv, home) as ctl:
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         if not group:
@@ -312,10 +307,7 @@ async def cmd_fetch(args: argparse.Namespace, home: Path) -> int:
             raise UserError(
                 f"{args.source!r} is not a Hugging Face repo id (org/name), and {exc.message}"
             ) from None
-    try:
-        nodes = list(resolve_group(inv, args.nodes)) if args.nodes else None
-    except SelectionError as exc:
-        raise UserError(str(exc)) from None
+    nodes = nodes_of(args, inv)
     async with open_controller(inv, home) as ctl:
         group = nodes or [n.name for n in ctl.state.nodes if n.state == "up"]
         down = [n for n in group if (s := ctl.state.node(n)) is None or s.state != "up"]
