@@ -160,20 +160,15 @@ def cut_to(caches: Sequence[Any], tokens: int) -> bool:
     return True
 
 
+def _state_leaves(caches: Sequence[Any]) -> list[tuple[str, Any]]:
+    """Every leaf of the caches' states by its place, as `save_prompt_cache` writes them
+    (a quantized cache's (data, scales, biases), a `CacheList`'s inner states, offsets
+    and settings as scalars)."""
+    return cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))
+
+
 def state_arrays(caches: Sequence[Any]) -> list[mx.array]:
-    out: list[mx.array] = []
-    for cache in caches:
-        inner = getattr(cache, "caches", None)
-        if isinstance(inner, tuple | list):
-            out += state_arrays(list(inner))
-            continue
-        state = cache.state
-        for part in state if isinstance(state, tuple | list) else [state]:
-            if isinstance(part, mx.array):
-                out.append(part)
-            elif isinstance(part, tuple | list):  # a quantized cache's (data, scales, biases)
-                out += [p for p in part if isinstance(p, mx.array)]
-    return out
+    return [leaf for _, leaf in _state_leaves(caches) if isinstance(leaf, mx.array)]
 
 
 def digest(caches: Sequence[Any]) -> str:
@@ -182,8 +177,7 @@ def digest(caches: Sequence[Any]) -> str:
     entry's file carries the digest of what it holds, so a file of the right length with
     changed bytes (a failing disk, a copy cut and padded) is not reused as sound."""
     h = hashlib.blake2b(digest_size=16)
-    leaves = cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))
-    for place, leaf in leaves:
+    for place, leaf in _state_leaves(caches):
         h.update(place.encode())
         if isinstance(leaf, mx.array):
             view = memoryview(cast(Any, leaf))  # mx.array has the buffer protocol
