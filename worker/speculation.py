@@ -95,6 +95,8 @@ class LookupIndex:
             self.sources.append((tokens, table))
         self.tokens: list[int] = []
         self.table: dict[tuple[int, ...], int] = {}
+        # Where the last proposal came from: its source and the position it began at.
+        self.taken: tuple[Sequence[int], int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -111,7 +113,9 @@ class LookupIndex:
             for source, table in [*self.sources, (context, self.table)]:
                 at = table.get(tail)
                 if at is not None:
+                    self.taken = (source, at)
                     return list(source[at : at + k])
+        self.taken = None
         return []
 
 
@@ -165,6 +169,7 @@ class Speculation:
     # Prompt lookup's index of the prompt and the kept answer (`guesses`), and how much
     # of the answer is still the predicted output's beginning.
     index: LookupIndex | None = None
+    taken: tuple[Sequence[int], int] | None = None  # where the last guesses came from
     answered: int = 0  # answer tokens entered in the index
     predicted: int = 0  # answer tokens that are the prediction's first ones (if all)
 
@@ -187,8 +192,24 @@ class Speculation:
         if k <= 0:
             return []
         if self.prediction and self.predicted == len(answer) < len(self.prediction):
+            self.taken = (self.prediction, len(answer))
             return list(self.prediction[len(answer) : len(answer) + k])
-        return self.index.propose(k)
+        guesses = self.index.propose(k)
+        self.taken = self.index.taken
+        return guesses
+
+    def guesses_after(self, k: int) -> tuple[int, list[int]] | None:
+        """Prompt lookup's guess at the step after the guesses in flight, were they all
+        kept: the token their source has next (the big model's own, guessed) and the `k`
+        after it, or None when the source ends there. What `guesses` proposes then may
+        differ (a later match of the new tail): the caller compares before using it."""
+        if self.taken is None or not self.in_flight:
+            return None
+        source, at = self.taken
+        end = at + len(self.in_flight)
+        if end >= len(source):
+            return None
+        return source[end], list(source[end + 1 : end + 1 + k])
 
     @property
     def rejected(self) -> int:

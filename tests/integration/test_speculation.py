@@ -75,7 +75,11 @@ class Ring(InProcessRing):
 
     def held(self) -> list[int]:
         return [
-            len(s.caches) + len(s.prebuilt) + len(s.tail_requests) + len(s.rewind_floor)
+            len(s.caches)
+            + len(s.prebuilt)
+            + len(s.tail_requests)
+            + len(s.rewind_floor)
+            + len(s.verify_ahead)
             for s in self.stages
         ]
 
@@ -457,6 +461,66 @@ def test_a_draft_model_gives_mlx_lm_greedy_answer(models: Callable[..., Path], s
         if draft == model and stages > 1:
             assert ring.stages[0].stats.drafted_ahead > 0
         assert ring.held() == [0] * stages
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_verify_step_computed_ahead_is_sent_or_cut_back(
+    models: Callable[..., Path], stages: int
+) -> None:
+    """While a verify step is round the ring the head computes the next one as guessed
+    (every guess kept, the model's token guessed too): sent as it is when the tokens
+    come back so, cut back out of the head's caches when they do not. Either way the
+    answer is mlx-lm's, greedy and seeded, and nothing is left held."""
+    model = models("llama")
+    expected = reference(model, n=40)
+    many = {**GREEDY, "max_tokens": 40}
+    # A draft that agrees: each step after the first was computed ahead.
+    ring = Ring(model, SPLITS[stages], draft="model", draft_model=mlx_lm.load(str(model))[0],
+                draft_tokens=K)  # fmt: skip
+    assert ring.answer(many) == expected
+    head = ring.stages[0].stats
+    assert head.verified_ahead >= 3 and head.dropped_verify_ahead == 0
+    assert ring.held() == [0] * stages
+    # A draft of other weights: some steps computed ahead are dropped, some sent.
+    other = mlx_lm.load(str(models("llama", layers=2)))[0]
+    ring = Ring(model, SPLITS[stages], draft="model", draft_model=other, draft_tokens=K)
+    assert ring.answer(many) == expected
+    assert ring.stages[0].stats.dropped_verify_ahead > 0
+    assert ring.held() == [0] * stages
+    # Prompt lookup's prediction, right to its 14th token and from its 22nd: the step
+    # computed ahead over the wrong token is cut back, the one after it is sent.
+    wrong = [*expected[:14], *((t + 1) % 256 for t in expected[14:21]), *expected[21:]]
+    ring = Ring(model, SPLITS[stages], draft_tokens=K)
+    assert ring.answer(many, prediction=wrong) == expected
+    head = ring.stages[0].stats
+    assert head.verified_ahead > 0 and head.dropped_verify_ahead > 0
+    assert ring.held() == [0] * stages
+    # Seeded sampling: the same draws as without guesses.
+    sampled = {**SAMPLED, "max_tokens": 40}
+    plain = Ring(model, SPLITS[stages]).answer(sampled)
+    ring = Ring(model, SPLITS[stages], draft_tokens=K)
+    assert ring.answer(sampled, prediction=plain) == plain
+    assert ring.stages[0].stats.verified_ahead > 0
+    assert ring.held() == [0] * stages
+
+
+def test_a_lone_stage_computes_nothing_ahead_and_a_miss_sends_none(
+    models: Callable[..., Path],
+) -> None:
+    """A lone stage has no ring to overlap the next step with; guesses that never agree
+    make every step computed ahead a wrong one, cut back, until speculation stands
+    aside."""
+    model = models("llama")
+    expected = reference(model, n=40)
+    ring = Ring(model, SPLITS[1], draft_tokens=K)
+    assert ring.answer({**GREEDY, "max_tokens": 40}, prediction=expected) == expected
+    assert ring.stages[0].stats.verified_ahead == ring.stages[0].stats.dropped_verify_ahead == 0
+    never = [(t + 1) % 256 for t in expected]
+    ring = Ring(model, SPLITS[2], draft_tokens=K)
+    assert ring.answer({**GREEDY, "max_tokens": 40}, prediction=never) == expected
+    assert ring.stages[0].stats.verified_ahead == 0
+    assert ring.done("r")["usage"]["speculation_off"]
+    assert ring.held() == [0, 0]
 
 
 def test_guesses_made_ahead_are_the_draft_s_own(tmp_path: Path) -> None:

@@ -194,6 +194,13 @@ class StageBase:
         # (the frame's first token is always kept); a frame below the cache's offset,
         # and not below this, cuts the cache back to it.
         self.rewind_floor: dict[str, int] = {}
+        # (head) A draft model's next verify step, computed on this stage while the one
+        # before is round the ring, on the guess that all of that one's guesses are kept
+        # (`Verify._verify_ahead`), with the token it starts with. Only a pipeline's head
+        # that is not its tail: a tensor group's ranks compute in step, a lone stage has
+        # no ring to overlap with.
+        self.verify_ahead: dict[str, tuple[Launched, int]] = {}
+        self.ahead_ok = shard.is_first and not shard.is_last and tensor_group is None
         # A lane's batched step verifies its rows' guesses in one pass when the batch's
         # caches can cut each row back by its own amount (`batch_spec_reason` says why
         # not) and it pays (`speculation.batch_pays`, with `row_cost`: the setting, or
@@ -241,6 +248,12 @@ class StageBase:
         def _take_prebuilt(self, header: RingHeader) -> Prebuilt | None: ...
 
         def _drop_prebuilt(self, rid: str) -> None: ...
+
+        def _drop_verify_ahead(self, rid: str) -> None: ...
+
+        def _launch(
+            self, header: RingHeader, h: mx.array | None = None, pre: Prebuilt | None = None
+        ) -> Launched: ...
 
         def _cache_for(self, header: RingHeader) -> LayerCaches: ...
 

@@ -187,6 +187,10 @@ class Stats:
     kept: int = 0  # (head) ... of them kept
     dropped_ahead: int = 0  # decode steps built ahead, then not run: a verify frame came
     drafted_ahead: int = 0  # (head) a draft model's proposals made while the step before was out
+    # (head) verify steps computed while the one before was out, then sent as they were
+    # (every guess kept, as assumed) or cut back out of the caches (not).
+    verified_ahead: int = 0
+    dropped_verify_ahead: int = 0
     verified_batches: int = 0  # batched steps that verified some rows' guesses
     unguessed_batches: int = 0  # (head) batched steps left without guesses: no gain
 

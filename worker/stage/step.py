@@ -421,6 +421,7 @@ class Steps(StageBase):
             else:
                 # Its lane steps together: it goes with the lane's next step, its guesses
                 # verified with the other rows' when that pays (`_batch_guesses`).
+                self._drop_verify_ahead(rid)  # the lane's step is built on its caches
                 lane.flying.discard(rid)
                 lane.ready[rid] = header.token
                 lane_step = self._lane_launch(lane)

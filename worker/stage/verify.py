@@ -92,6 +92,22 @@ class Verify(StageBase):
         offset = len(req.prompt) + req.generated - 1
         k = self._budget(req, offset)
         drafts = self._propose(req, k) if k else []
+        ahead = self.verify_ahead.get(rid)
+        if ahead is not None:
+            step, first = ahead
+            if (
+                drafts
+                and first == token
+                and step.header.offset == offset
+                and step.header.draft == tuple(drafts)
+            ):
+                # Every guess was kept and the big model's token is the draft's: the step
+                # computed ahead is this one, half done or done.
+                del self.verify_ahead[rid]
+                self.rewind_floor[rid] = offset + 1
+                self.stats.verified_ahead += 1
+                return step
+            self._drop_verify_ahead(rid)
         if not drafts:
             if req.spec is not None:
                 req.spec.in_flight = None  # nothing to propose: no guesses out
@@ -135,22 +151,86 @@ class Verify(StageBase):
         return drafts
 
     def _guess_ahead(self, rid: str, guesses: tuple[int, ...]) -> None:
-        """(head) A draft model's guesses for the step after the verify step just sent,
-        made while it is round the ring (`DraftSession.guess_ahead`): as many as K
-        grows to if every guess is kept (`Speculation.record` doubles it)."""
+        """(head) The guesses for the step after the verify step just sent, made while it
+        is round the ring, as if every guess in it is kept: a draft model's
+        (`DraftSession.guess_ahead`), as many as K grows to then (`Speculation.record`
+        doubles it), or prompt lookup's (the same source read on). With them this stage
+        starts that step's layers at once (`_verify_ahead`)."""
         req = self.head_requests.get(rid)
         spec = req.spec if req is not None else None
-        if req is None or req.drafter is None or spec is None or spec.off:
+        if req is None or spec is None or spec.off:
             return
-        try:
-            req.drafter.guess_ahead(
-                speculation.Joined(req.prompt, req.answer),
-                list(guesses),
-                min(spec.k_max, spec.k * 2),
-            )
-        except Exception:
-            # The step after proposes as usual, and fails the request if this recurs.
-            req.drafter.ahead = None
+        k = min(spec.k_max, spec.k * 2)
+        if req.drafter is not None:
+            try:
+                req.drafter.guess_ahead(
+                    speculation.Joined(req.prompt, req.answer), list(guesses), k
+                )
+            except Exception:
+                # The step after proposes as usual, and fails the request if this recurs.
+                req.drafter.ahead = None
+                return
+            ahead = req.drafter.ahead
+            after = (ahead[1][-1], ahead[2]) if ahead is not None else None
+        elif spec.mode == "lookup" and self.ahead_ok:
+            after = spec.guesses_after(k)
+        else:
+            return
+        if after is not None:
+            self._verify_ahead(rid, req, spec, *after)
+
+    def _verify_ahead(
+        self, rid: str, req: HeadRequest, spec: Speculation, first: int, guesses: list[int]
+    ) -> None:
+        """(head) Start this stage's layers on the verify step after the one just sent,
+        as guessed: every guess kept, the big model's token `first`, then `guesses`. The
+        later stages compute the sent step meanwhile, on other cores or other nodes, so
+        when its tokens come back as guessed the next step leaves at once instead of
+        after this stage's compute (`_launch_next` takes it). When they do not, the
+        caches are cut back past it as past rejected guesses (the floor stays the sent
+        step's) and it is dropped: a wrong guess costs this stage compute it would
+        otherwise have spent waiting."""
+        floor = self.rewind_floor.get(rid)
+        cache = self.caches.get(rid)
+        if (
+            not self.ahead_ok
+            or self.spec_window
+            or spec.in_flight is None
+            or floor is None
+            or cache is None
+        ):
+            return
+        generated = req.generated + len(spec.in_flight) + 1
+        offset = len(req.prompt) + generated - 1  # the next step's, past the sent one's
+        # Its guesses as `_budget` will allow them once every guess is kept: K doubles
+        # (`Speculation.record`), within the answer's and the context's room.
+        room = min(
+            req.params.max_tokens - generated - 1,
+            self.context_tokens - offset - 1,
+            min(spec.k_max, spec.k * 2),
+        )
+        drafts = guesses[: max(0, room)]
+        if not drafts or self.shard.cache_offset(cache) != offset:
+            return
+        header = RingHeader(rid=rid, kind="verify", offset=offset, draft=tuple(drafts))
+        step = self._launch(header, self.shard.embed(mx.array([[first, *drafts]])))
+        # A miss cuts back from the sent step's offset, past this step too.
+        self.rewind_floor[rid] = floor
+        self.verify_ahead[rid] = (step, first)
+
+    def _drop_verify_ahead(self, rid: str) -> None:
+        """(head) A verify step computed ahead that will not be sent: its tokens are cut
+        back out of this stage's caches."""
+        ahead = self.verify_ahead.pop(rid, None)
+        cache = self.caches.get(rid)
+        if ahead is None or cache is None:
+            return
+        offset = ahead[0].header.offset
+        have = self.shard.cache_offset(cache)
+        if have > offset:
+            speculation.rewind(cache, have - offset)
+            cache.offset = offset
+        self.stats.dropped_verify_ahead += 1
 
     # ---- batched verify steps ----------------------------------------------------------
 
