@@ -8,9 +8,15 @@ measured from the pairs, never a speed goal."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from studiotui.bench import speculative
@@ -65,3 +71,37 @@ def test_a_side_counts_the_tokens_after_its_first_delta() -> None:
     assert answer.steps(5) == pytest.approx([0.5, 0.3])
     assert answer.steps(1) == pytest.approx([0.2])
     assert speculative.Answer([[1]], [1.0], {}).tps == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_the_bench_and_the_agents_it_started(tmp_path: Path) -> None:
+    """`kill` of a running bench (a CI's timeout, a service manager) leaves no agent of
+    it running: it says it was stopped, and its agents are gone."""
+    env = {**os.environ, "STUDIOTUI_HOME": str(tmp_path)}
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "studiotui", "bench", "--speculative", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        me = psutil.Process(bench.pid)
+        deadline = time.monotonic() + 120
+        agents: list[psutil.Process] = []
+        while time.monotonic() < deadline and len(agents) < 2:
+            agents = [c for c in me.children() if "worker" in " ".join(c.cmdline())]
+            time.sleep(0.2)
+        assert len(agents) == 2, "the bench never started its two agents"
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode == 143, err
+        assert "bench stopped (SIGTERM)" in err
+        _, alive = psutil.wait_procs(agents, timeout=10)
+        assert alive == [], [a.pid for a in alive]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for child in psutil.Process().children(recursive=True):
+            child.kill()

@@ -507,9 +507,9 @@ def test_a_verify_step_computed_ahead_is_sent_or_cut_back(
 def test_a_lone_stage_computes_nothing_ahead_and_a_miss_sends_none(
     models: Callable[..., Path],
 ) -> None:
-    """A lone stage has no ring to overlap the next step with; guesses that never agree
-    make every step computed ahead a wrong one, cut back, until speculation stands
-    aside."""
+    """A lone stage has no ring to overlap the next step with; after a step whose
+    guesses were not all kept the head computes nothing ahead, so guesses that never
+    agree cost at most the first step computed ahead, cut back."""
     model = models("llama")
     expected = reference(model, n=40)
     ring = Ring(model, SPLITS[1], draft_tokens=K)
@@ -519,6 +519,7 @@ def test_a_lone_stage_computes_nothing_ahead_and_a_miss_sends_none(
     ring = Ring(model, SPLITS[2], draft_tokens=K)
     assert ring.answer({**GREEDY, "max_tokens": 40}, prediction=never) == expected
     assert ring.stages[0].stats.verified_ahead == 0
+    assert ring.stages[0].stats.dropped_verify_ahead <= 1
     assert ring.done("r")["usage"]["speculation_off"]
     assert ring.held() == [0, 0]
 

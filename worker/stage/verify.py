@@ -192,8 +192,12 @@ class Verify(StageBase):
         otherwise have spent waiting."""
         floor = self.rewind_floor.get(rid)
         cache = self.caches.get(rid)
+        last = spec.recent[-1] if spec.recent else None
         if (
             not self.ahead_ok
+            # Only after a step that kept every guess (as K doubles only then): guesses
+            # that miss would make each step computed ahead a wasted one.
+            or (last is not None and last[1] < last[0])
             or self.spec_window
             or spec.in_flight is None
             or floor is None
