@@ -45,6 +45,9 @@ class Release(StageBase):
             timings["hop_us_p50"] = statistics.median(req.hops_us)
         # Which stop string ended the answer: Anthropic's API names it (stop_sequence).
         matched = {"stop": req.stream.matched} if req.stream.matched else {}
+        # A verify step computed ahead for a step that will not come: out of the caches
+        # before they are kept.
+        self._drop_verify_ahead(rid)
         extra = self._keep_plan(req)
         if extra.get("drop"):
             self._forget(extra["drop"])

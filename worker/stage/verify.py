@@ -344,7 +344,10 @@ class Verify(StageBase):
         tokens, finish = self._verified(req, header.draft, values, draws or None)
         if finish:
             self.tail_requests.pop(rid, None)
-            self.caches.pop(rid, None)
+            ended = self.caches.pop(rid, None)
+            if ended is not None and self.store.budget:
+                # The head's "free" says whether to keep it (cut back to the answer's end).
+                self.finished[rid] = ended
             self.rewind_floor.pop(rid, None)
         extra = self._carry(header.extra)
         if draws and isinstance(draws[0], tuple):
