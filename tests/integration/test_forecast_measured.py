@@ -9,10 +9,11 @@ This compares two measurements of the same machine in the same run, so a load th
 comes and goes weighs on both, though not always alike; a run outside the bound is
 measured once more (benchmark and forecast anew) before it fails: a burst of other work
 can fall on one of the two timings only, but a forecast that is wrong is wrong twice.
-Each shape must land within BOUND, 2× (before the forecast used a benchmark's figures
-it was 2.4× to 7× high). 1.5× failed beside other benchmarks (the pipeline once at
-2.93×, its stream timed in a burst); docs/forecast.md gives the ratios measured, with
-the load.
+Each shape must land within QUIET_BOUND, 1.5×, of what the run measured when nothing
+else kept the host busy, and within BOUND, 2×, when something did (before the forecast
+used a benchmark's figures it was 2.4× to 7× high). 1.5× failed beside other
+benchmarks (the pipeline once at 2.93×, its stream timed in a burst); docs/forecast.md
+gives the ratios measured, with the load.
 
 One exception, measured rather than assumed: a tensor group's two ranks on this one
 host busy-poll the ring at every all-reduce, so when other programs keep the host's
@@ -55,6 +56,9 @@ SIZES = Sizes(
     prompt_tokens=16,
 )
 BOUND = 2.0
+# ... and on a host that nothing else kept busy during the run (docs/forecast.md: 0.92
+# to 1.38 in such runs).
+QUIET_BOUND = 1.5
 # Cores' worth of CPU time that programs outside the cluster used during the run, above
 # which the host counts as busy (see the module's docstring).
 BUSY_CORES = 0.5
@@ -130,12 +134,13 @@ def test_the_forecast_after_a_benchmark_lands_near_what_it_measures(
             await ctl.close()
 
     def off(found: dict[str, tuple[float, float, str]], busy: bool) -> list[str]:
+        bound = BOUND if busy else QUIET_BOUND
         return [
             f"{name}: forecast {guessed:.1f} tok/s, measured {measured:.1f} "
             f"({guessed / measured:.2f}x)"
             for name, (guessed, measured, _) in found.items()
-            if guessed / measured < 1 / BOUND
-            or (guessed / measured > BOUND and not (busy and name == "tp"))
+            if guessed / measured < 1 / bound
+            or (guessed / measured > bound and not (busy and name == "tp"))
         ]
 
     def measured(first: bool) -> tuple[dict[str, tuple[float, float, str]], bool]:
