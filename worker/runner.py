@@ -703,6 +703,7 @@ class Runner:
             "batched_rows": s.batched_rows,
             "drafted": s.drafted,
             "kept": s.kept,
+            "verified_ahead": s.verified_ahead,
             "warm_ms": self.stage.warmed.get("total", 0.0),
             "active_bytes": mx.get_active_memory(),
             **self.stage.cache_stats(),

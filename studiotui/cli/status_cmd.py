@@ -129,6 +129,7 @@ def status_json(ctl: Controller, rates: Mapping[str, float] | None = None) -> di
                 "draft": next((s.draft for s in p.shards if s.draft), ""),
                 "drafted": sum(s.drafted for s in p.shards),
                 "acceptance": placement_acceptance(p),
+                "verified_ahead": sum(s.verified_ahead for s in p.shards),
                 "prompt_cache": placement_cache(p).as_dict(),
             }
             for p in st.placements

@@ -67,6 +67,7 @@ class ShardState:
     draft: str = ""
     drafted: int = 0
     kept: int = 0
+    verified_ahead: int = 0  # verify steps computed while the one before was out, sent
 
 
 @dataclass(frozen=True)
@@ -444,6 +445,7 @@ def shard_from_report(node: str, report: ShardReport) -> ShardState:
         draft=report.draft,
         drafted=report.stats.drafted,
         kept=report.stats.kept,
+        verified_ahead=report.stats.verified_ahead,
     )
 
 

@@ -119,6 +119,8 @@ async def test_a_draft_model_on_the_head_gives_mlx_lm_answer(served: Served) -> 
             break
         await asyncio.sleep(0.2)
     assert row["draft"] == "model" and row["acceptance"] > 0.7
+    # Its head computed verify steps while the ones before were out, and sent them.
+    assert row["verified_ahead"] > 0
 
 
 async def test_predicted_outputs_feed_prompt_lookup(served: Served) -> None:

@@ -403,6 +403,9 @@ class ShardStats(Wire, frozen=True, kw_only=True):
     # (the head) speculative decoding's guesses sent in verify frames, and those kept
     drafted: int = 0
     kept: int = 0
+    # (the head) verify steps it computed while the one before was out and then sent
+    # (worker.stage.verify: every guess kept, as guessed)
+    verified_ahead: int = 0
     warm_ms: float = 0.0  # the stage's warm-up at load, before "ready" (worker.stage.warmup)
     active_bytes: int = 0
     # The prefix cache (worker.prompt_cache): this shard's entries and their bytes in
