@@ -508,6 +508,38 @@ def test_a_verify_step_computed_ahead_is_sent_or_cut_back(
     assert ring.held() == [0] * stages
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_request_joining_a_batch_drops_the_step_computed_ahead(
+    models: Callable[..., Path], stages: int
+) -> None:
+    """A request decoding alone with a step computed ahead, then others arrive and one
+    decodes in a batch with it: the step computed ahead is cut back out before the
+    batch is built on its caches, and every answer is mlx-lm's."""
+    model = models("llama")
+    n = 60
+    first = {**GREEDY, "max_tokens": n}
+    second = BATCH_PROMPTS["b"]
+    expected = reference(model, n=n)
+    later = reference(model, n=n, prompt=second)
+    itself = mlx_lm.load(str(model))[0]
+    ring = Ring(model, SPLITS[stages], draft="model", draft_model=itself, draft_tokens=K,
+                row_cost=speculation.ROW_COST)  # fmt: skip
+    ring.ask("a", first)
+    while ring.stages[0].stats.verified_ahead < 1:
+        ring.drain(1)
+    assert ring.stages[0].verify_ahead, "a step should be computed ahead now"
+    # One lane a stage: enough requests that one joins the lane of "a".
+    others = [f"b{i}" for i in range(stages + 1)]
+    for rid in others:
+        ring.ask(rid, first, tokens=second, draft="")
+    ring.drain()
+    assert ring.tokens("a") == expected
+    assert all(ring.tokens(rid) == later for rid in others)
+    head = ring.stages[0].stats
+    assert head.batched > 0 and head.dropped_verify_ahead > 0
+    assert ring.held() == [0] * stages
+
+
 def test_a_lone_stage_computes_nothing_ahead_and_a_miss_sends_none(
     models: Callable[..., Path],
 ) -> None:
