@@ -65,10 +65,18 @@ async def cmd_chat(args: argparse.Namespace, home: Path) -> int:
             sys.stdout.write("\n")
             t = done.timings if done else {}
             u = done.usage if done else {}
+            # Speculative decoding: the share of guesses kept, beside the speed it brought.
+            spec = u.get("completion_tokens_details") or {}
+            made = spec.get("accepted_prediction_tokens", 0) + spec.get(
+                "rejected_prediction_tokens", 0
+            )
+            kept = (
+                f"{spec['accepted_prediction_tokens'] / made:.0%} of guesses kept, " if made else ""
+            )
             errors.print(
                 f"[dim]{u.get('prompt_tokens', 0)} tokens in, {u.get('completion_tokens', 0)} out, "
                 f"first token {t.get('ttft_ms', 0):.0f} ms, {t.get('decode_tps', 0):.1f} tok/s, "
-                f"finish: {done.finish_reason if done else '?'}[/]"
+                f"{kept}finish: {done.finish_reason if done else '?'}[/]"
             )
     except GenerationError as exc:
         raise UserError(str(exc)) from None

@@ -8,6 +8,9 @@ placed with `--draft lookup`; the real `openai` client asks them through the API
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ from studiotui.app.app import StudioApp
 from studiotui.app.screens.chat import AnswerView, ChatScreen
 from studiotui.cli.status_cmd import status_json
 from studiotui.cluster.controller import Controller
+from studiotui.cluster.local_cluster import save_local_inventory
 from studiotui.core.placement import Plan, Refusal
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
 from tests.support.pilot_helpers import until
@@ -232,3 +236,22 @@ async def test_each_runner_warmed_its_stage_before_ready(served: Served) -> None
         head = served.ctl.head_peer(served.ctl.pick_placement(name))
         stats = (await head.ask("stats", control.StatsReply)).stats
         assert stats.warm_ms > 0, stats
+
+
+async def test_the_cli_chat_says_the_share_of_guesses_kept(
+    served: Served, spec_cluster: LocalCluster
+) -> None:
+    """`studiotui chat` against the placement with a draft model: after the answer, the
+    share of guesses kept beside tok/s, as the dashboard's chat shows it."""
+    save_local_inventory(spec_cluster.home, spec_cluster.inventory)  # as `up --local` does
+    env = {**os.environ, "STUDIOTUI_HOME": str(spec_cluster.home)}
+    chat = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "studiotui", "chat", "--placement", "drafted",
+        "--max-tokens", "32", MESSAGES[0]["content"],
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(chat.communicate(), timeout=120)
+    said = err.decode()
+    assert chat.returncode == 0, said
+    assert out.decode().strip() == reference(served.models["reciter"], 32), said
+    assert re.search(r"tok/s, \d+% of guesses kept,\s+finish: length", said), said
