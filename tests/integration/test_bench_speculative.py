@@ -85,10 +85,10 @@ def test_sigterm_stops_the_bench_and_the_agents_it_started(tmp_path: Path) -> No
         stderr=subprocess.PIPE,
         text=True,
     )
+    agents: list[psutil.Process] = []
     try:
         me = psutil.Process(bench.pid)
         deadline = time.monotonic() + 120
-        agents: list[psutil.Process] = []
         while time.monotonic() < deadline and len(agents) < 2:
             agents = [c for c in me.children() if "worker" in " ".join(c.cmdline())]
             time.sleep(0.2)
@@ -100,8 +100,10 @@ def test_sigterm_stops_the_bench_and_the_agents_it_started(tmp_path: Path) -> No
         _, alive = psutil.wait_procs(agents, timeout=10)
         assert alive == [], [a.pid for a in alive]
     finally:
+        # Only what this test started: the bench, and the agents it started.
         if bench.poll() is None:
             bench.kill()
             bench.wait()
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
+        for agent in agents:
+            if agent.is_running():
+                agent.kill()
