@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -538,6 +539,30 @@ def test_a_request_joining_a_batch_drops_the_step_computed_ahead(
     head = ring.stages[0].stats
     assert head.batched > 0 and head.dropped_verify_ahead > 0
     assert ring.held() == [0] * stages
+
+
+def test_a_step_ahead_that_fails_to_start_costs_nothing_but_itself(
+    models: Callable[..., Path],
+) -> None:
+    """The head's layers raise on every step it computes ahead (an out-of-memory, say):
+    the step is only a guess, so the answer goes on as without it, mlx-lm's."""
+    model = models("llama")
+    expected = reference(model, n=40)
+    ring = Ring(model, SPLITS[2], draft_tokens=K)
+    head = ring.stages[0]
+    forward = head.shard.forward
+    failed = []
+
+    def fails_ahead(h: mx.array, cache: Any) -> mx.array:
+        if any("_verify_ahead" in str(frame) for frame in traceback.extract_stack()):
+            failed.append(h.shape)
+            raise MemoryError("no memory for the step ahead")
+        return forward(h, cache)
+
+    head.shard.forward = fails_ahead  # type: ignore[method-assign,assignment]
+    assert ring.answer({**GREEDY, "max_tokens": 40}, prediction=expected) == expected
+    assert failed and head.stats.verified_ahead == 0
+    assert ring.held() == [0, 0]
 
 
 def test_a_lone_stage_computes_nothing_ahead_and_a_miss_sends_none(
