@@ -194,7 +194,7 @@ class StageBase:
         # (the frame's first token is always kept); a frame below the cache's offset,
         # and not below this, cuts the cache back to it.
         self.rewind_floor: dict[str, int] = {}
-        # (head) A draft model's next verify step, computed on this stage while the one
+        # (head) A request's next verify step, computed on this stage while the one
         # before is round the ring, on the guess that all of that one's guesses are kept
         # (`Verify._verify_ahead`), with the token it starts with. Only a pipeline's head
         # that is not its tail: a tensor group's ranks compute in step, a lone stage has
@@ -211,6 +211,13 @@ class StageBase:
         self.lane_launched: dict[str, tuple[int, float]] = {}
         self._grammar_tokenizer: Any = None  # llguidance's, built on the first schema
         self.warmed: dict[str, float] = {}  # the warm-up's pieces and their ms (`warm_up`)
+
+    def _cut_back(self, cache: LayerCaches, offset: int) -> None:
+        """Cut a request's caches back to the first `offset` tokens (mlx-lm's trim)."""
+        have = self.shard.cache_offset(cache)
+        if have > offset:
+            speculation.rewind(cache, have - offset)
+        cache.offset = offset
 
     def held(self) -> int:
         """Requests whose KV cache this stage holds, alone or as a row of a batch."""

@@ -304,8 +304,7 @@ class Steps(StageBase):
                     f"shard is at {have}"
                 )
             # The guesses past this offset were rejected: cut them out of the cache.
-            speculation.rewind(cache, have - header.offset)
-            cache.offset = header.offset
+            self._cut_back(cache, header.offset)
         return cache
 
     def _tail(self, header: RingHeader) -> TailRequest:

@@ -177,10 +177,16 @@ class Verify(StageBase):
         else:
             return
         if after is not None:
-            self._verify_ahead(rid, req, spec, *after)
+            self._verify_ahead(rid, req, spec, k, *after)
 
     def _verify_ahead(
-        self, rid: str, req: HeadRequest, spec: Speculation, first: int, guesses: list[int]
+        self,
+        rid: str,
+        req: HeadRequest,
+        spec: Speculation,
+        k: int,
+        first: int,
+        guesses: list[int],
     ) -> None:
         """(head) Start this stage's layers on the verify step after the one just sent,
         as guessed: every guess kept, the big model's token `first`, then `guesses`. The
@@ -206,13 +212,9 @@ class Verify(StageBase):
             return
         generated = req.generated + len(spec.in_flight) + 1
         offset = len(req.prompt) + generated - 1  # the next step's, past the sent one's
-        # Its guesses as `_budget` will allow them once every guess is kept: K doubles
-        # (`Speculation.record`), within the answer's and the context's room.
-        room = min(
-            req.params.max_tokens - generated - 1,
-            self.context_tokens - offset - 1,
-            min(spec.k_max, spec.k * 2),
-        )
+        # Its guesses as `_budget` will allow them once every guess is kept: K grown to
+        # `k` (`Speculation.record`), within the answer's and the context's room.
+        room = min(req.params.max_tokens - generated - 1, self.context_tokens - offset - 1, k)
         drafts = guesses[: max(0, room)]
         if not drafts or self.shard.cache_offset(cache) != offset:
             return
@@ -222,9 +224,7 @@ class Verify(StageBase):
         except Exception:
             # Only a guess: the step the tokens call for is launched as usual, from the
             # sent step's end (the caches put back there if this one advanced them).
-            if self.shard.cache_offset(cache) > offset:
-                speculation.rewind(cache, self.shard.cache_offset(cache) - offset)
-            cache.offset = offset
+            self._cut_back(cache, offset)
             self.rewind_floor[rid] = floor
             return
         # A miss cuts back from the sent step's offset, past this step too.
@@ -238,11 +238,7 @@ class Verify(StageBase):
         cache = self.caches.get(rid)
         if ahead is None or cache is None:
             return
-        offset = ahead[0].header.offset
-        have = self.shard.cache_offset(cache)
-        if have > offset:
-            speculation.rewind(cache, have - offset)
-            cache.offset = offset
+        self._cut_back(cache, ahead[0].header.offset)
         self.stats.dropped_verify_ahead += 1
 
     # ---- batched verify steps ----------------------------------------------------------
