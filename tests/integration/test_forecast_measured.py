@@ -5,31 +5,34 @@
 slice), the links between the nodes and the group's small all-reduce. The forecast is
 then priced from that run's figures and set beside what the same run measured.
 
-This compares two measurements of the same machine in the same run, so a load that
-comes and goes weighs on both, though not always alike; a run outside the bound is
-measured once more (benchmark and forecast anew) before it fails: a burst of other work
-can fall on one of the two timings only, but a forecast that is wrong is wrong twice.
-Each shape must land within QUIET_BOUND, 1.5×, of what the run measured when nothing
-else kept the host busy, and within BOUND, 2×, when something did (before the forecast
-used a benchmark's figures it was 2.4× to 7× high). 1.5× failed beside other
-benchmarks (the pipeline once at 2.93×, its stream timed in a burst); docs/forecast.md
-gives the ratios measured, with the load.
+Each shape must land within GOAL, 25 %, of what the run measured, unless the host's
+own speed moved more than that during the run. That is measured in the same run
+(tests/support/host_speed.py): one fixed decode step timed on each CPU right after each
+node's device figures and before and after each placement's streams. On the virtual
+machines this runs on, the same step pinned to one CPU takes ~6 ms for some seconds and
+~10 ms for the next, so device figures taken at one moment and streams timed at another
+can differ by that much whatever the forecast does; then the bound is the step's own
+slowest over its fastest time in the run, never past QUIET_BOUND, 1.5x, on a host
+nothing else kept busy and BOUND, 2x, on one something did (before the forecast used a
+benchmark's figures it was 2.4x to 12x high). A run outside its bound is measured once
+more (benchmark and forecast anew) before it fails: a burst can fall on one of the two
+timings only, but a forecast that is wrong is wrong twice.
 
 One exception, measured rather than assumed: a tensor group's two ranks on this one
 host busy-poll the ring at every all-reduce, so when other programs keep the host's
 cores busy (the test counts the CPU time spent outside the cluster's own processes
 during the run) a rank waits for the scheduler as well as for its peer, and the group
 decodes several times slower than any figure of a quiet moment forecasts (8-42 tok/s
-against 56-78 not starved). Then the tensor group's forecast
-is held to the bound on the low side only (never too pessimistic); the pipeline and the
-MoE are held to it on both. Run with -s, it prints each ratio and the outside load."""
+against 56-78 not starved). Then the tensor group's forecast is held to the bound on
+the low side only (never too pessimistic); the pipeline and the MoE are held to it on
+both. Run with -s, it prints each ratio, the host's own spread and the outside load."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -37,10 +40,11 @@ import pytest
 
 from studiotui.cluster.benchmark import Benchmark
 from studiotui.core import benchmark as bm
-from studiotui.core.benchmark import Sizes
+from studiotui.core.benchmark import Sizes, Step
 from studiotui.core.forecast import describe, forecast, links_from_state
 from studiotui.core.placement import Plan
 from tests.support.cluster_fixture import LocalCluster, cluster_fixture
+from tests.support.host_speed import HostSpeed
 from worker.shared.demo_model import DemoSpec, write_demo_model
 
 BASE, PORT = 101, 59860
@@ -55,9 +59,12 @@ SIZES = Sizes(
     stream_tokens=64,
     prompt_tokens=16,
 )
+# Within 25 % of what the benchmark measured, unless the host's own speed moved more
+# during the run (then that much: see `allowed`) ...
+GOAL = 1.25
+# ... and never past 2x when other programs kept the host busy, ...
 BOUND = 2.0
-# ... and on a host that nothing else kept busy during the run (docs/forecast.md: 0.92
-# to 1.38 in such runs).
+# ... nor past 1.5x when nothing did (docs/forecast.md: 0.76 to 1.44 in such runs).
 QUIET_BOUND = 1.5
 # Cores' worth of CPU time that programs outside the cluster used during the run, above
 # which the host counts as busy (see the module's docstring).
@@ -81,7 +88,7 @@ def test_the_forecast_after_a_benchmark_lands_near_what_it_measures(
         "moe": (moe, [a, b], 1),
     }
 
-    async def go(first: bool) -> dict[str, tuple[float, float, str]]:  # forecast, measured
+    async def go(first: bool, host: HostSpeed) -> dict[str, tuple[float, float, str]]:
         ctl = four.controller()
         plans: dict[str, Plan] = {}
         try:
@@ -96,7 +103,9 @@ def test_the_forecast_after_a_benchmark_lands_near_what_it_measures(
                 result = await ctl.place(model, nodes, name, streams=1, tensor=tensor)
                 plans[name] = result.plan
             try:
-                run = await Benchmark(ctl, None, SIZES, placements=list(shapes)).run()
+                run = await Benchmark(
+                    ctl, None, SIZES, on_step=host_at(host), placements=list(shapes)
+                ).run()
             finally:
                 for name in shapes:
                     await ctl.unload(name)
@@ -133,34 +142,72 @@ def test_the_forecast_after_a_benchmark_lands_near_what_it_measures(
         finally:
             await ctl.close()
 
-    def off(found: dict[str, tuple[float, float, str]], busy: bool) -> list[str]:
-        bound = BOUND if busy else QUIET_BOUND
+    def off(found: dict[str, tuple[float, float, str]], busy: bool, spread: float) -> list[str]:
+        bound = allowed(spread, busy)
         return [
             f"{name}: forecast {guessed:.1f} tok/s, measured {measured:.1f} "
-            f"({guessed / measured:.2f}x)"
+            f"({guessed / measured:.2f}x, allowed {bound:.2f}x)"
             for name, (guessed, measured, _) in found.items()
             if guessed / measured < 1 / bound
             or (guessed / measured > bound and not (busy and name == "tp"))
         ]
 
-    def measured(first: bool) -> tuple[dict[str, tuple[float, float, str]], bool]:
-        """The run's figures, and whether other programs kept the host busy meanwhile."""
+    def measured(first: bool) -> tuple[dict[str, tuple[float, float, str]], bool, float]:
+        """The run's figures, whether other programs kept the host busy meanwhile, and
+        how far the host's own speed moved during the run."""
         began, ours = time.monotonic(), _cluster_cpu_s(four)
         busy = _busy_cpu_s()
-        found = asyncio.run(go(first))
+        with HostSpeed() as host:
+            found = asyncio.run(go(first, host))
         wall = time.monotonic() - began
-        outside = (_busy_cpu_s() - busy - (_cluster_cpu_s(four) - ours)) / wall
-        print(f"outside the cluster: {outside:.2f} cores busy, load {os.getloadavg()}")
-        return found, outside > BUSY_CORES
+        outside = (_busy_cpu_s() - busy - (_cluster_cpu_s(four) - ours) - host.cpu_s) / wall
+        print(
+            f"outside the cluster: {outside:.2f} cores busy, load {os.getloadavg()}; the host's "
+            f"own step {host.spread():.2f}x slower at its slowest than at its fastest "
+            f"({', '.join(f'{t * 1e3:.1f}' for t in host.samples)} ms)"
+        )
+        return found, outside > BUSY_CORES, host.spread()
 
-    found, busy = measured(True)
-    if off(found, busy):
-        print("outside the bound, measured again:", off(found, busy))
-        found, busy = measured(False)
+    found, busy, spread = measured(True)
+    if off(found, busy, spread):
+        print("outside the bound, measured again:", off(found, busy, spread))
+        found, busy, spread = measured(False)
     for name, (guessed, measured_tps, said) in found.items():
-        print(f"forecast {name}: {guessed:.1f} vs measured {measured_tps:.1f} tok/s")
+        print(
+            f"forecast {name}: {guessed:.1f} vs measured {measured_tps:.1f} tok/s "
+            f"({guessed / measured_tps:.2f}x; the host's own speed moved {spread:.2f}x)"
+        )
         assert "last measured" in said and "not measured" not in said
-    assert not off(found, busy), off(found, busy)
+    assert not off(found, busy, spread), off(found, busy, spread)
+
+
+def allowed(spread: float, busy: bool) -> float:
+    """How far (as a ratio either way) the forecast may land from what the run measured:
+    GOAL, or what the host's own speed moved during the run when that is more (no
+    forecast can be closer than the machine is to itself), never past the cap."""
+    return min(max(GOAL, spread), BOUND if busy else QUIET_BOUND)
+
+
+def test_the_bound_is_the_goal_unless_the_host_itself_moved_more() -> None:
+    assert allowed(1.05, busy=False) == GOAL
+    assert allowed(1.4, busy=False) == 1.4
+    assert allowed(2.2, busy=False) == QUIET_BOUND
+    assert allowed(2.2, busy=True) == BOUND
+
+
+def host_at(host: HostSpeed) -> Callable[[Step], None]:
+    """A benchmark's step listener that samples the host's speed right after each
+    node's device figures and before and after each placement's streams (the run
+    waits meanwhile: nothing of the cluster's runs beside a sample)."""
+
+    def on_step(step: Step) -> None:
+        what = step.label.partition(": ")[2]
+        if (what == "device" and step.state == "done") or (
+            what.endswith("stream") and step.state in ("running", "done")
+        ):
+            host.sample()
+
+    return on_step
 
 
 def _busy_cpu_s() -> float:
