@@ -13,10 +13,9 @@ machines this runs on, the same step pinned to one CPU takes ~6 ms for some seco
 ~10 ms for the next, so device figures taken at one moment and streams timed at another
 can differ by that much whatever the forecast does; then the bound is the step's own
 slowest over its fastest time in the run, never past QUIET_BOUND, 1.5x, on a host
-nothing else kept busy and BOUND, 2x, on one something did (before the forecast used a
-benchmark's figures it was 2.4x to 12x high). A run outside its bound is measured once
-more (benchmark and forecast anew) before it fails: a burst can fall on one of the two
-timings only, but a forecast that is wrong is wrong twice.
+nothing else kept busy and BOUND, 2x, on one something did. A run outside its bound is
+measured once more (benchmark and forecast anew) before it fails: a burst can fall on
+one of the two timings only, but a forecast that is wrong is wrong twice.
 
 One exception, measured rather than assumed: a tensor group's two ranks on this one
 host busy-poll the ring at every all-reduce, so when other programs keep the host's
