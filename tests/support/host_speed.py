@@ -21,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from types import TracebackType
 
 import psutil
@@ -92,15 +91,13 @@ def main(cpu: int) -> int:
 
     from worker import device_bench
 
-    model = device_bench._decode_model("llama", 5, None, mx.float32)
+    # The deeper of the two models the device figures time a dense layer with.
+    depth = device_bench.DECODE_LAYERS[-1]
+    model = device_bench._decode_model("llama", depth, None, mx.float32)
     print(READY, flush=True)
     for _ in sys.stdin:
         step = device_bench._decoder(model)  # a fresh cache: every sample the same work
-        times = []
-        for _ in range(STEPS):
-            began = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - began)
+        times = [device_bench._time_one(step) for _ in range(STEPS)]
         print(statistics.median(times), flush=True)
     return 0
 
